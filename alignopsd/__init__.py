@@ -1,0 +1,61 @@
+"""AlignOPSD: the method as pure tensor functions (no models, no I/O).
+
+Public names follow the project's API card; they are imported lazily so that importing
+``alignopsd`` stays cheap and the engine can import one piece without the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # outcome advantage
+    "grpo_advantage": "advantage",
+    "invalid_action_residual": "advantage",
+    # mechanism 1
+    "eligibility": "rectify",
+    "select_sources": "rectify",
+    "action_filter": "rectify",
+    "rectify": "rectify",
+    "Rectified": "rectify",
+    # mechanism 2
+    "correspondence_profiles": "credit",
+    "boundary_scores": "credit",
+    "segmentation_threshold": "credit",
+    "segment": "credit",
+    "segment_random": "credit",
+    "project_to_box": "credit",
+    "allocate_credit": "credit",
+    "Credit": "credit",
+    "CreditConfig": "credit",
+    "Segmentation": "credit",
+    # losses
+    "ppo_loss": "losses",
+    "low_var_kl": "losses",
+    # canonical turns
+    "canonicalize": "canonical",
+    "Canonical": "canonical",
+    # estimators and configuration
+    "ESTIMATORS": "estimators",
+    "get_estimator": "estimators",
+    "register_estimator": "estimators",
+    "EstimatorName": "estimators",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'alignopsd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"alignopsd.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,81 @@
+"""Input validation shared by the algorithm core.
+
+Every check raises ``ValueError`` that names the argument and what is wrong with it.
+Legend: M = canonical turns, L = response length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def as_tensor(x, name: str, *, dtype: torch.dtype | None = None, device=None) -> Tensor:
+    """Convert ``x`` to a tensor, naming ``name`` if that is impossible."""
+    try:
+        t = torch.as_tensor(x, device=device)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"{name}: cannot be converted to a tensor ({exc})") from exc
+    if dtype is not None:
+        t = t.to(dtype)
+    return t
+
+
+def check_ndim(t: Tensor, name: str, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D tensor, got shape {tuple(t.shape)}")
+
+
+def check_shape(t: Tensor, name: str, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_finite(t: Tensor, name: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{name}: contains {bad} non-finite value(s) (NaN or inf)")
+
+
+def check_ids(task, rollout, turn=None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validate identity tensors: 1-D integer tensors of equal length M."""
+    task_t = as_tensor(task, "task")
+    rollout_t = as_tensor(rollout, "rollout")
+    check_ndim(task_t, "task", 1)
+    check_ndim(rollout_t, "rollout", 1)
+    for name, t in (("task", task_t), ("rollout", rollout_t)):
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{name}: expected an integer tensor, got {t.dtype}")
+    if rollout_t.shape != task_t.shape:
+        raise ValueError(f"rollout: expected shape {tuple(task_t.shape)} like task, got {tuple(rollout_t.shape)}")
+    turn_t = None
+    if turn is not None:
+        turn_t = as_tensor(turn, "turn")
+        check_ndim(turn_t, "turn", 1)
+        if turn_t.is_floating_point() or turn_t.dtype == torch.bool:
+            raise ValueError(f"turn: expected an integer tensor, got {turn_t.dtype}")
+        if turn_t.shape != task_t.shape:
+            raise ValueError(f"turn: expected shape {tuple(task_t.shape)} like task, got {tuple(turn_t.shape)}")
+    return task_t.long(), rollout_t.long(), (turn_t.long() if turn_t is not None else None)
+
+
+def check_real(x, name: str, *, lo: float | None = None, hi: float | None = None) -> float:
+    """A real number (not bool, not str, finite) optionally inside [lo, hi]."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
+    v = float(x)
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name}: must be <= {hi}, got {v}")
+    return v
+
+
+def check_choice(x: str, name: str, allowed) -> str:
+    if x not in allowed:
+        raise ValueError(f"{name}: unknown value {x!r}; allowed: {', '.join(map(repr, allowed))}")
+    return x

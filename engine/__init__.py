@@ -1,0 +1,1 @@
+"""The engine: environments, rollouts, generation and policy backends, rescoring, trainer, CLI."""

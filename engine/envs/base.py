@@ -1,0 +1,46 @@
+"""The environment protocol.
+
+An environment instance plays one episode of one task at a time. The batched
+``EnvManager`` (engine/envs/manager.py) runs many of them in worker processes, G sibling
+episodes per task, and turns raw model responses into actions (ALGORITHM.md §1.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task instance. Siblings of a group share the same TaskSpec."""
+
+    key: str  # unique, human-readable name (e.g. the game file's stem)
+    env: str  # "alfworld" | "webshop" | "search" | test environments
+    category: str  # task type (ALFWorld: pick/look/clean/heat/cool/pick2; Search: data source; ...)
+    data_source: str = "text"  # ALGORITHM.md §1.1: "text" for ALFWorld/WebShop, nq/hotpotqa/... for Search
+    gamefile: str | None = None  # ALFWorld only
+    payload: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # env-specific data
+
+
+@dataclass
+class StepResult:
+    observation: str  # raw environment text after the action
+    reward: float
+    done: bool
+    info: dict[str, Any]  # won, admissible_actions, task_score, ...
+
+
+class Environment(Protocol):
+    """One episode at a time. Implementations must be picklable-constructible in a worker."""
+
+    name: str
+    max_steps: int
+
+    def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
+        """Start an episode; returns (initial observation, info)."""
+        ...
+
+    def step(self, action: str) -> StepResult:
+        """Apply an already-parsed action string."""
+        ...

@@ -1,0 +1,45 @@
+"""The generation-backend interface shared by the Hugging Face and vLLM backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one generate call."""
+
+    max_new_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    do_sample: bool = True
+    stop: tuple[str, ...] = ()  # stop strings (e.g. "</action>"); the stop string is kept in the output
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0 and self.do_sample:
+            raise ValueError(f"temperature: must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationOutput:
+    """Per prompt: generated token ids (no padding), text, per-token log-probs, why it stopped."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    logprobs: list[list[float]]
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
+
+
+class GenerationBackend(Protocol):
+    """Generates from token-id prompts; receives the trainer's weights after each update."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput: ...
+
+    def load_weights(self, state_dict) -> None: ...

@@ -1,0 +1,1 @@
+"""alignopsd.engine.policy"""

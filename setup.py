@@ -1,0 +1,67 @@
+"""Build script for the ``alignopsd`` distribution.
+
+Maps the design card's folders to import names (``kernels/`` -> ``alignopsd.kernels``,
+``engine/`` -> ``alignopsd.engine``) and builds ``csrc/`` into ``alignopsd._C`` with
+pybind11. When no C++ compiler is usable the extension is skipped and the package falls
+back to its Python paths (it says so once at import).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension
+
+    ext_modules = [
+        Pybind11Extension(
+            "alignopsd._C",
+            sorted(["csrc/alignopsd_C.cpp"]),
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ]
+except ImportError:  # pybind11 missing: pure-Python install
+    ext_modules = []
+
+
+class OptionalBuildExt(build_ext):
+    """Build the C++ extension, but never fail the install because of it."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001
+            print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
+
+
+setup(
+    packages=[
+        "alignopsd",
+        "alignopsd.kernels",
+        "alignopsd.engine",
+        "alignopsd.engine.envs",
+        "alignopsd.engine.policy",
+        "alignopsd.engine.generation",
+    ],
+    package_dir={
+        "alignopsd": "alignopsd",
+        "alignopsd.kernels": "kernels",
+        "alignopsd.engine": "engine",
+        "alignopsd.engine.envs": "engine/envs",
+        "alignopsd.engine.policy": "engine/policy",
+        "alignopsd.engine.generation": "engine/generation",
+    },
+    package_data={"alignopsd.engine.envs": ["skills/*/*.md", "skills/*/*.json", "data/*"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": OptionalBuildExt},
+)
