@@ -1,0 +1,119 @@
+"""Environment registry: name -> environment factory, task source and prompt builder.
+
+Entries are ``"module:attribute"`` strings, imported lazily, so a worker process started with the
+``spawn`` context resolves the same name without the parent's runtime state. To add an environment,
+add one :class:`EnvEntry` to ``_BUILTIN`` (or call :func:`register_env` for code that only runs in
+the parent; worker processes then still need the factory importable by its path).
+
+* ``factory(**env_kwargs) -> Environment`` builds one environment instance (inside a worker).
+* ``tasks(split, n, seed, **kw) -> list[TaskSpec]`` returns ``n`` tasks of ``split``, seeded
+  (``n=None`` or ``n <= 0``: the whole split).
+* ``prompt(**kw) -> PromptBuilder`` builds the student prompt builder (kw: ``history_length``).
+* ``action_tags``: tag types the manager accepts as actions (``("action",)``; Search:
+  ``("search", "answer")``). With more than one tag type, the manager hands the environment the
+  action wrapped in its tag (``<search>q</search>``) so the environment knows which it was.
+* ``lowercase_actions``: the manager lower-cases the parsed action before stepping (ALFWorld).
+* ``admissible_check``: actions not in ``info["admissible_actions"]`` are invalid (ALFWorld, toy).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    name: str
+    factory: str  # "module:attr" -> callable(**env_kwargs) -> Environment
+    tasks: str  # "module:attr" -> callable(split, n, seed, **kw) -> list[TaskSpec]
+    prompt: str  # "module:attr" -> callable(**kw) -> PromptBuilder
+    action_tags: tuple[str, ...] = ("action",)
+    lowercase_actions: bool = False
+    admissible_check: bool = True
+    history_length: int = 2
+
+
+_PKG = "alignopsd.engine.envs"
+
+_BUILTIN: dict[str, EnvEntry] = {
+    "alfworld": EnvEntry(
+        "alfworld",
+        f"{_PKG}.alfworld_env:AlfWorldEnv",
+        f"{_PKG}.alfworld_env:load_tasks",
+        f"{_PKG}.prompts:alfworld_prompt",
+        lowercase_actions=True,
+    ),
+    "codeword": EnvEntry(
+        "codeword",
+        f"{_PKG}.toy:CodewordEnv",
+        f"{_PKG}.toy:load_tasks",
+        f"{_PKG}.prompts:codeword_prompt",
+        lowercase_actions=True,
+        history_length=4,
+    ),
+    # Test environment with injected faults (raise / hang / die at a given step); tasks via toy.faulty_tasks.
+    "codeword_faulty": EnvEntry(
+        "codeword_faulty",
+        f"{_PKG}.toy:FaultyCodewordEnv",
+        f"{_PKG}.toy:load_tasks",
+        f"{_PKG}.prompts:codeword_prompt",
+        lowercase_actions=True,
+        history_length=4,
+    ),
+}
+
+_RUNTIME: dict[str, EnvEntry] = {}
+
+
+def register_env(entry: EnvEntry, *, replace: bool = False) -> None:
+    """Register an environment at runtime (refuses duplicates unless ``replace``)."""
+    if not isinstance(entry, EnvEntry):
+        raise ValueError(f"entry: expected EnvEntry, got {type(entry).__name__}")
+    if not replace and (entry.name in _BUILTIN or entry.name in _RUNTIME):
+        raise ValueError(f"entry: environment {entry.name!r} is already registered")
+    _RUNTIME[entry.name] = entry
+
+
+def env_names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_RUNTIME))
+
+
+def get_entry(name: str) -> EnvEntry:
+    if not isinstance(name, str):
+        raise ValueError(f"env_name: expected str, got {type(name).__name__}")
+    if name in _RUNTIME:
+        return _RUNTIME[name]
+    if name in _BUILTIN:
+        return _BUILTIN[name]
+    raise ValueError(f"env_name: unknown environment {name!r}; known: {env_names()}")
+
+
+def resolve(path: str) -> Callable[..., Any]:
+    """Import ``"module:attr"`` and return the attribute."""
+    if not isinstance(path, str) or ":" not in path:
+        raise ValueError(f"path: expected 'module:attr', got {path!r}")
+    mod, attr = path.split(":", 1)
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def make_env(name_or_factory: str, **env_kwargs: Any):
+    """Build one environment from a registered name or a ``"module:attr"`` factory path."""
+    path = name_or_factory if ":" in name_or_factory else get_entry(name_or_factory).factory
+    return resolve(path)(**env_kwargs)
+
+
+def load_tasks(env_name: str, split: str = "train", n: int | None = None, seed: int = 0, **kw: Any) -> list:
+    """Task source of a registered environment: ``n`` seeded tasks of ``split``."""
+    return resolve(get_entry(env_name).tasks)(split, n, seed, **kw)
+
+
+def make_prompt(env_name: str, history_length: int | None = None):
+    entry = get_entry(env_name)
+    hl = entry.history_length if history_length is None else history_length
+    return resolve(entry.prompt)(history_length=hl)
