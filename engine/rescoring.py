@@ -1,0 +1,489 @@
+"""The rescoring engine: student old log-probs, diagonal and cross teacher log-probs of a turn batch.
+
+Legend: M = turns, P = cross pairs, R = scored rows, S = distinct prompts, Lp = padded student-prompt length,
+Lt = padded teacher-prompt length (both left-padded), L = padded response length (right-padded),
+D = hidden size, H = key/value heads, Dh = head dim.
+
+What is scored (ALGORITHM.md §2.6):
+- student row t: ``[student prompt of t | response of t]`` -> ``old_logp[t]``;
+- diagonal row t: ``[teacher prompt of t | response of t]`` -> ``diag[t]``;
+- cross pair (s, t): ``[teacher prompt of s | response of t]`` -> ``cross[p]`` (scored tokens: t's response).
+Every result is [rows, L] fp32, the log-prob of each response token under logits / temperature, 0 on
+masked-out positions, computed with the fused log-prob head on response positions only.
+
+Two modes:
+- ``plain`` (the reference): every row is its own ``[prompt | response]`` forward.
+- ``shared_prefix`` (default): rows are grouped by prompt. Identical prompts are merged (sibling episodes
+  share their first observation, so their turn-0 prompts coincide), each distinct prompt is pushed through
+  the model once, in left-padded batches, and its key/value cache is kept; every response scored under that
+  prompt (the diagonal of its turn and every cross pair whose source it is) is then pushed alone, attached
+  to a copy of the cache gathered per row, with the attention mask ``[prompt mask | response mask]`` and
+  position ids continuing from the prompt's length. The log-prob of response token 0 comes from the prompt's
+  last hidden state, so the prompt forward also serves the first token. Results equal the plain mode up to
+  floating-point reassociation (tested at max |delta| <= 1e-5 in fp32).
+Both modes never push a response's last token (it predicts nothing that is scored) and trim all-padding
+columns per forward. Forwards are sized by ``max_tokens`` (tokens of context per forward: rows x (prompt
++ response) for a row forward, prompts x prompt length for a prompt forward), which bounds peak memory.
+
+Counts reported in ``stats``: ``prompt_tokens`` / ``response_tokens`` pushed through the model (padded
+positions included: that is what costs FLOPs), their sum ``token_forwards``, and ``forwards``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from alignopsd.engine.batch import TurnBatch, position_ids
+from alignopsd.engine.policy.hf import output_head, score_rows, token_logprobs, transformer_body
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+RESCORING_MODES = ("shared_prefix", "plain")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _as_pairs(pairs, m: int) -> Tensor:
+    """[P, 2] long (source, target) pairs, validated against M turns."""
+    if pairs is None:
+        return torch.zeros(0, 2, dtype=torch.long)
+    t = torch.as_tensor(pairs, dtype=torch.long) if not isinstance(pairs, Tensor) else pairs.long()
+    if t.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.long, device=t.device)
+    if t.dim() != 2 or t.shape[1] != 2:
+        raise ValueError(f"pairs: expected [P, 2] (source, target), got shape {tuple(t.shape)}")
+    if bool((t < 0).any()) or bool((t >= m).any()):
+        raise ValueError(f"pairs: indices must be in [0, {m}), got min {int(t.min())} max {int(t.max())}")
+    return t
+
+
+def build_cross_inputs(
+    prompt_ids_ML: Tensor,
+    prompt_mask_ML: Tensor,
+    response_ids_ML: Tensor,
+    response_mask_ML: Tensor,
+    pairs_P2,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross teacher-forcing inputs (ALGORITHM.md §2.6, §6 case 11).
+
+    prompt_ids_ML/prompt_mask_ML: [M, Lt] teacher prompts (left-padded); response_ids_ML/response_mask_ML:
+    [M, L] sampled responses (right-padded); pairs_P2: [P, 2] (source, target).
+    Returns (input_ids [P, Lt + L] = [teacher prompt of source | response of target], attention_mask
+    [P, Lt + L], position_ids [P, Lt + L] recomputed from the combined mask).
+    """
+    m = int(prompt_ids_ML.shape[0])
+    if prompt_ids_ML.shape != prompt_mask_ML.shape:
+        raise ValueError("prompt_mask_ML: shape differs from prompt_ids_ML")
+    if response_ids_ML.shape != response_mask_ML.shape:
+        raise ValueError("response_mask_ML: shape differs from response_ids_ML")
+    if int(response_ids_ML.shape[0]) != m:
+        raise ValueError(f"response_ids_ML: expected {m} rows like prompt_ids_ML, got {response_ids_ML.shape[0]}")
+    pairs = _as_pairs(pairs_P2, m).to(prompt_ids_ML.device)
+    src, tgt = pairs[:, 0], pairs[:, 1]
+    ids = torch.cat([prompt_ids_ML[src], response_ids_ML[tgt]], dim=1)
+    mask = torch.cat([prompt_mask_ML[src].long(), response_mask_ML[tgt].long()], dim=1)
+    return ids, mask, position_ids(mask)
+
+
+def _unique_prompts(prompt_ids_SL: Tensor, prompt_mask_SL: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge identical prompts (same attended tokens). Returns (representative index [U], inverse map [S])."""
+    keys: dict[tuple, int] = {}
+    rep: list[int] = []
+    inv: list[int] = []
+    ids = prompt_ids_SL.tolist()
+    mask = prompt_mask_SL.bool().tolist()
+    for i, (row, mk) in enumerate(zip(ids, mask)):
+        key = tuple(tok for tok, keep in zip(row, mk) if keep)
+        j = keys.get(key)
+        if j is None:
+            j = len(rep)
+            keys[key] = j
+            rep.append(i)
+        inv.append(j)
+    dev = prompt_ids_SL.device
+    return torch.tensor(rep, dtype=torch.long, device=dev), torch.tensor(inv, dtype=torch.long, device=dev)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the two scorers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _new_stats() -> dict:
+    return {"prompt_tokens": 0, "response_tokens": 0, "token_forwards": 0, "forwards": 0, "rows": 0}
+
+
+def _trim_left(mask: Tensor) -> int:
+    """First column attended by some row (left-padded masks)."""
+    cols = mask.bool().any(0).nonzero()
+    return int(cols.min()) if cols.numel() else int(mask.shape[1])
+
+
+def _used_right(mask: Tensor) -> int:
+    """Number of leading columns attended by some row (right-padded masks)."""
+    cols = mask.bool().any(0).nonzero()
+    return int(cols.max()) + 1 if cols.numel() else 0
+
+
+def score_plain(
+    model: nn.Module,
+    prompt_ids_SP: Tensor,
+    prompt_mask_SP: Tensor,
+    row_prompt_R: Tensor,
+    response_ids_RL: Tensor,
+    response_mask_RL: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    max_tokens: int = 16384,
+    impl: str = "auto",
+    stats: dict | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Reference scorer: row r is the forward of ``[prompt row_prompt_R[r] | response r]``.
+
+    prompt_ids_SP/prompt_mask_SP: [S, Lp] left-padded prompts; row_prompt_R: [R] prompt index of each row;
+    response_ids_RL/response_mask_RL: [R, L]. Returns ([R, L] fp32 log-probs, [R, L] entropy or None).
+    Rows are taken in order, as many per forward as fit in ``max_tokens``.
+    """
+    stats = _new_stats() if stats is None else stats
+    r, lr = response_ids_RL.shape
+    out = torch.zeros(r, lr, dtype=torch.float32, device=response_ids_RL.device)
+    ent = torch.zeros_like(out) if with_entropy else None
+    i = 0
+    while i < r:
+        j = i + 1
+        while j < r:
+            sub_p = prompt_mask_SP[row_prompt_R[i : j + 1]]
+            width = (sub_p.shape[1] - _trim_left(sub_p)) + _used_right(response_mask_RL[i : j + 1])
+            if (j + 1 - i) * width > max_tokens:
+                break
+            j += 1
+        src = row_prompt_R[i:j]
+        lp, en, pushed = score_rows(
+            model,
+            prompt_ids_SP[src],
+            prompt_mask_SP[src],
+            response_ids_RL[i:j],
+            response_mask_RL[i:j],
+            temperature=temperature,
+            with_entropy=with_entropy,
+            impl=impl,
+        )
+        out[i:j] = lp
+        if with_entropy:
+            ent[i:j] = en
+        p_cols = prompt_mask_SP.shape[1] - _trim_left(prompt_mask_SP[src])
+        stats["prompt_tokens"] += (j - i) * p_cols
+        stats["response_tokens"] += pushed - (j - i) * p_cols
+        stats["token_forwards"] += pushed
+        stats["forwards"] += 1 if pushed else 0
+        stats["rows"] += j - i
+        i = j
+    return out, ent
+
+
+def _cache_rows(cache, index: Tensor):
+    """A DynamicCache whose row r holds the keys/values of prompt ``index[r]`` (a gathered copy)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    layers = []
+    for entry in cache:
+        k, v = entry[0], entry[1]
+        layers.append((k.index_select(0, index), v.index_select(0, index)))
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def score_shared_prefix(
+    model: nn.Module,
+    prompt_ids_SP: Tensor,
+    prompt_mask_SP: Tensor,
+    row_prompt_R: Tensor,
+    response_ids_RL: Tensor,
+    response_mask_RL: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    max_tokens: int = 16384,
+    impl: str = "auto",
+    dedupe: bool = True,
+    stats: dict | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Shared-prefix scorer: same contract and results as ``score_plain``, each distinct prompt forwarded once.
+
+    Prompts are grouped (as many per prompt forward as fit in ``max_tokens``); for each group the prompt
+    forward keeps the key/value cache [g, H, lt, Dh] per layer and the last hidden state [g, D]; then the
+    group's rows go through response forwards of at most ``max_tokens`` context tokens each, every row
+    attached to its prompt's cache.
+    """
+    stats = _new_stats() if stats is None else stats
+    r, lr = response_ids_RL.shape
+    dev = response_ids_RL.device
+    out = torch.zeros(r, lr, dtype=torch.float32, device=dev)
+    ent = torch.zeros_like(out) if with_entropy else None
+    if r == 0:
+        return out, ent
+    if prompt_ids_SP.shape[1] == 0 or not bool(prompt_mask_SP[row_prompt_R.unique(), -1].bool().all()):
+        raise ValueError("prompt_mask: every prompt must be non-empty and left-padded (last column attended)")
+    if dedupe:
+        rep_U, inv_S = _unique_prompts(prompt_ids_SP, prompt_mask_SP)
+        prompt_ids_SP, prompt_mask_SP = prompt_ids_SP[rep_U], prompt_mask_SP[rep_U]
+        row_prompt_R = inv_S[row_prompt_R]
+    body = transformer_body(model)
+    weight, bias = output_head(model)
+    rmask = response_mask_RL.bool()
+    order = torch.argsort(row_prompt_R, stable=True)
+    used = row_prompt_R[order].unique_consecutive()
+    counts = torch.bincount(row_prompt_R, minlength=int(prompt_ids_SP.shape[0]))
+    lp_full = prompt_ids_SP.shape[1]
+    # group prompts: g prompts of padded width w cost g * w prompt tokens
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for s in used.tolist():
+        cand = cur + [s]
+        w = lp_full - _trim_left(prompt_mask_SP[cand])
+        if cur and len(cand) * w > max_tokens:
+            groups.append(cur)
+            cand = [s]
+        cur = cand
+    if cur:
+        groups.append(cur)
+    row_pos = 0
+    for grp in groups:
+        g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
+        start = _trim_left(prompt_mask_SP[g_idx])
+        p_ids = prompt_ids_SP[g_idx, start:]
+        p_mask = prompt_mask_SP[g_idx, start:].long()
+        lt = int(p_ids.shape[1])
+        res = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
+        cache = res.past_key_values
+        last_GD = res.last_hidden_state[:, -1]
+        stats["prompt_tokens"] += int(p_ids.numel())
+        stats["token_forwards"] += int(p_ids.numel())
+        stats["forwards"] += 1
+        n_rows = int(counts[g_idx].sum())
+        rows_g = order[row_pos : row_pos + n_rows]
+        row_pos += n_rows
+        local = {s: i for i, s in enumerate(grp)}
+        i = 0
+        while i < n_rows:
+            j = i + 1
+            while j < n_rows and (j + 1 - i) * (lt + _used_right(rmask[rows_g[i : j + 1]])) <= max_tokens:
+                j += 1
+            rows = rows_g[i:j]
+            i = j
+            loc = torch.tensor([local[int(s)] for s in row_prompt_R[rows].tolist()], dtype=torch.long, device=dev)
+            sel = rmask[rows]
+            l_used = _used_right(sel)
+            if l_used == 0:
+                continue
+            h_rows = [last_GD.index_select(0, loc)[:, None]]
+            if l_used > 1:
+                r_ids = response_ids_RL[rows, : l_used - 1]
+                r_mask = response_mask_RL[rows, : l_used - 1].long()
+                full_mask = torch.cat([p_mask.index_select(0, loc), r_mask], dim=1)
+                pos = position_ids(full_mask)[:, lt:]
+                rc = _cache_rows(cache, loc)
+                hr = body(
+                    input_ids=r_ids, attention_mask=full_mask, position_ids=pos, past_key_values=rc, use_cache=True
+                )
+                h_rows.append(hr.last_hidden_state)
+                del rc, hr
+                stats["response_tokens"] += int(r_ids.numel())
+                stats["token_forwards"] += int(r_ids.numel())
+                stats["forwards"] += 1
+            h_rLD = torch.cat(h_rows, dim=1)
+            sel_used = sel[:, :l_used]
+            lp_N, en_N = token_logprobs(
+                h_rLD[sel_used],
+                weight,
+                response_ids_RL[rows, :l_used][sel_used],
+                temperature=temperature,
+                with_entropy=with_entropy,
+                bias_V=bias,
+                impl=impl,
+            )
+            out[rows] = torch.zeros(len(rows), lr, dtype=torch.float32, device=dev).masked_scatter(sel, lp_N)
+            if with_entropy:
+                ent[rows] = torch.zeros(len(rows), lr, dtype=torch.float32, device=dev).masked_scatter(sel, en_N)
+        stats["rows"] += n_rows
+        del cache, res
+    return out, ent
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the engine
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RescoreOutput:
+    """Everything the rescoring of one step produces (shapes in the module legend)."""
+
+    old_logp: Tensor | None  # [M, L] student log-probs (None when not requested)
+    diag: Tensor | None  # [M, L] diagonal teacher log-probs
+    cross: Tensor | None  # [P, L] cross log-probs, in pair order
+    entropy: Tensor | None = None  # [M, L] student entropy when requested
+    stats: dict = field(default_factory=dict)
+
+
+def logprob_mismatch(a_ML: Tensor, b_ML: Tensor, mask_ML: Tensor) -> dict[str, float]:
+    """max and mean |a - b| over the masked-in tokens (0.0 when the mask is empty)."""
+    sel = mask_ML.bool()
+    if not bool(sel.any()):
+        return {"max": 0.0, "mean": 0.0}
+    d = (a_ML.float() - b_ML.float()).abs()[sel]
+    return {"max": float(d.max()), "mean": float(d.mean())}
+
+
+def can_reuse_rollout_logprobs(generator, model: nn.Module) -> bool:
+    """True when the generation backend samples from ``model`` itself (the Hugging Face backend on the trainer's
+    own module), so its per-token log-probs are the trainer's old log-probs up to kernel differences."""
+    gm = getattr(generator, "model", None)
+    return gm is not None and gm is model
+
+
+class Rescorer:
+    """Scores a ``TurnBatch`` with a causal LM (the current actor) in one of ``RESCORING_MODES``.
+
+    model: the Hugging Face causal LM (the policy's weights; a ``HFPolicy``'s ``.model``). temperature: the
+    rollout temperature (log-probs under logits / temperature). max_tokens: context tokens per forward.
+    reuse_rollout_logp: take the student old log-probs from ``batch.rollout_logp`` (engine log-probs) instead
+    of a forward; only correct when the engine is the trainer's own model (see
+    ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: str = "shared_prefix",
+        temperature: float = 1.0,
+        max_tokens: int = 16384,
+        impl: str = "auto",
+        dedupe: bool = True,
+        reuse_rollout_logp: bool = False,
+        check_reuse: bool = False,
+    ) -> None:
+        if mode not in RESCORING_MODES:
+            raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        self.model = model
+        self.mode = mode
+        self.temperature = float(temperature)
+        self.max_tokens = int(max_tokens)
+        self.impl = impl
+        self.dedupe = dedupe
+        self.reuse_rollout_logp = reuse_rollout_logp
+        self.check_reuse = check_reuse
+
+    def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
+        kw = dict(temperature=self.temperature, with_entropy=with_entropy, max_tokens=self.max_tokens, impl=self.impl)
+        if self.mode == "plain":
+            return score_plain(self.model, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, **kw, stats=stats)
+        return score_shared_prefix(
+            self.model, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, **kw, dedupe=self.dedupe, stats=stats
+        )
+
+    @torch.no_grad()
+    def student_logprobs(self, batch: TurnBatch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, dict]:
+        """([M, L] old log-probs of each turn's response under its student prompt, [M, L] entropy or None, stats)."""
+        stats = _new_stats()
+        t0 = time.perf_counter()
+        rows = torch.arange(batch.size, device=batch.response_ids.device)
+        with _eval(self.model):
+            lp, en = self._score(
+                batch.prompt_ids, batch.prompt_mask, rows, batch.response_ids, batch.response_mask, with_entropy, stats
+            )
+        stats["seconds"] = time.perf_counter() - t0
+        return lp, en, stats
+
+    @torch.no_grad()
+    def teacher_logprobs(
+        self, batch: TurnBatch, pairs=None, *, diagonal: bool = True
+    ) -> tuple[Tensor | None, Tensor, dict]:
+        """(diag [M, L] or None, cross [P, L], stats): teacher forcing under the privileged prompts.
+
+        pairs: [P, 2] (source, target) cross pairs (a tensor or a list of tuples; None or empty: no cross rows).
+        The diagonal and the cross rows go through one scoring pass (the fused batch of M + P rows).
+        """
+        if batch.teacher_prompt_ids is None or batch.teacher_prompt_mask is None:
+            raise ValueError("batch: teacher_prompt_ids/teacher_prompt_mask are required for teacher scoring")
+        m = batch.size
+        dev = batch.response_ids.device
+        pr = _as_pairs(pairs, m).to(dev)
+        diag_idx = torch.arange(m, device=dev) if diagonal else torch.zeros(0, dtype=torch.long, device=dev)
+        src = torch.cat([diag_idx, pr[:, 0]])
+        tgt = torch.cat([diag_idx, pr[:, 1]])
+        stats = _new_stats()
+        t0 = time.perf_counter()
+        with _eval(self.model):
+            lp, _ = self._score(
+                batch.teacher_prompt_ids,
+                batch.teacher_prompt_mask,
+                src,
+                batch.response_ids[tgt],
+                batch.response_mask[tgt],
+                False,
+                stats,
+            )
+        stats["seconds"] = time.perf_counter() - t0
+        nd = int(diag_idx.numel())
+        return (lp[:nd] if diagonal else None), lp[nd:], stats
+
+    def __call__(
+        self, batch: TurnBatch, pairs=None, *, student: bool = True, teacher: bool = True, with_entropy: bool = False
+    ) -> RescoreOutput:
+        """Student old log-probs (or the engine's, when reused) and the diagonal + cross teacher log-probs."""
+        stats: dict = {"mode": self.mode}
+        old = ent = None
+        if student:
+            reuse = self.reuse_rollout_logp and batch.rollout_logp is not None and not with_entropy
+            if self.reuse_rollout_logp and batch.rollout_logp is None:
+                log.warning("reuse_rollout_logp: the batch carries no rollout log-probs; computing them")
+            if reuse:
+                old = batch.rollout_logp.float() * batch.response_mask.float()
+                stats["student/reused"] = True
+                if self.check_reuse:
+                    ref, _, st = self.student_logprobs(batch)
+                    mm = logprob_mismatch(old, ref, batch.response_mask)
+                    stats["student/rollout_logp_abs_diff_max"] = mm["max"]
+                    stats["student/rollout_logp_abs_diff_mean"] = mm["mean"]
+                    log.info("rollout vs trainer old log-prob |delta|: max %.3g mean %.3g", mm["max"], mm["mean"])
+            else:
+                old, ent, st = self.student_logprobs(batch, with_entropy=with_entropy)
+                stats.update({f"student/{k}": v for k, v in st.items()})
+                if batch.rollout_logp is not None:
+                    mm = logprob_mismatch(batch.rollout_logp, old, batch.response_mask)
+                    stats["student/rollout_logp_abs_diff_max"] = mm["max"]
+                    stats["student/rollout_logp_abs_diff_mean"] = mm["mean"]
+        diag = cross = None
+        if teacher:
+            diag, cross, st = self.teacher_logprobs(batch, pairs)
+            stats.update({f"teacher/{k}": v for k, v in st.items()})
+        return RescoreOutput(old_logp=old, diag=diag, cross=cross, entropy=ent, stats=stats)
+
+
+class _eval:
+    """Context manager: model in eval mode (no dropout) for scoring, previous mode restored after."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.was = model.training
+
+    def __enter__(self):
+        self.model.eval()
+        return self.model
+
+    def __exit__(self, *exc):
+        self.model.train(self.was)
+        return False

@@ -1,0 +1,190 @@
+"""HFPolicy: fused-head log-probs (shift, padding, temperature, entropy), gradients, AdamW step, clipping,
+non-finite skip, checkpoints, and DDP under gloo (run with torchrun --nproc_per_node=2)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from alignopsd.engine.policy.hf import HFPolicy, chunked_token_logprobs, token_logprobs
+from transformers import LlamaConfig, LlamaForCausalLM
+
+V = 97
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def rows(seed: int = 0):
+    """[left-padded prompt (width 6) | right-padded response (width 5)] rows with ragged lengths."""
+    g = torch.Generator().manual_seed(seed)
+    p_lens, r_lens = [6, 2, 4, 1], [5, 3, 1, 4]
+    ids = torch.zeros(4, 11, dtype=torch.long)
+    mask = torch.zeros(4, 11, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
+        ids[i, 6 - p : 6] = torch.randint(1, V, (p,), generator=g)
+        mask[i, 6 - p : 6] = 1
+        ids[i, 6 : 6 + r] = torch.randint(1, V, (r,), generator=g)
+        mask[i, 6 : 6 + r] = 1
+    return ids, mask
+
+
+def reference(model, ids, mask, lr, temperature):
+    """Full-logits reference row by row (no padding at all)."""
+    logp = torch.zeros(ids.shape[0], lr)
+    ent = torch.zeros(ids.shape[0], lr)
+    for b in range(ids.shape[0]):
+        keep = mask[b].bool()
+        x = ids[b][keep][None]
+        n_r = int(mask[b, -lr:].sum())
+        logits = model(input_ids=x).logits[0].float() / temperature
+        ls = torch.log_softmax(logits, -1)
+        n = x.shape[1]
+        tgt = x[0, n - n_r :]
+        logp[b, :n_r] = ls[n - n_r - 1 : n - 1].gather(-1, tgt[:, None]).squeeze(-1)
+        p = ls[n - n_r - 1 : n - 1].exp()
+        ent[b, :n_r] = -(p * ls[n - n_r - 1 : n - 1]).sum(-1)
+    return logp, ent
+
+
+def test_chunked_head_matches_full_and_grads():
+    torch.manual_seed(0)
+    h = torch.randn(13, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(29, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 29, (13,))
+    lp, en = chunked_token_logprobs(h, w, t, temperature=0.7, with_entropy=True, chunk_size=4)
+    logits = (h @ w.t()) / 0.7
+    ls = torch.log_softmax(logits, -1)
+    ref_lp = ls.gather(-1, t[:, None]).squeeze(-1)
+    ref_en = -(ls.exp() * ls).sum(-1)
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-6) and torch.allclose(en.double(), ref_en, atol=1e-6)
+    g1 = torch.autograd.grad((lp * 0.3).sum() + en.sum(), (h, w))
+    g2 = torch.autograd.grad((ref_lp * 0.3).sum() + ref_en.sum(), (h, w))
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a.double(), b, atol=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(h, w, t, temperature=0.0)
+    with pytest.raises(ValueError, match="impl"):
+        token_logprobs(h, w, t, impl="fast")
+
+
+def test_response_logprobs_match_reference_with_entropy():
+    model = tiny_model()
+    pol = HFPolicy(model, lr=1e-3)
+    ids, mask = rows()
+    lp, en = pol.response_logprobs(ids, mask, 5, temperature=0.6, with_entropy=True)
+    with torch.no_grad():
+        ref_lp, ref_en = reference(model, ids, mask, 5, 0.6)
+    assert lp.shape == (4, 5) and lp.dtype == torch.float32
+    assert (lp - ref_lp).abs().max() < 1e-5 and (en - ref_en).abs().max() < 1e-5
+    assert bool((lp[mask[:, 6:] == 0] == 0).all())
+    none_lp, none_en = pol.response_logprobs(ids, mask, 5)
+    assert none_en is None and (none_lp - lp).abs().max() > 0  # temperature matters
+    with pytest.raises(ValueError, match="response_length"):
+        pol.response_logprobs(ids, mask, 11)
+    with pytest.raises(ValueError, match="attention_mask"):
+        pol.response_logprobs(ids, mask[:, 1:], 5)
+
+
+def test_grad_step_clip_and_checkpoint(tmp_path):
+    model = tiny_model(1)
+    pol = HFPolicy(model, lr=1e-2, weight_decay=0.0)
+    ids, mask = rows(1)
+    lp, en = pol.response_logprobs(ids, mask, 5, with_entropy=True, grad=True)
+    loss = -(lp * mask[:, 6:]).sum() / mask[:, 6:].sum() - 0.01 * en.sum()
+    loss.backward()
+    # gradient equals the one of the full-logits reference
+    ref_model = tiny_model(1)
+    ref_lp, ref_en = reference(ref_model, ids, mask, 5, 1.0)
+    (-(ref_lp * mask[:, 6:]).sum() / mask[:, 6:].sum() - 0.01 * ref_en.sum()).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), n
+    norm = pol.grad_norm()
+    before = {k: v.clone() for k, v in pol.hf_state_dict().items()}
+    out = pol.optimizer_step(max_grad_norm=norm / 10)
+    assert out["skipped"] is False and out["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+    after = pol.hf_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # checkpoint round trip: a second policy continues identically
+    path = tmp_path / "ckpt.pt"
+    torch.save(pol.state_dict(), path)
+    pol2 = HFPolicy(tiny_model(9), lr=1e-2, weight_decay=0.0)
+    pol2.load_state_dict(torch.load(path, weights_only=False))
+    for p in (pol, pol2):
+        lp, _ = p.response_logprobs(ids, mask, 5, grad=True)
+        lp.sum().backward()
+        p.optimizer_step(1.0)
+    for k, v in pol.hf_state_dict().items():
+        assert torch.equal(v, pol2.hf_state_dict()[k]), k
+    with pytest.raises(ValueError, match="optimizer"):
+        pol2.load_state_dict({"model": {}})
+
+
+def test_non_finite_gradient_skips_step(caplog):
+    model = tiny_model(2)
+    pol = HFPolicy(model, lr=1e-2)
+    ids, mask = rows(2)
+    lp, _ = pol.response_logprobs(ids, mask, 5, grad=True)
+    (lp.sum() * float("nan")).backward()
+    before = {k: v.clone() for k, v in pol.hf_state_dict().items()}
+    with caplog.at_level("WARNING"):
+        out = pol.optimizer_step(1.0)
+    assert out["skipped"] is True and not out["grad_norm"] == out["grad_norm"]
+    assert "skipped" in caplog.text
+    for k, v in pol.hf_state_dict().items():
+        assert torch.equal(v, before[k])
+    assert pol.skipped_steps == 1 and pol.steps == 0
+    assert len(pol.optimizer.state) == 0  # no moment was touched
+
+
+def test_bad_constructor_args():
+    with pytest.raises(ValueError, match="lr"):
+        HFPolicy(tiny_model(), lr=0)
+    with pytest.raises(ValueError, match="betas"):
+        HFPolicy(tiny_model(), betas=(0.9, 1.0))
+
+
+@pytest.mark.distributed
+def test_ddp_gradients_are_averaged():
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ids, mask = rows(3)
+    model = tiny_model(4)
+    pol = HFPolicy(model, lr=1e-2, ddp=True)
+    assert pol.distributed
+    half = slice(2 * rank, 2 * rank + 2)
+    lp, _ = pol.response_logprobs(ids[half], mask[half], 5, grad=True)
+    lp.sum().backward()
+    # single-process reference: mean of the two halves' gradients
+    ref = tiny_model(4)
+    ref_pol = HFPolicy(ref, lr=1e-2, ddp=False)
+    for h in (slice(0, 2), slice(2, 4)):
+        lp, _ = ref_pol.response_logprobs(ids[h], mask[h], 5, grad=True)
+        (lp.sum() / 2).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+    out = pol.optimizer_step(1.0)
+    ref_out = ref_pol.optimizer_step(1.0)
+    assert out["grad_norm"] > 0 and out["grad_norm"] == pytest.approx(ref_out["grad_norm"], rel=1e-5)
+    for k, v in pol.hf_state_dict().items():
+        assert torch.allclose(v, ref_pol.hf_state_dict()[k], atol=1e-6), k
