@@ -1,0 +1,231 @@
+"""Hugging Face generation backend: our own batched sampling loop over a transformers causal LM.
+
+Legend: B = prompts in the current chunk, Lp = padded prompt length, V = vocabulary, b = rows still generating.
+
+Why our own loop instead of ``model.generate``: per-row stop strings are checked on the decoded continuation
+after every token, finished rows leave the batch (their KV cache rows are dropped), and the log-prob of each
+sampled token is returned without a second pass.
+
+Sampling semantics (same as the vLLM backend):
+
+- ``logits / temperature`` gives the *sampling logits*; the reported log-prob of a sampled token is
+  ``log_softmax(logits / temperature)[token]`` in fp32 -- the quantity the trainer recomputes. Top-k / top-p
+  only restrict which tokens may be drawn; the reported log-probs are **not** renormalised over the kept set.
+- ``do_sample=False`` is greedy (argmax); log-probs are still under ``logits / temperature``.
+- A row finishes on an EOS token (the token is kept in ``token_ids``, left out of the text) or when a stop
+  string appears in its decoded continuation (``finish_reason="stop"``; the token that completed the stop string
+  is kept and the text is cut right after the stop string), or after ``max_new_tokens`` tokens
+  (``finish_reason="length"``).
+- With ``seed`` set, a ``torch.Generator`` seeded with it drives the draws: the same prompts in the same order
+  with the same seed give the same samples. Without a seed the global torch RNG is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from torch import Tensor
+
+
+def _validate_prompts(prompts: list[list[int]]) -> None:
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or len(p) == 0:
+            raise ValueError(f"prompts: row {i} must be a non-empty list of token ids")
+
+
+def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set logits outside the top-k / top-p (nucleus) set to -inf. [B, V] fp32 in, [B, V] out.
+
+    Top-p keeps the smallest prefix of tokens, by descending probability, whose mass reaches ``top_p``
+    (always at least one token); top-k is applied first.
+    """
+    out = logits_BV
+    if top_k is not None and top_k > 0 and top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for src in (gen_eos, getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update([src] if isinstance(src, int) else list(src))
+    return ids
+
+
+class HFGenerator:
+    """Batched sampling from a transformers causal LM (implements ``GenerationBackend``).
+
+    ``model`` may be the trainer's own model object: generation runs under ``torch.inference_mode`` in eval
+    mode and restores the training flag afterwards, so weights are shared with no copy.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch_size: int | None = None,
+        max_model_len: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_model_len = int(max_model_len or getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        pad = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = min(self.eos_token_ids) if self.eos_token_ids else 0
+        self.pad_token_id = int(pad)
+        self.tokens_generated = 0  # running count, for throughput metrics
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+        """Copy ``state_dict`` (HF names) into the model in place; tensors that already are the model's own
+        storage (a shared trainer model) are skipped. Unknown names raise ValueError."""
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        own = self.model.state_dict(keep_vars=True)
+        for name, value in items:
+            if name not in own:
+                raise ValueError(f"state_dict: unknown parameter {name!r} for this model")
+            dst = own[name]
+            if dst.data_ptr() == value.data_ptr() and dst.shape == value.shape:
+                continue
+            if dst.shape != value.shape:
+                raise ValueError(f"state_dict: {name!r} has shape {tuple(value.shape)}, model has {tuple(dst.shape)}")
+            dst.data.copy_(value.to(device=dst.device, dtype=dst.dtype))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        _validate_prompts(prompts)
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"sampling.max_new_tokens: prompt length {longest} + budget {sampling.max_new_tokens} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
+        if not prompts:
+            return out
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(int(sampling.seed))
+        chunk = self.max_batch_size or len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(prompts), chunk):
+                    part = self._generate_chunk(prompts[start : start + chunk], sampling, gen)
+                    out.token_ids += part.token_ids
+                    out.texts += part.texts
+                    out.logprobs += part.logprobs
+                    out.finish_reasons += part.finish_reasons
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _forward(self, input_ids: Tensor, mask: Tensor, pos: Tensor, cache) -> tuple[Tensor, object]:
+        res = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return res.logits[:, -1, :].float(), res.past_key_values
+
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, gen) -> GenerationOutput:
+        from transformers import DynamicCache
+
+        dev = self.device
+        B = len(prompts)
+        Lp = max(len(p) for p in prompts)
+        ids_BL = torch.full((B, Lp), self.pad_token_id, dtype=torch.long)
+        mask_BL = torch.zeros((B, Lp), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids_BL[i, Lp - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            mask_BL[i, Lp - len(p) :] = 1
+        ids_BL, mask_BL = ids_BL.to(dev), mask_BL.to(dev)
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
+        logits_bV, cache = self._forward(ids_BL, mask_BL, pos_BL, DynamicCache())
+        next_pos_b = pos_BL[:, -1] + 1
+
+        stops = tuple(s for s in sp.stop if s)
+        window = max((len(s) for s in stops), default=0) + 2  # tokens enough to contain any stop string
+        temperature = sp.temperature if sp.temperature and sp.temperature > 0 else 1.0
+        toks: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        active = list(range(B))  # chunk row index of each live batch row
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
+
+        for step in range(sp.max_new_tokens):
+            scaled_bV = logits_bV / temperature
+            logp_bV = torch.log_softmax(scaled_bV, dim=-1)
+            if sp.do_sample:
+                probs = filter_logits(scaled_bV, sp.top_k, sp.top_p).softmax(-1)
+                tok_b = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                tok_b = scaled_bV.argmax(-1)
+            lp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
+            is_eos_b = torch.isin(tok_b, eos) if eos.numel() else torch.zeros_like(tok_b, dtype=torch.bool)
+            tok_l, lp_l, eos_l = tok_b.tolist(), lp_b.tolist(), is_eos_b.tolist()
+            keep: list[int] = []
+            for j, row in enumerate(active):
+                toks[row].append(tok_l[j])
+                lps[row].append(lp_l[j])
+                if eos_l[j]:
+                    reasons[row] = "stop"
+                    continue
+                if stops:
+                    tail = self.tokenizer.decode(toks[row][-window:], skip_special_tokens=True)
+                    if any(s in tail for s in stops):
+                        reasons[row] = "stop"
+                        continue
+                keep.append(j)
+            self.tokens_generated += len(active)
+            if not keep or step == sp.max_new_tokens - 1:
+                break
+            if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
+                sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(sel)
+                tok_b, mask_BL, next_pos_b = tok_b[sel], mask_BL[sel], next_pos_b[sel]
+                active = [active[j] for j in keep]
+            mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(active), 1))], dim=1)
+            logits_bV, cache = self._forward(tok_b[:, None], mask_BL, next_pos_b[:, None], cache)
+            next_pos_b = next_pos_b + 1
+
+        texts = [self._text(t, stops) for t in toks]
+        return GenerationOutput(token_ids=toks, texts=texts, logprobs=lps, finish_reasons=reasons)
+
+    def _text(self, ids: list[int], stops: tuple[str, ...]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = [text.find(s) + len(s) for s in stops if s in text]
+        return text[: min(cut)] if cut else text
