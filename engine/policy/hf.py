@@ -106,7 +106,7 @@ def _kernel_logprob():
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return None
-    if not {"temperature", "with_entropy"} <= set(params):
+    if not {"temperature", "with_entropy", "bias"} <= set(params):
         return None
     return fn
 
@@ -125,24 +125,23 @@ def token_logprobs(
 
     hidden_ND: [N, D] final hidden states (after the final norm); weight_VD: [V, D] output embedding;
     targets_N: [N] token ids. Returns ([N] fp32 log-probs, [N] fp32 entropies or None).
-    impl: "auto" (the kernels package when available, else "chunked") | "kernel" | "chunked".
+    impl: "auto" (``alignopsd.kernels.logprob`` when importable: Triton on CUDA, its tiled torch path on CPU;
+    else "chunked") | "kernel" (require the kernels package) | "chunked" (this module's checkpointed torch head).
     """
     if not temperature > 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     if impl not in ("auto", "kernel", "chunked"):
         raise ValueError(f"impl: expected 'auto', 'kernel' or 'chunked', got {impl!r}")
-    fn = None if (impl == "chunked" or bias_V is not None) else _kernel_logprob()
+    fn = None if impl == "chunked" else _kernel_logprob()
     if impl == "kernel" and fn is None:
-        raise ValueError("impl: 'kernel' requested but alignopsd.kernels.logprob is not available (or a bias is set)")
-    if fn is not None:
-        out = fn(hidden_ND, weight_VD, targets_N, temperature=temperature, with_entropy=with_entropy)
-        if isinstance(out, tuple):
-            logp, ent = out[0], (out[1] if len(out) > 1 else None)
-        else:
-            logp, ent = out, None
-        if with_entropy and ent is None:
-            raise RuntimeError("alignopsd.kernels.logprob returned no entropy although with_entropy=True")
-        return logp.float(), (ent.float() if with_entropy else None)
+        raise ValueError("impl: 'kernel' requested but alignopsd.kernels.logprob is not available")
+    if fn is not None and int(hidden_ND.shape[0]) > 0:
+        kw = {"bias": bias_V} if bias_V is not None else {}
+        out = fn(hidden_ND, weight_VD, targets_N, temperature=temperature, with_entropy=with_entropy, **kw)
+        if with_entropy:
+            logp, ent = out
+            return logp.float(), ent.float()
+        return (out[0] if isinstance(out, tuple) else out).float(), None
     return chunked_token_logprobs(
         hidden_ND, weight_VD, targets_N, temperature=temperature, with_entropy=with_entropy, bias_V=bias_V
     )

@@ -84,9 +84,10 @@ def test_chunked_head_matches_full_and_grads():
         token_logprobs(h, w, t, impl="fast")
 
 
-def test_response_logprobs_match_reference_with_entropy():
+@pytest.mark.parametrize("impl", ["kernel", "chunked"])
+def test_response_logprobs_match_reference_with_entropy(impl):
     model = tiny_model()
-    pol = HFPolicy(model, lr=1e-3)
+    pol = HFPolicy(model, lr=1e-3, impl=impl)
     ids, mask = rows()
     lp, en = pol.response_logprobs(ids, mask, 5, temperature=0.6, with_entropy=True)
     with torch.no_grad():
@@ -102,9 +103,10 @@ def test_response_logprobs_match_reference_with_entropy():
         pol.response_logprobs(ids, mask[:, 1:], 5)
 
 
-def test_grad_step_clip_and_checkpoint(tmp_path):
+@pytest.mark.parametrize("impl", ["kernel", "chunked"])
+def test_grad_step_clip_and_checkpoint(tmp_path, impl):
     model = tiny_model(1)
-    pol = HFPolicy(model, lr=1e-2, weight_decay=0.0)
+    pol = HFPolicy(model, lr=1e-2, weight_decay=0.0, impl=impl)
     ids, mask = rows(1)
     lp, en = pol.response_logprobs(ids, mask, 5, with_entropy=True, grad=True)
     loss = -(lp * mask[:, 6:]).sum() / mask[:, 6:].sum() - 0.01 * en.sum()
