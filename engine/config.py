@@ -314,6 +314,11 @@ class RunConfig:
     def out_dir(self) -> Path:
         return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
 
+    def algorithm_name(self) -> str:
+        """Human-readable estimator name (with the ablation for alignopsd)."""
+        est = str(self.algorithm.estimator)
+        return f"{est} (ablation {self.algorithm.ablation})" if est == "alignopsd" else est
+
     @property
     def teacher_budget(self) -> int:
         """Teacher generation budget in tokens (None in the config means the student budget)."""

@@ -142,3 +142,32 @@ def region_token_counts(regions: Regions, policy_mask: Tensor, rows: Tensor | No
     ac = regions.action & pm
     n = int(pm.sum())
     return {"response": n, "thinking": int(th.sum()), "action": int(ac.sum()), "other": n - int((th | ac).sum())}
+
+
+def paired_region_stats(
+    diag_gap: Tensor,
+    cross_gap: Tensor,
+    corrected_gap: Tensor,
+    policy_mask: Tensor,
+    regions: Regions,
+    matched: Tensor,
+    *,
+    eps: float = 1e-4,
+) -> dict[str, float]:
+    """Paired token diagnostics per region (``paired/{response,thinking,action}/…``, ALGORITHM.md §4.3).
+
+    diag_gap, cross_gap, corrected_gap: [M, L] δ^diag, c - ℓ^old and δ̃. policy_mask: [M, L].
+    matched: [M] bool, turns with at least one kept source (the scope of the statistics). The statistics of
+    each scope are the core's ``paired_sign_flips`` (strict and tolerance bands). Inputs are not modified.
+    """
+    from alignopsd.diagnostics import paired_sign_flips
+
+    shape = tuple(policy_mask.shape)
+    if tuple(matched.shape) != shape[:1]:
+        raise ValueError(f"matched: expected shape {shape[:1]}, got {tuple(matched.shape)}")
+    base = policy_mask.bool() & matched.bool().view(-1, 1)
+    out: dict[str, float] = {}
+    for region, rmask in (("response", None), ("thinking", regions.thinking), ("action", regions.action)):
+        scope = base if rmask is None else base & rmask.bool().to(base.device)
+        out.update(paired_sign_flips(diag_gap, cross_gap, corrected_gap, scope, eps=eps, prefix=f"paired/{region}/"))
+    return out
