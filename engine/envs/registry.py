@@ -54,6 +54,23 @@ _BUILTIN: dict[str, EnvEntry] = {
         lowercase_actions=True,
         history_length=4,
     ),
+    # WebShop: free-form search queries, so admissibility is the env's own judgement (info["action_admissible"]).
+    "webshop": EnvEntry(
+        "webshop",
+        f"{_PKG}.webshop:WebShopEnv",
+        f"{_PKG}.webshop:load_tasks",
+        f"{_PKG}.webshop:webshop_prompt",
+        admissible_check=False,
+    ),
+    "search": EnvEntry(
+        "search",
+        f"{_PKG}.search:SearchEnv",
+        f"{_PKG}.search:load_tasks",
+        f"{_PKG}.search:search_prompt",
+        action_tags=("search", "answer"),
+        admissible_check=False,
+        history_length=4,
+    ),
     # Test environment with injected faults (raise / hang / die at a given step); tasks via toy.faulty_tasks.
     "codeword_faulty": EnvEntry(
         "codeword_faulty",

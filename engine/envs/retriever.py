@@ -340,8 +340,6 @@ def serve_retriever(
                     os.kill(parent_pid, 0)
                 except OSError:
                     break
-                if os.getppid() != parent_pid:
-                    break
             server.httpd.shutdown()
 
         threading.Thread(target=_watch, daemon=True).start()
@@ -446,12 +444,19 @@ def _cfg_get(config: Any, name: str) -> Any:
 
 
 def start_retriever_process(
-    corpus_path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 300.0
+    corpus_path: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout: float = 300.0,
+    owner_pid: int | None = None,
 ) -> tuple[str, subprocess.Popen[str]]:
     """Start ``serve_retriever`` in a child process (port 0: a free port); returns (url, process).
 
-    The child exits by itself when this process exits.
+    The child exits by itself when ``owner_pid`` (default: this process) exits; if the owner is this
+    process it is also stopped at exit.
     """
+    owner = os.getpid() if owner_pid is None else owner_pid
     cmd = [
         sys.executable,
         "-m",
@@ -463,9 +468,14 @@ def start_retriever_process(
         "--port",
         str(port),
         "--parent-pid",
-        str(os.getpid()),
+        str(owner),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log_dir = cache_root() / "retrievers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log", dir=log_dir, delete=False)
+    # stderr goes to a file: a pipe nobody reads could fill up and stall the server
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    log.close()
     deadline = time.monotonic() + startup_timeout
     url = None
     assert proc.stdout is not None
@@ -479,9 +489,10 @@ def start_retriever_process(
             break
     if url is None:
         proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
+        err = Path(log.name).read_text(errors="replace")
         raise RetrieverError(f"retrieval server for {corpus_path} did not start: {err[-2000:]}")
-    atexit.register(_stop, proc)
+    if owner == os.getpid():
+        atexit.register(_stop, proc)
     return url, proc
 
 
@@ -494,15 +505,36 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             proc.kill()
 
 
+def _top_pid() -> int:
+    """Pid of the run's main process: the parent of a multiprocessing worker, else this process."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid else os.getpid()
+
+
+def _healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def ensure_retriever(config: Any = None, *, corpus_path: str | os.PathLike[str] | None = None) -> str:
     """URL of a retrieval server, starting ours if none is configured.
 
-    Order: ``config.retriever_url`` (dict key or attribute); ``$ALIGNOPSD_RETRIEVER_URL``; a server this
-    process already started for the same corpus; else start one for ``corpus_path`` (or
-    ``config.corpus_path``; default: the generated knowledge base of ``config.seed``). The URL is exported
-    in ``$ALIGNOPSD_RETRIEVER_URL`` so worker processes started later share the server. Call this in the
-    parent before starting workers.
+    Order: ``config.retriever_url`` (dict key or attribute); ``$ALIGNOPSD_RETRIEVER_URL`` (when no corpus is
+    named); the server this run already started for the corpus; else start one for ``corpus_path`` (or
+    ``config.corpus_path``; default: the generated knowledge base of ``config.seed``).
+
+    One server per corpus per run: the server is tied to the run's main process (it exits with it) and
+    recorded in a small file in the cache folder, so environment workers that call this find and share it
+    (under a file lock) instead of starting their own. The URL is also exported in
+    ``$ALIGNOPSD_RETRIEVER_URL`` for processes started afterwards.
     """
+    import fcntl
+
     url = _cfg_get(config, "retriever_url")
     if url:
         return str(url)
@@ -514,13 +546,31 @@ def ensure_retriever(config: Any = None, *, corpus_path: str | os.PathLike[str] 
         from alignopsd.engine.envs.search_data import default_corpus_path
 
         corpus_path = default_corpus_path(seed=int(_cfg_get(config, "seed") or 0))
-    key = str(Path(corpus_path).resolve())
-    with _LOCK:
-        if key in _STARTED and _STARTED[key][1].poll() is None:
-            url = _STARTED[key][0]
-        else:
-            url, proc = start_retriever_process(corpus_path)
-            _STARTED[key] = (url, proc)
+    corpus = Path(corpus_path)
+    if not corpus.is_file():
+        raise ValueError(f"corpus_path: no such file: {corpus}")
+    top = _top_pid()
+    key = hashlib.sha1(str(corpus.resolve()).encode()).hexdigest()[:16]
+    reg = cache_root() / "retrievers"
+    reg.mkdir(parents=True, exist_ok=True)
+    record = reg / f"{key}.json"
+    with _LOCK, open(reg / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            url = None
+            if record.is_file():
+                try:
+                    rec = json.loads(record.read_text())
+                    if rec.get("owner") == top and _healthy(rec["url"]):
+                        url = rec["url"]
+                except (ValueError, KeyError, OSError):
+                    url = None
+            if url is None:
+                url, proc = start_retriever_process(corpus, owner_pid=top)
+                _STARTED[key] = (url, proc)
+                record.write_text(json.dumps({"url": url, "owner": top, "corpus": str(corpus.resolve())}))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     os.environ[URL_ENV_VAR] = url
     return url
 
