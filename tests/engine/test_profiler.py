@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-
 from alignopsd.engine.profiler import (
     ALIGNMENT_PHASES,
     PHASES,

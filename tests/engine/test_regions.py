@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from alignopsd.engine.regions import paired_region_stats, region_token_counts, token_regions
 
 EOS = "<|eos|>"
