@@ -1,0 +1,658 @@
+"""Typed algorithm configuration, the paper's profiles as presets, and a strict generic loader.
+
+Every config is a dataclass validated in ``__post_init__`` (ValueError naming the field); each
+field carries a docstring. :func:`from_dict` builds nested dataclasses from plain mappings and
+rejects unknown keys; :func:`apply_overrides` applies ``a.b=c`` overrides (values parsed as YAML
+scalars, never executed). No file I/O here: the engine reads YAML files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from alignopsd.credit import CreditConfig
+
+__all__ = [
+    "ABLATIONS",
+    "ABLATION_CREDIT_MODE",
+    "AlgorithmConfig",
+    "AlignmentLossConfig",
+    "OpsdConfig",
+    "PRESETS",
+    "RectifyConfig",
+    "RlsdConfig",
+    "SdarConfig",
+    "apply_overrides",
+    "from_dict",
+    "get_preset",
+    "to_dict",
+]
+
+ABLATIONS = ("A", "B", "C", "D", "E")
+ABLATION_CREDIT_MODE = {"A": "adaptive", "B": "token", "C": "turn", "D": "random", "E": "adaptive"}
+"""Credit (M2) segmentation mode implied by each ablation of ALGORITHM.md §3.11 (A also sets α_max = 0)."""
+
+
+def _real(name: str, v: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name}: expected a real number, got {type(v).__name__} {v!r}")
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number, got {x}")
+    if lo is not None and (x < lo or (lo_open and x == lo)):
+        raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {x}")
+    if hi is not None and x > hi:
+        raise ValueError(f"{name}: must be <= {hi}, got {x}")
+    return x
+
+
+def _int(name: str, v: Any, *, lo: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name}: expected an integer, got {type(v).__name__} {v!r}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {v}")
+    return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}: expected true or false, got {v!r}")
+    return v
+
+
+def _choice(name: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise ValueError(f"{name}: unknown value {v!r}; allowed: {', '.join(map(repr, allowed))}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RectifyConfig:
+    """Mechanism 1 (ALGORITHM.md §2.4–2.7)."""
+
+    gamma: float = 0.70
+    """Similarity threshold γ for source candidates (inclusive); also the confidence floor and M2 profile validity."""
+    top_k: int = 3
+    """K: at most this many sources per target, after one-per-sibling-rollout."""
+    alpha_max: float = 0.8
+    """α_max: the largest correction strength; α = clip(α_max·ρ, 0, α_max). 0 disables rectification."""
+    temperature: float = 0.1
+    """T_agg: aggregation temperature of the source weights ω = softmax(h / T_agg)."""
+    mode: Literal["probability_mixture", "log_mean"] = "probability_mixture"
+    """Cross-score aggregation across sources; the final blend with the diagonal is always geometric."""
+    source_rollout_cap: int = 1
+    """Sources per sibling rollout; the method defines it as exactly 1."""
+    action_filter: bool = False
+    """Enable the action-consistency filter (§2.5); it only removes pairs."""
+    action_threshold: float = 0.8
+    """τ_a: minimum action-embedding cosine for a kept pair, a real number in [-1, 1]."""
+
+    def __post_init__(self) -> None:
+        _real("gamma", self.gamma, lo=-1.0)
+        if self.gamma >= 1.0:
+            raise ValueError(f"gamma: must be < 1, got {self.gamma}")
+        _int("top_k", self.top_k, lo=1)
+        _real("alpha_max", self.alpha_max, lo=0.0, hi=1.0)
+        _real("temperature", self.temperature, lo=0.0, lo_open=True)
+        _choice("mode", self.mode, ("probability_mixture", "log_mean"))
+        _int("source_rollout_cap", self.source_rollout_cap)
+        if self.source_rollout_cap != 1:
+            raise ValueError(f"source_rollout_cap: must be exactly 1, got {self.source_rollout_cap}")
+        _bool("action_filter", self.action_filter)
+        _real("action_threshold", self.action_threshold, lo=-1.0, hi=1.0)
+
+
+@dataclass
+class AlignmentLossConfig:
+    """M1-only alignment loss (§2.9): coef · token-mean(σ(β δ̃) ⊙ (ℓ̃ − ℓ_θ))."""
+
+    coef: float = 0.01
+    """Weight of the alignment term in the actor loss (>= 0)."""
+    beta: float = 5.0
+    """Gate sharpness β (> 0) of σ(β δ̃), δ̃ frozen at rollout."""
+
+    def __post_init__(self) -> None:
+        _real("coef", self.coef, lo=0.0)
+        _real("beta", self.beta, lo=0.0, lo_open=True)
+
+
+@dataclass
+class SdarConfig:
+    """SDAR auxiliary (§2.10): diagonal teacher, gate from the current (detached) policy log-probs."""
+
+    enabled: bool = False
+    """Add the auxiliary term (ALFWorld-3B profile; always on for the ``sdar`` estimator)."""
+    coef: float = 0.01
+    """Weight of the auxiliary term (>= 0)."""
+    beta: float = 5.0
+    """Gate sharpness β (> 0)."""
+
+    def __post_init__(self) -> None:
+        _bool("enabled", self.enabled)
+        _real("coef", self.coef, lo=0.0)
+        _real("beta", self.beta, lo=0.0, lo_open=True)
+
+
+@dataclass
+class RlsdConfig:
+    """RLSD baseline: Â = A·((1−λ) + λ·clip(exp(sign(A)·Δ), clip_low, clip_high)), Δ = ℓ^diag − ℓ^old."""
+
+    lambda_init: float = 0.5
+    """λ at step 0, in [0, 1]."""
+    decay_steps: int = 150
+    """λ decays linearly to 0 over this many steps (λ = λ_init·max(0, 1 − step/decay_steps))."""
+    clip_low: float = 0.8
+    """Lower clip of the per-token multiplier (> 0)."""
+    clip_high: float = 1.2
+    """Upper clip of the per-token multiplier (>= clip_low)."""
+
+    def __post_init__(self) -> None:
+        _real("lambda_init", self.lambda_init, lo=0.0, hi=1.0)
+        _int("decay_steps", self.decay_steps, lo=1)
+        _real("clip_low", self.clip_low, lo=0.0, lo_open=True)
+        _real("clip_high", self.clip_high, lo=self.clip_low)
+
+
+@dataclass
+class OpsdConfig:
+    """On-policy self-distillation baselines (``opsd``, ``grpo_opsd``) with the diagonal teacher."""
+
+    coef: float = 1.0
+    """``opsd``: weight of the gated distillation term (the SDAR form, no outcome advantage) (>= 0)."""
+    beta: float = 5.0
+    """``opsd``: gate sharpness β (> 0)."""
+    mix: float = 0.5
+    """``grpo_opsd``: global mixing strength λ_mix ∈ [0, 1] of the step-normalised token shaping."""
+    clip: float = 0.2
+    """``grpo_opsd``: local trust region α_clip ∈ [0, 1): multipliers clipped to [1 − α_clip, 1 + α_clip]."""
+
+    def __post_init__(self) -> None:
+        _real("coef", self.coef, lo=0.0)
+        _real("beta", self.beta, lo=0.0, lo_open=True)
+        _real("mix", self.mix, lo=0.0, hi=1.0)
+        _real("clip", self.clip, lo=0.0)
+        if self.clip >= 1.0:
+            raise ValueError(f"clip: must be < 1, got {self.clip}")
+
+
+# Fields of CreditConfig that the algorithm config owns (credit field -> algorithm attribute path).
+_CREDIT_SYNC: dict[str, str] = {
+    "gamma": "rectify.gamma",
+    "grpo_scope": "grpo_scope",
+    "norm_by_std": "norm_by_std",
+    "invalid_penalty": "invalid_penalty",
+    "mode": "ablation",
+}
+
+
+def _getpath(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
+
+
+@dataclass
+class AlgorithmConfig:
+    """The algorithm side of a run: estimator, M1, M2 and loss settings (ALGORITHM.md §2, §3, §5).
+
+    ``credit.gamma``, ``credit.grpo_scope``, ``credit.norm_by_std``, ``credit.invalid_penalty`` and
+    ``credit.mode`` are derived from ``rectify.gamma``, ``grpo_scope``, ``norm_by_std``, ``invalid_penalty``
+    and ``ablation``; setting them explicitly to a different value is an error.
+    """
+
+    estimator: str = "alignopsd"
+    """Advantage estimator from the registry (alignopsd.estimators): grpo, opsd, grpo_opsd, sdar, rlsd,
+    alignopsd, alignopsd_m1, or a user-registered name."""
+    ablation: Literal["A", "B", "C", "D", "E"] = "E"
+    """AlignOPSD ablation (§3.11): A no rectification, B flat token, C flat turn, D random spans, E full."""
+    rectify: RectifyConfig = field(default_factory=RectifyConfig)
+    """Mechanism 1 settings."""
+    credit: CreditConfig = field(default_factory=CreditConfig)
+    """Mechanism 2 settings (alignopsd.credit.CreditConfig)."""
+    mechanism2_enabled: bool | None = None
+    """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match the consumer
+    (true exactly for ``alignopsd``)."""
+    alignment: AlignmentLossConfig = field(default_factory=AlignmentLossConfig)
+    """M1-only alignment loss (``alignopsd_m1``)."""
+    sdar: SdarConfig = field(default_factory=SdarConfig)
+    """SDAR auxiliary (optional for ``alignopsd``; always on for ``sdar``)."""
+    rlsd: RlsdConfig = field(default_factory=RlsdConfig)
+    """RLSD baseline settings."""
+    opsd: OpsdConfig = field(default_factory=OpsdConfig)
+    """OPSD baselines settings."""
+    grpo_scope: Literal["trajectory", "turn"] = "turn"
+    """Outcome-advantage statistics: each trajectory once, or weighted by its turn count (§3.1)."""
+    norm_by_std: bool = True
+    """Divide the centred outcome by (unbiased std + 1e-6)."""
+    use_invalid_penalty: bool = True
+    """Apply the invalid-action penalty (residual for M2 consumers, in the reward for alignopsd_m1)."""
+    invalid_penalty: float = 0.1
+    """c: penalty per invalid action (0.1 ALFWorld/WebShop, 0.01 Search) (>= 0)."""
+    kl_coef: float = 0.01
+    """Coefficient of the k3 KL loss to the reference policy; 0 skips the reference pass."""
+    entropy_coef: float = 0.001
+    """Entropy bonus coefficient (the framework default, active in every paper run)."""
+    clip_low: float = 0.2
+    """PPO clip ε_low."""
+    clip_high: float = 0.2
+    """PPO clip ε_high."""
+    dual_clip: float = 3.0
+    """Dual-clip constant c (> 1) for negative advantages."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation; the method requires 'token-mean' (with 1/k row weights)."""
+
+    _DERIVED: typing.ClassVar[dict[str, str]] = {
+        **{f"credit.{k}": v for k, v in _CREDIT_SYNC.items()},
+        "mechanism2_enabled": "estimator",
+    }
+    """Fields computed from others: :func:`to_dict` leaves them out (explicit values are still checked)."""
+
+    def __post_init__(self) -> None:
+        from alignopsd.estimators import ESTIMATORS
+
+        if not isinstance(self.estimator, str) or self.estimator not in ESTIMATORS:
+            allowed = ", ".join(map(repr, ESTIMATORS))
+            raise ValueError(f"estimator: unknown value {self.estimator!r}; allowed: {allowed}")
+        _choice("ablation", self.ablation, ABLATIONS)
+        for name, cls in (
+            ("rectify", RectifyConfig),
+            ("credit", CreditConfig),
+            ("alignment", AlignmentLossConfig),
+            ("sdar", SdarConfig),
+            ("rlsd", RlsdConfig),
+            ("opsd", OpsdConfig),
+        ):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        _choice("grpo_scope", self.grpo_scope, ("trajectory", "turn"))
+        _bool("norm_by_std", self.norm_by_std)
+        _bool("use_invalid_penalty", self.use_invalid_penalty)
+        _real("invalid_penalty", self.invalid_penalty, lo=0.0)
+        _real("kl_coef", self.kl_coef, lo=0.0)
+        _real("entropy_coef", self.entropy_coef, lo=0.0)
+        _real("clip_low", self.clip_low, lo=0.0, hi=1.0)
+        _real("clip_high", self.clip_high, lo=0.0)
+        _real("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
+        if self.loss_agg_mode != "token-mean":
+            raise ValueError(f"loss_agg_mode: must be 'token-mean' (§3.12), got {self.loss_agg_mode!r}")
+        consumer_m2 = self.estimator == "alignopsd"
+        if self.mechanism2_enabled is None:
+            self.mechanism2_enabled = consumer_m2
+        _bool("mechanism2_enabled", self.mechanism2_enabled)
+        if self.mechanism2_enabled != consumer_m2:
+            raise ValueError(
+                f"mechanism2_enabled: {self.mechanism2_enabled} does not match the consumer estimator "
+                f"{self.estimator!r} (Mechanism 2 runs exactly for 'alignopsd')"
+            )
+        # derived credit fields
+        updates = {}
+        for key, src in _CREDIT_SYNC.items():
+            value = _getpath(self, src)
+            if key == "mode":
+                value = ABLATION_CREDIT_MODE[value]
+            if getattr(self.credit, key) != value:
+                updates[key] = value
+        if updates:
+            self.credit = dataclasses.replace(self.credit, **updates)
+
+    @property
+    def effective_alpha_max(self) -> float:
+        """α_max actually used: 0 under ablation A of the ``alignopsd`` estimator."""
+        if self.estimator == "alignopsd" and self.ablation == "A":
+            return 0.0
+        return self.rectify.alpha_max
+
+    @classmethod
+    def _check_derived(cls, data: dict, path: str) -> None:
+        """Reject explicit credit.* values that contradict their owner (called by :func:`from_dict`)."""
+        credit = data.get("credit")
+        if not isinstance(credit, dict):
+            return
+        for key, src in _CREDIT_SYNC.items():
+            if key not in credit:
+                continue
+            owner = _lookup_with_default(cls, data, src)
+            expected = ABLATION_CREDIT_MODE.get(owner, owner) if key == "mode" else owner
+            if credit[key] != expected:
+                where = f"{path}." if path else ""
+                raise ValueError(
+                    f"{where}credit.{key}: {credit[key]!r} contradicts {where}{src} = {owner!r}; "
+                    f"set {where}{src} instead"
+                )
+
+
+def _lookup_with_default(cls: type, data: dict, dotted: str) -> Any:
+    """Value of ``dotted`` in raw ``data``, else the dataclass default along that path."""
+    parts = dotted.split(".")
+    node: Any = data
+    tp: Any = cls
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+            if i == len(parts) - 1:
+                return node
+            tp = typing.get_type_hints(tp)[part]
+            continue
+        # fall back to defaults from here
+        f = {f.name: f for f in dataclasses.fields(tp)}[part]
+        val = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        for rest in parts[i + 1 :]:
+            val = getattr(val, rest)
+        return val
+    return node
+
+
+# ---------------------------------------------------------------------------------------------------------- loader
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args if a == value):
+            raise ValueError(f"{path}: unknown value {value!r}; allowed: {', '.join(map(repr, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ValueError(f"{path}: must not be null")
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, a, value)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)
+        except ValueError:
+            raise ValueError(
+                f"{path}: unknown value {value!r}; allowed: {', '.join(repr(m.value) for m in tp)}"
+            ) from None
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path}: expected a list, got {value!r}")
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(f"{path}[{i}]", args[0], v) for i, v in enumerate(value))
+        if origin is tuple and args:
+            if len(args) != len(value):
+                raise ValueError(f"{path}: expected {len(args)} entries, got {len(value)}")
+            return tuple(_coerce(f"{path}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+        inner = args[0] if args else Any
+        out = [_coerce(f"{path}[{i}]", inner, v) for i, v in enumerate(value)]
+        return tuple(out) if (origin is tuple or tp is tuple) else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {k: _coerce(f"{path}.{k}", vt, v) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ValueError(f"{path}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass ``cls`` (and nested sections) from a plain mapping, strictly.
+
+    Unknown keys raise ValueError with the dotted key and the allowed keys; values are type-checked
+    and converted (int → float where a float is expected; Literal fields list their allowed values);
+    the dataclasses' own ``__post_init__`` validation runs, with errors prefixed by ``path``.
+    """
+    if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
+        raise ValueError(f"cls: expected a dataclass type, got {cls!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    where = f"{path}." if path else ""
+    for k in data:
+        if k not in names:
+            raise ValueError(f"{where}{k}: unknown key; allowed keys here: {', '.join(names)}")
+    check = getattr(cls, "_check_derived", None)
+    if check is not None:
+        check(data, path)
+    kwargs = {k: _coerce(f"{where}{k}", hints[k], v) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(f"{where}{msg}" if path and not msg.startswith(path) else msg) from exc
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain mapping of a config (enums → values, tuples → lists); derived fields are left out."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        for dotted in getattr(type(obj), "_DERIVED", {}):
+            parts = dotted.split(".")
+            node = out
+            for p in parts[:-1]:
+                node = node.get(p, {})
+            if isinstance(node, dict):
+                node.pop(parts[-1], None)
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _parse_value(raw: str) -> Any:
+    if not raw.strip():
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"cannot parse value {raw!r} ({exc})") from exc
+
+
+def apply_overrides(obj: Any, overrides: list[str]) -> Any:
+    """Return a new config with dotted ``key=value`` overrides applied (``rectify.gamma=0.8``).
+
+    Values are parsed as YAML scalars/flow collections (safe loader, nothing is executed); the result
+    goes through :func:`from_dict`, so unknown keys and bad values raise ValueError naming the key.
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise ValueError(f"obj: expected a dataclass instance, got {type(obj).__name__}")
+    data = to_dict(obj)
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ValueError(f"overrides: expected 'key=value', got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not key or any(not p for p in parts):
+            raise ValueError(f"overrides: empty key in {item!r}")
+        try:
+            value = _parse_value(raw)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ValueError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (in {item!r})")
+            node = nxt
+        node[parts[-1]] = value
+    return from_dict(type(obj), data)
+
+
+# ---------------------------------------------------------------------------------------------------------- presets
+
+
+def _profile(
+    *,
+    gamma: float,
+    top_k: int,
+    alpha_max: float,
+    mode: str,
+    credit_temperature: float,
+    grpo_scope: str,
+    sdar: bool,
+    action_filter: bool,
+    kl_coef: float,
+    invalid_penalty: float,
+) -> AlgorithmConfig:
+    return AlgorithmConfig(
+        estimator="alignopsd",
+        ablation="E",
+        rectify=RectifyConfig(
+            gamma=gamma, top_k=top_k, alpha_max=alpha_max, mode=mode, action_filter=action_filter, action_threshold=0.8
+        ),
+        credit=CreditConfig(credit_temperature=credit_temperature),
+        sdar=SdarConfig(enabled=sdar, coef=0.01, beta=5.0),
+        grpo_scope=grpo_scope,
+        invalid_penalty=invalid_penalty,
+        kl_coef=kl_coef,
+    )
+
+
+def _m1_profile(*, kl_coef: float, invalid_penalty: float) -> AlgorithmConfig:
+    return AlgorithmConfig(
+        estimator="alignopsd_m1",
+        rectify=RectifyConfig(gamma=0.70, top_k=3, alpha_max=0.20, temperature=0.10, mode="probability_mixture"),
+        alignment=AlignmentLossConfig(coef=0.01, beta=5.0),
+        invalid_penalty=invalid_penalty,
+        kl_coef=kl_coef,
+    )
+
+
+PRESETS: dict[str, typing.Callable[[], AlgorithmConfig]] = {
+    # ALGORITHM.md §5, main AlignOPSD runs
+    "alfworld_3b": lambda: _profile(
+        gamma=0.65,
+        top_k=2,
+        alpha_max=0.8,
+        mode="probability_mixture",
+        credit_temperature=0.5,
+        grpo_scope="turn",
+        sdar=True,
+        action_filter=True,
+        kl_coef=0.01,
+        invalid_penalty=0.1,
+    ),
+    "alfworld_7b": lambda: _profile(
+        gamma=0.80,
+        top_k=3,
+        alpha_max=0.8,
+        mode="probability_mixture",
+        credit_temperature=0.5,
+        grpo_scope="turn",
+        sdar=False,
+        action_filter=False,
+        kl_coef=0.01,
+        invalid_penalty=0.1,
+    ),
+    "webshop_3b": lambda: _profile(
+        gamma=0.80,
+        top_k=3,
+        alpha_max=0.8,
+        mode="probability_mixture",
+        credit_temperature=0.2,
+        grpo_scope="turn",
+        sdar=False,
+        action_filter=True,
+        kl_coef=0.01,
+        invalid_penalty=0.1,
+    ),
+    "webshop_7b": lambda: _profile(
+        gamma=0.80,
+        top_k=2,
+        alpha_max=0.8,
+        mode="probability_mixture",
+        credit_temperature=0.5,
+        grpo_scope="turn",
+        sdar=False,
+        action_filter=False,
+        kl_coef=0.01,
+        invalid_penalty=0.1,
+    ),
+    "search_3b": lambda: _profile(
+        gamma=0.70,
+        top_k=3,
+        alpha_max=0.2,
+        mode="log_mean",
+        credit_temperature=1.0,
+        grpo_scope="trajectory",
+        sdar=False,
+        action_filter=False,
+        kl_coef=0.001,
+        invalid_penalty=0.01,
+    ),
+    "search_7b": lambda: _profile(
+        gamma=0.70,
+        top_k=3,
+        alpha_max=0.8,
+        mode="probability_mixture",
+        credit_temperature=0.5,
+        grpo_scope="turn",
+        sdar=False,
+        action_filter=False,
+        kl_coef=0.001,
+        invalid_penalty=0.01,
+    ),
+    # M1-only launchers
+    "m1_alfworld": lambda: _m1_profile(kl_coef=0.01, invalid_penalty=0.1),
+    "m1_webshop": lambda: _m1_profile(kl_coef=0.01, invalid_penalty=0.1),
+    "m1_search": lambda: _m1_profile(kl_coef=0.001, invalid_penalty=0.01),
+}
+"""Named presets: a zero-argument factory per profile returning a fresh AlgorithmConfig."""
+
+
+def get_preset(name: str) -> AlgorithmConfig:
+    """A fresh AlgorithmConfig of the named profile (ValueError listing the names if unknown)."""
+    if name not in PRESETS:
+        raise ValueError(f"name: unknown preset {name!r}; allowed: {', '.join(map(repr, PRESETS))}")
+    return PRESETS[name]()

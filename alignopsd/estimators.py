@@ -1,0 +1,408 @@
+"""Advantage estimators: a registry in the style of verl's ``core_algos.py``.
+
+Legend: M = canonical turns, L = response length, P = kept M1 pairs.
+
+Each estimator maps :class:`EstimatorInputs` (the step's tensors on canonical turns) and an
+``AlgorithmConfig`` to :class:`EstimatorOutput`: token advantages [M, L] (exactly 0 outside the
+policy mask), the auxiliary loss terms the actor must add (:class:`alignopsd.losses.AuxTerm`, with
+frozen tensors), and metrics. Its :class:`EstimatorSpec` declares which model phases the step must
+run (``needs_teacher_diag``: diagonal teacher forcing; ``needs_alignment``: teacher generation +
+encoder + cross scoring; ``needs_ref``: reference log-probs, i.e. ``kl_coef > 0``), so that the
+trainer runs only what an estimator uses (GRPO runs no teacher pass).
+
+Registered: ``grpo``, ``opsd``, ``grpo_opsd``, ``sdar``, ``rlsd``, ``alignopsd`` (ablations A–E),
+``alignopsd_m1``. Outcome-based estimators share the outcome advantage of ALGORITHM.md §3.1 plus the
+invalid-action residual of §3.10 (``grpo`` is therefore exactly AlignOPSD with w ≡ 1), except
+``alignopsd_m1``, which uses verl-agent GRPO over all rows with the penalty in the reward (§2.9).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from alignopsd._checks import as_tensor, check_finite, check_ids, check_ndim, check_shape
+from alignopsd.advantage import grpo_advantage, invalid_action_residual
+from alignopsd.losses import AuxTerm
+from alignopsd.rectify import Rectified, rectify
+
+if TYPE_CHECKING:  # pragma: no cover
+    from alignopsd.config import AlgorithmConfig
+
+__all__ = [
+    "ESTIMATORS",
+    "EstimatorInputs",
+    "EstimatorName",
+    "EstimatorOutput",
+    "EstimatorSpec",
+    "get_estimator",
+    "register_estimator",
+    "rlsd_lambda",
+    "rowwise_grpo_advantage",
+]
+
+
+class EstimatorName(str, enum.Enum):
+    """Names of the built-in estimators."""
+
+    GRPO = "grpo"
+    OPSD = "opsd"
+    GRPO_OPSD = "grpo_opsd"
+    SDAR = "sdar"
+    RLSD = "rlsd"
+    ALIGNOPSD = "alignopsd"
+    ALIGNOPSD_M1 = "alignopsd_m1"
+
+
+@dataclass
+class EstimatorInputs:
+    """The step tensors an estimator reads, on the M canonical turns (all detached).
+
+    old_logp: [M, L] ℓ^old, student log-probs at rollout. mask: [M, L] policy-loss mask (bool or 0/1).
+    outcome: [M] episode reward R (equal across a trajectory). task, rollout, turn: [M] integer ids.
+    invalid: [M] bool, the turn's action was invalid (None: all valid).
+    diag: [M, L] ℓ^diag, teacher log-probs of each turn's response under its own privileged prompt.
+    cross: [P, L] cross-scored log-probs of ``pairs``; pairs: [P, 2] (source, target) grouped by target.
+    H: [M, M] H[source, target]; eligible: [M, M] bool B[source, target].
+    copies: [M] long, rows per canonical turn (k; None: 1), used by alignopsd_m1's all-row statistics.
+    step: the training step (0-based), for schedules (RLSD λ).
+    """
+
+    old_logp: Tensor
+    mask: Tensor
+    outcome: Tensor
+    task: Tensor
+    rollout: Tensor
+    turn: Tensor
+    invalid: Tensor | None = None
+    diag: Tensor | None = None
+    cross: Tensor | None = None
+    pairs: Tensor | None = None
+    H: Tensor | None = None
+    eligible: Tensor | None = None
+    copies: Tensor | None = None
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.task, self.rollout, self.turn = check_ids(self.task, self.rollout, self.turn)
+        M = self.task.numel()
+        old = as_tensor(self.old_logp, "old_logp")
+        check_ndim(old, "old_logp", 2)
+        if old.shape[0] != M:
+            raise ValueError(f"old_logp: expected {M} rows like task, got {tuple(old.shape)}")
+        check_finite(old, "old_logp")
+        self.old_logp = old.detach().float()
+        L = old.shape[1]
+        mask = as_tensor(self.mask, "mask")
+        check_shape(mask, "mask", (M, L))
+        self.mask = mask
+        out = as_tensor(self.outcome, "outcome")
+        check_shape(out, "outcome", (M,))
+        self.outcome = out
+        if self.invalid is not None:
+            inv = as_tensor(self.invalid, "invalid")
+            check_shape(inv, "invalid", (M,))
+            if inv.dtype != torch.bool:
+                raise ValueError(f"invalid: expected a bool tensor, got {inv.dtype}")
+            self.invalid = inv
+        if self.diag is not None:
+            d = as_tensor(self.diag, "diag")
+            check_shape(d, "diag", (M, L))
+            check_finite(d, "diag")
+            self.diag = d.detach().float()
+        if self.copies is not None:
+            k = as_tensor(self.copies, "copies")
+            check_shape(k, "copies", (M,))
+            if k.is_floating_point() or bool((k < 1).any()):
+                raise ValueError("copies: expected integer counts >= 1")
+            self.copies = k.long()
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"step: expected an integer >= 0, got {self.step!r}")
+        if bool((self.mask.float().sum(1) <= 0).any()):
+            bad = int(torch.nonzero(self.mask.float().sum(1) <= 0)[0])
+            raise ValueError(f"mask: turn {bad} has no policy token (every canonical turn needs at least one)")
+
+    @property
+    def mask_f(self) -> Tensor:
+        return self.mask.to(torch.float32)
+
+    def require(self, *names: str) -> None:
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{missing[0]}: required by this estimator but not given")
+
+
+@dataclass
+class EstimatorOutput:
+    """token_advantage: [M, L] float32 (0 outside the mask); aux: auxiliary loss terms to add;
+    metrics: flat dict of floats; rectified / credit: the M1 / M2 results when computed."""
+
+    token_advantage: Tensor
+    aux: list[AuxTerm] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    rectified: Rectified | None = None
+    credit: Any = None
+
+
+EstimatorFn = Callable[[EstimatorInputs, "AlgorithmConfig"], EstimatorOutput]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """A registered estimator: its function and the phases the step must compute for it."""
+
+    name: str
+    fn: EstimatorFn
+    needs_teacher_diag: bool
+    needs_alignment: bool
+    uses_mechanism2: bool
+    description: str
+
+    def needs_ref(self, config: AlgorithmConfig) -> bool:
+        """Reference log-probs are needed iff the KL term is on."""
+        return float(config.kl_coef) > 0.0
+
+    def phases(self, config: AlgorithmConfig) -> dict[str, bool]:
+        """{'teacher_diag', 'alignment', 'ref', 'mechanism2'}: the step phases to run."""
+        diag = self.needs_teacher_diag or (self.name == "alignopsd" and config.sdar.enabled)
+        return {
+            "teacher_diag": diag,
+            "alignment": self.needs_alignment,
+            "ref": self.needs_ref(config),
+            "mechanism2": self.uses_mechanism2,
+        }
+
+    def __call__(self, inputs: EstimatorInputs, config: AlgorithmConfig) -> EstimatorOutput:
+        return self.fn(inputs, config)
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(
+    name: str | EstimatorName,
+    *,
+    needs_teacher_diag: bool = False,
+    needs_alignment: bool = False,
+    uses_mechanism2: bool = False,
+    description: str = "",
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator registering an estimator under ``name``; a duplicate name raises ValueError."""
+    key = name.value if isinstance(name, EstimatorName) else name
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+
+    def deco(fn: EstimatorFn) -> EstimatorFn:
+        if key in ESTIMATORS:
+            raise ValueError(f"name: estimator {key!r} is already registered")
+        ESTIMATORS[key] = EstimatorSpec(
+            name=key,
+            fn=fn,
+            needs_teacher_diag=needs_teacher_diag or needs_alignment,
+            needs_alignment=needs_alignment,
+            uses_mechanism2=uses_mechanism2,
+            description=description or (fn.__doc__ or "").strip().split("\n")[0],
+        )
+        return fn
+
+    return deco
+
+
+def get_estimator(name: str | EstimatorName) -> EstimatorSpec:
+    """The registered :class:`EstimatorSpec` of ``name`` (ValueError listing the registered names)."""
+    key = name.value if isinstance(name, EstimatorName) else name
+    if key not in ESTIMATORS:
+        raise ValueError(f"name: unknown estimator {key!r}; allowed: {', '.join(map(repr, ESTIMATORS))}")
+    return ESTIMATORS[key]
+
+
+# --------------------------------------------------------------------------------------------------- shared pieces
+
+
+def _outcome_advantage(inp: EstimatorInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """(A [M] per-turn GRPO advantage (§3.1), r [M] invalid residual (§3.10) or zeros, metrics)."""
+    A = grpo_advantage(inp.outcome, inp.task, inp.rollout, scope=cfg.grpo_scope, norm_by_std=cfg.norm_by_std)
+    A = A.to(inp.old_logp.device)
+    if cfg.use_invalid_penalty and inp.invalid is not None:
+        r = invalid_action_residual(inp.outcome, inp.invalid, inp.task, penalty=cfg.invalid_penalty)
+        r = r.to(A.device)
+    else:
+        r = torch.zeros_like(A)
+    metrics = {
+        "adv/outcome_advantage_mean": float(A.double().mean()),
+        "adv/outcome_advantage_abs_mean": float(A.double().abs().mean()),
+        "adv/invalid_residual_abs_mean": float(r.double().abs().mean()),
+    }
+    return A, r, metrics
+
+
+def _finish(token_adv: Tensor, inp: EstimatorInputs) -> Tensor:
+    return (token_adv * inp.mask_f).float().detach()
+
+
+def _teacher_gap(inp: EstimatorInputs) -> Tensor:
+    inp.require("diag")
+    return inp.diag - inp.old_logp  # type: ignore[operator]
+
+
+def rowwise_grpo_advantage(
+    score: Tensor, task: Tensor, copies: Tensor | None = None, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """verl-agent GRPO over all rows: per task, mean and unbiased std (+eps) of the row scores.
+
+    score: [M] per canonical turn; copies: [M] rows per turn (each turn's score is counted k times,
+    as verl-agent does on the padded batch). A task with a single row uses mean 0 and std 1.
+    Returns [M] float32.
+    """
+    s = as_tensor(score, "score").double()
+    t = as_tensor(task, "task").long()
+    M = s.numel()
+    k = torch.ones(M, dtype=torch.float64, device=s.device) if copies is None else copies.double().to(s.device)
+    _, tid = torch.unique(t, return_inverse=True)
+    G = int(tid.max()) + 1 if M else 0
+    n = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, tid, k)
+    mean = torch.zeros_like(n).index_add_(0, tid, k * s) / n
+    dev = s - mean[tid]
+    var = torch.zeros_like(n).index_add_(0, tid, k * dev * dev) / (n - 1.0).clamp_min(1.0)
+    single = n <= 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(var), var.sqrt())
+    centred = s - mean[tid]
+    out = centred / (std[tid] + eps) if norm_by_std else centred
+    return out.float()
+
+
+def rlsd_lambda(step: int, *, lambda_init: float, decay_steps: int) -> float:
+    """λ(step) = λ_init · max(0, 1 − step / decay_steps): linear decay to 0."""
+    return float(lambda_init) * max(0.0, 1.0 - float(step) / float(decay_steps))
+
+
+# --------------------------------------------------------------------------------------------------- estimators
+
+
+@register_estimator(EstimatorName.GRPO)
+def _grpo(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """GRPO: Â = mask · (A + r), the outcome advantage plus the invalid residual; no teacher pass."""
+    A, r, metrics = _outcome_advantage(inp, cfg)
+    return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), metrics=metrics)
+
+
+@register_estimator(EstimatorName.SDAR, needs_teacher_diag=True)
+def _sdar(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """SDAR: GRPO plus the §2.10 auxiliary (diagonal teacher, gate from the current policy)."""
+    inp.require("diag")
+    A, r, metrics = _outcome_advantage(inp, cfg)
+    aux = [AuxTerm("sdar", inp.diag, coef=cfg.sdar.coef, beta=cfg.sdar.beta)]  # type: ignore[arg-type]
+    gap = _teacher_gap(inp)[inp.mask.bool()]
+    metrics["sdar/teacher_gap_mean_rollout"] = float(gap.double().mean())
+    return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics)
+
+
+@register_estimator(EstimatorName.OPSD, needs_teacher_diag=True)
+def _opsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """OPSD: gated distillation only (the SDAR-form term with the diagonal teacher); no outcome advantage."""
+    inp.require("diag")
+    aux = [AuxTerm("sdar", inp.diag, coef=cfg.opsd.coef, beta=cfg.opsd.beta)]  # type: ignore[arg-type]
+    gap = _teacher_gap(inp)[inp.mask.bool()]
+    metrics = {"opsd/teacher_gap_mean": float(gap.double().mean())}
+    return EstimatorOutput(torch.zeros_like(inp.old_logp), aux=aux, metrics=metrics)
+
+
+@register_estimator(EstimatorName.GRPO_OPSD, needs_teacher_diag=True)
+def _grpo_opsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """GRPO + dense OPSD shaping, StepOPSD-style (sign-preserving, per-step credit budget).
+
+    Per token m = clip(exp(sign(A)·δ), 1 − α_clip, 1 + α_clip) with δ = ℓ^diag − ℓ^old; each turn (agent
+    step) normalises m to token-mean 1 (the step's credit budget), and the result is mixed globally:
+    Â = mask · (A · ((1 − λ_mix) + λ_mix · m / mean_step(m)) + r). Multipliers are positive, so the sign
+    of A is preserved, and each turn's token-sum of A-credit equals A · N_u.
+    """
+    A, r, metrics = _outcome_advantage(inp, cfg)
+    delta = _teacher_gap(inp)
+    mf = inp.mask_f
+    mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(1.0 - cfg.opsd.clip, 1.0 + cfg.opsd.clip)
+    step_mean = (mult * mf).sum(1) / mf.sum(1)
+    shaped = mult / step_mean[:, None]
+    lam = cfg.opsd.mix
+    adv = A[:, None] * ((1.0 - lam) + lam * shaped) + r[:, None]
+    metrics["opsd/multiplier_mean"] = float((shaped * mf).sum() / mf.sum())
+    metrics["opsd/teacher_gap_mean"] = float((delta * mf).sum() / mf.sum())
+    return EstimatorOutput(_finish(adv, inp), metrics=metrics)
+
+
+@register_estimator(EstimatorName.RLSD, needs_teacher_diag=True)
+def _rlsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """RLSD: Â = mask · (A·((1−λ) + λ·clip(exp(sign(A)·Δ), lo, hi)) + r), Δ = ℓ^diag − ℓ^old, λ decayed to 0."""
+    A, r, metrics = _outcome_advantage(inp, cfg)
+    delta = _teacher_gap(inp)
+    lam = rlsd_lambda(inp.step, lambda_init=cfg.rlsd.lambda_init, decay_steps=cfg.rlsd.decay_steps)
+    mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(cfg.rlsd.clip_low, cfg.rlsd.clip_high)
+    adv = A[:, None] * ((1.0 - lam) + lam * mult) + r[:, None]
+    mf = inp.mask_f
+    metrics["rlsd/lambda"] = lam
+    metrics["rlsd/multiplier_mean"] = float((mult * mf).sum() / mf.sum())
+    return EstimatorOutput(_finish(adv, inp), metrics=metrics)
+
+
+def _run_m1(inp: EstimatorInputs, cfg: AlgorithmConfig) -> tuple[Rectified, Tensor, dict[str, float]]:
+    """Rectify (§2.7) with the config's α_max (0 under ablation A); returns (rect, δ̃ [M, L], m1 metrics)."""
+    from alignopsd.diagnostics import m1_diagnostics
+
+    inp.require("diag", "H", "eligible")
+    M, L = inp.old_logp.shape
+    pairs = inp.pairs if inp.pairs is not None else torch.zeros(0, 2, dtype=torch.long)
+    cross = inp.cross if inp.cross is not None else torch.zeros(0, L)
+    rect = rectify(
+        inp.diag,  # type: ignore[arg-type]
+        cross,
+        pairs,
+        inp.H,  # type: ignore[arg-type]
+        gamma=cfg.rectify.gamma,
+        alpha_max=cfg.effective_alpha_max,
+        temperature=cfg.rectify.temperature,
+        mode=cfg.rectify.mode,
+    )
+    _, gap = rect.gaps(inp.old_logp)
+    metrics = m1_diagnostics(rect, inp.old_logp, inp.mask, inp.H, inp.eligible, inp.turn, top_k=cfg.rectify.top_k)  # type: ignore[arg-type]
+    return rect, gap, metrics
+
+
+@register_estimator(EstimatorName.ALIGNOPSD, needs_alignment=True, uses_mechanism2=True)
+def _alignopsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """AlignOPSD: M1 rectification, then M2 credit (ablation A–E) on δ̃, plus the invalid residual;
+    the SDAR auxiliary when ``cfg.sdar.enabled``. M2 adds no alignment loss term."""
+    from alignopsd.credit import allocate_credit
+
+    rect, gap, metrics = _run_m1(inp, cfg)
+    invalid = inp.invalid if cfg.use_invalid_penalty else None
+    credit = allocate_credit(
+        gap, inp.mask, inp.outcome, inp.task, inp.rollout, inp.turn, inp.H, inp.eligible, cfg.credit, invalid=invalid
+    )
+    adv = credit.token_advantage.to(inp.old_logp.device).float()  # includes the §3.10 residual
+    metrics.update({k: float(v) for k, v in credit.metrics.items()})
+    aux: list[AuxTerm] = []
+    if cfg.sdar.enabled:
+        aux.append(AuxTerm("sdar", inp.diag, coef=cfg.sdar.coef, beta=cfg.sdar.beta))  # type: ignore[arg-type]
+    return EstimatorOutput(_finish(adv, inp), aux=aux, metrics=metrics, rectified=rect, credit=credit)
+
+
+@register_estimator(EstimatorName.ALIGNOPSD_M1, needs_alignment=True)
+def _alignopsd_m1(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+    """M1-only (§2.9): verl-agent GRPO over all rows on R − c·invalid, plus coef · L_align with the
+    rollout-frozen δ̃ gate."""
+    rect, gap, metrics = _run_m1(inp, cfg)
+    score = inp.outcome.double()
+    if cfg.use_invalid_penalty and inp.invalid is not None:
+        score = score - cfg.invalid_penalty * inp.invalid.double()
+    A = rowwise_grpo_advantage(score, inp.task, inp.copies, norm_by_std=cfg.norm_by_std).to(inp.old_logp.device)
+    aux = [
+        AuxTerm("alignment", rect.corrected, coef=cfg.alignment.coef, beta=cfg.alignment.beta, gate_gap_ML=gap),
+    ]
+    metrics["beyond_timestamps/alignment_coef"] = float(cfg.alignment.coef)
+    metrics["adv/outcome_advantage_abs_mean"] = float(A.double().abs().mean())
+    return EstimatorOutput(_finish(A[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics, rectified=rect)
