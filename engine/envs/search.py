@@ -260,8 +260,9 @@ def load_tasks(
     tasks = []
     for r in rows:
         payload = {"question": r["question"], "golden_answers": list(r["golden_answers"]), **extra}
-        if "kind" in r:
-            payload["kind"] = r["kind"]
+        for k in ("kind", "support"):  # question kind and supporting passage titles (never shown to the agent)
+            if k in r:
+                payload[k] = r[k]
         tasks.append(TaskSpec(key=f"search-{split}-{r['id']}", env="search", category=r["data_source"],
                               data_source=r["data_source"], payload=payload))  # fmt: skip
     return tasks
