@@ -187,7 +187,7 @@ class EnvConfig:
     teacher_max_response_length: int | None = 2048
     """Teacher generation budget; None means the student budget (ALGORITHM.md §1.7)."""
     workers: int = 4
-    """Environment worker processes."""
+    """Environment worker processes (0: environments run in the trainer process)."""
     step_timeout_s: float = 60.0
     """Per-step environment timeout (a hung environment ends that episode as failed)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -195,8 +195,9 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         _choice("env.name", self.name, ENV_NAMES)
-        for key in ("num_games", "group_n", "tasks_per_step", "val_tasks", "max_turns", "max_prompt_length", "workers"):
+        for key in ("num_games", "group_n", "tasks_per_step", "val_tasks", "max_turns", "max_prompt_length"):
             _positive(f"env.{key}", getattr(self, key))
+        _positive("env.workers", self.workers, allow_zero=True)
         _positive("env.history_length", self.history_length, allow_zero=True)
         if self.teacher_max_response_length is not None:
             _positive("env.teacher_max_response_length", self.teacher_max_response_length)
