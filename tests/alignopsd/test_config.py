@@ -1,0 +1,168 @@
+"""Typed configs, presets of ALGORITHM.md §5, strict loader, overrides (§6 case 48)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from alignopsd.config import (
+    PRESETS,
+    AlgorithmConfig,
+    AlignmentLossConfig,
+    RectifyConfig,
+    RlsdConfig,
+    SdarConfig,
+    apply_overrides,
+    from_dict,
+    get_preset,
+    to_dict,
+)
+
+# γ, K, α_max, aggregation, T_c, GRPO scope, SDAR aux, action filter, kl coef, invalid penalty
+TABLE = {
+    "alfworld_3b": (0.65, 2, 0.8, "probability_mixture", 0.5, "turn", True, True, 0.01, 0.1),
+    "alfworld_7b": (0.80, 3, 0.8, "probability_mixture", 0.5, "turn", False, False, 0.01, 0.1),
+    "webshop_3b": (0.80, 3, 0.8, "probability_mixture", 0.2, "turn", False, True, 0.01, 0.1),
+    "webshop_7b": (0.80, 2, 0.8, "probability_mixture", 0.5, "turn", False, False, 0.01, 0.1),
+    "search_3b": (0.70, 3, 0.2, "log_mean", 1.0, "trajectory", False, False, 0.001, 0.01),
+    "search_7b": (0.70, 3, 0.8, "probability_mixture", 0.5, "turn", False, False, 0.001, 0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_paper_profiles(name):
+    c = get_preset(name)
+    got = (
+        c.rectify.gamma,
+        c.rectify.top_k,
+        c.rectify.alpha_max,
+        c.rectify.mode,
+        c.credit.credit_temperature,
+        c.grpo_scope,
+        c.sdar.enabled,
+        c.rectify.action_filter,
+        c.kl_coef,
+        c.invalid_penalty,
+    )
+    assert got == TABLE[name]
+    assert c.estimator == "alignopsd" and c.ablation == "E" and c.mechanism2_enabled
+    # common values
+    assert (c.rectify.temperature, c.rectify.source_rollout_cap, c.rectify.action_threshold) == (0.1, 1, 0.8)
+    cr = c.credit
+    assert (cr.profile_temperature, cr.distance, cr.quantile, cr.tau_min, cr.tau_max) == (0.1, "jsd", 0.8, 0.01, 0.1)
+    assert (cr.min_span_turns, cr.max_span_turns, cr.mixing, cr.density_upper_bound, cr.weighting) == (
+        2,
+        8,
+        0.5,
+        4.0,
+        "legacy",
+    )
+    assert cr.gamma == c.rectify.gamma  # profile validity uses the M1 γ
+    assert (c.clip_low, c.clip_high, c.entropy_coef, c.loss_agg_mode) == (0.2, 0.2, 0.001, "token-mean")
+    assert (c.sdar.coef, c.sdar.beta) == (0.01, 5.0)
+    # round trip through plain dicts
+    assert from_dict(AlgorithmConfig, to_dict(c)) == c
+
+
+@pytest.mark.parametrize(
+    "name,kl,pen", [("m1_alfworld", 0.01, 0.1), ("m1_webshop", 0.01, 0.1), ("m1_search", 0.001, 0.01)]
+)
+def test_m1_only_profiles(name, kl, pen):
+    c = PRESETS[name]()
+    assert c.estimator == "alignopsd_m1" and not c.mechanism2_enabled
+    assert (c.rectify.gamma, c.rectify.top_k, c.rectify.alpha_max, c.rectify.temperature) == (0.7, 3, 0.2, 0.1)
+    assert c.rectify.mode == "probability_mixture"
+    assert (c.alignment.beta, c.alignment.coef, c.kl_coef, c.invalid_penalty) == (5.0, 0.01, kl, pen)
+    assert from_dict(AlgorithmConfig, to_dict(c)) == c
+
+
+def test_case48_consistency():
+    with pytest.raises(ValueError, match="mechanism2_enabled"):
+        AlgorithmConfig(estimator="alignopsd_m1", mechanism2_enabled=True)
+    with pytest.raises(ValueError, match="mechanism2_enabled"):
+        AlgorithmConfig(estimator="alignopsd", mechanism2_enabled=False)
+    assert AlgorithmConfig(estimator="alignopsd", mechanism2_enabled=True).mechanism2_enabled
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        AlgorithmConfig(loss_agg_mode="seq-mean-token-sum")
+    with pytest.raises(ValueError, match="coef"):
+        SdarConfig(coef=-0.01)
+    SdarConfig(coef=0.0)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="beta"):
+            SdarConfig(beta=bad)
+        with pytest.raises(ValueError, match="beta"):
+            AlignmentLossConfig(beta=bad)
+    with pytest.raises(ValueError, match="algorithm.sdar.coef"):
+        from_dict(AlgorithmConfig, {"sdar": {"coef": -1.0}}, "algorithm")
+
+
+def test_field_validation():
+    with pytest.raises(ValueError, match="source_rollout_cap"):
+        RectifyConfig(source_rollout_cap=2)
+    with pytest.raises(ValueError, match="gamma"):
+        RectifyConfig(gamma=1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        RectifyConfig(top_k=0)
+    with pytest.raises(ValueError, match="alpha_max"):
+        RectifyConfig(alpha_max=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        RectifyConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="clip_high"):
+        RlsdConfig(clip_low=1.1, clip_high=1.0)
+    with pytest.raises(ValueError, match="estimator"):
+        AlgorithmConfig(estimator="ppo")
+    with pytest.raises(ValueError, match="dual_clip"):
+        AlgorithmConfig(dual_clip=1.0)
+    # every field has a docstring in the source
+    import inspect
+
+    import alignopsd.config as mod
+
+    src = inspect.getsource(mod)
+    for cls in (RectifyConfig, AlignmentLossConfig, SdarConfig, RlsdConfig, AlgorithmConfig):
+        for f in dataclasses.fields(cls):
+            assert f"{f.name}:" in src
+
+
+def test_strict_loader_messages():
+    with pytest.raises(ValueError, match=r"algorithm\.rectify\.gama: unknown key; allowed keys here: gamma, top_k"):
+        from_dict(AlgorithmConfig, {"rectify": {"gama": 0.5}}, "algorithm")
+    with pytest.raises(
+        ValueError, match=r"rectify\.mode: unknown value 'foo'; allowed: 'probability_mixture', 'log_mean'"
+    ):
+        from_dict(AlgorithmConfig, {"rectify": {"mode": "foo"}})
+    with pytest.raises(ValueError, match=r"ablation: unknown value 'F'"):
+        from_dict(AlgorithmConfig, {"ablation": "F"})
+    with pytest.raises(ValueError, match=r"rectify\.top_k: expected an integer"):
+        from_dict(AlgorithmConfig, {"rectify": {"top_k": 2.5}})
+    with pytest.raises(ValueError, match=r"rectify\.action_filter: expected true or false"):
+        from_dict(AlgorithmConfig, {"rectify": {"action_filter": "yes"}})
+    with pytest.raises(ValueError, match=r"rectify: expected a mapping"):
+        from_dict(AlgorithmConfig, {"rectify": 3})
+    with pytest.raises(ValueError, match=r"credit\.gamma: 0\.5 contradicts rectify\.gamma"):
+        from_dict(AlgorithmConfig, {"credit": {"gamma": 0.5}})
+    with pytest.raises(ValueError, match=r"credit\.mode: 'token' contradicts ablation"):
+        from_dict(AlgorithmConfig, {"credit": {"mode": "token"}, "ablation": "E"})
+    c = from_dict(AlgorithmConfig, {"credit": {"mode": "token"}, "ablation": "B", "rectify": {"gamma": 0}})
+    assert c.credit.mode == "token" and isinstance(c.rectify.gamma, float) and c.credit.gamma == 0.0
+
+
+def test_overrides():
+    base = get_preset("alfworld_7b")
+    c = apply_overrides(base, ["rectify.gamma=0.75", "rectify.action_filter=true", "ablation=C", "kl_coef=0"])
+    assert c.rectify.gamma == 0.75 and c.credit.gamma == 0.75
+    assert c.rectify.action_filter is True and c.credit.mode == "turn" and c.kl_coef == 0.0
+    assert base.rectify.gamma == 0.8  # the input is not modified
+    c2 = apply_overrides(base, ["estimator=grpo"])
+    assert not c2.mechanism2_enabled
+    with pytest.raises(ValueError, match=r"rectify\.gama: unknown key"):
+        apply_overrides(base, ["rectify.gama=0.5"])
+    with pytest.raises(ValueError, match="overrides"):
+        apply_overrides(base, ["rectify.gamma"])
+    with pytest.raises(ValueError, match=r"kl_coef: is a value, not a section"):
+        apply_overrides(base, ["kl_coef.x=1"])
+    with pytest.raises(ValueError, match="rectify.top_k"):
+        apply_overrides(base, ["rectify.top_k=__import__('os')"])
+    with pytest.raises(ValueError, match="name"):
+        get_preset("alfworld_1b")
