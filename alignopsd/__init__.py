@@ -21,6 +21,10 @@ _EXPORTS: dict[str, str] = {
     "action_filter": "rectify",
     "rectify": "rectify",
     "Rectified": "rectify",
+    "similarity_matrix": "rectify",
+    "pairs_from_selection": "rectify",
+    "cross_inputs": "rectify",
+    "policy_mask": "rectify",
     # mechanism 2
     "correspondence_profiles": "credit",
     "boundary_scores": "credit",
@@ -35,6 +39,14 @@ _EXPORTS: dict[str, str] = {
     # losses
     "ppo_loss": "losses",
     "low_var_kl": "losses",
+    "entropy_bonus": "losses",
+    "alignment_loss": "losses",
+    "sdar_loss": "losses",
+    "token_mean": "losses",
+    "microbatch_scales": "losses",
+    "weighted_token_count": "losses",
+    "auxiliary_loss": "losses",
+    "AuxTerm": "losses",
     # canonical turns
     "canonicalize": "canonical",
     "Canonical": "canonical",
@@ -43,6 +55,25 @@ _EXPORTS: dict[str, str] = {
     "get_estimator": "estimators",
     "register_estimator": "estimators",
     "EstimatorName": "estimators",
+    "EstimatorSpec": "estimators",
+    "EstimatorInputs": "estimators",
+    "EstimatorOutput": "estimators",
+    "AlgorithmConfig": "config",
+    "RectifyConfig": "config",
+    "AlignmentLossConfig": "config",
+    "SdarConfig": "config",
+    "RlsdConfig": "config",
+    "OpsdConfig": "config",
+    "PRESETS": "config",
+    "get_preset": "config",
+    "from_dict": "config",
+    "to_dict": "config",
+    "apply_overrides": "config",
+    # model-free diagnostics
+    "m1_diagnostics": "diagnostics",
+    "paired_sign_flips": "diagnostics",
+    "off_turn_match_weight": "diagnostics",
+    "action_filter_metrics": "diagnostics",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
