@@ -141,6 +141,7 @@ class SearchEnv:
         self.corpus_path = str(corpus_path) if corpus_path else None
         self.topk, self.max_steps, self.timeout, self.retries = topk, max_steps, timeout, retries
         self._clients: dict[str, RetrieverClient] = {}
+        self.last_url = "local" if retriever_url == "local" else None
         self.task: TaskSpec | None = None
         self.done = True
 
@@ -162,6 +163,7 @@ class SearchEnv:
             url = ensure_retriever(corpus_path=corpus)
         if url not in self._clients:
             self._clients[url] = RetrieverClient(url, timeout=self.timeout, retries=self.retries)
+        self.last_url = url
         return self._clients[url].retrieve([query], self.topk)[0]
 
     def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
@@ -209,7 +211,7 @@ class SearchEnv:
             self.queries.append(text)
             docs = self._retrieve(text)
             obs = f"<information>{format_passages(docs)}</information>"
-            info = self._info(search_query=text, retrieved_ids=[d.id for d in docs])
+            info = self._info(search_query=text, retrieved_ids=[d.id for d in docs], retriever_url=self.last_url)
         else:
             obs = INVALID_OBSERVATION
             info = self._info(action_admissible=False)

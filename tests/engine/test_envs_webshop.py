@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.prompts import PromptContext
 from alignopsd.engine.envs.webshop import (
