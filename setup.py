@@ -21,7 +21,7 @@ try:
             "alignopsd._C",
             sorted(["csrc/alignopsd_C.cpp"]),
             cxx_std=17,
-            extra_compile_args=["-O3"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],  # no fused multiply-add: bit-identical to Python
         )
     ]
 except ImportError:  # pybind11 missing: pure-Python install
@@ -52,6 +52,7 @@ setup(
         "alignopsd.engine.envs",
         "alignopsd.engine.policy",
         "alignopsd.engine.generation",
+        "alignopsd.engine.policy.megatron",
     ],
     package_dir={
         "alignopsd": "alignopsd",
@@ -60,6 +61,7 @@ setup(
         "alignopsd.engine.envs": "engine/envs",
         "alignopsd.engine.policy": "engine/policy",
         "alignopsd.engine.generation": "engine/generation",
+        "alignopsd.engine.policy.megatron": "engine/policy/megatron",
     },
     package_data={"alignopsd.engine.envs": ["skills/*/*.md", "skills/*/*.json", "data/*"]},
     ext_modules=ext_modules,

@@ -1,0 +1,1 @@
+"""Megatron-core tensor-parallel policy backend."""

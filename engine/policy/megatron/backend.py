@@ -1,0 +1,302 @@
+"""The Megatron policy backend (``policy.backend: megatron``).
+
+Legend: B = rows, T = Lp + L tokens per row, L = response length, N = scored response tokens,
+D = hidden size, V = vocabulary, tp = tensor-parallel size.
+
+The policy is a megatron-core ``GPTModel`` with tensor parallelism and data parallelism from
+``megatron.core.parallel_state``, wrapped in megatron-core's ``DistributedDataParallel`` and
+stepped by megatron-core's optimizer (``get_megatron_optimizer``: Adam with decoupled weight
+decay, gradient clipping over all shards without counting tensor-parallel duplicates twice;
+``use_distributed_optimizer`` shards its state over data-parallel ranks). Log-probabilities of
+response tokens come from ``alignopsd.kernels.logprob_vocab_parallel`` on each rank's vocabulary
+shard: no rank ever holds the full [N, V] logits, gathered or not.
+
+Launch with ``torchrun``; world size = tp × data-parallel size. Without CUDA the backend applies
+``cpu_shim`` (and only then), so the same code runs under gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from alignopsd.engine.policy.megatron import cpu_shim
+from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
+from alignopsd.engine.policy.megatron.model import (
+    build_gpt_model,
+    forward_hidden,
+    local_names,
+    output_weight,
+    te_names,
+)
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def init_parallel(tp: int, seed: int = 0) -> None:
+    """Initialise torch.distributed (from torchrun's environment) and megatron's parallel state."""
+    cpu_shim.apply_if_needed()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the world size {world}")
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp:
+            raise ValueError(
+                f"tensor_parallel_size: parallel state already initialised with tp="
+                f"{ps.get_tensor_model_parallel_world_size()}, asked for {tp}"
+            )
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+class MegatronPolicy:
+    """A megatron-core GPTModel as the trained policy (``PolicyBackend``).
+
+    hf_config / hf_state_dict: the Hugging Face model to start from (every rank passes the full
+    state dict; each keeps its shard). tp: tensor-parallel size. lr, weight_decay, betas, eps:
+    Adam(W) settings. distributed_optimizer: shard optimizer state over data-parallel ranks.
+    """
+
+    def __init__(
+        self,
+        hf_config,
+        hf_state_dict: dict[str, Tensor],
+        *,
+        tp: int = 1,
+        lr: float = 1e-6,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        params_dtype: torch.dtype = torch.float32,
+        distributed_optimizer: bool = False,
+        layer_spec: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr: must be > 0, got {lr}")
+        init_parallel(tp, seed)
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
+
+        self.hf_config = hf_config
+        self.dims = Dims.from_hf_config(hf_config)
+        self.tp = tp
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec)
+        self.load_hf_state_dict(hf_state_dict)
+        self.ddp = DistributedDataParallel(
+            self.model.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+            ),
+            self.model,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=lr,
+                weight_decay=weight_decay,
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                adam_eps=eps,
+                clip_grad=1.0,
+                bf16=params_dtype == torch.bfloat16,
+                fp16=False,
+                params_dtype=params_dtype,
+                use_distributed_optimizer=distributed_optimizer,
+            ),
+            [self.ddp],
+        )
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+    # ------------------------------------------------------------------------------------------
+    def _shard_state(self) -> dict[str, Tensor]:
+        sd = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        return local_names(sd)
+
+    def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
+        """Load this rank's shard of a full Hugging Face state dict (in place)."""
+        shard = hf_to_megatron(hf, self.dims, self.tp, self.tp_rank)
+        if self.spec == "te":
+            shard = te_names(shard)
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(params) - set(shard))
+        if missing:
+            raise ValueError(f"state_dict: no value for megatron parameters {missing[:5]}")
+        with torch.no_grad():
+            for name, value in shard.items():
+                if name not in params:
+                    raise ValueError(f"state_dict: converted weight {name!r} has no megatron parameter")
+                if params[name].shape != value.shape:
+                    raise ValueError(
+                        f"state_dict: {name} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(value)
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Full weights in Hugging Face layout, gathered over the tensor-parallel group (every rank gets them)."""
+        local = {k: v.detach().contiguous() for k, v in self._shard_state().items()}
+        if self.tp == 1:
+            return megatron_to_hf([local], self.dims)
+        shards: list[dict[str, Tensor]] = [{} for _ in range(self.tp)]
+        for name in sorted(local):
+            parts = [torch.empty_like(local[name]) for _ in range(self.tp)]
+            dist.all_gather(parts, local[name], group=self.tp_group)
+            for r in range(self.tp):
+                shards[r][name] = parts[r]
+        return megatron_to_hf(shards, self.dims)
+
+    # ------------------------------------------------------------------------------------------
+    # scoring
+    # ------------------------------------------------------------------------------------------
+    def _logprob(self, hidden_ND: Tensor, targets_N: Tensor, temperature: float, with_entropy: bool):
+        from alignopsd.kernels.logprob import logprob, logprob_vocab_parallel  # noqa: PLC0415
+
+        weight = output_weight(self.model)
+        if self.tp == 1:
+            out = logprob(hidden_ND, weight, targets_N, temperature=temperature, with_entropy=with_entropy)
+        else:
+            out = logprob_vocab_parallel(
+                hidden_ND,
+                weight,
+                targets_N,
+                group=self.tp_group,
+                vocab_start=self.tp_rank * int(weight.shape[0]),
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+        return out if with_entropy else (out, None)
+
+    def response_logprobs(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_length: int,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        grad: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """([B, L] fp32 log-probs of the last ``response_length`` columns, [B, L] entropy or None).
+
+        Same contract as the Hugging Face backend: masked-out response positions get 0. Every rank of
+        a tensor-parallel group must call this with the same rows.
+        """
+        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
+        t = int(input_ids.shape[1])
+        if not 0 < response_length < t:
+            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
+        lp = t - response_length
+        rmask_BL = attention_mask[:, lp:].bool()
+        ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        self.model.train(grad)
+        with ctx:
+            hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
+            h_BLD = hidden_BTD[:, lp - 1 :]
+            logp_N, ent_N = self._logprob(h_BLD[rmask_BL], input_ids[:, lp:][rmask_BL], temperature, with_entropy)
+            logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
+            logp_BL = logp_BL.masked_scatter(rmask_BL, logp_N.float())
+            ent_BL = None
+            if with_entropy:
+                ent_BL = torch.zeros_like(logp_BL).masked_scatter(rmask_BL, ent_N.float())
+        return logp_BL, ent_BL
+
+    # ------------------------------------------------------------------------------------------
+    # optimisation
+    # ------------------------------------------------------------------------------------------
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Skip the data-parallel gradient reduction (all micro-batches but the last)."""
+        return self.ddp.no_sync()
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def optimizer_step(self, max_grad_norm: float | None) -> dict:
+        """Reduce gradients over data parallel, clip over all shards, step; skip on a non-finite norm."""
+        self.ddp.finish_grad_sync()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            log.warning("optimizer step skipped: gradient norm is %s", norm)
+            self.skipped_steps += 1
+            self.zero_grad()
+            return {"grad_norm": norm, "skipped": True, "lr": lr}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.config.clip_grad = float(max_grad_norm) if max_grad_norm and max_grad_norm > 0 else 0.0
+        ok, _, _ = self.optimizer.step()
+        self.steps += 1
+        self.zero_grad()
+        return {"grad_norm": norm, "skipped": not ok, "lr": lr}
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints (torch.distributed.checkpoint)
+    # ------------------------------------------------------------------------------------------
+    def _dcp_state(self) -> dict[str, Any]:
+        """Keys name the tensor-parallel rank, never the data-parallel one: data-parallel replicas
+        write one copy, and a checkpoint loads at any data-parallel size (same tp)."""
+        prefix = f"tp{self.tp_rank}of{self.tp}"
+        opt = self.optimizer.state_dict()
+        return {
+            f"{prefix}/model": self.model.state_dict(),
+            f"{prefix}/optimizer": opt,
+            "steps": torch.tensor(self.steps),
+        }
+
+    def save_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        dcp.save(self._dcp_state(), checkpoint_id=path)
+
+    def _materialize_optimizer_state(self) -> None:
+        """Give every parameter its Adam state (zeros) so that a checkpoint can be loaded into it in place."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p.data)
+                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        self._materialize_optimizer_state()
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=path)
+        prefix = f"tp{self.tp_rank}of{self.tp}"
+        self.model.load_state_dict(state[f"{prefix}/model"], strict=False)
+        self.optimizer.load_state_dict(state[f"{prefix}/optimizer"])
+        self.steps = int(state["steps"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._dcp_state()
