@@ -2,10 +2,12 @@
 
 megatron-core assumes CUDA in a few places: ``torch.cuda.current_device()`` as the device of
 new buffers (RoPE frequencies, gathered activations), the CUDA RNG state of its model-parallel
-RNG tracker, and ``torch.cuda.manual_seed``. On a machine without CUDA this module redirects
-exactly those calls (and the default causal mask built with ``device="cuda"``) to the CPU so that the same backend code runs under gloo (tests, CI,
-laptops). It is only ever applied by the Megatron backend, and only when CUDA is absent; with
-CUDA it does nothing. Nothing outside this backend touches ``torch.cuda``.
+RNG tracker, ``torch.cuda.manual_seed``, the default causal mask and small tensors of the
+optimizer and DDP grad buffers made with ``device="cuda"``, and a ``torch.cuda.FloatTensor``
+assertion in gradient clipping. On a machine without CUDA this module redirects exactly those
+calls to the CPU so that the same backend code runs under gloo (tests, CI, laptops). It is only
+ever applied by the Megatron backend, and only when CUDA is absent; with CUDA it does nothing.
+Nothing outside this backend touches ``torch.cuda``.
 """
 
 from __future__ import annotations
