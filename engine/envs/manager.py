@@ -19,7 +19,8 @@ entries for finished episodes are ignored (pass ``""`` or ``None``). A finished 
 last observation, reward 0 and done True. Each active response is parsed (parsing.parse_response with
 the environment's action tags): ``is_action_valid`` is true when the response is well formed (a
 non-empty ``<think>`` block, exactly one action block, no CJK) **and** the action is admissible (for
-environments that list admissible actions). A well-formed action is lower-cased for ALFWorld and
+environments that list admissible actions) **and** the environment did not report
+``info["action_admissible"] = False`` for it. A well-formed action is lower-cased for ALFWorld and
 handed to the environment even when it is not admissible (the engine answers "Nothing happens.");
 a malformed response hands the environment the empty action ``""``, which every environment must
 treat as a no-op that still costs a step. Parsing never raises.
@@ -323,6 +324,9 @@ class EnvManager:
                 ep.history.append((ep.obs_raw, shown))
                 continue
             obs, reward, done, info = payload
+            if info.get("action_admissible") is False:  # the environment's own verdict (WebShop, Search)
+                valids[idx] = False
+                self._metrics["invalid_actions"] += int(parsed[idx][2])
             ep.env_actions.append(env_action)
             ep.history.append((ep.obs_raw, shown))
             ep.obs_raw, ep.info = obs, info

@@ -1,0 +1,338 @@
+"""ALFWorld on its real engine: alfworld's TextWorld PDDL environment, official data or generated games.
+
+Games are ``game.tw-pddl`` files in the layout of the ALFWorld download
+(``<root>/json_2.1.1/{train,valid_seen,valid_unseen}/<task>/<trial>/game.tw-pddl`` next to
+``traj_data.json``). They are played through alfworld's own text environment stack: TextWorld's
+``PddlEnv`` wrapped in alfworld's ``AlfredDemangler`` (object names like ``apple 1``) and
+``AlfredInfos`` (game file in the infos), the same wrappers ``AlfredTWEnv`` registers.
+
+Task sources (:func:`load_tasks`):
+
+* official data: ``data_dir=...`` or the ``ALFWORLD_DATA`` environment variable, when that folder
+  holds ``json_2.1.1``; games are collected the way ``AlfredTWEnv.collect_game_files`` does (skip
+  movable/sliced trajectories and games not marked solvable);
+* otherwise the embedded default: games made by :mod:`.alfworld_gen`, generated on first use and cached
+  under ``$ALIGNOPSD_CACHE`` or ``~/.cache/alignopsd/alfworld/<version>/``, keyed by split, seed and count.
+
+Episode rules: reward 10 when won, else 0; at most 50 steps; admissible commands come from the engine;
+the manager lower-cases actions. :func:`category_success` gives the per-category success rates of the
+paper's Table 1 (Pick, Look, Clean, Heat, Cool, Pick2, All).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .alfworld_gen import CATEGORY, TASK_TYPES
+from .base import StepResult, TaskSpec
+
+GEN_VERSION = "1"  # bump when the generator's output changes; part of the cache key
+SPLITS = ("train", "valid_seen", "valid_unseen")
+_SPLIT_ALIASES = {
+    "eval_in_distribution": "valid_seen",
+    "eval_out_of_distribution": "valid_unseen",
+    "test": "valid_unseen",
+}
+DEFAULT_POOL = {"train": 120, "valid_seen": 60, "valid_unseen": 60}
+_GEN_SEED = {"train": 1, "valid_seen": 2, "valid_unseen": 3}
+TABLE1_LABELS = {"pick": "Pick", "look": "Look", "clean": "Clean", "heat": "Heat", "cool": "Cool", "pick2": "Pick2"}
+_WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
+
+
+_PATCHED = False
+
+
+def memoize_textworld_parsers(enable: bool = True) -> None:
+    """Speed up TextWorld's PDDL text generation (outputs are unchanged).
+
+    TextWorld re-parses the same few dozen template strings with tatsu for every admissible command at
+    every step and deep-copies the derivation context for every symbol, which is most of an ALFWorld
+    step's cost. We memoize the parsers and copy contexts one level deep (see _copy_context). Parsing
+    is a pure function of the string, so we cache the parse (handing out deep copies where callers
+    mutate the result). The test suite
+    checks that a patched and an unpatched engine produce identical observations and commands.
+    """
+    global _PATCHED
+    import textworld.envs.pddl.textgen as tg  # noqa: PLC0415
+    import textworld.logic as tl  # noqa: PLC0415
+
+    if enable and not hasattr(tg, "_alignopsd_orig_copy_context"):
+        tg._alignopsd_orig_copy_context = tg.copy_context
+        tg.copy_context = _copy_context
+    elif not enable and hasattr(tg, "_alignopsd_orig_copy_context"):
+        tg.copy_context = tg._alignopsd_orig_copy_context
+        del tg._alignopsd_orig_copy_context
+    for mod in (tg, tl):
+        orig = getattr(mod, "_alignopsd_orig_parse", None)
+        if enable and orig is None:
+            mod._alignopsd_orig_parse = mod._parse_and_convert
+            # textgen symbols are mutated by the caller (contexts are attached): hand out copies;
+            # logic objects (rules, propositions) are immutable values: share them.
+            mod._parse_and_convert = _memoized(mod._parse_and_convert, copy_result=mod is tg)
+        elif not enable and orig is not None:
+            mod._parse_and_convert = orig
+            del mod._alignopsd_orig_parse
+    _PATCHED = enable
+
+
+def _copy_context(context):
+    """TextWorld's copy_context without deep-copying entity infos and variables: derivations only
+    rebind names in these dicts (``dict.update``) and never mutate the values, so copying the dicts
+    is enough. This was 80% of a step's time."""
+    return {
+        "state": context["state"],
+        "facts": context["facts"],
+        "variables": dict(context["variables"]),
+        "mapping": dict(context["mapping"]),
+        "entity_infos": context["entity_infos"],
+    }
+
+
+def _memoized(fn, copy_result: bool):
+    import copy  # noqa: PLC0415
+
+    cache: dict = {}
+
+    def parse(*args, **kwargs):
+        if kwargs.get("trace"):
+            return fn(*args, **kwargs)
+        try:
+            key = (args, tuple(sorted(kwargs.items())))
+            hash(key)
+        except TypeError:
+            return fn(*args, **kwargs)
+        if key not in cache:
+            cache[key] = fn(*args, **kwargs)
+        return copy.deepcopy(cache[key]) if copy_result else cache[key]
+
+    return parse
+
+
+def make_textworld_env(expert: bool = False, fast: bool = True):
+    """alfworld's text environment stack for one game at a time (load(gamefile) then reset()).
+
+    ``fast`` memoizes TextWorld's template parsers (:func:`memoize_textworld_parsers`).
+    """
+    import textworld  # noqa: PLC0415
+    from alfworld.agents.environment.alfred_tw_env import (  # noqa: PLC0415
+        AlfredDemangler,
+        AlfredExpert,
+        AlfredExpertType,
+        AlfredInfos,
+    )
+    from textworld.envs.pddl import PddlEnv  # noqa: PLC0415
+
+    if fast and not _PATCHED:
+        memoize_textworld_parsers(True)
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+    if expert:
+        infos.extras.append("expert_plan")
+    env: Any = PddlEnv(infos)
+    wrappers: list[Any] = [AlfredDemangler(shuffle=False), AlfredInfos]
+    if expert:
+        wrappers.append(AlfredExpert(AlfredExpertType.HANDCODED))
+    for w in wrappers:
+        env = w(env)
+    return env
+
+
+def _task_type_of(path: str) -> str | None:
+    for t in TASK_TYPES:
+        if t in path:
+            return t
+    return None
+
+
+def collect_games(data_dir: str | os.PathLike, split: str) -> list[str]:
+    """Solvable game files of ``split`` under ``data_dir/json_2.1.1`` (sorted), as AlfredTWEnv collects them."""
+    split = _SPLIT_ALIASES.get(split, split)
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    root = Path(data_dir) / "json_2.1.1" / split
+    if not root.is_dir():
+        raise ValueError(f"data_dir: no ALFWorld split folder {root}")
+    games = []
+    for dirpath, _, files in os.walk(root):
+        if "traj_data.json" not in files or "game.tw-pddl" not in files:
+            continue
+        if "movable" in dirpath or "Sliced" in dirpath:
+            continue
+        with open(os.path.join(dirpath, "traj_data.json")) as f:
+            task_type = json.load(f).get("task_type")
+        if task_type not in TASK_TYPES:
+            continue
+        gamefile = os.path.join(dirpath, "game.tw-pddl")
+        with open(gamefile) as f:
+            if not json.load(f).get("solvable", False):
+                continue
+        games.append(gamefile)
+    return sorted(games)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("ALIGNOPSD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "alignopsd")
+    return Path(base) / "alfworld" / f"gen{GEN_VERSION}"
+
+
+def generated_split(split: str, count: int, gen_seed: int | None = None, cache_dir: str | os.PathLike | None = None):
+    """Root folder of a cached generated split (generating it first when missing)."""
+    from .alfworld_gen import generate_games  # noqa: PLC0415
+
+    split = _SPLIT_ALIASES.get(split, split)
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    gen_seed = _GEN_SEED[split] if gen_seed is None else gen_seed
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = root / f"{split}-seed{gen_seed}-n{count}"
+    marker = root / "COMPLETE"
+    if not marker.exists():
+        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+        generate_games(count, tmp, seed=gen_seed, split=split)
+        if not marker.exists():
+            if root.exists():
+                import shutil  # noqa: PLC0415
+
+                shutil.rmtree(root)
+            tmp.rename(root)
+            marker.write_text(json.dumps({"count": count, "seed": gen_seed, "split": split}))
+    return root
+
+
+def official_data_dir(data_dir: str | os.PathLike | None = None) -> Path | None:
+    """The official-data root to use: ``data_dir``, else ``ALFWORLD_DATA`` when it holds json_2.1.1."""
+    if data_dir is not None:
+        p = Path(data_dir)
+        if not (p / "json_2.1.1").is_dir():
+            raise ValueError(f"data_dir: {p} has no json_2.1.1 folder (expected the alfworld-download layout)")
+        return p
+    env = os.environ.get("ALFWORLD_DATA")
+    if env and (Path(env) / "json_2.1.1").is_dir():
+        return Path(env)
+    return None
+
+
+def load_tasks(
+    split: str = "train",
+    n: int | None = None,
+    seed: int = 0,
+    data_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    pool_size: int | None = None,
+    **_: Any,
+) -> list[TaskSpec]:
+    """``n`` ALFWorld tasks of ``split`` (all when ``n`` is None), sampled with ``seed``.
+
+    Official data when available (see module doc), else the generated pool of ``pool_size`` games
+    (default 120 train / 60 valid, at least ``n``).
+    """
+    split = _SPLIT_ALIASES.get(split, split)
+    root = official_data_dir(data_dir)
+    source = "official"
+    if root is None:
+        count = max(pool_size or DEFAULT_POOL.get(split, 60), n or 0)
+        root = generated_split(split, count, cache_dir=cache_dir)
+        source = "generated"
+    games = collect_games(root, split)
+    if not games:
+        raise ValueError(f"data_dir: no solvable games in split {split!r} under {root}")
+    if n is not None and n > 0:
+        r = random.Random(seed)
+        games = r.sample(games, n) if n <= len(games) else [r.choice(games) for _ in range(n)]
+    tasks = []
+    for g in games:
+        task_type = _task_type_of(g) or "pick_and_place_simple"
+        rel = os.path.relpath(os.path.dirname(g), root / "json_2.1.1")
+        tasks.append(
+            TaskSpec(
+                key=rel.replace(os.sep, "/"),
+                env="alfworld",
+                category=CATEGORY[task_type],
+                data_source="text",
+                gamefile=g,
+                payload={"task_type": task_type, "source": source},
+            )
+        )
+    return tasks
+
+
+def split_observation(text: str) -> tuple[str, str]:
+    """Initial engine text -> (observation without the welcome banner, task description)."""
+    obs = text.replace(_WELCOME, "").strip()
+    task = ""
+    marker = "Your task is to: "
+    if marker in obs:
+        task = obs.split(marker, 1)[1].strip()
+    return obs, task
+
+
+class AlfWorldEnv:
+    """One ALFWorld episode at a time on alfworld's TextWorld engine (see module docstring)."""
+
+    name = "alfworld"
+
+    def __init__(self, max_steps: int = 50, win_reward: float = 10.0, **_: Any) -> None:
+        if not isinstance(max_steps, int) or max_steps <= 0:
+            raise ValueError(f"max_steps: expected a positive int, got {max_steps!r}")
+        self.max_steps = max_steps
+        self.win_reward = float(win_reward)
+        self._env = make_textworld_env(expert=False)
+        self._loaded: str | None = None
+        self._t = 0
+        self._task = ""
+        self._gamefile: str | None = None
+
+    def _info(self, state: Any) -> dict[str, Any]:
+        return {
+            "won": bool(state["won"]),
+            "admissible_actions": list(state["admissible_commands"]),
+            "gamefile": self._gamefile,
+            "task": self._task,
+        }
+
+    def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
+        if not task.gamefile or not os.path.isfile(task.gamefile):
+            raise ValueError(f"task: ALFWorld game file not found: {task.gamefile!r}")
+        random.seed(seed)
+        if self._loaded != task.gamefile:
+            self._env.load(task.gamefile)
+            self._loaded = task.gamefile
+        self._gamefile = task.gamefile
+        state = self._env.reset()
+        obs, self._task = split_observation(state["feedback"])
+        self._t = 0
+        return obs, self._info(state)
+
+    def step(self, action: str) -> StepResult:
+        if not isinstance(action, str):
+            raise ValueError(f"action: expected str, got {type(action).__name__}")
+        state, _, done = self._env.step(action)
+        self._t += 1
+        won = bool(state["won"])
+        done = bool(done) or won or self._t >= self.max_steps
+        return StepResult(state["feedback"], self.win_reward if won else 0.0, done, self._info(state))
+
+
+def category_success(results: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Per-category success rate (percent) as in Table 1: Pick, Look, Clean, Heat, Cool, Pick2, All.
+
+    ``results``: dicts with ``category`` (pick/look/... or a full task type name) and ``won``
+    (e.g. EnvManager.episode_results()). Categories without episodes are omitted; All is over all.
+    """
+    wins: dict[str, list[bool]] = {}
+    allw: list[bool] = []
+    for r in results:
+        cat = r.get("category")
+        cat = CATEGORY.get(cat, cat)
+        if cat not in TABLE1_LABELS:
+            raise ValueError(f"results: unknown ALFWorld category {r.get('category')!r}")
+        wins.setdefault(TABLE1_LABELS[cat], []).append(bool(r.get("won")))
+        allw.append(bool(r.get("won")))
+    out = {label: 100.0 * sum(wins[label]) / len(wins[label]) for label in TABLE1_LABELS.values() if label in wins}
+    if allw:
+        out["All"] = 100.0 * sum(allw) / len(allw)
+    return out
