@@ -244,6 +244,14 @@ def test_searchr1_parquet_layouts(tmp_path):
         env.step("<search>x</search>")
     with pytest.raises(ValueError, match="parquet"):
         load_searchr1_parquet(tmp_path / "missing.parquet")
+    # with its corpus jsonl ({"id", "contents"}) the episode runs on the given data
+    corpus = tmp_path / "wiki.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "contents": '"Ann Lee"\nAnn Lee founded X in 1990.'}) + "\n")
+    task = next(t for t in tasks if t.data_source == "bamboogle")
+    env = SearchEnv(retriever_url="local", corpus_path=corpus)
+    env.reset(task, 0)
+    assert env.step("<search>who founded X</search>").observation.startswith("<information>Doc 1(Title: Ann Lee)")
+    assert env.step("<answer>ann lee</answer>").reward == 10.0
 
 
 def test_kb_questions_cached_file_roundtrip(cache):
@@ -263,3 +271,15 @@ def test_workers_share_one_started_server(cache):
         assert not any(i["failed"] for i in infos), [i["failure"] for i in infos]
         urls = {i["retriever_url"] for i in infos}
         assert len(urls) == 1 and all(i["observation"].startswith("<information>Doc 1") for i in infos)
+
+
+def test_skill_bank_has_the_four_task_types():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "skills" / "search"
+    mapping = json.loads((root / "skill_mapping.json").read_text())
+    types = {"entity_attribute_lookup", "direct_retrieval", "multi_hop_reasoning", "compare"}
+    assert set(mapping["task_to_skill"]) == types == set(mapping["task_keywords"])
+    assert set(mapping["skill_files"]) == types | {"general_skills"}
+    for fname in mapping["skill_files"].values():
+        assert (root / fname).read_text().startswith("# Search-QA")

@@ -310,3 +310,20 @@ def test_manager_runs_webshop_episodes():
         assert [i["is_action_valid"] for i in infos] == [True, False, False, False]
         assert "Page 1" in infos[0]["observation"] and infos[1]["observation"] == "'Search'"
         assert not any(dones) and rewards == [0.0] * 4
+
+
+def test_skill_bank_covers_categories_and_keywords_fire_on_instructions():
+    import json
+
+    from alignopsd.engine.envs.webshop_data import PRODUCT_TYPES
+
+    root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "skills" / "webshop"
+    mapping = json.loads((root / "skill_mapping.json").read_text())
+    assert set(mapping["task_to_skill"]) == set(PRODUCT_TYPES) == set(mapping["task_keywords"])
+    for name, fname in mapping["skill_files"].items():
+        assert (root / fname).read_text().startswith("# WebShop"), name
+    assert set(mapping["task_to_skill"].values()) | {"general_skills"} == set(mapping["skill_files"])
+    products, goals, _ = generate_catalogue(0, n_products=400, n_goals=200)
+    for g in goals:  # the instruction names the type: its own category's keywords match it
+        own = mapping["task_keywords"][g["category"]]
+        assert any(k in g["instruction_text"].lower() for k in own), g["instruction_text"]
