@@ -43,6 +43,15 @@ _WEBSHOP_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
 # ----------------------------------------------------------------------------- helpers
 
 
+def check_finite_fast(t: Tensor, name: str) -> None:
+    """ValueError naming ``name`` if ``t`` has NaN/inf; one aminmax pass (NaN propagates), exact message on failure."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t.detach())
+    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        check_finite(t, name)
+
+
 def identity_rank(task: Tensor, rollout: Tensor, turn: Tensor) -> Tensor:
     """Rank[M] of each turn in the lexicographic identity order (task, rollout, turn)."""
     task, rollout, turn = check_ids(task, rollout, turn)
@@ -64,7 +73,7 @@ def _check_square(x, name: str, M: int, *, dtype=None) -> Tensor:
         return t
     if not t.is_floating_point():
         raise ValueError(f"{name}: expected a floating tensor, got {t.dtype}")
-    check_finite(t, name)
+    check_finite_fast(t, name)
     return t.float()
 
 
@@ -106,8 +115,8 @@ def similarity_matrix(teacher_emb_MD: Tensor, student_emb_MD: Tensor, task_M: Te
     check_ndim(s, "student_emb", 2)
     if t.shape != s.shape:
         raise ValueError(f"student_emb: expected shape {tuple(t.shape)} like teacher_emb, got {tuple(s.shape)}")
-    check_finite(t, "teacher_emb")
-    check_finite(s, "student_emb")
+    check_finite_fast(t, "teacher_emb")
+    check_finite_fast(s, "student_emb")
     task = _check_vec(task_M, "task", t.shape[0]).long()
     H = (t.float() @ s.float().T).clamp_(-1.0, 1.0)
     return torch.where(task[:, None] == task[None, :], H, torch.zeros((), dtype=H.dtype, device=H.device))
@@ -190,8 +199,6 @@ def select_sources(
     top_k = _check_top_k(top_k)
     if M == 0:
         return []
-    if bool((B_ST & (task[:, None] != task[None, :])).any()):
-        raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
     idx_TN, member_TN, lroll_TN = _task_blocks(task, rollout, turn)
     T, N = idx_TN.shape
     dev = H_ST.device
@@ -199,7 +206,10 @@ def select_sources(
     src_idx = idx_TN[:, None, :].expand(T, N, N)
     tgt_idx = idx_TN[:, :, None].expand(T, N, N)
     Hb = H_ST[src_idx, tgt_idx]
-    cand = B_ST[src_idx, tgt_idx] & (Hb >= gamma) & member_TN[:, None, :] & member_TN[:, :, None]
+    Bb = B_ST[src_idx, tgt_idx] & member_TN[:, None, :] & member_TN[:, :, None]
+    if int(torch.count_nonzero(Bb)) != int(torch.count_nonzero(B_ST)):
+        raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
+    cand = Bb & (Hb >= gamma)
     key = torch.where(cand, Hb, torch.full((), -math.inf, device=dev))
     _, order = torch.sort(key, dim=2, descending=True, stable=True)
     cand_sorted = cand.gather(2, order)
@@ -211,12 +221,12 @@ def select_sources(
     keep = cand_sorted & (first.gather(2, roll_sorted) == pos)
     keep &= torch.cumsum(keep.long(), dim=2) <= top_k
     chosen = idx_TN[:, None, :].expand(T, N, N).gather(2, order)  # source turn index per slot
-    counts_TN = keep.sum(2)
-    flat_sources = chosen[keep].tolist()
-    per_block = torch.split(torch.as_tensor(flat_sources, dtype=torch.long), counts_TN[member_TN].tolist())
+    flat = chosen[keep].tolist()
     out: list[list[int]] = [[] for _ in range(M)]
-    for t_index, srcs in zip(idx_TN[member_TN].tolist(), per_block):
-        out[t_index] = srcs.tolist()
+    start = 0
+    for t_index, n in zip(idx_TN[member_TN].tolist(), keep.sum(2)[member_TN].tolist()):
+        out[t_index] = flat[start : start + n]
+        start += n
     return out
 
 
@@ -390,7 +400,6 @@ class Rectified:
     corrected: Tensor
     rho: Tensor
     alpha: Tensor
-    weights: list[Tensor]
     cross_score: Tensor
     diag: Tensor
     matched: Tensor
@@ -401,12 +410,30 @@ class Rectified:
     alpha_max: float = 0.0
     mode: str = "probability_mixture"
     extra: dict = field(default_factory=dict)
+    _weights: list[Tensor] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def weights(self) -> list[Tensor]:
+        """Per target (M entries), ω of its kept sources in pair order; empty for a fallback target."""
+        if self._weights is None:
+            M = self.corrected.shape[0]
+            empty = torch.zeros(0, dtype=torch.float32, device=self.corrected.device)
+            out: list[Tensor] = [empty] * M
+            tgt = self.pairs[:, 1]
+            if tgt.numel():
+                starts = torch.ones_like(tgt, dtype=torch.bool)
+                starts[1:] = tgt[1:] != tgt[:-1]
+                counts = torch.bincount(torch.cumsum(starts.long(), 0) - 1).tolist()
+                for t_i, chunk in zip(tgt[starts].tolist(), torch.split(self.pair_weight, counts)):
+                    out[t_i] = chunk
+            self._weights = out
+        return self._weights
 
     def gaps(self, old_logp_ML: Tensor) -> tuple[Tensor, Tensor]:
         """(δ^diag, δ̃) = (ℓ^diag - ℓ^old, ℓ̃ - ℓ^old), each [M, L] float32."""
         old = as_tensor(old_logp_ML, "old_logp")
         check_shape(old, "old_logp", tuple(self.corrected.shape))
-        check_finite(old, "old_logp")
+        check_finite_fast(old, "old_logp")
         old = old.detach().float().to(self.corrected.device)
         return self.diag - old, self.corrected - old
 
@@ -464,7 +491,7 @@ def rectify(
     check_ndim(d, "diag", 2)
     if not d.is_floating_point():
         raise ValueError(f"diag: expected a floating tensor, got {d.dtype}")
-    check_finite(d, "diag")
+    check_finite_fast(d, "diag")
     M, L = d.shape
     pr = _check_pairs(pairs, M)
     P = pr.shape[0]
@@ -475,7 +502,7 @@ def rectify(
     check_shape(c_in, "cross", (P, L))
     if not c_in.is_floating_point():
         raise ValueError(f"cross: expected a floating tensor, got {c_in.dtype}")
-    check_finite(c_in, "cross")
+    check_finite_fast(c_in, "cross")
     H_ST = _check_square(H, "H", M)
     gamma = _check_gamma(gamma)
     alpha_max = check_real(alpha_max, "alpha_max", lo=0.0, hi=1.0)
@@ -490,55 +517,55 @@ def rectify(
     pr = pr.to(dev)
     src, tgt = pr[:, 0], pr[:, 1]
     h = H_ST.detach().to(dev)[src, tgt].double()  # [P]
-    # segment softmax of h / T over targets
-    z = h / temperature
-    zmax = torch.full((M,), -math.inf, dtype=torch.float64, device=dev).scatter_reduce(
-        0, tgt, z, reduce="amax", include_self=True
-    )
-    ez = torch.exp(z - zmax[tgt])
-    zsum = torch.zeros(M, dtype=torch.float64, device=dev).index_add_(0, tgt, ez)
-    w = ez / zsum[tgt]  # [P]
-    log_w = (z - zmax[tgt]) - torch.log(zsum[tgt])
-    matched = torch.bincount(tgt, minlength=M) > 0
-
-    x = c_in.detach().to(dev).double()  # [P, L]
-    tgt_PL = tgt[:, None].expand(P, L)
-    if mode == "probability_mixture":
-        # c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j); then clamped into [min_j, max_j]
-        lmax = torch.full((M, L), -math.inf, dtype=torch.float64, device=dev).scatter_reduce(
-            0, tgt_PL, x, reduce="amax", include_self=True
-        )
-        lmin = torch.full((M, L), math.inf, dtype=torch.float64, device=dev).scatter_reduce(
-            0, tgt_PL, x, reduce="amin", include_self=True
-        )
-        acc = torch.zeros(M, L, dtype=torch.float64, device=dev).index_add_(
-            0, tgt, torch.exp(log_w[:, None] + x - lmax[tgt])
-        )
-        c = torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
-    else:
-        c = torch.zeros(M, L, dtype=torch.float64, device=dev).index_add_(0, tgt, w[:, None] * x)
-    conf = ((h - gamma) / (1.0 - gamma)).clamp(0.0, 1.0)
-    rho = torch.zeros(M, dtype=torch.float64, device=dev).index_add_(0, tgt, w * conf).clamp_(0.0, 1.0)
-    alpha = (alpha_max * rho).clamp(0.0, alpha_max)
-    c32 = torch.where(matched[:, None], c.float(), d32)
-    blend = ((1.0 - alpha[:, None]) * d32.double() + alpha[:, None] * c).float()
-    corrected = torch.where(matched[:, None], blend, d32)
-    rho32 = torch.where(matched, rho.float(), torch.zeros((), device=dev))
-    alpha32 = torch.where(matched, alpha.float(), torch.zeros((), device=dev))
-    w32 = w.float()
-    counts = torch.bincount(tgt, minlength=M)
-    weights: list[Tensor] = [torch.zeros(0, dtype=torch.float32, device=dev) for _ in range(M)]
-    if P:
-        starts = torch.ones(P, dtype=torch.bool, device=dev)
+    matched = torch.zeros(M, dtype=torch.bool, device=dev)
+    matched[tgt] = True
+    # dense layout of the target groups: [Q targets with pairs, Kmax slots]
+    starts = torch.ones(P, dtype=torch.bool, device=dev)
+    if P > 1:
         starts[1:] = tgt[1:] != tgt[:-1]
-        order = tgt[starts].tolist()
-        for t_i, chunk in zip(order, torch.split(w32, counts[tgt[starts]].tolist())):
-            weights[t_i] = chunk
+    group = torch.cumsum(starts.long(), 0) - 1  # [P]
+    group_start = torch.nonzero(starts).flatten()  # [Q]
+    group_tgt = tgt[group_start]  # [Q]
+    Q = int(group_tgt.numel())
+    slot = torch.arange(P, device=dev) - group_start[group]
+    K = int(slot.max()) + 1 if P else 1
+    valid_QK = torch.zeros(Q, K, dtype=torch.bool, device=dev)
+    valid_QK[group, slot] = True
+    z_QK = torch.full((Q, K), -math.inf, dtype=torch.float64, device=dev)
+    z_QK[group, slot] = h / temperature
+    log_w_QK = torch.log_softmax(z_QK, dim=1)  # ω in log space; -inf on padding
+    w_QK = torch.exp(log_w_QK)
+    # padding slots repeat the group's first source: max/min unchanged, and their weight is exactly 0
+    x_PL = c_in.detach().to(dev).double()
+    x_QKL = x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float64)
+    x_QKL[group, slot] = x_PL
+    if mode == "probability_mixture":
+        # c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j]
+        lmax = x_QKL.amax(1)
+        lmin = x_QKL.amin(1)
+        acc = (w_QK[:, :, None] * torch.exp(x_QKL - lmax[:, None])).sum(1)
+        c_QL = torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
+    else:
+        c_QL = (w_QK[:, :, None] * x_QKL).sum(1)
+    h_QK = torch.zeros(Q, K, dtype=torch.float64, device=dev)
+    h_QK[group, slot] = h
+    conf_QK = ((h_QK - gamma) / (1.0 - gamma)).clamp(0.0, 1.0)
+    rho_Q = (w_QK * conf_QK).sum(1).clamp(0.0, 1.0)
+    alpha_Q = (alpha_max * rho_Q).clamp(0.0, alpha_max)
+    blend_QL = ((1.0 - alpha_Q[:, None]) * d32[group_tgt].double() + alpha_Q[:, None] * c_QL).float()
+    corrected = d32.clone()
+    corrected[group_tgt] = blend_QL
+    c32 = d32.clone()
+    c32[group_tgt] = c_QL.float()
+    rho32 = torch.zeros(M, dtype=torch.float32, device=dev)
+    rho32[group_tgt] = rho_Q.float()
+    alpha32 = torch.zeros(M, dtype=torch.float32, device=dev)
+    alpha32[group_tgt] = alpha_Q.float()
+    w32 = w_QK[group, slot].float()  # [P]
     return Rectified(
         corrected=corrected,
         rho=rho32,
         alpha=alpha32,
-        weights=weights,
         cross_score=c32,
         diag=d32.clone(),
         matched=matched,
