@@ -44,7 +44,8 @@ CATALOGUE_VERSION = "webshop-gen-v1"
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]  # the original's price bounds
 DEFAULT_N_PRODUCTS = 2400
 DEFAULT_N_GOALS = 2000
-MAX_TEST_GOALS = 500  # the original holds out goals[0:500] as the test split
+MAX_TEST_GOALS = 500
+INDEX_LAYOUT = "doc2"  # bump when search_text changes (the on-disk index is keyed by it)  # the original holds out goals[0:500] as the test split
 
 # ------------------------------------------------------------------------------------------ vocabulary
 
@@ -571,13 +572,16 @@ class Catalogue:
 
     @staticmethod
     def search_text(p: dict[str, Any]) -> str:
-        opts = " ".join(v for vals in p.get("options", {}).values() for v in vals)
-        return f"{p['Title']} {p.get('query', '')} {' '.join(p['BulletPoints'])} {p['Description']} {opts}"
+        """The original index document: title, description, first feature bullet and the option lists."""
+        opts = ", and ".join(f"{k}: {', '.join(v)}" for k, v in p.get("options", {}).items())
+        first_bullet = p["BulletPoints"][0] if p.get("BulletPoints") else ""
+        return " ".join([p["Title"], p["Description"], first_bullet, opts]).lower()
 
     @property
     def index(self) -> Bm25Index:
         if self._index is None:
-            self._index = Bm25Index.cached(self.key, lambda: [self.search_text(p) for p in self.products])
+            key = f"{self.key}-{INDEX_LAYOUT}"
+            self._index = Bm25Index.cached(key, lambda: [self.search_text(p) for p in self.products])
         return self._index
 
     def search(self, query: str, k: int = 50) -> list[str]:
