@@ -44,8 +44,8 @@ CATALOGUE_VERSION = "webshop-gen-v1"
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]  # the original's price bounds
 DEFAULT_N_PRODUCTS = 2400
 DEFAULT_N_GOALS = 2000
-MAX_TEST_GOALS = 500
-INDEX_LAYOUT = "doc2"  # bump when search_text changes (the on-disk index is keyed by it)  # the original holds out goals[0:500] as the test split
+MAX_TEST_GOALS = 500  # the original holds out goals[0:500] as the test split
+INDEX_LAYOUT = "doc2"  # bump when search_text changes (the on-disk index is keyed by it)
 
 # ------------------------------------------------------------------------------------------ vocabulary
 
