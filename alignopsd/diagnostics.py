@@ -21,6 +21,7 @@ from alignopsd.rectify import Rectified
 __all__ = [
     "action_filter_metrics",
     "describe",
+    "formula_comparison",
     "m1_diagnostics",
     "off_turn_match_weight",
     "paired_sign_flips",
@@ -287,4 +288,41 @@ def paired_sign_flips(
             if k.endswith(("_min", "_max", "_count")):
                 continue
             out[prefix + k] = val
+    return out
+
+
+def formula_comparison(
+    diag: Tensor,
+    cross: Tensor,
+    pairs: Tensor,
+    H: Tensor,
+    old_logp: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    temperature: float = 0.1,
+    prefix: str = "paired/response/",
+) -> dict[str, float]:
+    """probability_mixture versus log_mean cross scores over the policy tokens of matched targets.
+
+    diag: [M, L]; cross: [P, L]; pairs: [P, 2]; H: [M, M]; old_logp, mask: [M, L].
+    Returns ``probability_minus_log_mean_{mean,std,p10,p50,p90}`` (≥ 0 by Jensen) and
+    ``formula_neg_to_pos_count``: tokens whose cross gap c − ℓ^old is < 0 under log_mean and > 0 under
+    probability_mixture.
+    """
+    from alignopsd.rectify import rectify
+
+    rp = rectify(diag, cross, pairs, H, gamma=gamma, alpha_max=0.0, temperature=temperature)
+    rl = rectify(diag, cross, pairs, H, gamma=gamma, alpha_max=0.0, temperature=temperature, mode="log_mean")
+    old = as_tensor(old_logp, "old_logp").detach().float().to(rp.cross_score.device)
+    check_shape(old, "old_logp", tuple(rp.cross_score.shape))
+    m = as_tensor(mask, "mask").to(old.device)
+    check_shape(m, "mask", tuple(old.shape))
+    sel = m.bool() & rp.matched[:, None]
+    diff = (rp.cross_score - rl.cross_score)[sel]
+    flips = ((rl.cross_score - old < 0) & (rp.cross_score - old > 0))[sel]
+    out = {prefix + "formula_neg_to_pos_count": float(int(flips.sum()))}
+    for k, v in describe(diff, "probability_minus_log_mean").items():
+        if not k.endswith(("_min", "_max")):
+            out[prefix + k] = v
     return out

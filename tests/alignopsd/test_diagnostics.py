@@ -113,3 +113,19 @@ def test_describe_and_action_filter_metrics():
     assert a["m1/action_filter/new_fallback_turn_fraction"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="after"):
         action_filter_metrics([[0]], [], enabled=True, threshold=0.8)
+
+
+def test_formula_comparison_case15():
+    from alignopsd.diagnostics import formula_comparison
+
+    p = torch.tensor([[0.70, 0.80, 0.95], [0.10, 0.30, 0.90], [0.50, 0.70, 0.80]])
+    H = torch.zeros(4, 4)
+    H[:3, 3] = 0.95 + 0.1 * torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    diag = torch.log(torch.full((4, 3), 0.5))
+    old = torch.log(torch.tensor([[0.40, 0.80, 0.90]] * 4))
+    s = formula_comparison(diag, torch.log(p), [[0, 3], [1, 3], [2, 3]], H, old, torch.ones(4, 3), gamma=0.7)
+    assert s[P + "probability_minus_log_mean_count"] == 3
+    assert s[P + "probability_minus_log_mean_p10"] >= 0
+    # token 0: mixture .48 > .40 > log_mean .365 -> one sign flip between the formulas
+    assert s[P + "formula_neg_to_pos_count"] == 1
+    assert s[P + "probability_minus_log_mean_mean"] > 0
