@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -480,6 +481,11 @@ def start_retriever_process(
     url = None
     assert proc.stdout is not None
     while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
         line = proc.stdout.readline()
         if not line:
             break
