@@ -541,6 +541,35 @@ def load_original(
     return products, goals, prices
 
 
+def write_original_layout(
+    products: list[dict[str, Any]], goals: list[dict[str, Any]], out_dir: str | os.PathLike[str]
+) -> dict[str, str]:
+    """Write products and goals in the original WebShop file layout (``items_shuffle.json``,
+    ``items_ins_v2.json``, ``items_human_ins.json``), so the generated catalogue can be read back by
+    ``load_original`` or served by the upstream WebShop. Price bounds are re-drawn on reading, as upstream."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    items, attrs, human = [], {}, {}
+    for p in products:
+        pricing = "".join(f"${x}" for x in p["pricing"])
+        options = {k: [{"value": v, "image": None} for v in vals] for k, vals in p["options"].items()}
+        items.append({"asin": p["asin"], "name": p["Title"], "full_description": p["Description"],
+                      "small_description": list(p["BulletPoints"]), "pricing": pricing,
+                      "customization_options": options or None, "category": p["category"], "query": p["query"],
+                      "product_category": p["product_category"], "images": [""]})  # fmt: skip
+        attrs[p["asin"]] = {"attributes": list(p["Attributes"])}
+    for g in goals:
+        text = re.sub(r", and price lower than [0-9.]+ dollars$", "", g["instruction_text"])
+        human.setdefault(g["asin"], []).append({"asin": g["asin"], "instruction": text,
+                                                "instruction_attributes": list(g["attributes"]),
+                                                "instruction_options": list(g["goal_options"])})  # fmt: skip
+    paths = {"products": out / "items_shuffle.json", "attributes": out / "items_ins_v2.json",
+             "human_goals": out / "items_human_ins.json"}  # fmt: skip
+    for key, obj in (("products", items), ("attributes", attrs), ("human_goals", human)):
+        paths[key].write_text(json.dumps(obj), encoding="utf-8")
+    return {k: str(v) for k, v in paths.items()}
+
+
 # --------------------------------------------------------------------------------------------- catalogue
 
 
@@ -639,3 +668,24 @@ def _catalogue_cached(key_json: str) -> Catalogue:
 def get_catalogue(source: dict[str, Any] | None = None) -> Catalogue:
     """The catalogue of ``source`` (see ``normalise_source``); built once per process."""
     return _catalogue_cached(json.dumps(normalise_source(source), sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m alignopsd.engine.envs.webshop_data --out DIR``: write the generated catalogue and goals in
+    the original WebShop file layout."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="export the generated WebShop catalogue in the original layout")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--products", type=int, default=DEFAULT_N_PRODUCTS)
+    ap.add_argument("--goals", type=int, default=DEFAULT_N_GOALS)
+    args = ap.parse_args(argv)
+    products, goals, _ = generate_catalogue(args.seed, args.products, args.goals)
+    for name, path in write_original_layout(products, goals, args.out).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -327,3 +327,19 @@ def test_skill_bank_covers_categories_and_keywords_fire_on_instructions():
     for g in goals:  # the instruction names the type: its own category's keywords match it
         own = mapping["task_keywords"][g["category"]]
         assert any(k in g["instruction_text"].lower() for k in own), g["instruction_text"]
+
+
+def test_generated_catalogue_roundtrips_through_the_original_layout(tmp_path):
+    from alignopsd.engine.envs.webshop_data import write_original_layout
+
+    products, goals, _ = generate_catalogue(5, n_products=120, n_goals=12)
+    files = write_original_layout(products, goals, tmp_path)
+    cat = get_catalogue({"kind": "original", **files})
+    assert len(cat.products) == 120 and len(cat.goals) == 12
+    for p in products[:20]:
+        q = cat.by_asin[p["asin"]]
+        for k in ("Title", "Description", "BulletPoints", "pricing", "Price", "options", "Attributes", "query"):
+            assert q[k] == p[k], k
+    env = WebShopEnv()
+    for task in load_tasks("test", None, data_dir=tmp_path):
+        assert _expert(env, task).info["task_score"] == pytest.approx(1.0)
