@@ -328,7 +328,7 @@ class AlgorithmConfig:
                 where = f"{path}." if path else ""
                 raise ValueError(
                     f"{where}credit.{key}: {credit[key]!r} contradicts {where}{src} = {owner!r}; "
-                    f"set {where}{src} instead"
+                    f"credit.{key} is derived from {src}: set {where}{src} and drop {where}credit.{key}"
                 )
 
 
