@@ -222,7 +222,7 @@ def paired_sign_flips(
     mask: Tensor | None = None,
     *,
     eps: float = 1e-4,
-    prefix: str = "paired/response/",
+    prefix: str = "m1/paired/response/",
 ) -> dict[str, float]:
     """Paired token statistics of δ^diag (d), the cross gap (c) and δ̃ (r) over the masked tokens.
 
@@ -301,7 +301,7 @@ def formula_comparison(
     *,
     gamma: float,
     temperature: float = 0.1,
-    prefix: str = "paired/response/",
+    prefix: str = "m1/paired/response/",
 ) -> dict[str, float]:
     """probability_mixture versus log_mean cross scores over the policy tokens of matched targets.
 

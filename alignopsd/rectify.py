@@ -36,6 +36,7 @@ __all__ = [
     "select_sources",
     "similarity_matrix",
     "validate_action_threshold",
+    "webshop_rule_applies",
 ]
 
 MODES = ("probability_mixture", "log_mean")
@@ -253,6 +254,11 @@ def validate_action_threshold(threshold) -> float:
     if not math.isfinite(v) or v < -1.0 or v > 1.0:
         raise ValueError(f"threshold: expected a finite number in [-1, 1], got {v}")
     return v
+
+
+def webshop_rule_applies(env_name: str) -> bool:
+    """The WebShop search/click rule is on iff the environment name, lower-cased, is exactly "webshop"."""
+    return isinstance(env_name, str) and env_name.lower() == "webshop"
 
 
 def parse_webshop_action(action: str | None) -> tuple[str, str] | None:

@@ -16,7 +16,7 @@ from alignopsd.diagnostics import (
 )
 from alignopsd.rectify import rectify
 
-P = "paired/response/"
+P = "m1/paired/response/"
 
 
 def _case18():

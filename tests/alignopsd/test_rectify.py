@@ -19,6 +19,7 @@ from alignopsd.rectify import (
     rectify,
     select_sources,
     similarity_matrix,
+    webshop_rule_applies,
 )
 from alignopsd.reference_m1 import action_filter_ref, eligibility_ref, rectify_ref, select_sources_ref
 
@@ -433,6 +434,7 @@ def test_case22_nonfinite_similarity_empty_pool_and_defaults():
     kept = action_filter([[0]], torch.ones(1, 1), ok[:1], ok[:1], source_actions=["   "], target_actions=["   "])
     assert kept == [[]]
     assert parse_webshop_action("Click[A]") is None  # verbs are case-sensitive
+    assert webshop_rule_applies("WebShop") and not webshop_rule_applies("webshop-lite")
     assert parse_webshop_action("click[  ]") is None
     assert parse_webshop_action("search[a] now") is None
 
