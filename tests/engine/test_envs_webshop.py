@@ -343,3 +343,16 @@ def test_generated_catalogue_roundtrips_through_the_original_layout(tmp_path):
     env = WebShopEnv()
     for task in load_tasks("test", None, data_dir=tmp_path):
         assert _expert(env, task).info["task_score"] == pytest.approx(1.0)
+
+
+def test_skill_lookup_on_rendered_prompts_picks_the_category():
+    """The keyword fallback of §1.4 (data_source "text") on real first-turn prompts finds the task's category."""
+    from alignopsd.engine.envs.skills import load_skill_bank
+
+    bank = load_skill_bank("webshop")
+    env, builder = WebShopEnv(), webshop_prompt()
+    for task in load_tasks("test", 30, source=SMALL):
+        obs, info = env.reset(task, 0)
+        prompt = builder.render(PromptContext(info["task"], obs, info["admissible_actions"]))
+        assert bank.match(None, "text", prompt) == [task.category], info["task"]
+        assert bank.skill_text(None, "text", prompt).startswith("# WebShop: general shopping skill")
