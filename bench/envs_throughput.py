@@ -1,7 +1,7 @@
 """Environment throughput: steps per second with 16 parallel episodes through the EnvManager.
 
     python bench/envs_throughput.py --env webshop --episodes 16 --workers 2 --rounds 3
-    python bench/envs_throughput.py --env search --episodes 16 --workers 2 --rounds 3 --append bench/results/envs-DATE.md
+    python bench/envs_throughput.py --env search --append bench/results/envs-DATE.md
 
 A scripted random policy produces well-formed responses (``<think>`` + one action) so every step reaches the
 environment: WebShop searches the instruction's first words, then clicks uniformly among the admissible
