@@ -197,7 +197,7 @@ class EnvManager:
 
     Args:
         env_name: a registered environment name (registry.env_names()).
-        num_workers: worker processes (episode ``i`` lives on worker ``i % num_workers``); 0 runs the
+        num_workers: worker processes (episodes are split into contiguous blocks, one per worker); 0 runs the
             environments in this process.
         step_timeout: seconds one reset or step may take before its episode is failed.
         history_length: (observation, action) pairs shown in the prompt (default: the env's, §1.3).
@@ -273,12 +273,14 @@ class EnvManager:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
         nw = max(self.num_workers, 1)
+        total = len(tasks) * group_n
         self.episodes = []
         for ti, task in enumerate(tasks):
             env_seed = derive_seed(seed, "task", ti, task.key)
             for _ in range(group_n):
                 i = len(self.episodes)
-                self.episodes.append(_Episode(i, task, env_seed, i % nw))
+                # Contiguous blocks: siblings mostly share a worker (warm caches), loads stay balanced.
+                self.episodes.append(_Episode(i, task, env_seed, i * nw // total))
         self._metrics["episodes"] += len(self.episodes)
         ops = {ep.idx: (ep.idx, "reset", ep.task, ep.seed) for ep in self.episodes}
         results = self._run(ops)
