@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from alignopsd._checks import as_tensor, check_finite, check_ids, check_ndim, check_shape
+from alignopsd._checks import as_tensor, check_ids, check_ndim, check_shape
 from alignopsd.advantage import grpo_advantage, invalid_action_residual
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified, rectify
+from alignopsd.rectify import Rectified, check_finite_fast, rectify
 
 if TYPE_CHECKING:  # pragma: no cover
     from alignopsd.config import AlgorithmConfig
@@ -95,7 +95,7 @@ class EstimatorInputs:
         check_ndim(old, "old_logp", 2)
         if old.shape[0] != M:
             raise ValueError(f"old_logp: expected {M} rows like task, got {tuple(old.shape)}")
-        check_finite(old, "old_logp")
+        check_finite_fast(old, "old_logp")
         self.old_logp = old.detach().float()
         L = old.shape[1]
         mask = as_tensor(self.mask, "mask")
@@ -113,7 +113,7 @@ class EstimatorInputs:
         if self.diag is not None:
             d = as_tensor(self.diag, "diag")
             check_shape(d, "diag", (M, L))
-            check_finite(d, "diag")
+            check_finite_fast(d, "diag")
             self.diag = d.detach().float()
         if self.copies is not None:
             k = as_tensor(self.copies, "copies")

@@ -545,7 +545,9 @@ def rectify(
     w_QK = torch.exp(log_w_QK)
     # padding slots repeat the group's first source: max/min unchanged, and their weight is exactly 0
     x_PL = c_in.detach().to(dev).double()
-    x_QKL = x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float64)
+    x_QKL = (
+        x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float64, device=dev)
+    )
     x_QKL[group, slot] = x_PL
     if mode == "probability_mixture":
         # c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j]

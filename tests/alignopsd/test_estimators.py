@@ -120,6 +120,13 @@ def test_alignopsd_ablations_and_sdar_aux():
     # ablation B: per-token weights, segment indices -1
     out_b = get_estimator("alignopsd")(inp, _cfg("alignopsd", ablation="B"))
     assert (out_b.credit.segment_index == -1).all()
+    # ablation D: random spans; C: one span per trajectory (segment index -1)
+    out_d = get_estimator("alignopsd")(inp, _cfg("alignopsd", ablation="D"))
+    assert (out_d.credit.segment_index >= 0).all()
+    out_c = get_estimator("alignopsd")(inp, _cfg("alignopsd", ablation="C"))
+    assert (out_c.credit.segment_index == -1).all()
+    for o in (out_b, out_c, out_d):
+        assert torch.isfinite(o.token_advantage).all() and (o.token_advantage[~inp.mask] == 0).all()
     # SDAR auxiliary when enabled
     out_s = get_estimator("alignopsd")(inp, _cfg("alignopsd", **{"sdar.enabled": "true"}))
     assert [a.kind for a in out_s.aux] == ["sdar"]
