@@ -22,6 +22,7 @@ from alignopsd._checks import as_tensor, check_choice, check_finite, check_ndim,
 __all__ = [
     "AUX_KINDS",
     "AuxTerm",
+    "actor_loss",
     "alignment_loss",
     "auxiliary_loss",
     "entropy_bonus",
@@ -278,3 +279,67 @@ def auxiliary_loss(
         gap = term.gate_gap_ML if rows is None else term.gate_gap_ML[rows]  # type: ignore[index]
         return alignment_loss(logp, teacher, gap, mask, beta=term.beta, coef=term.coef, row_weight=row_weight)
     return sdar_loss(logp, teacher, mask, beta=term.beta, coef=term.coef, row_weight=row_weight)
+
+
+def actor_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantage: Tensor,
+    mask: Tensor,
+    *,
+    row_weight: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.001,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    aux: Sequence[AuxTerm] = (),
+    rows: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float = 3.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """The whole actor objective of one micro-batch (§3.12), a weighted token-mean over ``mask``:
+
+    PPO(dual clip) − entropy_coef · entropy + kl_coef · k3(logp, ref_logp) + Σ aux terms (§2.9, §2.10).
+
+    logp, old_logp, advantage, mask: [R, L]; row_weight: [R] (1/k); entropy: [R, L] (with grad) or None;
+    ref_logp: [R, L] or None (required when kl_coef > 0); aux: terms from an estimator, evaluated on
+    ``rows`` ([R] canonical index of each row). Multiply the result by this micro-batch's
+    :func:`microbatch_scales` factor before backward. Returns (loss, stats) with ``actor/*`` floats.
+    """
+    pg, st = ppo_loss(
+        logp,
+        old_logp,
+        advantage,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        row_weight=row_weight,
+    )
+    total = pg
+    stats = {
+        "actor/pg_loss": float(pg.detach()),
+        "actor/pg_clipfrac": st["clipfrac"],
+        "actor/pg_clipfrac_lower": st["clipfrac_lower"],
+        "actor/ppo_kl": st["approx_kl"],
+    }
+    kc = check_real(kl_coef, "kl_coef", lo=0.0)
+    if kc > 0:
+        if ref_logp is None:
+            raise ValueError("ref_logp: required when kl_coef > 0")
+        kl = token_mean(low_var_kl(logp, ref_logp), mask, row_weight)
+        total = total + kc * kl
+        stats["actor/kl_loss"] = float(kl.detach())
+        stats["actor/kl_coef"] = kc
+    if entropy is not None:
+        ent = entropy_bonus(entropy, mask, coef=entropy_coef, row_weight=row_weight)
+        total = total + ent
+        stats["actor/entropy"] = float(token_mean(entropy.detach(), mask, row_weight))
+    for term in aux:
+        loss_t, st_t = auxiliary_loss(term, logp, mask, rows=rows, row_weight=row_weight)
+        total = total + loss_t
+        key = "beyond_timestamps/" if term.kind == "alignment" else ""
+        stats.update({(key + k if not k.startswith("sdar/") else k): v for k, v in st_t.items()})
+    stats["actor/loss"] = float(total.detach())
+    return total, stats

@@ -226,3 +226,41 @@ def test_bad_inputs():
         microbatch_scales([1.0], world_size=0)
     with pytest.raises(ValueError, match="global_weighted_tokens"):
         microbatch_scales([1.0], world_size=2)
+
+
+def test_actor_loss_sums_the_terms():
+    from alignopsd.losses import actor_loss
+
+    g = torch.Generator().manual_seed(9)
+    R, L = 3, 4
+    logp = (torch.randn(R, L, generator=g) - 1).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(R, L, generator=g)
+    ref = logp.detach() + 0.2 * torch.randn(R, L, generator=g)
+    adv = torch.randn(R, L, generator=g)
+    ent = torch.rand(R, L, generator=g)
+    mask = torch.ones(R, L)
+    mask[0, 3] = 0
+    w = torch.tensor([1.0, 0.5, 0.5])
+    teacher = torch.randn(2, L, generator=g) - 1
+    gap = torch.randn(2, L, generator=g)
+    rows = torch.tensor([0, 1, 1])
+    aux = [AuxTerm("alignment", teacher, coef=0.01, beta=5.0, gate_gap_ML=gap), AuxTerm("sdar", teacher, 0.02, 5.0)]
+    loss, stats = actor_loss(
+        logp, old, adv, mask, row_weight=w, entropy=ent, ref_logp=ref, kl_coef=0.01, aux=aux, rows=rows
+    )
+    pg, _ = ppo_loss(logp, old, adv, mask, row_weight=w)
+    kl = token_mean(low_var_kl(logp, ref), mask, w)
+    al, _ = alignment_loss(logp, teacher[rows], gap[rows], mask, coef=0.01, row_weight=w)
+    sd, _ = sdar_loss(logp, teacher[rows], mask, coef=0.02, row_weight=w)
+    expect = pg + 0.01 * kl - 0.001 * token_mean(ent, mask, w) + al + sd
+    assert loss.item() == pytest.approx(expect.item(), abs=1e-7)
+    assert {
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "beyond_timestamps/alignment_loss",
+        "sdar/gate_mean",
+        "actor/loss",
+    } <= set(stats)
+    with pytest.raises(ValueError, match="ref_logp"):
+        actor_loss(logp, old, adv, mask, kl_coef=0.1)
