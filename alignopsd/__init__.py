@@ -25,6 +25,8 @@ _EXPORTS: dict[str, str] = {
     "pairs_from_selection": "rectify",
     "cross_inputs": "rectify",
     "policy_mask": "rectify",
+    "build_sidecar": "rectify",
+    "M1Sidecar": "rectify",
     # mechanism 2
     "correspondence_profiles": "credit",
     "boundary_scores": "credit",
@@ -40,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "ppo_loss": "losses",
     "low_var_kl": "losses",
     "entropy_bonus": "losses",
+    "actor_loss": "losses",
     "alignment_loss": "losses",
     "sdar_loss": "losses",
     "token_mean": "losses",
@@ -74,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "paired_sign_flips": "diagnostics",
     "off_turn_match_weight": "diagnostics",
     "action_filter_metrics": "diagnostics",
+    "formula_comparison": "diagnostics",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
