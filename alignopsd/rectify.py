@@ -493,7 +493,8 @@ def rectify(
     by target in rank order. H: [M, M] H[source, target]. Weights ω = softmax(h / temperature) per target;
     c = logsumexp(log ω + ℓ) (probability_mixture) or Σ ω ℓ (log_mean); ρ = Σ ω clip((h-γ)/(1-γ), 0, 1);
     α = clip(α_max ρ, 0, α_max); ℓ̃ = (1-α) ℓ^diag + α c. Targets with no pair keep ℓ^diag exactly.
-    Vectorised with segment (scatter) reductions over targets; aggregation runs in float64, outputs float32.
+    Vectorised over targets with a dense [targets, K, L] layout of the target groups (no loop over targets);
+    aggregation runs in float64, outputs are float32.
     """
     d = as_tensor(diag, "diag")
     check_ndim(d, "diag", 2)
@@ -537,8 +538,6 @@ def rectify(
     Q = int(group_tgt.numel())
     slot = torch.arange(P, device=dev) - group_start[group]
     K = int(slot.max()) + 1 if P else 1
-    valid_QK = torch.zeros(Q, K, dtype=torch.bool, device=dev)
-    valid_QK[group, slot] = True
     z_QK = torch.full((Q, K), -math.inf, dtype=torch.float64, device=dev)
     z_QK[group, slot] = h / temperature
     log_w_QK = torch.log_softmax(z_QK, dim=1)  # ω in log space; -inf on padding
