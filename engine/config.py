@@ -37,6 +37,16 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def _env_names() -> tuple[str, ...]:
+    """Built-in environment names plus those registered at runtime (the registry module is import-light)."""
+    try:
+        from .envs.registry import env_names
+
+        return tuple(n for n in env_names() if n != "codeword_faulty") or ENV_NAMES
+    except ImportError:  # pragma: no cover
+        return ENV_NAMES
+
+
 class ConfigError(ValueError):
     """A configuration key or value is invalid (the message names the dotted key)."""
 
@@ -194,7 +204,7 @@ class EnvConfig:
     """Environment-specific keyword options passed through to the environment registry."""
 
     def __post_init__(self) -> None:
-        _choice("env.name", self.name, ENV_NAMES)
+        _choice("env.name", self.name, _env_names())
         for key in ("num_games", "group_n", "tasks_per_step", "val_tasks", "max_turns", "max_prompt_length"):
             _positive(f"env.{key}", getattr(self, key))
         _positive("env.workers", self.workers, allow_zero=True)
@@ -401,6 +411,11 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)

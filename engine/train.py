@@ -1,0 +1,351 @@
+"""Training entry point: ``python -m alignopsd.engine.train --config FILE [--set k=v ...] [--resume auto]``.
+
+Also runs under ``torchrun --nproc_per_node=N`` (data parallel: gloo on CPU, NCCL on CUDA). Each rank
+plays ``tasks_per_step / N`` tasks per step (a task's sibling group stays on one rank, so group
+advantages are local); gradients are averaged across ranks and the loss is the exact global weighted
+token-mean of ALGORITHM.md §3.12.
+
+A run writes under ``runs/<config name>/`` (or ``output_dir``): ``config.yaml``, ``checkpoints/``,
+``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots.
+
+Determinism: every random draw of a step (task sampling, environment seeds, sampling) derives from
+``trainer.seed``, the step index and the rank, plus the torch/python/numpy generator states, which
+checkpoints store; so ``--resume auto`` continues with exactly the steps an uninterrupted run takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, RunConfig, dump_config, load_config
+
+log = logging.getLogger("alignopsd.train")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# distributed
+
+
+class Dist:
+    """Rank, world size and the collectives the trainer needs (no-ops when single-process)."""
+
+    def __init__(self, device_kind: str) -> None:
+        import torch.distributed as dist
+
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world_size > 1
+        if self.enabled and not dist.is_initialized():
+            backend = "nccl" if device_kind == "cuda" else "gloo"
+            if device_kind == "cuda":
+                import torch
+
+                torch.cuda.set_device(self.local_rank)
+            dist.init_process_group(backend=backend)
+        self._dist = dist
+
+    def barrier(self) -> None:
+        if self.enabled:
+            self._dist.barrier()
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if not self.enabled:
+            return list(values)
+        import torch
+
+        t = torch.tensor(values, dtype=torch.float64)
+        if self._dist.get_backend() == "nccl":
+            t = t.cuda()
+        red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX, "min": self._dist.ReduceOp.MIN}[op]
+        self._dist.all_reduce(t, op=red)
+        return t.cpu().tolist()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.enabled and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the trainer
+
+
+def pick_device(cfg: RunConfig, local_rank: int = 0):
+    import torch
+
+    kind = cfg.trainer.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device: 'cuda' requested but CUDA is not available")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Builds the components of a run and drives steps, validation, checkpoints, metrics and the report."""
+
+    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None) -> None:
+        import torch
+
+        self.cfg = cfg
+        self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+        self.dist = dist or Dist(self.device.type)
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        self.out_dir = cfg.out_dir
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.stream = stream if stream is not None else sys.stdout
+        if cfg.env.tasks_per_step % self.world_size:
+            raise ConfigError(
+                f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the world size {self.world_size}"
+            )
+        if cfg.trainer.torch_threads:
+            torch.set_num_threads(cfg.trainer.torch_threads)
+        if cfg.trainer.deterministic and self.device.type == "cpu":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(cfg.trainer.seed + 1000 * self.rank)
+        from .step import build_components
+
+        self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
+        self.step = 0
+        self.span_lengths: list[int] = []
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        from .checkpoint import save_checkpoint
+
+        policy = self.parts.policy
+        return save_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            model_state=policy.hf_state_dict(),
+            optimizer_state=_optimizer_state(policy),
+            trainer_state={
+                "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
+                "config_name": self.cfg.name,
+                "span_lengths_count": len(self.span_lengths),
+            },
+            hf_config=getattr(getattr(policy, "model", None), "config", None),
+            keep_last=self.cfg.trainer.keep_last,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self.dist.barrier,
+        )
+
+    def load(self, path: Path) -> None:
+        from .checkpoint import load_checkpoint
+
+        ck = load_checkpoint(path, rank=self.rank, restore_rng=False)
+        policy = self.parts.policy
+        _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
+        self.parts.sync_weights()
+        self.step = int(ck["trainer_state"]["step"])
+        spans = self.out_dir / "span_lengths.json"
+        if spans.exists():
+            n = int(ck["trainer_state"].get("span_lengths_count", 0))
+            self.span_lengths = json.loads(spans.read_text())[:n]
+        # RNG last: nothing after this point may draw random numbers before the next step
+        from .checkpoint import restore_rng_state
+
+        rng = path / f"rng_rank{self.rank}.pt"
+        if rng.exists():
+            import torch
+
+            restore_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
+
+    # -- loop ----------------------------------------------------------------------------------------------------------
+
+    def fit(self, resume: str | None = None) -> dict:
+        from .checkpoint import resolve_resume
+        from .metrics import MetricsLogger
+        from .step import run_step, run_validation
+
+        cfg = self.cfg
+        path = resolve_resume(resume, self.ckpt_dir)
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+        if path is not None:
+            self.load(path)
+            if self.rank == 0:
+                print(f"[train] resumed from {path} at step {self.step}", file=self.stream, flush=True)
+        logger = MetricsLogger(
+            self.out_dir,
+            total_steps=cfg.trainer.total_steps,
+            tensorboard=cfg.trainer.tensorboard,
+            rank=self.rank,
+            stream=self.stream,
+            resume_step=self.step if path is not None else None,
+        )
+        last: dict = {}
+        try:
+            if cfg.trainer.val_before_train and self.step == 0:
+                self._validate(logger, run_validation)
+            while self.step < cfg.trainer.total_steps:
+                t0 = time.perf_counter()
+                result = run_step(self.parts, self.step)
+                self.step += 1
+                metrics = self._reduce_metrics(result.metrics)
+                metrics["time/step_wall"] = time.perf_counter() - t0
+                self.span_lengths.extend(int(x) for x in result.span_lengths)
+                last = logger.log(self.step, metrics)
+                if cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0:
+                    self._validate(logger, run_validation)
+                if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
+                    self.step == cfg.trainer.total_steps
+                ):
+                    self._write_spans()
+                    self.save()
+            if cfg.trainer.val_after_train and not (
+                cfg.trainer.test_freq > 0 and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
+            ):
+                self._validate(logger, run_validation)
+        finally:
+            logger.close()
+        self._write_spans()
+        if self.rank == 0 and cfg.trainer.report:
+            from .report import write_report
+
+            report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
+            print(f"[train] report: {report}", file=self.stream, flush=True)
+        self.parts.close()
+        return last
+
+    def _write_spans(self) -> None:
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "span_lengths.json").write_text(json.dumps(self.span_lengths))
+
+    def _validate(self, logger, run_validation) -> dict:
+        metrics = self._reduce_metrics(run_validation(self.parts, self.step))
+        flat = logger.log(self.step, metrics, kind="val", echo=False)
+        if self.rank == 0:
+            sr = flat.get("episode/success_rate")
+            rw = flat.get("episode/reward_mean")
+            print(
+                f"[val] step {self.step}: success {sr:.3f} | reward {rw:.3f} | "
+                f"episodes {int(flat.get('episode/count', 0))}",
+                file=self.stream,
+                flush=True,
+            )
+        return flat
+
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average metrics over ranks (sums for '*count*' keys); NaN-free."""
+        if not self.dist.enabled:
+            return metrics
+        gathered = self.dist.gather_objects(metrics)
+        keys = sorted({k for g in gathered for k in g})
+        out = {}
+        for k in keys:
+            vals = [g[k] for g in gathered if g.get(k) is not None]
+            if not vals:
+                continue
+            out[k] = sum(vals) if "count" in k else (max(vals) if k.endswith("_max") else sum(vals) / len(vals))
+        return out
+
+
+def _optimizer_state(policy) -> dict | None:
+    opt = getattr(policy, "optimizer", None)
+    if opt is None:
+        return None
+    state = {"optimizer": opt.state_dict()}
+    sch = getattr(policy, "scheduler", None)
+    if sch is not None:
+        state["scheduler"] = sch.state_dict()
+    for k in ("steps", "skipped_steps"):
+        if hasattr(policy, k):
+            state[k] = getattr(policy, k)
+    return state
+
+
+def _load_policy_state(policy, model_state: dict, optimizer_state: dict | None) -> None:
+    if hasattr(policy, "load_hf_state_dict"):
+        policy.load_hf_state_dict(model_state)
+    else:
+        missing, unexpected = policy.model.load_state_dict(model_state, strict=False)
+        bad = [k for k in missing if "lm_head" not in k]
+        if bad or unexpected:
+            raise ValueError(
+                f"checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
+            )
+    if optimizer_state is not None and getattr(policy, "optimizer", None) is not None:
+        policy.optimizer.load_state_dict(optimizer_state["optimizer"])
+        if "scheduler" in optimizer_state and getattr(policy, "scheduler", None) is not None:
+            policy.scheduler.load_state_dict(optimizer_state["scheduler"])
+        for k in ("steps", "skipped_steps"):
+            if k in optimizer_state and hasattr(policy, k):
+                setattr(policy, k, optimizer_state[k])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML run config (configs/*.yaml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set algorithm.estimator=grpo (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="alignopsd train", description="Train a policy with AlignOPSD or a baseline.")
+    add_run_args(p)
+    p.add_argument("--resume", default=None, help="'auto' (newest complete checkpoint), a checkpoint path, or none")
+    p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    try:
+        cfg = load_config(args.config, overrides)  # strict: fails here, before anything heavy loads
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit(resume=args.resume)
+    finally:
+        trainer.dist.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
