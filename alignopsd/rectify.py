@@ -494,7 +494,7 @@ def rectify(
     c = logsumexp(log ω + ℓ) (probability_mixture) or Σ ω ℓ (log_mean); ρ = Σ ω clip((h-γ)/(1-γ), 0, 1);
     α = clip(α_max ρ, 0, α_max); ℓ̃ = (1-α) ℓ^diag + α c. Targets with no pair keep ℓ^diag exactly.
     Vectorised over targets with a dense [targets, K, L] layout of the target groups (no loop over targets);
-    aggregation runs in float64, outputs are float32.
+    token-level aggregation runs in FP32 (per-pair weights and ρ in float64), outputs are float32.
     """
     d = as_tensor(diag, "diag")
     check_ndim(d, "diag", 2)
@@ -543,29 +543,34 @@ def rectify(
     log_w_QK = torch.log_softmax(z_QK, dim=1)  # ω in log space; -inf on padding
     w_QK = torch.exp(log_w_QK)
     # padding slots repeat the group's first source: max/min unchanged, and their weight is exactly 0
-    x_PL = c_in.detach().to(dev).double()
+    # token-level work in FP32 (§2.7); the clamp into [min_j, max_j] makes k equal sources return exactly
+    # their score. Padding slots repeat the group's first source: max/min unchanged, weight exactly 0.
+    x_PL = c_in.detach().to(dev).float()
     x_QKL = (
-        x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float64, device=dev)
+        x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float32, device=dev)
     )
     x_QKL[group, slot] = x_PL
+    w32_QK = w_QK.float()
     if mode == "probability_mixture":
         # c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j]
         lmax = x_QKL.amax(1)
         lmin = x_QKL.amin(1)
-        acc = (w_QK[:, :, None] * torch.exp(x_QKL - lmax[:, None])).sum(1)
+        x_QKL.sub_(lmax[:, None]).exp_()
+        acc = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
         c_QL = torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
     else:
-        c_QL = (w_QK[:, :, None] * x_QKL).sum(1)
+        c_QL = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
     h_QK = torch.zeros(Q, K, dtype=torch.float64, device=dev)
     h_QK[group, slot] = h
     conf_QK = ((h_QK - gamma) / (1.0 - gamma)).clamp(0.0, 1.0)
     rho_Q = (w_QK * conf_QK).sum(1).clamp(0.0, 1.0)
     alpha_Q = (alpha_max * rho_Q).clamp(0.0, alpha_max)
-    blend_QL = ((1.0 - alpha_Q[:, None]) * d32[group_tgt].double() + alpha_Q[:, None] * c_QL).float()
+    a32 = alpha_Q.float()[:, None]
+    blend_QL = (1.0 - a32) * d32[group_tgt] + a32 * c_QL
     corrected = d32.clone()
     corrected[group_tgt] = blend_QL
     c32 = d32.clone()
-    c32[group_tgt] = c_QL.float()
+    c32[group_tgt] = c_QL
     rho32 = torch.zeros(M, dtype=torch.float32, device=dev)
     rho32[group_tgt] = rho_Q.float()
     alpha32 = torch.zeros(M, dtype=torch.float32, device=dev)
