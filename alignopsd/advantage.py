@@ -93,7 +93,7 @@ def build_turn_index(task: Tensor, rollout: Tensor, turn: Tensor | None = None) 
 
 
 def _check_outcome(outcome, m: int, name: str = "outcome") -> Tensor:
-    out = as_tensor(outcome, name)
+    out = as_tensor(outcome, name).detach()
     check_ndim(out, name, 1)
     if out.shape[0] != m:
         raise ValueError(f"{name}: expected shape ({m},) like task, got {tuple(out.shape)}")

@@ -296,7 +296,7 @@ def _profiles(H_BNS: Tensor, E_BNS: Tensor, gamma: float, temperature: float) ->
 
     Inputs are target-major: H_BNS[b, t, s] = H[s, t] (any strides), E_BNS contiguous bool.
     P[t, s] = softmax over eligible s of H[s, t] / T_p (0 elsewhere; an all-zero row without eligible
-    source); valid[t] = some eligible source and max eligible H[s, t] >= gamma (compared in float64);
+    source); valid[t] = some eligible source and max eligible H[s, t] >= gamma (float32 comparison);
     negent[t] = sum_s P log P (0 for a row without eligible source). Ineligible cells are set to -1e30
     before the division (finite for T_p >= 1e-6), so their probability is exactly 0 and no NaN appears;
     the fused softmax kernels are used because a plain exp of such arguments is slow on CPU.
@@ -305,7 +305,7 @@ def _profiles(H_BNS: Tensor, E_BNS: Tensor, gamma: float, temperature: float) ->
     X.masked_fill_(~E_BNS, _MASKED_H)
     has = E_BNS.any(-1)
     hmax = X.amax(-1)
-    valid = has & (hmax.double() >= gamma)
+    valid = has & (hmax >= gamma)  # torch semantics, like Mechanism 1's selection H >= gamma
     X.div_(temperature)
     P = torch.softmax(X, dim=-1)
     negent = _rowdot(P, torch.log_softmax(X, dim=-1))
@@ -371,7 +371,7 @@ def correspondence_profiles(
     temperature = check_real(temperature, "temperature")
     if temperature < 1e-6:
         raise ValueError(f"temperature: must be >= 1e-6, got {temperature}")
-    Hf = as_tensor(H, "H")
+    Hf = as_tensor(H, "H").detach()
     check_ndim(Hf, "H", 2)
     m = int(Hf.shape[0])
     Hf = _square(Hf, "H", m, floating=True)
@@ -417,7 +417,7 @@ def boundary_scores(
     check_choice(distance, "distance", DISTANCES)
     task_t, roll_t, turn_t = check_ids(task, rollout, turn)
     m = int(task_t.shape[0])
-    Pf = _square(P, "P", m, floating=True)
+    Pf = _square(P, "P", m, floating=True).detach()
     check_finite(Pf, "P")
     valid = _bool_vector(profile_valid, "profile_valid", m)
     E = _square(eligible, "eligible", m, floating=False)
@@ -445,7 +445,7 @@ def segmentation_threshold(
     tau_max = check_real(tau_max, "tau_max")
     if tau_max < tau_min:
         raise ValueError(f"tau_max: must be >= tau_min = {tau_min}, got {tau_max}")
-    dt = as_tensor(d, "d")
+    dt = as_tensor(d, "d").detach()
     check_ndim(dt, "d", 1)
     check_finite(dt, "d")
     bv = _bool_vector(boundary_valid, "boundary_valid", int(dt.shape[0]))
@@ -1083,7 +1083,7 @@ def allocate_credit(
     impl = _native.resolve_impl(cfg.impl, "impl")
     task_t, roll_t, turn_t = check_ids(task, rollout, turn)
     m = int(task_t.shape[0])
-    gap_t = as_tensor(gap, "gap")
+    gap_t = as_tensor(gap, "gap").detach()
     check_ndim(gap_t, "gap", 2)
     if gap_t.shape[0] != m:
         raise ValueError(f"gap: expected {m} rows like task, got shape {tuple(gap_t.shape)}")
@@ -1094,8 +1094,8 @@ def allocate_credit(
     dev = gap_t.device
     L = int(gap_t.shape[1])
     mask_b = _policy_mask(mask, (m, L)).to(dev)
-    r_M = _check_outcome(outcome, m).to(dev)
-    H_f = _square(H, "H", m, floating=True).to(dev)
+    r_M = _check_outcome(outcome, m).detach().to(dev)
+    H_f = _square(H, "H", m, floating=True).detach().to(dev)
     E_b = _square(eligible, "eligible", m, floating=False).to(dev)
     inv_M = None if invalid is None else _check_invalid(invalid, m).to(dev)
     if m == 0:

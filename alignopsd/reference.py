@@ -75,7 +75,7 @@ def correspondence_profiles_ref(H: Tensor, eligible: Tensor, *, gamma: float, te
             continue
         col = H[src, t].float()
         P[t, src] = torch.softmax(col / temperature, dim=0)
-        valid[t] = float(col.max()) >= gamma
+        valid[t] = bool(col.max() >= gamma)
     return P, valid
 
 
