@@ -524,3 +524,28 @@ def test_case14_sidecar_layout_gamma_and_rows():
         build_sidecar(r, H, torch.zeros(2, 2, dtype=torch.bool), old, mask, mask, can.row_to_canonical)
     with pytest.raises(ValueError, match="row_to_canonical"):
         build_sidecar(r, H, B, old, mask, mask, torch.tensor([0, 2]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 100_000))
+def test_property_rectify_invariant_to_turn_order(seed):
+    task, rollout, turn, H, sv, tv, g = _random_batch(seed)
+    B = eligibility(task, rollout, sv, tv)
+    sel = select_sources(H, B, task, rollout, turn, gamma=0.25, top_k=3)
+    M, L = len(task), 3
+    pairs = pairs_from_selection(sel)
+    diag = -torch.rand(M, L, generator=g) * 4
+    cross = -torch.rand(pairs.shape[0], L, generator=g) * 4
+    r = rectify(diag, cross, pairs, H, gamma=0.25, alpha_max=0.7)
+    perm = torch.randperm(M, generator=g)
+    inv = torch.argsort(perm)  # new index of old turn i
+    sel_p = select_sources(
+        H[perm][:, perm], B[perm][:, perm], task[perm], rollout[perm], turn[perm], gamma=0.25, top_k=3
+    )
+    pairs_p = pairs_from_selection(sel_p)
+    # cross rows of the permuted batch: look up the same (source, target) pair in the original order
+    index = {(int(s), int(t)): j for j, (s, t) in enumerate(pairs.tolist())}
+    rows = [index[(int(perm[s]), int(perm[t]))] for s, t in pairs_p.tolist()]
+    r_p = rectify(diag[perm], cross[rows], pairs_p, H[perm][:, perm], gamma=0.25, alpha_max=0.7)
+    torch.testing.assert_close(r_p.corrected[inv], r.corrected)
+    torch.testing.assert_close(r_p.alpha[inv], r.alpha)
