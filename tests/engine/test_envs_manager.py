@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from alignopsd.engine.envs.manager import EnvManager, load_tasks
 from alignopsd.engine.envs.toy import faulty_tasks
 

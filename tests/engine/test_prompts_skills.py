@@ -1,0 +1,142 @@
+"""Prompt templates (ALGORITHM.md §1.3), skill lookup and the teacher prompt builder (§1.4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from alignopsd.engine.envs.prompts import PromptBuilder, PromptContext, alfworld_prompt, chat_text
+from alignopsd.engine.envs.registry import make_prompt
+from alignopsd.engine.envs.skills import (
+    HEADER,
+    build_teacher_prompts,
+    load_skill_bank,
+    skill_texts_for,
+    teacher_prompt_text,
+)
+
+ADM = ["go to cabinet 1", "help", "inventory", "look"]
+
+
+def _ctx(n_hist: int) -> PromptContext:
+    hist = [(f"obs {i + 1}", f"act {i + 1}") for i in range(n_hist)]
+    return PromptContext(task="put a clean apple in fridge.", observation="current obs", admissible_actions=ADM,
+                         history=hist)  # fmt: skip
+
+
+def test_alfworld_templates():
+    b = make_prompt("alfworld")
+    first = b.render(_ctx(0))
+    assert "Your current observation is: current obs" in first and "Prior to this step" not in first
+    assert "'go to cabinet 1'\n 'inventory'\n 'look'" in first and "'help'" not in first
+    assert "<think> </think>" in first and "<action> </action>" in first
+    later = b.render(_ctx(3))
+    assert "Your task is to: put a clean apple in fridge." in later
+    assert "already taken 3 step(s)" in later and "most recent 2 observations" in later
+    assert "[Observation 2: 'obs 2', Action 2: 'act 2']\n[Observation 3: 'obs 3', Action 3: 'act 3']" in later
+    assert "Observation 1:" not in later and "You are now at step 4" in later
+    one = alfworld_prompt(2).render(_ctx(1))
+    assert "most recent 1 observations" in one and "[Observation 1: 'obs 1'" in one
+
+
+def test_builder_fallback_and_validation():
+    b = PromptBuilder("FIRST {current_observation}", "HIST {action_history} {current_observation}", 2, max_chars=60)
+    assert b.render(_ctx(1)) == "HIST [Observation 1: 'obs 1', Action 1: 'act 1'] current obs"
+    assert b.render(_ctx(3)) == "FIRST current obs"  # over 60 characters -> no-history template
+    assert PromptBuilder("F", "H {history_length}", 0).render(_ctx(2)) == "F"
+    with pytest.raises(ValueError, match="history_length"):
+        PromptBuilder("a", "b", -1)
+    with pytest.raises(ValueError, match="max_chars"):
+        PromptBuilder("a", "b", 1, max_chars=0)
+
+
+def test_alfworld_skill_lookup():
+    bank = load_skill_bank("alfworld")
+    assert set(bank.task_to_skill) == {
+        "pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+        "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place",
+    }  # fmt: skip
+    g = "/data/json_2.1.1/train/pick_heat_then_place_in_recep-Mug-None-Cabinet-5/trial_T1/game.tw-pddl"
+    assert bank.match(g, "text", "put a clean apple") == ["pick_heat_then_place_in_recep"]
+    text = bank.skill_text(g, "text")
+    assert text.startswith(bank.general) and text.endswith(bank.skills["heat_then_place"])
+    assert text == bank.general + "\n\n" + bank.skills["heat_then_place"]
+    # no task type in the path: keyword fallback over the lower-cased prompt, mapping order
+    assert bank.match("/x/game.tw-pddl", "text", "Your task is to: put a clean apple in fridge.") == [
+        "pick_and_place_simple", "pick_clean_then_place_in_recep",
+    ]  # fmt: skip
+    assert bank.skill_text(None, "text", "nothing relevant") == bank.general
+    assert bank.skill_text(skill_all=True).count("# Skill:") == 6
+
+
+def test_search_style_rules(tmp_path):
+    folder = tmp_path / "search"
+    folder.mkdir()
+    names = ["entity_attribute_lookup", "direct_retrieval", "multi_hop_reasoning", "compare"]
+    for n in ["general"] + names:
+        (folder / f"{n}.md").write_text(f"SKILL {n}")
+    mapping = {
+        "skill_files": {"general_skills": "general.md", **{n: f"{n}.md" for n in names}},
+        "task_to_skill": {n: n for n in names},
+        "task_keywords": {"compare": ["older"], "direct_retrieval": ["when was"]},
+    }
+    (folder / "skill_mapping.json").write_text(json.dumps(mapping))
+    bank = load_skill_bank("search", root=tmp_path)
+    assert bank.match(None, "popqa", "x") == ["entity_attribute_lookup"]
+    assert bank.match(None, "nq", "which is it, a or b") == ["direct_retrieval"]
+    assert bank.match(None, "triviaqa", "") == ["direct_retrieval"]
+    assert bank.match(None, "hotpotqa", "") == ["multi_hop_reasoning"]
+    assert bank.match(None, "musique", "which came first, a or b") == ["compare"]
+    assert bank.match(None, "musique", "which one for a or b") == ["multi_hop_reasoning"]
+    assert bank.match(None, "bamboogle", "") == ["multi_hop_reasoning"]
+    assert bank.match(None, "unknown", "when was it older") == []
+    assert bank.match(None, "text", "when was it older") == ["compare", "direct_retrieval"]
+    assert bank.skill_text(None, "popqa") == "SKILL general\n\nSKILL entity_attribute_lookup"
+    assert skill_texts_for(bank, [None, None], ["nq", "x"], ["", ""]) == [
+        "SKILL general\n\nSKILL direct_retrieval", "SKILL general",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="lengths"):
+        skill_texts_for(bank, [None], ["nq", "x"], ["", ""])
+    (folder / "skill_mapping.json").write_text(json.dumps({**mapping, "task_to_skill": {"a": "missing"}}))
+    with pytest.raises(ValueError, match="unknown skill"):
+        load_skill_bank("search", root=tmp_path / ".." / tmp_path.name)
+    with pytest.raises(ValueError, match="no skill bank"):
+        load_skill_bank("nope", root=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from alignopsd.engine.models import load_tokenizer
+
+    return load_tokenizer("tiny")
+
+
+def test_teacher_prompts(tok):
+    users = ["Observation: you see a fridge 1.", "Observation: a much longer observation " + "with words " * 10]
+    texts = [chat_text(tok, u) for u in users]
+    enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    assert enc["attention_mask"][0, 0] == 0  # left padded
+    skills = ["SKILL ONE: clean things in the sinkbasin.", "SKILL TWO"]
+    ids, mask, trunc = build_teacher_prompts(
+        tok, enc["input_ids"], enc["attention_mask"], skills, 256, tok.pad_token_id
+    )
+    assert ids.shape == (2, 256) and mask.dtype == torch.long and trunc == 0
+    for i in range(2):
+        n = int(mask[i].sum())
+        assert mask[i, : 256 - n].sum() == 0 and (ids[i, : 256 - n] == tok.pad_token_id).all()
+        got = ids[i, 256 - n :].tolist()
+        want_text = teacher_prompt_text(skills[i], texts[i])
+        assert want_text.startswith(HEADER + skills[i] + "\n\n<|im_start|>")
+        assert got == tok(want_text, add_special_tokens=False)["input_ids"]
+        assert tok.convert_tokens_to_ids("<|im_start|>") in got  # markers stay special tokens
+    short, smask, strunc = build_teacher_prompts(
+        tok, enc["input_ids"], enc["attention_mask"], skills, 12, tok.pad_token_id
+    )
+    assert strunc == 2 and smask.sum() == 24
+    full = tok(teacher_prompt_text(skills[1], texts[1]), add_special_tokens=False)["input_ids"]
+    assert short[1].tolist() == full[-12:]  # left truncation keeps the tail; the skill text goes first
+    with pytest.raises(ValueError, match="skill_texts"):
+        build_teacher_prompts(tok, enc["input_ids"], enc["attention_mask"], skills[:1], 64, 0)
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        build_teacher_prompts(tok, enc["input_ids"], enc["attention_mask"], skills, 0, 0)
