@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,21 +33,38 @@ _QUANTILES = (("p10", 0.10), ("p50", 0.50), ("p90", 0.90))
 
 def describe(values: Tensor, name: str, *, quantiles: Sequence[tuple[str, float]] = _QUANTILES) -> dict[str, float]:
     """{name}_{mean,std,min,max,p10,p50,p90,count} of the finite entries of ``values`` (std unbiased; 0 if < 2)."""
-    v = as_tensor(values, name).detach().reshape(-1).double()
-    v = v[torch.isfinite(v)]
+    v = as_tensor(values, name).detach().reshape(-1)
+    if v.numel():
+        lo_hi = torch.aminmax(v.float())
+        if not (math.isfinite(float(lo_hi[0])) and math.isfinite(float(lo_hi[1]))):
+            v = v[torch.isfinite(v)]
     n = int(v.numel())
     out = {f"{name}_count": float(n)}
     if n == 0:
         out.update({f"{name}_{k}": 0.0 for k in ("mean", "std", "min", "max")})
         out.update({f"{name}_{q}": 0.0 for q, _ in quantiles})
         return out
+    a = v.cpu().double().numpy()
+    out[f"{name}_mean"] = float(a.mean())
+    out[f"{name}_std"] = float(a.std(ddof=1)) if n > 1 else 0.0
+    out[f"{name}_min"] = float(a.min())
+    out[f"{name}_max"] = float(a.max())
+    # linear-interpolation quantiles (selection, not a full sort; same definition as torch.quantile)
+    qs = np.quantile(a, [q for _, q in quantiles])
+    for (label, _), val in zip(quantiles, qs.tolist()):
+        out[f"{name}_{label}"] = float(val)
+    return out
     out[f"{name}_mean"] = float(v.mean())
     out[f"{name}_std"] = float(v.std()) if n > 1 else 0.0
     out[f"{name}_min"] = float(v.min())
     out[f"{name}_max"] = float(v.max())
-    qs = torch.quantile(v, torch.tensor([q for _, q in quantiles], dtype=torch.float64, device=v.device))
-    for (label, _), val in zip(quantiles, qs.tolist()):
-        out[f"{name}_{label}"] = float(val)
+    # linear-interpolation quantiles by sorting (torch.quantile refuses inputs above 16M elements)
+    srt = torch.sort(v).values
+    for label, q in quantiles:
+        pos = q * (n - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, n - 1)
+        out[f"{name}_{label}"] = float(srt[lo] + (srt[hi] - srt[lo]) * (pos - lo))
     return out
 
 
@@ -127,9 +145,9 @@ def m1_diagnostics(
     put("top_k_saturation_rate", float((n_src >= top_k).double().mean()) if M else 0.0)
     put("cross_pair_count", float(rect.pairs.shape[0]))
     thr = B & (H_ST >= gamma)
-    put("structural_eligibility_density", float(B.double().mean()) if M else 0.0)
-    put("threshold_eligibility_density", float(thr.double().mean()) if M else 0.0)
-    cand_per_target = thr.sum(0)
+    put("structural_eligibility_density", int(torch.count_nonzero(B)) / (M * M) if M else 0.0)
+    put("threshold_eligibility_density", int(torch.count_nonzero(thr)) / (M * M) if M else 0.0)
+    cand_per_target = torch.count_nonzero(thr, dim=0)
     put("threshold_candidate_zero_rate", float((cand_per_target == 0).double().mean()) if M else 0.0)
     put("correction_active_rate", float((rect.alpha > 0).double().mean()) if M else 0.0)
     for name, v in (
@@ -165,7 +183,7 @@ def m1_diagnostics(
     put_all(describe(H_ST[thr], "threshold_similarity"))
     put_all(describe(torch.diagonal(H_ST), "diagonal_similarity"))
     put_all(describe(rect.pair_similarity, "selected_similarity"))
-    put_all(describe(B.sum(0).double(), "eligible_sources_per_target"))
+    put_all(describe(torch.count_nonzero(B, dim=0).double(), "eligible_sources_per_target"))
     put_all(describe(cand_per_target.double(), "threshold_candidates_per_target"))
 
     # M1-only gap summary: mean and RMS of ℓ̃ - ℓ^old over policy tokens

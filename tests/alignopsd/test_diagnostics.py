@@ -129,3 +129,11 @@ def test_formula_comparison_case15():
     # token 0: mixture .48 > .40 > log_mean .365 -> one sign flip between the formulas
     assert s[P + "formula_neg_to_pos_count"] == 1
     assert s[P + "probability_minus_log_mean_mean"] > 0
+
+
+def test_describe_quantiles_match_torch():
+    v = torch.randn(1001, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    s = describe(v, "v")
+    q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+    assert [s["v_p10"], s["v_p50"], s["v_p90"]] == pytest.approx(q, abs=1e-12)
+    assert s["v_std"] == pytest.approx(float(v.std()))
