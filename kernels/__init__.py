@@ -1,4 +1,35 @@
 """Kernels of the rescoring path: fused log-prob gathering, sibling top-K with profiles,
-adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch/C++ CPU path and a plain
-torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere.
+adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch CPU path and a plain
+torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere,
+``impl="triton"|"torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1``).
 """
+
+from ._dispatch import HAS_TRITON, interpret_mode, resolve_impl
+from .jsd_boundary import (
+    DISTANCES,
+    batch_threshold,
+    boundary_scores,
+    boundary_scores_blocks,
+    boundary_scores_ref,
+)
+from .logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
+from .sibling_topk import SiblingTopK, selection_lists, sibling_topk, sibling_topk_ref
+
+__all__ = [
+    "DISTANCES",
+    "HAS_TRITON",
+    "SiblingTopK",
+    "batch_threshold",
+    "boundary_scores",
+    "boundary_scores_blocks",
+    "boundary_scores_ref",
+    "interpret_mode",
+    "logprob",
+    "logprob_ref",
+    "logprob_rescore",
+    "logprob_vocab_parallel",
+    "resolve_impl",
+    "selection_lists",
+    "sibling_topk",
+    "sibling_topk_ref",
+]

@@ -1,0 +1,138 @@
+"""Task-block layout shared by the alignment kernels.
+
+Legend: M = canonical turns, T = tasks, N = turns of the largest task (block size).
+
+Turns are sorted by identity (task, rollout, turn); every task becomes one zero-padded block
+of N slots. Inside a block the slots are in identity order, so "smaller identity" is
+"smaller slot", and the turns of one rollout are contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Blocks:
+    """Identity-sorted task blocks.
+
+    idx_TN: turn index (input order) of each slot (0 on padding); member_TN: slot holds a turn;
+    lroll_TN: rollout index of the slot within its task (0..G-1, 0 on padding);
+    block_M / slot_M: block and slot of each turn (input order); order_M: turn indices in identity order;
+    traj_M: trajectory index (identity order of (task, rollout)) of each turn, input order.
+    """
+
+    idx_TN: Tensor
+    member_TN: Tensor
+    lroll_TN: Tensor
+    block_M: Tensor
+    slot_M: Tensor
+    order_M: Tensor
+    traj_M: Tensor
+    num_rollouts: int
+
+
+def check_id_vectors(task, rollout, turn) -> tuple[Tensor, Tensor, Tensor]:
+    out = []
+    M = None
+    for name, t in (("task", task), ("rollout", rollout), ("turn", turn)):
+        if not isinstance(t, Tensor):
+            t = torch.as_tensor(t)
+        if t.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{name}: expected an integer tensor, got {t.dtype}")
+        if M is None:
+            M = t.shape[0]
+        elif t.shape[0] != M:
+            raise ValueError(f"{name}: expected shape ({M},) like task, got {tuple(t.shape)}")
+        out.append(t.long())
+    return out[0], out[1], out[2]
+
+
+def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
+    """Build the block layout; duplicate (task, rollout, turn) identities raise ValueError."""
+    M = task.numel()
+    dev = task.device
+    order = torch.argsort(turn, stable=True)
+    order = order[torch.argsort(rollout[order], stable=True)]
+    order = order[torch.argsort(task[order], stable=True)]
+    task_s, roll_s, turn_s = task[order], rollout[order], turn[order]
+    new_task = torch.ones(M, dtype=torch.bool, device=dev)
+    new_traj = torch.ones(M, dtype=torch.bool, device=dev)
+    if M > 1:
+        new_task[1:] = task_s[1:] != task_s[:-1]
+        new_traj[1:] = new_task[1:] | (roll_s[1:] != roll_s[:-1])
+        dup = ~new_traj[1:] & (turn_s[1:] == turn_s[:-1])
+        if bool(dup.any()):
+            i = int(dup.nonzero()[0, 0])
+            raise ValueError(
+                f"turn: duplicate turn id {int(turn_s[i])} in trajectory (task {int(task_s[i])}, "
+                f"rollout {int(roll_s[i])})"
+            )
+    task_idx = torch.cumsum(new_task.long(), 0) - 1
+    traj_idx = torch.cumsum(new_traj.long(), 0) - 1
+    T = int(task_idx[-1]) + 1 if M else 0
+    counts = torch.bincount(task_idx, minlength=T)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(M, device=dev) - starts[task_idx]
+    local_roll = traj_idx - traj_idx[starts][task_idx]
+    N = int(counts.max()) if M else 0
+    idx = torch.zeros(T, N, dtype=torch.long, device=dev)
+    member = torch.zeros(T, N, dtype=torch.bool, device=dev)
+    lroll = torch.zeros(T, N, dtype=torch.long, device=dev)
+    idx[task_idx, pos] = order
+    member[task_idx, pos] = True
+    lroll[task_idx, pos] = local_roll
+    block_M = torch.empty(M, dtype=torch.long, device=dev)
+    slot_M = torch.empty(M, dtype=torch.long, device=dev)
+    traj_M = torch.empty(M, dtype=torch.long, device=dev)
+    block_M[order] = task_idx
+    slot_M[order] = pos
+    traj_M[order] = traj_idx
+    G = int(local_roll.max()) + 1 if M else 0
+    return Blocks(idx, member, lroll, block_M, slot_M, order, traj_M, G)
+
+
+def to_blocks(x_MD: Tensor, b: Blocks) -> Tensor:
+    """Rows of x_MD [M, ...] gathered into blocks [T, N, ...] (padding rows zero)."""
+    out = x_MD[b.idx_TN]
+    mask = b.member_TN.reshape(b.member_TN.shape + (1,) * (x_MD.dim() - 1))
+    return out * mask if out.dtype != torch.bool else out & mask
+
+
+def dense_index(b: Blocks, M: int) -> tuple[Tensor, Tensor]:
+    """Flat indices into a dense [M, M] (target-major: row = target, col = source) and the valid-cell mask.
+
+    Returned lin_TNN[t, i, j] = idx[t, i] * M + idx[t, j] and mask_TNN = member_i & member_j.
+    """
+    lin = b.idx_TN[:, :, None] * M + b.idx_TN[:, None, :]
+    mask = b.member_TN[:, :, None] & b.member_TN[:, None, :]
+    return lin, mask
+
+
+def scatter_dense(x_TNN: Tensor, b: Blocks, M: int, *, transpose: bool, fill=0) -> Tensor:
+    """Dense [M, M] from target-major blocks; ``transpose`` writes x[t, i, j] at [idx_j, idx_i]."""
+    out = torch.full((M, M), fill, dtype=x_TNN.dtype, device=x_TNN.device)
+    if M == 0:
+        return out
+    lin, mask = dense_index(b, M)
+    if transpose:
+        lin = b.idx_TN[:, None, :] * M + b.idx_TN[:, :, None]
+    out.view(-1)[lin[mask]] = x_TNN[mask]
+    return out
+
+
+def gather_blocks(x_MM: Tensor, b: Blocks, *, transpose: bool) -> Tensor:
+    """Target-major blocks [T, N, N] of a dense matrix: x[idx_i, idx_j] (or x[idx_j, idx_i] if ``transpose``)."""
+    M = x_MM.shape[0]
+    if transpose:
+        lin = b.idx_TN[:, None, :] * M + b.idx_TN[:, :, None]
+    else:
+        lin = b.idx_TN[:, :, None] * M + b.idx_TN[:, None, :]
+    mask = b.member_TN[:, :, None] & b.member_TN[:, None, :]
+    out = x_MM.reshape(-1)[lin]
+    return out & mask if out.dtype == torch.bool else out * mask

@@ -1,0 +1,758 @@
+"""Fused token log-probabilities (and entropy) from hidden states and an LM-head weight.
+
+Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the local shard's
+size in the vocab-parallel variant), S = vocabulary splits of the Triton forward grid.
+
+    z_NV   = (hidden_NH @ weight_VH.T + bias_V) / temperature        (never materialised)
+    logp_N = z[n, target_n] - logsumexp_v z[n, v]
+    ent_N  = -sum_v p[n, v] log p[n, v],  p = softmax(z)
+
+Design
+------
+The [N, V] logits are never stored. Both paths sweep the vocabulary in tiles and keep per
+row an online maximum ``m``, the rescaled sum ``s = sum exp(z - m)``, the rescaled first
+moment ``u = sum exp(z - m) (z - m)`` and the target logit ``tz``. From these,
+``lse = m + log s``, ``logp = tz - lse`` and ``entropy = log s - u / s``; keeping ``u``
+relative to the running maximum avoids the cancellation of ``lse - E[z]`` at large logits.
+Partials over disjoint vocabulary ranges (Triton's vocabulary splits, or tensor-parallel
+shards) combine exactly: ``m = max m_i``, ``s = sum s_i a_i``, ``u = sum a_i (u_i + s_i (m_i - m))``
+with ``a_i = exp(m_i - m)``.
+
+The backward recomputes each logits tile and forms the logits gradient in place
+
+    gz = (g_logp * (onehot(target) - p) - g_ent * p * (z - lse + ent)) / temperature
+
+then ``d hidden += gz @ W_tile``, ``d W_tile += gz.T @ hidden``, ``d bias_tile += gz.sum(0)``.
+Cost: one matmul in the forward and three in the backward (plain autograd needs one and two,
+but keeps [N, V] buffers alive between them).
+
+Paths
+-----
+- Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): forward grid (row tiles x vocabulary
+  splits) writing partials [S, N], combined in torch; backward grid (row tiles x vocabulary
+  tiles) with fp32 atomic adds into d hidden / d W / d bias (not bitwise deterministic).
+  Operands go to ``tl.dot`` in their own dtype with fp32 accumulation (exact fp32 for fp32
+  inputs, like torch's default matmul); in interpreter mode they are cast to fp32 first.
+- torch (CPU default): the same algorithm in tiles of ``_TORCH_ROWS`` rows x ``_TORCH_TILE // rows``
+  vocabulary entries, vocabulary outermost so every weight chunk is read (and, for bf16,
+  upcast) once per sweep; peak extra memory is a few chunk-sized fp32 tiles.
+- ``logprob_ref``: plain fp32 torch (materialises the logits), the test oracle.
+
+Tuning constants. Torch path: tiles of up to 512 rows x (2^21 / rows) vocabulary entries
+(8 MiB fp32). On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v] ran at 8-15 GFLOP/s
+for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
+gained nothing measurable and cost memory, smaller ones lost up to 2x.
+Triton: BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, 4 warps are starting values taken from
+fused cross-entropy kernels of the same shape (no GPU was available to tune them here);
+``bench/gpu_check.sh`` times a small sweep so they can be re-chosen on hardware.
+
+Vocab-parallel (tensor parallel over the vocabulary, Megatron's
+``vocab_parallel_cross_entropy`` convention): see :func:`logprob_vocab_parallel`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._dispatch import HAS_TRITON, dot_precision, jit, resolve_impl, upcast_dots
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - the torch paths do not need triton
+    triton = None
+    tl = None
+
+__all__ = [
+    "logprob",
+    "logprob_ref",
+    "logprob_rescore",
+    "logprob_vocab_parallel",
+]
+
+_NEG_INIT = -1.0e30  # finite "minus infinity" for the running max: keeps 0 * (m - m') at 0
+_TORCH_ROWS = 512
+_TORCH_TILE = 2**21  # fp32 elements of one logits tile (8 MiB): vocab chunk = _TORCH_TILE // rows
+_UPCAST_BYTES = 32 * 2**20  # bf16/fp16 weight chunks are upcast to fp32 in at most this many bytes
+
+# Triton launch constants (see the module docstring).
+_BLOCK_N = 64
+_BLOCK_V = 128
+_BLOCK_H = 64
+_NUM_WARPS = 4
+
+
+# --------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------
+def _check_inputs(hidden, weight, targets, bias, temperature) -> float:
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a floating tensor, got {hidden.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected shape [..., H], got a scalar")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a floating [V, H] tensor, got {weight.dtype} {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's {hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise ValueError(f"targets: expected an integer tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    for name, t in (("weight", weight), ("targets", targets)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name}: expected device {hidden.device}, got {t.device}")
+    if bias is not None:
+        if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias: expected device {hidden.device}, got {bias.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature: expected a real number, got {temperature!r}")
+    if not math.isfinite(float(temperature)) or float(temperature) <= 0:
+        raise ValueError(f"temperature: must be finite and > 0, got {temperature}")
+    return 1.0 / float(temperature)
+
+
+def _check_target_range(targets: Tensor, lo: int, hi: int, name: str = "targets") -> None:
+    if targets.numel() and (int(targets.min()) < lo or int(targets.max()) >= hi):
+        raise ValueError(f"{name}: ids must lie in [{lo}, {hi}), got [{int(targets.min())}, {int(targets.max())}]")
+
+
+# --------------------------------------------------------------------------------------
+# reference
+# --------------------------------------------------------------------------------------
+def logprob_ref(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Plain fp32 torch: ``log_softmax((h @ W.T + b) / T).gather(target)``. Materialises [N, V].
+
+    hidden[..., H], weight[V, H], targets[...] -> logp[...] fp32 (and entropy[...] if asked).
+    Differentiable (autograd through the full logits); the oracle of the tests.
+    """
+    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    _check_target_range(targets, 0, weight.shape[0])
+    z = hidden.float() @ weight.float().T
+    if bias is not None:
+        z = z + bias.float()
+    logp_all = torch.log_softmax(z * inv_t, dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+# --------------------------------------------------------------------------------------
+# partial statistics and their combination
+# --------------------------------------------------------------------------------------
+def _merge(m1, s1, u1, m2, s2, u2):
+    """Merge two online-softmax partials (elementwise over rows)."""
+    m = torch.maximum(m1, m2)
+    a1 = torch.exp(m1 - m)
+    a2 = torch.exp(m2 - m)
+    s = s1 * a1 + s2 * a2
+    u = a1 * (u1 + s1 * (m1 - m)) + a2 * (u2 + s2 * (m2 - m))
+    return m, s, u
+
+
+def _combine_splits(m_SN, s_SN, u_SN):
+    """Combine S partials (rows of [S, N]) into one [N] partial."""
+    m = m_SN.max(dim=0).values
+    a = torch.exp(m_SN - m)
+    s = (s_SN * a).sum(0)
+    u = (a * (u_SN + s_SN * (m_SN - m))).sum(0)
+    return m, s, u
+
+
+def _finish(m, s, u, tz):
+    lse = m + torch.log(s)
+    logp = tz - lse
+    ent = (torch.log(s) - u / s).clamp_min(0.0)
+    return logp, lse, ent
+
+
+# --------------------------------------------------------------------------------------
+# torch CPU path
+# --------------------------------------------------------------------------------------
+def _vocab_chunk(weight: Tensor, n_rows: int) -> int:
+    vc = max(1024, _TORCH_TILE // max(1, min(n_rows, _TORCH_ROWS)))
+    if weight.dtype != torch.float32:  # the chunk is upcast to fp32: bound that copy too
+        vc = min(vc, max(256, _UPCAST_BYTES // (4 * max(1, weight.shape[1]))))
+    return vc
+
+
+def _torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
+    """Online (m, s, u, tz) over the local vocabulary; tz is 0 for targets outside it.
+
+    Each tile contributes (logsumexp, 1, E_p[z] - logsumexp) and is merged with :func:`_merge`;
+    ``u`` (the entropy's first moment) is skipped when ``need_u`` is false.
+    """
+    N, V = h_NH.shape[0], w_VH.shape[0]
+    dev = h_NH.device
+    m = torch.full((N,), _NEG_INIT, dtype=torch.float32, device=dev)
+    s = torch.zeros(N, dtype=torch.float32, device=dev)
+    u = torch.zeros(N, dtype=torch.float32, device=dev)
+    tz = torch.zeros(N, dtype=torch.float32, device=dev)
+    local_t = t_N.long() - vocab_start
+    vc = _vocab_chunk(w_VH, N)
+    for v0 in range(0, V, vc):
+        v1 = min(V, v0 + vc)
+        w_c = w_VH[v0:v1].float()
+        b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
+        for n0 in range(0, N, _TORCH_ROWS):
+            n1 = min(N, n0 + _TORCH_ROWS)
+            z = _tile_logits(h_NH[n0:n1], w_c, b_c, inv_t)
+            lt = local_t[n0:n1]
+            hit = (lt >= v0) & (lt < v1)
+            if bool(hit.any()):
+                rows = hit.nonzero().squeeze(1)
+                tz[n0 + rows] = z[rows, lt[rows] - v0]
+            lse_t = torch.logsumexp(z, dim=1)
+            if need_u:
+                e = torch.exp(z - lse_t.unsqueeze(1))
+                u_t = torch.linalg.vecdot(e, z) - lse_t
+            else:
+                u_t = torch.zeros_like(lse_t)
+            m[n0:n1], s[n0:n1], u[n0:n1] = _merge(m[n0:n1], s[n0:n1], u[n0:n1], lse_t, torch.ones_like(lse_t), u_t)
+    return m, s, u, tz
+
+
+def _tile_logits(h_c, w_c, b_c, inv_t):
+    """(h_c @ w_c.T + b) * inv_t for one tile, fp32; the temperature is folded into the small h_c."""
+    h_c = h_c.float()
+    if inv_t != 1.0:
+        h_c = h_c * inv_t
+    return torch.mm(h_c, w_c.T) if b_c is None else torch.addmm(b_c, h_c, w_c.T)
+
+
+def _torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_ent, need_h, need_w, need_b):
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    dev = h_NH.device
+    dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
+    dw = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
+    local_t = t_N.long() - vocab_start
+    glp = g_lp.float() if g_lp is not None else torch.zeros(N, device=dev)
+    h32 = h_NH if h_NH.dtype == torch.float32 else None
+    vc = _vocab_chunk(w_VH, N)
+    for v0 in range(0, V, vc):
+        v1 = min(V, v0 + vc)
+        w_c = w_VH[v0:v1].float()
+        b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
+        for n0 in range(0, N, _TORCH_ROWS):
+            n1 = min(N, n0 + _TORCH_ROWS)
+            h_c = h32[n0:n1] if h32 is not None else h_NH[n0:n1].float()
+            z = _tile_logits(h_c, w_c, b_c, inv_t)
+            z.sub_(lse[n0:n1].unsqueeze(1))  # z - lse = log p
+            p = torch.exp(z)
+            if g_ent is not None:
+                # coef = g_lp + g_ent * (log p + ent); gz = -p * coef
+                z.add_(ent[n0:n1].unsqueeze(1)).mul_(g_ent[n0:n1].float().unsqueeze(1))
+                z.add_(glp[n0:n1].unsqueeze(1))
+                gz = z.mul_(p).neg_()
+            else:
+                gz = p.mul_(glp[n0:n1].unsqueeze(1)).neg_()
+            lt = local_t[n0:n1]
+            hit = (lt >= v0) & (lt < v1)
+            if bool(hit.any()):
+                rows = hit.nonzero().squeeze(1)
+                gz[rows, lt[rows] - v0] += glp[n0 + rows]
+            gz.mul_(inv_t)
+            if need_h:
+                dh[n0:n1].addmm_(gz, w_c)
+            if need_w:
+                dw[v0:v1].addmm_(gz.T, h_c)
+            if need_b:
+                db[v0:v1] += gz.sum(0)
+    return dh, dw, db
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels (plain functions; decorated lazily by _dispatch.jit)
+# --------------------------------------------------------------------------------------
+def _lp_fwd_kernel(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    t_ptr,
+    m_ptr,
+    s_ptr,
+    u_ptr,
+    tz_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_wv,
+    inv_t,
+    vocab_start,
+    v_per_split,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Program (row tile, vocabulary split): partial (m, s, u, tz) of its rows over its split."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    tgt = tl.load(t_ptr + rows, mask=row_mask, other=-1).to(tl.int64) - vocab_start
+    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    v_lo = pid_s * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_hi
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_mask = ks < H
+            h = tl.load(
+                h_ptr + rows[:, None].to(tl.int64) * stride_hn + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * stride_wv + ks[None, :],
+                mask=col_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        z = acc * inv_t
+        tz += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        z = tl.where(col_mask[None, :], z, -float("inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        a = tl.exp(m - m_new)
+        zs = tl.where(col_mask[None, :], z - m_new[:, None], 0.0)
+        e = tl.where(col_mask[None, :], tl.exp(zs), 0.0)
+        u = a * (u + s * (m - m_new)) + tl.sum(e * zs, axis=1)
+        s = s * a + tl.sum(e, axis=1)
+        m = m_new
+    out = pid_s * N + rows
+    tl.store(m_ptr + out, m, mask=row_mask)
+    tl.store(s_ptr + out, s, mask=row_mask)
+    tl.store(u_ptr + out, u, mask=row_mask)
+    tl.store(tz_ptr + out, tz, mask=row_mask)
+
+
+def _lp_bwd_kernel(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    t_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dh_ptr,
+    dw_ptr,
+    db_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_wv,
+    inv_t,
+    vocab_start,
+    HAS_BIAS: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    NEED_H: tl.constexpr,
+    NEED_W: tl.constexpr,
+    NEED_B: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Program (row tile, vocabulary tile): recompute z, form gz, atomically add its gradient shares."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    tgt = tl.load(t_ptr + rows, mask=row_mask, other=-1).to(tl.int64) - vocab_start
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < H
+        h = tl.load(
+            h_ptr + rows[:, None].to(tl.int64) * stride_hn + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * stride_wv + ks[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    glp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
+    logp = acc * inv_t - lse[:, None]
+    valid = row_mask[:, None] & col_mask[None, :]
+    p = tl.where(valid, tl.exp(logp), 0.0)
+    coef = glp[:, None] + tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if HAS_GENT:
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+        gent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+        coef += gent[:, None] * (tl.where(valid, logp, 0.0) + ent[:, None])
+    gz = -p * coef
+    gz += tl.where((cols[None, :] == tgt[:, None]) & valid, glp[:, None], 0.0)
+    gz = gz * inv_t
+    if NEED_B:
+        tl.atomic_add(db_ptr + cols, tl.sum(gz, axis=0), mask=col_mask)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < H
+        if NEED_H:
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * stride_wv + ks[None, :],
+                mask=col_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                dh = tl.dot(gz, w.to(tl.float32), input_precision=DOT_PREC)
+            else:
+                dh = tl.dot(gz.to(w.dtype), w, input_precision=DOT_PREC)
+            tl.atomic_add(
+                dh_ptr + rows[:, None].to(tl.int64) * H + ks[None, :],
+                dh,
+                mask=row_mask[:, None] & k_mask[None, :],
+            )
+        if NEED_W:
+            h = tl.load(
+                h_ptr + rows[:, None].to(tl.int64) * stride_hn + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                dw = tl.dot(tl.trans(gz), h.to(tl.float32), input_precision=DOT_PREC)
+            else:
+                dw = tl.dot(tl.trans(gz).to(h.dtype), h, input_precision=DOT_PREC)
+            tl.atomic_add(
+                dw_ptr + cols[:, None].to(tl.int64) * H + ks[None, :],
+                dw,
+                mask=col_mask[:, None] & k_mask[None, :],
+            )
+
+
+def _num_splits(n_row_tiles: int, V: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = max(1, math.ceil(2 * sms / max(1, n_row_tiles)))
+    else:  # interpreter: a couple of splits, so the split-combine path is exercised
+        want = 2
+    return max(1, min(want, triton.cdiv(V, _BLOCK_V)))
+
+
+def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
+    BN, BV, BH = blocks or (_BLOCK_N, _BLOCK_V, _BLOCK_H)
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    h_NH = h_NH.contiguous()
+    w_VH = w_VH.contiguous()
+    n_tiles = triton.cdiv(N, BN)
+    S = _num_splits(n_tiles, V, h_NH.device)
+    v_per_split = triton.cdiv(triton.cdiv(V, S), BV) * BV
+    S = triton.cdiv(V, v_per_split)
+    parts = torch.empty(4, S, N, dtype=torch.float32, device=h_NH.device)
+    kernel = jit(_lp_fwd_kernel)
+    kernel[(n_tiles, S)](
+        h_NH,
+        w_VH,
+        b_V if b_V is not None else h_NH,
+        t_N.contiguous(),
+        parts[0],
+        parts[1],
+        parts[2],
+        parts[3],
+        N,
+        V,
+        H,
+        h_NH.stride(0),
+        w_VH.stride(0),
+        inv_t,
+        vocab_start,
+        v_per_split,
+        HAS_BIAS=b_V is not None,
+        UPCAST=upcast_dots(h_NH),
+        DOT_PREC=dot_precision(h_NH.dtype),
+        BLOCK_N=BN,
+        BLOCK_V=BV,
+        BLOCK_H=BH,
+        num_warps=_NUM_WARPS,
+    )
+    m, s, u = _combine_splits(parts[0], parts[1], parts[2])
+    return m, s, u, parts[3].sum(0)
+
+
+def _triton_backward(
+    h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_ent, need_h, need_w, need_b, blocks=None
+):
+    BN, BV, BH = blocks or (_BLOCK_N, _BLOCK_V, _BLOCK_H)
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    dev = h_NH.device
+    h_NH = h_NH.contiguous()
+    w_VH = w_VH.contiguous()
+    dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
+    dw = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
+    glp = g_lp.float().contiguous() if g_lp is not None else torch.zeros(N, device=dev)
+    dummy = lse
+    kernel = jit(_lp_bwd_kernel)
+    kernel[(triton.cdiv(N, BN), triton.cdiv(V, BV))](
+        h_NH,
+        w_VH,
+        b_V if b_V is not None else h_NH,
+        t_N.contiguous(),
+        lse.contiguous(),
+        ent.contiguous(),
+        glp,
+        g_ent.float().contiguous() if g_ent is not None else dummy,
+        dh if dh is not None else dummy,
+        dw if dw is not None else dummy,
+        db if db is not None else dummy,
+        N,
+        V,
+        H,
+        h_NH.stride(0),
+        w_VH.stride(0),
+        inv_t,
+        vocab_start,
+        HAS_BIAS=b_V is not None,
+        HAS_GENT=g_ent is not None,
+        NEED_H=need_h,
+        NEED_W=need_w,
+        NEED_B=need_b,
+        UPCAST=upcast_dots(h_NH),
+        DOT_PREC=dot_precision(h_NH.dtype),
+        BLOCK_N=BN,
+        BLOCK_V=BV,
+        BLOCK_H=BH,
+        num_warps=_NUM_WARPS,
+    )
+    return dh, dw, db
+
+
+# --------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------
+def _all_reduce_partials(m, s, u, tz, hit, group):
+    """Combine per-rank partials across ``group`` (vocab parallel). Returns global (m, s, u, tz, hits)."""
+    m_g = m.clone()
+    dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
+    a = torch.exp(m - m_g)
+    packed = torch.stack([s * a, a * (u + s * (m - m_g)), tz, hit.float()])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return m_g, packed[0], packed[1], packed[2], packed[3]
+
+
+class _LogprobFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_t, vocab_start, impl, group, reduce_grad_hidden, with_entropy):
+        if impl == "triton":
+            m, s, u, tz = _triton_partials(hidden, weight, bias, targets, inv_t, vocab_start)
+        else:
+            m, s, u, tz = _torch_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
+        if group is not None:
+            local = targets.long() - vocab_start
+            hit = (local >= 0) & (local < weight.shape[0])
+            m, s, u, tz, hits = _all_reduce_partials(m, s, u, tz, hit, group)
+            if targets.numel() and not bool((hits == 1).all()):
+                raise ValueError(
+                    "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
+                )
+        logp, lse, ent = _finish(m, s, u, tz)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.inv_t = inv_t
+        ctx.vocab_start = vocab_start
+        ctx.impl = impl
+        ctx.group = group
+        ctx.reduce_grad_hidden = reduce_grad_hidden
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        return logp, ent, lse
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_lse):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        need_h = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if g_lp is None and g_ent is None:
+            return (None,) * 10
+        bwd = _triton_backward if ctx.impl == "triton" else _torch_backward
+        dh, dw, db = bwd(
+            hidden,
+            weight,
+            bias,
+            targets,
+            ctx.inv_t,
+            ctx.vocab_start,
+            lse,
+            ent,
+            g_lp,
+            g_ent if ctx.with_entropy else None,
+            need_h,
+            need_w,
+            need_b,
+        )
+        if dh is not None and ctx.group is not None and ctx.reduce_grad_hidden:
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (
+            dh.to(hidden.dtype) if dh is not None else None,
+            dw.to(weight.dtype) if dw is not None else None,
+            db.to(bias.dtype) if db is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _run(hidden, weight, targets, bias, temperature, with_entropy, impl, vocab_start, group, reduce_grad_hidden):
+    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    impl = resolve_impl(impl, hidden, weight)
+    lead = hidden.shape[:-1]
+    h_NH = hidden.reshape(-1, hidden.shape[-1])
+    t_N = targets.reshape(-1)
+    logp, ent, _ = _LogprobFn.apply(
+        h_NH, weight, bias, t_N, inv_t, vocab_start, impl, group, reduce_grad_hidden, with_entropy
+    )
+    logp = logp.reshape(lead)
+    if with_entropy:
+        return logp, ent.reshape(lead)
+    return logp
+
+
+# --------------------------------------------------------------------------------------
+# functional entries
+# --------------------------------------------------------------------------------------
+def logprob(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    impl: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probability of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    hidden[..., H] (fp32/bf16/fp16), weight[V, H] (same dtype), bias[V] or None, targets[...] ids in [0, V).
+    Returns logp[...] fp32, and entropy[...] fp32 when ``with_entropy``. Differentiable w.r.t.
+    hidden, weight and bias; the [N, V] logits are never materialised, forward or backward.
+    ``impl``: "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch".
+    """
+    _check_inputs(hidden, weight, targets, bias, temperature)
+    _check_target_range(targets, 0, weight.shape[0])
+    return _run(hidden, weight, targets, bias, temperature, with_entropy, impl, 0, None, False)
+
+
+def logprob_rescore(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    impl: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """No-grad :func:`logprob` for rescoring (teacher forcing, old log-probs): nothing is saved for backward."""
+    with torch.no_grad():
+        return logprob(
+            hidden, weight, targets, bias=bias, temperature=temperature, with_entropy=with_entropy, impl=impl
+        )
+
+
+def logprob_vocab_parallel(
+    hidden: Tensor,
+    weight_shard: Tensor,
+    targets: Tensor,
+    *,
+    group,
+    vocab_start: int,
+    bias_shard: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    all_reduce_grad_hidden: bool = True,
+    impl: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Vocab-parallel :func:`logprob`: this rank holds rows ``[vocab_start, vocab_start + V_shard)`` of the head.
+
+    hidden[..., H]: the same full hidden states on every rank of ``group``; weight_shard[V_shard, H];
+    bias_shard[V_shard] or None; targets[...]: GLOBAL ids (each must fall in exactly one rank's shard).
+    Returns the full logp[...] (and entropy[...]) on every rank, identical across ranks.
+
+    Forward: each rank computes its partial (max, sum-exp, first moment, target logit) over its
+    shard; one MAX and one SUM all-reduce over ``group`` combine them.
+
+    Backward (Megatron ``vocab_parallel_cross_entropy`` convention): every rank must call
+    backward with the same incoming gradient (the loss is computed redundantly on every rank,
+    as Megatron does). Each rank gets the exact gradient of its own weight/bias shard. The
+    gradient w.r.t. ``hidden`` is a sum over shards: with ``all_reduce_grad_hidden=True``
+    (default) this function all-reduces it over ``group``, so ``hidden.grad`` is complete on
+    every rank; the caller must then NOT all-reduce it again (i.e. do not feed ``hidden``
+    through Megatron's ``copy_to_tensor_model_parallel_region``). With ``False`` each rank gets
+    its partial sum and the caller reduces it (e.g. hidden came through
+    ``copy_to_tensor_model_parallel_region``, whose backward all-reduces).
+    """
+    if group is None:
+        raise ValueError("group: a process group is required (use logprob() without tensor parallelism)")
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+    _check_inputs(hidden, weight_shard, targets, bias_shard, temperature)
+    _check_target_range(targets, 0, 2**62)
+    return _run(
+        hidden,
+        weight_shard,
+        targets,
+        bias_shard,
+        temperature,
+        with_entropy,
+        impl,
+        vocab_start,
+        group,
+        all_reduce_grad_hidden,
+    )

@@ -1,0 +1,389 @@
+"""Sibling top-K: thinking similarity, eligibility, source selection and correspondence profiles in one call.
+
+Legend: M = canonical turns, D = embedding size, T = tasks, N = slots of the largest task
+block, G = rollouts of the largest task, K = top_k. Dense matrices: H_ST[source, target],
+B_ST[source, target], P_TS[target, source]. Block tensors are target-major: x_BTS[b, t, s].
+
+Design
+------
+All tasks are handled at once: turns are sorted by identity (task, rollout, turn) into
+zero-padded task blocks (``_blocks.py``), so cross-task cells are never computed and identity
+order inside a block is slot order. Per block:
+
+    H[s, t]   = clamp(<teacher_s, student_t>, -1, 1), 0 when either side is invalid       (§2.2)
+    B[s, t]   = different rollout & teacher_s valid & student_t valid                     (§2.3)
+    selection : candidates B & H >= gamma; per (target, source rollout) the best candidate
+                (highest H, ties: smaller slot = smaller identity) by two scatter-reduces;
+                the G rollout winners sorted stably by -H (rollouts are contiguous and in
+                identity order, so stability is the identity tie-break); first K    (§2.4)
+    P[t, :]   = softmax over eligible s of H[s, t] / T_p, 0 without an eligible source;
+    valid[t]  = some eligible source and max eligible H[s, t] >= gamma                     (§3.2)
+
+Paths: the Triton kernel (one program per (block, target tile) computes the H tile with
+``tl.dot``, an online max/sum over the block's source tiles, then recomputes the tile and
+writes H, B and P) followed by the shared torch selection; the torch path (batched matmul
+over blocks, then the same selection); ``sibling_topk_ref``, a loop over tasks and targets
+written straight from the spec (the oracle of the tests).
+
+Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting values
+(no GPU was available to tune them); blocks are a few hundred turns, so one program per
+32 targets already fills a GPU for 16 tasks x 400 turns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._blocks import Blocks, check_id_vectors, scatter_dense, task_blocks, to_blocks
+from ._dispatch import HAS_TRITON, dot_precision, jit, resolve_impl, upcast_dots
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    tl = None
+
+__all__ = ["SiblingTopK", "selection_lists", "sibling_topk", "sibling_topk_ref"]
+
+_MASKED = -1.0e30  # an ineligible cell before the division by T_p: its probability is exactly 0
+_BLOCK_T = 32
+_BLOCK_S = 32
+_BLOCK_D = 64
+
+
+@dataclass
+class SiblingTopK:
+    """Result of :func:`sibling_topk` (all detached, on the input's device).
+
+    H: H_ST [M, M] float32; eligible: B_ST [M, M] bool; selected: [M, K] long, the kept source
+    indices per target in rank order, -1 padded; P: P_TS [M, M] float32; profile_valid: [M] bool.
+    ``blocks``/``H_BTS``/``E_BTS``/``P_BTS`` hold the block form (used by ``jsd_boundary`` to skip
+    the dense gathers).
+    """
+
+    H: Tensor
+    eligible: Tensor
+    selected: Tensor
+    P: Tensor
+    profile_valid: Tensor
+    blocks: Blocks | None = field(default=None, repr=False)
+    H_BTS: Tensor | None = field(default=None, repr=False)
+    E_BTS: Tensor | None = field(default=None, repr=False)
+    P_BTS: Tensor | None = field(default=None, repr=False)
+
+    def selected_lists(self) -> list[list[int]]:
+        """The selection as ``list[list[int]]`` (the core's ``select_sources`` format)."""
+        return selection_lists(self.selected)
+
+
+def selection_lists(selected_MK: Tensor) -> list[list[int]]:
+    """[M, K] long, -1 padded -> per-target lists of source indices."""
+    return [[s for s in row if s >= 0] for row in selected_MK.tolist()]
+
+
+# --------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------
+def _check(teacher_emb, student_emb, task, rollout, turn, source_valid, target_valid, gamma, top_k, temperature):
+    for name, t in (("teacher_emb", teacher_emb), ("student_emb", student_emb)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating [M, D] tensor, got {getattr(t, 'shape', type(t))}")
+    if student_emb.shape != teacher_emb.shape:
+        raise ValueError(f"student_emb: expected shape {tuple(teacher_emb.shape)}, got {tuple(student_emb.shape)}")
+    for name, t in (("teacher_emb", teacher_emb), ("student_emb", student_emb)):
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN or inf")
+    task, rollout, turn = check_id_vectors(task, rollout, turn)
+    M = teacher_emb.shape[0]
+    if task.shape[0] != M:
+        raise ValueError(f"task: expected shape ({M},) like the embeddings, got {tuple(task.shape)}")
+    out = []
+    for name, v in (("source_valid", source_valid), ("target_valid", target_valid)):
+        v = torch.as_tensor(v, device=teacher_emb.device)
+        if v.dtype != torch.bool or v.shape != (M,):
+            raise ValueError(f"{name}: expected a bool tensor of shape ({M},), got {v.dtype} {tuple(v.shape)}")
+        out.append(v)
+    for name, x in (("gamma", gamma), ("profile_temperature", temperature)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
+            raise ValueError(f"{name}: expected a finite real number, got {x!r}")
+    if float(temperature) < 1e-6:
+        raise ValueError(f"profile_temperature: must be >= 1e-6, got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: expected an integer >= 1, got {top_k!r}")
+    dev = teacher_emb.device
+    return task.to(dev), rollout.to(dev), turn.to(dev), out[0], out[1]
+
+
+# --------------------------------------------------------------------------------------
+# shared block stages
+# --------------------------------------------------------------------------------------
+def _select_blocks(H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, gamma: float, top_k: int) -> Tensor:
+    """Slots [T, N, K] (-1 padded) of the kept sources of every target, best first (§2.4)."""
+    T, N, _ = H_BTS.shape
+    dev = H_BTS.device
+    cand = E_BTS & (H_BTS >= gamma)
+    neg_inf = torch.full((), -math.inf, device=dev)
+    key = torch.where(cand, H_BTS, neg_inf)
+    roll = lroll_TN[:, None, :].expand(T, N, N)
+    best = torch.full((T, N, G), -math.inf, device=dev).scatter_reduce(2, roll, key, reduce="amax")
+    is_best = cand & (key == best.gather(2, roll))
+    slot = torch.arange(N, device=dev).expand(T, N, N)
+    first = torch.full((T, N, G), N, dtype=torch.long, device=dev).scatter_reduce(
+        2, roll, torch.where(is_best, slot, N), reduce="amin"
+    )
+    order = torch.sort(best, dim=2, descending=True, stable=True).indices[:, :, :top_k]
+    win = first.gather(2, order)
+    win = torch.where(best.gather(2, order) > -math.inf, win, -1)
+    if win.shape[2] < top_k:
+        win = torch.cat([win, win.new_full((T, N, top_k - win.shape[2]), -1)], dim=2)
+    return win
+
+
+def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
+    X = H_BTS.masked_fill(~E_BTS, _MASKED)
+    has = E_BTS.any(2)
+    valid = has & (X.amax(2) >= gamma)
+    X.div_(temperature)
+    P = torch.softmax(X, dim=2)
+    P.mul_(has[:, :, None])
+    return P, valid
+
+
+def _blocks_torch(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
+    H = torch.bmm(Sb, Tb.transpose(1, 2)).clamp_(-1.0, 1.0)  # [b, target, source]
+    ok = tgt_ok[:, :, None] & src_ok[:, None, :]
+    H.mul_(ok)
+    E = ok & (lroll[:, :, None] != lroll[:, None, :])
+    P, valid = _profiles_torch(H, E, gamma, temperature)
+    return H, E, P, valid
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------
+def _sibling_kernel(
+    t_ptr,
+    s_ptr,
+    srcok_ptr,
+    tgtok_ptr,
+    roll_ptr,
+    h_ptr,
+    e_ptr,
+    p_ptr,
+    valid_ptr,
+    N,
+    D,
+    inv_temp,
+    gamma,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (block b, target tile): H, B and P rows of BLOCK_T targets against all sources of block b."""
+    b = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    tg = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tg_in = tg < N
+    base = b.to(tl.int64) * N
+    tgt_ok = tl.load(tgtok_ptr + base + tg, mask=tg_in, other=0) != 0
+    tgt_roll = tl.load(roll_ptr + base + tg, mask=tg_in, other=-1)
+    m = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    hmax = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
+    has = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for pass_id in tl.static_range(2):
+        for s0 in range(0, N, BLOCK_S):
+            sr = s0 + tl.arange(0, BLOCK_S)
+            sr_in = sr < N
+            src_ok = tl.load(srcok_ptr + base + sr, mask=sr_in, other=0) != 0
+            src_roll = tl.load(roll_ptr + base + sr, mask=sr_in, other=-2)
+            acc = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                ds = d0 + tl.arange(0, BLOCK_D)
+                d_in = ds < D
+                st = tl.load(
+                    s_ptr + (base + tg[:, None]) * D + ds[None, :], mask=tg_in[:, None] & d_in[None, :], other=0.0
+                )
+                te = tl.load(
+                    t_ptr + (base + sr[:, None]) * D + ds[None, :], mask=sr_in[:, None] & d_in[None, :], other=0.0
+                )
+                if UPCAST:
+                    st = st.to(tl.float32)
+                    te = te.to(tl.float32)
+                acc = tl.dot(st, tl.trans(te), acc, input_precision=DOT_PREC)
+            ok = tgt_ok[:, None] & src_ok[None, :]
+            h = tl.where(ok, tl.minimum(tl.maximum(acc, -1.0), 1.0), 0.0)
+            elig = ok & (tgt_roll[:, None] != src_roll[None, :])
+            x = tl.where(elig, h, -1.0e30)
+            if pass_id == 0:
+                hmax = tl.maximum(hmax, tl.max(x, axis=1))
+                has = tl.maximum(has, tl.max(elig.to(tl.int32), axis=1))
+                xs = x * inv_temp
+                m_new = tl.maximum(m, tl.max(xs, axis=1))
+                ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.where(elig, tl.exp(xs - m_new[:, None]), 0.0), axis=1)
+                m = m_new
+            else:
+                denom = tl.where(ssum > 0, ssum, 1.0)
+                p = tl.where(elig, tl.exp(x * inv_temp - m[:, None]) / denom[:, None], 0.0)
+                out = (base + tg[:, None]) * N + sr[None, :]
+                omask = tg_in[:, None] & sr_in[None, :]
+                tl.store(h_ptr + out, h, mask=omask)
+                tl.store(e_ptr + out, elig.to(tl.int8), mask=omask)
+                tl.store(p_ptr + out, p, mask=omask)
+    valid = (has > 0) & (hmax >= gamma)
+    tl.store(valid_ptr + base + tg, valid.to(tl.int8), mask=tg_in)
+
+
+def _blocks_triton(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
+    T, N, D = Tb.shape
+    dev = Tb.device
+    H = torch.empty(T, N, N, dtype=torch.float32, device=dev)
+    E = torch.empty(T, N, N, dtype=torch.int8, device=dev)
+    P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
+    valid = torch.empty(T, N, dtype=torch.int8, device=dev)
+    if T and N:
+        jit(_sibling_kernel)[(T, triton.cdiv(N, _BLOCK_T))](
+            Tb.contiguous(),
+            Sb.contiguous(),
+            src_ok.to(torch.int8).contiguous(),
+            tgt_ok.to(torch.int8).contiguous(),
+            lroll.to(torch.int32).contiguous(),
+            H,
+            E,
+            P,
+            valid,
+            N,
+            D,
+            1.0 / temperature,
+            float(gamma),
+            UPCAST=upcast_dots(Tb),
+            DOT_PREC=dot_precision(Tb.dtype),
+            BLOCK_T=_BLOCK_T,
+            BLOCK_S=_BLOCK_S,
+            BLOCK_D=_BLOCK_D,
+        )
+    return H, E.bool(), P, valid.bool()
+
+
+# --------------------------------------------------------------------------------------
+# functional entry
+# --------------------------------------------------------------------------------------
+@torch.no_grad()
+def sibling_topk(
+    teacher_emb: Tensor,
+    student_emb: Tensor,
+    task: Tensor,
+    rollout: Tensor,
+    turn: Tensor,
+    source_valid: Tensor,
+    target_valid: Tensor,
+    *,
+    gamma: float,
+    top_k: int,
+    profile_temperature: float = 0.1,
+    impl: str = "auto",
+) -> SiblingTopK:
+    """H, eligibility, selection, profiles and profile validity of a whole batch in one call.
+
+    teacher_emb[M, D]: teacher-thinking embeddings (unit vectors; rows of invalid text are ignored).
+    student_emb[M, D]: student-thinking embeddings. task/rollout/turn[M]: integer ids.
+    source_valid[M] bool: the teacher thinking of the turn is valid; target_valid[M] bool: its student thinking.
+    gamma: selection threshold (H >= gamma) and profile-validity threshold. top_k: K >= 1.
+    profile_temperature: T_p. impl: "auto" | "triton" | "torch".
+    Returns :class:`SiblingTopK`.
+    """
+    task, rollout, turn, sv, tv = _check(
+        teacher_emb, student_emb, task, rollout, turn, source_valid, target_valid, gamma, top_k, profile_temperature
+    )
+    impl = resolve_impl(impl, teacher_emb)
+    M = teacher_emb.shape[0]
+    dev = teacher_emb.device
+    blocks = task_blocks(task, rollout, turn)
+    dtype = teacher_emb.dtype if impl == "triton" else torch.float32
+    Tb = to_blocks(teacher_emb.to(dtype), blocks)
+    Sb = to_blocks(student_emb.to(dtype), blocks)
+    src_ok = to_blocks(sv, blocks)
+    tgt_ok = to_blocks(tv, blocks)
+    run = _blocks_triton if impl == "triton" else _blocks_torch
+    H_b, E_b, P_b, valid_b = run(Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature))
+    win = _select_blocks(H_b, E_b, blocks.lroll_TN, max(1, blocks.num_rollouts), float(gamma), top_k)
+    T, N = blocks.idx_TN.shape
+    chosen = torch.where(win >= 0, blocks.idx_TN.gather(1, win.clamp_min(0).reshape(T, -1)).reshape(win.shape), -1)
+    selected = torch.full((M, top_k), -1, dtype=torch.long, device=dev)
+    selected[blocks.idx_TN[blocks.member_TN]] = chosen[blocks.member_TN]
+    valid = torch.zeros(M, dtype=torch.bool, device=dev)
+    valid[blocks.idx_TN[blocks.member_TN]] = valid_b[blocks.member_TN]
+    return SiblingTopK(
+        H=scatter_dense(H_b, blocks, M, transpose=True),
+        eligible=scatter_dense(E_b, blocks, M, transpose=True, fill=False),
+        selected=selected,
+        P=scatter_dense(P_b, blocks, M, transpose=False),
+        profile_valid=valid,
+        blocks=blocks,
+        H_BTS=H_b,
+        E_BTS=E_b,
+        P_BTS=P_b,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# reference: loop over tasks and targets, straight from the spec
+# --------------------------------------------------------------------------------------
+@torch.no_grad()
+def sibling_topk_ref(
+    teacher_emb: Tensor,
+    student_emb: Tensor,
+    task: Tensor,
+    rollout: Tensor,
+    turn: Tensor,
+    source_valid: Tensor,
+    target_valid: Tensor,
+    *,
+    gamma: float,
+    top_k: int,
+    profile_temperature: float = 0.1,
+) -> SiblingTopK:
+    """Slow reference of :func:`sibling_topk`: fp32 torch per task, Python per target."""
+    task, rollout, turn, sv, tv = _check(
+        teacher_emb, student_emb, task, rollout, turn, source_valid, target_valid, gamma, top_k, profile_temperature
+    )
+    M = teacher_emb.shape[0]
+    dev = teacher_emb.device
+    te, st = teacher_emb.float(), student_emb.float()
+    H = torch.zeros(M, M, device=dev)
+    B = torch.zeros(M, M, dtype=torch.bool, device=dev)
+    P = torch.zeros(M, M, device=dev)
+    valid = torch.zeros(M, dtype=torch.bool, device=dev)
+    selected = torch.full((M, top_k), -1, dtype=torch.long, device=dev)
+    ident = list(zip(task.tolist(), rollout.tolist(), turn.tolist()))
+    for tk in torch.unique(task).tolist():
+        idx = (task == tk).nonzero().flatten()
+        blk = (te[idx] @ st[idx].T).clamp(-1.0, 1.0)
+        blk = blk * (sv[idx][:, None] & tv[idx][None, :])
+        H[idx[:, None], idx[None, :]] = blk
+        eb = sv[idx][:, None] & tv[idx][None, :] & (rollout[idx][:, None] != rollout[idx][None, :])
+        B[idx[:, None], idx[None, :]] = eb
+        for j, t in enumerate(idx.tolist()):
+            srcs = [(float(blk[i, j]), ident[s], s) for i, s in enumerate(idx.tolist()) if bool(eb[i, j])]
+            if srcs:
+                hs = torch.tensor([h for h, _, _ in srcs], device=dev)
+                cols = torch.tensor([s for _, _, s in srcs], device=dev)
+                P[t, cols] = torch.softmax(hs / profile_temperature, 0)
+                valid[t] = bool(hs.max() >= gamma)
+            best: dict[int, tuple[float, tuple, int]] = {}
+            for h, idt, s in srcs:
+                if h >= gamma:
+                    r = idt[1]
+                    if r not in best or (-h, idt) < (-best[r][0], best[r][1]):
+                        best[r] = (h, idt, s)
+            ranked = sorted(best.values(), key=lambda x: (-x[0], x[1]))[:top_k]
+            for k, (_, _, s) in enumerate(ranked):
+                selected[t, k] = s
+    return SiblingTopK(H=H, eligible=B, selected=selected, P=P, profile_valid=valid)
