@@ -1116,7 +1116,8 @@ def allocate_credit(
     r_T = trajectory_outcomes(r_M, index, task_t, roll_t)
     A_T, A_s = advantage_from_index(r_T, index, scope=cfg.grpo_scope, norm_by_std=cfg.norm_by_std, eps=ADVANTAGE_EPS)
     ntok_s = n_M[order].double()
-    gsum_M = _rowdot(gap_t, mask_f).double()
+    # float64 accumulation: a constant gap gives exactly equal turn gaps (uniform evidence => w == 1)
+    gsum_M = (gap_t * mask_f).sum(1, dtype=torch.float64)
     g_s = gsum_M[order] / ntok_s
     sign_T = torch.sign(A_T)
     s_s = sign_T[index.traj_M] * g_s
@@ -1152,14 +1153,13 @@ def allocate_credit(
         w_s = _group_sum(x_tok, tok_turn, m) / ntok_s
         h_s = _group_sum(raw_tok, tok_turn, m) / ntok_s
         x_s = w_s
-        tw_s = torch.zeros(m * L, dtype=torch.float64, device=dev)
-        tw_s[flat] = x_tok
+        tw_s = torch.zeros(m * L, dtype=torch.float32, device=dev)
+        tw_s[flat] = x_tok.float()
         tw_s = tw_s.view(m, L)
-        adv_s = torch.where(
-            mask_s, A_s[:, None] * tw_s + residual_s[:, None], torch.zeros((), dtype=torch.float64, device=dev)
-        )
-        token_adv = _unsort(adv_s.float(), order)
-        token_weight = _unsort(tw_s.float(), order)
+        # float32 products: a weight of exactly 1 reproduces the GRPO advantage bit for bit
+        adv_s = (A_s.float()[:, None] * tw_s + residual_s.float()[:, None]) * mask_s
+        token_adv = _unsort(adv_s.add_(0.0), order)
+        token_weight = _unsort(tw_s, order)
     else:
         if cfg.mode == "turn":
             struct = None
@@ -1178,7 +1178,8 @@ def allocate_credit(
         w_s = (1.0 - cfg.mixing) + cfg.mixing * x_s
         unit_h, unit_x, unit_traj, unit_c = h_s, x_s, traj_s, ntok_s
         w_unit = w_s
-        coef = (A_s * w_s + residual_s).float()
+        # float32 products: a weight of exactly 1 reproduces the GRPO advantage bit for bit
+        coef = A_s.float() * w_s.float() + residual_s.float()
         # exactly 0 outside the mask (+ 0.0 turns the -0.0 of 0 * negative into +0.0)
         token_adv = (mask_f.float() * _unsort(coef, order)[:, None]).add_(0.0)
         if cfg.mode == "turn":
