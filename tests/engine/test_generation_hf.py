@@ -9,6 +9,14 @@ from alignopsd.engine.generation.hf import HFGenerator, filter_logits
 from alignopsd.engine.models import load_causal_lm, load_tokenizer
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: OpenMP spin-waiting on a shared 2-core machine costs more than it gives
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load_causal_lm("tiny"), load_tokenizer("tiny")

@@ -17,6 +17,14 @@ from alignopsd.engine.models import load_causal_lm, load_tokenizer, resolve_mode
 MAX_LEN = 384
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: OpenMP spin-waiting on a shared 2-core machine costs more than it gives
+    yield
+    torch.set_num_threads(n)
+
+
 def test_logprob_gap_and_padding():
     lp, mask = pad_logprobs([[-1.0, -2.0], [-0.5]])
     assert lp.shape == (2, 2) and mask.tolist() == [[True, True], [True, False]]

@@ -10,6 +10,14 @@ import torch
 from alignopsd.engine import models as M
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: OpenMP spin-waiting on a shared 2-core machine costs more than it gives
+    yield
+    torch.set_num_threads(n)
+
+
 def test_tiny_is_deterministic_and_vllm_shaped():
     a = M.build_tiny_model(seed=0).state_dict()
     b = M.load_causal_lm("tiny").state_dict()  # built from the same seed in another process
