@@ -9,13 +9,17 @@ Kernels are written as plain Python functions and turned into Triton kernels laz
 :func:`jit`, at first launch, not at import. ``triton.jit`` decides between the compiler and
 the interpreter when it decorates a function, so decorating at launch time makes the choice
 follow ``TRITON_INTERPRET`` as it is when the kernel is used, whichever module imported
-triton first.
+triton first. The same holds for triton's own library functions (``tl.zeros``, ``tl.sum``,
+``tl.max`` are ``@jit`` functions of ``triton.language.standard``, fixed when triton is
+imported): :func:`launch` swaps interpreted twins in for the duration of an interpreted
+launch and restores the originals afterwards, so nothing outside the call changes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,3 +90,39 @@ def dot_precision(dtype: torch.dtype) -> str:
 def check_device(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
     if t.device != ref.device:
         raise ValueError(f"{name}: expected device {ref.device}, got {t.device}")
+
+
+_STDLIB_TWINS: dict[int, Any] = {}
+
+
+@contextmanager
+def _interpreter_stdlib() -> Iterator[None]:
+    """Within an interpreted launch, make triton's ``@jit`` library functions interpretable."""
+    if not interpret_mode():
+        yield
+        return
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    saved = []
+    for mod in (tl, std, tl.math):
+        for name, val in list(vars(mod).items()):
+            if isinstance(val, JITFunction) and not isinstance(val, InterpretedFunction):
+                twin = _STDLIB_TWINS.get(id(val))
+                if twin is None:
+                    twin = _STDLIB_TWINS[id(val)] = InterpretedFunction(val.fn)
+                saved.append((mod, name, val))
+                setattr(mod, name, twin)
+    try:
+        yield
+    finally:
+        for mod, name, val in saved:
+            setattr(mod, name, val)
+
+
+def launch(fn: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Launch kernel ``fn`` (a plain function, see :func:`jit`) on ``grid``."""
+    kernel = jit(fn)
+    with _interpreter_stdlib():
+        kernel[grid](*args, **kwargs)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import Blocks, check_id_vectors, gather_blocks, task_blocks
-from ._dispatch import HAS_TRITON, jit, resolve_impl
+from ._dispatch import HAS_TRITON, launch, resolve_impl
 
 if HAS_TRITON:
     import triton
@@ -146,7 +146,9 @@ def _pair_stats_triton(P_BTS: Tensor, E_BTS: Tensor, rowp: Tensor, rowq: Tensor)
     K = rowp.numel()
     out = torch.zeros(7, K, dtype=torch.float32, device=P_BTS.device)
     if K:
-        jit(_pair_kernel)[(K,)](
+        launch(
+            _pair_kernel,
+            (K,),
             P_BTS.float().contiguous(),
             E_BTS.to(torch.int8).contiguous(),
             rowp.contiguous(),

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._dispatch import HAS_TRITON, dot_precision, jit, resolve_impl, upcast_dots
+from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
 
 if HAS_TRITON:
     import triton
@@ -199,8 +199,8 @@ def _vocab_chunk(weight: Tensor, n_rows: int) -> int:
 def _torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
     """Online (m, s, u, tz) over the local vocabulary; tz is 0 for targets outside it.
 
-    Each tile contributes (logsumexp, 1, E_p[z] - logsumexp) and is merged with :func:`_merge`;
-    ``u`` (the entropy's first moment) is skipped when ``need_u`` is false.
+    Each tile contributes (max, sum exp(z - max), sum exp(z - max) (z - max)) and is merged with
+    :func:`_merge`; ``u`` (the entropy's first moment) is skipped when ``need_u`` is false.
     """
     N, V = h_NH.shape[0], w_VH.shape[0]
     dev = h_NH.device
@@ -222,13 +222,12 @@ def _torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
             if bool(hit.any()):
                 rows = hit.nonzero().squeeze(1)
                 tz[n0 + rows] = z[rows, lt[rows] - v0]
-            lse_t = torch.logsumexp(z, dim=1)
-            if need_u:
-                e = torch.exp(z - lse_t.unsqueeze(1))
-                u_t = torch.linalg.vecdot(e, z) - lse_t
-            else:
-                u_t = torch.zeros_like(lse_t)
-            m[n0:n1], s[n0:n1], u[n0:n1] = _merge(m[n0:n1], s[n0:n1], u[n0:n1], lse_t, torch.ones_like(lse_t), u_t)
+            m_t = z.amax(dim=1)
+            z.sub_(m_t.unsqueeze(1))  # z - max: keeps u free of the |z| * ulp(lse) error
+            e = torch.exp(z)
+            s_t = e.sum(1)
+            u_t = torch.linalg.vecdot(e, z) if need_u else torch.zeros_like(s_t)
+            m[n0:n1], s[n0:n1], u[n0:n1] = _merge(m[n0:n1], s[n0:n1], u[n0:n1], m_t, s_t, u_t)
     return m, s, u, tz
 
 
@@ -490,8 +489,9 @@ def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
     v_per_split = triton.cdiv(triton.cdiv(V, S), BV) * BV
     S = triton.cdiv(V, v_per_split)
     parts = torch.empty(4, S, N, dtype=torch.float32, device=h_NH.device)
-    kernel = jit(_lp_fwd_kernel)
-    kernel[(n_tiles, S)](
+    launch(
+        _lp_fwd_kernel,
+        (n_tiles, S),
         h_NH,
         w_VH,
         b_V if b_V is not None else h_NH,
@@ -534,8 +534,9 @@ def _triton_backward(
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
     glp = g_lp.float().contiguous() if g_lp is not None else torch.zeros(N, device=dev)
     dummy = lse
-    kernel = jit(_lp_bwd_kernel)
-    kernel[(triton.cdiv(N, BN), triton.cdiv(V, BV))](
+    launch(
+        _lp_bwd_kernel,
+        (triton.cdiv(N, BN), triton.cdiv(V, BV)),
         h_NH,
         w_VH,
         b_V if b_V is not None else h_NH,

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import Blocks, check_id_vectors, scatter_dense, task_blocks, to_blocks
-from ._dispatch import HAS_TRITON, dot_precision, jit, resolve_impl, upcast_dots
+from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
 
 if HAS_TRITON:
     import triton
@@ -249,7 +249,9 @@ def _blocks_triton(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
     P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
     valid = torch.empty(T, N, dtype=torch.int8, device=dev)
     if T and N:
-        jit(_sibling_kernel)[(T, triton.cdiv(N, _BLOCK_T))](
+        launch(
+            _sibling_kernel,
+            (T, triton.cdiv(N, _BLOCK_T)),
             Tb.contiguous(),
             Sb.contiguous(),
             src_ok.to(torch.int8).contiguous(),
