@@ -283,6 +283,7 @@ def _policy_mask(mask, shape: tuple[int, int]) -> Tensor:
 
 
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
+_ZERO_F32 = torch.zeros((), dtype=torch.float32)
 _MASKED_H = -1e30  # stands for an ineligible cell: exp((-1e30) / T_p - max) is exactly 0 in float32
 
 
@@ -291,24 +292,30 @@ def _rowdot(a_KN: Tensor, b_KN: Tensor) -> Tensor:
     return (a_KN * b_KN).sum(-1)
 
 
-def _profiles(H_BNS: Tensor, E_BNS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+def _profiles(
+    H_BNS: Tensor, E_BNS: Tensor, gamma: float, temperature: float, has_BN: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Batched correspondence profiles over blocks: P_BNS [b, target, source], valid_BN, negent_BN.
 
-    Inputs are target-major: H_BNS[b, t, s] = H[s, t] (any strides), E_BNS contiguous bool.
+    Inputs are target-major: H_BNS[b, t, s] = H[s, t] (float32, any strides), E_BNS contiguous bool;
+    ``has_BN`` (some eligible source) may be passed when already known.
     P[t, s] = softmax over eligible s of H[s, t] / T_p (0 elsewhere; an all-zero row without eligible
     source); valid[t] = some eligible source and max eligible H[s, t] >= gamma (float32 comparison);
     negent[t] = sum_s P log P (0 for a row without eligible source). Ineligible cells are set to -1e30
     before the division (finite for T_p >= 1e-6), so their probability is exactly 0 and no NaN appears;
     the fused softmax kernels are used because a plain exp of such arguments is slow on CPU.
+    A NaN/inf at an eligible cell makes its row's negent non-finite: ValueError naming ``H``.
     """
-    X = H_BNS.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
-    X.masked_fill_(~E_BNS, _MASKED_H)
-    has = E_BNS.any(-1)
+    X = torch.empty(H_BNS.shape, dtype=torch.float32, device=H_BNS.device)
+    torch.where(E_BNS, H_BNS, torch.tensor(_MASKED_H, dtype=torch.float32, device=X.device), out=X)
+    has = E_BNS.any(-1) if has_BN is None else has_BN
     hmax = X.amax(-1)
     valid = has & (hmax >= gamma)  # torch semantics, like Mechanism 1's selection H >= gamma
     X.div_(temperature)
     P = torch.softmax(X, dim=-1)
     negent = _rowdot(P, torch.log_softmax(X, dim=-1))
+    if not bool(torch.isfinite(negent).all()):
+        raise ValueError("H: contains NaN or inf at eligible cells")
     if not bool(has.all()):
         P[~has] = 0.0
         negent = negent.masked_fill(~has, 0.0)
@@ -845,6 +852,17 @@ class _Metrics:
         for k, v in zip(keys, stats):
             self.put(f"{prefix}_{k}", v)
 
+    def dists(self, named: dict[str, Tensor], quantile: float = 0.95) -> None:
+        """mean/std/min/max/p95 of several equally long non-empty distributions in one batched pass."""
+        keys = list(named)
+        x = torch.stack([named[k].double() for k in keys])
+        q = torch.quantile(x, quantile, dim=1)
+        stats = torch.stack([x.mean(1), x.std(1, correction=0), x.amin(1), x.amax(1), q], 1)
+        for i, k in enumerate(keys):
+            for j, name in enumerate(("mean", "std", "min", "max", f"p{round(quantile * 100)}")):
+                self.keys.append(f"{k}_{name}")
+                self.vals.append(stats[i, j])
+
     def corr(self, key: str, x: Tensor, y: Tensor) -> None:
         if x.numel() < 2:
             self.put(key, 0.0)
@@ -866,34 +884,22 @@ class _Metrics:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _top1_top3_inplace(P_RN: Tensor) -> tuple[Tensor, Tensor]:
-    """(largest entry, sum of the 3 largest entries) of each row; overwrites the taken entries with -1.
+def _top1_top3(P_RN: Tensor) -> tuple[Tensor, Tensor]:
+    """(largest entry, sum of the 3 largest entries) of each row."""
+    v = torch.topk(P_RN, min(3, int(P_RN.shape[1])), dim=-1, sorted=True).values
+    return v[:, 0], v.sum(-1)
 
-    Three max passes with one removal each (exact with ties), much cheaper than ``torch.topk`` on CPU.
+
+def _packed_rows(E_RN: Tensor) -> Tensor:
+    """Rows of a contiguous bool matrix [R, N] as int64 words [R, ceil(N / 8)] (8 flags per word, zero-padded).
+
+    Row equality and row emptiness become 8x narrower comparisons.
     """
-    v1, i1 = P_RN.max(-1)
-    total = v1.clone()
-    if P_RN.shape[-1] > 1:
-        P_RN.scatter_(-1, i1[:, None], -1.0)
-        v2, i2 = P_RN.max(-1)
-        total += v2
-        if P_RN.shape[-1] > 2:
-            P_RN.scatter_(-1, i2[:, None], -1.0)
-            total += P_RN.amax(-1)
-    return v1, total
-
-
-def _adjacent_rows_equal(E_RN: Tensor) -> Tensor:
-    """[R-1] bool: row r-1 equals row r of a contiguous bool matrix (compared as packed 64-bit words)."""
-    rows, n = E_RN.shape
-    if rows < 2:
-        return torch.zeros(max(rows - 1, 0), dtype=torch.bool, device=E_RN.device)
     u8 = E_RN.view(torch.uint8)
-    pad = (-n) % 8
+    pad = (-E_RN.shape[1]) % 8
     if pad:
         u8 = torch.nn.functional.pad(u8, (0, pad))
-    words = u8.view(torch.int64)
-    return (words[1:] == words[:-1]).all(-1)
+    return u8.view(torch.int64)
 
 
 def _task_blocks(index: TurnIndex, H: Tensor, E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -943,13 +949,14 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     m = index.num_turns
     dev = H.device
     H_GSN, E_GSN, local = _task_blocks(index, H, E)
-    # fast finiteness test (a sum is finite iff its terms are, barring overflow); exact test only on failure
-    if not bool(torch.isfinite(H_GSN.sum(1)).all()) and not bool(torch.isfinite(H_GSN).all()):
-        raise ValueError("H: contains NaN or inf in a same-task block (the cells Mechanism 2 reads)")
     E_GNS = E_GSN.transpose(1, 2).contiguous()  # eligibility column of each target, as rows
-    P_GNS, valid_GN, negent_GN = _profiles(H_GSN.transpose(1, 2), E_GNS, cfg.gamma, cfg.profile_temperature)
-    g, nmax = int(valid_GN.shape[0]), int(valid_GN.shape[1])
+    g, nmax = int(E_GNS.shape[0]), int(E_GNS.shape[1])
     rows = g * nmax
+    words_R = _packed_rows(E_GNS.view(rows, nmax))
+    has_R = (words_R != 0).any(-1)
+    P_GNS, valid_GN, negent_GN = _profiles(
+        H_GSN.transpose(1, 2), E_GNS, cfg.gamma, cfg.profile_temperature, has_R.view(g, nmax)
+    )
     row_s = index.task_M * nmax + local  # row of each turn (identity order) in the flattened [G*N, N] blocks
     P_RN = P_GNS.reshape(rows, nmax)
     valid_R = valid_GN.reshape(rows)
@@ -959,7 +966,7 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     # consecutive turns of a trajectory sit in consecutive rows: work on all adjacent row pairs (r-1, r)
     prev, cur = _adjacent_pairs(index)
     k = row_s[cur] - 1  # adjacent-row pair index of each (prev, cur) turn pair
-    same_R1 = _adjacent_rows_equal(E_GNS.reshape(rows, nmax))
+    same_R1 = (words_R[1:] == words_R[:-1]).all(-1) if rows > 1 else torch.zeros(0, dtype=torch.bool, device=dev)
     both = valid_R[k] & valid_R[k + 1]
     same_mask = same_R1[k]
     ok = both & same_mask
@@ -978,7 +985,7 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     if nvalid:
         vf = valid_R.double()
         ent = -negent_R.double()
-        top1, top3 = _top1_top3_inplace(P_RN)  # P_RN is not used after this point
+        top1, top3 = _top1_top3(P_RN)
         mx.put("m2/profile_entropy_mean", (ent * vf).sum() / nvalid)
         mx.put("m2/profile_max_prob_mean", (top1.double() * vf).sum() / nvalid)
         mx.put("m2/profile_top3_mass_mean", (top3.double() * vf).sum() / nvalid)
@@ -1180,8 +1187,8 @@ def allocate_credit(
         w_unit = w_s
         # float32 products: a weight of exactly 1 reproduces the GRPO advantage bit for bit
         coef = A_s.float() * w_s.float() + residual_s.float()
-        # exactly 0 outside the mask (+ 0.0 turns the -0.0 of 0 * negative into +0.0)
-        token_adv = (mask_f.float() * _unsort(coef, order)[:, None]).add_(0.0)
+        # exactly 0 outside the mask: 0 + (0 * negative) = +0.0, in one fused pass
+        token_adv = torch.addcmul(_ZERO_F32.to(dev), mask_f.float(), _unsort(coef, order)[:, None])
         if cfg.mode == "turn":
             mx.put("m2/segment_budget_entropy_mean", 0.0)
         else:
@@ -1203,11 +1210,13 @@ def allocate_credit(
     mx.put("m2/projection_mean_absolute_change", (unit_x - unit_h).abs().mean())
     mx.put("m2/credit_conservation_error_max", err_x.max())
     mx.put("m2/mixed_credit_conservation_error_max", err_w.max())
-    mx.dist("m2/turn_gap", g_s)
-    mx.dist("m2/outcome_aligned_score", s_s)
-    mx.dist("m2/raw_density", unit_h)
-    mx.dist("m2/projected_density", unit_x)
-    mx.dist("m2/turn_weight", w_s)
+    per_turn = {"m2/turn_gap": g_s, "m2/outcome_aligned_score": s_s, "m2/turn_weight": w_s}
+    per_unit = {"m2/raw_density": unit_h, "m2/projected_density": unit_x}  # per token in mode "token"
+    if cfg.mode == "token":
+        mx.dists(per_turn)
+        mx.dists(per_unit)
+    else:
+        mx.dists({**per_turn, **per_unit})
     mx.corr("m2/turn_weight_corr_num_tokens", w_s, ntok_s)
     mx.corr("m2/turn_weight_corr_turn_gap", w_s, g_s)
     mx.corr("m2/turn_weight_corr_abs_turn_gap", w_s, g_s.abs())

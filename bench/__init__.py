@@ -1,0 +1,1 @@
+"""Benchmarks of the alignopsd engine (pytest-benchmark files, the step profiler, results)."""
