@@ -87,7 +87,9 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'alignopsd' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"alignopsd.{module}"), name)
+    mod = importlib.import_module(f"alignopsd.{module}")
+    # `rectify` is both a submodule and an API function; the (callable) submodule serves as both
+    value = mod if name == module else getattr(mod, name)
     globals()[name] = value
     return value
 

@@ -215,7 +215,8 @@ class AlgorithmConfig:
     """Advantage estimator from the registry (alignopsd.estimators): grpo, opsd, grpo_opsd, sdar, rlsd,
     alignopsd, alignopsd_m1, or a user-registered name."""
     ablation: Literal["A", "B", "C", "D", "E"] = "E"
-    """AlignOPSD ablation (§3.11): A no rectification, B flat token, C flat turn, D random spans, E full."""
+    """AlignOPSD ablation (§3.11): A no rectification, B flat token, C flat turn, D random spans, E full.
+    The M1-only consumer (``alignopsd_m1``) honours only A (α_max = 0); B–D act on Mechanism 2."""
     rectify: RectifyConfig = field(default_factory=RectifyConfig)
     """Mechanism 1 settings."""
     credit: CreditConfig = field(default_factory=CreditConfig)
@@ -308,8 +309,9 @@ class AlgorithmConfig:
 
     @property
     def effective_alpha_max(self) -> float:
-        """α_max actually used: 0 under ablation A of the ``alignopsd`` estimator."""
-        if self.estimator == "alignopsd" and self.ablation == "A":
+        """α_max actually used by Mechanism 1: 0 under ablation A (§3.11), for both consumers
+        (``alignopsd`` and ``alignopsd_m1``: "when the consumer is M1-only, only A has any effect")."""
+        if self.ablation == "A":
             return 0.0
         return self.rectify.alpha_max
 

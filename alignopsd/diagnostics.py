@@ -54,18 +54,6 @@ def describe(values: Tensor, name: str, *, quantiles: Sequence[tuple[str, float]
     for (label, _), val in zip(quantiles, qs.tolist()):
         out[f"{name}_{label}"] = float(val)
     return out
-    out[f"{name}_mean"] = float(v.mean())
-    out[f"{name}_std"] = float(v.std()) if n > 1 else 0.0
-    out[f"{name}_min"] = float(v.min())
-    out[f"{name}_max"] = float(v.max())
-    # linear-interpolation quantiles by sorting (torch.quantile refuses inputs above 16M elements)
-    srt = torch.sort(v).values
-    for label, q in quantiles:
-        pos = q * (n - 1)
-        lo = int(math.floor(pos))
-        hi = min(lo + 1, n - 1)
-        out[f"{name}_{label}"] = float(srt[lo] + (srt[hi] - srt[lo]) * (pos - lo))
-    return out
 
 
 def off_turn_match_weight(pairs: Tensor, pair_weight: Tensor, turn: Tensor) -> float:
@@ -73,7 +61,13 @@ def off_turn_match_weight(pairs: Tensor, pair_weight: Tensor, turn: Tensor) -> f
 
     pairs: [P, 2] (source, target); pair_weight: [P] ω of each pair; turn: [M] turn ids.
     """
-    pr = as_tensor(pairs, "pairs").reshape(-1, 2).long()
+    pr = as_tensor(pairs, "pairs")
+    if pr.numel() == 0:
+        pr = pr.reshape(0, 2)
+    check_ndim(pr, "pairs", 2)
+    if pr.shape[1] != 2 or pr.is_floating_point() or pr.dtype == torch.bool:
+        raise ValueError(f"pairs: expected an integer tensor of shape [P, 2], got {pr.dtype} {tuple(pr.shape)}")
+    pr = pr.long()
     w = as_tensor(pair_weight, "pair_weight").reshape(-1).double()
     if w.numel() != pr.shape[0]:
         raise ValueError(f"pair_weight: expected {pr.shape[0]} entries like pairs, got {w.numel()}")
@@ -81,6 +75,8 @@ def off_turn_match_weight(pairs: Tensor, pair_weight: Tensor, turn: Tensor) -> f
     check_ndim(tu, "turn", 1)
     if pr.numel() == 0:
         return 0.0
+    if int(pr.min()) < 0 or int(pr.max()) >= tu.numel():
+        raise ValueError(f"pairs: indices must lie in [0, {tu.numel()})")
     tu = tu.to(pr.device)
     off = (tu[pr[:, 0]] != tu[pr[:, 1]]).double()
     matched = int(torch.unique(pr[:, 1]).numel())

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from alignopsd._checks import as_tensor, check_ids, check_ndim, check_shape
+from alignopsd._checks import as_tensor, check_ids, check_ndim, check_real, check_shape
 from alignopsd.advantage import grpo_advantage, invalid_action_residual
 from alignopsd.losses import AuxTerm
 from alignopsd.rectify import Rectified, check_finite_fast, rectify
@@ -103,6 +103,7 @@ class EstimatorInputs:
         self.mask = mask
         out = as_tensor(self.outcome, "outcome")
         check_shape(out, "outcome", (M,))
+        check_finite_fast(out, "outcome")
         self.outcome = out
         if self.invalid is not None:
             inv = as_tensor(self.invalid, "invalid")
@@ -259,10 +260,25 @@ def rowwise_grpo_advantage(
     as verl-agent does on the padded batch). A task with a single row uses mean 0 and std 1.
     Returns [M] float32.
     """
-    s = as_tensor(score, "score").double()
-    t = as_tensor(task, "task").long()
+    s = as_tensor(score, "score")
+    check_ndim(s, "score", 1)
+    check_finite_fast(s, "score")
+    s = s.double()
     M = s.numel()
-    k = torch.ones(M, dtype=torch.float64, device=s.device) if copies is None else copies.double().to(s.device)
+    t, _, _ = check_ids(task, task)
+    check_shape(t, "task", (M,))
+    t = t.to(s.device)
+    if copies is None:
+        k = torch.ones(M, dtype=torch.float64, device=s.device)
+    else:
+        kc = as_tensor(copies, "copies")
+        check_shape(kc, "copies", (M,))
+        if kc.is_floating_point() or kc.dtype == torch.bool or bool((kc < 1).any()):
+            raise ValueError("copies: expected integer row counts >= 1")
+        k = kc.double().to(s.device)
+    eps = check_real(eps, "eps", lo=0.0)
+    if M == 0:
+        return torch.zeros(0, dtype=torch.float32, device=s.device)
     _, tid = torch.unique(t, return_inverse=True)
     G = int(tid.max()) + 1 if M else 0
     n = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, tid, k)
@@ -279,6 +295,11 @@ def rowwise_grpo_advantage(
 
 def rlsd_lambda(step: int, *, lambda_init: float, decay_steps: int) -> float:
     """λ(step) = λ_init · max(0, 1 − step / decay_steps): linear decay to 0."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected an integer >= 0, got {step!r}")
+    if isinstance(decay_steps, bool) or not isinstance(decay_steps, int) or decay_steps < 1:
+        raise ValueError(f"decay_steps: expected an integer >= 1, got {decay_steps!r}")
+    check_real(lambda_init, "lambda_init", lo=0.0, hi=1.0)
     return float(lambda_init) * max(0.0, 1.0 - float(step) / float(decay_steps))
 
 

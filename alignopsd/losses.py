@@ -120,7 +120,7 @@ def ppo_loss(
     """
     lp = _check_tokens(logp, "logp")
     R, L = lp.shape
-    old = _check_tokens(old_logp, "old_logp", (R, L)).to(lp.device, lp.dtype)
+    old = _check_tokens(old_logp, "old_logp", (R, L)).to(lp.device)  # kept in its own precision; ratio in FP32
     adv = as_tensor(advantage, "advantage")
     if adv.dim() == 1:
         check_shape(adv, "advantage", (R,))

@@ -10,8 +10,11 @@ live in :mod:`alignopsd.reference_m1` and are tested equal to these.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
+import sys
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -120,7 +123,8 @@ def similarity_matrix(teacher_emb_MD: Tensor, student_emb_MD: Tensor, task_M: Te
         raise ValueError(f"student_emb: expected shape {tuple(t.shape)} like teacher_emb, got {tuple(s.shape)}")
     check_finite_fast(t, "teacher_emb")
     check_finite_fast(s, "student_emb")
-    task = _check_vec(task_M, "task", t.shape[0]).long()
+    task, _, _ = check_ids(task_M, task_M)
+    check_shape(task, "task", (t.shape[0],))
     H = (t.float() @ s.float().T).clamp_(-1.0, 1.0)
     return torch.where(task[:, None] == task[None, :], H, torch.zeros((), dtype=H.dtype, device=H.device))
 
@@ -161,6 +165,15 @@ def _task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> tuple[Tensor, T
     order[rank] = torch.arange(M, device=dev)
     task_s = task[order]
     roll_s = rollout[order]
+    if M > 1:
+        turn_s = turn[order]
+        dup = (task_s[1:] == task_s[:-1]) & (roll_s[1:] == roll_s[:-1]) & (turn_s[1:] == turn_s[:-1])
+        if bool(dup.any()):
+            i = int(order[1:][dup][0])
+            raise ValueError(
+                f"turn: duplicate identity (task, rollout, turn) = {(int(task[i]), int(rollout[i]), int(turn[i]))}; "
+                "canonical turns must be unique"
+            )
     new_task = torch.ones(M, dtype=torch.bool, device=dev)
     new_traj = torch.ones(M, dtype=torch.bool, device=dev)
     if M > 1:
@@ -505,7 +518,7 @@ def rectify(
     pr = _check_pairs(pairs, M)
     P = pr.shape[0]
     c_in = as_tensor(cross, "cross")
-    if c_in.numel() == 0 and P == 0:
+    if c_in.numel() == 0 and P == 0 and c_in.dim() != 2:  # e.g. torch.zeros(0) or []: no pairs, no rows
         c_in = torch.zeros(0, L, dtype=torch.float32, device=d.device)
     check_ndim(c_in, "cross", 2)
     check_shape(c_in, "cross", (P, L))
@@ -713,3 +726,22 @@ def build_sidecar(
         row_to_canonical=r2c.long(),
         encoder_contract=dict(encoder_contract or {}),
     )
+
+
+# ----------------------------------------------------------------------------- the public name `alignopsd.rectify`
+
+
+class _CallableModule(types.ModuleType):
+    """``alignopsd.rectify`` names both this submodule and the API function :func:`rectify`.
+
+    Python binds the package attribute to the submodule as soon as it is imported, so the module itself
+    is made callable: ``alignopsd.rectify(...)`` (or ``from alignopsd import rectify``) calls the function
+    whatever the import order, while ``alignopsd.rectify.select_sources`` keeps working.
+    """
+
+    def __call__(self, *args, **kwargs) -> Rectified:
+        return rectify(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(rectify)

@@ -137,3 +137,11 @@ def test_describe_quantiles_match_torch():
     q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
     assert [s["v_p10"], s["v_p50"], s["v_p90"]] == pytest.approx(q, abs=1e-12)
     assert s["v_std"] == pytest.approx(float(v.std()))
+
+
+def test_off_turn_match_weight_bad_pairs():
+    turn = torch.tensor([0, 1, 0])
+    with pytest.raises(ValueError, match="pairs"):
+        off_turn_match_weight(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.ones(3), turn)
+    with pytest.raises(ValueError, match="pairs"):
+        off_turn_match_weight(torch.tensor([[0, 5]]), torch.ones(1), turn)

@@ -225,3 +225,185 @@ def test_inputs_validation():
     bare = EstimatorInputs(inp.old_logp, inp.mask, inp.outcome, inp.task, inp.rollout, inp.turn)
     with pytest.raises(ValueError, match="diag"):
         get_estimator("sdar")(bare, _cfg("sdar"))
+
+
+# ------------------------------------------------------------------------------------------------- hand-computed batch
+# One task, rollout 0 with turns 0 and 1 (R = 1), rollout 1 with turn 0 (R = 0); L = 2, ℓ^old ≡ −1.
+# Turn 1 of rollout 0 had an invalid action. H[source, target]: H[0,2] = .8, H[1,2] = .9 (same rollout:
+# only the best, source 1, survives), H[2,0] = .75, H[2,1] = .5 (< γ = .7: target 1 falls back).
+# Numbers below were computed by hand (plain Python floats), not by the library.
+
+_A_TURN = [0.5773492692, 0.5773492692, -1.1546985384]  # R = [1, 1, 0]: (R - 2/3) / (std_unbiased + 1e-6)
+_RESID = [0.0883998080, -0.0931681222, 0.0047683142]  # norm(R - .1·invalid) - norm(R) over the task's turns
+_MASK = [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]
+
+
+def _hand(copies=None) -> EstimatorInputs:
+    task = torch.tensor([0, 0, 0])
+    rollout = torch.tensor([0, 0, 1])
+    turn = torch.tensor([0, 1, 0])
+    H = torch.zeros(3, 3)
+    H[0, 2], H[1, 2], H[2, 0], H[2, 1] = 0.8, 0.9, 0.75, 0.5
+    ok = torch.ones(3, dtype=torch.bool)
+    B = eligibility(task, rollout, ok, ok)
+    sel = select_sources(H, B, task, rollout, turn, gamma=0.7, top_k=3)
+    assert sel == [[2], [], [1]]
+    return EstimatorInputs(
+        old_logp=torch.full((3, 2), -1.0),
+        mask=torch.tensor(_MASK).bool(),
+        outcome=torch.tensor([1.0, 1.0, 0.0]),
+        task=task,
+        rollout=rollout,
+        turn=turn,
+        invalid=torch.tensor([False, True, False]),
+        diag=torch.tensor([[-1.5, -0.5], [-1.2, -1.0], [-2.0, -1.0]]),
+        cross=torch.tensor([[-0.5, -0.5], [-1.0, -1.0]]),  # pairs (2→0), (1→2)
+        pairs=pairs_from_selection(sel),
+        H=H,
+        eligible=B,
+        copies=copies,
+        step=3,
+    )
+
+
+def _hand_cfg(name: str, *over: str) -> AlgorithmConfig:
+    return apply_overrides(AlgorithmConfig(), [f"estimator={name}", "rectify.gamma=0.7", "rectify.top_k=3", *over])
+
+
+def _rows(per_turn, mask=_MASK) -> torch.Tensor:
+    """[M, L] expected advantages: per-turn scalars (or per-token lists) times the mask."""
+    out = []
+    for v, m in zip(per_turn, mask):
+        vals = v if isinstance(v, list) else [v, v]
+        out.append([x * k for x, k in zip(vals, m)])
+    return torch.tensor(out)
+
+
+def test_hand_grpo():
+    out = get_estimator("grpo")(_hand(), _hand_cfg("grpo"))
+    torch.testing.assert_close(out.token_advantage, _rows([a + r for a, r in zip(_A_TURN, _RESID)]))
+    assert out.token_advantage.dtype == torch.float32 and out.aux == []
+
+
+def test_hand_sdar_and_opsd():
+    # token-mean over the 5 policy tokens of σ(5Δ)·Δ with Δ = ℓ^diag − ℓ_θ at ℓ_θ = ℓ^old: 0.0727321370
+    raw = 0.07273213696
+    out = get_estimator("sdar")(_hand(), _hand_cfg("sdar"))
+    torch.testing.assert_close(out.token_advantage, _rows([a + r for a, r in zip(_A_TURN, _RESID)]))
+    loss, st = auxiliary_loss(out.aux[0], torch.full((3, 2), -1.0), torch.tensor(_MASK))
+    assert loss.item() == pytest.approx(0.01 * raw, abs=1e-8) and st["sdar/loss"] == pytest.approx(raw, abs=1e-6)
+    out = get_estimator("opsd")(_hand(), _hand_cfg("opsd"))
+    assert torch.equal(out.token_advantage, torch.zeros(3, 2))
+    loss, _ = auxiliary_loss(out.aux[0], torch.full((3, 2), -1.0), torch.tensor(_MASK))
+    assert loss.item() == pytest.approx(1.0 * raw, abs=1e-6)
+
+
+def test_hand_grpo_opsd():
+    # m = clip(exp(sign(A)·Δ), .8, 1.2), normalised to token-mean 1 per turn; Â = A·(.5 + .5·m/mean) + r
+    expect = [[0.6080141502, 0.7234840041], [0.4841811470, 0.0], [-1.2024165214, -1.0974439270]]
+    out = get_estimator("grpo_opsd")(_hand(), _hand_cfg("grpo_opsd"))
+    torch.testing.assert_close(out.token_advantage, torch.tensor(expect))
+
+
+def test_hand_rlsd():
+    # step 3 of 150, λ_init .5 → λ = .49; Â = A·(.51 + .49·clip(exp(sign(A)·Δ), .8, 1.2)) + r
+    expect = [[0.6091688488, 0.7223293055], [0.4328998701, 0.0], [-1.2630906809, -1.1499302242]]
+    out = get_estimator("rlsd")(_hand(), _hand_cfg("rlsd"))
+    torch.testing.assert_close(out.token_advantage, torch.tensor(expect))
+    assert out.metrics["rlsd/lambda"] == pytest.approx(0.49)
+
+
+def test_hand_alignopsd_full_and_ablations():
+    inp = _hand()
+    # M1 (α_max .8): target 0 ← source 2: ρ = (.75−.7)/.3 = 1/6, α = .13333; target 2 ← source 1: ρ = 2/3, α = .53333
+    out = get_estimator("alignopsd")(inp, _hand_cfg("alignopsd"))
+    r = out.rectified
+    torch.testing.assert_close(r.alpha, torch.tensor([0.8 / 6, 0.0, 0.8 * 2 / 3]))
+    torch.testing.assert_close(r.corrected, torch.tensor([[-1.3666667, -0.5], [-1.2, -1.0], [-1.4666667, -1.0]]))
+    assert torch.equal(r.corrected[1], inp.diag[1])  # fallback target: exactly the diagonal
+    # M2: trajectory (0, 0) is one span (2 turns < 2·L_min); g = [1/15, −.2], q = softmax(log N + s / .5),
+    # h = 3q/N = [1.15980298, 0.68039404], w = .5 + .5h; the one-turn trajectory has w = 1
+    expect_e = _rows([0.7118801447, 0.3919190119, -1.1499302242])
+    torch.testing.assert_close(out.token_advantage, expect_e)
+    torch.testing.assert_close(out.credit.turn_weight, torch.tensor([1.0799014912, 0.8401970175, 1.0]))
+    for ablation in ("C", "D"):  # one span per trajectory here, so C and D coincide with E
+        o = get_estimator("alignopsd")(inp, _hand_cfg("alignopsd", f"ablation={ablation}"))
+        torch.testing.assert_close(o.token_advantage, expect_e)
+    # A: α = 0, so δ̃ = ℓ^diag − ℓ^old and g = [0, −.2]; selection and cross scoring still ran
+    o = get_estimator("alignopsd")(inp, _hand_cfg("alignopsd", "ablation=A"))
+    assert torch.equal(o.rectified.corrected, inp.diag) and o.rectified.pairs.tolist() == [[2, 0], [1, 2]]
+    torch.testing.assert_close(o.token_advantage, _rows([0.7013890898, 0.4129011217, -1.1499302242]))
+    # B: flat token softmax(sign(A)·δ̃ / .5) per trajectory, raw = N_τ·q, no η mixing
+    o = get_estimator("alignopsd")(inp, _hand_cfg("alignopsd", "ablation=B"))
+    expect_b = [[0.3034248023, 1.3053310673], [0.2069234317, 0.0], [-1.6528038786, -0.6470565698]]
+    torch.testing.assert_close(o.token_advantage, torch.tensor(expect_b))
+
+
+def test_hand_alignopsd_m1():
+    # verl-agent GRPO over all rows of the uid on R − .1·invalid = [1, .9, 0]; α_max .2 (M1-only launchers)
+    cfg = apply_overrides(get_preset("m1_alfworld"), ["rectify.top_k=3"])
+    out = get_estimator("alignopsd_m1")(_hand(), cfg)
+    torch.testing.assert_close(out.token_advantage, _rows([0.6657490771, 0.4841811470, -1.1499302242]))
+    torch.testing.assert_close(out.rectified.alpha, torch.tensor([0.2 / 6, 0.0, 0.2 * 2 / 3]))
+    (term,) = out.aux
+    assert term.kind == "alignment" and (term.coef, term.beta) == (0.01, 5.0)
+    # coef · token-mean(σ(5 δ̃)·(ℓ̃ − ℓ_θ)) at ℓ_θ = ℓ^old, δ̃ = [[−.46667, .5], [−.2, 0], [−.86667, 0]]
+    loss, st = auxiliary_loss(term, torch.full((3, 2), -1.0), torch.tensor(_MASK))
+    assert st["alignment_loss"] == pytest.approx(0.0711605758, abs=1e-6)
+    assert loss.item() == pytest.approx(0.01 * 0.0711605758, abs=1e-8)
+    # copies: turn 0 has two rows, so the all-row statistics use the multiset [1, 1, .9, 0]
+    out = get_estimator("alignopsd_m1")(_hand(copies=torch.tensor([2, 1, 1])), cfg)
+    torch.testing.assert_close(out.token_advantage, _rows([0.5662773679, 0.3603583251, -1.4929130609]))
+
+
+def test_alignopsd_m1_ablation_a_disables_rectification():
+    # §3.11: "When the consumer is M1-only, only A has any effect" — A sets α_max = 0 there too
+    cfg = apply_overrides(get_preset("m1_alfworld"), ["ablation=A"])
+    assert cfg.effective_alpha_max == 0.0
+    inp = _hand()
+    out = get_estimator("alignopsd_m1")(inp, cfg)
+    assert torch.equal(out.rectified.corrected, inp.diag) and (out.rectified.alpha == 0).all()
+    loss, st = auxiliary_loss(out.aux[0], torch.full((3, 2), -1.0), torch.tensor(_MASK))
+    assert st["alignment_loss"] == pytest.approx(0.0727321370, abs=1e-6)
+    # B–E change nothing for the M1-only consumer
+    base = get_estimator("alignopsd_m1")(inp, get_preset("m1_alfworld"))
+    for ablation in "BCD":
+        o = get_estimator("alignopsd_m1")(inp, apply_overrides(get_preset("m1_alfworld"), [f"ablation={ablation}"]))
+        assert torch.equal(o.rectified.corrected, base.rectified.corrected)
+        assert torch.equal(o.token_advantage, base.token_advantage)
+
+
+@pytest.mark.parametrize(
+    "name,diag,align,m2",
+    [
+        ("grpo", False, False, False),
+        ("opsd", True, False, False),
+        ("grpo_opsd", True, False, False),
+        ("sdar", True, False, False),
+        ("rlsd", True, False, False),
+        ("alignopsd", True, True, True),
+        ("alignopsd_m1", True, True, False),
+    ],
+)
+def test_phases_of_every_estimator(name, diag, align, m2):
+    for kl in (0.0, 0.01):
+        ph = get_estimator(name).phases(AlgorithmConfig(estimator=name, kl_coef=kl))
+        assert ph == {"teacher_diag": diag, "alignment": align, "ref": kl > 0, "mechanism2": m2}
+    if name == "alignopsd":  # ablation A still pays for selection and cross scoring (M2 needs H and B)
+        assert get_estimator(name).phases(AlgorithmConfig(estimator=name, ablation="A"))["alignment"]
+
+
+def test_rowwise_grpo_and_rlsd_lambda_bad_inputs():
+    with pytest.raises(ValueError, match="task"):
+        rowwise_grpo_advantage(torch.ones(3), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="score"):
+        rowwise_grpo_advantage(torch.tensor([float("nan"), 1.0]), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="copies"):
+        rowwise_grpo_advantage(torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="decay_steps"):
+        rlsd_lambda(1, lambda_init=0.5, decay_steps=0)
+    with pytest.raises(ValueError, match="step"):
+        rlsd_lambda(-1, lambda_init=0.5, decay_steps=10)
+    inp = _hand()
+    with pytest.raises(ValueError, match="outcome"):
+        EstimatorInputs(inp.old_logp, inp.mask, torch.tensor([1.0, float("nan"), 0.0]), inp.task, inp.rollout, inp.turn)

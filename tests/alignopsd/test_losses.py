@@ -264,3 +264,18 @@ def test_actor_loss_sums_the_terms():
     } <= set(stats)
     with pytest.raises(ValueError, match="ref_logp"):
         actor_loss(logp, old, adv, mask, kl_coef=0.1)
+
+
+def test_ppo_ratio_uses_fp32_old_logp_with_a_bf16_policy():
+    # the ratio is exp(ℓ_θ − ℓ^old) in FP32: ℓ^old must not be rounded to the policy's bf16 first
+    old = torch.tensor([[-1.2345678, -3.3333333]])
+    logp = old.bfloat16()
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, st = ppo_loss(logp, old, adv, torch.ones(1, 2))
+    ratio = torch.exp(logp.float() - old)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(float((-adv * ratio).mean()), abs=1e-7)
+    assert st["approx_kl"] == pytest.approx(float((old - logp.float()).mean()), abs=1e-7)
+    kl = low_var_kl(logp, old)
+    d = old - logp.float()
+    torch.testing.assert_close(kl, torch.exp(d) - d - 1.0)

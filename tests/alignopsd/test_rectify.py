@@ -549,3 +549,53 @@ def test_property_rectify_invariant_to_turn_order(seed):
     r_p = rectify(diag[perm], cross[rows], pairs_p, H[perm][:, perm], gamma=0.25, alpha_max=0.7)
     torch.testing.assert_close(r_p.corrected[inv], r.corrected)
     torch.testing.assert_close(r_p.alpha[inv], r.alpha)
+
+
+# ------------------------------------------------------------------------------------------------ audit additions
+
+
+def test_select_sources_rejects_duplicate_identity():
+    # API: duplicate turn ids in a trajectory are bad input (the identity tie-break needs unique identities)
+    H = torch.zeros(3, 3)
+    H[0, 2] = H[1, 2] = 0.9
+    E = torch.zeros(3, 3, dtype=torch.bool)
+    E[0, 2] = E[1, 2] = True
+    task, rollout, turn = torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1]), torch.tensor([0, 0, 0])
+    with pytest.raises(ValueError, match="turn"):
+        select_sources(H, E, task, rollout, turn, gamma=0.7, top_k=3)
+
+
+def test_similarity_matrix_orientation_and_integer_task_ids():
+    T = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # teacher thinking embeddings (sources)
+    S = torch.tensor([[0.6, 0.8], [1.0, 0.0]])  # student thinking embeddings (targets)
+    H = similarity_matrix(T, S, torch.tensor([0, 0]))
+    torch.testing.assert_close(H, torch.tensor([[0.6, 1.0], [0.8, 0.0]]))  # H[s, t] = <T_s, S_t>
+    with pytest.raises(ValueError, match="task"):
+        similarity_matrix(T, S, torch.tensor([0.0, 0.0]))
+    with pytest.raises(ValueError, match="task"):
+        similarity_matrix(T, S, torch.tensor([0, 0, 0]))
+
+
+def test_rectify_empty_cross_must_match_the_response_width():
+    diag = torch.zeros(2, 2)
+    empty_pairs = torch.zeros(0, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="cross"):
+        rectify(diag, torch.zeros(0, 3), empty_pairs, torch.zeros(2, 2), gamma=0.7, alpha_max=0.2)
+    r = rectify(diag, torch.zeros(0, 2), empty_pairs, torch.zeros(2, 2), gamma=0.7, alpha_max=0.2)
+    assert torch.equal(r.corrected, diag)
+
+
+def test_public_rectify_is_callable_in_any_import_order():
+    # `alignopsd.rectify` (API function) shares its name with the submodule `alignopsd.rectify`: the package
+    # attribute is bound to the submodule on import, and the lazy export path must not rebind it to the function
+    import inspect
+
+    import alignopsd
+    import alignopsd.rectify as mod
+
+    args = (torch.zeros(2, 1), torch.zeros(0, 1), torch.zeros(0, 2, dtype=torch.long), torch.zeros(2, 2))
+    lazy = alignopsd.__getattr__("rectify")  # what `from alignopsd import rectify` resolves to on a fresh import
+    for f in (alignopsd.rectify, mod, lazy):
+        assert type(f(*args, gamma=0.7, alpha_max=0.2)).__name__ == "Rectified"
+    assert alignopsd.rectify.select_sources is select_sources  # still the module after the lazy lookup
+    assert "alpha_max" in inspect.signature(alignopsd.rectify).parameters
