@@ -52,15 +52,23 @@ def memoize_textworld_parsers(enable: bool = True) -> None:
 
     TextWorld re-parses the same few dozen template strings with tatsu for every admissible command at
     every step and deep-copies the derivation context for every symbol, which is most of an ALFWorld
-    step's cost. We memoize the parsers and copy contexts one level deep (see _copy_context). Parsing
+    step's cost; loading and resetting a game translates its PDDL problem with fast-downward four times.
+    We memoize the parsers and the translation, and copy contexts one level deep (see _copy_context). Parsing
     is a pure function of the string, so we cache the parse (handing out deep copies where callers
     mutate the result). The test suite
     checks that a patched and an unpatched engine produce identical observations and commands.
     """
     global _PATCHED
+    import fast_downward  # noqa: PLC0415
     import textworld.envs.pddl.textgen as tg  # noqa: PLC0415
     import textworld.logic as tl  # noqa: PLC0415
 
+    if enable and not hasattr(fast_downward, "_alignopsd_orig_pddl2sas"):
+        fast_downward._alignopsd_orig_pddl2sas = fast_downward.pddl2sas
+        fast_downward.pddl2sas = _cached_pddl2sas(fast_downward.pddl2sas)
+    elif not enable and hasattr(fast_downward, "_alignopsd_orig_pddl2sas"):
+        fast_downward.pddl2sas = fast_downward._alignopsd_orig_pddl2sas
+        del fast_downward._alignopsd_orig_pddl2sas
     if enable and not hasattr(tg, "_alignopsd_orig_copy_context"):
         tg._alignopsd_orig_copy_context = tg.copy_context
         tg.copy_context = _copy_context
@@ -78,6 +86,21 @@ def memoize_textworld_parsers(enable: bool = True) -> None:
             mod._parse_and_convert = orig
             del mod._alignopsd_orig_parse
     _PATCHED = enable
+
+
+def _cached_pddl2sas(fn):
+    """fast-downward's PDDL -> SAS translation, memoized (it is a pure function of its text inputs and
+    its result is only read). A fresh game load plus reset translates the same problem four times."""
+    import functools  # noqa: PLC0415
+
+    @functools.lru_cache(maxsize=32)
+    def cached(domain: str, problem: str, verbose: bool, optimize: bool):
+        return fn(domain, problem, verbose=verbose, optimize=optimize)
+
+    def pddl2sas(domain, problem, verbose=False, optimize=False):
+        return cached(domain, problem, bool(verbose), bool(optimize))
+
+    return pddl2sas
 
 
 def _copy_context(context):
@@ -271,16 +294,19 @@ def split_observation(text: str) -> tuple[str, str]:
 
 
 class AlfWorldEnv:
-    """One ALFWorld episode at a time on alfworld's TextWorld engine (see module docstring)."""
+    """One ALFWorld episode at a time on alfworld's TextWorld engine (see module docstring).
+
+    ``fast_engine`` applies :func:`memoize_textworld_parsers` (same observations, several times faster).
+    """
 
     name = "alfworld"
 
-    def __init__(self, max_steps: int = 50, win_reward: float = 10.0, **_: Any) -> None:
+    def __init__(self, max_steps: int = 50, win_reward: float = 10.0, fast_engine: bool = True, **_: Any) -> None:
         if not isinstance(max_steps, int) or max_steps <= 0:
             raise ValueError(f"max_steps: expected a positive int, got {max_steps!r}")
         self.max_steps = max_steps
         self.win_reward = float(win_reward)
-        self._env = make_textworld_env(expert=False)
+        self._env = make_textworld_env(expert=False, fast=fast_engine)
         self._loaded: str | None = None
         self._t = 0
         self._task = ""

@@ -383,6 +383,29 @@ def expert_walkthrough(gamefile: str | os.PathLike, max_steps: int = 50, seed: i
         random.setstate(state_rng)
 
 
+def _generate_one(i: int, seed: int, split: str, task_type: str, split_dir: str, max_steps: int, max_tries: int) -> str:
+    """Game ``i`` of a split: the first of its seeded candidates that alfworld's expert wins."""
+    domain_path, grammar_path = alfworld_logic_files()
+    domain = Path(domain_path).read_text()
+    grammar = Path(grammar_path).read_text()
+    for attempt in range(max_tries):
+        game_seed = int.from_bytes(hashlib.sha256(f"{seed}:{split}:{i}:{attempt}".encode()).digest()[:4], "little")
+        game = sample_game(task_type, game_seed)
+        if game is None:
+            continue
+        gamefile = _write_game(game, Path(split_dir), domain, grammar)
+        walk = expert_walkthrough(gamefile, max_steps=max_steps, seed=game_seed)
+        if walk is None:
+            shutil.rmtree(gamefile.parent)
+            continue
+        data = json.loads(gamefile.read_text())
+        data["solvable"] = True
+        data["walkthrough"] = walk
+        gamefile.write_text(json.dumps(data))
+        return str(gamefile)
+    raise RuntimeError(f"could not generate a solvable {task_type} game in {max_tries} tries")
+
+
 def generate_games(
     n: int,
     out_dir: str | os.PathLike,
@@ -391,41 +414,32 @@ def generate_games(
     task_types: Sequence[str] = TASK_TYPES,
     max_steps: int = 50,
     max_tries_per_game: int = 20,
+    workers: int = 1,
 ) -> list[Path]:
     """Write ``n`` expert-verified games of ``split`` under ``out_dir/json_2.1.1/<split>/``.
 
     Task types cycle through ``task_types`` (so every type is present when ``n >= 6``). The same
-    (n, seed, split, task_types) always writes the same games. Returns the game file paths.
+    (n, seed, split, task_types) always writes the same games, whatever ``workers`` (processes used
+    to generate and verify games in parallel). Returns the game file paths in index order.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n: expected an int >= 1, got {n!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    if not task_types:
+        raise ValueError("task_types: expected at least one task type")
     for t in task_types:
         if t not in TASK_TYPES:
             raise ValueError(f"task_types: unknown task type {t!r}")
-    domain_path, grammar_path = alfworld_logic_files()
-    domain = Path(domain_path).read_text()
-    grammar = Path(grammar_path).read_text()
+    alfworld_logic_files()
     split_dir = Path(out_dir) / "json_2.1.1" / split
     split_dir.mkdir(parents=True, exist_ok=True)
-    paths: list[Path] = []
-    for i in range(n):
-        task_type = task_types[i % len(task_types)]
-        for attempt in range(max_tries_per_game):
-            game_seed = int.from_bytes(hashlib.sha256(f"{seed}:{split}:{i}:{attempt}".encode()).digest()[:4], "little")
-            game = sample_game(task_type, game_seed)
-            if game is None:
-                continue
-            gamefile = _write_game(game, split_dir, domain, grammar)
-            walk = expert_walkthrough(gamefile, max_steps=max_steps, seed=game_seed)
-            if walk is None:
-                shutil.rmtree(gamefile.parent)
-                continue
-            data = json.loads(gamefile.read_text())
-            data["solvable"] = True
-            data["walkthrough"] = walk
-            gamefile.write_text(json.dumps(data))
-            paths.append(gamefile)
-            break
-        else:
-            raise RuntimeError(f"could not generate a solvable {task_type} game in {max_tries_per_game} tries")
-    return paths
+    jobs = [(i, seed, split, task_types[i % len(task_types)], str(split_dir), max_steps, max_tries_per_game)
+            for i in range(n)]  # fmt: skip
+    if workers == 1 or n == 1:
+        return [Path(_generate_one(*job)) for job in jobs]
+    import multiprocessing as mp  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+    with ProcessPoolExecutor(max_workers=min(workers, n), mp_context=mp.get_context("spawn")) as pool:
+        return [Path(p) for p in pool.map(_generate_one, *zip(*jobs))]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,25 @@ def load_skill_bank(env: str, root: str | os.PathLike | None = None) -> SkillBan
     bank = SkillBank(env, skills, dict(mapping["task_to_skill"]), keywords)
     _CACHE[key] = bank
     return bank
+
+
+def skill_lookup(
+    env: str, root: str | os.PathLike | None = None, skill_all: bool = False
+) -> Callable[[dict[str, Any]], str] | None:
+    """Row metadata -> skill text for ``env`` (None when ``env`` has no skill bank).
+
+    The row dict may carry ``gamefile``, ``data_source`` and ``prompt_text`` (the decoded student prompt,
+    used by the keyword and "which ... or" rules).
+    """
+    base = Path(root) if root is not None else SKILLS_ROOT
+    if not (base / env / "skill_mapping.json").is_file():
+        return None
+    bank = load_skill_bank(env, root)
+
+    def lookup(row: dict[str, Any]) -> str:
+        return bank.skill_text(row.get("gamefile"), row.get("data_source"), row.get("prompt_text") or "", skill_all)
+
+    return lookup
 
 
 def teacher_prompt_text(skill_text: str, decoded_student_prompt: str) -> str:

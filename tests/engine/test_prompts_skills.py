@@ -12,6 +12,7 @@ from alignopsd.engine.envs.skills import (
     HEADER,
     build_teacher_prompts,
     load_skill_bank,
+    skill_lookup,
     skill_texts_for,
     teacher_prompt_text,
 )
@@ -68,6 +69,12 @@ def test_alfworld_skill_lookup():
     ]  # fmt: skip
     assert bank.skill_text(None, "text", "nothing relevant") == bank.general
     assert bank.skill_text(skill_all=True).count("# Skill:") == 6
+    lookup = skill_lookup("alfworld")
+    assert lookup({"gamefile": g, "data_source": "text", "prompt_text": "x"}) == text
+    assert lookup({"gamefile": None, "data_source": "text", "prompt_text": "Put Two CDs"}).endswith(
+        bank.skills["pick_two_and_place"]
+    )
+    assert skill_lookup("codeword") is None
 
 
 def test_search_style_rules(tmp_path):
