@@ -599,3 +599,21 @@ def test_public_rectify_is_callable_in_any_import_order():
         assert type(f(*args, gamma=0.7, alpha_max=0.2)).__name__ == "Rectified"
     assert alignopsd.rectify.select_sources is select_sources  # still the module after the lazy lookup
     assert "alpha_max" in inspect.signature(alignopsd.rectify).parameters
+
+
+def test_webshop_rule_details():
+    ok = torch.ones(4, dtype=torch.bool)
+    sel = [[0], [1], [2], [3]]
+    teacher = ["click[Buy Now]", "search[red shoes]", "click[a]", "search[x]"]
+    student = ["click[buy now]", "search[blue hat]", "click[a]", "click[x]"]
+    sim = torch.ones(4, 4)
+    kw = dict(source_actions=teacher, target_actions=student)
+    # click arguments compare case-sensitively; two searches only need the threshold; verbs must agree
+    assert action_filter(sel, sim, ok, ok, webshop=True, **kw) == [[], [1], [2], []]
+    # other environments: the embedding threshold only
+    assert action_filter(sel, sim, ok, ok, webshop=False, **kw) == sel
+    sim2 = sim.clone()
+    sim2[1, 1] = 0.7999
+    assert action_filter(sel, sim2, ok, ok, threshold=0.8, webshop=True, **kw) == [[], [], [2], []]
+    assert parse_webshop_action("click [a]") is None and parse_webshop_action("CLICK[a]") is None
+    assert parse_webshop_action(" search[ red  shoes ] ") == ("search", "red  shoes")
