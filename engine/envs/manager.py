@@ -153,14 +153,20 @@ class _Worker:
         self.startup_timeout = startup_timeout
         self.proc = None
         self.conn = None
-        self.start()
 
     def start(self) -> None:
+        self.launch()
+        self.await_ready()
+
+    def launch(self) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
         self.proc = self.ctx.Process(target=_worker_main, args=(child, self.factory, self.env_kwargs), daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
+
+    def await_ready(self) -> None:
+        parent = self.conn
         if not parent.poll(self.startup_timeout):
             self.kill()
             raise RuntimeError(f"environment worker did not start within {self.startup_timeout:.0f}s")
@@ -249,6 +255,14 @@ class EnvManager:
             self._workers = [
                 _Worker(self._ctx, self.entry.factory, env_kwargs, startup_timeout) for _ in range(num_workers)
             ]
+            for w in self._workers:  # start them all, then wait: imports overlap
+                w.launch()
+            try:
+                for w in self._workers:
+                    w.await_ready()
+            except BaseException:
+                self.close()
+                raise
 
     # -- public API --------------------------------------------------------------------------------
 

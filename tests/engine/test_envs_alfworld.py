@@ -123,6 +123,7 @@ def test_manager_plays_fixture_games_in_workers():
     tasks = A.load_tasks("valid_seen", None, 0, data_dir=FIXTURE) + A.load_tasks("train", 1, 0, data_dir=FIXTURE)
     with EnvManager("alfworld", num_workers=2, step_timeout=60, data_dir=str(FIXTURE)) as mgr:
         obs, infos = mgr.reset(tasks, 2, seed=0)
+        first = list(obs)
         assert obs[0] == obs[1] and "Your task is to:" in obs[0] and "'help'" not in obs[0]
         walks = [_walkthrough(t.gamefile) for t in tasks]
         dones = [False] * 4
@@ -145,6 +146,8 @@ def test_manager_plays_fixture_games_in_workers():
         assert infos[1]["observation"] == "Nothing happens." and not res[1]["won"]
         assert infos[0]["category"] == "look" and infos[2]["category"] == tasks[1].category
         assert mgr.metrics()["failed_episodes"] == 0
+        again, _ = mgr.reset(tasks, 2, seed=0)
+        assert again == first  # same seed, same tasks -> same observations
 
 
 def test_max_steps_and_category_success():
