@@ -42,7 +42,7 @@ def _env_names() -> tuple[str, ...]:
     try:
         from .envs.registry import env_names
 
-        return tuple(n for n in env_names() if n != "codeword_faulty") or ENV_NAMES
+        return tuple(env_names()) or ENV_NAMES
     except ImportError:  # pragma: no cover
         return ENV_NAMES
 

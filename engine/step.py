@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,10 +172,17 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         ref_scorer = Rescorer(ref_model, mode="plain", temperature=cfg.generation.temperature)
 
     def encoder_factory():
-        from .encoder import ThinkingEncoder
+        from .encoder import MINILM, ThinkingEncoder
 
+        name = cfg.encoder.name
+        if name.lower() in ("minilm", MINILM):
+            name = MINILM
+        elif not Path(name).expanduser().is_dir():
+            from .models import resolve_model_path
+
+            name = resolve_model_path(name)  # a Hugging Face id already in the local cache
         return ThinkingEncoder(
-            cfg.encoder.name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device
+            name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device
         )
 
     return Components(

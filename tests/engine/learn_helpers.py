@@ -1,0 +1,167 @@
+"""Helpers for the learning / resume / golden tests: a learnable two-turn task and a candidate-choice generator.
+
+``GuessEnv``: two turns; each turn the admissible actions are ``left`` and ``right``; the episode is won
+(reward 10) when the second action repeats the first one and both are ``right``. A uniformly random policy
+wins 1 in 4 episodes; the turn-level pattern is learnable by a tiny model in a few updates.
+
+``ChoiceGenerator``: a generation backend for random-weight models that cannot yet write the tag format. For
+each prompt it scores a fixed list of candidate responses (``<think>...</think><action>...</action>`` plus EOS)
+under the policy and samples one with probability proportional to exp(log p(candidate) / temperature). The
+sampled tokens are a real sample of the policy restricted to the candidate set, so PPO on them moves exactly
+the probabilities this generator samples from.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.prompts import PromptBuilder
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+
+ACTIONS = ("left", "right")
+
+
+def load_tasks(split: str = "train", n: int | None = None, seed: int = 0, **_: Any) -> list[TaskSpec]:
+    n = 8 if not n or n <= 0 else int(n)
+    return [TaskSpec(key=f"guess-{split}-{i}", env="guess", category=("even" if i % 2 == 0 else "odd"))
+            for i in range(n)]  # fmt: skip
+
+
+class GuessEnv:
+    name = "guess"
+    max_steps = 2
+
+    def __init__(self, **_: Any) -> None:
+        self.t = 0
+        self.first = ""
+
+    def _info(self, won=False):
+        return {"won": won, "admissible_actions": list(ACTIONS), "task": "go right twice."}
+
+    def reset(self, task: TaskSpec, seed: int):
+        self.t, self.first = 0, ""
+        return "You stand at a fork.", self._info()
+
+    def step(self, action: str) -> StepResult:
+        self.t += 1
+        if self.t == 1:
+            self.first = action
+            return StepResult(f"You went {action or 'nowhere'}.", 0.0, False, self._info())
+        won = self.first == "right" and action == "right"
+        return StepResult("The end.", 10.0 if won else 0.0, True, self._info(won))
+
+
+def guess_prompt(history_length: int = 1) -> PromptBuilder:
+    return PromptBuilder(
+        "Task: {task_description}\nObservation: {current_observation}\nActions: [{admissible_actions}].\n",
+        "Task: {task_description}\n{action_history}\n"
+        "Observation: {current_observation}\nActions: [{admissible_actions}].\n",
+        history_length,
+        history_item="Step {index}: {action}",
+        action_sep=", ",
+    )
+
+
+def register_guess_env() -> None:
+    from alignopsd.engine.envs import registry
+
+    if "guess" not in registry.env_names():
+        registry.register_env(
+            registry.EnvEntry(
+                "guess",
+                f"{__name__}:GuessEnv",
+                f"{__name__}:load_tasks",
+                f"{__name__}:guess_prompt",
+                lowercase_actions=True,
+                history_length=1,
+            )
+        )
+
+
+_ACTIONS_RE = re.compile(r"(?:Admissible actions|Actions): \[(.*?)\]")
+
+
+def candidate_texts(prompt_text: str) -> list[str]:
+    """Two responses per admissible action listed in the prompt (the last 'Actions: [...]' list)."""
+    found = _ACTIONS_RE.findall(prompt_text)
+    actions = [a.strip().strip("'\"") for a in found[-1].split(",") if a.strip()] if found else list(ACTIONS)
+    out = []
+    for a in actions:
+        for t in (f"i will {a}", f"{a} looks good"):
+            out.append(f"<think>{t}</think><action>{a}</action>")
+    return out
+
+
+class ChoiceGenerator:
+    """Samples one of the candidate responses of each prompt, ∝ exp(log p / temperature) under the policy."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = {tokenizer.eos_token_id}
+
+    def load_weights(self, state_dict) -> None:  # shares the trainer's module: nothing to copy
+        return None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        from alignopsd.engine.policy.hf import score_rows
+        from alignopsd.engine.rollout import left_pad, right_pad
+
+        tok = self.tokenizer
+        eos = tok.eos_token_id
+        cands = [candidate_texts(tok.decode(p, skip_special_tokens=False)) for p in prompts]
+        rows_p, rows_c, owner = [], [], []
+        for i, (p, cs) in enumerate(zip(prompts, cands)):
+            for text in cs:
+                rows_p.append(p)
+                rows_c.append(tok(text, add_special_tokens=False)["input_ids"] + [eos])
+                owner.append(i)
+        p_ids, p_mask = left_pad(rows_p, max(len(p) for p in rows_p), eos)
+        c_ids, c_mask = right_pad(rows_c, max(len(c) for c in rows_c), 0)
+        was = self.model.training
+        self.model.eval()
+        lp, _, _ = score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)
+        self.model.train(was)
+        seq = (lp * c_mask).sum(1)
+        gen = torch.Generator().manual_seed(int(sampling.seed or 0))
+        out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
+        start = 0
+        for cs in cands:
+            k = len(cs)
+            j = int(torch.multinomial(torch.softmax(seq[start : start + k], 0), 1, generator=gen))
+            r = start + j
+            n = len(rows_c[r])
+            out.token_ids.append(list(rows_c[r]))
+            out.texts.append(cs[j])
+            out.logprobs.append(lp[r, :n].tolist())
+            out.finish_reasons.append("stop")
+            start += k
+        return out
+
+
+def build_trainer(config: str, overrides: list[str]):
+    """A Trainer whose generator is the ChoiceGenerator on the trainer's own model (guess env registered)."""
+    from alignopsd.engine.config import load_config
+    from alignopsd.engine.train import Trainer
+
+    register_guess_env()
+    tr = Trainer(load_config(config, overrides))
+    tr.parts.generator = ChoiceGenerator(tr.parts.policy.model, tr.parts.tokenizer)
+    return tr
+
+
+def main(argv: list[str]) -> None:
+    """``python -c 'import learn_helpers as h; h.main(sys.argv[1:])' CONFIG [--resume auto] [--set k=v ...]``."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    build_trainer(args.config, args.overrides).fit(resume=args.resume)
