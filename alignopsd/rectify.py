@@ -704,6 +704,12 @@ def build_sidecar(
     d_diag, d_corr = rect.gaps(old_logp)
     for name, t in (("corrected", rect.corrected), ("delta_corrected", d_corr), ("rho", rect.rho)):
         check_finite_fast(t, name)
+    cross_t = None
+    if cross is not None:
+        cross_t = as_tensor(cross, "cross")
+        check_shape(cross_t, "cross", (pairs.shape[0], L))
+        check_finite_fast(cross_t, "cross")
+        cross_t = cross_t.detach().float()
     selected: list[list[int]] = [[] for _ in range(M)]
     for s, t in pairs.tolist():
         selected[t].append(s)
@@ -716,7 +722,7 @@ def build_sidecar(
         alpha=rect.alpha,
         diag=rect.diag,
         corrected=rect.corrected,
-        cross=None if cross is None else as_tensor(cross, "cross").detach().float(),
+        cross=cross_t,
         delta_diag=d_diag,
         delta_corrected=d_corr,
         sampled_mask=sm,

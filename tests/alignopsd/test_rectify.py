@@ -524,6 +524,12 @@ def test_case14_sidecar_layout_gamma_and_rows():
         build_sidecar(r, H, torch.zeros(2, 2, dtype=torch.bool), old, mask, mask, can.row_to_canonical)
     with pytest.raises(ValueError, match="row_to_canonical"):
         build_sidecar(r, H, B, old, mask, mask, torch.tensor([0, 2]))
+    sc = build_sidecar(r, H, B, old, mask, mask, can.row_to_canonical, cross=torch.tensor([[-0.5, -0.5]]))
+    assert sc.cross.dtype == torch.float32 and sc.cross.shape == (1, 2)
+    with pytest.raises(ValueError, match="cross"):  # [P, L] = [1, 2]
+        build_sidecar(r, H, B, old, mask, mask, can.row_to_canonical, cross=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="cross"):
+        build_sidecar(r, H, B, old, mask, mask, can.row_to_canonical, cross=torch.tensor([[float("nan"), 0.0]]))
 
 
 @settings(max_examples=10, deadline=None)
