@@ -561,6 +561,7 @@ def _segment_batch(
             d_c.numpy(), v_c.numpy(), o_c.numpy(), float(tau), int(min_len), int(max_len), float(tau_min)
         )
         return torch.from_numpy(pos), torch.from_numpy(kinds), torch.from_numpy(bo)
+    _check_offsets(o_c, int(d_c.shape[0]))
     d_l, v_l, o_l = d_c.tolist(), v_c.tolist(), o_c.tolist()
     pos_l: list[int] = []
     kind_l: list[int] = []
@@ -740,6 +741,9 @@ def _project_batch(h_K: Tensor, c_K: Tensor, offsets: Tensor, lo: float, hi: flo
     if impl == "cpp":
         x = _native.native().project_batch(h_c.numpy(), c_c.numpy(), o_c.numpy(), lo, hi, tol)
         return torch.from_numpy(x).to(dev)
+    _check_offsets(o_c, int(h_c.shape[0]))
+    if int(c_c.shape[0]) != int(h_c.shape[0]):
+        raise ValueError(f"counts: expected length {int(h_c.shape[0])} like h, got {int(c_c.shape[0])}")
     if not bool(torch.isfinite(h_c).all()) or bool((h_c < 0).any()):
         i = int(torch.nonzero(~torch.isfinite(h_c) | (h_c < 0))[0, 0])
         raise ValueError(f"h: must be finite and >= 0; got {float(h_c[i])} at flat position {i}")
@@ -1038,7 +1042,7 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     kind_s[flat] = kinds
     num_seg = int(seg_s[-1]) + 1 if m else 0
 
-    kc = torch.bincount(kinds.long(), minlength=5) if kinds.numel() else torch.zeros(5, dtype=torch.long)
+    kc = torch.bincount(kinds.long(), minlength=5) if kinds.numel() else torch.zeros(5, dtype=torch.long, device=dev)
     mx.put("m2/accepted_semantic_boundary_count", kc[KIND_SEMANTIC])
     mx.put("m2/semantic_boundary_count", kc[KIND_SEMANTIC])
     mx.put("m2/correspondence_guided_fallback_boundary_count", kc[KIND_GUIDED])

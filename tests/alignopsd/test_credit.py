@@ -650,3 +650,23 @@ def test_public_function_bad_input():
         project_to_box(T([1.0, 1.0]), T([1.0, 1.0]), lo=0.0, hi=0.5)
     with pytest.raises(ValueError, match="impl"):
         project_to_box(T([1.0, 1.0]), T([1.0, 1.0]), lo=0.0, hi=2.0, impl="gpu")
+
+
+def test_sorted_equal_task_blocks_fast_path_matches_reference_and_gather_path():
+    # identity order with equal task sizes takes the strided-view path; a permutation takes the gather path
+    g = torch.Generator().manual_seed(11)
+    b = make_batch([7, 7, 7, 7, 7, 7], L=5, tasks=[0, 0, 0, 1, 1, 1], outcome=T([1.0] * 14 + [0.0] * 7 + [2.0] * 21))
+    emb = torch.nn.functional.normalize(torch.randn(42, 6, generator=g) + torch.randn(1, 6, generator=g), dim=-1)
+    b["H"] = (emb @ emb.T) * (b["task"][:, None] == b["task"][None, :])
+    cfg = CreditConfig(gamma=0.5, min_span_turns=2, max_span_turns=3)
+    from alignopsd.reference import allocate_credit_ref
+
+    c = allocate_credit(**b, config=cfg)
+    r = allocate_credit_ref(**b, config=cfg)
+    assert torch.equal(c.segment_index, r.segment_index)
+    assert torch.allclose(c.token_advantage, r.token_advantage, atol=1e-5)
+    perm = torch.randperm(42, generator=g)
+    pb = {k: (v[perm][:, perm] if k in ("H", "eligible") else v[perm]) for k, v in b.items()}
+    cp = allocate_credit(**pb, config=cfg)
+    assert torch.equal(c.token_advantage[perm], cp.token_advantage)
+    assert torch.equal(c.segment_index[perm], cp.segment_index)
