@@ -214,15 +214,20 @@ def generated_split(split: str, count: int, gen_seed: int | None = None, cache_d
     root = root / f"{split}-seed{gen_seed}-n{count}"
     marker = root / "COMPLETE"
     if not marker.exists():
-        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-        generate_games(count, tmp, seed=gen_seed, split=split)
-        if not marker.exists():
-            if root.exists():
-                import shutil  # noqa: PLC0415
+        import shutil  # noqa: PLC0415
 
-                shutil.rmtree(root)
-            tmp.rename(root)
-            marker.write_text(json.dumps({"count": count, "seed": gen_seed, "split": split}))
+        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        generate_games(count, tmp, seed=gen_seed, split=split)
+        (tmp / "COMPLETE").write_text(json.dumps({"count": count, "seed": gen_seed, "split": split}))
+        if root.exists() and not marker.exists():  # a partial folder from an interrupted older run
+            shutil.rmtree(root, ignore_errors=True)
+        try:
+            tmp.rename(root)  # atomic publish; a concurrent process may have published first
+        except OSError:
+            if not marker.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 
