@@ -206,7 +206,7 @@ class Credit:
         raw_density: [M] h_u before projection (mode "token": mean over the turn's tokens).
         density: [M] projected x_u (mode "token": mean over the turn's tokens).
         residual: [M] invalid-action residual r_u (0 when disabled).
-        boundary_kind: [M] int8, kind of the boundary starting at this turn (0 none, 1 semantic,
+        boundary_kind: [M] long, kind of the boundary starting at this turn (0 none, 1 semantic,
             2 guided, 3 forced, 4 random).
         profile_valid: [M] bool (all False in modes "turn"/"token", which compute no profiles).
         boundary_distance: [M] d of the turn (0 where invalid or not computed).
@@ -1258,7 +1258,7 @@ def allocate_credit(
         raw_density=_unsort(h_s.float(), order),
         density=_unsort(x_s.float(), order),
         residual=_unsort(residual_s.float(), order),
-        boundary_kind=_unsort(kind_s, order),
+        boundary_kind=_unsort(kind_s.long(), order),
         profile_valid=_unsort(struct.profile_valid_s, order) if struct is not None else zeros_b,
         boundary_distance=_unsort(struct.d_s, order) if struct is not None else zeros_f,
         boundary_valid=_unsort(struct.bvalid_s, order) if struct is not None else zeros_b,
