@@ -1214,13 +1214,16 @@ def allocate_credit(
     mx.put("m2/projection_mean_absolute_change", (unit_x - unit_h).abs().mean())
     mx.put("m2/credit_conservation_error_max", err_x.max())
     mx.put("m2/mixed_credit_conservation_error_max", err_w.max())
-    per_turn = {"m2/turn_gap": g_s, "m2/outcome_aligned_score": s_s, "m2/turn_weight": w_s}
-    per_unit = {"m2/raw_density": unit_h, "m2/projected_density": unit_x}  # per token in mode "token"
-    if cfg.mode == "token":
-        mx.dists(per_turn)
-        mx.dists(per_unit)
-    else:
-        mx.dists({**per_turn, **per_unit})
+    # per-turn distributions (mode "token": the densities are the turn means of the token densities)
+    mx.dists(
+        {
+            "m2/turn_gap": g_s,
+            "m2/outcome_aligned_score": s_s,
+            "m2/raw_density": h_s,
+            "m2/projected_density": x_s,
+            "m2/turn_weight": w_s,
+        }
+    )
     mx.corr("m2/turn_weight_corr_num_tokens", w_s, ntok_s)
     mx.corr("m2/turn_weight_corr_turn_gap", w_s, g_s)
     mx.corr("m2/turn_weight_corr_abs_turn_gap", w_s, g_s.abs())
