@@ -33,13 +33,13 @@ Paths
   tiles) with fp32 atomic adds into d hidden / d W / d bias (not bitwise deterministic).
   Operands go to ``tl.dot`` in their own dtype with fp32 accumulation (exact fp32 for fp32
   inputs, like torch's default matmul); in interpreter mode they are cast to fp32 first.
-- torch (CPU default): the same algorithm in tiles of ``_TORCH_ROWS`` rows x ``_TORCH_TILE // rows``
+- torch (CPU default): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x ``_vocab_chunk(...)``
   vocabulary entries, vocabulary outermost so every weight chunk is read (and, for bf16,
   upcast) once per sweep; peak extra memory is a few chunk-sized fp32 tiles.
 - ``logprob_ref``: plain fp32 torch (materialises the logits), the test oracle.
 
-Tuning constants. Torch path: tiles of up to 512 rows x (2^21 / rows) vocabulary entries
-(8 MiB fp32). On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v] ran at 8-15 GFLOP/s
+Tuning constants. Torch path: tiles of up to 512 rows and clamp(N V / 32, 2^18, 2^21) fp32
+elements (1-8 MiB), see ``_vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v] ran at 8-15 GFLOP/s
 for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
 gained nothing measurable and cost memory, smaller ones lost up to 2x.
 Triton: BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, 4 warps are starting values taken from
@@ -76,7 +76,8 @@ __all__ = [
 
 _NEG_INIT = -1.0e30  # finite "minus infinity" for the running max: keeps 0 * (m - m') at 0
 _TORCH_ROWS = 512
-_TORCH_TILE = 2**21  # fp32 elements of one logits tile (8 MiB): vocab chunk = _TORCH_TILE // rows
+_TORCH_TILE = 2**21  # max fp32 elements of one logits tile (8 MiB): vocab chunk = elements // rows
+_TORCH_TILE_MIN = 2**18  # min elements of a tile (1 MiB)
 _UPCAST_BYTES = 32 * 2**20  # bf16/fp16 weight chunks are upcast to fp32 in at most this many bytes
 
 # Triton launch constants (see the module docstring).
@@ -189,8 +190,17 @@ def _finish(m, s, u, tz):
 # --------------------------------------------------------------------------------------
 # torch CPU path
 # --------------------------------------------------------------------------------------
-def _vocab_chunk(weight: Tensor, n_rows: int) -> int:
-    vc = max(1024, _TORCH_TILE // max(1, min(n_rows, _TORCH_ROWS)))
+def _vocab_chunk(weight: Tensor, n_rows: int, *, backward: bool = False) -> int:
+    """Vocabulary entries per tile: the tile holds clamp(N * V / 32, 2^18, 2^21) fp32 elements.
+
+    At most 1/32 of the full logits (so the few live tiles stay a small fraction of what plain
+    torch allocates), at least 1 MiB (small matmuls lose efficiency on CPU), at most 8 MiB.
+    The backward always uses 8 MiB tiles: its peak is dominated by the [V, H] weight gradient
+    anyway, and its three matmuls per tile gain from the larger shapes.
+    """
+    V = weight.shape[0]
+    elems = _TORCH_TILE if backward else min(_TORCH_TILE, max(_TORCH_TILE_MIN, n_rows * V // 32))
+    vc = max(256, elems // max(1, min(n_rows, _TORCH_ROWS)))
     if weight.dtype != torch.float32:  # the chunk is upcast to fp32: bound that copy too
         vc = min(vc, max(256, _UPCAST_BYTES // (4 * max(1, weight.shape[1]))))
     return vc
@@ -244,12 +254,14 @@ def _torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_
     V = w_VH.shape[0]
     dev = h_NH.device
     dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
-    dw = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
+    dw = (
+        (torch.empty if N else torch.zeros)(V, H, dtype=torch.float32, device=dev) if need_w else None
+    )  # row chunk 0 writes it
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
     local_t = t_N.long() - vocab_start
     glp = g_lp.float() if g_lp is not None else torch.zeros(N, device=dev)
     h32 = h_NH if h_NH.dtype == torch.float32 else None
-    vc = _vocab_chunk(w_VH, N)
+    vc = _vocab_chunk(w_VH, N, backward=True)
     for v0 in range(0, V, vc):
         v1 = min(V, v0 + vc)
         w_c = w_VH[v0:v1].float()
@@ -276,7 +288,10 @@ def _torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_
             if need_h:
                 dh[n0:n1].addmm_(gz, w_c)
             if need_w:
-                dw[v0:v1].addmm_(gz.T, h_c)
+                if n0 == 0:
+                    torch.mm(gz.T, h_c, out=dw[v0:v1])
+                else:
+                    dw[v0:v1].addmm_(gz.T, h_c)
             if need_b:
                 db[v0:v1] += gz.sum(0)
     return dh, dw, db

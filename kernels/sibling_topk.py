@@ -33,7 +33,6 @@ Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -56,25 +55,60 @@ _BLOCK_S = 32
 _BLOCK_D = 64
 
 
-@dataclass
 class SiblingTopK:
     """Result of :func:`sibling_topk` (all detached, on the input's device).
 
-    H: H_ST [M, M] float32; eligible: B_ST [M, M] bool; selected: [M, K] long, the kept source
-    indices per target in rank order, -1 padded; P: P_TS [M, M] float32; profile_valid: [M] bool.
-    ``blocks``/``H_BTS``/``E_BTS``/``P_BTS`` hold the block form (used by ``jsd_boundary`` to skip
-    the dense gathers).
+    selected: [M, K] long, the kept source indices per target in rank order, -1 padded;
+    profile_valid: [M] bool. Dense views, built on first access and cached (each is M x M):
+    ``H`` (H_ST float32), ``eligible`` (B_ST bool), ``P`` (P_TS float32).
+    Block form (what the kernels produce; ``jsd_boundary.boundary_scores_blocks`` reads it
+    directly): ``blocks``, ``H_BTS``, ``E_BTS``, ``P_BTS`` [T, N, N], target-major.
     """
 
-    H: Tensor
-    eligible: Tensor
-    selected: Tensor
-    P: Tensor
-    profile_valid: Tensor
-    blocks: Blocks | None = field(default=None, repr=False)
-    H_BTS: Tensor | None = field(default=None, repr=False)
-    E_BTS: Tensor | None = field(default=None, repr=False)
-    P_BTS: Tensor | None = field(default=None, repr=False)
+    def __init__(
+        self,
+        selected: Tensor,
+        profile_valid: Tensor,
+        *,
+        blocks: Blocks | None = None,
+        H_BTS: Tensor | None = None,
+        E_BTS: Tensor | None = None,
+        P_BTS: Tensor | None = None,
+        H: Tensor | None = None,
+        eligible: Tensor | None = None,
+        P: Tensor | None = None,
+    ) -> None:
+        self.selected = selected
+        self.profile_valid = profile_valid
+        self.blocks = blocks
+        self.H_BTS = H_BTS
+        self.E_BTS = E_BTS
+        self.P_BTS = P_BTS
+        self._H = H
+        self._eligible = eligible
+        self._P = P
+
+    @property
+    def num_turns(self) -> int:
+        return int(self.selected.shape[0])
+
+    @property
+    def H(self) -> Tensor:
+        if self._H is None:
+            self._H = scatter_dense(self.H_BTS, self.blocks, self.num_turns, transpose=True)
+        return self._H
+
+    @property
+    def eligible(self) -> Tensor:
+        if self._eligible is None:
+            self._eligible = scatter_dense(self.E_BTS, self.blocks, self.num_turns, transpose=True, fill=False)
+        return self._eligible
+
+    @property
+    def P(self) -> Tensor:
+        if self._P is None:
+            self._P = scatter_dense(self.P_BTS, self.blocks, self.num_turns, transpose=False)
+        return self._P
 
     def selected_lists(self) -> list[list[int]]:
         """The selection as ``list[list[int]]`` (the core's ``select_sources`` format)."""
@@ -322,17 +356,7 @@ def sibling_topk(
     selected[blocks.idx_TN[blocks.member_TN]] = chosen[blocks.member_TN]
     valid = torch.zeros(M, dtype=torch.bool, device=dev)
     valid[blocks.idx_TN[blocks.member_TN]] = valid_b[blocks.member_TN]
-    return SiblingTopK(
-        H=scatter_dense(H_b, blocks, M, transpose=True),
-        eligible=scatter_dense(E_b, blocks, M, transpose=True, fill=False),
-        selected=selected,
-        P=scatter_dense(P_b, blocks, M, transpose=False),
-        profile_valid=valid,
-        blocks=blocks,
-        H_BTS=H_b,
-        E_BTS=E_b,
-        P_BTS=P_b,
-    )
+    return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
 
 
 # --------------------------------------------------------------------------------------
@@ -388,4 +412,4 @@ def sibling_topk_ref(
             ranked = sorted(best.values(), key=lambda x: (-x[0], x[1]))[:top_k]
             for k, (_, _, s) in enumerate(ranked):
                 selected[t, k] = s
-    return SiblingTopK(H=H, eligible=B, selected=selected, P=P, profile_valid=valid)
+    return SiblingTopK(selected, valid, H=H, eligible=B, P=P)
