@@ -16,11 +16,12 @@ Two modes:
 - ``shared_prefix`` (default): rows are grouped by prompt. Identical prompts are merged (sibling episodes
   share their first observation, so their turn-0 prompts coincide), each distinct prompt is pushed through
   the model once, in left-padded batches, and its key/value cache is kept; every response scored under that
-  prompt (the diagonal of its turn and every cross pair whose source it is) is then pushed alone, attached
-  to a copy of the cache gathered per row, with the attention mask ``[prompt mask | response mask]`` and
-  position ids continuing from the prompt's length. The log-prob of response token 0 comes from the prompt's
-  last hidden state, so the prompt forward also serves the first token. Results equal the plain mode up to
-  floating-point reassociation (tested at max |delta| <= 1e-5 in fp32).
+  prompt (the diagonal of its turn and every cross pair whose source it is) is then pushed alone, attached to
+  that cache (each layer gathers its rows' prefix keys/values only while that layer runs), with the attention
+  mask ``[prompt mask | response mask]`` and position ids continuing from the prompt's length. The log-prob
+  of response token 0 comes from the prompt's last hidden state, so the prompt forward also serves the first
+  token. Results equal the plain mode up to floating-point reassociation (tested at max |delta| <= 1e-5 in
+  fp32 on a tiny model).
 Both modes never push a response's last token (it predicts nothing that is scored) and trim all-padding
 columns per forward. Forwards are sized by ``max_tokens`` (tokens of context per forward: rows x (prompt
 + response) for a row forward, prompts x prompt length for a prompt forward), which bounds peak memory.
@@ -189,15 +190,32 @@ def score_plain(
     return out, ent
 
 
-def _cache_rows(cache, index: Tensor):
-    """A DynamicCache whose row r holds the keys/values of prompt ``index[r]`` (a gathered copy)."""
-    from transformers import DynamicCache  # noqa: PLC0415
+def _prefix_cache(cache, index: Tensor):
+    """A read-only cache in which row r sees the keys/values of prompt ``index[r]``.
 
-    layers = []
-    for entry in cache:
-        k, v = entry[0], entry[1]
-        layers.append((k.index_select(0, index), v.index_select(0, index)))
-    return DynamicCache(ddp_cache_data=layers)
+    Each layer gathers its prefix rows only when the model reaches it and keeps nothing afterwards, so at most
+    one layer's gathered copy [R, H, lt + l, Dh] exists at a time (a plain ``DynamicCache`` of the gathered rows
+    would hold all layers at once, and its ``update`` would store the concatenation too).
+    """
+    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+    class _SharedPrefixLayer(DynamicLayer):
+        def __init__(self, k_src: Tensor, v_src: Tensor) -> None:
+            super().__init__()
+            self.k_src, self.v_src = k_src, v_src
+            self.keys, self.values = k_src, v_src  # for get_seq_length / get_mask_sizes
+            self.dtype, self.device = k_src.dtype, k_src.device
+            self.is_initialized = True
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+            k = torch.cat([self.k_src.index_select(0, index), key_states], dim=-2)
+            v = torch.cat([self.v_src.index_select(0, index), value_states], dim=-2)
+            return k, v
+
+    out = DynamicCache()
+    out.layers = [_SharedPrefixLayer(entry[0], entry[1]) for entry in cache]
+    return out
 
 
 def score_shared_prefix(
@@ -289,7 +307,7 @@ def score_shared_prefix(
                 r_mask = response_mask_RL[rows, : l_used - 1].long()
                 full_mask = torch.cat([p_mask.index_select(0, loc), r_mask], dim=1)
                 pos = position_ids(full_mask)[:, lt:]
-                rc = _cache_rows(cache, loc)
+                rc = _prefix_cache(cache, loc)
                 hr = body(
                     input_ids=r_ids, attention_mask=full_mask, position_ids=pos, past_key_values=rc, use_cache=True
                 )

@@ -18,6 +18,7 @@ averaged across ranks at each backward; use ``no_sync()`` for all but the last m
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import math
@@ -96,7 +97,7 @@ def chunked_token_logprobs(
 def _kernel_logprob():
     """The kernels package's fused head, or None when it is not there (then the chunked torch head is used)."""
     try:
-        from alignopsd.kernels import logprob as mod  # noqa: PLC0415
+        mod = importlib.import_module("alignopsd.kernels.logprob")
     except ImportError:
         return None
     fn = getattr(mod, "logprob", None)

@@ -1,0 +1,251 @@
+"""Rescoring benchmark: shared-prefix against plain teacher forcing of one realistic turn batch.
+
+The batch follows ALGORITHM.md §4: ``tasks`` x ``rollouts`` sibling episodes x ``turns`` turns = M turns, each
+with a privileged teacher prompt (left-padded, ragged lengths in [0.75, 1] x ``prompt``; the turn-0 prompts of
+siblings are identical, as in a real rollout where siblings start from the same observation) and a sampled
+response (ragged, [0.5, 1] x ``response``). Every target gets ``k`` cross sources from distinct sibling rollouts
+of its task (any turn), so the teacher pass scores M diagonal + M*k cross rows. Both modes score exactly the
+same rows with the same model and ``max_tokens`` per forward; the table reports wall time, peak memory (CUDA:
+allocator peak; CPU: peak resident set above the pre-run level, from /proc VmHWM), the token positions pushed
+through the model (prompt + response; their ratio is the FLOP ratio up to attention) and the max |delta|
+between the two modes' log-probs.
+
+    python -m bench.bench_rescoring --size full     # 2 tasks x 8 rollouts x 6 turns, prompt 1024, response 128, K=3
+    python -m bench.bench_rescoring --size cpu      # a CPU-sized version of the same structure
+    python -m bench.bench_rescoring --size quick    # seconds; what `python -m bench.report` runs by default
+
+``run_rescoring_case(quick)`` is the entry of ``bench.report`` (case ``rescoring_shared_prefix``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import os
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+from alignopsd.engine.batch import TurnBatch
+from alignopsd.engine.rescoring import Rescorer
+
+SIZES = {
+    "full": dict(tasks=2, rollouts=8, turns=6, prompt=1024, response=128, k=3, max_tokens=16384),
+    "cpu": dict(tasks=2, rollouts=8, turns=2, prompt=512, response=64, k=3, max_tokens=8192),
+    "quick": dict(tasks=2, rollouts=4, turns=2, prompt=256, response=32, k=2, max_tokens=4096),
+}
+
+
+def make_batch(tasks, rollouts, turns, prompt, response, k, vocab, seed=0, **_) -> tuple[TurnBatch, torch.Tensor]:
+    """A synthetic turn batch with teacher prompts and its [P, 2] (source, target) cross pairs."""
+    rng = random.Random(seed)
+    rows = [(t, r, u) for t in range(tasks) for r in range(rollouts) for u in range(turns)]
+    m = len(rows)
+    lo_tok = 100  # keep clear of the special tokens at the start of the vocabulary
+
+    def toks(n):
+        return [rng.randrange(lo_tok, vocab) for _ in range(n)]
+
+    first = {t: toks(rng.randint(int(0.75 * prompt), prompt)) for t in range(tasks)}
+    t_rows = [list(first[t]) if u == 0 else toks(rng.randint(int(0.75 * prompt), prompt)) for t, r, u in rows]
+    r_rows = [toks(rng.randint(max(1, response // 2), response)) for _ in rows]
+    t_ids = torch.zeros(m, prompt, dtype=torch.long)
+    t_mask = torch.zeros(m, prompt, dtype=torch.long)
+    r_ids = torch.zeros(m, response, dtype=torch.long)
+    r_mask = torch.zeros(m, response, dtype=torch.long)
+    for i, (tp, rp) in enumerate(zip(t_rows, r_rows)):
+        t_ids[i, prompt - len(tp) :] = torch.tensor(tp)
+        t_mask[i, prompt - len(tp) :] = 1
+        r_ids[i, : len(rp)] = torch.tensor(rp)
+        r_mask[i, : len(rp)] = 1
+    index = {row: i for i, row in enumerate(rows)}
+    pairs = []
+    for i, (t, r, _u) in enumerate(rows):
+        others = [x for x in range(rollouts) if x != r]
+        for src_roll in rng.sample(others, min(k, len(others))):
+            pairs.append((index[(t, src_roll, rng.randrange(turns))], i))
+    batch = TurnBatch(
+        task=torch.tensor([t for t, _, _ in rows]),
+        rollout=torch.tensor([r for _, r, _ in rows]),
+        turn=torch.tensor([u for _, _, u in rows]),
+        prompt_ids=t_ids.clone(),
+        prompt_mask=t_mask.clone(),
+        response_ids=r_ids,
+        response_mask=r_mask,
+        outcome=torch.zeros(m),
+        action_valid=torch.ones(m, dtype=torch.bool),
+        teacher_prompt_ids=t_ids,
+        teacher_prompt_mask=t_mask,
+    )
+    return batch, torch.tensor(pairs, dtype=torch.long)
+
+
+class _PeakMemory:
+    """Peak memory of a block, in MiB above the level at entry (CUDA allocator, or process RSS on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_mb = float("nan")
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the peak-RSS high-water mark
+                self.rss_ok = True
+            except OSError:
+                self.rss_ok = False
+            self.base = self._status("VmRSS:")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak_mb = (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        elif self.rss_ok:
+            self.peak_mb = (self._status("VmHWM:") - self.base) / 2**20
+        return False
+
+
+def _load_model(device: torch.device, spec: str):
+    from alignopsd.engine.models import load_causal_lm
+
+    return load_causal_lm(spec, dtype="auto", device=device)
+
+
+def run(size: str = "quick", model_spec: str = "smollm2-135m", device: str | None = None, reps: int = 1) -> dict:
+    cfg = SIZES[size]
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = _load_model(dev, model_spec)
+    vocab = int(model.config.vocab_size)
+    batch, pairs = make_batch(vocab=vocab, **cfg)
+    batch = batch.to(dev)
+    pairs = pairs.to(dev)
+    results = {}
+    modes = {
+        "plain": dict(mode="plain"),
+        "shared_prefix": dict(mode="shared_prefix"),
+        "shared_prefix_nodedupe": dict(mode="shared_prefix", dedupe=False),
+    }
+    # warm-up (allocator, kernels) on a slice
+    warm = batch.select(list(range(min(4, batch.size))))
+    for kw in modes.values():
+        Rescorer(model, max_tokens=cfg["max_tokens"], **kw).teacher_logprobs(warm, None)
+    # modes interleaved rep by rep, so that load drift on a shared machine hits them alike; median time
+    outs, times, peaks, stats = {}, {n: [] for n in modes}, {n: [] for n in modes}, {}
+    for _ in range(reps):
+        for name, kw in modes.items():
+            rs = Rescorer(model, max_tokens=cfg["max_tokens"], **kw)
+            with _PeakMemory(dev) as pm:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                diag, cross, st = rs.teacher_logprobs(batch, pairs)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t0)
+            peaks[name].append(pm.peak_mb)
+            outs[name], stats[name] = (diag, cross), st
+            del diag, cross
+    for name in modes:
+        ts = sorted(times[name])
+        results[name] = dict(ms=1000 * ts[len(ts) // 2], peak_mb=max(peaks[name]), **stats[name])
+    ref_d, ref_c = outs["plain"]
+    for name, (d, c) in outs.items():
+        results[name]["max_abs_diff_vs_plain"] = float(
+            max((d - ref_d).abs().max().item(), (c - ref_c).abs().max().item() if c.numel() else 0.0)
+        )
+    base, ours = results["plain"], results["shared_prefix"]
+    return dict(
+        case="rescoring_shared_prefix",
+        size=size,
+        model=model_spec,
+        device=str(dev),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        turns=batch.size,
+        cross_rows=int(pairs.shape[0]),
+        prompt=cfg["prompt"],
+        response=cfg["response"],
+        k=cfg["k"],
+        max_tokens=cfg["max_tokens"],
+        ours_ms=ours["ms"],
+        base_ms=base["ms"],
+        speedup=base["ms"] / ours["ms"],
+        ours_peak_mb=ours["peak_mb"],
+        base_peak_mb=base["peak_mb"],
+        ours_token_forwards=ours["token_forwards"],
+        base_token_forwards=base["token_forwards"],
+        flop_ratio=base["token_forwards"] / max(1, ours["token_forwards"]),
+        modes=results,
+    )
+
+
+def run_rescoring_case(quick: bool = True) -> dict:
+    """Entry for ``python -m bench.report``: quick = the seconds-sized batch, else the full realistic batch."""
+    return run("quick" if quick else "full")
+
+
+def to_markdown(res: dict) -> str:
+    lines = [
+        f"## rescoring_shared_prefix ({res['size']}): {res['turns']} turns + {res['cross_rows']} cross rows, "
+        f"teacher prompt <= {res['prompt']}, response <= {res['response']}, K={res['k']}",
+        "",
+        f"model {res['model']} ({res['dtype']}) on {res['device']}, max_tokens/forward {res['max_tokens']}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "",
+        "| mode | time (ms) | peak mem (MiB) | prompt tokens | response tokens | token forwards | forwards "
+        "| max abs diff vs plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in res["modes"].items():
+        lines.append(
+            f"| {name} | {r['ms']:.0f} | {r['peak_mb']:.0f} | {r['prompt_tokens']} | {r['response_tokens']} | "
+            f"{r['token_forwards']} | {r['forwards']} | {r['max_abs_diff_vs_plain']:.2e} |"
+        )
+    lines += [
+        "",
+        f"speed-up plain / shared_prefix: **{res['speedup']:.2f}x**; token-forward (FLOP) ratio: "
+        f"{res['flop_ratio']:.2f}x; peak memory shared/plain: {res['ours_peak_mb']:.0f} / "
+        f"{res['base_peak_mb']:.0f} MiB",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="quick")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument(
+        "--out", default=None, help="markdown file to append to (default bench/results/rescoring-<date>.md)"
+    )
+    args = ap.parse_args()
+    res = run(args.size, args.model, args.device, args.reps)
+    md = to_markdown(res)
+    print(md)
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"rescoring-{_dt.date.today()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
