@@ -21,7 +21,8 @@ Identity: ``task`` = ``task_offset`` + index of the task in ``tasks``; ``rollout
 Teacher prompts (§1.4): the student prompt tokens are decoded with special tokens kept, the block
 ``"[Privileged Skill Information]\\n" + skill + "\\n\\n"`` is put in front of the whole chat-templated text,
 the result is re-tokenised without adding special tokens, left-truncated to ``max_prompt_length`` (the skill
-is lost first; counted) and left-padded. The skill text comes from the environments' skill bank.
+is lost first; counted) and left-padded (``envs.skills.build_teacher_prompts``). The skill text comes from the
+environments' skill bank (``envs.skills.skill_lookup``), or from a caller-given ``skill_lookup``.
 
 Failed environments (an environment that raised, hung or died; the manager ends the episode with
 ``failed=True``): by default (``failed_episodes="keep"``) their rows are kept with outcome 0, the same as the
@@ -51,7 +52,6 @@ from alignopsd.engine.generation.base import SamplingParams
 
 log = logging.getLogger(__name__)
 
-SKILL_HEADER = "[Privileged Skill Information]\n"
 TRUNCATION_MODES = ("error", "left")
 VAL_TEMPERATURE = 0.4
 
@@ -104,42 +104,11 @@ def right_pad(
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def teacher_prompt_text(skill_text: str, decoded_student_prompt: str) -> str:
-    """§1.4 step 3: the skill block goes before the whole chat-templated student prompt."""
-    return SKILL_HEADER + skill_text + "\n\n" + decoded_student_prompt
-
-
-def build_teacher_prompt_ids(
-    tokenizer,
-    student_prompt_ids: Sequence[Sequence[int]],
-    skill_texts: Sequence[str],
-    max_prompt_length: int,
-) -> tuple[list[list[int]], list[bool]]:
-    """§1.4 steps 1-5 for each row: decode (special tokens kept), prepend the skill block, re-tokenise without
-    adding special tokens, left-truncate. Returns (token ids per row, truncated flag per row)."""
-    if len(student_prompt_ids) != len(skill_texts):
-        raise ValueError(f"skill_texts: expected {len(student_prompt_ids)} entries, got {len(skill_texts)}")
-    out, cut = [], []
-    for ids, skill in zip(student_prompt_ids, skill_texts):
-        text = tokenizer.decode(list(ids), skip_special_tokens=False)
-        tids = tokenizer(teacher_prompt_text(skill, text), add_special_tokens=False)["input_ids"]
-        tids, c = truncate_left(tids, max_prompt_length)
-        out.append(tids)
-        cut.append(c)
-    return out, cut
-
-
 def _skill_lookup(env_name: str) -> Callable[[dict], str] | None:
-    """The environments' skill lookup for ``env_name`` (row metadata -> skill text), when the skill bank exists."""
-    try:
-        from alignopsd.engine.envs import skills  # noqa: PLC0415
-    except ImportError:
-        return None
-    for name in ("skill_lookup", "make_skill_lookup", "get_skill_lookup"):
-        fn = getattr(skills, name, None)
-        if callable(fn):
-            return fn(env_name)
-    return None
+    """The environments' skill lookup for ``env_name`` (row metadata -> skill text); None without a skill bank."""
+    from alignopsd.engine.envs.skills import skill_lookup  # noqa: PLC0415
+
+    return skill_lookup(env_name)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -236,6 +205,7 @@ def collect_rollouts(
     pad_id = eot_id if pad_id is None else int(pad_id)
 
     from alignopsd.engine.envs.prompts import chat_text  # noqa: PLC0415
+    from alignopsd.engine.envs.skills import build_teacher_prompts  # noqa: PLC0415
 
     t_gen = t_env = 0.0
     t0 = time.perf_counter()
@@ -258,14 +228,13 @@ def collect_rollouts(
         for i in act:
             text = chat_text(tokenizer, obs[i])
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > max_prompt_length:
-                if truncation == "error":
-                    raise ValueError(
-                        f"max_prompt_length: the prompt of episode {i} turn {turn} has {len(ids)} tokens "
-                        f"(> {max_prompt_length}) and truncation is 'error'"
-                    )
-                ids = ids[len(ids) - max_prompt_length :]
-                counts["prompt_truncated"] += 1
+            if len(ids) > max_prompt_length and truncation == "error":
+                raise ValueError(
+                    f"max_prompt_length: the prompt of episode {i} turn {turn} has {len(ids)} tokens "
+                    f"(> {max_prompt_length}) and truncation is 'error'"
+                )
+            ids, cut = truncate_left(ids, max_prompt_length)
+            counts["prompt_truncated"] += int(cut)
             prompt_ids.append(ids)
             prompt_texts.append(text)
         sp = replace(sampling, seed=_seed(base_seed, "generate", turn))
@@ -368,10 +337,9 @@ def collect_rollouts(
             for r in rows
         ]
         skills = [lookup(m) if lookup is not None else "" for m in metas]
-        t_ids, cut = build_teacher_prompt_ids(tokenizer, [r.prompt_ids for r in rows], skills, max_prompt_length)
-        teacher_cut = sum(cut)
-        width_t = max(len(t) for t in t_ids)
-        batch.teacher_prompt_ids, batch.teacher_prompt_mask = left_pad(t_ids, width_t, pad_id)
+        t_ids, t_mask, teacher_cut = build_teacher_prompts(tokenizer, p_ids, p_mask, skills, max_prompt_length, pad_id)
+        start = int(t_mask.any(0).nonzero().min())  # drop the columns that are padding in every row
+        batch.teacher_prompt_ids, batch.teacher_prompt_mask = t_ids[:, start:], t_mask[:, start:]
 
     # ---- metrics
     episodes = [i for i in range(n_ep) if not (failed_episodes == "drop" and failed[i])]

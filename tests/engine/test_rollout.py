@@ -8,15 +8,10 @@ import re
 import pytest
 import torch
 from alignopsd.engine.envs.manager import EnvManager
+from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
 from alignopsd.engine.envs.toy import faulty_tasks
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
-from alignopsd.engine.rollout import (
-    SKILL_HEADER,
-    RolloutWorker,
-    build_teacher_prompt_ids,
-    collect_rollouts,
-    default_truncation,
-)
+from alignopsd.engine.rollout import RolloutWorker, collect_rollouts, default_truncation, truncate_left
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +163,9 @@ def test_bad_inputs_truncation_budget_and_empty_response(tok):
         collect_rollouts(env, gen, tok, [], group_n=2)
 
 
-def test_teacher_prompt_builder_left_truncates(tok):
-    student = tok("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    ids = student["input_ids"]
-    out, cut = build_teacher_prompt_ids(tok, [ids, ids], ["SKILL TEXT", "x" * 2000], 40)
-    assert not cut[0] and cut[1]
-    assert tok.decode(out[0], skip_special_tokens=False).startswith(SKILL_HEADER + "SKILL TEXT\n\n<|im_start|>user")
-    assert len(out[1]) == 40 and out[1][-len(ids) :] == ids  # the student prompt (the tail) survives
-    with pytest.raises(ValueError, match="skill_texts"):
-        build_teacher_prompt_ids(tok, [ids], [], 40)
+def test_truncate_left():
+    assert truncate_left([1, 2, 3, 4], 2) == ([3, 4], True)
+    assert truncate_left([1, 2], 2) == ([1, 2], False)
 
 
 @pytest.mark.parametrize("policy", ["keep", "drop"])
@@ -259,7 +248,7 @@ def test_alfworld_tiny_model_hf_backend(tok):
 
     model = load_causal_lm("tiny")
     gen = HFGenerator(model, tok)
-    with EnvManager("alfworld", num_workers=1, step_timeout=120.0) as env:
+    with EnvManager("alfworld", num_workers=0) as env:
         tasks = env.task_source("train", n=1, seed=0)
         b = collect_rollouts(
             env, gen, tok, tasks, group_n=2, sampling=SamplingParams(max_new_tokens=8, stop=("</action>",)),
@@ -267,4 +256,7 @@ def test_alfworld_tiny_model_hf_backend(tok):
         )  # fmt: skip
     _check_turn_batch(b, 2)
     assert b.size == 2 * 3  # random actions never finish a game in 3 turns
+    tp = tok.decode(b.teacher_prompt_ids[0][b.teacher_prompt_mask[0].bool()].tolist(), skip_special_tokens=False)
+    assert tp.startswith(SKILL_HEADER) and len(tp) > len(SKILL_HEADER) + 100  # the ALFWorld skill bank's text
+    assert tp.endswith(b.prompt_text[0])
     assert not bool(b.action_valid.any())
