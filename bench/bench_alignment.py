@@ -29,6 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 PAPER = dict(tasks=16, rollouts=8, turns=50, L=512)
@@ -215,6 +216,15 @@ def format_table(r: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ pytest-benchmark
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Same setting as the command line default (see ``run_mechanism2_case``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def test_mechanism2_ours(benchmark):
