@@ -670,3 +670,61 @@ def test_sorted_equal_task_blocks_fast_path_matches_reference_and_gather_path():
     cp = allocate_credit(**pb, config=cfg)
     assert torch.equal(c.token_advantage[perm], cp.token_advantage)
     assert torch.equal(c.segment_index[perm], cp.segment_index)
+
+
+def test_metric_values_against_direct_recomputation():
+    g = torch.Generator().manual_seed(5)
+    b = make_batch([6, 5, 7, 4], L=6, tasks=[0, 0, 1, 1], outcome=T([1.0] * 6 + [0.0] * 5 + [0.0] * 7 + [2.0] * 4))
+    b["H"] = (torch.rand(22, 22, generator=g) * 0.5 + 0.5) * (b["task"][:, None] == b["task"][None, :])
+    b["mask"] = torch.rand(22, 6, generator=g) < 0.6
+    b["mask"][:, 0] = True
+    invalid = torch.rand(22, generator=g) < 0.3
+    cfg = CreditConfig(gamma=0.8, min_span_turns=2, max_span_turns=3, density_upper_bound=1.3)
+    c = allocate_credit(**b, config=cfg, invalid=invalid)
+    m = c.metrics
+    n_u = b["mask"].sum(1).double()
+    assert m["m2/profile_valid_rate"] == pytest.approx(float(c.profile_valid.double().mean()))
+    assert m["m2/adjacent_pair_count"] == 22 - 4
+    assert m["m2/valid_jsd_sample_count"] == float(c.boundary_valid.sum())
+    assert m["m2/valid_jsd_pair_rate"] == pytest.approx(float(c.boundary_valid.sum()) / 18)
+    d = c.boundary_distance[c.boundary_valid].double()
+    assert m["m2/normalized_jsd_mean"] == pytest.approx(float(d.mean()))
+    assert m["m2/normalized_jsd_max"] == pytest.approx(float(d.max()))
+    assert m["m2/normalized_jsd_p80"] == pytest.approx(float(torch.quantile(d, 0.8)))
+    tau = c.threshold
+    assert m["m2/segmentation_threshold"] == pytest.approx(tau)
+    assert m["m2/raw_semantic_candidate_count"] == float(
+        (c.boundary_valid & (c.boundary_distance.double() > tau)).sum()
+    )
+    kinds = c.boundary_kind
+    assert m["m2/semantic_boundary_count"] == float((kinds == 1).sum())
+    assert m["m2/correspondence_guided_fallback_boundary_count"] == float((kinds == 2).sum())
+    assert m["m2/forced_max_boundary_count"] == float((kinds == 3).sum())
+    seg_len = torch.bincount(c.segment_index).double()
+    assert m["m2/segment_count"] == float(seg_len.numel())
+    assert m["m2/segment_length_mean"] == pytest.approx(float(seg_len.mean()))
+    assert m["m2/segment_length_max"] == float(seg_len.max()) and m["m2/segment_length_min"] == float(seg_len.min())
+    assert float(seg_len.max()) <= 3
+    h, x = c.raw_density.double(), c.density.double()
+    assert m["m2/raw_density_over_cap_rate"] == pytest.approx(float((h > 1.3).double().mean()))
+    key = b["task"] * 100 + b["rollout"]
+    left = [bool(((h[key == k] > 1.3) | (h[key == k] < 0)).any()) for k in key.unique()]
+    assert m["m2/projection_activation_rate"] == pytest.approx(sum(left) / 4)
+    assert m["m2/projection_mean_absolute_change"] == pytest.approx(float((x - h).abs().mean()), abs=1e-6)
+    assert m["m2/credit_conservation_error_max"] < 1e-9 and m["m2/mixed_credit_conservation_error_max"] < 1e-9
+    w = c.turn_weight.double()
+    assert m["m2/turn_weight_mean"] == pytest.approx(float(w.mean()))
+    assert m["m2/turn_weight_p95"] == pytest.approx(float(torch.quantile(w, 0.95)), abs=1e-6)
+    assert m["m2/turn_weight_corr_num_tokens"] == pytest.approx(
+        float(torch.corrcoef(torch.stack([w, n_u]))[0, 1]), abs=1e-6
+    )
+    assert m["m2/turn_weight_corr_score"] == pytest.approx(
+        float(torch.corrcoef(torch.stack([w, c.score.double()]))[0, 1]), abs=1e-5
+    )
+    assert m["m2/positive_outcome_alignment_rate"] == pytest.approx(float((c.score > 0).double().mean()))
+    a_traj = torch.stack([c.advantage[key == k][0] for k in key.unique()]).double()
+    assert m["m2/trajectory_advantage_abs_mean"] == pytest.approx(float(a_traj.abs().mean()), abs=1e-6)
+    assert m["m2/invalid_residual_abs_mean"] == pytest.approx(float(c.residual.double().abs().mean()), abs=1e-6)
+    assert m["episode/valid_action_ratio"] == pytest.approx(float((~invalid).double().mean()))
+    assert m["episode/outcome_perfect_rate"] == pytest.approx(0.5) and m["episode/outcome_positive_rate"] == 0.5
+    assert m["episode/trajectory_length_mean"] == pytest.approx(5.5)
