@@ -154,8 +154,10 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         **cfg.env.options,
     )
     seed = cfg.trainer.seed
-    train_tasks = env.task_source(cfg.env.split, n=cfg.env.num_games, seed=seed)
-    val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed)
+    pool = {"pool_size": cfg.env.num_games} if (cfg.env.name == "alfworld" and not cfg.env.data_dir) else {}
+    train_tasks = env.task_source(cfg.env.split, n=cfg.env.num_games, seed=seed, **pool)
+    val_pool = {"pool_size": cfg.env.val_tasks} if pool else {}
+    val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed, **val_pool)
     rescorer = Rescorer(
         policy.model,
         mode=cfg.trainer.rescoring_mode,
@@ -702,6 +704,12 @@ def ppo_update(
                     with_entropy=ls.entropy_coef > 0, grad=True,
                 )  # fmt: skip
                 logp = logp.float().cpu() if logp.device.type != "cpu" else logp.float()
+                if not bool(torch.isfinite(logp[mk.bool()]).all()):
+                    # NaN gradients make the optimiser step skip (on every rank, through the all-reduce)
+                    log.warning("non-finite log-probs in mini-batch %d: the optimiser step will be skipped", i)
+                    out["update/nonfinite_loss"] = out.get("update/nonfinite_loss", 0.0) + 1.0
+                    (logp.sum() * float("nan")).backward()
+                    continue
                 wt = w if float(w.sum()) > 0 else torch.ones_like(w)  # token_mean needs a positive denominator
                 pg, st = ppo_loss(logp, old_logp[ix], adv_ML[ix], mk, clip_low=ls.clip_low,
                                   clip_high=ls.clip_high, dual_clip=ls.dual_clip, row_weight=wt)  # fmt: skip

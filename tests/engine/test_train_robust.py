@@ -1,0 +1,144 @@
+"""Robustness of the step: non-finite updates are skipped, zero-advantage steps are skipped cheaply,
+failing environments and malformed outputs are counted and never abort a step; data position and seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from alignopsd.engine.batch import TurnBatch
+from alignopsd.engine.config import load_config
+from alignopsd.engine.step import ppo_update, tasks_for_step
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.policy.hf import HFPolicy
+
+    return HFPolicy(build_tiny_model(), lr=1e-3, weight_decay=0.0)
+
+
+def _batch(m=6, lp=5, lr=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TurnBatch(
+        task=torch.tensor([0, 0, 0, 1, 1, 1])[:m],
+        rollout=torch.tensor([0, 1, 2, 0, 1, 2])[:m],
+        turn=torch.zeros(m, dtype=torch.long),
+        prompt_ids=torch.randint(3, 1000, (m, lp), generator=g),
+        prompt_mask=torch.ones(m, lp, dtype=torch.long),
+        response_ids=torch.randint(3, 1000, (m, lr), generator=g),
+        response_mask=torch.ones(m, lr, dtype=torch.long),
+        outcome=torch.zeros(m),
+        action_valid=torch.ones(m, dtype=torch.bool),
+    )
+
+
+def _parts(policy, **over):
+    cfg = load_config(TINY, [f"{k}={v}" for k, v in over.items()])
+    return SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=1)
+
+
+def _old_logp(policy, cb):
+    return policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0]
+
+
+def test_zero_advantage_skips_without_forward(tiny_policy, monkeypatch):
+    cb = _batch()
+    calls = []
+    monkeypatch.setattr(tiny_policy, "response_logprobs", lambda *a, **k: calls.append(1))
+    out = ppo_update(_parts(tiny_policy), cb, torch.zeros(6, 4), None, torch.full((6, 4), 1e-9), torch.ones(6), [])
+    assert out["update/skipped"] == 1.0 and out["update/zero_advantage"] == 1.0 and not calls
+
+
+def test_nonfinite_loss_skips_update_weights_unchanged(tiny_policy, monkeypatch, caplog):
+    cb = _batch()
+    old = _old_logp(tiny_policy, cb)
+    before = {k: v.clone() for k, v in tiny_policy.model.state_dict().items()}
+    orig = tiny_policy.response_logprobs
+
+    def poisoned(*a, **k):
+        lp, ent = orig(*a, **k)
+        return lp * float("nan"), ent
+
+    monkeypatch.setattr(tiny_policy, "response_logprobs", poisoned)
+    adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    out = ppo_update(_parts(tiny_policy), cb, old, None, adv, torch.ones(6), [])
+    assert out["update/skipped"] == 1.0 and out["update/nonfinite_loss"] >= 1
+    after = tiny_policy.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "non-finite" in caplog.text
+
+
+def test_update_moves_weights_and_global_token_mean(tiny_policy):
+    """Splitting into micro-batches does not change the gradient (exact global token-mean, §3.12)."""
+    from alignopsd.losses import ppo_loss
+
+    cb = _batch()
+    cb.response_mask[0, 2:] = 0  # ragged rows: micro-batches hold different token counts
+    cb.response_mask[4, 1:] = 0
+    old = _old_logp(tiny_policy, cb)
+    adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)) * cb.response_mask
+    params = [p for p in tiny_policy.model.parameters() if p.requires_grad]
+    # reference gradient of the whole batch in one piece
+    tiny_policy.zero_grad()
+    lp, _ = tiny_policy.response_logprobs(cb.input_ids(), cb.attention_mask(), 4, grad=True)
+    loss, _ = ppo_loss(lp, old, adv, cb.response_mask)
+    loss.backward()
+    ref = [p.grad.clone() for p in params]
+    tiny_policy.zero_grad()
+    captured = {}
+    orig_step = tiny_policy.optimizer_step
+
+    def capture(max_norm):
+        captured["g"] = [p.grad.clone() for p in params]
+        tiny_policy.zero_grad()
+        return {"grad_norm": 1.0, "skipped": False, "lr": 0.0}
+
+    tiny_policy.optimizer_step = capture
+    try:
+        parts = _parts(tiny_policy, **{"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0})
+        out = ppo_update(parts, cb, old, None, adv, torch.ones(6), [])
+    finally:
+        tiny_policy.optimizer_step = orig_step
+    assert out["update/optimizer_steps"] == 1
+    for a, b in zip(ref, captured["g"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
+    """A raising environment and the random model's malformed responses: counted, the step completes."""
+    from alignopsd.engine.envs.toy import faulty_tasks
+    from alignopsd.engine.step import run_step
+    from alignopsd.engine.train import Trainer
+
+    ov = ["env.name=codeword_faulty", "algorithm.estimator=grpo", "algorithm.kl_coef=0.0", "env.max_turns=2",
+          "generation.max_response_length=8", f"output_dir={tmp_path}"]  # fmt: skip
+    cfg = load_config(TINY, ov)
+    tr = Trainer(cfg)
+    tr.parts.train_tasks = faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1)
+    out = run_step(tr.parts, 0)
+    m = out.metrics
+    assert m["env/failed_episodes"] == 4  # the 4 siblings of the raising task
+    assert m["episode/valid_action_rate"] == 0.0 and m["env/invalid_actions"] > 0  # malformed responses
+    assert m["update/skipped"] == 1.0  # no learnable signal: skipped, not fatal
+    tr.parts.close()
+
+
+def test_tasks_for_step_is_deterministic_and_split_by_rank():
+    tasks = list(range(10))
+    a = [tasks_for_step(tasks, s, 4, seed=3) for s in range(5)]
+    assert a == [tasks_for_step(tasks, s, 4, seed=3) for s in range(5)]
+    flat = [t for s in a for t in s]
+    assert sorted(flat[:10]) == tasks  # one epoch covers every task once
+    assert (
+        tasks_for_step(tasks, 2, 4, 3, rank=0, world_size=2) + tasks_for_step(tasks, 2, 4, 3, rank=1, world_size=2)
+        == a[2]
+    )
+    with pytest.raises(ValueError, match="tasks"):
+        tasks_for_step([], 0, 4, 0)
