@@ -1,0 +1,304 @@
+"""GPU check of every Triton kernel: correctness against its reference, then a timing table against torch.
+
+Run through ``bench/gpu_check.sh`` on a CUDA machine (no installs; the image's torch and triton).
+``--dry-run`` runs the same code path on CPU under the Triton interpreter with tiny shapes (this is
+how it is tested without a GPU); timings are then wall-clock and meaningless.
+
+Checks (GPU shapes; dry-run shapes in brackets):
+- logprob, bf16 and fp32, forward + entropy and gradients (hidden, weight): three-way tolerance
+  (kernel error vs the fp32 reference <= 2 x plain torch's error in the same dtype + atol).
+  Qwen2.5-7B head H=3584, V=152064, N=4096 and SmolLM2 head H=576, V=49152, N=8192 [N=37, H=72, V=1031].
+- sibling_topk, fp32 and bf16 embeddings, 16 tasks x 8 rollouts x 50 turns, D=1024 [2 x 3 x 5, D=33]:
+  H against the fp32 torch path (three-way), selections equal to the core's select_sources on the
+  kernel's H (exact), profiles against correspondence_profiles, validity equal.
+- boundary_scores (jsd, entropy, cosine) on those profiles: Triton against the torch path and the core.
+Timing: ``triton.testing.do_bench`` medians (ms) of ours vs plain torch; for log-prob also the FLOP
+floor (2 N H V per matmul; forward 1 matmul, backward 3 in ours, 2 minimum) and the byte floor
+(weights + hidden read once), with the achieved fraction of the device peak (``--peak-tflops``,
+``--peak-gbps``; defaults for known GPUs). Also a small sweep of the log-prob block sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+
+def _setup_imports(dry_run: bool) -> None:
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
+    try:
+        import alignopsd.kernels  # noqa: F401
+    except ImportError:
+        # not installed: map the source folders (kernels/ -> alignopsd.kernels) by hand
+        import importlib.util
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, root)
+        import alignopsd
+
+        spec = importlib.util.spec_from_file_location(
+            "alignopsd.kernels", os.path.join(root, "kernels", "__init__.py"),
+            submodule_search_locations=[os.path.join(root, "kernels")],
+        )  # fmt: skip
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["alignopsd.kernels"] = mod
+        spec.loader.exec_module(mod)
+        alignopsd.kernels = mod
+
+
+PEAKS = {  # dense bf16 TFLOP/s, HBM GB/s (vendor figures)
+    "h200": (989.0, 4800.0),
+    "h100": (989.0, 3350.0),
+    "a100": (312.0, 2039.0),
+    "l40s": (362.0, 864.0),
+}
+
+RESULTS: list[tuple[str, bool, str]] = []
+TIMING = True
+TIMES: list[tuple[str, float, float, str]] = []
+
+
+def record(name: str, ok: bool, detail: str) -> None:
+    RESULTS.append((name, ok, detail))
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def three_way(ours, plain, ref, atol: float) -> tuple[bool, str]:
+    e_o = float((ours.detach().float() - ref.detach().float()).abs().max())
+    e_p = float((plain.detach().float() - ref.detach().float()).abs().max())
+    return e_o <= 2 * e_p + atol, f"err {e_o:.2e} vs plain {e_p:.2e} (+{atol:.0e})"
+
+
+def bench_ms(fn, device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median"))
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[1]
+
+
+# ----------------------------------------------------------------------------------------------
+def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
+    import torch
+    from alignopsd.kernels import logprob, logprob_ref
+
+    lp_mod = sys.modules["alignopsd.kernels.logprob"]
+    shapes = [("qwen7b", 4096, 3584, 152064), ("smollm2", 8192, 576, 49152)] if not dry else [("tiny", 37, 72, 1031)]
+    for name, N, H, V in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            if dtype == torch.float32 and name == "qwen7b":
+                N_ = N // 4  # the fp32 reference's [N, V] logits and grads must fit too
+            else:
+                N_ = N
+            g = torch.Generator(device=device).manual_seed(0)
+            h = torch.randn(N_, H, device=device, generator=g).to(dtype)
+            w = (torch.randn(V, H, device=device, generator=g) / math.sqrt(H)).to(dtype)
+            t = torch.randint(0, V, (N_,), device=device, generator=g)
+            tag = f"logprob {name} N={N_} {str(dtype).split('.')[-1]}"
+            h.requires_grad_()
+            w.requires_grad_()
+            lp, ent = logprob(h, w, t, with_entropy=True, impl="triton")
+            z = h @ w.T
+            ls = torch.log_softmax(z, -1)
+            plain_lp = ls.gather(-1, t[:, None]).squeeze(-1)
+            plain_ent = -(ls.exp() * ls).sum(-1)
+            h32 = h.detach().float().requires_grad_()
+            w32 = w.detach().float().requires_grad_()
+            ref_lp, ref_ent = logprob_ref(h32, w32, t, with_entropy=True)
+            atol = 1e-5 if dtype == torch.float32 else 1e-3
+            ok1, d1 = three_way(lp, plain_lp, ref_lp, atol)
+            ok2, d2 = three_way(ent, plain_ent, ref_ent, atol)
+            record(f"{tag} forward", ok1 and ok2, f"logp {d1}; entropy {d2}")
+            gl = torch.randn(N_, device=device, generator=g)
+            ge = torch.randn(N_, device=device, generator=g)
+            ours = torch.autograd.grad((lp * gl).sum() + (ent * ge).sum(), [h, w])
+            plain = torch.autograd.grad((plain_lp.float() * gl).sum() + (plain_ent.float() * ge).sum(), [h, w])
+            ref = torch.autograd.grad((ref_lp * gl).sum() + (ref_ent * ge).sum(), [h32, w32])
+            for gname, o, p, r in zip(("d_hidden", "d_weight"), ours, plain, ref):
+                scale = float(r.abs().max())
+                ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
+                record(f"{tag} {gname}", ok, d)
+            del z, ls, plain_lp, plain_ent, ref_lp, ref_ent, ours, plain, ref, h32, w32, lp, ent
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+            if TIMING:
+                _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod)
+            del h, w
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
+    import torch
+    from alignopsd.kernels import logprob
+
+    N_, H = h.shape
+    V = w.shape[0]
+    # timing (no grad forward; forward + backward)
+    hd, wd = h.detach(), w.detach()
+
+    def ours_fwd():
+        with torch.no_grad():
+            return logprob(hd, wd, t, impl="triton")
+
+    def base_fwd():
+        with torch.no_grad():
+            return torch.log_softmax(hd @ wd.T, -1).gather(-1, t[:, None])
+
+    def ours_fb():
+        h.grad = w.grad = None
+        logprob(h, w, t, impl="triton").sum().backward()
+
+    def base_fb():
+        h.grad = w.grad = None
+        torch.log_softmax(h @ w.T, -1).gather(-1, t[:, None]).sum().backward()
+
+    flops = 2.0 * N_ * H * V
+    esize = h.element_size()
+    bytes_ = (V * H + N_ * H) * esize
+    for mode, fo, fb, nmm in (("fwd", ours_fwd, base_fwd, 1), ("fwd+bwd", ours_fb, base_fb, 4)):
+        to, tb = bench_ms(fo, device), bench_ms(fb, device)
+        fl = nmm * flops
+        min_fl = (1 if mode == "fwd" else 3) * flops
+        floor = max(min_fl / (peak[0] * 1e12), bytes_ * (1 if mode == "fwd" else 3) / (peak[1] * 1e9)) * 1e3
+        TIMES.append(
+            (
+                f"{tag} {mode}",
+                to,
+                tb,
+                f"{fl / to / 1e9:.0f} TFLOP/s achieved ({nmm} matmuls), floor {floor:.3f} ms "
+                f"({min_fl / 1e12:.2f} TFLOP min, {bytes_ / 2**20:.0f} MiB read once)",
+            )
+        )
+    if dtype == torch.bfloat16 and not dry:  # block-size sweep of the forward kernel
+        best = None
+        for blocks in ((64, 128, 64), (128, 128, 64), (64, 256, 64), (128, 64, 64), (64, 128, 128)):
+            try:
+                ms = bench_ms(lambda b=blocks: lp_mod._triton_partials(hd, wd, None, t, 1.0, 0, b), device)
+            except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory)
+                print(f"  sweep {blocks}: failed ({type(exc).__name__})")
+                continue
+            print(f"  sweep fwd BLOCK_N/V/H={blocks}: {ms:.3f} ms")
+            best = min(best or (ms, blocks), (ms, blocks))
+        if best:
+            print(f"  best forward blocks for {tag}: {best[1]} ({best[0]:.3f} ms)")
+
+
+def check_alignment(device: str, dry: bool) -> None:
+    import torch
+    from alignopsd.kernels import DISTANCES, boundary_scores, boundary_scores_blocks, sibling_topk
+
+    import alignopsd
+
+    tasks, rollouts, turns, D = (16, 8, 50, 1024) if not dry else (2, 3, 5, 33)
+    g = torch.Generator().manual_seed(0)
+    M = tasks * rollouts * turns
+    task = torch.arange(tasks).repeat_interleave(rollouts * turns)
+    roll = torch.arange(rollouts).repeat_interleave(turns).repeat(tasks)
+    turn = torch.arange(turns).repeat(tasks * rollouts)
+    proto = torch.nn.functional.normalize(torch.randn(tasks, 8, D, generator=g), dim=-1)
+    phase = torch.randint(0, 8, (M,), generator=g)
+    te = torch.nn.functional.normalize(proto[task, phase] + 0.5 * torch.randn(M, D, generator=g) / D**0.5, dim=-1)
+    st = torch.nn.functional.normalize(proto[task, phase] + 0.5 * torch.randn(M, D, generator=g) / D**0.5, dim=-1)
+    sv = torch.rand(M, generator=g) > 0.03
+    tv = torch.rand(M, generator=g) > 0.03
+    perm = torch.randperm(M, generator=g)
+    te, st, task, roll, turn, sv, tv = (x[perm].to(device) for x in (te, st, task, roll, turn, sv, tv))
+    kw = dict(gamma=0.7, top_k=3, profile_temperature=0.1)
+    for dtype in (torch.float32, torch.bfloat16):
+        tag = f"sibling_topk M={M} D={D} {str(dtype).split('.')[-1]}"
+        tq, sq = te.to(dtype), st.to(dtype)
+        out = sibling_topk(tq, sq, task, roll, turn, sv, tv, impl="triton", **kw)
+        ref = sibling_topk(tq.float(), sq.float(), task, roll, turn, sv, tv, impl="torch", **kw)
+        plain = (tq @ sq.T).float().clamp(-1, 1) * (task[:, None] == task[None, :]) * (sv[:, None] & tv[None, :])
+        ok, d = three_way(out.H, plain, ref.H, 1e-6)
+        record(f"{tag} H", ok, d)
+        record(f"{tag} eligibility", bool(torch.equal(out.eligible, ref.eligible)), "exact")
+        sel = alignopsd.select_sources(out.H, out.eligible, task, roll, turn, gamma=0.7, top_k=3)
+        record(f"{tag} selection == select_sources", out.selected_lists() == sel, f"{sum(map(len, sel))} pairs")
+        P, valid = alignopsd.correspondence_profiles(out.H, out.eligible, gamma=0.7, temperature=0.1)
+        err = float((out.P - P).abs().max())
+        record(f"{tag} profiles", err <= 1e-5 and bool(torch.equal(valid, out.profile_valid)), f"max err {err:.1e}")
+        for dist in DISTANCES:
+            d_t, bv_t = boundary_scores(
+                out.P, out.profile_valid, out.eligible, task, roll, turn, distance=dist, impl="triton"
+            )
+            d_c, bv_c = alignopsd.boundary_scores(
+                out.P, out.profile_valid, out.eligible, task, roll, turn, distance=dist
+            )
+            err = float((d_t - d_c).abs().max())
+            record(f"{tag} boundary {dist}", err <= 1e-5 and bool(torch.equal(bv_t, bv_c)), f"max err {err:.1e}")
+        if dtype == torch.float32 and TIMING:
+
+            def ours():
+                r = sibling_topk(te, st, task, roll, turn, sv, tv, impl="triton", **kw)
+                return boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks, impl="triton")
+
+            def base():
+                r = sibling_topk(te, st, task, roll, turn, sv, tv, impl="torch", **kw)
+                return boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks, impl="torch")
+
+            def core():
+                from alignopsd.rectify import similarity_matrix
+
+                H = similarity_matrix(te, st, task)
+                E = alignopsd.eligibility(task, roll, sv, tv)
+                alignopsd.select_sources(H, E, task, roll, turn, gamma=0.7, top_k=3)
+                P, v = alignopsd.correspondence_profiles(H, E, gamma=0.7)
+                return alignopsd.boundary_scores(P, v, E, task, roll, turn)
+
+            to, tb, tc = bench_ms(ours, device), bench_ms(base, device), bench_ms(core, device)
+            TIMES.append((f"alignment M={M} D={D} (triton vs torch path)", to, tb, ""))
+            TIMES.append((f"alignment M={M} D={D} (triton vs core dense)", to, tc, ""))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Check every Triton kernel on a GPU and time it against torch.")
+    ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes (no GPU needed)")
+    ap.add_argument("--skip-timing", action="store_true", help="correctness checks only")
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--peak-gbps", type=float, default=None)
+    args = ap.parse_args(argv)
+    _setup_imports(args.dry_run)
+    global TIMING
+    TIMING = not args.skip_timing
+    RESULTS.clear()
+    TIMES.clear()
+    import torch
+    import triton
+
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU interpreter check", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    key = next((k for k in PEAKS if k in name.lower()), None)
+    peak = PEAKS.get(key, (100.0, 1000.0))
+    peak = (args.peak_tflops or peak[0], args.peak_gbps or peak[1])
+    print(f"# GPU check: {name}; torch {torch.__version__}, triton {triton.__version__}")
+    print(f"peak assumed: {peak[0]:.0f} TFLOP/s, {peak[1]:.0f} GB/s\n", flush=True)
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    check_logprob(device, args.dry_run, peak)
+    check_alignment(device, args.dry_run)
+    print("\n| check | time ours (ms) | time torch (ms) | speedup | notes |\n|---|---:|---:|---:|---|")
+    for label, to, tb, note in TIMES:
+        print(f"| {label} | {to:.3f} | {tb:.3f} | {tb / to:.2f}x | {note} |")
+    failed = [r for r in RESULTS if not r[1]]
+    print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed in {time.perf_counter() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
