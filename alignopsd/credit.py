@@ -292,34 +292,35 @@ def _rowdot(a_KN: Tensor, b_KN: Tensor) -> Tensor:
     return (a_KN * b_KN).sum(-1)
 
 
-def _profiles(
-    H_BNS: Tensor, E_BNS: Tensor, gamma: float, temperature: float, has_BN: Tensor | None = None
+def _masked_logits(
+    H_BNS: Tensor, E_BNS: Tensor, gamma: float, has_BN: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Batched correspondence profiles over blocks: P_BNS [b, target, source], valid_BN, negent_BN.
+    """Target-major masked similarities X_BNS (ineligible cells = -1e30), has_BN, valid_BN.
 
-    Inputs are target-major: H_BNS[b, t, s] = H[s, t] (float32, any strides), E_BNS contiguous bool;
-    ``has_BN`` (some eligible source) may be passed when already known.
-    P[t, s] = softmax over eligible s of H[s, t] / T_p (0 elsewhere; an all-zero row without eligible
-    source); valid[t] = some eligible source and max eligible H[s, t] >= gamma (float32 comparison);
-    negent[t] = sum_s P log P (0 for a row without eligible source). Ineligible cells are set to -1e30
-    before the division (finite for T_p >= 1e-6), so their probability is exactly 0 and no NaN appears;
-    the fused softmax kernels are used because a plain exp of such arguments is slow on CPU.
-    A NaN/inf at an eligible cell makes its row's negent non-finite: ValueError naming ``H``.
+    Inputs: H_BNS[b, t, s] = H[s, t] (float32, any strides), E_BNS contiguous bool, ``has_BN`` (some
+    eligible source) when already known. valid[t] = some eligible source and max eligible H[s, t] >=
+    gamma (float32 comparison, like Mechanism 1's selection H >= gamma). A NaN/inf at an eligible cell
+    raises ValueError naming ``H`` (tested on the row sums: the -1e30 fills stay finite).
     """
     X = torch.empty(H_BNS.shape, dtype=torch.float32, device=H_BNS.device)
     torch.where(E_BNS, H_BNS, torch.tensor(_MASKED_H, dtype=torch.float32, device=X.device), out=X)
-    has = E_BNS.any(-1) if has_BN is None else has_BN
-    hmax = X.amax(-1)
-    valid = has & (hmax >= gamma)  # torch semantics, like Mechanism 1's selection H >= gamma
-    X.div_(temperature)
-    P = torch.softmax(X, dim=-1)
-    negent = _rowdot(P, torch.log_softmax(X, dim=-1))
-    if not bool(torch.isfinite(negent).all()):
+    if not bool(torch.isfinite(X.sum(-1)).all()):
         raise ValueError("H: contains NaN or inf at eligible cells")
-    if not bool(has.all()):
-        P[~has] = 0.0
-        negent = negent.masked_fill(~has, 0.0)
-    return P, valid, negent
+    has = E_BNS.any(-1) if has_BN is None else has_BN
+    valid = has & (X.amax(-1) >= gamma)
+    return X, has, valid
+
+
+def _softmax_rows(X_KN: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """Profiles P = softmax(X / T_p) and negent = sum P log P of masked logit rows (X is divided in place).
+
+    The -1e30 fills (finite for T_p >= 1e-6) get probability exactly 0 and no NaN appears; the fused
+    softmax kernels are used because a plain exp of such arguments is slow on CPU. A row without any
+    eligible source comes out uniform: callers zero or skip it.
+    """
+    X_KN.div_(temperature)
+    P = torch.softmax(X_KN, dim=-1)
+    return P, _rowdot(P, torch.log_softmax(X_KN, dim=-1))
 
 
 def _neg_entropy(P_KN: Tensor) -> Tensor:
@@ -383,10 +384,10 @@ def correspondence_profiles(
     m = int(Hf.shape[0])
     Hf = _square(Hf, "H", m, floating=True)
     E = _square(eligible, "eligible", m, floating=False).to(Hf.device)
-    if not bool(torch.isfinite(Hf[E]).all()):
-        raise ValueError("H: contains NaN or inf at eligible cells")
-    P, valid, _ = _profiles(Hf.t()[None], E.t().contiguous()[None], gamma, temperature)
-    return P[0], valid[0]
+    X, has, valid = _masked_logits(Hf.t()[None], E.t().contiguous()[None], gamma)
+    P, _ = _softmax_rows(X[0], temperature)
+    P[~has[0]] = 0.0
+    return P, valid[0]
 
 
 def _adjacent_pairs(index: TurnIndex) -> tuple[Tensor, Tensor]:
@@ -958,25 +959,28 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     rows = g * nmax
     words_R = _packed_rows(E_GNS.view(rows, nmax))
     has_R = (words_R != 0).any(-1)
-    P_GNS, valid_GN, negent_GN = _profiles(
-        H_GSN.transpose(1, 2), E_GNS, cfg.gamma, cfg.profile_temperature, has_R.view(g, nmax)
-    )
+    X_GNS, _, valid_GN = _masked_logits(H_GSN.transpose(1, 2), E_GNS, cfg.gamma, has_R.view(g, nmax))
     row_s = index.task_M * nmax + local  # row of each turn (identity order) in the flattened [G*N, N] blocks
-    P_RN = P_GNS.reshape(rows, nmax)
     valid_R = valid_GN.reshape(rows)
-    negent_R = negent_GN.reshape(rows)
     valid_s = valid_R[row_s]
+    # profiles only of valid rows (the only ones distances and diagnostics read), compacted in row order
+    all_valid = bool(valid_R.all())
+    vrows = None if all_valid else torch.nonzero(valid_R).flatten()
+    X_VN = X_GNS.view(rows, nmax) if all_valid else X_GNS.view(rows, nmax).index_select(0, vrows)
+    P_VN, negent_V = _softmax_rows(X_VN, cfg.profile_temperature)
 
-    # consecutive turns of a trajectory sit in consecutive rows: work on all adjacent row pairs (r-1, r)
+    # consecutive turns of a trajectory sit in consecutive rows; two consecutive VALID rows are also
+    # consecutive in the compacted matrix: score all compacted neighbours, keep the true pairs
     prev, cur = _adjacent_pairs(index)
-    k = row_s[cur] - 1  # adjacent-row pair index of each (prev, cur) turn pair
+    k = row_s[cur] - 1  # adjacent-row pair index (r-1, r) of each (prev, cur) turn pair
     same_R1 = (words_R[1:] == words_R[:-1]).all(-1) if rows > 1 else torch.zeros(0, dtype=torch.bool, device=dev)
     both = valid_R[k] & valid_R[k + 1]
     same_mask = same_R1[k]
     ok = both & same_mask
-    dist_R1 = _adjacent_distance(P_RN[:-1], P_RN[1:], cfg.distance, m, negent_R[:-1], negent_R[1:])
     sel = torch.nonzero(ok).flatten()
-    dist = dist_R1[k[sel]]
+    pos_R = torch.arange(rows, device=dev) if all_valid else torch.cumsum(valid_R.long(), 0) - 1
+    dist_V1 = _adjacent_distance(P_VN[:-1], P_VN[1:], cfg.distance, m, negent_V[:-1], negent_V[1:])
+    dist = dist_V1[pos_R[k[sel]]]
     d_s = torch.zeros(m, dtype=torch.float32, device=dev)
     d_s[cur[sel]] = dist
     bvalid_s = torch.zeros(m, dtype=torch.bool, device=dev)
@@ -985,15 +989,13 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
 
     # diagnostics of profiles and distances
     mx.rate("m2/profile_valid_rate", valid_s)
-    nvalid = int(valid_s.sum())
-    if nvalid:
-        vf = valid_R.double()
-        ent = -negent_R.double()
-        top1, top3 = _top1_top3(P_RN)
-        mx.put("m2/profile_entropy_mean", (ent * vf).sum() / nvalid)
-        mx.put("m2/profile_max_prob_mean", (top1.double() * vf).sum() / nvalid)
-        mx.put("m2/profile_top3_mass_mean", (top3.double() * vf).sum() / nvalid)
-        mx.put("m2/profile_effective_support_mean", (torch.exp(ent) * vf).sum() / nvalid)
+    if P_VN.shape[0]:
+        ent = -negent_V.double()
+        top1, top3 = _top1_top3(P_VN)
+        mx.put("m2/profile_entropy_mean", ent.mean())
+        mx.put("m2/profile_max_prob_mean", top1.double().mean())
+        mx.put("m2/profile_top3_mass_mean", top3.double().mean())
+        mx.put("m2/profile_effective_support_mean", torch.exp(ent).mean())
     else:
         for key in ("entropy", "max_prob", "top3_mass", "effective_support"):
             mx.put(f"m2/profile_{key}_mean", 0.0)
