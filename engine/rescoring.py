@@ -373,8 +373,8 @@ class Rescorer:
     model: the Hugging Face causal LM (the policy's weights; a ``HFPolicy``'s ``.model``). temperature: the
     rollout temperature (log-probs under logits / temperature). max_tokens: context tokens per forward.
     reuse_rollout_logp: take the student old log-probs from ``batch.rollout_logp`` (engine log-probs) instead
-    of a forward; only correct when the engine is the trainer's own model (see
-    ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
+    of a forward (then no student entropy is returned); only correct when the engine is the trainer's own model
+    (see ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
     """
 
     def __init__(
@@ -465,7 +465,8 @@ class Rescorer:
         stats: dict = {"mode": self.mode}
         old = ent = None
         if student:
-            reuse = self.reuse_rollout_logp and batch.rollout_logp is not None and not with_entropy
+            # reuse skips the forward, so no entropy is available then (``entropy`` stays None)
+            reuse = self.reuse_rollout_logp and batch.rollout_logp is not None
             if self.reuse_rollout_logp and batch.rollout_logp is None:
                 log.warning("reuse_rollout_logp: the batch carries no rollout log-probs; computing them")
             if reuse:

@@ -235,8 +235,8 @@ def test_rollout_logp_reuse_and_mismatch(caplog):
     exact, _, _ = Rescorer(model).student_logprobs(b)
     noisy = exact + 0.01 * b.response_mask
     b.rollout_logp = noisy
-    out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False)
-    assert out.stats["student/reused"] is True
+    out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False, with_entropy=True)
+    assert out.stats["student/reused"] is True and out.entropy is None
     assert torch.equal(out.old_logp, noisy)
     assert out.stats["student/rollout_logp_abs_diff_max"] == pytest.approx(0.01, abs=1e-5)
     computed = Rescorer(model)(b, None, teacher=False)
