@@ -56,6 +56,7 @@ __all__ = [
 
 DISTANCES = ("jsd", "entropy", "cosine")
 _LN2 = math.log(2.0)
+_TINY = float(torch.finfo(torch.float32).tiny)
 _BLOCK = 128
 
 
@@ -79,21 +80,32 @@ def _adjacent(blocks: Blocks) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------------------
 # row statistics
 # --------------------------------------------------------------------------------------
-def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor) -> Tensor:
-    """[6 + 1, K]: sum p log p, sum q log q, sum m log m, <p,q>, |p|^2, |q|^2, eligibility mismatch."""
-    xlogx = torch.special.xlogy
-    m = (p_KN + q_KN) * 0.5
-    return torch.stack(
-        [
-            xlogx(p_KN, p_KN).sum(1),
-            xlogx(q_KN, q_KN).sum(1),
-            xlogx(m, m).sum(1),
-            torch.linalg.vecdot(p_KN, q_KN),
-            torch.linalg.vecdot(p_KN, p_KN),
-            torch.linalg.vecdot(q_KN, q_KN),
-            (ep_KN != eq_KN).any(1).float(),
-        ]
-    )
+def _xlogx_sum(x_KN: Tensor) -> Tensor:
+    """sum_j x log x per row, 0 log 0 = 0. Clamping at the smallest normal float keeps ``log`` off its slow
+    path for zeros and subnormals; the clamped terms are multiplied by x = 0 (or < 1.2e-38) again."""
+    return torch.linalg.vecdot(x_KN, torch.log(x_KN.clamp_min(_TINY)))
+
+
+def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor, distance: str) -> Tensor:
+    """[7, K]: sum p log p, sum q log q, sum m log m, <p,q>, |p|^2, |q|^2, eligibility mismatch.
+
+    Only the sums ``distance`` needs are computed; the others are left at 0.
+    """
+    K = p_KN.shape[0]
+    out = torch.zeros(7, K, dtype=torch.float32, device=p_KN.device)
+    if K == 0:
+        return out
+    if distance in ("jsd", "entropy"):
+        out[0] = _xlogx_sum(p_KN)
+        out[1] = _xlogx_sum(q_KN)
+    if distance == "jsd":
+        out[2] = _xlogx_sum(torch.add(p_KN, q_KN).mul_(0.5))
+    if distance == "cosine":
+        out[3] = torch.linalg.vecdot(p_KN, q_KN)
+        out[4] = torch.linalg.vecdot(p_KN, p_KN)
+        out[5] = torch.linalg.vecdot(q_KN, q_KN)
+    out[6] = (ep_KN != eq_KN).any(1).float()
+    return out
 
 
 def _pair_kernel(
@@ -205,7 +217,7 @@ def boundary_scores_blocks(
     else:
         Pf = P_BTS.reshape(-1, N).float()
         Ef = E_BTS.reshape(-1, N)
-        stats = _pair_stats_torch(Pf[rowp], Pf[rowq], Ef[rowp], Ef[rowq])
+        stats = _pair_stats_torch(Pf[rowp], Pf[rowq], Ef[rowp], Ef[rowq], distance)
     ok = profile_valid[prev] & profile_valid[cur] & (stats[6] == 0)
     d = torch.zeros(M, dtype=torch.float32, device=dev)
     bv = torch.zeros(M, dtype=torch.bool, device=dev)
