@@ -1,0 +1,94 @@
+"""The ``alignopsd`` console command and the eval / profile subcommands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alignopsd.engine import cli
+from alignopsd.engine.evaluate import format_table, table_values
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def test_help_and_unknown_command(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for cmd in cli.COMMANDS:
+        assert cmd in out
+    assert cli.main(["fly"]) == 2
+    assert "unknown command 'fly'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval", "profile"])
+def test_subcommands_reject_bad_config_keys(cmd, capsys):
+    assert cli.main([cmd, "--config", TINY, "--set", "trainer.nope=1"]) == 2
+    assert "trainer.nope: unknown key" in capsys.readouterr().err
+
+
+def test_console_script_entry_point():
+    r = subprocess.run([sys.executable, "-m", "alignopsd.engine", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "serve-retriever" in r.stdout
+
+
+def test_games_argument_errors(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["games", "webshop", "--n", "3", "--out", "x"])
+    with pytest.raises(SystemExit):
+        cli.main(["games", "alfworld", "--n", "0", "--out", "x"])
+
+
+def test_table1_layouts():
+    alf = table_values("alfworld", {"episode/success/pick": 0.5, "episode/success/heat": 1.0,
+                                    "episode/success_rate": 0.25})  # fmt: skip
+    assert list(alf) == ["Pick", "Look", "Clean", "Heat", "Cool", "Pick2", "All"]
+    assert alf["Pick"] == 50.0 and alf["Look"] is None and alf["All"] == 25.0
+    web = table_values("webshop", {"episode/task_score_mean": 0.625, "episode/success_rate": 0.5})
+    assert web == {"Score": 62.5, "Acc": 50.0}
+    srch = table_values("search", {"episode/accuracy/nq": 0.5, "episode/accuracy/hotpotqa": 0.25,
+                                   "episode/accuracy/kb_onehop": 1.0})  # fmt: skip
+    assert srch["NQ"] == 50.0 and srch["HotpotQA"] == 25.0 and srch["kb_onehop"] == 100.0
+    assert srch["Avg"] == pytest.approx((50 + 25 + 100) / 3)
+    md = format_table("alfworld", alf, row="step_000003")
+    assert md.splitlines()[0] == "| Method | Pick | Look | Clean | Heat | Cool | Pick2 | All |"
+    assert "| step_000003 | 50.0 | – |" in md
+
+
+@pytest.mark.slow
+def test_profile_and_eval_end_to_end(tmp_path, capsys):
+    """`alignopsd profile` (GRPO and AlignOPSD side by side, JSON, trace) and `alignopsd eval` on a checkpoint."""
+    sets = ["--set", f"output_dir={tmp_path}", "--set", "env.max_turns=1", "--set", "generation.max_response_length=8",
+            "--set", "env.teacher_max_response_length=8", "--set", "env.val_tasks=2",
+            "--set", "algorithm.kl_coef=0.0"]  # fmt: skip
+    js = tmp_path / "prof.json"
+    rc = cli.main(["profile", "--config", TINY, *sets, "--steps", "1", "--estimators", "grpo,alignopsd",
+                   "--json", str(js)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "alignment overhead vs GRPO" in out and "teacher generation *" in out
+    data = json.loads(js.read_text())
+    assert set(data) == {"grpo", "alignopsd (ablation E)"}
+    g, a = data["grpo"], data["alignopsd (ablation E)"]
+    assert g["alignment_seconds"] == 0 and a["alignment_seconds"] > 0
+    assert a["phases"]["teacher_generation"] > 0 and a["phases"]["encoding"] > 0
+    assert a["overhead_vs_grpo"] == pytest.approx(a["alignment_seconds"] / (a["step_seconds"] - a["alignment_seconds"]))
+    trace = tmp_path / "profile" / "trace_alignopsd.json"
+    assert trace.is_file() and "phase/teacher_generation" in trace.read_text()
+    # eval of a checkpoint written by a real (1-step) training run
+    from alignopsd.engine.train import main as train_main
+
+    assert train_main(["--config", TINY, *sets, "--set", "trainer.total_steps=1",
+                       "--set", "algorithm.estimator=grpo"]) == 0  # fmt: skip
+    ck = tmp_path / "checkpoints" / "step_000001"
+    assert (ck / "model.safetensors").is_file()
+    ej = tmp_path / "eval.json"
+    assert cli.main(["eval", "--config", TINY, *sets, "--checkpoint", str(ck), "--json", str(ej)]) == 0
+    out = capsys.readouterr().out
+    assert "| Method | Success | codeword |" in out
+    res = json.loads(ej.read_text())
+    assert res["episodes"] == 2 and res["table"]["Success"] == 0.0
