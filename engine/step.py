@@ -71,6 +71,7 @@ class Components:
     encoder: Any = None
     teacher: Any = None
     profiler: StepProfiler = field(default_factory=StepProfiler)
+    dp_group: Any = None  # data-parallel process group (None: the default group)
     _encoder_factory: Any = None
 
     def get_encoder(self):
@@ -79,11 +80,16 @@ class Components:
         return self.encoder
 
     def sync_weights(self) -> None:
-        """Push the policy's weights to the generation engine (no-op when it samples from the same module)."""
+        """Push the policy's weights to the generation engine and the rescoring copy (no-op when shared)."""
+        hf = getattr(self.policy, "hf_model", None)
+        state = None
+        if hf is not None:  # Megatron backend: refresh the Hugging Face copy used for rescoring/generation
+            state = self.policy.hf_state_dict()
+            hf.load_state_dict(state, strict=False)
         gm = getattr(self.generator, "model", None)
-        if gm is not None and gm is getattr(self.policy, "model", None):
+        if gm is not None and gm is hf_model_of(self.policy):
             return
-        self.generator.load_weights(self.policy.hf_state_dict())
+        self.generator.load_weights(state if state is not None else self.policy.hf_state_dict())
 
     def close(self) -> None:
         for obj in (self.env, self.generator):
@@ -96,21 +102,37 @@ class Components:
 
 
 def build_policy(cfg: RunConfig, device: torch.device):
-    """Policy backend factory (``policy.backend``): hf | megatron."""
-    if cfg.policy.backend == "megatron":
-        from .policy import megatron as meg  # the tensor-parallel backend
+    """Policy backend factory (``policy.backend``): hf | megatron.
 
-        factory = getattr(meg, "build_policy", None)
-        if factory is None:
-            raise ValueError("policy.backend: 'megatron' is not available in this build (no build_policy factory)")
-        return factory(cfg, device)
+    The Megatron backend trains a megatron-core GPTModel with tensor parallelism; generation and rescoring use
+    a Hugging Face copy of the same weights (``policy.hf_model``), refreshed after every update by
+    :meth:`Components.sync_weights`.
+    """
     from .models import load_causal_lm
-    from .policy.hf import HFPolicy
 
     model = load_causal_lm(
         cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
     )
     warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+    if cfg.policy.backend == "megatron":
+        from .policy.megatron.backend import MegatronPolicy
+
+        policy = MegatronPolicy(
+            model.config,
+            model.state_dict(),
+            tp=cfg.policy.tensor_parallel_size,
+            lr=cfg.trainer.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            betas=cfg.trainer.betas,
+            params_dtype=model.dtype,
+            seed=cfg.trainer.seed,
+        )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        policy.hf_model = model
+        return policy
+    from .policy.hf import HFPolicy
+
     return HFPolicy(
         model,
         lr=cfg.trainer.lr,
@@ -121,6 +143,11 @@ def build_policy(cfg: RunConfig, device: torch.device):
     )
 
 
+def hf_model_of(policy):
+    """The Hugging Face module that generation and rescoring use (the policy's own, or its HF copy)."""
+    return getattr(policy, "hf_model", None) or policy.model
+
+
 def build_generator(cfg: RunConfig, policy, tokenizer, device: torch.device):
     """Generation backend factory (``generation.backend``): hf | vllm."""
     if cfg.generation.backend == "vllm":
@@ -129,7 +156,7 @@ def build_generator(cfg: RunConfig, policy, tokenizer, device: torch.device):
         return VLLMBackend.from_config(cfg, policy=policy, tokenizer=tokenizer)
     from .generation.hf import HFGenerator
 
-    return HFGenerator(policy.model, tokenizer)
+    return HFGenerator(hf_model_of(policy), tokenizer)
 
 
 def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, world_size: int = 1) -> Components:
@@ -159,7 +186,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     val_pool = {"pool_size": cfg.env.val_tasks} if pool else {}
     val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed, **val_pool)
     rescorer = Rescorer(
-        policy.model,
+        hf_model_of(policy),
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
@@ -187,7 +214,13 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
             name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device
         )
 
+    dp_group = getattr(policy, "dp_group", None)
+    if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     return Components(
+        dp_group=dp_group,
         cfg=cfg,
         device=device,
         rank=rank,
@@ -663,25 +696,25 @@ def ppo_update(
     # nothing to learn: zero advantages and no auxiliary term (checked on all ranks)
     signal = float(adv_ML.abs().max()) if adv_ML.numel() else 0.0
     signal = max(signal, max((float(a.coef) for a in aux_terms), default=0.0))
-    if all_reduce([signal], "max", world)[0] <= ZERO_ADVANTAGE_TOL:
+    if all_reduce([signal], "max", world, getattr(parts, "dp_group", None))[0] <= ZERO_ADVANTAGE_TOL:
         log.info("step skipped: all advantages are zero and no auxiliary term is active")
         return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
 
     mini = max(1, cfg.trainer.ppo_mini_batch_size // world)
     micro = max(1, cfg.trainer.ppo_micro_batch_size)
     minis = _split(m, mini)
-    n_mini = int(all_reduce([float(len(minis))], "max", world)[0])
+    n_mini = int(all_reduce([float(len(minis))], "max", world, getattr(parts, "dp_group", None))[0])
     input_ids, attn = cb.input_ids().to(parts.device), cb.attention_mask().to(parts.device)
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms = 0, 0, []
     for i in range(n_mini):
         rows = minis[i] if i < len(minis) else []
         micros = _split(len(rows), micro)
-        n_micro = int(all_reduce([float(len(micros))], "max", world)[0])
+        n_micro = int(all_reduce([float(len(micros))], "max", world, getattr(parts, "dp_group", None))[0])
         w_tok = [
             float((mask[[rows[j] for j in mc]] * row_weight[[rows[j] for j in mc]][:, None]).sum()) for mc in micros
         ]
-        global_tok = all_reduce([sum(w_tok)], "sum", world)[0]
+        global_tok = all_reduce([sum(w_tok)], "sum", world, getattr(parts, "dp_group", None))[0]
         if global_tok <= 0:
             continue
         denom = global_tok / world
@@ -773,7 +806,7 @@ def run_validation(parts: Components, step: int) -> dict[str, float]:
     return metrics
 
 
-def all_reduce(values: list[float], op: str, world_size: int) -> list[float]:
+def all_reduce(values: list[float], op: str, world_size: int, group=None) -> list[float]:
     """All-reduce a few floats across data-parallel ranks (identity when single-process)."""
     if world_size <= 1:
         return list(values)
@@ -783,5 +816,5 @@ def all_reduce(values: list[float], op: str, world_size: int) -> list[float]:
     if dist.get_backend() == "nccl":
         t = t.cuda()
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(t, op=red)
+    dist.all_reduce(t, op=red, group=group)
     return t.cpu().tolist()

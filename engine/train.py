@@ -120,9 +120,10 @@ class Trainer:
         self.out_dir = cfg.out_dir
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.stream = stream if stream is not None else sys.stdout
-        if cfg.env.tasks_per_step % self.world_size:
+        if cfg.env.tasks_per_step % max(1, self.world_size // cfg.policy.tensor_parallel_size):
             raise ConfigError(
-                f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the world size {self.world_size}"
+                f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the data-parallel size "
+                f"{self.world_size // cfg.policy.tensor_parallel_size}"
             )
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
