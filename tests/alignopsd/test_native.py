@@ -250,3 +250,22 @@ def test_budget_error_names_trajectory(impl):
     h = torch.tensor([1.0, 1.0, 3.0, 3.0], dtype=torch.float64)
     with pytest.raises(ValueError, match="trajectory 1"):
         credit._project_batch(h, torch.ones(4, dtype=torch.float64), torch.tensor([0, 2, 4]), 0.0, 4.0, 1e-5, impl)
+
+
+@needs_cpp
+@pytest.mark.parametrize("box", [(0.0, 4.0), (0.8, 1.2)])
+def test_long_token_level_projection_bit_identical(box):
+    # token-level projection (ablation B) runs over thousands of coordinates with counts 1
+    g = torch.Generator().manual_seed(9)
+    lengths = [5000, 1, 2300]
+    parts = []
+    for n in lengths:
+        q = torch.softmax(torch.randn(n, generator=g, dtype=torch.float64) * 2.5, 0)
+        parts.append(n * q)
+    h = torch.cat(parts)
+    counts = torch.ones_like(h)
+    offsets = torch.tensor([0, 5000, 5001, 7301])
+    py = credit._project_batch(h, counts, offsets, *box, 1e-5, "python")
+    cpp = credit._project_batch(h, counts, offsets, *box, 1e-5, "cpp")
+    assert torch.equal(py, cpp)
+    assert not torch.equal(py, h)  # the projection was active
