@@ -154,6 +154,7 @@ def _worker(provider: str, scale: dict, reps: int, threads: int, queue) -> None:
 
 
 def _run(provider: str, scale: dict, reps: int, threads: int) -> dict:
+    # spawned children read OMP_WAIT_POLICY from the inherited environment when torch loads OpenMP
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_worker, args=(provider, scale, reps, threads, q))
@@ -163,18 +164,30 @@ def _run(provider: str, scale: dict, reps: int, threads: int) -> dict:
     return res
 
 
-def run_mechanism2_case(quick: bool = False, threads: int = 1) -> dict:
+def run_mechanism2_case(quick: bool = False, threads: int = 1, omp_wait_policy: str | None = None) -> dict:
     """Time Mechanism 2 (ours vs the loop reference) and check they agree.
 
     quick: 4 tasks (M = 1600) instead of the paper's 16 (M = 6400). threads: torch threads of both
     providers (default 1: on a small shared machine a second OpenMP thread waits for a busy core at
     every parallel op, which made a 2-thread run 7x slower than a 1-thread run here).
+    omp_wait_policy: OMP_WAIT_POLICY for the measuring processes ("PASSIVE" lets idle OpenMP workers
+    sleep instead of spin; on the shared machine it made 2 threads 18x faster). Default: inherited.
     Returns ours_ms, base_ms (medians of wall time), ours_peak_mb, base_peak_mb (peak resident memory
     above the batch), ours_cpu_ms/base_cpu_ms (main-thread CPU time), speedup, agreement and context.
     """
     scale = QUICK if quick else PAPER
-    ours = _run("ours", scale, 5 if quick else 15, threads)
-    base = _run("reference", scale, 1, threads)
+    saved = os.environ.get("OMP_WAIT_POLICY")
+    if omp_wait_policy is not None:
+        os.environ["OMP_WAIT_POLICY"] = omp_wait_policy
+    try:
+        ours = _run("ours", scale, 5 if quick else 15, threads)
+        base = _run("reference", scale, 1, threads)
+    finally:
+        if omp_wait_policy is not None:
+            if saved is None:
+                os.environ.pop("OMP_WAIT_POLICY", None)
+            else:
+                os.environ["OMP_WAIT_POLICY"] = saved
     agree = bool((ours["segment_index"] == base["segment_index"]).all())
     max_diff = float(abs(ours["token_advantage"] - base["token_advantage"]).max())
     m = ours["metrics"]
@@ -183,6 +196,7 @@ def run_mechanism2_case(quick: bool = False, threads: int = 1) -> dict:
         M=scale["tasks"] * scale["rollouts"] * scale["turns"],
         L=scale["L"],
         threads=threads,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "") if omp_wait_policy is None else omp_wait_policy,
         ours_ms=ours["wall_ms"],
         ours_min_ms=ours["wall_min_ms"],
         ours_cpu_ms=ours["main_thread_cpu_ms"],
@@ -246,9 +260,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1600 instead of 6400")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--omp-wait-policy", default=None, help="OMP_WAIT_POLICY of the measuring processes")
     ap.add_argument("--write", action="store_true", help="write bench/results/mechanism2-<date>.md")
     args = ap.parse_args()
-    r = run_mechanism2_case(quick=args.quick, threads=args.threads)
+    r = run_mechanism2_case(quick=args.quick, threads=args.threads, omp_wait_policy=args.omp_wait_policy)
     print(format_table(r))
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
     if args.write:
@@ -258,7 +273,8 @@ def main() -> None:
         text = (
             f"# Mechanism 2 at paper scale ({day})\n\n"
             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-            f"{torch.__version__}, {r['threads']} torch thread(s), load average {r['load_average']:.1f}.\n"
+            f"{torch.__version__}, {r['threads']} torch thread(s), OMP_WAIT_POLICY={r['omp_wait_policy'] or 'unset'}, "
+            f"load average {r['load_average']:.1f}.\n"
             f"M = {r['M']}, L = {r['L']}.\n\n{format_table(r)}\n\n"
             f"speedup {r['speedup']:.0f}x; segments equal: {r['segments_equal']}; max |token advantage diff| "
             f"{r['token_advantage_max_abs_diff']:.2e}\n"
