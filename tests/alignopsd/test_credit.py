@@ -728,3 +728,25 @@ def test_metric_values_against_direct_recomputation():
     assert m["episode/valid_action_ratio"] == pytest.approx(float((~invalid).double().mean()))
     assert m["episode/outcome_perfect_rate"] == pytest.approx(0.5) and m["episode/outcome_positive_rate"] == 0.5
     assert m["episode/trajectory_length_mean"] == pytest.approx(5.5)
+
+
+def test_random_spans_use_seed_plus_sorted_trajectory_index():
+    lengths = [11, 6, 9, 13]
+    b = make_batch(lengths, L=3, tasks=[5, 5, 2, 2])  # sorted (task, rollout): (2,2), (2,3), (5,0), (5,1)
+    perm = torch.randperm(39, generator=torch.Generator().manual_seed(3))
+    pb = {k: (v[perm][:, perm] if k in ("H", "eligible") else v[perm]) for k, v in b.items()}
+    cfg = CreditConfig(mode="random", seed=17, min_span_turns=2, max_span_turns=3)
+    c = allocate_credit(**pb, config=cfg)
+    key = pb["task"] * 100 + pb["rollout"]
+    starts = []
+    for j, k in enumerate(sorted(key.unique().tolist())):
+        sel = torch.nonzero(key == k).flatten()
+        sel = sel[torch.argsort(pb["turn"][sel])]
+        seg = c.segment_index[sel]
+        cuts = [p for p in range(1, sel.numel()) if seg[p] != seg[p - 1]]
+        expected = segment_random(sel.numel(), min_len=2, max_len=3, seed=17 + j)
+        assert cuts == expected.random, (j, cuts, expected.random)
+        assert bool((c.boundary_kind[sel[cuts]] == 4).all())
+        starts.append(int(seg[0]))
+    assert starts == sorted(starts) and starts[0] == 0  # global indices in sorted (task, rollout) order
+    assert c.metrics["m2/semantic_boundary_count"] == 0.0 and c.metrics["m2/random_boundary_count"] > 0
