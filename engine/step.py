@@ -284,6 +284,16 @@ def run_step(parts: Components, step: int) -> StepOutput:
     batch, roll_metrics = rollout(parts, tasks, seed=_step_seed(cfg, step, parts.rank), validation=False)
     metrics.update(roll_metrics)
 
+    # no learnable signal (every task's outcomes and validity constant, no auxiliary term): skip the rest cheaply
+    if no_signal(cfg, parts.estimator, batch) and all_reduce([1.0], "min", parts.world_size,
+                                                             getattr(parts, "dp_group", None))[0] == 1.0:  # fmt: skip
+        log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
+        metrics.update({"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0})
+        metrics.update(prof.end_step())
+        return StepOutput(metrics=metrics)
+    elif parts.world_size > 1:
+        all_reduce([0.0], "min", parts.world_size, getattr(parts, "dp_group", None))
+
     # 2. canonical turns ---------------------------------------------------------------------------------------------
     from alignopsd.canonical import canonicalize
 
@@ -336,6 +346,25 @@ def run_step(parts: Components, step: int) -> StepOutput:
             parts.sync_weights()
     metrics.update(prof.end_step())
     return StepOutput(metrics=metrics, span_lengths=span_lengths)
+
+
+AUX_FREE = ("grpo", "rlsd", "grpo_opsd", "alignopsd")  # estimators whose advantage is A * (positive weights)
+
+
+def no_signal(cfg: RunConfig, spec, batch: TurnBatch) -> bool:
+    """True when every token advantage is provably 0 before any model pass: the estimator has no auxiliary
+    term, each task's outcomes are equal (A = 0, and M2 only re-weights A) and, with the invalid-action
+    penalty on, each task's validity flags are equal too (residual 0)."""
+    a = cfg.algorithm
+    if spec.name not in AUX_FREE or (spec.name == "alignopsd" and a.sdar.enabled):
+        return False
+    for t in batch.task.unique():
+        sel = batch.task == t
+        if bool((batch.outcome[sel] != batch.outcome[sel][0]).any()):
+            return False
+        if a.use_invalid_penalty and bool((batch.action_valid[sel] != batch.action_valid[sel][0]).any()):
+            return False
+    return True
 
 
 def _step_seed(cfg: RunConfig, step: int, rank: int) -> int:

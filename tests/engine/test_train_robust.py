@@ -126,7 +126,8 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
     m = out.metrics
     assert m["env/failed_episodes"] == 4  # the 4 siblings of the raising task
     assert m["episode/valid_action_rate"] == 0.0 and m["env/invalid_actions"] > 0  # malformed responses
-    assert m["update/skipped"] == 1.0  # no learnable signal: skipped, not fatal
+    assert m["update/skipped"] == 1.0 and m["update/zero_advantage"] == 1.0  # no learnable signal: skipped
+    assert m["time/old_logprob"] == 0.0 and m["time/update"] == 0.0  # ... cheaply: no model pass after the rollout
     tr.parts.close()
 
 
