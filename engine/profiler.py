@@ -193,7 +193,9 @@ def profile_run(cfg, steps: int, *, trace_path: str | Path | None = None, warmup
     """Run ``steps`` training steps of ``cfg`` (no checkpoints, no metrics files) and summarise their phases.
 
     The last step runs under ``torch.profiler`` (CPU activities, plus CUDA when available) and its
-    Chrome trace is written to ``trace_path``; the trace shows the ``phase/<name>`` ranges.
+    Chrome trace is written to ``trace_path``; the trace shows the ``phase/<name>`` ranges. With two or more
+    steps the traced step is left out of the summary (the profiler slows it down); with one step it is the
+    summary.
     """
     from .step import run_step
     from .train import Trainer
@@ -217,7 +219,10 @@ def profile_run(cfg, steps: int, *, trace_path: str | Path | None = None, warmup
     finally:
         parts.close()
     p = parts.profiler
-    return summarize(p.history, p.step_seconds, skip=min(warmup, steps - 1))
+    hist, secs = p.history, p.step_seconds
+    if trace_path is not None and steps >= 2:  # the traced step carries the profiler's own overhead
+        hist, secs = hist[:-1], secs[:-1]
+    return summarize(hist, secs, skip=min(warmup, len(hist) - 1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,13 +79,13 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     assert a["overhead_vs_grpo"] == pytest.approx(a["alignment_seconds"] / (a["step_seconds"] - a["alignment_seconds"]))
     trace = tmp_path / "profile" / "trace_alignopsd.json"
     assert trace.is_file() and "phase/teacher_generation" in trace.read_text()
-    # eval of a checkpoint written by a real (1-step) training run
-    from alignopsd.engine.train import main as train_main
+    # eval of a checkpoint in the trainer's layout (the tiny model's weights)
+    from alignopsd.engine.checkpoint import save_checkpoint
+    from alignopsd.engine.models import build_tiny_model
 
-    assert train_main(["--config", TINY, *sets, "--set", "trainer.total_steps=1",
-                       "--set", "algorithm.estimator=grpo"]) == 0  # fmt: skip
-    ck = tmp_path / "checkpoints" / "step_000001"
-    assert (ck / "model.safetensors").is_file()
+    model = build_tiny_model()
+    ck = save_checkpoint(tmp_path / "checkpoints", 1, model_state=model.state_dict(), optimizer_state=None,
+                         trainer_state={}, hf_config=model.config)  # fmt: skip
     ej = tmp_path / "eval.json"
     assert cli.main(["eval", "--config", TINY, *sets, "--checkpoint", str(ck), "--json", str(ej)]) == 0
     out = capsys.readouterr().out
