@@ -40,6 +40,7 @@ class Case:
     check: Callable[[object, object], str]
     info: dict = field(default_factory=dict)
     reps: int = 5
+    warmup: bool = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,8 +96,17 @@ def logprob_case(model: str, mode: str, quick: bool, device: str = "cpu") -> Cas
         def check(a, b):
             return f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e}"
 
-    reps = 3 if (quick or model == "qwen7b") else 5
-    return Case(f"logprob_{model}_{mode}", ours, base, check, dict(N=N, H=H, V=V, dtype="float32"), reps)
+    big = model == "qwen7b"
+    reps = (1 if big else 3) if quick else (3 if big else 5)
+    return Case(
+        f"logprob_{model}_{mode}",
+        ours,
+        base,
+        check,
+        dict(N=N, H=H, V=V, dtype="float32"),
+        reps,
+        warmup=not (quick and big),
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -122,10 +122,10 @@ def peak_mb(fn, device: str = "cpu") -> tuple[float, object]:
     return peak / 2**20, out
 
 
-def median_times(ours, base, reps: int, device: str = "cpu") -> tuple[float, float]:
-    """Median wall time (ms) of ``reps`` interleaved calls each, after one warm-up call each."""
+def median_times(ours, base, reps: int, device: str = "cpu", warmup: bool = True) -> tuple[float, float]:
+    """Median wall time (ms) of ``reps`` interleaved calls each, after one warm-up call each (if ``warmup``)."""
     t_o, t_b = [], []
-    for fn in (ours, base):
+    for fn in (ours, base) if warmup else ():
         fn()
     _sync(device)
     for _ in range(reps):
@@ -157,7 +157,7 @@ def build_case(name: str, quick: bool, device: str):
 
 def run_kernel_case(name: str, quick: bool, device: str = "cpu") -> dict:
     case = build_case(name, quick, device)
-    ours_ms, base_ms = median_times(case.ours, case.base, case.reps, device)
+    ours_ms, base_ms = median_times(case.ours, case.base, case.reps, device, case.warmup)
     ours_mb, out_o = peak_mb(case.ours, device)
     base_mb, out_b = peak_mb(case.base, device)
     check = case.check(out_o, out_b)
@@ -178,7 +178,10 @@ def build_info(name: str, quick: bool) -> dict:
     if name.startswith("logprob_"):
         _, model, mode = name.split("_")
         H, V, n_full, n_quick = kc.LOGPROB_SHAPES[model]
-        return dict(N=n_quick if quick else n_full, H=H, V=V, dtype="fp32", mode=mode)
+        info = dict(N=n_quick if quick else n_full, H=H, V=V, dtype="fp32", mode=mode)
+        if mode == "fwdbwd":
+            info["dW_MiB"] = round(V * H * 4 / 2**20)  # the weight gradient both sides must allocate
+        return info
     rest = name[len("alignment_kernels_d") :]
     tasks = 4 if quick else 16
     base = "core-dense" if rest.endswith("_core") else "loop-over-tasks"
