@@ -84,6 +84,7 @@ class VLLMGenerator:
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
         in_process: bool = True,
+        ignore_eos: bool = False,
         **engine_kwargs,
     ) -> None:
         if max_model_len < 2:
@@ -98,6 +99,12 @@ class VLLMGenerator:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
+        if not on_cuda:
+            # vLLM rewinds a seeded request's generator offset when it discards the sample of a partial
+            # (chunked) prefill, which CPU generators do not support ("CPU Generator does not use offset"):
+            # schedule whole prompts only.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            engine_kwargs.setdefault("max_num_batched_tokens", max(int(max_model_len), 8192))
         if enforce_eager is None:
             enforce_eager = not on_cuda  # CPU: skip torch.compile warm-up (minutes on a small machine)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
@@ -122,6 +129,7 @@ class VLLMGenerator:
         self.max_model_len = int(max_model_len)
         self.tokens_generated = 0
         self.weight_version = 0
+        self.ignore_eos = bool(ignore_eos)  # benchmarks only: every row runs to max_new_tokens
 
     def close(self) -> None:
         """Shut the engine down and free its KV cache (the generator is unusable afterwards)."""
@@ -165,6 +173,7 @@ class VLLMGenerator:
             logprobs=0,
             seed=None if sp.seed is None else int(sp.seed) + index,
             skip_special_tokens=True,
+            ignore_eos=self.ignore_eos,
         )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:

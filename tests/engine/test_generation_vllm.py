@@ -153,3 +153,17 @@ def test_budget_over_model_limit_raises(engine, prompts):
         engine.generate(prompts, SamplingParams(max_new_tokens=MAX_LEN))
     with pytest.raises(ValueError, match="prompts"):
         engine.generate([[]], SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_seeded_batch_larger_than_one_prefill_step(engine, tiny):
+    """32 seeded prompts of 300 tokens (9,600 prompt tokens, more than one scheduler step takes): on CPU a
+    chunked prefill of a seeded request used to crash vLLM ("CPU Generator does not use offset")."""
+    _, tok = tiny
+    body = tok.encode("you see a cabinet, a drawer and a fridge. " * 60, add_special_tokens=False)
+    prompts = [[1] + body[i : i + 299] for i in range(32)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=4, seed=9))
+    assert [len(t) for t in out.token_ids] == [4] * 32
+    again = engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=9))
+    assert again.token_ids == out.token_ids[:2]  # per-request seeds: independent of the batch around them
