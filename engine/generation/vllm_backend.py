@@ -208,3 +208,28 @@ class VLLMGenerator:
             out.finish_reasons.append("length" if c.finish_reason == "length" else "stop")
             self.tokens_generated += len(ids)
         return out
+
+
+class VLLMBackend(VLLMGenerator):
+    """``VLLMGenerator`` built from a run configuration (the trainer's ``generation.backend: vllm``)."""
+
+    @classmethod
+    def from_config(cls, cfg, *, policy=None, tokenizer=None) -> VLLMBackend:
+        """Engine on ``cfg.model.name`` with ``cfg.generation``'s limits; the policy's current weights are pushed
+        once at start (a resumed run's weights differ from the checkpoint on disk)."""
+        from alignopsd.engine.models import resolve_model_path
+
+        g = cfg.generation
+        dtype = getattr(cfg.model, "dtype", "auto") or "auto"
+        gen = cls(
+            resolve_model_path(cfg.model.name),
+            tokenizer,
+            max_model_len=g.max_model_len,
+            gpu_memory_utilization=g.gpu_memory_utilization,
+            seed=int(getattr(getattr(cfg, "trainer", None), "seed", 0) or 0),
+            dtype=dtype,
+            enforce_eager=g.enforce_eager if torch.cuda.is_available() else True,
+        )
+        if policy is not None and callable(getattr(policy, "hf_state_dict", None)):
+            gen.load_weights(policy.hf_state_dict())
+        return gen

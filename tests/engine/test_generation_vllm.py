@@ -167,3 +167,29 @@ def test_seeded_batch_larger_than_one_prefill_step(engine, tiny):
     assert [len(t) for t in out.token_ids] == [4] * 32
     again = engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=9))
     assert again.token_ids == out.token_ids[:2]  # per-request seeds: independent of the batch around them
+
+
+def test_from_config_maps_run_config_and_pushes_policy_weights(monkeypatch):
+    """The trainer builds the engine with ``VLLMBackend.from_config(cfg, policy=..., tokenizer=...)``."""
+    from alignopsd.engine.config import load_config
+    from alignopsd.engine.generation import vllm_backend as vb
+
+    seen, pushed = {}, []
+
+    def fake_init(self, model_path, tokenizer=None, **kw):
+        seen.update(kw, model_path=model_path, tokenizer=tokenizer)
+
+    monkeypatch.setattr(vb.VLLMGenerator, "__init__", fake_init)
+    monkeypatch.setattr(vb.VLLMGenerator, "load_weights", lambda self, sd: pushed.append(sd))
+    cfg = load_config(None, ["generation.max_model_len=3000", "generation.gpu_memory_utilization=0.3"])
+
+    class Policy:
+        def hf_state_dict(self):
+            return {"w": torch.zeros(1)}
+
+    gen = vb.VLLMBackend.from_config(cfg, policy=Policy(), tokenizer="TOK")
+    assert isinstance(gen, vb.VLLMGenerator)
+    assert seen["model_path"] == resolve_model_path(cfg.model.name) and seen["tokenizer"] == "TOK"
+    assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
+    assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
+    assert len(pushed) == 1 and set(pushed[0]) == {"w"}
