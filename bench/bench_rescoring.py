@@ -6,7 +6,8 @@ siblings are identical, as in a real rollout where siblings start from the same 
 response (ragged, [0.5, 1] x ``response``). Every target gets ``k`` cross sources from distinct sibling rollouts
 of its task (any turn), so the teacher pass scores M diagonal + M*k cross rows. Both modes score exactly the
 same rows with the same model and ``max_tokens`` per forward; the table reports wall time, peak memory (CUDA:
-allocator peak; CPU: peak resident set above the pre-run level, from /proc VmHWM), the token positions pushed
+allocator peak; CPU: peak resident set above the pre-run level, from /proc VmHWM), the process CPU time (on a
+shared machine it measures the work done better than wall time does), the token positions pushed
 through the model (prompt + response; their ratio is the FLOP ratio up to attention) and the max |delta|
 between the two modes' log-probs.
 
@@ -149,23 +150,28 @@ def run(size: str = "quick", model_spec: str = "smollm2-135m", device: str | Non
         Rescorer(model, max_tokens=cfg["max_tokens"], **kw).teacher_logprobs(warm, None)
     # modes interleaved rep by rep, so that load drift on a shared machine hits them alike; median time
     outs, times, peaks, stats = {}, {n: [] for n in modes}, {n: [] for n in modes}, {}
+    cpu = {n: [] for n in modes}
     for _ in range(reps):
         for name, kw in modes.items():
             rs = Rescorer(model, max_tokens=cfg["max_tokens"], **kw)
             with _PeakMemory(dev) as pm:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 diag, cross, st = rs.teacher_logprobs(batch, pairs)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
             peaks[name].append(pm.peak_mb)
             outs[name], stats[name] = (diag, cross), st
             del diag, cross
     for name in modes:
         ts = sorted(times[name])
-        results[name] = dict(ms=1000 * ts[len(ts) // 2], peak_mb=max(peaks[name]), **stats[name])
+        cs = sorted(cpu[name])
+        results[name] = dict(
+            ms=1000 * ts[len(ts) // 2], cpu_ms=1000 * cs[len(cs) // 2], peak_mb=max(peaks[name]), **stats[name]
+        )
     ref_d, ref_c = outs["plain"]
     for name, (d, c) in outs.items():
         results[name]["max_abs_diff_vs_plain"] = float(
@@ -173,13 +179,19 @@ def run(size: str = "quick", model_spec: str = "smollm2-135m", device: str | Non
         )
     base, ours = results["plain"], results["shared_prefix"]
     return dict(
-        case="rescoring_shared_prefix",
-        size=size,
-        model=model_spec,
-        device=str(dev),
-        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        # the first scalar fields are what bench.report shows next to the times
+        ours_token_forwards=ours["token_forwards"],
+        base_token_forwards=base["token_forwards"],
+        flop_ratio=round(base["token_forwards"] / max(1, ours["token_forwards"]), 3),
         turns=batch.size,
         cross_rows=int(pairs.shape[0]),
+        max_abs_diff=ours["max_abs_diff_vs_plain"],
+        cpu_speedup=round(base["cpu_ms"] / ours["cpu_ms"], 3),
+        size=size,
+        model=model_spec,
+        case="rescoring_shared_prefix",
+        device=str(dev),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         prompt=cfg["prompt"],
         response=cfg["response"],
         k=cfg["k"],
@@ -189,11 +201,29 @@ def run(size: str = "quick", model_spec: str = "smollm2-135m", device: str | Non
         speedup=base["ms"] / ours["ms"],
         ours_peak_mb=ours["peak_mb"],
         base_peak_mb=base["peak_mb"],
-        ours_token_forwards=ours["token_forwards"],
-        base_token_forwards=base["token_forwards"],
-        flop_ratio=base["token_forwards"] / max(1, ours["token_forwards"]),
         modes=results,
     )
+
+
+def token_counts(size: str = "full") -> dict:
+    """Token forwards of both modes on the ``size`` batch, measured with a 1-layer toy model (the counts depend
+    only on the lengths: ``make_batch`` draws the same lengths for any vocabulary)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = SIZES[size]
+    torch.manual_seed(0)
+    mcfg = LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(mcfg).eval()
+    batch, pairs = make_batch(vocab=1024, **cfg)
+    out = {"size": size, "turns": batch.size, "cross_rows": int(pairs.shape[0])}
+    for mode in ("plain", "shared_prefix"):
+        _, _, st = Rescorer(model, mode=mode, max_tokens=cfg["max_tokens"]).teacher_logprobs(batch, pairs)
+        out[mode] = {k: st[k] for k in ("prompt_tokens", "response_tokens", "token_forwards", "forwards")}
+    out["flop_ratio"] = out["plain"]["token_forwards"] / out["shared_prefix"]["token_forwards"]
+    return out
 
 
 def run_rescoring_case(quick: bool = True) -> dict:
@@ -209,18 +239,20 @@ def to_markdown(res: dict) -> str:
         f"model {res['model']} ({res['dtype']}) on {res['device']}, max_tokens/forward {res['max_tokens']}; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "",
-        "| mode | time (ms) | peak mem (MiB) | prompt tokens | response tokens | token forwards | forwards "
-        "| max abs diff vs plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | wall (ms) | process CPU (ms) | peak mem (MiB) | prompt tokens | response tokens | token forwards "
+        "| forwards | max abs diff vs plain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res["modes"].items():
         lines.append(
-            f"| {name} | {r['ms']:.0f} | {r['peak_mb']:.0f} | {r['prompt_tokens']} | {r['response_tokens']} | "
+            f"| {name} | {r['ms']:.0f} | {r['cpu_ms']:.0f} | {r['peak_mb']:.0f} | {r['prompt_tokens']} | "
+            f"{r['response_tokens']} | "
             f"{r['token_forwards']} | {r['forwards']} | {r['max_abs_diff_vs_plain']:.2e} |"
         )
     lines += [
         "",
-        f"speed-up plain / shared_prefix: **{res['speedup']:.2f}x**; token-forward (FLOP) ratio: "
+        f"speed-up plain / shared_prefix: **{res['speedup']:.2f}x** wall, {res['cpu_speedup']:.2f}x CPU time; "
+        "token-forward (FLOP) ratio: "
         f"{res['flop_ratio']:.2f}x; peak memory shared/plain: {res['ours_peak_mb']:.0f} / "
         f"{res['base_peak_mb']:.0f} MiB",
         "",
@@ -234,10 +266,14 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default=None)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--counts-only", action="store_true", help="only the token-forward counts (toy model, fast)")
     ap.add_argument(
         "--out", default=None, help="markdown file to append to (default bench/results/rescoring-<date>.md)"
     )
     args = ap.parse_args()
+    if args.counts_only:
+        print(token_counts(args.size))
+        return
     res = run(args.size, args.model, args.device, args.reps)
     md = to_markdown(res)
     print(md)
