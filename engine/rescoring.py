@@ -231,14 +231,18 @@ def score_shared_prefix(
     max_tokens: int = 16384,
     impl: str = "auto",
     dedupe: bool = True,
+    max_prefix_tokens: int | None = None,
     stats: dict | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Shared-prefix scorer: same contract and results as ``score_plain``, each distinct prompt forwarded once.
 
-    Prompts are grouped (as many per prompt forward as fit in ``max_tokens``); for each group the prompt
-    forward keeps the key/value cache [g, H, lt, Dh] per layer and the last hidden state [g, D]; then the
-    group's rows go through response forwards of at most ``max_tokens`` context tokens each, every row
-    attached to its prompt's cache.
+    Prompts are grouped (as many per prompt forward as fit in ``max_prefix_tokens``, default ``max_tokens // 4``:
+    the group's key/value cache is held for all layers while its rows are scored, and per token it costs more
+    than the one-layer-at-a-time activations of a plain forward, so the group is kept smaller than a plain
+    micro-batch to keep the peak memory at or below the plain mode's); for each group the prompt forward keeps
+    the key/value cache [g, H, lt, Dh] per layer and the last hidden state [g, D]; then the group's rows go
+    through response forwards of at most ``max_tokens`` context tokens each, every row attached to its
+    prompt's cache.
     """
     stats = _new_stats() if stats is None else stats
     r, lr = response_ids_RL.shape
@@ -260,13 +264,14 @@ def score_shared_prefix(
     used = row_prompt_R[order].unique_consecutive()
     counts = torch.bincount(row_prompt_R, minlength=int(prompt_ids_SP.shape[0]))
     lp_full = prompt_ids_SP.shape[1]
-    # group prompts: g prompts of padded width w cost g * w prompt tokens
+    prefix_budget = max(1, max_tokens // 4) if max_prefix_tokens is None else int(max_prefix_tokens)
+    # group prompts: g prompts of padded width w hold g * w cached prompt tokens
     groups: list[list[int]] = []
     cur: list[int] = []
     for s in used.tolist():
         cand = cur + [s]
         w = lp_full - _trim_left(prompt_mask_SP[cand])
-        if cur and len(cand) * w > max_tokens:
+        if cur and len(cand) * w > prefix_budget:
             groups.append(cur)
             cand = [s]
         cur = cand
@@ -372,6 +377,8 @@ class Rescorer:
 
     model: the Hugging Face causal LM (the policy's weights; a ``HFPolicy``'s ``.model``). temperature: the
     rollout temperature (log-probs under logits / temperature). max_tokens: context tokens per forward.
+    dedupe: merge identical prompts (shared_prefix). max_prefix_tokens: prompt tokens whose cache is held at once
+    (shared_prefix; default max_tokens // 4).
     reuse_rollout_logp: take the student old log-probs from ``batch.rollout_logp`` (engine log-probs) instead
     of a forward (then no student entropy is returned); only correct when the engine is the trainer's own model
     (see ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
@@ -386,6 +393,7 @@ class Rescorer:
         max_tokens: int = 16384,
         impl: str = "auto",
         dedupe: bool = True,
+        max_prefix_tokens: int | None = None,
         reuse_rollout_logp: bool = False,
         check_reuse: bool = False,
     ) -> None:
@@ -401,6 +409,7 @@ class Rescorer:
         self.max_tokens = int(max_tokens)
         self.impl = impl
         self.dedupe = dedupe
+        self.max_prefix_tokens = max_prefix_tokens
         self.reuse_rollout_logp = reuse_rollout_logp
         self.check_reuse = check_reuse
 
@@ -409,7 +418,16 @@ class Rescorer:
         if self.mode == "plain":
             return score_plain(self.model, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, **kw, stats=stats)
         return score_shared_prefix(
-            self.model, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, **kw, dedupe=self.dedupe, stats=stats
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            row_prompt,
+            resp_ids,
+            resp_mask,
+            **kw,
+            dedupe=self.dedupe,
+            max_prefix_tokens=self.max_prefix_tokens,
+            stats=stats,
         )
 
     @torch.no_grad()

@@ -145,14 +145,16 @@ def test_score_rows_matches_full_logits_reference():
     assert pushed == b.size * (12 + 9 - 1)
 
 
-@pytest.mark.parametrize("max_tokens", [40, 100000])
-def test_shared_prefix_equals_plain(max_tokens):
+@pytest.mark.parametrize("max_tokens,max_prefix_tokens", [(40, None), (100000, None), (100, 30)])
+def test_shared_prefix_equals_plain(max_tokens, max_prefix_tokens):
     model = tiny_model(1)
     b = make_batch(seed=3)
     # repeated sources (0 twice, 4 twice), a pair onto the empty response (target 5), turns 2, 6 without pairs
     pairs = [(1, 0), (2, 0), (0, 1), (0, 3), (3, 1), (4, 5), (5, 4), (4, 6), (6, 4), (1, 3)]
     plain = Rescorer(model, mode="plain", max_tokens=max_tokens)(b, pairs, with_entropy=True)
-    shared = Rescorer(model, mode="shared_prefix", max_tokens=max_tokens)(b, pairs, with_entropy=True)
+    shared = Rescorer(model, mode="shared_prefix", max_tokens=max_tokens, max_prefix_tokens=max_prefix_tokens)(
+        b, pairs, with_entropy=True
+    )
     for name in ("old_logp", "diag", "cross", "entropy"):
         a, c = getattr(plain, name), getattr(shared, name)
         assert a.dtype == torch.float32 and a.shape == c.shape
