@@ -423,6 +423,11 @@ def boundary_scores(
         turn of a trajectory is never a boundary.
     """
     check_choice(distance, "distance", DISTANCES)
+    if isinstance(P, Tensor) and P.is_cuda:
+        # CUDA: the fused Triton kernel of alignopsd.kernels (same rules, tested equal on CPU)
+        from alignopsd.kernels.jsd_boundary import boundary_scores as kernel_boundary_scores  # noqa: PLC0415
+
+        return kernel_boundary_scores(P, profile_valid, eligible, task, rollout, turn, distance=distance)
     task_t, roll_t, turn_t = check_ids(task, rollout, turn)
     m = int(task_t.shape[0])
     Pf = _square(P, "P", m, floating=True).detach()
