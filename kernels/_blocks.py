@@ -97,9 +97,11 @@ def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
     return Blocks(idx, member, lroll, block_M, slot_M, order, traj_M, G)
 
 
-def to_blocks(x_MD: Tensor, b: Blocks) -> Tensor:
-    """Rows of x_MD [M, ...] gathered into blocks [T, N, ...] (padding rows zero)."""
+def to_blocks(x_MD: Tensor, b: Blocks, *, zero_padding: bool = True) -> Tensor:
+    """Rows of x_MD [M, ...] gathered into blocks [T, N, ...] (padding rows zero, unless ``zero_padding`` is off)."""
     out = x_MD[b.idx_TN]
+    if not zero_padding:
+        return out
     mask = b.member_TN.reshape(b.member_TN.shape + (1,) * (x_MD.dim() - 1))
     return out * mask if out.dtype != torch.bool else out & mask
 

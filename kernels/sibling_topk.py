@@ -184,14 +184,14 @@ def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: flo
     valid = has & (X.amax(2) >= gamma)
     X.div_(temperature)
     P = torch.softmax(X, dim=2)
-    P.mul_(has[:, :, None])
+    P.masked_fill_(~has[:, :, None], 0.0)
     return P, valid
 
 
 def _blocks_torch(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
     H = torch.bmm(Sb, Tb.transpose(1, 2)).clamp_(-1.0, 1.0)  # [b, target, source]
-    ok = tgt_ok[:, :, None] & src_ok[:, None, :]
-    H.mul_(ok)
+    ok = tgt_ok[:, :, None] & src_ok[:, None, :]  # also False on padding slots
+    H.masked_fill_(~ok, 0.0)
     E = ok & (lroll[:, :, None] != lroll[:, None, :])
     P, valid = _profiles_torch(H, E, gamma, temperature)
     return H, E, P, valid
@@ -343,8 +343,9 @@ def sibling_topk(
     dev = teacher_emb.device
     blocks = task_blocks(task, rollout, turn)
     dtype = teacher_emb.dtype if impl == "triton" else torch.float32
-    Tb = to_blocks(teacher_emb.to(dtype), blocks)
-    Sb = to_blocks(student_emb.to(dtype), blocks)
+    # padding slots hold a copy of some turn's embedding; the validity masks (False on padding) zero them out
+    Tb = to_blocks(teacher_emb.to(dtype), blocks, zero_padding=False)
+    Sb = to_blocks(student_emb.to(dtype), blocks, zero_padding=False)
     src_ok = to_blocks(sv, blocks)
     tgt_ok = to_blocks(tv, blocks)
     run = _blocks_triton if impl == "triton" else _blocks_torch

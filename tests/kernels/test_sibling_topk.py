@@ -18,7 +18,7 @@ D = 33
 
 
 def make_batch(*, tasks=3, rollouts=4, turns=5, dim=D, ties=True, seed=0, dtype=torch.float32):
-    """Shuffled turns of several tasks; rollouts of uneven length; some invalid thinking.
+    """Shuffled turns of several tasks of different sizes; rollouts of uneven length; some invalid thinking.
 
     With ``ties`` many embeddings are exact copies of a few prototypes, so equal H values occur
     within and across rollouts (the identity tie-break decides).
@@ -26,7 +26,7 @@ def make_batch(*, tasks=3, rollouts=4, turns=5, dim=D, ties=True, seed=0, dtype=
     g = torch.Generator().manual_seed(seed)
     task, roll, turn = [], [], []
     for a in range(tasks):
-        for r in range(rollouts):
+        for r in range(rollouts - (a % 2)):  # tasks of different sizes: padded blocks
             for u in range(turns - (r % 2)):
                 task.append(10 * a + 7)
                 roll.append(3 * r + (a % 2))
