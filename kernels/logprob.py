@@ -497,6 +497,8 @@ def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
     BN, BV, BH = blocks or (_BLOCK_N, _BLOCK_V, _BLOCK_H)
     N, H = h_NH.shape
     V = w_VH.shape[0]
+    if N == 0 or V == 0:  # nothing to launch
+        return _torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
     h_NH = h_NH.contiguous()
     w_VH = w_VH.contiguous()
     n_tiles = triton.cdiv(N, BN)
@@ -547,6 +549,8 @@ def _triton_backward(
     dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
     dw = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
+    if N == 0 or V == 0:
+        return dh, dw, db
     glp = g_lp.float().contiguous() if g_lp is not None else torch.zeros(N, device=dev)
     dummy = lse
     launch(

@@ -152,3 +152,20 @@ def test_validation_names_the_argument():
         logprob(h, w, t, temperature=0.0)
     with pytest.raises(ValueError, match="temperature"):
         logprob(h, w, t, temperature=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_frozen_head_and_empty_batch(impl):
+    """Gradient to hidden only (frozen LM head), and N = 0 tokens."""
+    h, w, _, t = _inputs(torch.float32, bias=False, seed=9)
+    h.requires_grad_()
+    lp = logprob(h, w, t, temperature=TEMP, impl=impl)
+    (gh,) = torch.autograd.grad(lp.sum(), [h])
+    (h32, _, _), ref_lp, _ = _fp32_ref(h, w, None, t)
+    (rh,) = torch.autograd.grad(ref_lp.sum(), [h32])
+    torch.testing.assert_close(gh, rh, atol=2e-5, rtol=1e-4)
+    e = torch.zeros(0, H, requires_grad=True)
+    lp0, ent0 = logprob(e, w, torch.zeros(0, dtype=torch.long), with_entropy=True, impl=impl)
+    assert lp0.shape == (0,) and ent0.shape == (0,)
+    (g0,) = torch.autograd.grad(lp0.sum(), [e], allow_unused=True)
+    assert g0 is None or g0.shape == (0, H)
