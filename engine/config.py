@@ -262,6 +262,9 @@ class TrainerConfig:
     """Write TensorBoard event files under <output>/tb."""
     report: bool = True
     """Write report.md and plots at the end."""
+    skip_no_signal: bool = True
+    """Skip the rest of a step whose advantages are all zero and that has no auxiliary term (logged as
+    update/skipped). `alignopsd profile` turns it off so that every phase is measured."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list

@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=None, help="torch.profiler traces go here (default <run dir>/profile)")
     args = ap.parse_args(argv)
     names = [e.strip() for e in args.estimators.split(",")] if args.estimators else [None]
-    try:
-        cfgs = [load_config(args.config, args.overrides + ([f"algorithm.estimator={n}"] if n else [])) for n in names]
+    try:  # every phase is measured: steps without learnable signal are not skipped here
+        extra = ["trainer.skip_no_signal=false"]
+        cfgs = [load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
+                for n in names]  # fmt: skip
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -285,14 +285,14 @@ def run_step(parts: Components, step: int) -> StepOutput:
     metrics.update(roll_metrics)
 
     # no learnable signal (every task's outcomes and validity constant, no auxiliary term): skip the rest cheaply
-    if no_signal(cfg, parts.estimator, batch) and all_reduce([1.0], "min", parts.world_size,
-                                                             getattr(parts, "dp_group", None))[0] == 1.0:  # fmt: skip
+    skip = cfg.trainer.skip_no_signal and no_signal(cfg, parts.estimator, batch)
+    if parts.world_size > 1:  # one collective on every rank: skip only if all ranks agree
+        skip = all_reduce([float(skip)], "min", parts.world_size, getattr(parts, "dp_group", None))[0] == 1.0
+    if skip:
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
         metrics.update({"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0})
         metrics.update(prof.end_step())
         return StepOutput(metrics=metrics)
-    elif parts.world_size > 1:
-        all_reduce([0.0], "min", parts.world_size, getattr(parts, "dp_group", None))
 
     # 2. canonical turns ---------------------------------------------------------------------------------------------
     from alignopsd.canonical import canonicalize
@@ -725,7 +725,10 @@ def ppo_update(
     # nothing to learn: zero advantages and no auxiliary term (checked on all ranks)
     signal = float(adv_ML.abs().max()) if adv_ML.numel() else 0.0
     signal = max(signal, max((float(a.coef) for a in aux_terms), default=0.0))
-    if all_reduce([signal], "max", world, getattr(parts, "dp_group", None))[0] <= ZERO_ADVANTAGE_TOL:
+    if (
+        cfg.trainer.skip_no_signal
+        and all_reduce([signal], "max", world, getattr(parts, "dp_group", None))[0] <= ZERO_ADVANTAGE_TOL
+    ):
         log.info("step skipped: all advantages are zero and no auxiliary term is active")
         return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
 
