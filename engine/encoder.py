@@ -104,7 +104,17 @@ class ThinkingEncoder:
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length: must be >= 1, got {max_length}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        path = minilm_path() if model.lower() == MINILM else os.path.expanduser(model)
+        if model.lower() in (MINILM, "minilm"):
+            path = minilm_path()
+        elif Path(os.path.expanduser(model)).is_dir():
+            path = os.path.expanduser(model)
+        else:  # a Hugging Face id or alias (qwen3-embedding-0.6b) already in the local cache
+            from alignopsd.engine.models import ModelNotFoundError, resolve_model_path
+
+            try:
+                path = resolve_model_path(model)
+            except ModelNotFoundError:
+                path = os.path.expanduser(model)
         if not Path(path).is_dir():
             raise FileNotFoundError(
                 f"model: encoder directory {model!r} not found (no hub downloads); put the model in a local "
@@ -127,7 +137,9 @@ class ThinkingEncoder:
 
             self.model = SentenceTransformer(path, device="cpu", local_files_only=True)
             if max_length is not None:
-                self.model.max_seq_length = int(max_length)
+                # never past the model's position limit (MiniLM: 512), whatever the configured 4096 says
+                limit = int(getattr(self.model[0].auto_model.config, "max_position_embeddings", max_length))
+                self.model.max_seq_length = min(int(max_length), limit)
             self.max_length = int(self.model.max_seq_length)
             dim_fn = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
             self.dim = int(dim_fn())

@@ -34,6 +34,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Short names for the real-scale models; they resolve like the Hugging Face ids (local cache only).
+ALIASES = {
+    "qwen2.5-3b-instruct": "Qwen/Qwen2.5-3B-Instruct",
+    "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
+    "qwen3-embedding-0.6b": "Qwen/Qwen3-Embedding-0.6B",
+}
 SMOLLM2 = "smollm2-135m"
 TINY = "tiny"
 EMBEDDED = (SMOLLM2, TINY)
@@ -221,6 +227,7 @@ def resolve_model_path(spec: str) -> str:
         return str(_ensure_smollm2())
     if key.lower() == TINY:
         return str(_ensure_tiny())
+    key = ALIASES.get(key.lower(), key)
     path = Path(key).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

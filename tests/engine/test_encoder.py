@@ -103,3 +103,10 @@ def test_bad_input(tmp_path):
         ThinkingEncoder(batch_size=0)
     with pytest.raises(FileNotFoundError, match="not found"):
         ThinkingEncoder(str(tmp_path / "missing"))
+
+
+def test_minilm_long_text_and_configured_max_length():
+    enc = ThinkingEncoder("minilm", max_length=4096, batch_size=2)  # the run config's default limit
+    assert enc.max_length == 512  # capped at MiniLM's position limit
+    emb, valid = enc.encode(["word " * 3000, "short"])
+    assert valid.all() and torch.isfinite(emb).all()

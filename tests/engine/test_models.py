@@ -119,3 +119,11 @@ def test_smollm2_cache_matches_gguf_weights():
     ids = torch.tensor([ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids])
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert "4" in tok.decode(out[0, ids.shape[1] :])  # the instruct model is really there
+
+
+def test_aliases_resolve_like_hub_ids(monkeypatch):
+    asked = []
+    monkeypatch.setattr(M, "_resolve_hub_id", lambda spec: asked.append(spec) or Path("/cached"))
+    assert M.resolve_model_path("Qwen2.5-7B-Instruct") == "/cached"
+    assert M.resolve_model_path("qwen3-embedding-0.6b") == "/cached"
+    assert asked == ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-Embedding-0.6B"]
