@@ -227,7 +227,8 @@ def resolve_model_path(spec: str) -> str:
         return str(_ensure_smollm2())
     if key.lower() == TINY:
         return str(_ensure_tiny())
-    key = ALIASES.get(key.lower(), key)
+    if not Path(key).expanduser().exists():  # a local directory of that name wins over an alias
+        key = ALIASES.get(key.lower(), key)
     path = Path(key).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
