@@ -19,7 +19,10 @@ the per-layer post-processing (the CPU backend repacks linear weights), in place
 KV blocks were computed with the old weights, is reset. No restart. Push the full state dict.
 
 Process model: by default the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight
-pushes are plain tensor copies. vLLM's CPU worker lowers torch to one thread and disables
+pushes are plain tensor copies; it initialises (and on ``close`` destroys) a one-process gloo/nccl group of its
+own. When torch.distributed is already initialised with more than one rank (a torchrun trainer) the engine core
+runs in its own process instead (``in_process=False``) and weights travel as a temporary safetensors file that
+the worker reloads in place. vLLM's CPU worker lowers torch to one thread and disables
 ``torch.set_num_threads`` for the process; both are restored after the engine starts so the trainer in the same
 process keeps its threads. Scripts that start an engine should keep a ``if __name__ == "__main__":`` guard.
 On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache (default here: ``kv_cache_space_gib``).
@@ -83,7 +86,7 @@ class VLLMGenerator:
         kv_cache_space_gib: int = 1,
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
-        in_process: bool = True,
+        in_process: bool | None = None,
         ignore_eos: bool = False,
         **engine_kwargs,
     ) -> None:
@@ -92,8 +95,12 @@ class VLLMGenerator:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
         on_cuda = torch.cuda.is_available()
-        if in_process:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if in_process is None:  # under torchrun the trainer owns torch.distributed: keep vLLM's in its own process
+            import torch.distributed as dist
+
+            in_process = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        self.in_process = bool(in_process)
         if not on_cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -154,7 +161,25 @@ class VLLMGenerator:
         items = [(n, v.detach()) for n, v in items]
         # The worker's reload_weights re-runs the model's load_weights on checkpoint-format (HF) tensors and then
         # the per-layer post-processing (e.g. the CPU backend's weight repacking), in place.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        if self.in_process:
+            kwargs = {"weights_iterator": items, "is_checkpoint_format": True}
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        else:  # the engine core lives in another process: hand the tensors over as a safetensors file
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            seen: set[int] = set()
+            unique = {}
+            for n, v in items:  # tied weights share storage; safetensors refuses shared tensors
+                if v.data_ptr() in seen:
+                    continue
+                seen.add(v.data_ptr())
+                unique[n] = v.to("cpu").contiguous()
+            with tempfile.TemporaryDirectory(prefix="alignopsd-weights-") as tmp:
+                save_file(unique, os.path.join(tmp, "model.safetensors"))
+                kwargs = {"weights_path": tmp, "is_checkpoint_format": True}
+                self.llm.collective_rpc("reload_weights", kwargs=kwargs)
         self.llm.reset_prefix_cache()
         self.weight_version += 1
 

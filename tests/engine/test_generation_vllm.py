@@ -193,3 +193,27 @@ def test_from_config_maps_run_config_and_pushes_policy_weights(monkeypatch):
     assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
     assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
     assert len(pushed) == 1 and set(pushed[0]) == {"w"}
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_weight_sync_to_engine_in_its_own_process(tiny, prompts):
+    """The torchrun layout: the engine core in a separate process, weights handed over as a safetensors file."""
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator
+
+    model, tok = tiny
+    gen = VLLMGenerator(resolve_model_path("tiny"), tok, max_model_len=MAX_LEN, dtype="float32", in_process=False)
+    try:
+        assert not gen.in_process
+        updated = {k: v.clone() for k, v in model.state_dict().items()}
+        updated["model.norm.weight"].mul_(4.0)
+        gen.load_weights(updated)
+        out = gen.generate(prompts, SamplingParams(max_new_tokens=6, seed=1))
+        new_model = load_causal_lm("tiny")
+        new_model.load_state_dict(updated)
+        ref, mask = teacher_forced(new_model, prompts, out.token_ids, 1.0)
+        old, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
+        lp = pad_logprobs(out.logprobs)[0]
+        assert logprob_gap(lp, ref, mask)["max_abs"] < 1e-4 and logprob_gap(lp, old, mask)["mean_abs"] > 0.1
+    finally:
+        gen.close()
