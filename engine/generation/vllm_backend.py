@@ -30,8 +30,10 @@ On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache (default here: ``kv_
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
@@ -68,6 +70,35 @@ def pad_logprobs(logprobs: list[list[float]], length: int | None = None) -> tupl
         out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
         mask[i, : len(r)] = True
     return out, mask
+
+
+@contextlib.contextmanager
+def _vllm_safe_module_scan() -> Iterator[None]:
+    """Hide, while vLLM starts, module attributes that break its kernel-override scan.
+
+    vLLM scans every module in ``sys.modules`` and calls ``vars(value).get(...)`` on each attribute that
+    ``hasattr(value, "__dict__")``. llvmlite's ctypes library wrapper (imported by numba, which bm25s uses)
+    answers that attribute with a function stub, so the scan raises ``AttributeError``. Such attributes are
+    set to their original value again on exit; nothing else changes.
+    """
+    hidden: list[tuple[dict, str, object]] = []
+    for module in list(sys.modules.values()):
+        if not (getattr(module, "__name__", "") or "").startswith("llvmlite"):
+            continue
+        namespace = getattr(module, "__dict__", None) or {}
+        for attr, value in list(namespace.items()):
+            try:
+                ok = not hasattr(value, "__dict__") or hasattr(vars(value), "get")
+            except TypeError:
+                ok = True
+            if not ok:
+                hidden.append((namespace, attr, value))
+                namespace[attr] = None
+    try:
+        yield
+    finally:
+        for namespace, attr, value in hidden:
+            namespace[attr] = value
 
 
 class VLLMGenerator:
@@ -116,19 +147,20 @@ class VLLMGenerator:
             enforce_eager = not on_cuda  # CPU: skip torch.compile warm-up (minutes on a small machine)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
-            self.llm = LLM(
-                model=str(model_path),
-                tokenizer=str(model_path),
-                max_model_len=int(max_model_len),
-                gpu_memory_utilization=float(gpu_memory_utilization),
-                seed=int(seed),
-                dtype=dtype,
-                enforce_eager=bool(enforce_eager),
-                enable_prefix_caching=enable_prefix_caching,
-                tensor_parallel_size=int(tensor_parallel_size),
-                logprobs_mode="processed_logprobs",
-                **engine_kwargs,
-            )
+            with _vllm_safe_module_scan():
+                self.llm = LLM(
+                    model=str(model_path),
+                    tokenizer=str(model_path),
+                    max_model_len=int(max_model_len),
+                    gpu_memory_utilization=float(gpu_memory_utilization),
+                    seed=int(seed),
+                    dtype=dtype,
+                    enforce_eager=bool(enforce_eager),
+                    enable_prefix_caching=enable_prefix_caching,
+                    tensor_parallel_size=int(tensor_parallel_size),
+                    logprobs_mode="processed_logprobs",
+                    **engine_kwargs,
+                )
         finally:
             torch.set_num_threads = set_threads
             set_threads(threads)
@@ -163,7 +195,8 @@ class VLLMGenerator:
         # the per-layer post-processing (e.g. the CPU backend's weight repacking), in place.
         if self.in_process:
             kwargs = {"weights_iterator": items, "is_checkpoint_format": True}
-            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+            with _vllm_safe_module_scan():
+                self.llm.collective_rpc("reload_weights", kwargs=kwargs)
         else:  # the engine core lives in another process: hand the tensors over as a safetensors file
             import tempfile
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import bm25s  # noqa: F401  -- brings numba/llvmlite in, as the retriever does in a run; vLLM must still start
 import pytest
 import torch
 from alignopsd.engine.generation.base import SamplingParams
