@@ -86,8 +86,9 @@ class TurnBatch:
             elif isinstance(v, list):
                 out[f.name] = [v[i] for i in idx.tolist()] if v else []
             elif isinstance(v, dict):
-                out[f.name] = {k: (t[idx] if isinstance(t, Tensor) and t.shape[:1] == (self.size,) else t)
-                               for k, t in v.items()}
+                out[f.name] = {
+                    k: (t[idx] if isinstance(t, Tensor) and t.shape[:1] == (self.size,) else t) for k, t in v.items()
+                }
             else:
                 out[f.name] = v
         return replace(self, **out)
