@@ -152,7 +152,7 @@ class Trainer:
                 "config_name": self.cfg.name,
                 "span_lengths_count": len(self.span_lengths),
             },
-            hf_config=getattr(getattr(policy, "model", None), "config", None),
+            hf_config=getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None),
             keep_last=self.cfg.trainer.keep_last,
             rank=self.rank,
             world_size=self.world_size,
@@ -273,6 +273,8 @@ class Trainer:
 
 
 def _optimizer_state(policy) -> dict | None:
+    if hasattr(policy, "optimizer_state"):  # tensor-parallel backends gather their shards' states
+        return {"backend_state": policy.optimizer_state()}
     opt = getattr(policy, "optimizer", None)
     if opt is None:
         return None
@@ -296,6 +298,9 @@ def _load_policy_state(policy, model_state: dict, optimizer_state: dict | None) 
             raise ValueError(
                 f"checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
             )
+    if optimizer_state is not None and "backend_state" in optimizer_state:
+        policy.load_optimizer_state(optimizer_state["backend_state"])
+        return
     if optimizer_state is not None and getattr(policy, "optimizer", None) is not None:
         policy.optimizer.load_state_dict(optimizer_state["optimizer"])
         if "scheduler" in optimizer_state and getattr(policy, "scheduler", None) is not None:

@@ -298,5 +298,25 @@ class MegatronPolicy:
         self.optimizer.load_state_dict(state[f"{prefix}/optimizer"])
         self.steps = int(state["steps"])
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer state of every tensor-parallel rank, gathered (identical on all ranks), for the
+        trainer's single-file checkpoint. Data-parallel replicas hold the same state (no distributed
+        optimizer), so a checkpoint loads at any data-parallel size with the same ``tp``."""
+        local = self.optimizer.state_dict()
+        states: list[Any] = [None] * self.tp
+        if self.tp == 1:
+            states = [local]
+        else:
+            dist.all_gather_object(states, local, group=self.tp_group)
+        return {"tp": self.tp, "tp_rank_states": states, "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if int(state.get("tp", -1)) != self.tp:
+            raise ValueError(f"optimizer_state: saved at tensor_parallel_size={state.get('tp')}, running at {self.tp}")
+        self._materialize_optimizer_state()
+        self.optimizer.load_state_dict(state["tp_rank_states"][self.tp_rank])
+        self.steps = int(state.get("steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
     def state_dict(self) -> dict[str, Any]:
         return self._dcp_state()
