@@ -34,6 +34,8 @@ def test_paper_profiles_match_section5(name):
     assert cfg.model.name.startswith("Qwen/Qwen2.5-") and cfg.encoder.name == "Qwen/Qwen3-Embedding-0.6B"
     assert env.group_n == 8 and tr.total_steps == 150 and tr.lr == 1e-6 and cfg.generation.backend == "vllm"
     assert a.estimator == "alignopsd" and a.ablation == "E"
+    paper_tp = {"alfworld_3b": 2, "alfworld_7b": 2, "webshop_3b": 2, "webshop_7b": 4, "search_3b": 1, "search_7b": 1}
+    assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == paper_tp[name]
     table = {  # gamma, K, alpha_max, mode, scope, kl, penalty, tasks, mini, micro, max_turns, history, prompt
         "alfworld_3b": (0.65, 2, 0.8, "probability_mixture", "turn", 0.01, 0.1, 16, 256, 16, 50, 2, 2048),
         "alfworld_7b": (0.80, 3, 0.8, "probability_mixture", "turn", 0.01, 0.1, 16, 256, 32, 50, 2, 2048),
