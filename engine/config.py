@@ -555,6 +555,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def config_to_dict(cfg: Any) -> Any:
     """Plain, YAML-serialisable mapping of a config (round-trips through load_dataclass)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        if type(cfg).__module__ == "alignopsd.config":
+            # the algorithm section: its own to_dict leaves out the fields derived from other fields
+            # (credit.gamma from rectify.gamma, ...), so a dumped config reloads with --set overrides
+            from alignopsd.config import to_dict
+
+            return to_dict(cfg)
         out = {}
         for f in dataclasses.fields(cfg):
             if not f.init:

@@ -145,3 +145,14 @@ def test_cli_rejects_before_loading_anything(tmp_path, capsys):
 def test_defaults_are_valid():
     cfg = RunConfig().validate()
     assert cfg.algorithm.estimator == "alignopsd" and cfg.teacher_budget == 2048
+
+
+def test_dumped_config_reloads_with_overrides(tmp_path):
+    from alignopsd.engine.config import dump_config
+
+    cfg = load_config(CONFIGS / "quickstart_cpu.yaml")
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path).algorithm == cfg.algorithm
+    again = load_config(path, ["algorithm.rectify.gamma=0.77"])
+    assert again.algorithm.rectify.gamma == 0.77 and again.algorithm.credit.gamma == 0.77
