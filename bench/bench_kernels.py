@@ -4,9 +4,10 @@
 
 Providers: ``ours`` (``alignopsd.kernels``, torch path on CPU / Triton on CUDA), ``torch``
 (plain torch), and for the alignment kernels ``loop`` (loop over tasks) and ``core`` (the
-algorithm core's dense path). Modes for log-prob: ``fwd`` (no grad), ``fwdbwd``. Sizes are
-the ``--quick`` sizes of ``bench.report`` so a run takes a couple of minutes on a CPU; the
-report (``python -m bench.report``) adds peak memory and the CSV/markdown output.
+algorithm core's dense path). Modes for log-prob: ``fwd`` (no grad), ``fwdbwd`` (a training
+step's head through the fused loss), ``fwdbwd_autograd`` (the autograd function). Sizes are the
+``--quick`` sizes of ``bench.report`` so a run takes a couple of minutes on a CPU; the report
+(``python -m bench.report``) adds peak memory and the CSV/markdown output.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from bench import kernel_cases as kc
 
 
-@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd", "fwdbwd_autograd"])
 @pytest.mark.parametrize("model", ["smollm2", "qwen7b"])
 @pytest.mark.parametrize("provider", ["ours", "torch"])
 def test_logprob(benchmark, provider, model, mode):

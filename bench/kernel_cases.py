@@ -6,9 +6,11 @@ Each builder returns a :class:`Case` whose ``ours``/``base`` callables run the m
 (inputs are built once, outside the measurement) and whose ``check`` compares their outputs.
 
 - ``logprob_*``: ``alignopsd.kernels.logprob`` (torch path on CPU, Triton on CUDA) against
-  ``log_softmax(h @ W.T).gather(...)``; ``fwd`` under ``no_grad`` (rescoring), ``fwdbwd`` with
-  gradients to hidden and weight (``.grad`` cleared before each call, so the weight gradient
-  buffer is part of both peaks).
+  ``log_softmax(h @ W.T).gather(...)``; ``fwd`` under ``no_grad`` (rescoring); ``fwdbwd``: a training
+  step's head (PPO-clip token loss, gradients to hidden and weight, the weight gradient added into a
+  preallocated fp32 buffer) with ``logprob_loss_and_grad`` against autograd through the full logits;
+  ``fwdbwd_autograd``: the autograd function ``logprob`` under ``sum(logp).backward()`` (``.grad``
+  cleared before each call, so a fresh weight gradient is part of both peaks).
 - ``alignment_kernels_d*``: ``sibling_topk`` + ``boundary_scores_blocks`` + ``batch_threshold``
   (selection, profiles, JSD, threshold of a whole batch) against a straightforward torch
   implementation that loops over tasks (and, for the one-per-rollout step, over a task's
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from alignopsd.kernels import batch_threshold, boundary_scores_blocks, logprob, sibling_topk
+from alignopsd.kernels import batch_threshold, boundary_scores_blocks, logprob, logprob_loss_and_grad, sibling_topk
 
 GAMMA, TOP_K, T_P, QUANTILE, TAU_MIN, TAU_MAX = 0.7, 3, 0.1, 0.8, 0.01, 0.10
 
@@ -51,6 +53,12 @@ LOGPROB_SHAPES = {
     "smollm2": (576, 49152, 1024, 256),
     "qwen7b": (3584, 152064, 128, 32),
 }
+
+
+def ppo_token_loss(lp, old, adv, clip_low=0.2, clip_high=0.28):
+    """Per-token PPO-clip surrogate (the shape of the trainer's policy loss)."""
+    ratio = torch.exp(lp - old)
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
 
 
 def _plain_logprob(h, w, t):
@@ -77,7 +85,46 @@ def logprob_case(model: str, mode: str, quick: bool, device: str = "cpu") -> Cas
         def check(a, b):
             return f"max|dlogp|={float((a - b).abs().max()):.1e}"
 
-    else:
+    elif mode == "fwdbwd":
+        # A training step's LM head: PPO-clip token-mean loss over the log-probs, gradients to hidden and
+        # weight, the weight gradient added into a preallocated fp32 buffer (a data-parallel main_grad, or
+        # .grad after the first micro-batch). Ours: logprob_loss_and_grad (three matmuls, accumulates in
+        # place). Plain torch: autograd through the full logits, then buffer += weight.grad.
+        old = torch.randn(N, generator=g) - math.log(V)
+        adv = torch.randn(N, generator=g)
+        h.requires_grad_()
+        w.requires_grad_()
+        buf_o = torch.zeros(V, H, device=device)
+        buf_b = torch.zeros(V, H, device=device)
+
+        def token_loss(lp, _ent, idx):
+            return ppo_token_loss(lp, old[idx], adv[idx]) / N
+
+        def ours():
+            buf_o.zero_()
+            r = logprob_loss_and_grad(h, w, t, token_loss, grad_weight=buf_o)
+            return r.grad_hidden, buf_o, r.loss
+
+        def base():
+            buf_b.zero_()
+            h.grad = None
+            w.grad = None
+            loss = token_loss(_plain_logprob(h, w, t), None, torch.arange(N, device=device)).sum()
+            loss.backward()
+            buf_b.add_(w.grad)
+            w.grad = None
+            return h.grad, buf_b, loss.detach()
+
+        def check(a, b):
+            return (
+                f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e} "
+                f"|dloss|={float((a[2] - b[2]).abs()):.1e}"
+            )
+
+    elif mode == "fwdbwd_autograd":
+        # The autograd function (logprob) under sum(logp).backward(): its backward recomputes each logits
+        # tile, four matmuls against plain autograd's three; the weight gradient is a fresh [V, H] on
+        # both sides, so at the 7B head it dominates both peaks.
         h.requires_grad_()
         w.requires_grad_()
 
@@ -95,6 +142,9 @@ def logprob_case(model: str, mode: str, quick: bool, device: str = "cpu") -> Cas
 
         def check(a, b):
             return f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e}"
+
+    else:
+        raise ValueError(f"mode: expected 'fwd', 'fwdbwd' or 'fwdbwd_autograd', got {mode!r}")
 
     big = model == "qwen7b"
     reps = (1 if big else 3) if quick else (3 if big else 5)

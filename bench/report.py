@@ -63,6 +63,8 @@ CASE_ORDER = [
     "logprob_smollm2_fwdbwd",
     "logprob_qwen7b_fwd",
     "logprob_qwen7b_fwdbwd",
+    "logprob_smollm2_fwdbwd_autograd",
+    "logprob_qwen7b_fwdbwd_autograd",
     "alignment_kernels_d384",
     "alignment_kernels_d1024",
     "alignment_kernels_d384_core",
@@ -145,7 +147,7 @@ def build_case(name: str, quick: bool, device: str):
     from bench import kernel_cases as kc
 
     if name.startswith("logprob_"):
-        _, model, mode = name.split("_")
+        _, model, mode = name.split("_", 2)
         return kc.logprob_case(model, mode, quick, device)
     if name.startswith("alignment_kernels_d"):
         rest = name[len("alignment_kernels_d") :]
@@ -176,11 +178,14 @@ def build_info(name: str, quick: bool) -> dict:
     from bench import kernel_cases as kc
 
     if name.startswith("logprob_"):
-        _, model, mode = name.split("_")
+        _, model, mode = name.split("_", 2)
         H, V, n_full, n_quick = kc.LOGPROB_SHAPES[model]
         info = dict(N=n_quick if quick else n_full, H=H, V=V, dtype="fp32", mode=mode)
         if mode == "fwdbwd":
-            info["dW_MiB"] = round(V * H * 4 / 2**20)  # the weight gradient both sides must allocate
+            info["loss"] = "ppo-clip"
+            info["dW"] = "accumulated-into-fp32-buffer"
+        if mode == "fwdbwd_autograd":
+            info["dW_MiB"] = round(V * H * 4 / 2**20)  # the fresh weight gradient both sides allocate
         return info
     rest = name[len("alignment_kernels_d") :]
     tasks = 4 if quick else 16

@@ -5,6 +5,7 @@ torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere
 """
 
 from ._dispatch import HAS_TRITON, interpret_mode, resolve_impl
+from .fused_loss import FusedTokenLoss, logprob_loss_and_grad
 from .jsd_boundary import (
     DISTANCES,
     batch_threshold,
@@ -17,6 +18,7 @@ from .sibling_topk import SiblingTopK, selection_lists, sibling_topk, sibling_to
 
 __all__ = [
     "DISTANCES",
+    "FusedTokenLoss",
     "HAS_TRITON",
     "SiblingTopK",
     "batch_threshold",
@@ -25,6 +27,7 @@ __all__ = [
     "boundary_scores_ref",
     "interpret_mode",
     "logprob",
+    "logprob_loss_and_grad",
     "logprob_ref",
     "logprob_rescore",
     "logprob_vocab_parallel",

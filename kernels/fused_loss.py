@@ -1,0 +1,255 @@
+"""Log-probabilities, a per-token loss and its gradients in one sweep over token chunks.
+
+Legend: N = tokens (flattened), H = hidden size, V = vocabulary size, n = tokens of one chunk.
+
+Why a second entry beside :func:`alignopsd.kernels.logprob`
+-----------------------------------------------------------
+``logprob`` is an autograd function: its forward cannot know the gradient that will arrive
+for each token, so its backward must recompute every logits tile. That is four
+[N, H] x [H, V]-sized matmuls per training forward+backward where plain autograd runs three
+(and pays for it with [N, V] buffers). When the loss is a sum of per-token terms, each
+token's gradient ``dL/dlogp_i`` (and ``dL/dent_i``) is known as soon as that token's
+log-probability is, so the gradients can be formed while the token's logits are still at
+hand -- the approach of fused linear cross-entropy kernels. Per chunk of n tokens:
+
+    z_Vn   = (W_VH @ h_nH.T + b_V) / T            one matmul (chunk buffer, fp32)
+    logp_n, ent_n from z (max, exp, sum)           elementwise on the chunk
+    g_lp_n, g_ent_n = d token_loss / d (logp, ent) autograd on n numbers
+    gz_Vn  = (g_lp (onehot - p) - g_ent p (log p + ent)) / T   in place
+    grad_h_nH  = gz.T @ W                          second matmul
+    grad_W_VH += gz @ h                            third matmul, accumulated in place
+
+Three matmuls, no recomputation, and at most a chunk of logits alive at a time. The weight
+gradient is accumulated straight into a caller's buffer when one is given (``grad_weight=``,
+e.g. the parameter's existing ``.grad`` or a data-parallel ``main_grad``), which removes the
+[V, H] temporary that an autograd backward allocates before adding it into ``.grad``.
+
+Requirement: the loss must be *separable*: a sum over tokens of terms that each depend on one
+token's log-probability and entropy (token-mean PPO/GRPO losses with fixed denominators,
+entropy bonuses, per-token KL to fixed reference log-probs, advantage-weighted terms). The
+closure is evaluated once per chunk and only the chunk's tokens are live variables; a loss
+that couples tokens (a sequence-level ratio, a normaliser computed from log-probs) gets a
+wrong gradient here and must use :func:`logprob` instead.
+
+Chunk size: ``tile_bytes`` bounds the fp32 chunk buffers (one without entropy, two with):
+default ``max(64 MiB, 4 N H)`` capped at 1 GiB, i.e. at least the size of the hidden states
+(the rule of fused cross-entropy kernels), so on a GPU the matmuls stay large while on a CPU
+the chunk stays small. Non-fp32 weights are upcast in vocabulary blocks of at most 32 MiB.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .logprob import _check_inputs, _check_target_range
+
+__all__ = ["FusedTokenLoss", "logprob_loss_and_grad"]
+
+_TILE_MIN = 64 * 2**20
+_TILE_MAX = 2**30
+_UPCAST_BYTES = 32 * 2**20
+
+TokenLoss = Callable[[Tensor, Tensor | None, Tensor], Tensor]
+
+
+class FusedTokenLoss(NamedTuple):
+    """Result of :func:`logprob_loss_and_grad`.
+
+    loss: fp32 scalar, the sum of the per-token losses. logp / entropy: [...] fp32, detached
+    (entropy None unless asked). grad_hidden: [..., H] in hidden's dtype (None if not asked).
+    grad_weight: [V, H], the buffer that was accumulated into (or a new fp32 tensor; None if not
+    asked). grad_bias: [V] likewise (None without a bias).
+    """
+
+    loss: Tensor
+    logp: Tensor
+    entropy: Tensor | None
+    grad_hidden: Tensor | None
+    grad_weight: Tensor | None
+    grad_bias: Tensor | None
+
+
+def _check_buffer(buf: Tensor | None, name: str, shape: tuple[int, ...], device: torch.device) -> None:
+    if buf is None:
+        return
+    if not isinstance(buf, Tensor) or tuple(buf.shape) != shape:
+        raise ValueError(f"{name}: expected a tensor of shape {shape}, got {getattr(buf, 'shape', buf)}")
+    if not buf.is_floating_point():
+        raise ValueError(f"{name}: expected a floating tensor, got {buf.dtype}")
+    if buf.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {buf.device}")
+    if not buf.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (it is accumulated into in place)")
+
+
+def _chunk_rows(n_tokens: int, hidden_size: int, vocab: int, n_buffers: int, tile_bytes: int | None) -> int:
+    """Tokens per chunk: the fp32 chunk buffers fit ``tile_bytes``; chunks are balanced."""
+    if tile_bytes is None:
+        tile_bytes = min(_TILE_MAX, max(_TILE_MIN, 4 * n_tokens * hidden_size))
+    rows = max(1, int(tile_bytes) // (4 * max(1, vocab) * n_buffers))
+    n_chunks = max(1, math.ceil(n_tokens / rows))
+    return max(1, math.ceil(n_tokens / n_chunks))
+
+
+def _token_grads(
+    token_loss: TokenLoss, logp: Tensor, ent: Tensor | None, index: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Evaluate ``token_loss`` on the chunk's (logp, ent) as leaves; return (loss, g_lp, g_ent)."""
+    lp = logp.detach().requires_grad_(True)
+    en = ent.detach().requires_grad_(True) if ent is not None else None
+    with torch.enable_grad():
+        out = token_loss(lp, en, index)
+        if not isinstance(out, Tensor) or not out.is_floating_point():
+            raise ValueError(f"token_loss: must return a floating tensor, got {type(out).__name__}")
+        if out.dim() > 0 and tuple(out.shape) != tuple(lp.shape):
+            raise ValueError(f"token_loss: expected a scalar or shape {tuple(lp.shape)}, got {tuple(out.shape)}")
+        total = out.sum()
+        if not total.requires_grad:  # the loss does not depend on this chunk
+            return total.detach().float(), torch.zeros_like(lp), (torch.zeros_like(en) if en is not None else None)
+        inputs = (lp,) if en is None else (lp, en)
+        grads = torch.autograd.grad(total, inputs, allow_unused=True)
+    g_lp = grads[0] if grads[0] is not None else torch.zeros_like(lp)
+    g_ent = None
+    if en is not None:
+        g_ent = grads[1] if grads[1] is not None else torch.zeros_like(en)
+    return total.detach().float(), g_lp.float(), (g_ent.float() if g_ent is not None else None)
+
+
+def logprob_loss_and_grad(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    token_loss: TokenLoss,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    need_hidden_grad: bool = True,
+    need_weight_grad: bool = True,
+    grad_weight: Tensor | None = None,
+    grad_bias: Tensor | None = None,
+    tile_bytes: int | None = None,
+) -> FusedTokenLoss:
+    """Per-token log-probs (and entropy), a separable loss over them, and its gradients, in one sweep.
+
+    hidden[..., H] (fp32/bf16/fp16), weight[V, H] (same dtype), bias[V] or None, targets[...] ids in [0, V).
+    token_loss(logp_n, ent_n or None, index_n) -> per-token losses [n] (or their sum): called once per
+    chunk with the chunk's log-probs / entropies as differentiable fp32 leaves and ``index_n``, the
+    positions of those tokens in ``targets.reshape(-1)``. It must be separable over tokens (see the module
+    docstring). grad_weight / grad_bias: optional contiguous buffers ([V, H] / [V]) the gradients are
+    added into in place (any float dtype; fp32 recommended); without them new fp32 tensors are returned.
+    tile_bytes: bound on the fp32 chunk buffers (default: see the module docstring).
+
+    Works on any device (plain matmuls plus elementwise work on the chunk). Gradients equal autograd
+    through :func:`logprob_ref` and the same loss, up to fp32 rounding.
+    """
+    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    _check_target_range(targets, 0, weight.shape[0])
+    if not callable(token_loss):
+        raise ValueError(f"token_loss: expected a callable, got {type(token_loss).__name__}")
+    V, H = weight.shape
+    dev = hidden.device
+    _check_buffer(grad_weight, "grad_weight", (V, H), dev)
+    _check_buffer(grad_bias, "grad_bias", (V,), dev)
+    if grad_bias is not None and bias is None:
+        raise ValueError("grad_bias: given without a bias")
+    if tile_bytes is not None and (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes <= 0):
+        raise ValueError(f"tile_bytes: expected a positive int, got {tile_bytes!r}")
+
+    lead = hidden.shape[:-1]
+    h_NH = hidden.detach().reshape(-1, H)
+    t_N = targets.reshape(-1).long()
+    N = h_NH.shape[0]
+    need_b = bias is not None and (need_weight_grad or grad_bias is not None)
+    dW = None
+    if need_weight_grad:
+        dW = grad_weight if grad_weight is not None else torch.zeros(V, H, dtype=torch.float32, device=dev)
+    dB = None
+    if need_b:
+        dB = grad_bias if grad_bias is not None else torch.zeros(V, dtype=torch.float32, device=dev)
+    dH = torch.empty(N, H, dtype=torch.float32, device=dev) if need_hidden_grad else None
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    ent = torch.empty(N, dtype=torch.float32, device=dev) if with_entropy else None
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+
+    w = weight.detach()
+    fp32_w = w.dtype == torch.float32
+    vb = V if fp32_w else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
+    b32 = bias.detach().float() * inv_t if bias is not None else None
+    n_buf = 2 if with_entropy else 1
+    rows = _chunk_rows(N, H, V, n_buf, tile_bytes)
+    z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
+    e_buf = torch.empty_like(z_buf) if with_entropy else None
+    dW_acc_dtype = dW is not None and dW.dtype == torch.float32
+
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        n = n1 - n0
+        h_c = h_NH[n0:n1].float()
+        hs_T = (h_c * inv_t if inv_t != 1.0 else h_c).T  # [H, n]
+        z = z_buf[: V * n].view(V, n)  # z[v, i]: logits of token i, vocabulary entry v
+        for v0 in range(0, V, vb):  # one block for fp32 weights
+            v1 = min(V, v0 + vb)
+            w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
+            if b32 is None:
+                torch.mm(w_c, hs_T, out=z[v0:v1])
+            else:
+                torch.addmm(b32[v0:v1, None], w_c, hs_T, out=z[v0:v1])
+        cols = torch.arange(n, device=dev)
+        t_c = t_N[n0:n1]
+        tz = z[t_c, cols]
+        m = z.amax(dim=0)
+        z.sub_(m)  # z - max
+        if with_entropy:
+            e = e_buf[: V * n].view(V, n)
+            torch.exp(z, out=e)
+            s = e.sum(0)
+            log_s = torch.log(s)
+            u = torch.linalg.vecdot(e, z, dim=0)
+            ent_c = (log_s - u / s).clamp_min(0.0)
+            ent[n0:n1] = ent_c
+        else:
+            e = z.exp_()
+            s = e.sum(0)
+            log_s = torch.log(s)
+            ent_c = None
+        lp_c = tz - m - log_s
+        logp[n0:n1] = lp_c
+        loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, torch.arange(n0, n1, device=dev))
+        loss += loss_c
+        # gz = -(p) * (g_lp + g_ent (log p + ent)) / T, plus g_lp / T at the target
+        if with_entropy:
+            gz = z.add_(ent_c - log_s).mul_(g_ent).add_(g_lp).mul_(e).mul_(-inv_t / s)
+        else:
+            gz = e.mul_(-inv_t * g_lp / s)
+        gz[t_c, cols] += g_lp * inv_t
+        for v0 in range(0, V, vb):
+            v1 = min(V, v0 + vb)
+            w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
+            g_blk = gz[v0:v1]
+            if dH is not None:
+                part = g_blk.T @ w_c  # [n, H]
+                if v0 == 0:
+                    dH[n0:n1] = part
+                else:
+                    dH[n0:n1] += part
+            if dW is not None:
+                if dW_acc_dtype:
+                    dW[v0:v1].addmm_(g_blk, h_c)
+                else:
+                    dW[v0:v1] += (g_blk @ h_c).to(dW.dtype)
+            if dB is not None:
+                dB[v0:v1] += g_blk.sum(1).to(dB.dtype)
+    return FusedTokenLoss(
+        loss=loss,
+        logp=logp.reshape(lead),
+        entropy=ent.reshape(lead) if ent is not None else None,
+        grad_hidden=dH.to(hidden.dtype).reshape(hidden.shape) if dH is not None else None,
+        grad_weight=dW,
+        grad_bias=dB,
+    )
