@@ -2,9 +2,11 @@
 adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch CPU path and a plain
 torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere,
 ``impl="triton"|"torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1``).
+The algorithm core calls these kernels itself for CUDA inputs; ``force_kernels()`` makes it do so
+for CPU inputs under the Triton interpreter (tests).
 """
 
-from ._dispatch import HAS_TRITON, interpret_mode, resolve_impl
+from ._dispatch import HAS_TRITON, core_uses_kernels, force_kernels, interpret_mode, resolve_impl
 from .fused_loss import FusedTokenLoss, logprob_loss_and_grad
 from .jsd_boundary import (
     DISTANCES,
@@ -14,7 +16,14 @@ from .jsd_boundary import (
     boundary_scores_ref,
 )
 from .logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
-from .sibling_topk import SiblingTopK, selection_lists, sibling_topk, sibling_topk_ref
+from .sibling_topk import (
+    SiblingTopK,
+    profiles_blocks,
+    selection_lists,
+    sibling_topk,
+    sibling_topk_from_similarity,
+    sibling_topk_ref,
+)
 
 __all__ = [
     "DISTANCES",
@@ -25,14 +34,18 @@ __all__ = [
     "boundary_scores",
     "boundary_scores_blocks",
     "boundary_scores_ref",
+    "core_uses_kernels",
+    "force_kernels",
     "interpret_mode",
     "logprob",
     "logprob_loss_and_grad",
     "logprob_ref",
     "logprob_rescore",
     "logprob_vocab_parallel",
+    "profiles_blocks",
     "resolve_impl",
     "selection_lists",
     "sibling_topk",
+    "sibling_topk_from_similarity",
     "sibling_topk_ref",
 ]

@@ -13,6 +13,11 @@ triton first. The same holds for triton's own library functions (``tl.zeros``, `
 ``tl.max`` are ``@jit`` functions of ``triton.language.standard``, fixed when triton is
 imported): :func:`launch` swaps interpreted twins in for the duration of an interpreted
 launch and restores the originals afterwards, so nothing outside the call changes.
+
+The algorithm core (``alignopsd.select_sources``, ``correspondence_profiles``, ``boundary_scores``,
+``allocate_credit``) routes CUDA tensors through these kernels by itself (:func:`core_uses_kernels`).
+:func:`force_kernels` extends that to CPU tensors under the Triton interpreter, so tests can prove
+the routing, and its answers, without a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ except Exception:  # noqa: BLE001  (ImportError, or a broken install without a d
 IMPLS = ("auto", "triton", "torch")
 
 _JIT_CACHE: dict[tuple[Callable, bool], Any] = {}
+_FORCED = 0  # nesting depth of force_kernels()
 
 
 def interpret_mode() -> bool:
@@ -63,6 +69,42 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
                 "in the environment (before launching) or use impl='torch'"
             )
     return impl
+
+
+@contextmanager
+def force_kernels() -> Iterator[None]:
+    """Within the block, the algorithm core treats CPU tensors as kernel-eligible (process-wide).
+
+    Normally only CUDA tensors go from the core to the Triton kernels; inside ``with force_kernels():``
+    CPU tensors do too, and the kernels run in the Triton interpreter. For tests only: it requires
+    ``TRITON_INTERPRET=1`` when entered (RuntimeError otherwise), nests, and is not thread-local.
+    """
+    global _FORCED
+    if not HAS_TRITON:
+        raise RuntimeError("force_kernels: triton is not importable")
+    if not interpret_mode():
+        raise RuntimeError("force_kernels: needs the Triton interpreter on CPU; set TRITON_INTERPRET=1 first")
+    _FORCED += 1
+    try:
+        yield
+    finally:
+        _FORCED -= 1
+
+
+def kernels_forced() -> bool:
+    """Whether a :func:`force_kernels` block is active."""
+    return _FORCED > 0
+
+
+def core_uses_kernels(*tensors: torch.Tensor | None) -> bool:
+    """Whether the algorithm core should run on the Triton kernels for these tensors.
+
+    True when triton is importable and some tensor is on CUDA, or inside :func:`force_kernels`.
+    The core then calls the kernel entries with ``impl="triton"``.
+    """
+    if not HAS_TRITON:
+        return False
+    return _FORCED > 0 or any(t is not None and t.is_cuda for t in tensors)
 
 
 def jit(fn: Callable) -> Any:

@@ -25,6 +25,12 @@ writes H, B and P) followed by the shared torch selection; the torch path (batch
 over blocks, then the same selection); ``sibling_topk_ref``, a loop over tasks and targets
 written straight from the spec (the oracle of the tests).
 
+From a precomputed H (the algorithm core's inputs: dense H[source, target] and any
+within-task eligibility B), ``sibling_topk_from_similarity`` gathers the task blocks and runs
+the same selection, and ``profiles_blocks`` the profile kernel (the kernel above without the
+dot product: it reads the H and B tiles). ``alignopsd.select_sources``,
+``correspondence_profiles`` and ``allocate_credit`` call these on CUDA tensors.
+
 Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting values
 (no GPU was available to tune them); blocks are a few hundred turns, so one program per
 32 targets already fills a GPU for 16 tasks x 400 turns.
@@ -37,7 +43,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._blocks import Blocks, check_id_vectors, scatter_dense, task_blocks, to_blocks
+from ._blocks import Blocks, check_id_vectors, gather_blocks, scatter_dense, task_blocks, to_blocks
 from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
 
 if HAS_TRITON:
@@ -47,7 +53,14 @@ else:  # pragma: no cover
     triton = None
     tl = None
 
-__all__ = ["SiblingTopK", "selection_lists", "sibling_topk", "sibling_topk_ref"]
+__all__ = [
+    "SiblingTopK",
+    "profiles_blocks",
+    "selection_lists",
+    "sibling_topk",
+    "sibling_topk_from_similarity",
+    "sibling_topk_ref",
+]
 
 _MASKED = -1.0e30  # an ineligible cell before the division by T_p: its probability is exactly 0
 _BLOCK_T = 32
@@ -60,7 +73,8 @@ class SiblingTopK:
 
     selected: [M, K] long, the kept source indices per target in rank order, -1 padded;
     profile_valid: [M] bool. Dense views, built on first access and cached (each is M x M):
-    ``H`` (H_ST float32), ``eligible`` (B_ST bool), ``P`` (P_TS float32).
+    ``H`` (H_ST float32), ``eligible`` (B_ST bool), ``P`` (P_TS float32; absent when the
+    profiles were not asked for, see :func:`sibling_topk_from_similarity`).
     Block form (what the kernels produce; ``jsd_boundary.boundary_scores_blocks`` reads it
     directly): ``blocks``, ``H_BTS``, ``E_BTS``, ``P_BTS`` [T, N, N], target-major.
     """
@@ -107,6 +121,8 @@ class SiblingTopK:
     @property
     def P(self) -> Tensor:
         if self._P is None:
+            if self.P_BTS is None:
+                raise ValueError("P: profiles were not computed (profiles=False)")
             self._P = scatter_dense(self.P_BTS, self.blocks, self.num_turns, transpose=False)
         return self._P
 
@@ -142,15 +158,25 @@ def _check(teacher_emb, student_emb, task, rollout, turn, source_valid, target_v
         if v.dtype != torch.bool or v.shape != (M,):
             raise ValueError(f"{name}: expected a bool tensor of shape ({M},), got {v.dtype} {tuple(v.shape)}")
         out.append(v)
-    for name, x in (("gamma", gamma), ("profile_temperature", temperature)):
+    _check_params(gamma, top_k, temperature)
+    dev = teacher_emb.device
+    return task.to(dev), rollout.to(dev), turn.to(dev), out[0], out[1]
+
+
+def _check_params(gamma, top_k, temperature, temperature_name: str = "profile_temperature") -> None:
+    for name, x in (("gamma", gamma), (temperature_name, temperature)):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
             raise ValueError(f"{name}: expected a finite real number, got {x!r}")
     if float(temperature) < 1e-6:
-        raise ValueError(f"profile_temperature: must be >= 1e-6, got {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"{temperature_name}: must be >= 1e-6, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected an integer >= 1, got {top_k!r}")
-    dev = teacher_emb.device
-    return task.to(dev), rollout.to(dev), turn.to(dev), out[0], out[1]
+
+
+def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
+    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read)."""
+    if H_BTS.numel() and not bool(torch.isfinite(torch.where(E_BTS, H_BTS, 0.0)).all()):
+        raise ValueError("H: contains NaN or inf at eligible cells")
 
 
 # --------------------------------------------------------------------------------------
@@ -308,6 +334,72 @@ def _blocks_triton(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
     return H, E.bool(), P, valid.bool()
 
 
+def _profiles_kernel(
+    h_ptr,
+    e_ptr,
+    p_ptr,
+    valid_ptr,
+    N,
+    inv_temp,
+    gamma,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Program (block b, target tile): P rows and validity of BLOCK_T targets from precomputed H and B tiles."""
+    b = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    tg = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tg_in = tg < N
+    base = b.to(tl.int64) * N
+    m = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    hmax = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
+    has = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for pass_id in tl.static_range(2):
+        for s0 in range(0, N, BLOCK_S):
+            sr = s0 + tl.arange(0, BLOCK_S)
+            cell = (base + tg[:, None]) * N + sr[None, :]
+            cmask = tg_in[:, None] & (sr < N)[None, :]
+            h = tl.load(h_ptr + cell, mask=cmask, other=0.0)
+            elig = tl.load(e_ptr + cell, mask=cmask, other=0) != 0
+            x = tl.where(elig, h, -1.0e30)
+            if pass_id == 0:
+                hmax = tl.maximum(hmax, tl.max(x, axis=1))
+                has = tl.maximum(has, tl.max(elig.to(tl.int32), axis=1))
+                xs = x * inv_temp
+                m_new = tl.maximum(m, tl.max(xs, axis=1))
+                ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.where(elig, tl.exp(xs - m_new[:, None]), 0.0), axis=1)
+                m = m_new
+            else:
+                denom = tl.where(ssum > 0, ssum, 1.0)
+                p = tl.where(elig, tl.exp(x * inv_temp - m[:, None]) / denom[:, None], 0.0)
+                tl.store(p_ptr + cell, p, mask=cmask)
+    valid = (has > 0) & (hmax >= gamma)
+    tl.store(valid_ptr + base + tg, valid.to(tl.int8), mask=tg_in)
+
+
+def _profiles_triton(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
+    T, N, _ = H_BTS.shape
+    dev = H_BTS.device
+    P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
+    valid = torch.empty(T, N, dtype=torch.int8, device=dev)
+    if T and N:
+        launch(
+            _profiles_kernel,
+            (T, triton.cdiv(N, _BLOCK_T)),
+            H_BTS.float().contiguous(),
+            E_BTS.to(torch.int8).contiguous(),
+            P,
+            valid,
+            N,
+            1.0 / temperature,
+            float(gamma),
+            BLOCK_T=_BLOCK_T,
+            BLOCK_S=_BLOCK_S,
+        )
+    return P, valid.bool()
+
+
 # --------------------------------------------------------------------------------------
 # functional entry
 # --------------------------------------------------------------------------------------
@@ -340,7 +432,6 @@ def sibling_topk(
     )
     impl = resolve_impl(impl, teacher_emb)
     M = teacher_emb.shape[0]
-    dev = teacher_emb.device
     blocks = task_blocks(task, rollout, turn)
     dtype = teacher_emb.dtype if impl == "triton" else torch.float32
     # padding slots hold a copy of some turn's embedding; the validity masks (False on padding) zero them out
@@ -350,14 +441,111 @@ def sibling_topk(
     tgt_ok = to_blocks(tv, blocks)
     run = _blocks_triton if impl == "triton" else _blocks_torch
     H_b, E_b, P_b, valid_b = run(Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature))
-    win = _select_blocks(H_b, E_b, blocks.lroll_TN, max(1, blocks.num_rollouts), float(gamma), top_k)
+    selected, valid = _to_turns(H_b, E_b, valid_b, blocks, M, float(gamma), top_k)
+    return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
+
+
+def _to_turns(
+    H_b: Tensor, E_b: Tensor, valid_b: Tensor, blocks: Blocks, M: int, gamma: float, top_k: int
+) -> tuple[Tensor, Tensor]:
+    """Selection of the blocks, then selected [M, K] and profile_valid [M] in input order."""
+    dev = H_b.device
+    win = _select_blocks(H_b, E_b, blocks.lroll_TN, max(1, blocks.num_rollouts), gamma, top_k)
     T, N = blocks.idx_TN.shape
     chosen = torch.where(win >= 0, blocks.idx_TN.gather(1, win.clamp_min(0).reshape(T, -1)).reshape(win.shape), -1)
     selected = torch.full((M, top_k), -1, dtype=torch.long, device=dev)
     selected[blocks.idx_TN[blocks.member_TN]] = chosen[blocks.member_TN]
     valid = torch.zeros(M, dtype=torch.bool, device=dev)
     valid[blocks.idx_TN[blocks.member_TN]] = valid_b[blocks.member_TN]
-    return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
+    return selected, valid
+
+
+@torch.no_grad()
+def profiles_blocks(
+    H_BTS: Tensor, E_BTS: Tensor, *, gamma: float, temperature: float = 0.1, impl: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """Correspondence profiles and their validity (§3.2) from precomputed target-major blocks.
+
+    H_BTS [T, N, N] float: H_BTS[b, t, s] = H[s, t] of the block's slots; E_BTS [T, N, N] bool, the
+    eligibility in the same layout (False on padding slots). Only eligible cells are read; they must be
+    finite (ValueError naming ``H``). gamma: validity threshold; temperature: T_p >= 1e-6.
+    impl: "auto" | "triton" | "torch".
+    Returns P_BTS [T, N, N] float32 (softmax over eligible s of H[s, t] / T_p; a row without an
+    eligible source is 0) and valid_BT [T, N] bool (some eligible source with H >= gamma).
+    """
+    _check_params(gamma, None, temperature, "temperature")
+    for name, x in (("H", H_BTS), ("eligible", E_BTS)):
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[1] != x.shape[2]:
+            raise ValueError(f"{name}: expected a [T, N, N] tensor, got {tuple(getattr(x, 'shape', ()))}")
+    if E_BTS.shape != H_BTS.shape:
+        raise ValueError(f"eligible: expected shape {tuple(H_BTS.shape)} like H, got {tuple(E_BTS.shape)}")
+    if not H_BTS.is_floating_point():
+        raise ValueError(f"H: expected a floating tensor, got {H_BTS.dtype}")
+    if E_BTS.dtype != torch.bool:
+        raise ValueError(f"eligible: expected a bool tensor, got {E_BTS.dtype}")
+    impl = resolve_impl(impl, H_BTS)
+    E_BTS = E_BTS.to(H_BTS.device)
+    _check_eligible_finite(H_BTS, E_BTS)
+    if impl == "triton":
+        return _profiles_triton(H_BTS, E_BTS, float(gamma), float(temperature))
+    return _profiles_torch(H_BTS.float(), E_BTS, float(gamma), float(temperature))
+
+
+@torch.no_grad()
+def sibling_topk_from_similarity(
+    H: Tensor,
+    eligible: Tensor,
+    task: Tensor,
+    rollout: Tensor,
+    turn: Tensor,
+    *,
+    gamma: float,
+    top_k: int,
+    profile_temperature: float = 0.1,
+    profiles: bool = True,
+    impl: str = "auto",
+) -> SiblingTopK:
+    """:func:`sibling_topk` from a precomputed similarity instead of embeddings (the core's inputs).
+
+    H [M, M] float: H[source, target]; eligible [M, M] bool: any B[source, target] within tasks (a
+    cross-task pair raises ValueError naming ``eligible``). Only eligible cells are read; they must be
+    finite. task/rollout/turn [M] integer ids. gamma, top_k, profile_temperature: as :func:`sibling_topk`.
+    profiles: also compute P (the Triton profile kernel under ``impl="triton"``); without it,
+    ``profile_valid`` is still filled and ``P`` is absent. The selection is the batched block selection
+    of :func:`sibling_topk` (torch ops on any device), equal to ``alignopsd.select_sources`` ties included.
+    Returns :class:`SiblingTopK` whose dense ``H``/``eligible`` are the inputs (H as float32).
+    """
+    task, rollout, turn = check_id_vectors(task, rollout, turn)
+    M = task.shape[0]
+    for name, x in (("H", H), ("eligible", eligible)):
+        if not isinstance(x, Tensor) or x.shape != (M, M):
+            raise ValueError(f"{name}: expected shape ({M}, {M}), got {tuple(getattr(x, 'shape', ()))}")
+    if not H.is_floating_point():
+        raise ValueError(f"H: expected a floating tensor, got {H.dtype}")
+    if eligible.dtype != torch.bool:
+        raise ValueError(f"eligible: expected a bool tensor, got {eligible.dtype}")
+    _check_params(gamma, top_k, profile_temperature)
+    if not isinstance(profiles, bool):
+        raise ValueError(f"profiles: expected a bool, got {profiles!r}")
+    impl = resolve_impl(impl, H)
+    dev = H.device
+    Hf = H.detach().float()
+    eligible = eligible.to(dev)
+    blocks = task_blocks(task.to(dev), rollout.to(dev), turn.to(dev))
+    H_b = gather_blocks(Hf, blocks, transpose=True)
+    E_b = gather_blocks(eligible, blocks, transpose=True)
+    if int(E_b.sum()) != int(eligible.sum()):
+        raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
+    _check_eligible_finite(H_b, E_b)
+    if not profiles:
+        P_b = None
+        valid_b = (E_b & (H_b >= gamma)).any(2)  # = some eligible source and max eligible H >= gamma
+    elif impl == "triton":
+        P_b, valid_b = _profiles_triton(H_b, E_b, float(gamma), float(profile_temperature))
+    else:
+        P_b, valid_b = _profiles_torch(H_b, E_b, float(gamma), float(profile_temperature))
+    selected, valid = _to_turns(H_b, E_b, valid_b, blocks, M, float(gamma), top_k)
+    return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b, H=Hf, eligible=eligible)
 
 
 # --------------------------------------------------------------------------------------
