@@ -15,6 +15,8 @@ densities, projection and weights in float64, outputs float32):
    bit-identical), mixing w = (1 - eta) + eta x (§3.9), token advantages; invalid residual (§3.10).
 
 The hot path is vectorised over the whole batch; segmentation and projection are the sequential parts.
+On CUDA tensors (with triton importable) steps 2-3 and the public ``correspondence_profiles`` /
+``boundary_scores`` run on the Triton kernels of ``alignopsd.kernels`` instead (same rules, tested equal).
 Slow per-turn loop references of every vectorised function live in ``alignopsd.reference``.
 Ablations (§3.11): mode "adaptive" (E), "token" (B), "turn" (C), "random" (D). Ablation A is the
 Mechanism-1 side (alpha_max = 0) and needs nothing here.
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from alignopsd import _native
 from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real
+from alignopsd._kernels import use_kernels
 from alignopsd.advantage import (
     TurnIndex,
     _check_invalid,
@@ -384,6 +387,12 @@ def correspondence_profiles(
     m = int(Hf.shape[0])
     Hf = _square(Hf, "H", m, floating=True)
     E = _square(eligible, "eligible", m, floating=False).to(Hf.device)
+    if use_kernels(Hf):
+        # CUDA: the profile kernel of alignopsd.kernels on one [M, M] block (target-major)
+        from alignopsd.kernels.sibling_topk import profiles_blocks  # noqa: PLC0415
+
+        P_b, valid_b = profiles_blocks(Hf.t()[None], E.t()[None], gamma=gamma, temperature=temperature, impl="triton")
+        return P_b[0], valid_b[0]
     X, has, valid = _masked_logits(Hf.t()[None], E.t().contiguous()[None], gamma)
     P, _ = _softmax_rows(X[0], temperature)
     P[~has[0]] = 0.0
@@ -423,11 +432,11 @@ def boundary_scores(
         turn of a trajectory is never a boundary.
     """
     check_choice(distance, "distance", DISTANCES)
-    if isinstance(P, Tensor) and P.is_cuda:
+    if isinstance(P, Tensor) and use_kernels(P):
         # CUDA: the fused Triton kernel of alignopsd.kernels (same rules, tested equal on CPU)
         from alignopsd.kernels.jsd_boundary import boundary_scores as kernel_boundary_scores  # noqa: PLC0415
 
-        return kernel_boundary_scores(P, profile_valid, eligible, task, rollout, turn, distance=distance)
+        return kernel_boundary_scores(P, profile_valid, eligible, task, rollout, turn, distance=distance, impl="triton")
     task_t, roll_t, turn_t = check_ids(task, rollout, turn)
     m = int(task_t.shape[0])
     Pf = _square(P, "P", m, floating=True).detach()
@@ -955,6 +964,34 @@ class _Structure:
     num_segments: int
 
 
+def _kernel_profiles_distances(
+    index: TurnIndex, H_GSN: Tensor, E_GNS: Tensor, local: Tensor, cfg: CreditConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+    """Profiles (§3.2), adjacent distances (§3.3) and threshold (§3.4) on ``alignopsd.kernels`` (Triton).
+
+    Same rules as the torch path of ``_structure`` (tested equal under the Triton interpreter).
+    Returns valid_R [G*N] bool, P_VN (profiles of the valid rows, row order), negent_V (sum p log p of
+    those rows), d_s [M] float32 and bvalid_s [M] bool (identity order), tau.
+    """
+    from alignopsd.kernels import batch_threshold, boundary_scores_blocks, profiles_blocks  # noqa: PLC0415
+    from alignopsd.kernels._blocks import task_blocks  # noqa: PLC0415
+
+    m = index.num_turns
+    dev = H_GSN.device
+    g, nmax = int(E_GNS.shape[0]), int(E_GNS.shape[1])
+    P_GNS, valid_GN = profiles_blocks(
+        H_GSN.transpose(1, 2), E_GNS, gamma=cfg.gamma, temperature=cfg.profile_temperature, impl="triton"
+    )
+    # the kernels' block layout of the turns in identity order: the same task blocks and slots as H_GSN
+    blocks = task_blocks(index.task_M, index.traj_M, torch.arange(m, device=dev))
+    valid_s = valid_GN[index.task_M, local]
+    d_s, bvalid_s = boundary_scores_blocks(P_GNS, E_GNS, valid_s, blocks, distance=cfg.distance, impl="triton")
+    tau = batch_threshold(d_s, bvalid_s, quantile=cfg.quantile, tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+    valid_R = valid_GN.reshape(g * nmax)
+    P_VN = P_GNS.view(g * nmax, nmax)[valid_R]
+    return valid_R, P_VN, _neg_entropy(P_VN), d_s, bvalid_s, tau
+
+
 def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: str, mx: _Metrics) -> _Structure:
     m = index.num_turns
     dev = H.device
@@ -963,34 +1000,44 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     g, nmax = int(E_GNS.shape[0]), int(E_GNS.shape[1])
     rows = g * nmax
     words_R = _packed_rows(E_GNS.view(rows, nmax))
-    has_R = (words_R != 0).any(-1)
-    X_GNS, _, valid_GN = _masked_logits(H_GSN.transpose(1, 2), E_GNS, cfg.gamma, has_R.view(g, nmax))
     row_s = index.task_M * nmax + local  # row of each turn (identity order) in the flattened [G*N, N] blocks
-    valid_R = valid_GN.reshape(rows)
-    valid_s = valid_R[row_s]
-    # profiles only of valid rows (the only ones distances and diagnostics read), compacted in row order
-    all_valid = bool(valid_R.all())
-    vrows = None if all_valid else torch.nonzero(valid_R).flatten()
-    X_VN = X_GNS.view(rows, nmax) if all_valid else X_GNS.view(rows, nmax).index_select(0, vrows)
-    P_VN, negent_V = _softmax_rows(X_VN, cfg.profile_temperature)
-
-    # consecutive turns of a trajectory sit in consecutive rows; two consecutive VALID rows are also
-    # consecutive in the compacted matrix: score all compacted neighbours, keep the true pairs
+    # consecutive turns of a trajectory sit in consecutive rows
     prev, cur = _adjacent_pairs(index)
     k = row_s[cur] - 1  # adjacent-row pair index (r-1, r) of each (prev, cur) turn pair
     same_R1 = (words_R[1:] == words_R[:-1]).all(-1) if rows > 1 else torch.zeros(0, dtype=torch.bool, device=dev)
-    both = valid_R[k] & valid_R[k + 1]
     same_mask = same_R1[k]
-    ok = both & same_mask
-    sel = torch.nonzero(ok).flatten()
-    pos_R = torch.arange(rows, device=dev) if all_valid else torch.cumsum(valid_R.long(), 0) - 1
-    dist_V1 = _adjacent_distance(P_VN[:-1], P_VN[1:], cfg.distance, m, negent_V[:-1], negent_V[1:])
-    dist = dist_V1[pos_R[k[sel]]]
-    d_s = torch.zeros(m, dtype=torch.float32, device=dev)
-    d_s[cur[sel]] = dist
-    bvalid_s = torch.zeros(m, dtype=torch.bool, device=dev)
-    bvalid_s[cur[sel]] = True
-    tau = _threshold(dist, cfg.quantile, cfg.tau_min, cfg.tau_max)
+
+    if use_kernels(H, E):
+        # CUDA (or force_kernels): profile kernel, fused adjacent-distance kernel, batch threshold
+        valid_R, P_VN, negent_V, d_s, bvalid_s, tau = _kernel_profiles_distances(index, H_GSN, E_GNS, local, cfg)
+        valid_s = valid_R[row_s]
+        both = valid_R[k] & valid_R[k + 1]
+        ok = bvalid_s[cur]  # = both & same_mask: the kernel applies the same structural rule
+        dist = d_s[bvalid_s]
+    else:
+        has_R = (words_R != 0).any(-1)
+        X_GNS, _, valid_GN = _masked_logits(H_GSN.transpose(1, 2), E_GNS, cfg.gamma, has_R.view(g, nmax))
+        valid_R = valid_GN.reshape(rows)
+        valid_s = valid_R[row_s]
+        # profiles only of valid rows (the only ones distances and diagnostics read), compacted in row order
+        all_valid = bool(valid_R.all())
+        vrows = None if all_valid else torch.nonzero(valid_R).flatten()
+        X_VN = X_GNS.view(rows, nmax) if all_valid else X_GNS.view(rows, nmax).index_select(0, vrows)
+        P_VN, negent_V = _softmax_rows(X_VN, cfg.profile_temperature)
+
+        # two consecutive VALID rows are also consecutive in the compacted matrix: score all compacted
+        # neighbours, keep the true pairs
+        both = valid_R[k] & valid_R[k + 1]
+        ok = both & same_mask
+        sel = torch.nonzero(ok).flatten()
+        pos_R = torch.arange(rows, device=dev) if all_valid else torch.cumsum(valid_R.long(), 0) - 1
+        dist_V1 = _adjacent_distance(P_VN[:-1], P_VN[1:], cfg.distance, m, negent_V[:-1], negent_V[1:])
+        dist = dist_V1[pos_R[k[sel]]]
+        d_s = torch.zeros(m, dtype=torch.float32, device=dev)
+        d_s[cur[sel]] = dist
+        bvalid_s = torch.zeros(m, dtype=torch.bool, device=dev)
+        bvalid_s[cur[sel]] = True
+        tau = _threshold(dist, cfg.quantile, cfg.tau_min, cfg.tau_max)
 
     # diagnostics of profiles and distances
     mx.rate("m2/profile_valid_rate", valid_s)
@@ -1008,7 +1055,7 @@ def _structure(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, impl: 
     mx.rate("m2/adjacent_profiles_valid_rate", both)
     mx.rate("m2/structural_mask_change_rate", ~same_mask)
     mx.rate("m2/valid_jsd_pair_rate", ok)
-    mx.put("m2/valid_jsd_sample_count", int(sel.shape[0]))
+    mx.put("m2/valid_jsd_sample_count", int(dist.shape[0]))
     mx.rate("m2/near_zero_jsd_rate", dist <= NEAR_ZERO_DISTANCE)
     mx.dist("m2/normalized_jsd", dist, (0.5, 0.8, 0.9))
     mx.put("m2/segmentation_threshold", tau if math.isfinite(tau) else -1.0)

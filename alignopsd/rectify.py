@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real, check_shape
+from alignopsd._kernels import use_kernels
 
 __all__ = [
     "M1Sidecar",
@@ -206,6 +207,7 @@ def select_sources(
     task, rollout, turn: [M] integer ids. Returns, for every target (in input order), the kept source
     indices best first: candidates with B and H >= gamma, the best source of each sibling rollout
     (ties: smaller identity), then the first ``top_k`` by (-H, identity).
+    On CUDA tensors (with triton importable) the selection runs in ``alignopsd.kernels.sibling_topk``.
     """
     task, rollout, turn = check_ids(task, rollout, turn)
     M = task.numel()
@@ -215,6 +217,14 @@ def select_sources(
     top_k = _check_top_k(top_k)
     if M == 0:
         return []
+    if use_kernels(H_ST, B_ST):
+        # CUDA: the batched block selection of alignopsd.kernels.sibling_topk (equal, ties included)
+        from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity  # noqa: PLC0415
+
+        res = sibling_topk_from_similarity(
+            H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False, impl="triton"
+        )
+        return res.selected_lists()
     idx_TN, member_TN, lroll_TN = _task_blocks(task, rollout, turn)
     T, N = idx_TN.shape
     dev = H_ST.device
