@@ -12,6 +12,9 @@ Checks (GPU shapes; dry-run shapes in brackets):
   H against the fp32 torch path (three-way), selections equal to the core's select_sources on the
   kernel's H (exact), profiles against correspondence_profiles, validity equal.
 - boundary_scores (jsd, entropy, cosine) on those profiles: Triton against the torch path and the core.
+- the core's own dispatch, 16 tasks x 8 rollouts x 50 turns [2 x 3 x 6]: select_sources,
+  correspondence_profiles and allocate_credit on CUDA tensors (routed to the kernels; dry run: under
+  ``force_kernels()``) against the same calls on CPU tensors (the core's torch path).
 Timing: ``triton.testing.do_bench`` medians (ms) of ours vs plain torch; for log-prob also the FLOP
 floor (2 N H V per matmul; forward 1 matmul, backward 3 in ours, 2 minimum) and the byte floor
 (weights + hidden read once), with the achieved fraction of the device peak (``--peak-tflops``,
@@ -90,7 +93,7 @@ def bench_ms(fn, device: str) -> float:
 # ----------------------------------------------------------------------------------------------
 def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
     import torch
-    from alignopsd.kernels import logprob, logprob_ref
+    from alignopsd.kernels import logprob, logprob_loss_and_grad, logprob_ref
 
     lp_mod = sys.modules["alignopsd.kernels.logprob"]
     shapes = [("qwen7b", 4096, 3584, 152064), ("smollm2", 8192, 576, 49152)] if not dry else [("tiny", 37, 72, 1031)]
@@ -128,6 +131,14 @@ def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
                 scale = float(r.abs().max())
                 ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
                 record(f"{tag} {gname}", ok, d)
+            fz = logprob_loss_and_grad(
+                h.detach(), w.detach(), t, lambda a, e, i, gl=gl, ge=ge: a * gl[i] + e * ge[i], with_entropy=True
+            )  # gradients formed with the log-probs (three matmuls), torch ops on the device
+            for gname, o, p, r in zip(("d_hidden", "d_weight"), (fz.grad_hidden, fz.grad_weight), plain, ref):
+                scale = float(r.abs().max())
+                ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
+                record(f"{tag} fused-loss {gname}", ok, d)
+            del fz
             del z, ls, plain_lp, plain_ent, ref_lp, ref_ent, ours, plain, ref, h32, w32, lp, ent
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -141,7 +152,7 @@ def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
 
 def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
     import torch
-    from alignopsd.kernels import logprob
+    from alignopsd.kernels import logprob, logprob_loss_and_grad
 
     N_, H = h.shape
     V = w.shape[0]
@@ -164,10 +175,18 @@ def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
         h.grad = w.grad = None
         torch.log_softmax(h @ w.T, -1).gather(-1, t[:, None]).sum().backward()
 
+    def ours_fused():
+        return logprob_loss_and_grad(hd, wd, t, lambda lp, _e, _i: lp)
+
     flops = 2.0 * N_ * H * V
     esize = h.element_size()
     bytes_ = (V * H + N_ * H) * esize
-    for mode, fo, fb, nmm in (("fwd", ours_fwd, base_fwd, 1), ("fwd+bwd", ours_fb, base_fb, 4)):
+    modes = (
+        ("fwd", ours_fwd, base_fwd, 1),
+        ("fwd+bwd", ours_fb, base_fb, 4),
+        ("fused-loss fwd+bwd", ours_fused, base_fb, 3),
+    )
+    for mode, fo, fb, nmm in modes:
         to, tb = bench_ms(fo, device), bench_ms(fb, device)
         fl = nmm * flops
         min_fl = (1 if mode == "fwd" else 3) * flops
@@ -195,14 +214,11 @@ def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
             print(f"  best forward blocks for {tag}: {best[1]} ({best[0]:.3f} ms)")
 
 
-def check_alignment(device: str, dry: bool) -> None:
+def _turn_batch(tasks: int, rollouts: int, turns: int, D: int, *, seed: int):
+    """Shuffled turns whose thinking embeddings cluster in 8 phases per task; a few invalid (CPU tensors)."""
     import torch
-    from alignopsd.kernels import DISTANCES, boundary_scores, boundary_scores_blocks, sibling_topk
 
-    import alignopsd
-
-    tasks, rollouts, turns, D = (16, 8, 50, 1024) if not dry else (2, 3, 5, 33)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     M = tasks * rollouts * turns
     task = torch.arange(tasks).repeat_interleave(rollouts * turns)
     roll = torch.arange(rollouts).repeat_interleave(turns).repeat(tasks)
@@ -214,7 +230,19 @@ def check_alignment(device: str, dry: bool) -> None:
     sv = torch.rand(M, generator=g) > 0.03
     tv = torch.rand(M, generator=g) > 0.03
     perm = torch.randperm(M, generator=g)
-    te, st, task, roll, turn, sv, tv = (x[perm].to(device) for x in (te, st, task, roll, turn, sv, tv))
+    return tuple(x[perm] for x in (te, st, task, roll, turn, sv, tv))
+
+
+def check_alignment(device: str, dry: bool) -> None:
+    import torch
+    from alignopsd.kernels import DISTANCES, boundary_scores, boundary_scores_blocks, sibling_topk
+
+    import alignopsd
+
+    tasks, rollouts, turns, D = (16, 8, 50, 1024) if not dry else (2, 3, 5, 33)
+    M = tasks * rollouts * turns
+    te, st, task, roll, turn, sv, tv = (x.to(device) for x in _turn_batch(tasks, rollouts, turns, D, seed=0))
+    cpu = lambda *xs: [x.cpu() for x in xs]  # noqa: E731  (the core's torch path runs on CPU tensors)
     kw = dict(gamma=0.7, top_k=3, profile_temperature=0.1)
     for dtype in (torch.float32, torch.bfloat16):
         tag = f"sibling_topk M={M} D={D} {str(dtype).split('.')[-1]}"
@@ -225,20 +253,22 @@ def check_alignment(device: str, dry: bool) -> None:
         ok, d = three_way(out.H, plain, ref.H, 1e-6)
         record(f"{tag} H", ok, d)
         record(f"{tag} eligibility", bool(torch.equal(out.eligible, ref.eligible)), "exact")
-        sel = alignopsd.select_sources(out.H, out.eligible, task, roll, turn, gamma=0.7, top_k=3)
+        sel = alignopsd.select_sources(*cpu(out.H, out.eligible, task, roll, turn), gamma=0.7, top_k=3)
         record(f"{tag} selection == select_sources", out.selected_lists() == sel, f"{sum(map(len, sel))} pairs")
-        P, valid = alignopsd.correspondence_profiles(out.H, out.eligible, gamma=0.7, temperature=0.1)
-        err = float((out.P - P).abs().max())
-        record(f"{tag} profiles", err <= 1e-5 and bool(torch.equal(valid, out.profile_valid)), f"max err {err:.1e}")
+        P, valid = alignopsd.correspondence_profiles(*cpu(out.H, out.eligible), gamma=0.7, temperature=0.1)
+        err = float((out.P.cpu() - P).abs().max())
+        ok = err <= 1e-5 and bool(torch.equal(valid, out.profile_valid.cpu()))
+        record(f"{tag} profiles", ok, f"max err {err:.1e}")
         for dist in DISTANCES:
             d_t, bv_t = boundary_scores(
                 out.P, out.profile_valid, out.eligible, task, roll, turn, distance=dist, impl="triton"
             )
             d_c, bv_c = alignopsd.boundary_scores(
-                out.P, out.profile_valid, out.eligible, task, roll, turn, distance=dist
+                *cpu(out.P, out.profile_valid, out.eligible, task, roll, turn), distance=dist
             )
-            err = float((d_t - d_c).abs().max())
-            record(f"{tag} boundary {dist}", err <= 1e-5 and bool(torch.equal(bv_t, bv_c)), f"max err {err:.1e}")
+            err = float((d_t.cpu() - d_c).abs().max())
+            ok = err <= 1e-5 and bool(torch.equal(bv_t.cpu(), bv_c))
+            record(f"{tag} boundary {dist}", ok, f"max err {err:.1e}")
         if dtype == torch.float32 and TIMING:
 
             def ours():
@@ -260,7 +290,67 @@ def check_alignment(device: str, dry: bool) -> None:
 
             to, tb, tc = bench_ms(ours, device), bench_ms(base, device), bench_ms(core, device)
             TIMES.append((f"alignment M={M} D={D} (triton vs torch path)", to, tb, ""))
-            TIMES.append((f"alignment M={M} D={D} (triton vs core dense)", to, tc, ""))
+            TIMES.append(
+                (f"alignment M={M} D={D} (triton vs core dense)", to, tc, "the core dispatches to the kernels")
+            )
+
+
+def check_core_dispatch(device: str, dry: bool) -> None:
+    """The algorithm core on ``device`` tensors (CUDA: it routes to the Triton kernels by itself; dry run:
+    forced with ``force_kernels()``) against the core on CPU tensors (its torch path): selections and
+    segments exact, profiles and advantages within 1e-5."""
+    import contextlib
+
+    import torch
+    from alignopsd.kernels import core_uses_kernels, force_kernels
+
+    import alignopsd
+    from alignopsd.credit import CreditConfig, allocate_credit
+    from alignopsd.rectify import similarity_matrix
+
+    tasks, rollouts, turns, D, L = (16, 8, 50, 256, 64) if not dry else (2, 3, 6, 16, 5)
+    te, st, task, roll, turn, sv, tv = _turn_batch(tasks, rollouts, turns, D, seed=1)
+    g = torch.Generator().manual_seed(2)
+    M = task.numel()
+    mask = torch.rand(M, L, generator=g) < 0.8
+    mask[:, 0] = True
+    batch = dict(
+        gap=torch.randn(M, L, generator=g),
+        mask=mask,
+        outcome=(torch.rand(tasks, rollouts, generator=g) < 0.5).float()[task, roll],
+        task=task,
+        rollout=roll,
+        turn=turn,
+        H=similarity_matrix(te, st, task),
+        eligible=alignopsd.eligibility(task, roll, sv, tv),
+    )
+    ids = (task, roll, turn)
+    cfg = CreditConfig(gamma=0.7)
+    on_dev = {k: v.to(device) for k, v in batch.items()}
+    dev_ids = tuple(on_dev[k] for k in ("task", "rollout", "turn"))
+    tag = f"core dispatch M={M}"
+    with force_kernels() if dry else contextlib.nullcontext():
+        record(f"{tag} routes to the kernels", core_uses_kernels(on_dev["H"]), f"{device} tensors")
+        sel = alignopsd.select_sources(on_dev["H"], on_dev["eligible"], *dev_ids, gamma=0.7, top_k=3)
+        P, valid = alignopsd.correspondence_profiles(on_dev["H"], on_dev["eligible"], gamma=0.7)
+        credit = allocate_credit(**on_dev, config=cfg)
+    sel_c = alignopsd.select_sources(batch["H"], batch["eligible"], *ids, gamma=0.7, top_k=3)
+    record(f"{tag} select_sources", sel == sel_c, f"{sum(map(len, sel_c))} pairs, exact")
+    P_c, valid_c = alignopsd.correspondence_profiles(batch["H"], batch["eligible"], gamma=0.7)
+    err = float((P.cpu() - P_c).abs().max())
+    record(f"{tag} correspondence_profiles", err <= 1e-5 and bool(torch.equal(valid.cpu(), valid_c)), f"{err:.1e}")
+    ref = allocate_credit(**batch, config=cfg)
+    same = all(
+        torch.equal(getattr(credit, k).cpu(), getattr(ref, k))
+        for k in ("segment_index", "boundary_kind", "boundary_valid", "profile_valid")
+    )
+    err = max(
+        float((getattr(credit, k).cpu() - getattr(ref, k)).abs().max())
+        for k in ("advantage", "turn_weight", "token_advantage", "boundary_distance")
+    )
+    n_seg = int(ref.segment_index.max()) + 1
+    detail = f"{n_seg} spans {'equal' if same else 'DIFFER'}, max err {err:.1e}, tau {credit.threshold:.4g}"
+    record(f"{tag} allocate_credit", same and err <= 1e-5 and abs(credit.threshold - ref.threshold) <= 1e-6, detail)
 
 
 def main(argv=None) -> int:
@@ -292,6 +382,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     check_logprob(device, args.dry_run, peak)
     check_alignment(device, args.dry_run)
+    check_core_dispatch(device, args.dry_run)
     print("\n| check | time ours (ms) | time torch (ms) | speedup | notes |\n|---|---:|---:|---:|---|")
     for label, to, tb, note in TIMES:
         print(f"| {label} | {to:.3f} | {tb:.3f} | {tb / to:.2f}x | {note} |")
