@@ -734,6 +734,7 @@ def ppo_update(
 
     mini = max(1, cfg.trainer.ppo_mini_batch_size // world)
     micro = max(1, cfg.trainer.ppo_micro_batch_size)
+    fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
     minis = _split(m, mini)
     n_mini = int(all_reduce([float(len(minis))], "max", world, getattr(parts, "dp_group", None))[0])
     input_ids, attn = cb.input_ids().to(parts.device), cb.attention_mask().to(parts.device)
@@ -764,39 +765,63 @@ def ppo_update(
             last = j == n_micro - 1
             ctx = policy.no_sync() if (hasattr(policy, "no_sync") and not last) else _null()
             with ctx:
-                logp, ent = policy.response_logprobs(
-                    input_ids[ix], attn[ix], length, temperature=cfg.generation.temperature,
-                    with_entropy=ls.entropy_coef > 0, grad=True,
-                )  # fmt: skip
+                wt = w if float(w.sum()) > 0 else torch.ones_like(w)  # token_mean needs a positive denominator
+
+                def micro_loss(logp_bl, ent_bl, ix=ix, mk=mk, wt=wt):
+                    """The micro-batch loss (§3.12) from [b, L] log-probs / entropies: (loss, logged terms)."""
+                    logp_bl = logp_bl.float().cpu() if logp_bl.device.type != "cpu" else logp_bl.float()
+                    pg, st = ppo_loss(logp_bl, old_logp[ix], adv_ML[ix], mk, clip_low=ls.clip_low,
+                                      clip_high=ls.clip_high, dual_clip=ls.dual_clip, row_weight=wt)  # fmt: skip
+                    loss = pg
+                    terms = {"actor/pg_loss": pg.detach()}
+                    if ls.entropy_coef > 0 and ent_bl is not None:
+                        eb = entropy_bonus(ent_bl.float().cpu(), mk, coef=ls.entropy_coef, row_weight=wt)
+                        loss = loss + eb
+                        terms["actor/entropy"] = -eb.detach() / ls.entropy_coef
+                    if ls.kl_coef != 0 and ref_logp is not None:
+                        kl = token_mean(low_var_kl(logp_bl, ref_logp[ix]), mk, wt)
+                        loss = loss + ls.kl_coef * kl
+                        terms["actor/kl"] = kl.detach()
+                    for term in aux_terms:
+                        a, ast = auxiliary_loss(term, logp_bl, mk, rows=ix, row_weight=wt)
+                        loss = loss + a
+                        terms.update({(k if "/" in k else f"{term.kind}/{k}"): v for k, v in ast.items()})
+                    terms.update({f"actor/{k}": v for k, v in st.items()})
+                    return loss, terms
+
+                with_ent = ls.entropy_coef > 0
+                if fused:
+                    # the head's gradients are formed with the log-probs (three matmuls instead of four)
+                    logp, ent, carrier = policy.response_loss(
+                        input_ids[ix], attn[ix], length, lambda lp_bl, en_bl: micro_loss(lp_bl, en_bl)[0],
+                        loss_fill=old_logp[ix], temperature=cfg.generation.temperature, with_entropy=with_ent,
+                    )  # fmt: skip
+                else:
+                    logp, ent = policy.response_logprobs(
+                        input_ids[ix], attn[ix], length, temperature=cfg.generation.temperature,
+                        with_entropy=with_ent, grad=True,
+                    )  # fmt: skip
                 logp = logp.float().cpu() if logp.device.type != "cpu" else logp.float()
                 if not bool(torch.isfinite(logp[mk.bool()]).all()):
                     # NaN gradients make the optimiser step skip (on every rank, through the all-reduce)
                     log.warning("non-finite log-probs in mini-batch %d: the optimiser step will be skipped", i)
                     out["update/nonfinite_loss"] = out.get("update/nonfinite_loss", 0.0) + 1.0
-                    (logp.sum() * float("nan")).backward()
+                    ((carrier if fused else logp.sum()) * float("nan")).backward()
                     continue
-                wt = w if float(w.sum()) > 0 else torch.ones_like(w)  # token_mean needs a positive denominator
-                pg, st = ppo_loss(logp, old_logp[ix], adv_ML[ix], mk, clip_low=ls.clip_low,
-                                  clip_high=ls.clip_high, dual_clip=ls.dual_clip, row_weight=wt)  # fmt: skip
-                loss = pg
-                terms = {"actor/pg_loss": float(pg.detach())}
-                if ls.entropy_coef > 0 and ent is not None:
-                    eb = entropy_bonus(ent.float().cpu(), mk, coef=ls.entropy_coef, row_weight=wt)
-                    loss = loss + eb
-                    terms["actor/entropy"] = -float(eb.detach()) / ls.entropy_coef
-                if ls.kl_coef != 0 and ref_logp is not None:
-                    kl = token_mean(low_var_kl(logp, ref_logp[ix]), mk, wt)
-                    loss = loss + ls.kl_coef * kl
-                    terms["actor/kl"] = float(kl.detach())
-                for term in aux_terms:
-                    a, ast = auxiliary_loss(term, logp, mk, rows=ix, row_weight=wt)
-                    loss = loss + a
-                    terms.update({(k if "/" in k else f"{term.kind}/{k}"): float(v) for k, v in ast.items()})
-                terms.update({f"actor/{k}": float(v) for k, v in st.items()})
+                if fused:
+                    with torch.no_grad():
+                        loss, terms = micro_loss(logp, ent)
+                    backward_of = carrier
+                else:
+                    loss, terms = micro_loss(logp, ent)
+                    backward_of = loss
+                terms = {k: float(v) for k, v in terms.items()}
                 if not torch.isfinite(loss):
                     log.warning("non-finite loss (%s) in mini-batch %d: the optimiser step will be skipped", loss, i)
                     out["update/nonfinite_loss"] = out.get("update/nonfinite_loss", 0.0) + 1.0
-                (loss * scale).backward()
+                    if fused:
+                        backward_of = carrier * float("nan")
+                (backward_of * scale).backward()
             if not dummy:
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v * scale / n_mini

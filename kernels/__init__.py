@@ -7,7 +7,7 @@ for CPU inputs under the Triton interpreter (tests).
 """
 
 from ._dispatch import HAS_TRITON, core_uses_kernels, force_kernels, interpret_mode, resolve_impl
-from .fused_loss import FusedTokenLoss, logprob_loss_and_grad
+from .fused_loss import FusedTokenLoss, fused_token_loss, logprob_loss_and_grad
 from .jsd_boundary import (
     DISTANCES,
     batch_threshold,
@@ -34,6 +34,7 @@ __all__ = [
     "boundary_scores",
     "boundary_scores_blocks",
     "boundary_scores_ref",
+    "fused_token_loss",
     "core_uses_kernels",
     "force_kernels",
     "interpret_mode",

@@ -32,9 +32,11 @@ that couples tokens (a sequence-level ratio, a normaliser computed from log-prob
 wrong gradient here and must use :func:`logprob` instead.
 
 Chunk size: ``tile_bytes`` bounds the fp32 chunk buffers (one without entropy, two with):
-default ``max(64 MiB, 4 N H)`` capped at 1 GiB, i.e. at least the size of the hidden states
-(the rule of fused cross-entropy kernels), so on a GPU the matmuls stay large while on a CPU
-the chunk stays small. Non-fp32 weights are upcast in vocabulary blocks of at most 32 MiB.
+default ``max(64 MiB, 4 N H)`` on a CPU and ``max(512 MiB, 4 N H)`` on CUDA, capped at 1 GiB, i.e.
+at least the size of the hidden states (the rule of fused cross-entropy kernels). Each chunk
+reads and rewrites the [V, H] weight gradient once, so on a GPU, where that traffic is what
+bounds small chunks, the chunks are larger; on a CPU the matmuls dominate and small chunks
+keep the memory low. Non-fp32 weights are upcast in vocabulary blocks of at most 32 MiB.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from torch import Tensor
 
 from .logprob import _check_inputs, _check_target_range
 
-__all__ = ["FusedTokenLoss", "logprob_loss_and_grad"]
+__all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]
 
 _TILE_MIN = 64 * 2**20
+_TILE_MIN_CUDA = 512 * 2**20
 _TILE_MAX = 2**30
 _UPCAST_BYTES = 32 * 2**20
 
@@ -87,10 +90,13 @@ def _check_buffer(buf: Tensor | None, name: str, shape: tuple[int, ...], device:
         raise ValueError(f"{name}: must be contiguous (it is accumulated into in place)")
 
 
-def _chunk_rows(n_tokens: int, hidden_size: int, vocab: int, n_buffers: int, tile_bytes: int | None) -> int:
+def _chunk_rows(
+    n_tokens: int, hidden_size: int, vocab: int, n_buffers: int, tile_bytes: int | None, on_cuda: bool = False
+) -> int:
     """Tokens per chunk: the fp32 chunk buffers fit ``tile_bytes``; chunks are balanced."""
     if tile_bytes is None:
-        tile_bytes = min(_TILE_MAX, max(_TILE_MIN, 4 * n_tokens * hidden_size))
+        floor = _TILE_MIN_CUDA if on_cuda else _TILE_MIN
+        tile_bytes = min(_TILE_MAX, max(floor, 4 * n_tokens * hidden_size))
     rows = max(1, int(tile_bytes) // (4 * max(1, vocab) * n_buffers))
     n_chunks = max(1, math.ceil(n_tokens / rows))
     return max(1, math.ceil(n_tokens / n_chunks))
@@ -182,7 +188,7 @@ def logprob_loss_and_grad(
     vb = V if fp32_w else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
     b32 = bias.detach().float() * inv_t if bias is not None else None
     n_buf = 2 if with_entropy else 1
-    rows = _chunk_rows(N, H, V, n_buf, tile_bytes)
+    rows = _chunk_rows(N, H, V, n_buf, tile_bytes, dev.type == "cuda")
     z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
     e_buf = torch.empty_like(z_buf) if with_entropy else None
     dW_acc_dtype = dW is not None and dW.dtype == torch.float32
@@ -253,3 +259,61 @@ def logprob_loss_and_grad(
         grad_weight=dW,
         grad_bias=dB,
     )
+
+
+class _FusedLossFn(torch.autograd.Function):
+    """Gradients formed in the forward (three matmuls); the backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, token_loss, inv_temperature, with_entropy, tile_bytes):
+        r = logprob_loss_and_grad(
+            hidden, weight, targets, token_loss, bias=bias, temperature=1.0 / inv_temperature,
+            with_entropy=with_entropy, need_hidden_grad=ctx.needs_input_grad[0],
+            need_weight_grad=ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2]),
+            tile_bytes=tile_bytes,
+        )  # fmt: skip
+        gw = r.grad_weight if ctx.needs_input_grad[1] else None
+        gb = r.grad_bias if (bias is not None and ctx.needs_input_grad[2]) else None
+        ctx.save_for_backward(r.grad_hidden, gw, gb)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ent = r.entropy if r.entropy is not None else torch.zeros_like(r.logp)
+        ctx.mark_non_differentiable(r.logp, ent)
+        return r.loss, r.logp, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        gh, gw, gb = ctx.saved_tensors
+        dt_h, dt_w, dt_b = ctx.dtypes
+
+        def scaled(g, dt):
+            if g is None:
+                return None
+            g = g * g_loss if g_loss is not None else torch.zeros_like(g)
+            return g.to(dt)
+
+        return scaled(gh, dt_h), scaled(gw, dt_w), scaled(gb, dt_b), None, None, None, None, None
+
+
+def fused_token_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    token_loss: TokenLoss,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    tile_bytes: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Autograd form of :func:`logprob_loss_and_grad`: returns (loss, logp, entropy or None).
+
+    ``loss`` (fp32 scalar, the sum of ``token_loss`` over its calls) is differentiable w.r.t. hidden,
+    weight and bias; logp / entropy are detached. All gradients are formed during this call (three
+    matmuls over token chunks) and kept until ``backward``, which multiplies them by the incoming
+    gradient, so autograd hooks (data-parallel reducers, tied embeddings) see an ordinary gradient.
+    The fp32 weight gradient is held between forward and backward ([V, H], the size ``.grad`` will have).
+    ``token_loss`` must be separable over tokens (see the module docstring).
+    """
+    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    loss, logp, ent = _FusedLossFn.apply(hidden, weight, bias, targets, token_loss, inv_t, with_entropy, tile_bytes)
+    return loss, logp, (ent if with_entropy else None)

@@ -22,7 +22,7 @@ import importlib
 import inspect
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
+
+LossFn = Callable[[Tensor, Tensor | None], Tensor]
 
 # Logits of one chunk of the chunked head hold at most this many elements (2^25 fp32 = 128 MiB):
 # with SmolLM2's V = 49152 that is 682 tokens per chunk.
@@ -195,12 +197,21 @@ def score_rows(
     temperature: float = 1.0,
     with_entropy: bool = False,
     impl: str = "auto",
-) -> tuple[Tensor, Tensor | None, int]:
+    loss_fn: LossFn | None = None,
+    loss_fill: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, int] | tuple[Tensor, Tensor | None, int, Tensor]:
     """One forward of ``[prompt | response]`` rows; returns ([B, L] fp32 log-probs, [B, L] entropy or None,
     number of token positions pushed through the model).
 
     prompt_ids/prompt_mask: [B, Lp] left-padded; response_ids/response_mask: [B, L] right-padded. Columns
     that are padding in every row are trimmed before the forward; the output keeps the full width L.
+
+    Fused loss: with ``loss_fn(logp_BL, ent_BL or None) -> scalar`` the head goes through
+    ``alignopsd.kernels.fused_token_loss`` (gradients formed with the log-probs: three head matmuls instead
+    of four) and a fourth output is returned: a zero-valued scalar carrying ``loss_fn``'s gradient (add it
+    to the loss value, or call ``backward`` on it). ``loss_fn`` must be a sum of per-token terms (token-mean
+    losses with fixed denominators are); it is evaluated once per token chunk with the other positions
+    held at ``loss_fill`` ([B, L], default 0) and the returned log-probs/entropies are detached.
     """
     _check_rows(prompt_ids, prompt_mask, response_ids, response_mask)
     b, lr = response_ids.shape
@@ -209,6 +220,8 @@ def score_rows(
     ent_BL = torch.zeros_like(logp_BL) if with_entropy else None
     cols = rmask.any(0).nonzero()
     if cols.numel() == 0 or b == 0:
+        if loss_fn is not None:
+            return logp_BL, ent_BL, 0, torch.zeros((), device=response_ids.device)
         return logp_BL, ent_BL, 0
     lr_used = int(cols.max()) + 1
     start = int(prompt_mask.bool().any(0).nonzero().min())
@@ -222,19 +235,63 @@ def score_rows(
     h_BLD = hidden_BTD[:, lp - 1 : lp - 1 + lr_used]
     sel = rmask[:, :lr_used]
     weight, bias = output_head(model)
-    lp_N, ent_N = token_logprobs(
-        h_BLD[sel],
-        weight,
-        response_ids[:, :lr_used][sel],
-        temperature=temperature,
-        with_entropy=with_entropy,
-        bias_V=bias,
-        impl=impl,
-    )
+    if loss_fn is not None:
+        carrier, lp_N, ent_N = _fused_head_loss(
+            h_BLD[sel], weight, bias, response_ids[:, :lr_used][sel], rmask, loss_fn, loss_fill,
+            temperature=temperature, with_entropy=with_entropy,
+        )  # fmt: skip
+    else:
+        lp_N, ent_N = token_logprobs(
+            h_BLD[sel],
+            weight,
+            response_ids[:, :lr_used][sel],
+            temperature=temperature,
+            with_entropy=with_entropy,
+            bias_V=bias,
+            impl=impl,
+        )
     logp_BL = logp_BL.masked_scatter(rmask, lp_N)
     if with_entropy:
         ent_BL = ent_BL.masked_scatter(rmask, ent_N)
+    if loss_fn is not None:
+        return logp_BL, ent_BL, int(ids.numel()), carrier
     return logp_BL, ent_BL, int(ids.numel())
+
+
+def _fused_head_loss(
+    hidden_ND: Tensor,
+    weight_VD: Tensor,
+    bias_V: Tensor | None,
+    targets_N: Tensor,
+    rmask_BL: Tensor,
+    loss_fn: LossFn,
+    loss_fill: Tensor | None,
+    *,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(zero-valued gradient carrier, [N] log-probs, [N] entropies or None) through ``fused_token_loss``."""
+    from alignopsd.kernels.fused_loss import fused_token_loss  # noqa: PLC0415
+
+    b, length = rmask_BL.shape
+    pos_N = rmask_BL.reshape(-1).nonzero().squeeze(1)  # row-major: the order of hidden[mask]
+    fill = torch.zeros(b * length, dtype=torch.float32, device=rmask_BL.device)
+    if loss_fill is not None:
+        if tuple(loss_fill.shape) != (b, length):
+            raise ValueError(f"loss_fill: expected shape {(b, length)}, got {tuple(loss_fill.shape)}")
+        fill = loss_fill.detach().to(fill.device, torch.float32).reshape(-1)
+    zeros = torch.zeros(b * length, dtype=torch.float32, device=rmask_BL.device)
+
+    def token_loss(lp_n: Tensor, ent_n: Tensor | None, idx_n: Tensor) -> Tensor:
+        where = pos_N[idx_n.to(pos_N.device)]
+        lp_BL = fill.index_put((where,), lp_n.to(fill.device)).view(b, length)
+        ent_BL = zeros.index_put((where,), ent_n.to(fill.device)).view(b, length) if ent_n is not None else None
+        return loss_fn(lp_BL, ent_BL)
+
+    loss, lp_N, ent_N = fused_token_loss(
+        hidden_ND, weight_VD, targets_N, token_loss, bias=bias_V, temperature=temperature, with_entropy=with_entropy
+    )
+    return loss - loss.detach(), lp_N, ent_N
 
 
 class ResponseScorer(nn.Module):
@@ -253,8 +310,10 @@ class ResponseScorer(nn.Module):
         response_mask: Tensor,
         temperature: float = 1.0,
         with_entropy: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        logp, ent, _ = score_rows(
+        loss_fn: LossFn | None = None,
+        loss_fill: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
+        out = score_rows(
             self.model,
             prompt_ids,
             prompt_mask,
@@ -263,8 +322,12 @@ class ResponseScorer(nn.Module):
             temperature=temperature,
             with_entropy=with_entropy,
             impl=self.impl,
+            loss_fn=loss_fn,
+            loss_fill=loss_fill,
         )
-        return logp, ent
+        if loss_fn is not None:
+            return out[0], out[1], out[3]
+        return out[0], out[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -367,6 +430,46 @@ class HFPolicy:
                 return self.scorer(*args)
         finally:
             self.model.train(was_training)
+
+    supports_fused_loss = True
+    """``response_loss`` is available: the head's gradients are formed with the log-probs (see ``score_rows``)."""
+
+    def response_loss(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_length: int,
+        loss_fn: LossFn,
+        *,
+        loss_fill: Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Training forward through the fused head loss: ([B, L] log-probs, [B, L] entropy or None, carrier).
+
+        ``loss_fn(logp_BL, ent_BL) -> scalar`` must be a sum of per-token terms; ``carrier`` is a zero-valued
+        scalar whose gradient is ``loss_fn``'s (``(carrier * scale).backward()``); log-probs are detached.
+        Goes through DDP when distributed, like ``response_logprobs(grad=True)``.
+        """
+        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+        t = int(input_ids.shape[1])
+        if not 0 < response_length < t:
+            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
+        lp = t - response_length
+        self.model.train()
+        return self.module(
+            input_ids[:, :lp],
+            attention_mask[:, :lp],
+            input_ids[:, lp:],
+            attention_mask[:, lp:],
+            temperature,
+            with_entropy,
+            loss_fn,
+            loss_fill,
+        )
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip the DDP gradient all-reduce (for all micro-batches but the last of an update)."""

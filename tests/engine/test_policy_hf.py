@@ -103,6 +103,48 @@ def test_response_logprobs_match_reference_with_entropy(impl):
         pol.response_logprobs(ids, mask[:, 1:], 5)
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_loss_matches_autograd(with_entropy):
+    """response_loss (gradients formed with the log-probs) equals autograd through response_logprobs."""
+    from alignopsd.losses import entropy_bonus, ppo_loss
+
+    ids, mask = rows(2)
+    rmask = mask[:, 6:].float()
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(4, 5, generator=g) - 4.0
+    adv = torch.randn(4, 5, generator=g)
+
+    def loss_fn(lp, ent):
+        loss, _ = ppo_loss(lp, old, adv, rmask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+        if ent is not None:
+            loss = loss + entropy_bonus(ent, rmask, coef=0.01)
+        return loss
+
+    grads, lps = [], []
+    for fused in (False, True):
+        model = tiny_model(4)
+        pol = HFPolicy(model, lr=1e-3)
+        if fused:
+            lp, ent, carrier = pol.response_loss(ids, mask, 5, loss_fn, loss_fill=old, temperature=0.8,
+                                                 with_entropy=with_entropy)  # fmt: skip
+            assert float(carrier.detach()) == 0.0 and not lp.requires_grad
+            (carrier * 1.7).backward()
+        else:
+            lp, ent = pol.response_logprobs(ids, mask, 5, temperature=0.8, with_entropy=with_entropy, grad=True)
+            (loss_fn(lp, ent) * 1.7).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        lps.append(lp.detach())
+    assert (lps[1] - lps[0]).abs().max() < 1e-5
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name, ga in grads[0].items():
+        torch.testing.assert_close(grads[1][name], ga, atol=2e-6, rtol=1e-4, msg=name)
+    assert max(float(gr.abs().max()) for gr in grads[0].values()) > 1e-4  # the comparison is not vacuous
+    with pytest.raises(ValueError, match="loss_fn"):
+        pol.response_loss(ids, mask, 5, None)
+    with pytest.raises(ValueError, match="loss_fill"):
+        pol.response_loss(ids, mask, 5, loss_fn, loss_fill=old[:, :3])
+
+
 @pytest.mark.parametrize("impl", ["kernel", "chunked"])
 def test_grad_step_clip_and_checkpoint(tmp_path, impl):
     model = tiny_model(1)

@@ -56,27 +56,37 @@ def test_zero_advantage_skips_without_forward(tiny_policy, monkeypatch):
     assert out["update/skipped"] == 1.0 and out["update/zero_advantage"] == 1.0 and not calls
 
 
-def test_nonfinite_loss_skips_update_weights_unchanged(tiny_policy, monkeypatch, caplog):
+@pytest.mark.parametrize("fused", [True, False])
+def test_nonfinite_loss_skips_update_weights_unchanged(tiny_policy, monkeypatch, caplog, fused):
     cb = _batch()
     old = _old_logp(tiny_policy, cb)
     before = {k: v.clone() for k, v in tiny_policy.model.state_dict().items()}
-    orig = tiny_policy.response_logprobs
+    orig, orig_fused = tiny_policy.response_logprobs, tiny_policy.response_loss
 
     def poisoned(*a, **k):
         lp, ent = orig(*a, **k)
         return lp * float("nan"), ent
 
+    def poisoned_fused(*a, **k):
+        lp, ent, carrier = orig_fused(*a, **k)
+        return lp * float("nan"), ent, carrier
+
     monkeypatch.setattr(tiny_policy, "response_logprobs", poisoned)
+    monkeypatch.setattr(tiny_policy, "response_loss", poisoned_fused)
     adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
-    out = ppo_update(_parts(tiny_policy), cb, old, None, adv, torch.ones(6), [])
+    out = ppo_update(
+        _parts(tiny_policy, **{"trainer.fused_head_loss": str(fused).lower()}), cb, old, None, adv, torch.ones(6), []
+    )
     assert out["update/skipped"] == 1.0 and out["update/nonfinite_loss"] >= 1
     after = tiny_policy.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert "non-finite" in caplog.text
 
 
-def test_update_moves_weights_and_global_token_mean(tiny_policy):
-    """Splitting into micro-batches does not change the gradient (exact global token-mean, §3.12)."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
+    """Splitting into micro-batches does not change the gradient (exact global token-mean, §3.12); the fused
+    head loss gives the gradient of autograd through the whole batch."""
     from alignopsd.losses import ppo_loss
 
     cb = _batch()
@@ -102,7 +112,8 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy):
 
     tiny_policy.optimizer_step = capture
     try:
-        parts = _parts(tiny_policy, **{"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0})
+        over = {"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0}
+        parts = _parts(tiny_policy, **over, **{"trainer.fused_head_loss": str(fused).lower()})
         out = ppo_update(parts, cb, old, None, adv, torch.ones(6), [])
     finally:
         tiny_policy.optimizer_step = orig_step

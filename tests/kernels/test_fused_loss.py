@@ -175,3 +175,34 @@ def test_validation_names_the_argument():
         logprob_loss_and_grad(h, w, t, tl, tile_bytes=0)
     with pytest.raises(ValueError, match="temperature"):
         logprob_loss_and_grad(h, w, t, tl, temperature=0.0)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_autograd_form_scales_by_incoming_gradient(with_entropy):
+    """fused_token_loss: (2.5 * loss).backward() gives 2.5x the reference gradients, through a tied use of W."""
+    from alignopsd.kernels import fused_token_loss
+
+    h, w, b, t, old, adv = _inputs(bias=True)
+    tl = _ppo_loss(old, adv, ent_coef=0.1)
+    hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
+    loss, lp, ent = fused_token_loss(hh, ww, t, tl, bias=bb, temperature=TEMP, with_entropy=with_entropy)
+    assert not lp.requires_grad and (ent is None) != with_entropy
+    (2.5 * loss + ww.sum()).backward()  # ww is also used elsewhere: its gradients add up
+    ref_loss, ref_lp, _, gh, gw, b32 = _reference(h, w, b, t, tl, with_entropy=with_entropy)
+    torch.testing.assert_close(loss.detach(), ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(hh.grad, 2.5 * gh, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(ww.grad, 2.5 * gw + 1.0, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(bb.grad, 2.5 * b32.grad, atol=3e-5, rtol=1e-4)
+
+
+def test_autograd_form_frozen_weight():
+    from alignopsd.kernels import fused_token_loss
+
+    h, w, _, t, old, adv = _inputs(bias=False)
+    hh = h.clone().requires_grad_()
+    loss, _, _ = fused_token_loss(hh, w, t, _ppo_loss(old, adv), temperature=TEMP)
+    loss.backward()
+    _, _, _, gh, _, _ = _reference(h, w, None, t, _ppo_loss(old, adv), with_entropy=False)
+    torch.testing.assert_close(hh.grad, gh, atol=1e-5, rtol=1e-4)
+    assert w.grad is None
