@@ -251,9 +251,9 @@ class TrainerConfig:
     logprob_reuse: bool = False
     """Take old log-probs from the rollout engine (hf backend only) instead of a trainer forward."""
     fused_head_loss: bool = True
-    """PPO forward through the fused head loss (hf backend): the LM head's gradients are formed with the
-    log-probs, three head matmuls instead of four (the policy loss is a sum of per-token terms). Off:
-    autograd through alignopsd.kernels.logprob. Backends without it (megatron) always use autograd."""
+    """PPO forward through the fused head loss (hf and megatron backends, vocab-parallel under tensor
+    parallelism): the LM head's gradients are formed with the log-probs, three head matmuls instead of four
+    (the policy loss is a sum of per-token terms). Off: autograd through alignopsd.kernels.logprob."""
     rescoring_mode: str = "shared_prefix"
     """Teacher scoring: shared_prefix (prompt KV cache shared by diagonal and cross rows) | plain."""
     device: str = "auto"

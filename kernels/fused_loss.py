@@ -46,9 +46,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .logprob import _check_inputs, _check_target_range
+from .logprob import _all_reduce_partials, _check_inputs, _check_target_range
 
 __all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]
 
@@ -140,6 +141,9 @@ def logprob_loss_and_grad(
     grad_weight: Tensor | None = None,
     grad_bias: Tensor | None = None,
     tile_bytes: int | None = None,
+    group=None,
+    vocab_start: int = 0,
+    reduce_grad_hidden: bool = True,
 ) -> FusedTokenLoss:
     """Per-token log-probs (and entropy), a separable loss over them, and its gradients, in one sweep.
 
@@ -151,11 +155,25 @@ def logprob_loss_and_grad(
     added into in place (any float dtype; fp32 recommended); without them new fp32 tensors are returned.
     tile_bytes: bound on the fp32 chunk buffers (default: see the module docstring).
 
+    Vocab parallel (``group`` given): ``weight``/``bias`` are this rank's rows ``[vocab_start, vocab_start + V)``
+    of the head and ``targets`` are global ids, each in exactly one rank's shard; every rank of ``group``
+    passes the same hidden states, targets and loss. Per chunk, one MAX and one SUM all-reduce combine the
+    shards' partial statistics (as :func:`logprob_vocab_parallel` does), so every rank sees the same log-probs
+    and loss gradients; each rank gets its own shard's weight/bias gradient, and the hidden gradient (a sum
+    over shards) is all-reduced over ``group`` at the end unless ``reduce_grad_hidden=False``.
+
     Works on any device (plain matmuls plus elementwise work on the chunk). Gradients equal autograd
     through :func:`logprob_ref` and the same loss, up to fp32 rounding.
     """
     inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
-    _check_target_range(targets, 0, weight.shape[0])
+    if group is None:
+        if vocab_start != 0:
+            raise ValueError(f"vocab_start: only meaningful with a group, got {vocab_start!r}")
+        _check_target_range(targets, 0, weight.shape[0])
+    else:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+        _check_target_range(targets, 0, 2**62)
     if not callable(token_loss):
         raise ValueError(f"token_loss: expected a callable, got {type(token_loss).__name__}")
     V, H = weight.shape
@@ -207,33 +225,49 @@ def logprob_loss_and_grad(
             else:
                 torch.addmm(b32[v0:v1, None], w_c, hs_T, out=z[v0:v1])
         cols = torch.arange(n, device=dev)
-        t_c = t_N[n0:n1]
-        tz = z[t_c, cols]
+        lt = t_N[n0:n1] - vocab_start  # local target row; outside [0, V) on other ranks' shards
+        hit = (lt >= 0) & (lt < V)
+        lt_in = lt.clamp(0, max(V - 1, 0))
+        tz = torch.where(hit, z[lt_in, cols], 0.0)
         m = z.amax(dim=0)
-        z.sub_(m)  # z - max
+        z.sub_(m)  # z - max (this shard's max)
         if with_entropy:
             e = e_buf[: V * n].view(V, n)
             torch.exp(z, out=e)
             s = e.sum(0)
-            log_s = torch.log(s)
             u = torch.linalg.vecdot(e, z, dim=0)
-            ent_c = (log_s - u / s).clamp_min(0.0)
-            ent[n0:n1] = ent_c
         else:
             e = z.exp_()
             s = e.sum(0)
-            log_s = torch.log(s)
-            ent_c = None
-        lp_c = tz - m - log_s
+            u = torch.zeros_like(s)
+        if group is None:
+            lse = m + torch.log(s)
+            c = 1.0 / s  # p = e * c
+            m_g, s_g, u_g, tz_g = m, s, u, tz
+        else:
+            m_g, s_g, u_g, tz_g, hits = _all_reduce_partials(m, s, u, tz, hit, group)
+            if not bool((hits == 1).all()):
+                raise ValueError(
+                    "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
+                )
+            lse = m_g + torch.log(s_g)
+            c = torch.exp(m - lse)
+        ent_c = (torch.log(s_g) - u_g / s_g).clamp_min(0.0) if with_entropy else None
+        if with_entropy:
+            ent[n0:n1] = ent_c
+        lp_c = tz_g - lse
         logp[n0:n1] = lp_c
         loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, torch.arange(n0, n1, device=dev))
         loss += loss_c
-        # gz = -(p) * (g_lp + g_ent (log p + ent)) / T, plus g_lp / T at the target
+        # gz = -p (g_lp + g_ent (log p + ent)) / T, plus g_lp / T at the target; log p = (z - m) + m - lse
         if with_entropy:
-            gz = z.add_(ent_c - log_s).mul_(g_ent).add_(g_lp).mul_(e).mul_(-inv_t / s)
+            gz = z.add_(m - lse + ent_c).mul_(g_ent).add_(g_lp).mul_(e).mul_(-inv_t * c)
         else:
-            gz = e.mul_(-inv_t * g_lp / s)
-        gz[t_c, cols] += g_lp * inv_t
+            gz = e.mul_(-inv_t * g_lp * c)
+        if group is None:
+            gz[lt_in, cols] += g_lp * inv_t
+        else:
+            gz[lt_in[hit], cols[hit]] += g_lp[hit] * inv_t
         for v0 in range(0, V, vb):
             v1 = min(V, v0 + vb)
             w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
@@ -251,6 +285,8 @@ def logprob_loss_and_grad(
                     dW[v0:v1] += (g_blk @ h_c).to(dW.dtype)
             if dB is not None:
                 dB[v0:v1] += g_blk.sum(1).to(dB.dtype)
+    if dH is not None and group is not None and reduce_grad_hidden:
+        dist.all_reduce(dH, op=dist.ReduceOp.SUM, group=group)
     return FusedTokenLoss(
         loss=loss,
         logp=logp.reshape(lead),
@@ -265,12 +301,13 @@ class _FusedLossFn(torch.autograd.Function):
     """Gradients formed in the forward (three matmuls); the backward scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, token_loss, inv_temperature, with_entropy, tile_bytes):
+    def forward(ctx, hidden, weight, bias, targets, token_loss, inv_temperature, with_entropy, tile_bytes, tp):
+        group, vocab_start, reduce_grad_hidden = tp
         r = logprob_loss_and_grad(
             hidden, weight, targets, token_loss, bias=bias, temperature=1.0 / inv_temperature,
             with_entropy=with_entropy, need_hidden_grad=ctx.needs_input_grad[0],
             need_weight_grad=ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2]),
-            tile_bytes=tile_bytes,
+            tile_bytes=tile_bytes, group=group, vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden,
         )  # fmt: skip
         gw = r.grad_weight if ctx.needs_input_grad[1] else None
         gb = r.grad_bias if (bias is not None and ctx.needs_input_grad[2]) else None
@@ -291,7 +328,7 @@ class _FusedLossFn(torch.autograd.Function):
             g = g * g_loss if g_loss is not None else torch.zeros_like(g)
             return g.to(dt)
 
-        return scaled(gh, dt_h), scaled(gw, dt_w), scaled(gb, dt_b), None, None, None, None, None
+        return scaled(gh, dt_h), scaled(gw, dt_w), scaled(gb, dt_b), None, None, None, None, None, None
 
 
 def fused_token_loss(
@@ -304,6 +341,9 @@ def fused_token_loss(
     temperature: float = 1.0,
     with_entropy: bool = False,
     tile_bytes: int | None = None,
+    group=None,
+    vocab_start: int = 0,
+    reduce_grad_hidden: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Autograd form of :func:`logprob_loss_and_grad`: returns (loss, logp, entropy or None).
 
@@ -312,8 +352,10 @@ def fused_token_loss(
     matmuls over token chunks) and kept until ``backward``, which multiplies them by the incoming
     gradient, so autograd hooks (data-parallel reducers, tied embeddings) see an ordinary gradient.
     The fp32 weight gradient is held between forward and backward ([V, H], the size ``.grad`` will have).
-    ``token_loss`` must be separable over tokens (see the module docstring).
+    ``token_loss`` must be separable over tokens (see the module docstring). ``group`` / ``vocab_start`` /
+    ``reduce_grad_hidden``: vocab parallel, as in :func:`logprob_loss_and_grad`.
     """
     inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
-    loss, logp, ent = _FusedLossFn.apply(hidden, weight, bias, targets, token_loss, inv_t, with_entropy, tile_bytes)
+    tp = (group, vocab_start, reduce_grad_hidden)
+    loss, logp, ent = _FusedLossFn.apply(hidden, weight, bias, targets, token_loss, inv_t, with_entropy, tile_bytes, tp)
     return loss, logp, (ent if with_entropy else None)

@@ -236,7 +236,7 @@ def score_rows(
     sel = rmask[:, :lr_used]
     weight, bias = output_head(model)
     if loss_fn is not None:
-        carrier, lp_N, ent_N = _fused_head_loss(
+        carrier, lp_N, ent_N = fused_head_loss(
             h_BLD[sel], weight, bias, response_ids[:, :lr_used][sel], rmask, loss_fn, loss_fill,
             temperature=temperature, with_entropy=with_entropy,
         )  # fmt: skip
@@ -258,7 +258,7 @@ def score_rows(
     return logp_BL, ent_BL, int(ids.numel())
 
 
-def _fused_head_loss(
+def fused_head_loss(
     hidden_ND: Tensor,
     weight_VD: Tensor,
     bias_V: Tensor | None,
@@ -269,8 +269,12 @@ def _fused_head_loss(
     *,
     temperature: float,
     with_entropy: bool,
+    group=None,
+    vocab_start: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(zero-valued gradient carrier, [N] log-probs, [N] entropies or None) through ``fused_token_loss``."""
+    """(zero-valued gradient carrier, [N] log-probs, [N] entropies or None) through ``fused_token_loss``.
+
+    ``group`` / ``vocab_start``: vocab-parallel head (this rank's shard of the output embedding)."""
     from alignopsd.kernels.fused_loss import fused_token_loss  # noqa: PLC0415
 
     b, length = rmask_BL.shape
@@ -289,8 +293,9 @@ def _fused_head_loss(
         return loss_fn(lp_BL, ent_BL)
 
     loss, lp_N, ent_N = fused_token_loss(
-        hidden_ND, weight_VD, targets_N, token_loss, bias=bias_V, temperature=temperature, with_entropy=with_entropy
-    )
+        hidden_ND, weight_VD, targets_N, token_loss, bias=bias_V, temperature=temperature,
+        with_entropy=with_entropy, group=group, vocab_start=vocab_start,
+    )  # fmt: skip
     return loss - loss.detach(), lp_N, ent_N
 
 

@@ -90,3 +90,46 @@ def test_vocab_parallel_rejects_uncovered_targets(group):
     bad[0] = V + 5  # in no shard
     with pytest.raises(ValueError, match="targets"):
         logprob_vocab_parallel(h, w[lo:hi], bad, group=group, vocab_start=lo, impl="torch")
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("tile_bytes", [None, 4 * 517 * 5])
+def test_fused_loss_vocab_parallel_matches_single_process(group, with_entropy, tile_bytes):
+    """logprob_loss_and_grad over vocabulary shards: log-probs, loss and gradients equal the single process."""
+    from alignopsd.kernels import fused_token_loss, logprob_loss_and_grad
+
+    rank = dist.get_rank(group)
+    h, w, b, t = _full_inputs()
+    lo, hi = (0, SPLIT) if rank == 0 else (SPLIT, V)
+    gen = torch.Generator().manual_seed(5)
+    old, adv = torch.randn(N, generator=gen) - 6.0, torch.randn(N, generator=gen)
+
+    def token_loss(lp, ent, idx):
+        r = torch.exp(lp - old[idx])
+        out = -torch.minimum(r * adv[idx], r.clamp(0.8, 1.28) * adv[idx])
+        return out - 0.1 * ent if ent is not None else out
+
+    full = logprob_loss_and_grad(h, w, t, token_loss, bias=b, temperature=TEMP, with_entropy=with_entropy)
+    shard = logprob_loss_and_grad(
+        h, w[lo:hi].contiguous(), t, token_loss, bias=b[lo:hi].contiguous(), temperature=TEMP,
+        with_entropy=with_entropy, tile_bytes=tile_bytes, group=group, vocab_start=lo,
+    )  # fmt: skip
+    torch.testing.assert_close(shard.loss, full.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shard.logp, full.logp, atol=2e-6, rtol=1e-6)  # |logp| ~ 16: 1 ulp is 1.9e-6
+    if with_entropy:
+        torch.testing.assert_close(shard.entropy, full.entropy, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shard.grad_hidden, full.grad_hidden, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(shard.grad_weight, full.grad_weight[lo:hi], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(shard.grad_bias, full.grad_bias[lo:hi], atol=1e-6, rtol=1e-5)
+
+    # autograd form under the same shards
+    hs, ws = h.clone().requires_grad_(), w[lo:hi].clone().requires_grad_()
+    loss, lp, _ = fused_token_loss(
+        hs, ws, t, token_loss, temperature=TEMP, with_entropy=with_entropy, group=group, vocab_start=lo
+    )
+    loss.backward()
+    ref = logprob_loss_and_grad(h, w, t, token_loss, temperature=TEMP, with_entropy=with_entropy)
+    torch.testing.assert_close(hs.grad, ref.grad_hidden, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ws.grad, ref.grad_weight[lo:hi], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="targets"):
+        logprob_loss_and_grad(h, w[lo:hi], t, token_loss, group=group, vocab_start=lo + 1)

@@ -221,6 +221,52 @@ class MegatronPolicy:
                 ent_BL = torch.zeros_like(logp_BL).masked_scatter(rmask_BL, ent_N.float())
         return logp_BL, ent_BL
 
+    supports_fused_loss = True
+    """``response_loss``: the vocab-parallel head's gradients are formed with the log-probs."""
+
+    def response_loss(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_length: int,
+        loss_fn,
+        *,
+        loss_fill: Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Training forward through the fused (vocab-parallel) head loss; the contract of
+        ``HFPolicy.response_loss``: ([B, L] log-probs, [B, L] entropy or None, zero-valued gradient carrier).
+        ``loss_fn`` must be a sum of per-token terms; every rank of the tensor-parallel group passes the same
+        rows and loss."""
+        from alignopsd.engine.policy.hf import fused_head_loss  # noqa: PLC0415
+
+        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+        t = int(input_ids.shape[1])
+        if not 0 < response_length < t:
+            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
+        lp = t - response_length
+        rmask_BL = attention_mask[:, lp:].bool()
+        self.model.train(True)
+        hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
+        h_BLD = hidden_BTD[:, lp - 1 :]
+        weight = output_weight(self.model)
+        tp = self.tp > 1
+        carrier, logp_N, ent_N = fused_head_loss(
+            h_BLD[rmask_BL], weight, None, input_ids[:, lp:][rmask_BL], rmask_BL, loss_fn, loss_fill,
+            temperature=temperature, with_entropy=with_entropy, group=self.tp_group if tp else None,
+            vocab_start=self.tp_rank * int(weight.shape[0]) if tp else 0,
+        )  # fmt: skip
+        logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
+        logp_BL = logp_BL.masked_scatter(rmask_BL, logp_N.float())
+        ent_BL = None
+        if with_entropy:
+            ent_BL = torch.zeros_like(logp_BL).masked_scatter(rmask_BL, ent_N.float())
+        return logp_BL, ent_BL, carrier
+
     # ------------------------------------------------------------------------------------------
     # optimisation
     # ------------------------------------------------------------------------------------------
