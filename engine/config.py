@@ -121,7 +121,9 @@ class GenerationConfig:
     max_response_length: int = 512
     """Student token budget per turn."""
     val_temperature: float = 0.4
-    """Sampling temperature of validation rollouts."""
+    """Sampling temperature of validation rollouts (when val_do_sample)."""
+    val_do_sample: bool = True
+    """Validation rollouts sample at val_temperature (ALFWorld/WebShop) or decode greedily (false; Search)."""
     max_model_len: int = 6144
     """vLLM context limit; prompt length + teacher budget must fit (ALGORITHM.md §1.7)."""
     gpu_memory_utilization: float = 0.4
@@ -242,6 +244,8 @@ class TrainerConfig:
     """Checkpoint every N steps (-1: only at the end)."""
     test_freq: int = -1
     """Validate every N steps (-1: never during training)."""
+    val_start_step: int = 0
+    """Periodic validation (test_freq) only from this step on (Search-3B: 70)."""
     val_before_train: bool = False
     """Run a validation pass before the first step."""
     val_after_train: bool = True
@@ -278,6 +282,8 @@ class TrainerConfig:
             _positive(f"trainer.{key}", getattr(self, key))
         if self.ppo_epochs != 1:
             raise ConfigError(f"trainer.ppo_epochs: the method uses exactly 1 PPO epoch, got {self.ppo_epochs}")
+        if isinstance(self.val_start_step, bool) or not isinstance(self.val_start_step, int) or self.val_start_step < 0:
+            raise ConfigError(f"trainer.val_start_step: expected an int >= 0, got {self.val_start_step!r}")
         _positive("trainer.lr", self.lr)
         _positive("trainer.weight_decay", self.weight_decay, allow_zero=True)
         _positive("trainer.grad_clip", self.grad_clip)

@@ -433,7 +433,7 @@ def _sampling(cfg: RunConfig, validation: bool):
         temperature=g.val_temperature if validation else g.temperature,
         top_p=g.top_p,
         top_k=g.top_k,
-        do_sample=g.do_sample,
+        do_sample=g.val_do_sample if validation else g.do_sample,
         stop=stop,
     )
 

@@ -216,7 +216,11 @@ class Trainer:
                 metrics["time/step_wall"] = time.perf_counter() - t0
                 self.span_lengths.extend(int(x) for x in result.span_lengths)
                 last = logger.log(self.step, metrics)
-                if cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0:
+                if (
+                    cfg.trainer.test_freq > 0
+                    and self.step % cfg.trainer.test_freq == 0
+                    and self.step >= cfg.trainer.val_start_step
+                ):
                     self._validate(logger, run_validation)
                 if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
                     self.step == cfg.trainer.total_steps
@@ -224,7 +228,9 @@ class Trainer:
                     self._write_spans()
                     self.save()
             if cfg.trainer.val_after_train and not (
-                cfg.trainer.test_freq > 0 and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
+                cfg.trainer.test_freq > 0
+                and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
+                and cfg.trainer.total_steps >= cfg.trainer.val_start_step
             ):
                 self._validate(logger, run_validation)
         finally:

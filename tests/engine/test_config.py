@@ -51,6 +51,17 @@ def test_paper_profiles_match_section5(name):
     assert a.sdar.enabled == (name == "alfworld_3b")
     assert a.rectify.action_filter == (name in ("alfworld_3b", "webshop_3b"))
     assert cfg.teacher_budget == (512 if name == "search_3b" else 2048)
+    # validation (§5): ALFWorld/WebShop sample at 0.4 and validate before training; Search decodes greedily,
+    # no pre-training validation, Search-3B every 5 steps from step 70, Search-7B at 150
+    search = name.startswith("search")
+    assert cfg.generation.val_do_sample == (not search) and cfg.generation.val_temperature == 0.4
+    assert tr.val_before_train == (not search)
+    assert (tr.test_freq, tr.val_start_step) == {"search_3b": (5, 70), "search_7b": (150, 0)}.get(
+        name, (tr.test_freq, 0)
+    )
+    from alignopsd.engine.step import _sampling
+
+    assert _sampling(cfg, validation=True).do_sample == (not search) and _sampling(cfg, validation=False).do_sample
 
 
 def test_overrides_and_round_trip(tmp_path):

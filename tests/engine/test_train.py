@@ -157,3 +157,24 @@ def test_golden_trace(alignopsd_run):
         assert g["step"] == e["step"]
         assert g["reward"] == pytest.approx(e["reward"], abs=1e-6)
         assert g["loss"] == pytest.approx(e["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_validation_schedule_and_greedy_decoding(tmp_path, monkeypatch):
+    """test_freq from val_start_step on, no duplicate pass at the end; val_do_sample=false decodes greedily."""
+    import alignopsd.engine.step as step_mod
+
+    seen = []
+    orig = step_mod._sampling
+
+    def spy(cfg, validation):
+        sp = orig(cfg, validation)
+        if validation:
+            seen.append(sp.do_sample)
+        return sp
+
+    monkeypatch.setattr(step_mod, "_sampling", spy)
+    extra = ["trainer.test_freq=1", "trainer.val_start_step=2", "generation.val_do_sample=false"]
+    _run(tmp_path, "grpo", 3, extra)
+    val = read_metrics(tmp_path / "metrics.jsonl", kind="val")
+    assert [r["step"] for r in val] == [2, 3]
+    assert seen and not any(seen)
