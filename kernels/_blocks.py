@@ -5,6 +5,11 @@ Legend: M = canonical turns, T = tasks, N = turns of the largest task (block siz
 Turns are sorted by identity (task, rollout, turn); every task becomes one zero-padded block
 of N slots. Inside a block the slots are in identity order, so "smaller identity" is
 "smaller slot", and the turns of one rollout are contiguous.
+
+Regular layout: when every task has the same number G of rollouts and every rollout the same
+number L of turns, there is no padding and slot n holds rollout n // L, so a block axis of N
+slots reshapes to [G, L] (``Blocks.rollout_len`` = L; 0 otherwise). The kernels' torch paths
+use it for per-rollout reductions and adjacent-turn views instead of index tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class Blocks:
     lroll_TN: rollout index of the slot within its task (0..G-1, 0 on padding);
     block_M / slot_M: block and slot of each turn (input order); order_M: turn indices in identity order;
     traj_M: trajectory index (identity order of (task, rollout)) of each turn, input order.
+    rollout_len: L when the layout is regular (every task G rollouts of L turns each: no padding,
+    slot n in rollout n // L), else 0.
     """
 
     idx_TN: Tensor
@@ -33,6 +40,7 @@ class Blocks:
     order_M: Tensor
     traj_M: Tensor
     num_rollouts: int
+    rollout_len: int = 0
 
 
 def check_id_vectors(task, rollout, turn) -> tuple[Tensor, Tensor, Tensor]:
@@ -94,7 +102,13 @@ def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
     slot_M[order] = pos
     traj_M[order] = traj_idx
     G = int(local_roll.max()) + 1 if M else 0
-    return Blocks(idx, member, lroll, block_M, slot_M, order, traj_M, G)
+    L = 0
+    if M:
+        lengths = torch.bincount(traj_idx)
+        L = int(lengths[0])
+        if not (bool((lengths == L).all()) and bool((counts == N).all())):
+            L = 0  # all rollouts L long and all tasks N = G * L long: G rollouts per task, slot n in rollout n // L
+    return Blocks(idx, member, lroll, block_M, slot_M, order, traj_M, G, L)
 
 
 def to_blocks(x_MD: Tensor, b: Blocks, *, zero_padding: bool = True) -> Tensor:

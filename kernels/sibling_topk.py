@@ -182,20 +182,38 @@ def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
 # --------------------------------------------------------------------------------------
 # shared block stages
 # --------------------------------------------------------------------------------------
-def _select_blocks(H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, gamma: float, top_k: int) -> Tensor:
-    """Slots [T, N, K] (-1 padded) of the kept sources of every target, best first (§2.4)."""
-    T, N, _ = H_BTS.shape
-    dev = H_BTS.device
-    cand = E_BTS & (H_BTS >= gamma)
-    neg_inf = torch.full((), -math.inf, device=dev)
-    key = torch.where(cand, H_BTS, neg_inf)
+def _rollout_best(X_BTS: Tensor, lroll_TN: Tensor, G: int, L: int, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Per (target, source rollout) the best candidate of X (H on eligible cells, -inf elsewhere) (§2.4).
+
+    Returns best [T, N, G] (highest H >= gamma of the rollout, -inf without a candidate), first [T, N, G]
+    (its smallest slot = smallest identity; any value where best is -inf) and rowmax [T, N] (max over all
+    eligible sources, -inf without one). With a regular layout (``L`` > 0, see ``_blocks.py``) the source
+    axis is reshaped to [G, L] and one max over L gives both (ties: the first maximal index); otherwise two
+    scatter-reduces over the rollout index of each slot.
+    """
+    T, N, _ = X_BTS.shape
+    dev = X_BTS.device
+    if L:
+        best, arg = X_BTS.view(T, N, G, L).max(3)
+        first = arg.add_(torch.arange(0, N, L, device=dev))
+        rowmax = best.amax(2)
+        return best.masked_fill_(best < gamma, -math.inf), first, rowmax
     roll = lroll_TN[:, None, :].expand(T, N, N)
-    best = torch.full((T, N, G), -math.inf, device=dev).scatter_reduce(2, roll, key, reduce="amax")
-    is_best = cand & (key == best.gather(2, roll))
+    best = torch.full((T, N, G), -math.inf, device=dev).scatter_reduce(2, roll, X_BTS, reduce="amax")
+    rowmax = best.amax(2) if T * N else best.new_full((T, N), -math.inf)
+    best.masked_fill_(best < gamma, -math.inf)
+    # a cell equal to its rollout's thresholded best is a candidate (where best is -inf, first is unused)
     slot = torch.arange(N, device=dev).expand(T, N, N)
     first = torch.full((T, N, G), N, dtype=torch.long, device=dev).scatter_reduce(
-        2, roll, torch.where(is_best, slot, N), reduce="amin"
+        2, roll, torch.where(X_BTS == best.gather(2, roll), slot, N), reduce="amin"
     )
+    return best, first, rowmax
+
+
+def _rank_rollouts(best: Tensor, first: Tensor, top_k: int) -> Tensor:
+    """Slots [T, N, K] (-1 padded): the rollout winners sorted stably by -H (rollouts are in identity order,
+    so stability is the identity tie-break), first K."""
+    T, N, _ = best.shape
     order = torch.sort(best, dim=2, descending=True, stable=True).indices[:, :, :top_k]
     win = first.gather(2, order)
     win = torch.where(best.gather(2, order) > -math.inf, win, -1)
@@ -204,23 +222,53 @@ def _select_blocks(H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, gamma
     return win
 
 
-def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
-    X = H_BTS.masked_fill(~E_BTS, _MASKED)
-    has = E_BTS.any(2)
-    valid = has & (X.amax(2) >= gamma)
-    X.div_(temperature)
-    P = torch.softmax(X, dim=2)
-    P.masked_fill_(~has[:, :, None], 0.0)
+def _select_blocks(
+    H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, L: int, gamma: float, top_k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots [T, N, K] (-1 padded) of the kept sources of every target, best first (§2.4); also X (H on
+    eligible cells, -inf elsewhere; :func:`_profiles_masked` may consume it) and its row max."""
+    X = torch.where(E_BTS, H_BTS.float(), -math.inf)
+    best, first, rowmax = _rollout_best(X, lroll_TN, G, L, gamma)
+    return _rank_rollouts(best, first, top_k), X, rowmax
+
+
+def _profiles_masked(X_BTS: Tensor, rowmax: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
+    """P and validity (§3.2) from X (H on eligible cells, -inf elsewhere; divided in place) and its row max.
+
+    A target without an eligible source (rowmax -inf) has a NaN softmax row, zeroed afterwards.
+    """
+    has = rowmax > -math.inf
+    valid = has & (rowmax.clamp_min(_MASKED) >= gamma)
+    P = torch.softmax(X_BTS.div_(temperature), dim=2)
+    P[~has] = 0.0
     return P, valid
 
 
-def _blocks_torch(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
+def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
+    X = torch.where(E_BTS, H_BTS, -math.inf)
+    rowmax = X.amax(2) if X.numel() else X.new_full(X.shape[:2], -math.inf)
+    return _profiles_masked(X, rowmax, gamma, temperature)
+
+
+def _blocks_torch(Tb, Sb, src_ok, tgt_ok, lroll, G, L, gamma, temperature, top_k):
+    """H, B, P, validity and the selection of the blocks: batched matmul, then single passes over [T, N, N]."""
+    T, N, _ = Tb.shape
     H = torch.bmm(Sb, Tb.transpose(1, 2)).clamp_(-1.0, 1.0)  # [b, target, source]
-    ok = tgt_ok[:, :, None] & src_ok[:, None, :]  # also False on padding slots
-    H.masked_fill_(~ok, 0.0)
-    E = ok & (lroll[:, :, None] != lroll[:, None, :])
-    P, valid = _profiles_torch(H, E, gamma, temperature)
-    return H, E, P, valid
+    # rows of invalid targets and columns of invalid sources (padding slots included) are 0: index writes
+    H[(~tgt_ok).nonzero(as_tuple=True)] = 0.0
+    b_s, s_s = (~src_ok).nonzero(as_tuple=True)
+    H[b_s, :, s_s] = 0.0
+    # eligibility as a uint8 outer product (broadcast bool ops are slow on CPU), viewed as bool
+    E = tgt_ok.to(torch.uint8)[:, :, None] * src_ok.to(torch.uint8)[:, None, :]
+    if L:
+        E.view(T, G, L, G, L).diagonal(0, 1, 3).zero_()  # the target's own rollout
+    else:
+        E.mul_(lroll[:, :, None] != lroll[:, None, :])
+    E = E.view(torch.bool)
+    X = torch.where(E, H, -math.inf)
+    best, first, rowmax = _rollout_best(X, lroll, G, L, gamma)
+    P, valid = _profiles_masked(X, rowmax, gamma, temperature)
+    return H, E, P, valid, _rank_rollouts(best, first, top_k)
 
 
 # --------------------------------------------------------------------------------------
@@ -439,18 +487,23 @@ def sibling_topk(
     Sb = to_blocks(student_emb.to(dtype), blocks, zero_padding=False)
     src_ok = to_blocks(sv, blocks)
     tgt_ok = to_blocks(tv, blocks)
-    run = _blocks_triton if impl == "triton" else _blocks_torch
-    H_b, E_b, P_b, valid_b = run(Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature))
-    selected, valid = _to_turns(H_b, E_b, valid_b, blocks, M, float(gamma), top_k)
+    G, L = max(1, blocks.num_rollouts), blocks.rollout_len
+    if impl == "triton":
+        H_b, E_b, P_b, valid_b = _blocks_triton(
+            Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature)
+        )
+        win = _select_blocks(H_b, E_b, blocks.lroll_TN, G, L, float(gamma), top_k)[0]
+    else:
+        H_b, E_b, P_b, valid_b, win = _blocks_torch(
+            Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, G, L, float(gamma), float(profile_temperature), top_k
+        )
+    selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
 
 
-def _to_turns(
-    H_b: Tensor, E_b: Tensor, valid_b: Tensor, blocks: Blocks, M: int, gamma: float, top_k: int
-) -> tuple[Tensor, Tensor]:
-    """Selection of the blocks, then selected [M, K] and profile_valid [M] in input order."""
-    dev = H_b.device
-    win = _select_blocks(H_b, E_b, blocks.lroll_TN, max(1, blocks.num_rollouts), gamma, top_k)
+def _to_turns(win: Tensor, valid_b: Tensor, blocks: Blocks, M: int, top_k: int) -> tuple[Tensor, Tensor]:
+    """Selected [M, K] and profile_valid [M] in input order from the blocks' winning slots and validity."""
+    dev = win.device
     T, N = blocks.idx_TN.shape
     chosen = torch.where(win >= 0, blocks.idx_TN.gather(1, win.clamp_min(0).reshape(T, -1)).reshape(win.shape), -1)
     selected = torch.full((M, top_k), -1, dtype=torch.long, device=dev)
@@ -537,14 +590,17 @@ def sibling_topk_from_similarity(
     if int(E_b.sum()) != int(eligible.sum()):
         raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
     _check_eligible_finite(H_b, E_b)
+    win, X, rowmax = _select_blocks(
+        H_b, E_b, blocks.lroll_TN, max(1, blocks.num_rollouts), blocks.rollout_len, float(gamma), top_k
+    )
     if not profiles:
         P_b = None
-        valid_b = (E_b & (H_b >= gamma)).any(2)  # = some eligible source and max eligible H >= gamma
+        valid_b = rowmax >= gamma  # = some eligible source and max eligible H >= gamma
     elif impl == "triton":
         P_b, valid_b = _profiles_triton(H_b, E_b, float(gamma), float(profile_temperature))
     else:
-        P_b, valid_b = _profiles_torch(H_b, E_b, float(gamma), float(profile_temperature))
-    selected, valid = _to_turns(H_b, E_b, valid_b, blocks, M, float(gamma), top_k)
+        P_b, valid_b = _profiles_masked(X, rowmax, float(gamma), float(profile_temperature))
+    selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b, H=Hf, eligible=eligible)
 
 

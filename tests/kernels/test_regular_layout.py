@@ -1,0 +1,141 @@
+"""Regular block layout (every task G rollouts of L turns): the reshaped fast paths against the general ones.
+
+Legend: T = tasks, G = rollouts per task, L = turns per rollout, M = T G L turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+from alignopsd.kernels import (
+    DISTANCES,
+    _blocks,
+    boundary_scores,
+    boundary_scores_blocks,
+    sibling_topk,
+    sibling_topk_from_similarity,
+    sibling_topk_ref,
+)
+
+import alignopsd
+
+sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")  # the module (the package exports the function)
+
+
+def regular_batch(*, tasks=3, rollouts=4, turns=5, dim=8, seed=0, ties=True):
+    """Shuffled turns of a regular layout; with ``ties`` the embeddings are copies of three prototypes."""
+    g = torch.Generator().manual_seed(seed)
+    task = torch.arange(tasks).repeat_interleave(rollouts * turns) * 5 + 2
+    roll = torch.arange(rollouts).repeat_interleave(turns).repeat(tasks) * 3 + 1
+    turn = torch.arange(turns).repeat(tasks * rollouts) * 2
+    M = task.numel()
+    perm = torch.randperm(M, generator=g)
+    protos = torch.nn.functional.normalize(torch.randn(3, dim, generator=g), dim=1)
+
+    def emb():
+        e = protos[torch.randint(0, 3, (M,), generator=g)]
+        if not ties:
+            e = torch.nn.functional.normalize(e + 0.5 * torch.randn(M, dim, generator=g), dim=1)
+        return e
+
+    sv = torch.rand(M, generator=g) > 0.2
+    tv = torch.rand(M, generator=g) > 0.2
+    return emb(), emb(), task[perm], roll[perm], turn[perm], sv, tv
+
+
+def _general(blocks):
+    return dataclasses.replace(blocks, rollout_len=0)
+
+
+def test_rollout_len_detects_the_regular_layout():
+    _, _, task, roll, turn, _, _ = regular_batch(tasks=2, rollouts=3, turns=4)
+    assert _blocks.task_blocks(task, roll, turn).rollout_len == 4
+    # one turn fewer in one rollout, or one task with an extra rollout: general layout
+    keep = torch.ones(task.numel(), dtype=torch.bool)
+    keep[((task == task[0]) & (roll == roll[0]) & (turn == turn.max())).nonzero()[0]] = False
+    assert _blocks.task_blocks(task[keep], roll[keep], turn[keep]).rollout_len == 0
+    more = torch.arange(4) * 2
+    t2 = torch.cat([task, torch.full((4,), int(task[0]))])
+    r2 = torch.cat([roll, torch.full((4,), 99)])
+    assert _blocks.task_blocks(t2, r2, torch.cat([turn, more])).rollout_len == 0
+    # all rollouts L long but tasks of different rollout counts: not regular either
+    t3 = torch.cat([task, torch.full((4,), 1000)])
+    assert (
+        _blocks.task_blocks(
+            t3, torch.cat([roll, torch.zeros(4, dtype=torch.long)]), torch.cat([turn, more])
+        ).rollout_len
+        == 0
+    )
+    assert _blocks.task_blocks(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 0])).rollout_len == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+@pytest.mark.parametrize("ties", [True, False])
+def test_regular_fast_path_equals_general_path_and_reference(monkeypatch, seed, top_k, ties):
+    te, st, task, roll, turn, sv, tv = regular_batch(seed=seed, ties=ties)
+    kw = dict(gamma=0.1, top_k=top_k, profile_temperature=0.1, impl="torch")
+    fast = sibling_topk(te, st, task, roll, turn, sv, tv, **kw)
+    assert fast.blocks.rollout_len == 5
+    real = _blocks.task_blocks
+    monkeypatch.setattr(sibling_mod, "task_blocks", lambda *a: _general(real(*a)))
+    slow = sibling_topk(te, st, task, roll, turn, sv, tv, **kw)
+    assert slow.blocks.rollout_len == 0
+    for name in ("selected", "profile_valid", "H_BTS", "E_BTS", "P_BTS"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    if ties:
+        vals = fast.H[fast.eligible & (fast.H >= 0.1)]
+        assert vals.numel() > vals.unique().numel()
+    ref = sibling_topk_ref(te, st, task, roll, turn, sv, tv, gamma=0.1, top_k=top_k)
+    assert torch.equal(fast.selected, ref.selected)
+    assert torch.equal(fast.profile_valid, ref.profile_valid)
+    torch.testing.assert_close(fast.P, ref.P, atol=1e-6, rtol=1e-5)
+    core = alignopsd.select_sources(fast.H, fast.eligible, task, roll, turn, gamma=0.1, top_k=top_k)
+    assert fast.selected_lists() == core
+    # from a precomputed similarity: both layouts, with and without profiles
+    for profiles in (True, False):
+        got = []
+        for blocks_fn in (real, lambda *a: _general(real(*a))):
+            monkeypatch.setattr(sibling_mod, "task_blocks", blocks_fn)
+            got.append(
+                sibling_topk_from_similarity(
+                    fast.H, fast.eligible, task, roll, turn, gamma=0.1, top_k=top_k, profiles=profiles, impl="torch"
+                )
+            )
+        assert [g.blocks.rollout_len for g in got] == [5, 0]
+        for g in got:
+            assert torch.equal(g.selected, fast.selected) and torch.equal(g.profile_valid, fast.profile_valid)
+            if profiles:
+                assert torch.equal(g.P_BTS, fast.P_BTS)
+
+
+@pytest.mark.parametrize("distance", DISTANCES)
+def test_regular_boundary_path_equals_general_path(distance):
+    te, st, task, roll, turn, sv, tv = regular_batch(seed=3, ties=False, tasks=2, rollouts=3, turns=6)
+    out = sibling_topk(te, st, task, roll, turn, sv, tv, gamma=0.1, top_k=2, impl="torch")
+    assert out.blocks.rollout_len == 6
+    d, bv = boundary_scores_blocks(out.P_BTS, out.E_BTS, out.profile_valid, out.blocks, distance=distance, impl="torch")
+    d_g, bv_g = boundary_scores_blocks(
+        out.P_BTS, out.E_BTS, out.profile_valid, _general(out.blocks), distance=distance, impl="torch"
+    )
+    assert bv.sum() > 3 and torch.equal(bv, bv_g)
+    torch.testing.assert_close(d, d_g, atol=1e-7, rtol=0)
+    d_dense, bv_dense = boundary_scores(out.P, out.profile_valid, out.eligible, task, roll, turn, distance=distance)
+    assert torch.equal(bv, bv_dense)
+    torch.testing.assert_close(d, d_dense, atol=1e-7, rtol=0)
+    # an eligibility row that differs from its neighbour's is not a boundary, on both paths
+    E2 = out.E_BTS.clone()
+    b, t = 0, 1  # slot 1 of block 0: (rollout 0, turn 1); its pair with slot 0 is the first pair
+    E2[b, t] = ~E2[b, t]
+    d2, bv2 = boundary_scores_blocks(out.P_BTS, E2, out.profile_valid, out.blocks, distance=distance, impl="torch")
+    d2g, bv2g = boundary_scores_blocks(
+        out.P_BTS, E2, out.profile_valid, _general(out.blocks), distance=distance, impl="torch"
+    )
+    assert torch.equal(bv2, bv2g)
+    torch.testing.assert_close(d2, d2g, atol=1e-7, rtol=0)
+    cur = out.blocks.idx_TN[b, t]
+    nxt = out.blocks.idx_TN[b, t + 1]
+    assert not bv2[cur] and not bv2[nxt]
