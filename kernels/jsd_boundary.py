@@ -83,7 +83,7 @@ def _adjacent(blocks: Blocks) -> tuple[Tensor, Tensor]:
 def _xlogx_sum(x_KN: Tensor) -> Tensor:
     """sum_j x log x per row, 0 log 0 = 0. Clamping at the smallest normal float keeps ``log`` off its slow
     path for zeros and subnormals; the clamped terms are multiplied by x = 0 (or < 1.2e-38) again."""
-    return torch.linalg.vecdot(x_KN, torch.log(x_KN.clamp_min(_TINY)))
+    return torch.linalg.vecdot(x_KN, x_KN.clamp_min(_TINY).log_())
 
 
 def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor, distance: str) -> Tensor:
@@ -105,6 +105,39 @@ def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor, 
         out[4] = torch.linalg.vecdot(p_KN, p_KN)
         out[5] = torch.linalg.vecdot(q_KN, q_KN)
     out[6] = (ep_KN != eq_KN).any(1).float()
+    return out
+
+
+def _pair_stats_regular(P_BTS: Tensor, E_BTS: Tensor, L: int, rowp: Tensor, rowq: Tensor, distance: str) -> Tensor:
+    """:func:`_pair_stats_torch` for a regular layout (slot n of a block is turn n % L of rollout n // L).
+
+    The pairs are slots (l, l + 1) of every rollout, in identity order (that of rowp/rowq), so p and q are
+    views of the blocks reshaped to [T * G, L, N]. Row sums over single rows (sum p log p, |p|^2) are taken
+    once per row of the blocks and read for both pairs a row belongs to.
+    """
+    T, N, _ = P_BTS.shape
+    K = rowp.numel()
+    out = torch.zeros(7, K, dtype=torch.float32, device=P_BTS.device)
+    if K == 0:
+        return out
+    Pr = P_BTS.reshape(-1, L, N)
+    p, q = Pr[:, :-1], Pr[:, 1:]
+    rows = P_BTS.reshape(-1, N)
+    if distance in ("jsd", "entropy"):
+        ent = _xlogx_sum(rows)
+        out[0] = ent[rowp]
+        out[1] = ent[rowq]
+    if distance == "jsd":
+        out[2] = _xlogx_sum(torch.add(p, q).mul_(0.5).reshape(K, N))
+    if distance == "cosine":
+        sq = torch.linalg.vecdot(rows, rows)
+        out[3] = torch.linalg.vecdot(p, q).reshape(K)
+        out[4] = sq[rowp]
+        out[5] = sq[rowq]
+    Er = E_BTS.reshape(-1, L, N)
+    if N % 8 == 0 and Er.is_contiguous() and Er.storage_offset() % 8 == 0:
+        Er = Er.view(torch.int64)  # compare 8 flags per word
+    out[6] = (Er[:, :-1] != Er[:, 1:]).any(2).reshape(K).float()
     return out
 
 
@@ -214,6 +247,8 @@ def boundary_scores_blocks(
     rowq = blocks.block_M[cur] * N + blocks.slot_M[cur]
     if impl == "triton":
         stats = _pair_stats_triton(P_BTS, E_BTS, rowp, rowq)
+    elif blocks.rollout_len and P_BTS.shape[0] * N == M:
+        stats = _pair_stats_regular(P_BTS.float(), E_BTS, blocks.rollout_len, rowp, rowq, distance)
     else:
         Pf = P_BTS.reshape(-1, N).float()
         Ef = E_BTS.reshape(-1, N)
