@@ -43,6 +43,13 @@ class Blocks:
     rollout_len: int = 0
 
 
+def all_finite(x: Tensor) -> bool:
+    """No NaN or inf in the floating tensor ``x``. A NaN or inf entry makes the sum NaN or inf, so a finite sum
+    (one fast reduction) proves it; a non-finite sum (such entries, or finite ones that overflow) falls back
+    to the elementwise check."""
+    return not x.numel() or bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
 def check_id_vectors(task, rollout, turn) -> tuple[Tensor, Tensor, Tensor]:
     out = []
     M = None

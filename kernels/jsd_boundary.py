@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._blocks import Blocks, check_id_vectors, gather_blocks, task_blocks
+from ._blocks import Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
 from ._dispatch import HAS_TRITON, launch, resolve_impl
 
 if HAS_TRITON:
@@ -83,7 +83,7 @@ def _adjacent(blocks: Blocks) -> tuple[Tensor, Tensor]:
 def _xlogx_sum(x_KN: Tensor) -> Tensor:
     """sum_j x log x per row, 0 log 0 = 0. Clamping at the smallest normal float keeps ``log`` off its slow
     path for zeros and subnormals; the clamped terms are multiplied by x = 0 (or < 1.2e-38) again."""
-    return torch.linalg.vecdot(x_KN, x_KN.clamp_min(_TINY).log_())
+    return x_KN.clamp_min(_TINY).log_().mul_(x_KN).sum(-1)
 
 
 def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor, distance: str) -> Tensor:
@@ -286,7 +286,7 @@ def boundary_scores(
     for name, x in (("P", P), ("eligible", eligible)):
         if not isinstance(x, Tensor) or x.shape != (M, M):
             raise ValueError(f"{name}: expected shape ({M}, {M}), got {tuple(getattr(x, 'shape', ()))}")
-    if not P.is_floating_point() or not bool(torch.isfinite(P).all()):
+    if not P.is_floating_point() or not all_finite(P):
         raise ValueError("P: expected a finite floating tensor")
     if eligible.dtype != torch.bool:
         raise ValueError(f"eligible: expected a bool tensor, got {eligible.dtype}")
@@ -323,7 +323,7 @@ def batch_threshold(
     vals = d[boundary_valid.to(d.device)].double()
     if vals.numel() == 0:
         return math.inf
-    if not bool(torch.isfinite(vals).all()):
+    if not all_finite(vals):
         raise ValueError("d: contains NaN or inf at valid boundaries")
     q = float(torch.quantile(vals, float(quantile), interpolation="linear"))
     return min(max(q, float(tau_min)), float(tau_max))

@@ -43,7 +43,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._blocks import Blocks, check_id_vectors, gather_blocks, scatter_dense, task_blocks, to_blocks
+from ._blocks import Blocks, all_finite, check_id_vectors, gather_blocks, scatter_dense, task_blocks, to_blocks
 from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
 
 if HAS_TRITON:
@@ -146,7 +146,7 @@ def _check(teacher_emb, student_emb, task, rollout, turn, source_valid, target_v
     if student_emb.shape != teacher_emb.shape:
         raise ValueError(f"student_emb: expected shape {tuple(teacher_emb.shape)}, got {tuple(student_emb.shape)}")
     for name, t in (("teacher_emb", teacher_emb), ("student_emb", student_emb)):
-        if t.numel() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise ValueError(f"{name}: contains NaN or inf")
     task, rollout, turn = check_id_vectors(task, rollout, turn)
     M = teacher_emb.shape[0]
@@ -175,7 +175,7 @@ def _check_params(gamma, top_k, temperature, temperature_name: str = "profile_te
 
 def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
     """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read)."""
-    if H_BTS.numel() and not bool(torch.isfinite(torch.where(E_BTS, H_BTS, 0.0)).all()):
+    if not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
         raise ValueError("H: contains NaN or inf at eligible cells")
 
 

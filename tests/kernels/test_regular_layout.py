@@ -1,4 +1,5 @@
-"""Regular block layout (every task G rollouts of L turns): the reshaped fast paths against the general ones.
+"""Fast paths of the kernels' torch code: the regular block layout (every task G rollouts of L turns) against
+the general layout, and the finiteness check.
 
 Legend: T = tasks, G = rollouts per task, L = turns per rollout, M = T G L turns.
 """
@@ -139,3 +140,14 @@ def test_regular_boundary_path_equals_general_path(distance):
     cur = out.blocks.idx_TN[b, t]
     nxt = out.blocks.idx_TN[b, t + 1]
     assert not bv2[cur] and not bv2[nxt]
+
+
+def test_all_finite_sum_shortcut_and_fallback():
+    big = torch.full((4,), 3.0e38)  # finite entries whose sum overflows: the elementwise fallback decides
+    assert _blocks.all_finite(big) and _blocks.all_finite(torch.zeros(0)) and _blocks.all_finite(torch.ones(3, 2))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.ones(5, 3)
+        x[2, 1] = bad
+        assert not _blocks.all_finite(x) and not _blocks.all_finite(x.bfloat16())
+    x = torch.tensor([float("inf"), -float("inf")])  # sum NaN
+    assert not _blocks.all_finite(x)
