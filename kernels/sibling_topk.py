@@ -66,6 +66,7 @@ _MASKED = -1.0e30  # an ineligible cell before the division by T_p: its probabil
 _BLOCK_T = 32
 _BLOCK_S = 32
 _BLOCK_D = 64
+_CHUNK_CELLS = 1 << 17  # cells of a group of blocks in the torch path (512 KiB of float32: fits a core's L2)
 
 
 class SiblingTopK:
@@ -222,42 +223,84 @@ def _rank_rollouts(best: Tensor, first: Tensor, top_k: int) -> Tensor:
     return win
 
 
+def _chunks(T: int, N: int) -> list[tuple[int, int]]:
+    """Groups of consecutive blocks of about ``_CHUNK_CELLS`` cells: the [T, N, N] passes run group by group on
+    cache-resident temporaries instead of materialising full-size ones."""
+    step = max(1, _CHUNK_CELLS // max(1, N * N))
+    return [(b0, min(T, b0 + step)) for b0 in range(0, T, step)]
+
+
+def _masked_group(H: Tensor, E: Tensor, lroll: Tensor | None, G: int, L: int, gamma: float, temperature, P_out):
+    """One group of blocks: X = H on eligible cells, -inf elsewhere; the rollout bests (without ``lroll``: only
+    the row max); the profiles softmax(X / T_p) written into ``P_out`` when given (rows without an eligible
+    source come out NaN; :func:`_finish_groups` zeroes them)."""
+    X = torch.where(E, H.float(), -math.inf)
+    if lroll is None:
+        out = (X.amax(2) if X.numel() else X.new_full(X.shape[:2], -math.inf),)
+    else:
+        out = _rollout_best(X, lroll, G, L, gamma)
+    if P_out is not None:
+        P_out.copy_(torch.softmax(X.div_(temperature), dim=2))
+    return out
+
+
+def _finish_groups(parts: list, N: int, P: Tensor | None) -> list[Tensor]:
+    """Concatenate the groups' outputs (best, first, rowmax or rowmax alone); zero the P rows without an eligible
+    source."""
+    if not parts:  # no blocks: the caller supplies empty outputs
+        return []
+    outs = [torch.cat(x) for x in zip(*parts)]
+    if P is not None:
+        none = (outs[-1] == -math.inf).view(-1).nonzero().view(-1)
+        P.view(-1, N).index_fill_(0, none, 0.0)
+    return outs
+
+
+def _profile_valid(rowmax: Tensor, gamma: float) -> Tensor:
+    """Some eligible source and max eligible H >= gamma (the max taken with masked cells at ``_MASKED``)."""
+    return (rowmax > -math.inf) & (rowmax.clamp_min(_MASKED) >= gamma)
+
+
 def _select_blocks(
-    H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, L: int, gamma: float, top_k: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots [T, N, K] (-1 padded) of the kept sources of every target, best first (§2.4); also X (H on
-    eligible cells, -inf elsewhere; :func:`_profiles_masked` may consume it) and its row max."""
-    X = torch.where(E_BTS, H_BTS.float(), -math.inf)
-    best, first, rowmax = _rollout_best(X, lroll_TN, G, L, gamma)
-    return _rank_rollouts(best, first, top_k), X, rowmax
+    H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, L: int, gamma: float, top_k: int, temperature=None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Slots [T, N, K] (-1 padded) of the kept sources of every target, best first (§2.4); P [T, N, N] when a
+    ``temperature`` is given (else None); the row max of the eligible H (-inf without an eligible source)."""
+    T, N, _ = H_BTS.shape
+    P = torch.empty(T, N, N, device=H_BTS.device) if temperature is not None else None
+    parts = [
+        _masked_group(
+            H_BTS[b0:b1], E_BTS[b0:b1], lroll_TN[b0:b1], G, L, gamma, temperature, None if P is None else P[b0:b1]
+        )
+        for b0, b1 in _chunks(T, N)
+    ]
+    best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, G, H_BTS.device)
+    return _rank_rollouts(best, first, top_k), P, rowmax
 
 
-def _profiles_masked(X_BTS: Tensor, rowmax: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
-    """P and validity (§3.2) from X (H on eligible cells, -inf elsewhere; divided in place) and its row max.
-
-    A target without an eligible source (rowmax -inf) has a NaN softmax row, zeroed afterwards.
-    """
-    has = rowmax > -math.inf
-    valid = has & (rowmax.clamp_min(_MASKED) >= gamma)
-    P = torch.softmax(X_BTS.div_(temperature), dim=2)
-    P[~has] = 0.0
-    return P, valid
+def _empty_groups(T: int, N: int, G: int, dev) -> list[Tensor]:
+    return [
+        torch.full((T, N, G), -math.inf, device=dev),
+        torch.zeros(T, N, G, dtype=torch.long, device=dev),
+        torch.full((T, N), -math.inf, device=dev),
+    ]
 
 
 def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
-    X = torch.where(E_BTS, H_BTS, -math.inf)
-    rowmax = X.amax(2) if X.numel() else X.new_full(X.shape[:2], -math.inf)
-    return _profiles_masked(X, rowmax, gamma, temperature)
+    T, N, _ = H_BTS.shape
+    P = torch.empty(T, N, N, device=H_BTS.device)
+    parts = [
+        _masked_group(H_BTS[b0:b1], E_BTS[b0:b1], None, 0, 0, gamma, temperature, P[b0:b1]) for b0, b1 in _chunks(T, N)
+    ]
+    (rowmax,) = _finish_groups(parts, N, P) or _empty_groups(T, N, 0, H_BTS.device)[2:]
+    return P, _profile_valid(rowmax, gamma)
 
 
-def _blocks_torch(Tb, Sb, src_ok, tgt_ok, lroll, G, L, gamma, temperature, top_k):
-    """H, B, P, validity and the selection of the blocks: batched matmul, then single passes over [T, N, N]."""
-    T, N, _ = Tb.shape
-    H = torch.bmm(Sb, Tb.transpose(1, 2)).clamp_(-1.0, 1.0)  # [b, target, source]
-    # rows of invalid targets and columns of invalid sources (padding slots included) are 0: index writes
-    H[(~tgt_ok).nonzero(as_tuple=True)] = 0.0
-    b_s, s_s = (~src_ok).nonzero(as_tuple=True)
-    H[b_s, :, s_s] = 0.0
+def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, lroll, G, L, gamma, temperature, top_k):
+    """H, B, P, validity and the selection of the blocks, group by group: the group's embedding rows gathered,
+    a batched matmul into H, then the masked passes (:func:`_masked_group`) while the group is in cache."""
+    T, N = idx_TN.shape
+    dev = te.device
     # eligibility as a uint8 outer product (broadcast bool ops are slow on CPU), viewed as bool
     E = tgt_ok.to(torch.uint8)[:, :, None] * src_ok.to(torch.uint8)[:, None, :]
     if L:
@@ -265,10 +308,19 @@ def _blocks_torch(Tb, Sb, src_ok, tgt_ok, lroll, G, L, gamma, temperature, top_k
     else:
         E.mul_(lroll[:, :, None] != lroll[:, None, :])
     E = E.view(torch.bool)
-    X = torch.where(E, H, -math.inf)
-    best, first, rowmax = _rollout_best(X, lroll, G, L, gamma)
-    P, valid = _profiles_masked(X, rowmax, gamma, temperature)
-    return H, E, P, valid, _rank_rollouts(best, first, top_k)
+    H = torch.empty(T, N, N, device=dev)
+    P = torch.empty(T, N, N, device=dev)
+    parts = []
+    for b0, b1 in _chunks(T, N):
+        ix = idx_TN[b0:b1]  # padding slots gather some turn's row; masked below (H) or not eligible (X)
+        torch.bmm(st[ix].float(), te[ix].float().transpose(1, 2), out=H[b0:b1]).clamp_(-1.0, 1.0)
+        parts.append(_masked_group(H[b0:b1], E[b0:b1], lroll[b0:b1], G, L, gamma, temperature, P[b0:b1]))
+    best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, G, dev)
+    # rows of invalid targets and columns of invalid sources (padding slots included) are 0: index writes
+    H[(~tgt_ok).nonzero(as_tuple=True)] = 0.0
+    b_s, s_s = (~src_ok).nonzero(as_tuple=True)
+    H[b_s, :, s_s] = 0.0
+    return H, E, P, _profile_valid(rowmax, gamma), _rank_rollouts(best, first, top_k)
 
 
 # --------------------------------------------------------------------------------------
@@ -481,22 +533,22 @@ def sibling_topk(
     impl = resolve_impl(impl, teacher_emb)
     M = teacher_emb.shape[0]
     blocks = task_blocks(task, rollout, turn)
-    dtype = teacher_emb.dtype if impl == "triton" else torch.float32
-    # padding slots hold a copy of some turn's embedding; the validity masks (False on padding) zero them out
-    Tb = to_blocks(teacher_emb.to(dtype), blocks, zero_padding=False)
-    Sb = to_blocks(student_emb.to(dtype), blocks, zero_padding=False)
     src_ok = to_blocks(sv, blocks)
     tgt_ok = to_blocks(tv, blocks)
     G, L = max(1, blocks.num_rollouts), blocks.rollout_len
     if impl == "triton":
+        # padding slots hold a copy of some turn's embedding; the validity masks (False on padding) zero them out
+        Tb = to_blocks(teacher_emb, blocks, zero_padding=False)
+        Sb = to_blocks(student_emb, blocks, zero_padding=False)
         H_b, E_b, P_b, valid_b = _blocks_triton(
             Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature)
         )
         win = _select_blocks(H_b, E_b, blocks.lroll_TN, G, L, float(gamma), top_k)[0]
     else:
         H_b, E_b, P_b, valid_b, win = _blocks_torch(
-            Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, G, L, float(gamma), float(profile_temperature), top_k
-        )
+            teacher_emb, student_emb, blocks.idx_TN, src_ok, tgt_ok, blocks.lroll_TN, G, L,
+            float(gamma), float(profile_temperature), top_k,
+        )  # fmt: skip
     selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
 
@@ -590,16 +642,17 @@ def sibling_topk_from_similarity(
     if int(E_b.sum()) != int(eligible.sum()):
         raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
     _check_eligible_finite(H_b, E_b)
-    win, X, rowmax = _select_blocks(
-        H_b, E_b, blocks.lroll_TN, max(1, blocks.num_rollouts), blocks.rollout_len, float(gamma), top_k
+    G, L = max(1, blocks.num_rollouts), blocks.rollout_len
+    torch_profiles = profiles and impl != "triton"
+    win, P_b, rowmax = _select_blocks(
+        H_b, E_b, blocks.lroll_TN, G, L, float(gamma), top_k, float(profile_temperature) if torch_profiles else None
     )
     if not profiles:
-        P_b = None
         valid_b = rowmax >= gamma  # = some eligible source and max eligible H >= gamma
     elif impl == "triton":
         P_b, valid_b = _profiles_triton(H_b, E_b, float(gamma), float(profile_temperature))
     else:
-        P_b, valid_b = _profiles_masked(X, rowmax, float(gamma), float(profile_temperature))
+        valid_b = _profile_valid(rowmax, float(gamma))
     selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b, H=Hf, eligible=eligible)
 
