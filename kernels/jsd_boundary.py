@@ -58,6 +58,7 @@ DISTANCES = ("jsd", "entropy", "cosine")
 _LN2 = math.log(2.0)
 _TINY = float(torch.finfo(torch.float32).tiny)
 _BLOCK = 128
+_CHUNK_CELLS = 1 << 17  # cells per chunk of the torch path's row sums (512 KiB of float32: fits a core's L2)
 
 
 def _check_distance(distance: str) -> str:
@@ -108,37 +109,53 @@ def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor, 
     return out
 
 
-def _pair_stats_regular(P_BTS: Tensor, E_BTS: Tensor, L: int, rowp: Tensor, rowq: Tensor, distance: str) -> Tensor:
+def _chunks(rows: int, row_cells: int) -> list[tuple[int, int]]:
+    """Ranges of about ``_CHUNK_CELLS`` cells over ``rows`` rows of ``row_cells`` cells: the row sums run chunk by
+    chunk on cache-resident temporaries instead of full-size ones."""
+    step = max(1, _CHUNK_CELLS // max(1, row_cells))
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
+def _pair_stats_gather(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor, distance: str) -> Tensor:
+    """:func:`_pair_stats_torch` of the row pairs (rowp[k], rowq[k]) of P_RN / E_RN [rows, N], chunk by chunk."""
+    K = rowp.numel()
+    out = torch.zeros(7, K, dtype=torch.float32, device=P_RN.device)
+    for k0, k1 in _chunks(K, P_RN.shape[1]):
+        rp, rq = rowp[k0:k1], rowq[k0:k1]
+        out[:, k0:k1] = _pair_stats_torch(P_RN[rp], P_RN[rq], E_RN[rp], E_RN[rq], distance)
+    return out
+
+
+def _pair_stats_regular(P_BTS: Tensor, E_BTS: Tensor, L: int, distance: str) -> Tensor:
     """:func:`_pair_stats_torch` for a regular layout (slot n of a block is turn n % L of rollout n // L).
 
-    The pairs are slots (l, l + 1) of every rollout, in identity order (that of rowp/rowq), so p and q are
-    views of the blocks reshaped to [T * G, L, N]. Row sums over single rows (sum p log p, |p|^2) are taken
-    once per row of the blocks and read for both pairs a row belongs to.
+    The pairs are slots (l, l + 1) of every rollout, in identity order, so p and q are views of the blocks
+    reshaped to [T * G, L, N], taken a chunk of rollouts at a time. Row sums over single rows (sum p log p,
+    |p|^2) are taken once per row and read for both pairs a row belongs to.
     """
-    T, N, _ = P_BTS.shape
-    K = rowp.numel()
-    out = torch.zeros(7, K, dtype=torch.float32, device=P_BTS.device)
-    if K == 0:
-        return out
+    N = P_BTS.shape[1]
     Pr = P_BTS.reshape(-1, L, N)
-    p, q = Pr[:, :-1], Pr[:, 1:]
-    rows = P_BTS.reshape(-1, N)
-    if distance in ("jsd", "entropy"):
-        ent = _xlogx_sum(rows)
-        out[0] = ent[rowp]
-        out[1] = ent[rowq]
-    if distance == "jsd":
-        out[2] = _xlogx_sum(torch.add(p, q).mul_(0.5).reshape(K, N))
-    if distance == "cosine":
-        sq = torch.linalg.vecdot(rows, rows)
-        out[3] = torch.linalg.vecdot(p, q).reshape(K)
-        out[4] = sq[rowp]
-        out[5] = sq[rowq]
+    R = Pr.shape[0]
+    out = torch.zeros(7, R, L - 1, dtype=torch.float32, device=P_BTS.device)
+    if L < 2:
+        return out.reshape(7, 0)
+    for r0, r1 in _chunks(R, L * N):
+        Pc, o = Pr[r0:r1], out[:, r0:r1]
+        p, q = Pc[:, :-1], Pc[:, 1:]
+        if distance in ("jsd", "entropy"):
+            ent = _xlogx_sum(Pc.reshape(-1, N)).view(r1 - r0, L)
+            o[0], o[1] = ent[:, :-1], ent[:, 1:]
+        if distance == "jsd":
+            o[2] = _xlogx_sum(torch.add(p, q).mul_(0.5).reshape(-1, N)).view(r1 - r0, L - 1)
+        if distance == "cosine":
+            sq = torch.linalg.vecdot(Pc, Pc)
+            o[3] = torch.linalg.vecdot(p, q)
+            o[4], o[5] = sq[:, :-1], sq[:, 1:]
     Er = E_BTS.reshape(-1, L, N)
     if N % 8 == 0 and Er.is_contiguous() and Er.storage_offset() % 8 == 0:
         Er = Er.view(torch.int64)  # compare 8 flags per word
-    out[6] = (Er[:, :-1] != Er[:, 1:]).any(2).reshape(K).float()
-    return out
+    out[6] = (Er[:, :-1] != Er[:, 1:]).any(2)
+    return out.reshape(7, -1)
 
 
 def _pair_kernel(
@@ -248,11 +265,9 @@ def boundary_scores_blocks(
     if impl == "triton":
         stats = _pair_stats_triton(P_BTS, E_BTS, rowp, rowq)
     elif blocks.rollout_len and P_BTS.shape[0] * N == M:
-        stats = _pair_stats_regular(P_BTS.float(), E_BTS, blocks.rollout_len, rowp, rowq, distance)
+        stats = _pair_stats_regular(P_BTS.float(), E_BTS, blocks.rollout_len, distance)
     else:
-        Pf = P_BTS.reshape(-1, N).float()
-        Ef = E_BTS.reshape(-1, N)
-        stats = _pair_stats_torch(Pf[rowp], Pf[rowq], Ef[rowp], Ef[rowq], distance)
+        stats = _pair_stats_gather(P_BTS.reshape(-1, N).float(), E_BTS.reshape(-1, N), rowp, rowq, distance)
     ok = profile_valid[prev] & profile_valid[cur] & (stats[6] == 0)
     d = torch.zeros(M, dtype=torch.float32, device=dev)
     bv = torch.zeros(M, dtype=torch.bool, device=dev)

@@ -151,3 +151,12 @@ def test_all_finite_sum_shortcut_and_fallback():
         assert not _blocks.all_finite(x) and not _blocks.all_finite(x.bfloat16())
     x = torch.tensor([float("inf"), -float("inf")])  # sum NaN
     assert not _blocks.all_finite(x)
+
+
+def test_regular_single_turn_rollouts_have_no_boundaries():
+    te, st, task, roll, turn, sv, tv = regular_batch(seed=4, tasks=2, rollouts=3, turns=1)
+    out = sibling_topk(te, st, task, roll, turn, sv, tv, gamma=0.1, top_k=2, impl="torch")
+    assert out.blocks.rollout_len == 1
+    for distance in DISTANCES:
+        d, bv = boundary_scores_blocks(out.P_BTS, out.E_BTS, out.profile_valid, out.blocks, distance=distance)
+        assert not bv.any() and not d.any()
