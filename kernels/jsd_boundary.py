@@ -24,9 +24,11 @@ batch, clipped to [tau_min, tau_max]; +inf when there is none.
 
 Paths: the Triton kernel (one program per pair, a loop over the block's source tiles that
 accumulates the six row sums and the eligibility mismatch), the torch path (the same sums as
-batched row reductions), ``boundary_scores_ref`` (a Python loop over trajectories on the
-dense rows, the oracle). BLOCK = 128 source slots per iteration (blocks are a few hundred
-turns; not tuned on a GPU, none was available).
+row reductions over chunks of ~512 KiB: with a regular layout, see ``_blocks.py``, the pairs
+are adjacent rows of the blocks reshaped to [rollouts, L, N], read as views, and the one-row
+sums are taken once per row; otherwise the pairs' rows are gathered), ``boundary_scores_ref``
+(a Python loop over trajectories on the dense rows, the oracle). BLOCK = 128 source slots per
+iteration (blocks are a few hundred turns; not tuned on a GPU, none was available).
 """
 
 from __future__ import annotations

@@ -13,17 +13,24 @@ order inside a block is slot order. Per block:
     H[s, t]   = clamp(<teacher_s, student_t>, -1, 1), 0 when either side is invalid       (§2.2)
     B[s, t]   = different rollout & teacher_s valid & student_t valid                     (§2.3)
     selection : candidates B & H >= gamma; per (target, source rollout) the best candidate
-                (highest H, ties: smaller slot = smaller identity) by two scatter-reduces;
+                (highest H, ties: smaller slot = smaller identity): the max of X (H on
+                eligible cells, -inf elsewhere) over the rollout's slots, kept if >= gamma;
                 the G rollout winners sorted stably by -H (rollouts are contiguous and in
                 identity order, so stability is the identity tie-break); first K    (§2.4)
     P[t, :]   = softmax over eligible s of H[s, t] / T_p, 0 without an eligible source;
     valid[t]  = some eligible source and max eligible H[s, t] >= gamma                     (§3.2)
 
+The per-rollout maxima: with a regular layout (every task G rollouts of L turns, see
+``_blocks.py``) X is reshaped to [targets, G, L] and one max over L gives the best and its
+first (smallest) slot; otherwise two scatter-reduces over the slots' rollout index.
+
 Paths: the Triton kernel (one program per (block, target tile) computes the H tile with
 ``tl.dot``, an online max/sum over the block's source tiles, then recomputes the tile and
-writes H, B and P) followed by the shared torch selection; the torch path (batched matmul
-over blocks, then the same selection); ``sibling_topk_ref``, a loop over tasks and targets
-written straight from the spec (the oracle of the tests).
+writes H, B and P) followed by the shared torch selection; the torch path, a group of
+blocks (~512 KiB of cells) at a time: gather the group's embedding rows, batched matmul
+into H, then X, the rollout maxima and the softmax on cache-resident temporaries (B is a
+uint8 outer product of the validity masks minus the own-rollout cells); ``sibling_topk_ref``,
+a loop over tasks and targets written straight from the spec (the oracle of the tests).
 
 From a precomputed H (the algorithm core's inputs: dense H[source, target] and any
 within-task eligibility B), ``sibling_topk_from_similarity`` gathers the task blocks and runs
