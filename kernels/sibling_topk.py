@@ -141,7 +141,10 @@ class SiblingTopK:
 
 def selection_lists(selected_MK: Tensor) -> list[list[int]]:
     """[M, K] long, -1 padded -> per-target lists of source indices."""
-    return [[s for s in row if s >= 0] for row in selected_MK.tolist()]
+    kept = selected_MK >= 0
+    if kept.shape[1] > 1 and not bool((kept[:, 1:] <= kept[:, :-1]).all()):  # padding not only at the end
+        return [[s for s in row if s >= 0] for row in selected_MK.tolist()]
+    return [row[:n] for row, n in zip(selected_MK.tolist(), kept.sum(1).tolist())]
 
 
 # --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from alignopsd.kernels import (
     _blocks,
     boundary_scores,
     boundary_scores_blocks,
+    selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
     sibling_topk_ref,
@@ -160,3 +161,11 @@ def test_regular_single_turn_rollouts_have_no_boundaries():
     for distance in DISTANCES:
         d, bv = boundary_scores_blocks(out.P_BTS, out.E_BTS, out.profile_valid, out.blocks, distance=distance)
         assert not bv.any() and not d.any()
+
+
+def test_selection_lists_trailing_and_inner_padding():
+    sel = torch.tensor([[4, 2, -1], [-1, -1, -1], [7, 8, 9], [3, -1, 5]])
+    assert selection_lists(sel) == [[4, 2], [], [7, 8, 9], [3, 5]]
+    assert selection_lists(sel[:3]) == [[4, 2], [], [7, 8, 9]]
+    assert selection_lists(sel[:, :1]) == [[4], [], [7], [3]]
+    assert selection_lists(torch.zeros(0, 2, dtype=torch.long)) == []
