@@ -120,7 +120,7 @@ def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
 
 def to_blocks(x_MD: Tensor, b: Blocks, *, zero_padding: bool = True) -> Tensor:
     """Rows of x_MD [M, ...] gathered into blocks [T, N, ...] (padding rows zero, unless ``zero_padding`` is off)."""
-    out = x_MD[b.idx_TN]
+    out = x_MD.index_select(0, b.idx_TN.reshape(-1)).view(b.idx_TN.shape + x_MD.shape[1:])
     if not zero_padding:
         return out
     mask = b.member_TN.reshape(b.member_TN.shape + (1,) * (x_MD.dim() - 1))

@@ -124,7 +124,8 @@ def _pair_stats_gather(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor, d
     out = torch.zeros(7, K, dtype=torch.float32, device=P_RN.device)
     for k0, k1 in _chunks(K, P_RN.shape[1]):
         rp, rq = rowp[k0:k1], rowq[k0:k1]
-        out[:, k0:k1] = _pair_stats_torch(P_RN[rp], P_RN[rq], E_RN[rp], E_RN[rq], distance)
+        p, q = P_RN.index_select(0, rp), P_RN.index_select(0, rq)
+        out[:, k0:k1] = _pair_stats_torch(p, q, E_RN.index_select(0, rp), E_RN.index_select(0, rq), distance)
     return out
 
 
