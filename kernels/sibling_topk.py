@@ -250,7 +250,7 @@ def _masked_group(H: Tensor, E: Tensor, lroll: Tensor | None, G: int, L: int, ga
     else:
         out = _rollout_best(X, lroll, G, L, gamma)
     if P_out is not None:
-        P_out.copy_(torch.softmax(X.div_(temperature), dim=2))
+        torch._softmax(X.div_(temperature), 2, False, out=P_out)  # torch.softmax's op, written in place: no copy
     return out
 
 
