@@ -71,7 +71,9 @@ CASE_ORDER = [
     "alignment_kernels_d1024_core",
     "mechanism2_paper_scale",
     "rescoring_shared_prefix",
+    "ppo_microbatch_smollm2",
 ]
+IMPORTED = ("mechanism2_paper_scale", "rescoring_shared_prefix", "ppo_microbatch_smollm2")  # own measurements
 
 
 def machine_id(device: str = "cpu") -> str:
@@ -200,6 +202,8 @@ def run_imported_case(name: str, quick: bool) -> dict | None:
             from bench.bench_alignment import run_mechanism2_case as fn
         elif name == "rescoring_shared_prefix":
             from bench.bench_rescoring import run_rescoring_case as fn
+        elif name == "ppo_microbatch_smollm2":
+            from bench.bench_update import run_update_case as fn
         else:
             raise KeyError(name)
     except ImportError as exc:
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, skipped = [], []
     for name in names:
         t0 = time.perf_counter()
-        if name in ("mechanism2_paper_scale", "rescoring_shared_prefix"):
+        if name in IMPORTED:
             r = run_imported_case(name, args.quick)
             if r is None:
                 skipped.append(f"{name}: skipped, its benchmark module is not present")

@@ -31,12 +31,15 @@ closure is evaluated once per chunk and only the chunk's tokens are live variabl
 that couples tokens (a sequence-level ratio, a normaliser computed from log-probs) gets a
 wrong gradient here and must use :func:`logprob` instead.
 
-Chunk size: ``tile_bytes`` bounds the fp32 chunk buffers (one without entropy, two with):
+Chunk size: ``tile_bytes`` bounds the fp32 chunk buffer of logits:
 default ``max(64 MiB, 4 N H)`` on a CPU and ``max(512 MiB, 4 N H)`` on CUDA, capped at 1 GiB, i.e.
 at least the size of the hidden states (the rule of fused cross-entropy kernels). Each chunk
 reads and rewrites the [V, H] weight gradient once, so on a GPU, where that traffic is what
 bounds small chunks, the chunks are larger; on a CPU the matmuls dominate and small chunks
-keep the memory low. Non-fp32 weights are upcast in vocabulary blocks of at most 32 MiB.
+keep the memory low. On a CPU the elementwise passes (max, exp, sums, the
+logits gradient) run over ~1 MiB vocabulary slices of the chunk so that they stay in cache; with
+entropy the exponentials are recomputed in the gradient pass instead of kept in a second buffer.
+Non-fp32 weights are upcast in vocabulary blocks of at most 32 MiB.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ _TILE_MIN = 64 * 2**20
 _TILE_MIN_CUDA = 512 * 2**20
 _TILE_MAX = 2**30
 _UPCAST_BYTES = 32 * 2**20
+_BLOCK_BYTES = 2**20  # CPU: elementwise passes over [block, n] slices of ~1 MiB (cache-resident)
 
 TokenLoss = Callable[[Tensor, Tensor | None, Tensor], Tensor]
 
@@ -153,7 +157,7 @@ def logprob_loss_and_grad(
     positions of those tokens in ``targets.reshape(-1)``. It must be separable over tokens (see the module
     docstring). grad_weight / grad_bias: optional contiguous buffers ([V, H] / [V]) the gradients are
     added into in place (any float dtype; fp32 recommended); without them new fp32 tensors are returned.
-    tile_bytes: bound on the fp32 chunk buffers (default: see the module docstring).
+    tile_bytes: bound on the fp32 chunk buffer (default: see the module docstring).
 
     Vocab parallel (``group`` given): ``weight``/``bias`` are this rank's rows ``[vocab_start, vocab_start + V)``
     of the head and ``targets`` are global ids, each in exactly one rank's shard; every rank of ``group``
@@ -205,10 +209,9 @@ def logprob_loss_and_grad(
     fp32_w = w.dtype == torch.float32
     vb = V if fp32_w else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
     b32 = bias.detach().float() * inv_t if bias is not None else None
-    n_buf = 2 if with_entropy else 1
-    rows = _chunk_rows(N, H, V, n_buf, tile_bytes, dev.type == "cuda")
+    on_cuda = dev.type == "cuda"
+    rows = _chunk_rows(N, H, V, 1, tile_bytes, on_cuda)
     z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
-    e_buf = torch.empty_like(z_buf) if with_entropy else None
     dW_acc_dtype = dW is not None and dW.dtype == torch.float32
 
     for n0 in range(0, N, rows):
@@ -230,16 +233,18 @@ def logprob_loss_and_grad(
         lt_in = lt.clamp(0, max(V - 1, 0))
         tz = torch.where(hit, z[lt_in, cols], 0.0)
         m = z.amax(dim=0)
-        z.sub_(m)  # z - max (this shard's max)
-        if with_entropy:
-            e = e_buf[: V * n].view(V, n)
-            torch.exp(z, out=e)
-            s = e.sum(0)
-            u = torch.linalg.vecdot(e, z, dim=0)
-        else:
-            e = z.exp_()
-            s = e.sum(0)
-            u = torch.zeros_like(s)
+        # elementwise work in vocabulary blocks that stay in cache (one block on CUDA)
+        s = torch.zeros(n, dtype=torch.float32, device=dev)
+        u = torch.zeros(n, dtype=torch.float32, device=dev)
+        blk = V if on_cuda else max(64, _BLOCK_BYTES // (4 * n))
+        for b0 in range(0, V, blk):
+            zb = z[b0 : b0 + blk].sub_(m)  # z - max (this shard's max)
+            if with_entropy:
+                eb = torch.exp(zb)
+                s += eb.sum(0)
+                u += eb.mul_(zb).sum(0)
+            else:
+                s += zb.exp_().sum(0)  # z now holds e = exp(z - max)
         if group is None:
             lse = m + torch.log(s)
             c = 1.0 / s  # p = e * c
@@ -259,11 +264,17 @@ def logprob_loss_and_grad(
         logp[n0:n1] = lp_c
         loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, torch.arange(n0, n1, device=dev))
         loss += loss_c
-        # gz = -p (g_lp + g_ent (log p + ent)) / T, plus g_lp / T at the target; log p = (z - m) + m - lse
+        # gz = -p (g_lp + g_ent (log p + ent)) / T, plus g_lp / T at the target; log p = (z - m) + m - lse,
+        # p = exp(z - m) * c
         if with_entropy:
-            gz = z.add_(m - lse + ent_c).mul_(g_ent).add_(g_lp).mul_(e).mul_(-inv_t * c)
+            shift, scale = m - lse + ent_c, -inv_t * c
+            for b0 in range(0, V, blk):
+                zb = z[b0 : b0 + blk]
+                eb = torch.exp(zb)
+                zb.add_(shift).mul_(g_ent).add_(g_lp).mul_(eb).mul_(scale)
         else:
-            gz = e.mul_(-inv_t * g_lp * c)
+            z.mul_(-inv_t * g_lp * c)
+        gz = z
         if group is None:
             gz[lt_in, cols] += g_lp * inv_t
         else:
@@ -323,10 +334,12 @@ class _FusedLossFn(torch.autograd.Function):
         dt_h, dt_w, dt_b = ctx.dtypes
 
         def scaled(g, dt):
+            # the saved gradients belong to this call alone: scale them in place (no second [V, H] copy)
             if g is None:
                 return None
-            g = g * g_loss if g_loss is not None else torch.zeros_like(g)
-            return g.to(dt)
+            if g_loss is None:
+                return g.zero_().to(dt)
+            return g.mul_(g_loss).to(dt)
 
         return scaled(gh, dt_h), scaled(gw, dt_w), scaled(gb, dt_b), None, None, None, None, None, None
 
