@@ -8,9 +8,25 @@ log-prob head (no [B, T, V] logits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from torch import Tensor
+
+
+def prompt_width(input_ids: Tensor, attention_mask: Tensor, response_length: int) -> int:
+    """Validate ``[prompt | response]`` rows and return the prompt width Lp = T - L (ValueError names the culprit)."""
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
+    t = int(input_ids.shape[1])
+    if not 0 < response_length < t:
+        raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
+    return t - response_length
+
+
+def check_loss_fn(loss_fn) -> None:
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
 
 
 class PolicyBackend(Protocol):
@@ -25,6 +41,24 @@ class PolicyBackend(Protocol):
         grad: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """([B, L] fp32 log-probs of the response tokens, [B, L] entropy or None)."""
+        ...
+
+    supports_fused_loss: bool
+    """Whether ``response_loss`` is available (the trainer falls back to ``response_logprobs`` otherwise)."""
+
+    def response_loss(
+        self,
+        input_ids: Tensor,  # [B, T]
+        attention_mask: Tensor,  # [B, T]
+        response_length: int,
+        loss_fn: Callable[[Tensor, Tensor | None], Tensor],
+        *,
+        loss_fill: Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Training forward through the fused head loss: ([B, L] log-probs, [B, L] entropy or None, a zero-valued
+        scalar carrying the gradient of ``loss_fn(logp_BL, ent_BL)``, a sum of per-token terms)."""
         ...
 
     def optimizer_step(self, max_grad_norm: float) -> dict:

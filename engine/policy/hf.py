@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from alignopsd.engine.batch import position_ids
+from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -411,12 +412,7 @@ class HFPolicy:
         input_ids/attention_mask: [B, T] rows ``[prompt (left-padded) | response (right-padded)]``.
         grad=True keeps the graph (training forward, through DDP when distributed).
         """
-        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
-        t = int(input_ids.shape[1])
-        if not 0 < response_length < t:
-            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
-        lp = t - response_length
+        lp = prompt_width(input_ids, attention_mask, response_length)
         args = (
             input_ids[:, :lp],
             attention_mask[:, :lp],
@@ -456,14 +452,8 @@ class HFPolicy:
         scalar whose gradient is ``loss_fn``'s (``(carrier * scale).backward()``); log-probs are detached.
         Goes through DDP when distributed, like ``response_logprobs(grad=True)``.
         """
-        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
-        if not callable(loss_fn):
-            raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
-        t = int(input_ids.shape[1])
-        if not 0 < response_length < t:
-            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
-        lp = t - response_length
+        lp = prompt_width(input_ids, attention_mask, response_length)
+        check_loss_fn(loss_fn)
         self.model.train()
         return self.module(
             input_ids[:, :lp],

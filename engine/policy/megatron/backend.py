@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
 from alignopsd.engine.policy.megatron.model import (
@@ -201,12 +202,7 @@ class MegatronPolicy:
         Same contract as the Hugging Face backend: masked-out response positions get 0. Every rank of
         a tensor-parallel group must call this with the same rows.
         """
-        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
-        t = int(input_ids.shape[1])
-        if not 0 < response_length < t:
-            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
-        lp = t - response_length
+        lp = prompt_width(input_ids, attention_mask, response_length)
         rmask_BL = attention_mask[:, lp:].bool()
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         self.model.train(grad)
@@ -241,14 +237,8 @@ class MegatronPolicy:
         rows and loss."""
         from alignopsd.engine.policy.hf import fused_head_loss  # noqa: PLC0415
 
-        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-            raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)}")
-        if not callable(loss_fn):
-            raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
-        t = int(input_ids.shape[1])
-        if not 0 < response_length < t:
-            raise ValueError(f"response_length: must be in [1, {t - 1}], got {response_length}")
-        lp = t - response_length
+        lp = prompt_width(input_ids, attention_mask, response_length)
+        check_loss_fn(loss_fn)
         rmask_BL = attention_mask[:, lp:].bool()
         self.model.train(True)
         hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
