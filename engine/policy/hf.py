@@ -341,6 +341,12 @@ class ResponseScorer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _split_rows(input_ids: Tensor, attention_mask: Tensor, response_length: int) -> tuple[Tensor, ...]:
+    """(prompt ids, prompt mask, response ids, response mask) of validated ``[prompt | response]`` rows."""
+    lp = prompt_width(input_ids, attention_mask, response_length)
+    return input_ids[:, :lp], attention_mask[:, :lp], input_ids[:, lp:], attention_mask[:, lp:]
+
+
 class HFPolicy:
     """A Hugging Face causal LM as the trained policy (``PolicyBackend``).
 
@@ -412,15 +418,7 @@ class HFPolicy:
         input_ids/attention_mask: [B, T] rows ``[prompt (left-padded) | response (right-padded)]``.
         grad=True keeps the graph (training forward, through DDP when distributed).
         """
-        lp = prompt_width(input_ids, attention_mask, response_length)
-        args = (
-            input_ids[:, :lp],
-            attention_mask[:, :lp],
-            input_ids[:, lp:],
-            attention_mask[:, lp:],
-            temperature,
-            with_entropy,
-        )
+        args = (*_split_rows(input_ids, attention_mask, response_length), temperature, with_entropy)
         if grad:
             self.model.train()
             return self.module(*args)
@@ -452,19 +450,10 @@ class HFPolicy:
         scalar whose gradient is ``loss_fn``'s (``(carrier * scale).backward()``); log-probs are detached.
         Goes through DDP when distributed, like ``response_logprobs(grad=True)``.
         """
-        lp = prompt_width(input_ids, attention_mask, response_length)
+        rows = _split_rows(input_ids, attention_mask, response_length)
         check_loss_fn(loss_fn)
         self.model.train()
-        return self.module(
-            input_ids[:, :lp],
-            attention_mask[:, :lp],
-            input_ids[:, lp:],
-            attention_mask[:, lp:],
-            temperature,
-            with_entropy,
-            loss_fn,
-            loss_fill,
-        )
+        return self.module(*rows, temperature, with_entropy, loss_fn, loss_fill)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip the DDP gradient all-reduce (for all micro-batches but the last of an update)."""
