@@ -8,8 +8,8 @@ of N slots. Inside a block the slots are in identity order, so "smaller identity
 
 Regular layout: when every task has the same number G of rollouts and every rollout the same
 number L of turns, there is no padding and slot n holds rollout n // L, so a block axis of N
-slots reshapes to [G, L] (``Blocks.rollout_len`` = L; 0 otherwise). The kernels' torch paths
-use it for per-rollout reductions and adjacent-turn views instead of index tensors.
+slots reshapes to [G, L] (``Blocks.rollout_len`` = L; 0 otherwise). The selection's torch
+code uses it for per-rollout maxima without scatter-reduces.
 """
 
 from __future__ import annotations

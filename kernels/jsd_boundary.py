@@ -24,9 +24,10 @@ batch, clipped to [tau_min, tau_max]; +inf when there is none.
 
 Paths: the Triton kernel (one program per pair, a loop over the block's source tiles that
 accumulates the six row sums and the eligibility mismatch), the torch path (the same sums as
-row reductions over chunks of ~512 KiB: with a regular layout, see ``_blocks.py``, the pairs
-are adjacent rows of the blocks reshaped to [rollouts, L, N], read as views, and the one-row
-sums are taken once per row; otherwise the pairs' rows are gathered), ``boundary_scores_ref``
+row reductions over chunks of ~512 KiB; a pair is always two consecutive rows of the blocks, so
+while the blocks have at most twice as many rows as turns the sums run over all rows as views,
+the one-row sums once per row, and are read at the pairs; otherwise the pairs' rows are
+gathered), ``boundary_scores_ref``
 (a Python loop over trajectories on the dense rows, the oracle). BLOCK = 128 source slots per
 iteration (blocks are a few hundred turns; not tuned on a GPU, none was available).
 """
@@ -61,6 +62,7 @@ _LN2 = math.log(2.0)
 _TINY = float(torch.finfo(torch.float32).tiny)
 _BLOCK = 128
 _CHUNK_CELLS = 1 << 17  # cells per chunk of the torch path's row sums (512 KiB of float32: fits a core's L2)
+_ADJACENT_MAX_ROWS = 2.0  # torch path: sums over all block rows while they are at most this many times the turns
 
 
 def _check_distance(distance: str) -> str:
@@ -129,36 +131,39 @@ def _pair_stats_gather(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor, d
     return out
 
 
-def _pair_stats_regular(P_BTS: Tensor, E_BTS: Tensor, L: int, distance: str) -> Tensor:
-    """:func:`_pair_stats_torch` for a regular layout (slot n of a block is turn n % L of rollout n // L).
+def _pair_stats_adjacent(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor, distance: str) -> Tensor:
+    """:func:`_pair_stats_torch` when every pair is two consecutive rows (rowq = rowp + 1: consecutive turns of a
+    trajectory are consecutive slots of its block).
 
-    The pairs are slots (l, l + 1) of every rollout, in identity order, so p and q are views of the blocks
-    reshaped to [T * G, L, N], taken a chunk of rollouts at a time. Row sums over single rows (sum p log p,
-    |p|^2) are taken once per row and read for both pairs a row belongs to.
+    The sums are taken over all rows of the blocks, chunk by chunk, without gathers: the one-row sums
+    (sum p log p, |p|^2) once per row, the two-row sums for every (row, next row) pair, as views; then read at
+    the pairs. Rows between trajectories and padding rows are wasted work, so the caller uses this when the
+    blocks have few rows besides the turns.
     """
-    N = P_BTS.shape[1]
-    Pr = P_BTS.reshape(-1, L, N)
-    R = Pr.shape[0]
-    out = torch.zeros(7, R, L - 1, dtype=torch.float32, device=P_BTS.device)
-    if L < 2:
-        return out.reshape(7, 0)
-    for r0, r1 in _chunks(R, L * N):
-        Pc, o = Pr[r0:r1], out[:, r0:r1]
-        p, q = Pc[:, :-1], Pc[:, 1:]
-        if distance in ("jsd", "entropy"):
-            ent = _xlogx_sum(Pc.reshape(-1, N)).view(r1 - r0, L)
-            o[0], o[1] = ent[:, :-1], ent[:, 1:]
-        if distance == "jsd":
-            o[2] = _xlogx_sum(torch.add(p, q).mul_(0.5).reshape(-1, N)).view(r1 - r0, L - 1)
-        if distance == "cosine":
-            sq = torch.linalg.vecdot(Pc, Pc)
-            o[3] = torch.linalg.vecdot(p, q)
-            o[4], o[5] = sq[:, :-1], sq[:, 1:]
-    Er = E_BTS.reshape(-1, L, N)
-    if N % 8 == 0 and Er.is_contiguous() and Er.storage_offset() % 8 == 0:
-        Er = Er.view(torch.int64)  # compare 8 flags per word
-    out[6] = (Er[:, :-1] != Er[:, 1:]).any(2)
-    return out.reshape(7, -1)
+    R, N = P_RN.shape
+    dev = P_RN.device
+    K = rowp.numel()
+    out = torch.zeros(7, K, dtype=torch.float32, device=dev)
+    if K == 0:
+        return out
+    one = torch.zeros(R, dtype=torch.float32, device=dev)  # sum p log p or |p|^2 of every row
+    two = torch.zeros(R - 1, dtype=torch.float32, device=dev)  # sum m log m or <p, q> of rows r, r + 1
+    cosine = distance == "cosine"
+    for r0, r1 in _chunks(R, N):
+        rows = P_RN[r0:r1]
+        one[r0:r1] = torch.linalg.vecdot(rows, rows) if cosine else _xlogx_sum(rows)
+        if distance in ("jsd", "cosine") and r0 < R - 1:
+            p, q = P_RN[r0 : min(r1, R - 1)], P_RN[r0 + 1 : min(r1, R - 1) + 1]
+            two[r0 : r0 + p.shape[0]] = torch.linalg.vecdot(p, q) if cosine else _xlogx_sum(torch.add(p, q).mul_(0.5))
+    s_one, s_two = (4, 3) if cosine else (0, 2)
+    out[s_one] = one[rowp]
+    out[s_one + 1] = one[rowq]
+    if distance != "entropy":
+        out[s_two] = two[rowp]
+    if N % 8 == 0 and E_RN.is_contiguous() and E_RN.storage_offset() % 8 == 0:
+        E_RN = E_RN.view(torch.int64)  # compare 8 flags per word
+    out[6] = (E_RN[rowp] != E_RN[rowq]).any(1)
+    return out
 
 
 def _pair_kernel(
@@ -267,8 +272,8 @@ def boundary_scores_blocks(
     rowq = blocks.block_M[cur] * N + blocks.slot_M[cur]
     if impl == "triton":
         stats = _pair_stats_triton(P_BTS, E_BTS, rowp, rowq)
-    elif blocks.rollout_len and P_BTS.shape[0] * N == M:
-        stats = _pair_stats_regular(P_BTS.float(), E_BTS, blocks.rollout_len, distance)
+    elif P_BTS.shape[0] * N <= _ADJACENT_MAX_ROWS * M:
+        stats = _pair_stats_adjacent(P_BTS.reshape(-1, N).float(), E_BTS.reshape(-1, N), rowp, rowq, distance)
     else:
         stats = _pair_stats_gather(P_BTS.reshape(-1, N).float(), E_BTS.reshape(-1, N), rowp, rowq, distance)
     ok = profile_valid[prev] & profile_valid[cur] & (stats[6] == 0)

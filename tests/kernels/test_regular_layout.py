@@ -1,5 +1,6 @@
-"""Fast paths of the kernels' torch code: the regular block layout (every task G rollouts of L turns) against
-the general layout, and the finiteness check.
+"""Fast paths of the kernels' torch code against the general ones: the regular block layout (every task G
+rollouts of L turns) in the selection, the adjacent-rows boundary sums against gathered row pairs, the
+finiteness check and selection_lists.
 
 Legend: T = tasks, G = rollouts per task, L = turns per rollout, M = T G L turns.
 """
@@ -16,15 +17,19 @@ from alignopsd.kernels import (
     _blocks,
     boundary_scores,
     boundary_scores_blocks,
+    boundary_scores_ref,
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
     sibling_topk_ref,
 )
+from test_sibling_topk import make_batch
 
 import alignopsd
 
-sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")  # the module (the package exports the function)
+# the modules (the package exports functions of the same names)
+sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")
+jsd_mod = importlib.import_module("alignopsd.kernels.jsd_boundary")
 
 
 def regular_batch(*, tasks=3, rollouts=4, turns=5, dim=8, seed=0, ties=True):
@@ -115,32 +120,38 @@ def test_regular_fast_path_equals_general_path_and_reference(monkeypatch, seed, 
 
 
 @pytest.mark.parametrize("distance", DISTANCES)
-def test_regular_boundary_path_equals_general_path(distance):
-    te, st, task, roll, turn, sv, tv = regular_batch(seed=3, ties=False, tasks=2, rollouts=3, turns=6)
+@pytest.mark.parametrize("layout", ["regular", "uneven"])
+def test_boundary_adjacent_rows_path_equals_gather_path(monkeypatch, distance, layout):
+    """The torch path reads the pairs as (row, next row) of the blocks; with much padding it gathers them."""
+    if layout == "regular":
+        te, st, task, roll, turn, sv, tv = regular_batch(seed=3, ties=False, tasks=2, rollouts=3, turns=6)
+    else:
+        te, st, task, roll, turn, sv, tv = make_batch(seed=3, ties=False, tasks=3, rollouts=4, turns=5)
     out = sibling_topk(te, st, task, roll, turn, sv, tv, gamma=0.1, top_k=2, impl="torch")
-    assert out.blocks.rollout_len == 6
-    d, bv = boundary_scores_blocks(out.P_BTS, out.E_BTS, out.profile_valid, out.blocks, distance=distance, impl="torch")
-    d_g, bv_g = boundary_scores_blocks(
-        out.P_BTS, out.E_BTS, out.profile_valid, _general(out.blocks), distance=distance, impl="torch"
-    )
-    assert bv.sum() > 3 and torch.equal(bv, bv_g)
-    torch.testing.assert_close(d, d_g, atol=1e-7, rtol=0)
+    assert (out.blocks.rollout_len > 0) == (layout == "regular")
+    E2 = out.E_BTS.clone()
+    b, t = 0, 1  # slot 1 of block 0 (rollout 0, turn 1) and its neighbours: not boundaries once its row differs
+    E2[b, t] = ~E2[b, t]
+    got = {}
+    for path, rows in (("adjacent", 2.0), ("gather", 0.0)):
+        monkeypatch.setattr(jsd_mod, "_ADJACENT_MAX_ROWS", rows)
+        got[path] = [
+            boundary_scores_blocks(out.P_BTS, E, out.profile_valid, out.blocks, distance=distance, impl="torch")
+            for E in (out.E_BTS, E2)
+        ]
+    for (d, bv), (d_g, bv_g) in zip(got["adjacent"], got["gather"]):
+        assert torch.equal(bv, bv_g)
+        torch.testing.assert_close(d, d_g, atol=1e-7, rtol=0)
+    (d, bv), (d2, bv2) = got["adjacent"]
+    assert bv.sum() > 3
     d_dense, bv_dense = boundary_scores(out.P, out.profile_valid, out.eligible, task, roll, turn, distance=distance)
     assert torch.equal(bv, bv_dense)
     torch.testing.assert_close(d, d_dense, atol=1e-7, rtol=0)
-    # an eligibility row that differs from its neighbour's is not a boundary, on both paths
-    E2 = out.E_BTS.clone()
-    b, t = 0, 1  # slot 1 of block 0: (rollout 0, turn 1); its pair with slot 0 is the first pair
-    E2[b, t] = ~E2[b, t]
-    d2, bv2 = boundary_scores_blocks(out.P_BTS, E2, out.profile_valid, out.blocks, distance=distance, impl="torch")
-    d2g, bv2g = boundary_scores_blocks(
-        out.P_BTS, E2, out.profile_valid, _general(out.blocks), distance=distance, impl="torch"
-    )
-    assert torch.equal(bv2, bv2g)
-    torch.testing.assert_close(d2, d2g, atol=1e-7, rtol=0)
-    cur = out.blocks.idx_TN[b, t]
-    nxt = out.blocks.idx_TN[b, t + 1]
-    assert not bv2[cur] and not bv2[nxt]
+    d_ref, bv_ref = boundary_scores_ref(out.P, out.profile_valid, out.eligible, task, roll, turn, distance=distance)
+    assert torch.equal(bv, bv_ref)
+    torch.testing.assert_close(d, d_ref, atol=2e-6, rtol=0)
+    assert not bv2[out.blocks.idx_TN[b, t]] and not bv2[out.blocks.idx_TN[b, t + 1]]
+    assert not (bv2 & ~bv).any()  # the changed row only removes boundaries
 
 
 def test_all_finite_sum_shortcut_and_fallback():
