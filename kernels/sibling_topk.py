@@ -46,6 +46,7 @@ Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting v
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,6 +75,7 @@ _BLOCK_T = 32
 _BLOCK_S = 32
 _BLOCK_D = 64
 _CHUNK_CELLS = 1 << 17  # cells of a group of blocks in the torch path (512 KiB of float32: fits a core's L2)
+_PAD_MAX = 2.0  # selection: padded per-rollout view while G x (longest rollout) <= _PAD_MAX x N
 
 
 class SiblingTopK:
@@ -193,23 +195,60 @@ def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
 # --------------------------------------------------------------------------------------
 # shared block stages
 # --------------------------------------------------------------------------------------
-def _rollout_best(X_BTS: Tensor, lroll_TN: Tensor, G: int, L: int, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+class _Rollouts(NamedTuple):
+    """How the selection finds per-rollout maxima (see :func:`_rollout_layout`)."""
+
+    G: int  # rollouts of the largest task
+    L: int  # regular layout: turns per rollout (slot n in rollout n // L); 0 otherwise
+    lroll: Tensor  # [T, N] rollout of each slot (the scatter-reduce form)
+    Lp: int = 0  # padded form: turns of the longest rollout; 0 when not used
+    pad_idx: Tensor | None = None  # [T, G * Lp] slot of (rollout g, turn l), 0 where l is past the rollout's end
+    pad_mask: Tensor | None = None  # [T, G * Lp] l is past the rollout's end
+    start: Tensor | None = None  # [T, G] first slot of each rollout
+
+
+def _rollout_layout(blocks: Blocks) -> _Rollouts:
+    """Regular layout: reshape. Otherwise, unless the rollouts are so uneven that G x (longest rollout) exceeds
+    ``_PAD_MAX`` x N, a padded [G, Lp] view of the slots gathered per group; else scatter-reduces."""
+    G, L, lroll = max(1, blocks.num_rollouts), blocks.rollout_len, blocks.lroll_TN
+    T, N = lroll.shape
+    if L or not T * N:
+        return _Rollouts(G, L, lroll)
+    length = torch.zeros(T, G, dtype=torch.long, device=lroll.device).scatter_add_(1, lroll, blocks.member_TN.long())
+    Lp = int(length.max())
+    if G * Lp > _PAD_MAX * N:
+        return _Rollouts(G, 0, lroll)
+    start = torch.cumsum(length, 1) - length  # a block's rollouts are contiguous and in order from slot 0
+    turn = torch.arange(Lp, device=lroll.device)
+    pad_mask = turn >= length[:, :, None]
+    pad_idx = (start[:, :, None] + turn).masked_fill_(pad_mask, 0)
+    return _Rollouts(G, 0, lroll, Lp, pad_idx.view(T, -1), pad_mask.view(T, -1), start)
+
+
+def _rollout_best(X_BTS: Tensor, ro: _Rollouts, b0: int, b1: int, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
     """Per (target, source rollout) the best candidate of X (H on eligible cells, -inf elsewhere) (§2.4).
 
-    Returns best [T, N, G] (highest H >= gamma of the rollout, -inf without a candidate), first [T, N, G]
-    (its smallest slot = smallest identity; any value where best is -inf) and rowmax [T, N] (max over all
-    eligible sources, -inf without one). With a regular layout (``L`` > 0, see ``_blocks.py``) the source
-    axis is reshaped to [G, L] and one max over L gives both (ties: the first maximal index); otherwise two
+    X_BTS: blocks b0:b1. Returns best [n, N, G] (highest H >= gamma of the rollout, -inf without a candidate),
+    first [n, N, G] (its smallest slot = smallest identity; any value where best is -inf) and rowmax [n, N]
+    (max over all eligible sources, -inf without one). With a regular layout (see ``_blocks.py``) the source
+    axis is reshaped to [G, L] and one max over L gives both (ties: the first maximal index); with the padded
+    form the same max runs on the slots gathered into [G, Lp] (-inf past a rollout's end); otherwise two
     scatter-reduces over the rollout index of each slot.
     """
     T, N, _ = X_BTS.shape
     dev = X_BTS.device
-    if L:
-        best, arg = X_BTS.view(T, N, G, L).max(3)
-        first = arg.add_(torch.arange(0, N, L, device=dev))
+    G = ro.G
+    if ro.L or ro.pad_idx is not None:
+        if ro.L:
+            best, arg = X_BTS.view(T, N, G, ro.L).max(3)
+            first = arg.add_(torch.arange(0, N, ro.L, device=dev))
+        else:
+            Xp = X_BTS.gather(2, ro.pad_idx[b0:b1, None, :].expand(T, N, -1))
+            best, arg = Xp.masked_fill_(ro.pad_mask[b0:b1, None, :], -math.inf).view(T, N, G, ro.Lp).max(3)
+            first = arg.add_(ro.start[b0:b1, None, :])
         rowmax = best.amax(2)
         return best.masked_fill_(best < gamma, -math.inf), first, rowmax
-    roll = lroll_TN[:, None, :].expand(T, N, N)
+    roll = ro.lroll[b0:b1, None, :].expand(T, N, N)
     best = torch.full((T, N, G), -math.inf, device=dev).scatter_reduce(2, roll, X_BTS, reduce="amax")
     rowmax = best.amax(2) if T * N else best.new_full((T, N), -math.inf)
     best.masked_fill_(best < gamma, -math.inf)
@@ -240,15 +279,15 @@ def _chunks(T: int, N: int) -> list[tuple[int, int]]:
     return [(b0, min(T, b0 + step)) for b0 in range(0, T, step)]
 
 
-def _masked_group(H: Tensor, E: Tensor, lroll: Tensor | None, G: int, L: int, gamma: float, temperature, P_out):
-    """One group of blocks: X = H on eligible cells, -inf elsewhere; the rollout bests (without ``lroll``: only
-    the row max); the profiles softmax(X / T_p) written into ``P_out`` when given (rows without an eligible
-    source come out NaN; :func:`_finish_groups` zeroes them)."""
+def _masked_group(H: Tensor, E: Tensor, ro: _Rollouts | None, b0: int, b1: int, gamma: float, temperature, P_out):
+    """Blocks b0:b1 (H, E: their slices): X = H on eligible cells, -inf elsewhere; the rollout bests (without
+    ``ro``: only the row max); the profiles softmax(X / T_p) written into ``P_out`` when given (rows without an
+    eligible source come out NaN; :func:`_finish_groups` zeroes them)."""
     X = torch.where(E, H.float(), -math.inf)
-    if lroll is None:
+    if ro is None:
         out = (X.amax(2) if X.numel() else X.new_full(X.shape[:2], -math.inf),)
     else:
-        out = _rollout_best(X, lroll, G, L, gamma)
+        out = _rollout_best(X, ro, b0, b1, gamma)
     if P_out is not None:
         torch._softmax(X.div_(temperature), 2, False, out=P_out)  # torch.softmax's op, written in place: no copy
     return out
@@ -272,19 +311,17 @@ def _profile_valid(rowmax: Tensor, gamma: float) -> Tensor:
 
 
 def _select_blocks(
-    H_BTS: Tensor, E_BTS: Tensor, lroll_TN: Tensor, G: int, L: int, gamma: float, top_k: int, temperature=None
+    H_BTS: Tensor, E_BTS: Tensor, ro: _Rollouts, gamma: float, top_k: int, temperature=None
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Slots [T, N, K] (-1 padded) of the kept sources of every target, best first (§2.4); P [T, N, N] when a
     ``temperature`` is given (else None); the row max of the eligible H (-inf without an eligible source)."""
     T, N, _ = H_BTS.shape
     P = torch.empty(T, N, N, device=H_BTS.device) if temperature is not None else None
     parts = [
-        _masked_group(
-            H_BTS[b0:b1], E_BTS[b0:b1], lroll_TN[b0:b1], G, L, gamma, temperature, None if P is None else P[b0:b1]
-        )
+        _masked_group(H_BTS[b0:b1], E_BTS[b0:b1], ro, b0, b1, gamma, temperature, None if P is None else P[b0:b1])
         for b0, b1 in _chunks(T, N)
     ]
-    best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, G, H_BTS.device)
+    best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, ro.G, H_BTS.device)
     return _rank_rollouts(best, first, top_k), P, rowmax
 
 
@@ -300,23 +337,24 @@ def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: flo
     T, N, _ = H_BTS.shape
     P = torch.empty(T, N, N, device=H_BTS.device)
     parts = [
-        _masked_group(H_BTS[b0:b1], E_BTS[b0:b1], None, 0, 0, gamma, temperature, P[b0:b1]) for b0, b1 in _chunks(T, N)
+        _masked_group(H_BTS[b0:b1], E_BTS[b0:b1], None, b0, b1, gamma, temperature, P[b0:b1])
+        for b0, b1 in _chunks(T, N)
     ]
     (rowmax,) = _finish_groups(parts, N, P) or _empty_groups(T, N, 0, H_BTS.device)[2:]
     return P, _profile_valid(rowmax, gamma)
 
 
-def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, lroll, G, L, gamma, temperature, top_k):
+def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, ro: _Rollouts, gamma, temperature, top_k):
     """H, B, P, validity and the selection of the blocks, group by group: the group's embedding rows gathered,
     a batched matmul into H, then the masked passes (:func:`_masked_group`) while the group is in cache."""
     T, N = idx_TN.shape
     dev = te.device
     # eligibility as a uint8 outer product (broadcast bool ops are slow on CPU), viewed as bool
     E = tgt_ok.to(torch.uint8)[:, :, None] * src_ok.to(torch.uint8)[:, None, :]
-    if L:
-        E.view(T, G, L, G, L).diagonal(0, 1, 3).zero_()  # the target's own rollout
+    if ro.L:
+        E.view(T, ro.G, ro.L, ro.G, ro.L).diagonal(0, 1, 3).zero_()  # the target's own rollout
     else:
-        E.mul_(lroll[:, :, None] != lroll[:, None, :])
+        E.mul_(ro.lroll[:, :, None] != ro.lroll[:, None, :])
     E = E.view(torch.bool)
     H = torch.empty(T, N, N, device=dev)
     P = torch.empty(T, N, N, device=dev)
@@ -327,8 +365,8 @@ def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, lroll, G, L, gamma, temperatur
         S = st.index_select(0, rows).view(b1 - b0, N, -1).float()
         Tt = te.index_select(0, rows).view(b1 - b0, N, -1).float().transpose(1, 2)
         torch.bmm(S, Tt, out=H[b0:b1]).clamp_(-1.0, 1.0)
-        parts.append(_masked_group(H[b0:b1], E[b0:b1], lroll[b0:b1], G, L, gamma, temperature, P[b0:b1]))
-    best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, G, dev)
+        parts.append(_masked_group(H[b0:b1], E[b0:b1], ro, b0, b1, gamma, temperature, P[b0:b1]))
+    best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, ro.G, dev)
     # rows of invalid targets and columns of invalid sources (padding slots included) are 0: index writes
     H[(~tgt_ok).nonzero(as_tuple=True)] = 0.0
     b_s, s_s = (~src_ok).nonzero(as_tuple=True)
@@ -548,7 +586,7 @@ def sibling_topk(
     blocks = task_blocks(task, rollout, turn)
     src_ok = to_blocks(sv, blocks)
     tgt_ok = to_blocks(tv, blocks)
-    G, L = max(1, blocks.num_rollouts), blocks.rollout_len
+    ro = _rollout_layout(blocks)
     if impl == "triton":
         # padding slots hold a copy of some turn's embedding; the validity masks (False on padding) zero them out
         Tb = to_blocks(teacher_emb, blocks, zero_padding=False)
@@ -556,11 +594,11 @@ def sibling_topk(
         H_b, E_b, P_b, valid_b = _blocks_triton(
             Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature)
         )
-        win = _select_blocks(H_b, E_b, blocks.lroll_TN, G, L, float(gamma), top_k)[0]
+        win = _select_blocks(H_b, E_b, ro, float(gamma), top_k)[0]
     else:
         H_b, E_b, P_b, valid_b, win = _blocks_torch(
-            teacher_emb, student_emb, blocks.idx_TN, src_ok, tgt_ok, blocks.lroll_TN, G, L,
-            float(gamma), float(profile_temperature), top_k,
+            teacher_emb, student_emb, blocks.idx_TN, src_ok, tgt_ok, ro, float(gamma), float(profile_temperature),
+            top_k,
         )  # fmt: skip
     selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
@@ -655,10 +693,9 @@ def sibling_topk_from_similarity(
     if int(E_b.sum()) != int(eligible.sum()):
         raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
     _check_eligible_finite(H_b, E_b)
-    G, L = max(1, blocks.num_rollouts), blocks.rollout_len
     torch_profiles = profiles and impl != "triton"
     win, P_b, rowmax = _select_blocks(
-        H_b, E_b, blocks.lroll_TN, G, L, float(gamma), top_k, float(profile_temperature) if torch_profiles else None
+        H_b, E_b, _rollout_layout(blocks), float(gamma), top_k, float(profile_temperature) if torch_profiles else None
     )
     if not profiles:
         valid_b = rowmax >= gamma  # = some eligible source and max eligible H >= gamma

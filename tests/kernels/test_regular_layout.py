@@ -1,9 +1,6 @@
-"""Fast paths of the kernels' torch code against the general ones: the regular block layout (every task G
-rollouts of L turns) in the selection, the adjacent-rows boundary sums against gathered row pairs, the
-finiteness check and selection_lists.
-
-Legend: T = tasks, G = rollouts per task, L = turns per rollout, M = T G L turns.
-"""
+"""Fast paths of the kernels' torch code against the general ones: in the selection, the regular block
+layout (every task G rollouts of L turns) and the padded per-rollout view against scatter-reduces; the
+adjacent-rows boundary sums against gathered row pairs; the finiteness check and selection_lists."""
 
 from __future__ import annotations
 
@@ -117,6 +114,41 @@ def test_regular_fast_path_equals_general_path_and_reference(monkeypatch, seed, 
             assert torch.equal(g.selected, fast.selected) and torch.equal(g.profile_valid, fast.profile_valid)
             if profiles:
                 assert torch.equal(g.P_BTS, fast.P_BTS)
+
+
+@pytest.mark.parametrize("seed", [2, 3, 4])
+@pytest.mark.parametrize("top_k", [1, 3, 7])
+@pytest.mark.parametrize("ties", [True, False])
+def test_uneven_padded_path_equals_scatter_path_and_reference(monkeypatch, seed, top_k, ties):
+    """Uneven rollouts and task sizes: per-rollout maxima on the padded [G, Lp] view against scatter-reduces."""
+    te, st, task, roll, turn, sv, tv = make_batch(seed=seed, ties=ties, tasks=3, rollouts=5, turns=6)
+    kw = dict(gamma=0.2, top_k=top_k, profile_temperature=0.1, impl="torch")
+    got = {}
+    for path, pad_max in (("padded", 2.0), ("scatter", 0.0)):
+        monkeypatch.setattr(sibling_mod, "_PAD_MAX", pad_max)
+        assert (sibling_mod._rollout_layout(_blocks.task_blocks(task, roll, turn)).pad_idx is not None) == (
+            path == "padded"
+        )
+        got[path] = [
+            sibling_topk(te, st, task, roll, turn, sv, tv, **kw),
+            sibling_topk_from_similarity(
+                *(lambda r: (r.H, r.eligible))(sibling_topk(te, st, task, roll, turn, sv, tv, **kw)),
+                task, roll, turn, gamma=0.2, top_k=top_k, impl="torch",
+            ),
+        ]  # fmt: skip
+    for a, b in zip(got["padded"], got["scatter"]):
+        for name in ("selected", "profile_valid", "H_BTS", "E_BTS", "P_BTS"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    out = got["padded"][0]
+    assert out.blocks.rollout_len == 0 and bool((~out.blocks.member_TN).any())  # uneven and padded blocks
+    if ties:
+        vals = out.H[out.eligible & (out.H >= 0.2)]
+        assert vals.numel() > vals.unique().numel()
+    ref = sibling_topk_ref(te, st, task, roll, turn, sv, tv, gamma=0.2, top_k=top_k)
+    assert torch.equal(out.selected, ref.selected) and torch.equal(out.profile_valid, ref.profile_valid)
+    assert out.selected_lists() == alignopsd.select_sources(
+        out.H, out.eligible, task, roll, turn, gamma=0.2, top_k=top_k
+    )
 
 
 @pytest.mark.parametrize("distance", DISTANCES)
