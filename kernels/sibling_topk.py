@@ -22,7 +22,9 @@ order inside a block is slot order. Per block:
 
 The per-rollout maxima: with a regular layout (every task G rollouts of L turns, see
 ``_blocks.py``) X is reshaped to [targets, G, L] and one max over L gives the best and its
-first (smallest) slot; otherwise two scatter-reduces over the slots' rollout index.
+first (smallest) slot; with uneven rollouts the same max runs on the slots gathered into a
+padded [G, Lp] view (Lp = longest rollout, -inf past a rollout's end) while G x Lp <= 2N;
+beyond that, two scatter-reduces over the slots' rollout index.
 
 Paths: the Triton kernel (one program per (block, target tile) computes the H tile with
 ``tl.dot``, an online max/sum over the block's source tiles, then recomputes the tile and
