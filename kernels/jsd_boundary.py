@@ -162,7 +162,7 @@ def _pair_stats_adjacent(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor,
         out[s_two] = two[rowp]
     if N % 8 == 0 and E_RN.is_contiguous() and E_RN.storage_offset() % 8 == 0:
         E_RN = E_RN.view(torch.int64)  # compare 8 flags per word
-    out[6] = (E_RN[rowp] != E_RN[rowq]).any(1)
+    out[6] = ((E_RN[:-1] != E_RN[1:]).sum(1) > 0)[rowp]  # every (row, next row), as views; sum: faster than any
     return out
 
 
