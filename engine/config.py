@@ -273,6 +273,11 @@ class TrainerConfig:
     skip_no_signal: bool = True
     """Skip the rest of a step whose advantages are all zero and that has no auxiliary term (logged as
     update/skipped). `alignopsd profile` turns it off so that every phase is measured."""
+    audit: bool = True
+    """Write the audit records of ALGORITHM.md §4.3 under <output>/audit/ (per-turn JSONL every step, token
+    snapshots on the first, every 10th and the last step; see engine/audit.py). Training is identical either way."""
+    audit_max_bytes: int = 1 << 30
+    """Cap on the audit's bytes over the whole run (all ranks together); past it, nothing more is written."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
@@ -301,6 +306,11 @@ class TrainerConfig:
         _choice("trainer.rescoring_mode", self.rescoring_mode, RESCORING_MODES)
         _choice("trainer.device", self.device, DEVICES)
         _positive("trainer.torch_threads", self.torch_threads, allow_zero=True)
+        if not isinstance(self.audit, bool):
+            raise ConfigError(f"trainer.audit: expected true or false, got {self.audit!r}")
+        if isinstance(self.audit_max_bytes, bool) or not isinstance(self.audit_max_bytes, int):
+            raise ConfigError(f"trainer.audit_max_bytes: expected an integer, got {self.audit_max_bytes!r}")
+        _positive("trainer.audit_max_bytes", self.audit_max_bytes)
 
 
 def _algorithm_cls():

@@ -72,6 +72,7 @@ class Components:
     teacher: Any = None
     profiler: StepProfiler = field(default_factory=StepProfiler)
     dp_group: Any = None  # data-parallel process group (None: the default group)
+    audit: Any = None  # engine.audit.Auditor of the run (set by the trainer; None: no audit records)
     _encoder_factory: Any = None
 
     def get_encoder(self):
@@ -291,6 +292,8 @@ def run_step(parts: Components, step: int) -> StepOutput:
     if skip:
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
         metrics.update({"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0})
+        if parts.audit is not None:
+            metrics.update(parts.audit.record_skipped(step + 1, batch.size))
         metrics.update(prof.end_step())
         return StepOutput(metrics=metrics)
 
@@ -329,11 +332,16 @@ def run_step(parts: Components, step: int) -> StepOutput:
 
     # 6. advantages ----------------------------------------------------------------------------------------------
     est_out, span_lengths = estimate(parts, cb, old_logp, m1, step, metrics)
+    regions = response_regions(parts, cb) if parts.audit is not None else None  # shared by both users
     if est_out.rectified is not None:
-        metrics.update(region_metrics(parts, cb, old_logp, est_out.rectified))
+        metrics.update(region_metrics(parts, cb, old_logp, est_out.rectified, regions))
     adv_ML = est_out.token_advantage
     aux_terms = est_out.aux
     metrics["adv/token_advantage_abs_mean"] = _masked_mean(adv_ML.abs(), cb.response_mask)
+
+    # audit records (§4.3 "Audit"): reads the step's tensors, draws no random numbers, never raises
+    if parts.audit is not None:
+        metrics.update(parts.audit.record(step + 1, cb, canon.counts, old_logp, adv_ML, est_out, m1, regions))
 
     # 7. update --------------------------------------------------------------------------------------------------
     with prof.phase("update"):
@@ -608,13 +616,27 @@ def teacher_generate(parts: Components, cb: TurnBatch, *, stop_after_action: boo
     return list(out.texts), stats
 
 
-def region_metrics(parts: Components, cb: TurnBatch, old_logp: Tensor, rect) -> dict[str, float]:
-    """Thinking/action regions and the paired statistics per region (§4.3); never aborts a step."""
+def response_regions(parts: Components, cb: TurnBatch):
+    """Thinking/action token regions of the canonical responses (engine/regions.py); None if they fail."""
+    from .regions import token_regions
+
+    try:
+        return token_regions(cb.response_ids, cb.response_mask, parts.tokenizer)
+    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step
+        log.warning("token regions failed: %s", exc)
+        return None
+
+
+def region_metrics(parts: Components, cb: TurnBatch, old_logp: Tensor, rect, reg=None) -> dict[str, float]:
+    """Thinking/action regions and the paired statistics per region (§4.3); never aborts a step.
+
+    ``reg``: the regions when already found (:func:`response_regions`), else they are found here."""
     from .regions import paired_region_stats, region_token_counts, token_regions
 
     out: dict[str, float] = {}
     try:
-        reg = token_regions(cb.response_ids, cb.response_mask, parts.tokenizer)
+        if reg is None:
+            reg = token_regions(cb.response_ids, cb.response_mask, parts.tokenizer)
         out.update({f"regions/{k}": float(v) for k, v in reg.counts.items()})
         pm = cb.response_mask
         for k, v in region_token_counts(reg, pm).items():

@@ -6,7 +6,9 @@ advantages are local); gradients are averaged across ranks and the loss is the e
 token-mean of ALGORITHM.md §3.12.
 
 A run writes under ``runs/<config name>/`` (or ``output_dir``): ``config.yaml``, ``checkpoints/``,
-``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots.
+``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots, and (``trainer.audit``)
+``audit/step_<step>.rank<r>.jsonl``: the per-turn audit records of every step and the token snapshots of
+ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/audit.py).
 
 Determinism: every random draw of a step (task sampling, environment seeds, sampling) derives from
 ``trainer.seed``, the step index and the rank, plus the torch/python/numpy generator states, which
@@ -204,6 +206,7 @@ class Trainer:
             stream=self.stream,
             resume_step=self.step if path is not None else None,
         )
+        self.parts.audit = self._auditor(self.step if path is not None else None)
         last: dict = {}
         try:
             if cfg.trainer.val_before_train and self.step == 0:
@@ -243,6 +246,25 @@ class Trainer:
             print(f"[train] report: {report}", file=self.stream, flush=True)
         self.parts.close()
         return last
+
+    def _auditor(self, resume_step: int | None):
+        """The audit writer of this process (engine/audit.py); None when the audit is off or another rank of
+        this process's tensor-parallel group writes the same batch."""
+        cfg = self.cfg
+        if not cfg.trainer.audit or int(getattr(self.parts.policy, "tp_rank", 0) or 0) != 0:
+            return None
+        from .audit import Auditor, header_of
+
+        return Auditor(
+            self.out_dir,
+            rank=self.parts.rank,
+            world_size=self.parts.world_size,
+            total_steps=cfg.trainer.total_steps,
+            max_bytes=cfg.trainer.audit_max_bytes,
+            tokenizer=self.parts.tokenizer,
+            header=header_of(cfg),
+            resume_step=resume_step,
+        )
 
     def _write_spans(self) -> None:
         if self.rank == 0:
