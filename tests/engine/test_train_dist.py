@@ -37,3 +37,11 @@ def test_two_rank_training_keeps_replicas_identical():
 
     ck = latest_checkpoint(out / "checkpoints")
     assert ck is not None and (ck / "rng_rank0.pt").is_file() and (ck / "rng_rank1.pt").is_file()
+    # each data-parallel rank writes the audit records of its own batch, its rank in the file name
+    from alignopsd.engine.audit import audit_file, read_audit
+
+    rank = dist.get_rank()
+    assert all(audit_file(out / "audit", s, rank).is_file() for s in (1, 2))
+    dist.barrier()
+    heads = read_audit(out / "audit", 2, kind="step")
+    assert sorted(h["rank"] for h in heads) == [0, 1] and all(h["world_size"] == 2 for h in heads)
