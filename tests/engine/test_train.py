@@ -156,7 +156,10 @@ def test_golden_trace(alignopsd_run):
     for g, e in zip(got["steps"], expect["steps"], strict=True):
         assert g["step"] == e["step"]
         assert g["reward"] == pytest.approx(e["reward"], abs=1e-6)
-        assert g["loss"] == pytest.approx(e["loss"], rel=1e-4, abs=1e-6)
+        # rel 2e-3: fp32 rounding differences in a gradient (e.g. a different summation order in the head)
+        # move the loss after one Adam step by up to ~4e-4 relative (Adam normalises tiny gradient components);
+        # changes of the algorithm move it by whole percents
+        assert g["loss"] == pytest.approx(e["loss"], rel=2e-3, abs=1e-6)
 
 
 def test_validation_schedule_and_greedy_decoding(tmp_path, monkeypatch):
