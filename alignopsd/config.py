@@ -364,7 +364,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(path: str, tp: Any, value: Any) -> Any:
+def _coerce(path: str, tp: Any, value: Any, section: Any = None) -> Any:
+    """Check ``value`` against the annotation ``tp`` (converting int to float, numeric strings to float, lists
+    to tuples); ValueError names ``path``. ``section(cls, data, path)`` builds nested dataclass sections
+    (default :func:`from_dict`); the run-config loader passes its own, so both loaders share these rules."""
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
@@ -383,7 +386,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(path, a, value)
+                return _coerce(path, a, value, section)
             except ValueError as exc:
                 errors.append(str(exc))
         raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
@@ -392,7 +395,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
-        return from_dict(tp, value, path)
+        return (section or from_dict)(tp, value, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if isinstance(value, tp):
             return value
@@ -406,19 +409,19 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{path}: expected a list, got {value!r}")
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(f"{path}[{i}]", args[0], v) for i, v in enumerate(value))
+            return tuple(_coerce(f"{path}[{i}]", args[0], v, section) for i, v in enumerate(value))
         if origin is tuple and args:
             if len(args) != len(value):
                 raise ValueError(f"{path}: expected {len(args)} entries, got {len(value)}")
-            return tuple(_coerce(f"{path}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(_coerce(f"{path}[{i}]", a, v, section) for i, (a, v) in enumerate(zip(args, value)))
         inner = args[0] if args else Any
-        out = [_coerce(f"{path}[{i}]", inner, v) for i, v in enumerate(value)]
+        out = [_coerce(f"{path}[{i}]", inner, v, section) for i, v in enumerate(value)]
         return tuple(out) if (origin is tuple or tp is tuple) else out
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{path}: expected a mapping, got {value!r}")
         vt = args[1] if len(args) == 2 else Any
-        return {k: _coerce(f"{path}.{k}", vt, v) for k, v in value.items()}
+        return {k: _coerce(f"{path}.{k}", vt, v, section) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{path}: expected true or false, got {value!r}")
@@ -428,6 +431,11 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             raise ValueError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"{path}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: expected a number, got {value!r}")
         return float(value)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,68 +386,17 @@ class RunConfig:
 # strict loading
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
 def _coerce(path: str, tp: Any, value: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``; returns the (possibly converted) value."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(path, a, value)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
-        return load_dataclass(tp, value, path)
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        inner = args[0] if args else Any
-        out = [_coerce(f"{path}[{i}]", inner, v) for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
-    return value
+    """Check ``value`` against the annotation ``tp`` with the algorithm core's rules (``alignopsd.config``);
+    nested sections are built by :func:`load_dataclass`. Errors are ConfigError naming the dotted key."""
+    from alignopsd.config import _coerce as core_coerce
+
+    try:
+        return core_coerce(path, tp, value, load_dataclass)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def load_dataclass(cls: type, data: dict, path: str = "") -> Any:

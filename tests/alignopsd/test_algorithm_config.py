@@ -166,3 +166,13 @@ def test_overrides():
         apply_overrides(base, ["rectify.top_k=__import__('os')"])
     with pytest.raises(ValueError, match="name"):
         get_preset("alfworld_1b")
+
+
+def test_yaml_string_floats_are_numbers_and_junk_is_named():
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string: float fields accept it; other strings name the key."""
+    from alignopsd.config import AlgorithmConfig, from_dict
+
+    cfg = from_dict(AlgorithmConfig, {"kl_coef": "1e-3"})
+    assert cfg.kl_coef == 0.001 and isinstance(cfg.kl_coef, float)
+    with pytest.raises(ValueError, match="kl_coef: expected a number"):
+        from_dict(AlgorithmConfig, {"kl_coef": "small"})
