@@ -113,6 +113,11 @@ def peak_mb(fn, device: str = "cpu") -> tuple[float, object]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         out = fn()
+    return profile_peak_mb(prof), out
+
+
+def profile_peak_mb(prof) -> float:
+    """Peak (MiB) of the running sum of a finished CPU profile's tensor allocation/free events."""
     events = [
         e
         for e in prof.profiler.kineto_results.events()
@@ -123,7 +128,7 @@ def peak_mb(fn, device: str = "cpu") -> tuple[float, object]:
     for e in events:
         running += e.nbytes()
         peak = max(peak, running)
-    return peak / 2**20, out
+    return peak / 2**20
 
 
 def median_times(ours, base, reps: int, device: str = "cpu", warmup: bool = True) -> tuple[float, float]:
