@@ -24,6 +24,7 @@ Each builder returns a :class:`Case` whose ``ours``/``base`` callables run the m
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,13 +66,24 @@ def _plain_logprob(h, w, t):
     return torch.log_softmax(h @ w.T, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
 
-def logprob_case(model: str, mode: str, quick: bool, device: str = "cpu") -> Case:
+@functools.lru_cache(maxsize=1)
+def _logprob_inputs(model: str, quick: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden, weight, targets) of a log-prob case, generated once per (model, size) and shared by its modes
+    (the 7B head's weight alone is 2 GiB of random numbers)."""
     H, V, n_full, n_quick = LOGPROB_SHAPES[model]
     N = n_quick if quick else n_full
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, H, generator=g).to(device)
     w = (torch.randn(V, H, generator=g) * (1.0 / math.sqrt(H))).to(device)
     t = torch.randint(0, V, (N,), generator=g).to(device)
+    return h, w, t
+
+
+def logprob_case(model: str, mode: str, quick: bool, device: str = "cpu") -> Case:
+    H, V, n_full, n_quick = LOGPROB_SHAPES[model]
+    N = n_quick if quick else n_full
+    h, w, t = (x.detach() for x in _logprob_inputs(model, quick, device))  # fresh leaves over cached storage
+    g = torch.Generator().manual_seed(1)
     if mode == "fwd":
 
         def ours():

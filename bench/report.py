@@ -61,9 +61,9 @@ FIELDS = [
 CASE_ORDER = [
     "logprob_smollm2_fwd",
     "logprob_smollm2_fwdbwd",
+    "logprob_smollm2_fwdbwd_autograd",
     "logprob_qwen7b_fwd",
     "logprob_qwen7b_fwdbwd",
-    "logprob_smollm2_fwdbwd_autograd",
     "logprob_qwen7b_fwdbwd_autograd",
     "alignment_kernels_d384",
     "alignment_kernels_d1024",
