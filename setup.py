@@ -44,6 +44,8 @@ class OptionalBuildExt(build_ext):
             print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
 
 
+SKILL_DIRS = [f"alignopsd.engine.envs.skills.{env}" for env in ("alfworld", "search", "webshop")]
+
 setup(
     packages=[
         "alignopsd",
@@ -53,6 +55,7 @@ setup(
         "alignopsd.engine.policy",
         "alignopsd.engine.generation",
         "alignopsd.engine.policy.megatron",
+        *SKILL_DIRS,
     ],
     package_dir={
         "alignopsd": "alignopsd",
@@ -62,8 +65,10 @@ setup(
         "alignopsd.engine.policy": "engine/policy",
         "alignopsd.engine.generation": "engine/generation",
         "alignopsd.engine.policy.megatron": "engine/policy/megatron",
+        **{name: "engine/envs/skills/" + name.rsplit(".", 1)[1] for name in SKILL_DIRS},
     },
-    package_data={"alignopsd.engine.envs": ["skills/*/*.md", "skills/*/*.json", "data/*"]},
+    # the skill banks are data directories: declared as (namespace) packages so their files are installed
+    package_data={name: ["*.md", "*.json"] for name in SKILL_DIRS},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
 )
