@@ -757,6 +757,7 @@ def ppo_update(
     mini = max(1, cfg.trainer.ppo_mini_batch_size // world)
     micro = max(1, cfg.trainer.ppo_micro_batch_size)
     fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
+    probed = False
     minis = _split(m, mini)
     n_mini = int(all_reduce([float(len(minis))], "max", world, getattr(parts, "dp_group", None))[0])
     input_ids, attn = cb.input_ids().to(parts.device), cb.attention_mask().to(parts.device)
@@ -812,6 +813,15 @@ def ppo_update(
                     return loss, terms
 
                 with_ent = ls.entropy_coef > 0
+                if fused and not probed:  # once per update, on every rank: the fused path needs a separable loss
+                    probed = True
+                    sep = loss_is_separable(lambda lp, en, f=micro_loss: f(lp, en)[0], old_logp[ix], mk, with_ent)
+                    if all_reduce([0.0 if sep else 1.0], "max", world, getattr(parts, "dp_group", None))[0] > 0:
+                        fused = False
+                        log.warning(
+                            "the policy loss couples tokens (not a sum of per-token terms): this update uses autograd "
+                            "through the log-prob head instead of the fused head loss"
+                        )
                 if fused:
                     # the head's gradients are formed with the log-probs (three matmuls instead of four)
                     logp, ent, carrier = policy.response_loss(
@@ -856,10 +866,47 @@ def ppo_update(
     out.update(totals)
     finite = [g for g in grad_norms if math.isfinite(g)]
     out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+    out["update/fused_head_loss"] = 1.0 if fused else 0.0
     out["update/optimizer_steps"] = float(n_opt)
     out["update/skipped_optimizer_steps"] = float(skipped)
     out["update/skipped"] = 1.0 if n_opt and skipped == n_opt else 0.0
     return out
+
+
+def loss_is_separable(loss_fn, fill_BL: Tensor, mask_BL: Tensor, with_entropy: bool) -> bool:
+    """Whether ``loss_fn(logp_BL, ent_BL) -> scalar`` behaves as a sum of per-token terms around ``fill_BL``.
+
+    A deterministic probe (no random numbers): the gradient at every other masked token must not move when the
+    remaining masked tokens' log-probs (and entropies) move. A token-mean of per-token terms passes; a loss with a
+    sequence-level ratio or a normaliser computed from log-probs fails. It is a probe, not a proof: a coupling
+    that the shift does not reach goes unseen.
+    """
+    flat = mask_BL.bool().reshape(-1)
+    idx = flat.nonzero().squeeze(1)
+    if idx.numel() < 2:
+        return True
+    probe = torch.zeros_like(flat)
+    probe[idx[0::2]] = True
+    other = torch.zeros_like(flat)
+    other[idx[1::2]] = True
+    shift = 0.37 * torch.cos(torch.arange(flat.numel(), dtype=torch.float32)) * other
+    base = fill_BL.detach().float().reshape(-1).cpu()
+
+    def probe_grads(lp_flat: Tensor, ent_flat: Tensor) -> list[Tensor]:
+        lp = lp_flat.reshape(fill_BL.shape).clone().requires_grad_(True)
+        leaves = [lp]
+        en = None
+        if with_entropy:
+            en = ent_flat.reshape(fill_BL.shape).clone().requires_grad_(True)
+            leaves.append(en)
+        with torch.enable_grad():
+            grads = torch.autograd.grad(loss_fn(lp, en), leaves, allow_unused=True)
+        return [(g if g is not None else torch.zeros_like(x)).reshape(-1)[probe] for g, x in zip(grads, leaves)]
+
+    zeros = torch.zeros_like(base)
+    before = probe_grads(base, zeros)
+    after = probe_grads(base + shift, zeros + shift.abs())
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(before, after))
 
 
 class _null:

@@ -117,7 +117,7 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
         out = ppo_update(parts, cb, old, None, adv, torch.ones(6), [])
     finally:
         tiny_policy.optimizer_step = orig_step
-    assert out["update/optimizer_steps"] == 1
+    assert out["update/optimizer_steps"] == 1 and out["update/fused_head_loss"] == float(fused)
     for a, b in zip(ref, captured["g"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
@@ -154,3 +154,54 @@ def test_tasks_for_step_is_deterministic_and_split_by_rank():
     )
     with pytest.raises(ValueError, match="tasks"):
         tasks_for_step([], 0, 4, 0)
+
+
+def test_separability_probe():
+    """The fused head loss needs a sum of per-token terms: token-mean PPO passes, a sequence-level ratio fails."""
+    from alignopsd.engine.step import loss_is_separable
+
+    from alignopsd.losses import entropy_bonus, ppo_loss
+
+    g = torch.Generator().manual_seed(0)
+    old, adv = torch.randn(3, 5, generator=g) - 2.0, torch.randn(3, 5, generator=g)
+    mask = torch.ones(3, 5)
+    mask[1, 3:] = 0
+
+    def token_mean_ppo(lp, ent):
+        loss, _ = ppo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+        return loss + entropy_bonus(ent, mask, coef=0.01)
+
+    def sequence_ratio(lp, ent):  # GSPO-like: one ratio per row from the mean log-ratio over its tokens
+        r = torch.exp(((lp - old) * mask).sum(1) / mask.sum(1))
+        return -(r * adv[:, 0]).mean()
+
+    assert loss_is_separable(token_mean_ppo, old, mask, with_entropy=True)
+    assert not loss_is_separable(sequence_ratio, old, mask, with_entropy=False)
+
+
+def test_coupled_loss_falls_back_to_autograd(tiny_policy, monkeypatch, caplog):
+    """ppo_update probes the loss once per update; a coupled loss runs through autograd (and says so)."""
+    import alignopsd.losses as losses
+
+    cb = _batch()
+    old = _old_logp(tiny_policy, cb)
+    adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    real = losses.ppo_loss
+
+    def coupled(logp, old_lp, adv_, mask, **kw):  # the PPO loss times a factor computed from all log-probs
+        loss, st = real(logp, old_lp, adv_, mask, **kw)
+        return loss * (1.0 + 0.1 * torch.tanh((logp - old_lp).mean())), st
+
+    monkeypatch.setattr(losses, "ppo_loss", coupled)
+    calls = []
+    orig = tiny_policy.response_loss
+    monkeypatch.setattr(tiny_policy, "response_loss", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    step = tiny_policy.optimizer_step
+    monkeypatch.setattr(tiny_policy, "optimizer_step", lambda max_norm: {"grad_norm": 1.0, "skipped": False})
+    try:
+        out = ppo_update(_parts(tiny_policy), cb, old, None, adv, torch.ones(6), [])
+    finally:
+        tiny_policy.optimizer_step = step
+        tiny_policy.zero_grad()
+    assert not calls and out["update/fused_head_loss"] == 0.0
+    assert "couples tokens" in caplog.text
