@@ -396,6 +396,7 @@ class Rescorer:
         max_prefix_tokens: int | None = None,
         reuse_rollout_logp: bool = False,
         check_reuse: bool = False,
+        student_scorer=None,
     ) -> None:
         if mode not in RESCORING_MODES:
             raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
@@ -412,6 +413,9 @@ class Rescorer:
         self.max_prefix_tokens = max_prefix_tokens
         self.reuse_rollout_logp = reuse_rollout_logp
         self.check_reuse = check_reuse
+        if student_scorer is not None and not callable(student_scorer):
+            raise ValueError(f"student_scorer: expected a callable, got {type(student_scorer).__name__}")
+        self.student_scorer = student_scorer
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
         kw = dict(temperature=self.temperature, with_entropy=with_entropy, max_tokens=self.max_tokens, impl=self.impl)
@@ -435,6 +439,11 @@ class Rescorer:
         """([M, L] old log-probs of each turn's response under its student prompt, [M, L] entropy or None, stats)."""
         stats = _new_stats()
         t0 = time.perf_counter()
+        if self.student_scorer is not None:  # the training backend scores its own old log-probs
+            lp, en = self.student_scorer(batch, with_entropy)
+            stats["seconds"] = time.perf_counter() - t0
+            stats["token_forwards"] = int(batch.size * (batch.prompt_ids.shape[1] + batch.response_length))
+            return lp, en, stats
         rows = torch.arange(batch.size, device=batch.response_ids.device)
         with _eval(self.model):
             lp, en = self._score(

@@ -26,6 +26,7 @@ environments and malformed outputs are counted by the rollout and never abort th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -144,6 +145,27 @@ def build_policy(cfg: RunConfig, device: torch.device):
     )
 
 
+def backend_logprobs(
+    policy, batch: TurnBatch, with_entropy: bool, *, temperature: float, device: torch.device, max_tokens: int = 16384
+) -> tuple[Tensor, Tensor | None]:
+    """([M, L] old log-probs, [M, L] entropy or None) of a turn batch from the policy backend itself, no grad, in
+    row chunks of at most ``max_tokens`` token positions (every tensor-parallel rank calls it with the same rows)."""
+    ids, attn = batch.input_ids(), batch.attention_mask()
+    width = int(ids.shape[1])
+    per = max(1, max_tokens // max(1, width))
+    lps, ents = [], []
+    for s in range(0, batch.size, per):
+        lp, en = policy.response_logprobs(
+            ids[s : s + per].to(device), attn[s : s + per].to(device), batch.response_length,
+            temperature=temperature, with_entropy=with_entropy, grad=False,
+        )  # fmt: skip
+        lps.append(lp.float().cpu())
+        if with_entropy:
+            ents.append(en.float().cpu())
+    lp = torch.cat(lps) if lps else torch.zeros(0, batch.response_length)
+    return lp * batch.response_mask.float(), (torch.cat(ents) if with_entropy and ents else None)
+
+
 def hf_model_of(policy):
     """The Hugging Face module that generation and rescoring use (the policy's own, or its HF copy)."""
     return getattr(policy, "hf_model", None) or policy.model
@@ -191,6 +213,13 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
+        # a policy trained apart from its Hugging Face copy (Megatron) scores its own old log-probs, so that the
+        # first PPO ratio compares the trained model with itself; teacher forcing keeps the shared-prefix copy
+        student_scorer=(
+            functools.partial(backend_logprobs, policy, temperature=cfg.generation.temperature, device=device)
+            if getattr(policy, "hf_model", None) is not None
+            else None
+        ),
     )
     ref_scorer = None
     if phases["ref"]:

@@ -200,3 +200,27 @@ def test_checkpoint_saved_at_tp2_loads_and_continues(tmp_path_factory):
     again = fresh.hf_state_dict()
     for k, v in continued.items():
         assert (again[k] - v).abs().max().item() <= 1e-6, k
+
+
+def test_backend_scored_old_logprobs_equal_hf_rescoring():
+    """The trainer's old log-probs under Megatron come from the sharded model itself (backend_logprobs), in row
+    chunks; they equal the Hugging Face copy's scoring of the same turn batch."""
+    from alignopsd.engine.batch import TurnBatch
+    from alignopsd.engine.rescoring import Rescorer
+    from alignopsd.engine.step import backend_logprobs
+
+    model = _llama_tiny()
+    g = torch.Generator().manual_seed(5)
+    m, lp, lr = 5, 6, 4
+    cb = TurnBatch(
+        task=torch.zeros(m, dtype=torch.long), rollout=torch.arange(m), turn=torch.zeros(m, dtype=torch.long),
+        prompt_ids=torch.randint(3, 500, (m, lp), generator=g), prompt_mask=torch.ones(m, lp, dtype=torch.long),
+        response_ids=torch.randint(3, 500, (m, lr), generator=g), response_mask=torch.ones(m, lr, dtype=torch.long),
+        outcome=torch.zeros(m), action_valid=torch.ones(m, dtype=torch.bool),
+    )  # fmt: skip
+    cb.response_mask[1, 2:] = 0
+    pol = _megatron(model)
+    lp_m, ent_m = backend_logprobs(pol, cb, True, temperature=0.9, device=torch.device("cpu"), max_tokens=25)
+    ref = Rescorer(model, mode="plain", temperature=0.9)(cb, student=True, teacher=False, with_entropy=True)
+    assert (lp_m - ref.old_logp).abs().max().item() <= 1e-4
+    assert ((ent_m - ref.entropy) * cb.response_mask).abs().max().item() <= 1e-4

@@ -205,3 +205,31 @@ def test_coupled_loss_falls_back_to_autograd(tiny_policy, monkeypatch, caplog):
         tiny_policy.zero_grad()
     assert not calls and out["update/fused_head_loss"] == 0.0
     assert "couples tokens" in caplog.text
+
+
+def test_backend_scored_old_logprobs_equal_the_rescorer(tiny_policy):
+    """A Rescorer with a student_scorer (what the Megatron backend gets) asks the policy backend for the old
+    log-probs, in row chunks, and agrees with the Hugging Face scoring path."""
+    from alignopsd.engine.rescoring import Rescorer
+    from alignopsd.engine.step import backend_logprobs
+
+    cb = _batch()
+    cb.response_mask[2, 3:] = 0
+    calls = []
+
+    def scorer(batch, with_entropy):
+        calls.append(batch.size)
+        # 9 token positions per row: max_tokens=20 gives chunks of 2 rows
+        return backend_logprobs(tiny_policy, batch, with_entropy, temperature=0.8, device=torch.device("cpu"),
+                                max_tokens=20)  # fmt: skip
+
+    ours = Rescorer(tiny_policy.model, mode="plain", temperature=0.8, student_scorer=scorer)
+    ref = Rescorer(tiny_policy.model, mode="plain", temperature=0.8)
+    a = ours(cb, student=True, teacher=False, with_entropy=True)
+    b = ref(cb, student=True, teacher=False, with_entropy=True)
+    assert calls == [6]
+    torch.testing.assert_close(a.old_logp, b.old_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.entropy * cb.response_mask, b.entropy * cb.response_mask, atol=1e-5, rtol=0)
+    assert bool((a.old_logp[2, 3:] == 0).all())
+    with pytest.raises(ValueError, match="student_scorer"):
+        Rescorer(tiny_policy.model, student_scorer=3)
