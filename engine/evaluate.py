@@ -79,12 +79,15 @@ def evaluate(cfg, checkpoint: str | None = None) -> dict:
     parts = trainer.parts
     if checkpoint:
         state = load_weights(checkpoint)
-        missing, unexpected = parts.policy.model.load_state_dict(state, strict=False)
-        bad = [k for k in missing if "lm_head" not in k]
-        if bad or unexpected:
-            raise ValueError(
-                f"--checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
-            )
+        if hasattr(parts.policy, "load_hf_state_dict"):  # Megatron: Hugging Face weights onto the shards
+            parts.policy.load_hf_state_dict(state)
+        else:
+            missing, unexpected = parts.policy.model.load_state_dict(state, strict=False)
+            bad = [k for k in missing if "lm_head" not in k]
+            if bad or unexpected:
+                raise ValueError(
+                    f"--checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
+                )
         parts.sync_weights()
     try:
         metrics = trainer._reduce_metrics(run_validation(parts, 0))

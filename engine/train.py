@@ -286,10 +286,14 @@ class Trainer:
         return flat
 
     def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average metrics over ranks (sums for '*count*' keys); NaN-free."""
+        """Average metrics over data-parallel ranks (sums for '*count*' keys); NaN-free.
+
+        Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
+        contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
         if not self.dist.enabled:
             return metrics
-        gathered = self.dist.gather_objects(metrics)
+        lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
+        gathered = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
         keys = sorted({k for g in gathered for k in g})
         out = {}
         for k in keys:

@@ -92,3 +92,26 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     assert "| Method | Success | codeword |" in out
     res = json.loads(ej.read_text())
     assert res["episodes"] == 2 and res["table"]["Success"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "env,columns",
+    [
+        ("alfworld", ["Pick", "Look", "Clean", "Heat", "Cool", "Pick2", "All"]),
+        ("webshop", ["Score", "Acc"]),
+        ("search", ["NQ", "TriviaQA", "PopQA", "HotpotQA", "2Wiki", "Musique", "Bamboogle", "Avg"]),
+    ],
+)
+def test_eval_on_each_benchmark_environment(tmp_path, capsys, env, columns):
+    """`alignopsd eval` plays the held-out split of ALFWorld, WebShop and Search-QA and prints Table 1's columns."""
+    sets = ["--set", f"env.name={env}", "--set", f"output_dir={tmp_path}", "--set", "env.max_turns=1",
+            "--set", "generation.max_response_length=8", "--set", "env.teacher_max_response_length=8",
+            "--set", "env.val_tasks=2"]  # fmt: skip
+    ej = tmp_path / "eval.json"
+    assert cli.main(["eval", "--config", TINY, *sets, "--json", str(ej)]) == 0
+    out = capsys.readouterr().out
+    assert "| Method | " + " | ".join(columns) + " |" in out
+    res = json.loads(ej.read_text())
+    assert res["env"] == env and res["episodes"] == 2 and list(res["table"]) == columns
+    assert res["metrics"]["episode/count"] == 2

@@ -45,3 +45,35 @@ def test_two_rank_training_keeps_replicas_identical():
     dist.barrier()
     heads = read_audit(out / "audit", 2, kind="step")
     assert sorted(h["rank"] for h in heads) == [0, 1] and all(h["world_size"] == 2 for h in heads)
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_eval_counts_each_episode_once():
+    """`alignopsd eval` with the Megatron backend at TP=2 loads a Hugging Face checkpoint onto the shards; the two
+    ranks of the tensor-parallel group play the same tasks, so the episode count is not doubled."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    import json
+
+    import torch.distributed as dist
+    from alignopsd.engine import cli
+    from alignopsd.engine.checkpoint import save_checkpoint
+    from alignopsd.engine.models import build_tiny_model
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = Path(tempfile.gettempdir()) / f"alignopsd-tp-eval-{os.environ.get('MASTER_PORT', '0')}"
+    if dist.get_rank() == 0:
+        model = build_tiny_model()
+        save_checkpoint(out / "checkpoints", 1, model_state=model.state_dict(), optimizer_state=None,
+                        trainer_state={}, hf_config=model.config)  # fmt: skip
+    dist.barrier()
+    ej = out / f"eval{dist.get_rank()}.json"
+    sets = ["--set", "policy.backend=megatron", "--set", "policy.tensor_parallel_size=2", "--set", "env.max_turns=1",
+            "--set", "generation.max_response_length=8", "--set", "env.teacher_max_response_length=8",
+            "--set", "env.val_tasks=2", "--set", f"output_dir={out}"]  # fmt: skip
+    ck = str(out / "checkpoints" / "step_000001")
+    assert cli.main(["eval", "--config", TINY, *sets, "--checkpoint", ck, "--json", str(ej)]) == 0
+    res = json.loads(ej.read_text())
+    assert res["episodes"] == 2 and res["metrics"]["episode/count"] == 2
