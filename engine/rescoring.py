@@ -382,6 +382,9 @@ class Rescorer:
     reuse_rollout_logp: take the student old log-probs from ``batch.rollout_logp`` (engine log-probs) instead
     of a forward (then no student entropy is returned); only correct when the engine is the trainer's own model
     (see ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
+    scorer: ``scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy) -> (logp, ent)``
+    scores the rows ``[prompt_ids[row_prompt] | resp_ids]`` instead of ``model`` (student and teacher rows alike;
+    ``mode`` is then unused): a policy backend that is not ``model`` scores with itself (``step.backend_row_logprobs``).
     """
 
     def __init__(
@@ -396,7 +399,7 @@ class Rescorer:
         max_prefix_tokens: int | None = None,
         reuse_rollout_logp: bool = False,
         check_reuse: bool = False,
-        student_scorer=None,
+        scorer=None,
     ) -> None:
         if mode not in RESCORING_MODES:
             raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
@@ -413,11 +416,15 @@ class Rescorer:
         self.max_prefix_tokens = max_prefix_tokens
         self.reuse_rollout_logp = reuse_rollout_logp
         self.check_reuse = check_reuse
-        if student_scorer is not None and not callable(student_scorer):
-            raise ValueError(f"student_scorer: expected a callable, got {type(student_scorer).__name__}")
-        self.student_scorer = student_scorer
+        if scorer is not None and not callable(scorer):
+            raise ValueError(f"scorer: expected a callable, got {type(scorer).__name__}")
+        self.scorer = scorer
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
+        if self.scorer is not None:  # the training backend scores the rows itself (plain rows, no prefix sharing)
+            stats["forwards"] += 1
+            stats["token_forwards"] += int(row_prompt.numel() * (prompt_ids.shape[1] + resp_ids.shape[1]))
+            return self.scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy)
         kw = dict(temperature=self.temperature, with_entropy=with_entropy, max_tokens=self.max_tokens, impl=self.impl)
         if self.mode == "plain":
             return score_plain(self.model, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, **kw, stats=stats)
@@ -439,11 +446,6 @@ class Rescorer:
         """([M, L] old log-probs of each turn's response under its student prompt, [M, L] entropy or None, stats)."""
         stats = _new_stats()
         t0 = time.perf_counter()
-        if self.student_scorer is not None:  # the training backend scores its own old log-probs
-            lp, en = self.student_scorer(batch, with_entropy)
-            stats["seconds"] = time.perf_counter() - t0
-            stats["token_forwards"] = int(batch.size * (batch.prompt_ids.shape[1] + batch.response_length))
-            return lp, en, stats
         rows = torch.arange(batch.size, device=batch.response_ids.device)
         with _eval(self.model):
             lp, en = self._score(

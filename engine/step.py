@@ -106,8 +106,9 @@ class Components:
 def build_policy(cfg: RunConfig, device: torch.device):
     """Policy backend factory (``policy.backend``): hf | megatron.
 
-    The Megatron backend trains a megatron-core GPTModel with tensor parallelism; generation and rescoring use
-    a Hugging Face copy of the same weights (``policy.hf_model``), refreshed after every update by
+    The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
+    teacher forcing with it (``backend_row_logprobs``); generation uses a Hugging Face copy of the same weights
+    (``policy.hf_model``, pushed to vLLM when that is the engine), refreshed after every update by
     :meth:`Components.sync_weights`.
     """
     from .models import load_causal_lm
@@ -145,25 +146,45 @@ def build_policy(cfg: RunConfig, device: torch.device):
     )
 
 
-def backend_logprobs(
-    policy, batch: TurnBatch, with_entropy: bool, *, temperature: float, device: torch.device, max_tokens: int = 16384
+def backend_row_logprobs(
+    policy,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    row_prompt: Tensor,
+    resp_ids: Tensor,
+    resp_mask: Tensor,
+    with_entropy: bool,
+    *,
+    temperature: float,
+    device: torch.device,
+    max_tokens: int = 16384,
 ) -> tuple[Tensor, Tensor | None]:
-    """([M, L] old log-probs, [M, L] entropy or None) of a turn batch from the policy backend itself, no grad, in
-    row chunks of at most ``max_tokens`` token positions (every tensor-parallel rank calls it with the same rows)."""
-    ids, attn = batch.input_ids(), batch.attention_mask()
-    width = int(ids.shape[1])
+    """([R, L] log-probs, [R, L] entropy or None) of rows ``[prompt_ids[row_prompt] | resp_ids]`` scored by the policy
+    backend itself, no grad, in row chunks of at most ``max_tokens`` token positions (the ``scorer`` of a
+    :class:`~alignopsd.engine.rescoring.Rescorer`). Every tensor-parallel rank calls it with the same rows.
+
+    prompt_ids/prompt_mask: [P, Lp] left-padded; row_prompt: [R] indices into them; resp_ids/resp_mask: [R, L]
+    right-padded. Masked-out response positions get 0.
+    """
+    rows, length = int(resp_ids.shape[0]), int(resp_ids.shape[1])
+    width = int(prompt_ids.shape[1]) + length
     per = max(1, max_tokens // max(1, width))
+    rp = row_prompt.long().cpu()
     lps, ents = [], []
-    for s in range(0, batch.size, per):
+    for s in range(0, rows, per):
+        idx = rp[s : s + per]
+        ids = torch.cat([prompt_ids.cpu()[idx], resp_ids.cpu()[s : s + per]], dim=1)
+        attn = torch.cat([prompt_mask.cpu()[idx].long(), resp_mask.cpu()[s : s + per].long()], dim=1)
         lp, en = policy.response_logprobs(
-            ids[s : s + per].to(device), attn[s : s + per].to(device), batch.response_length,
-            temperature=temperature, with_entropy=with_entropy, grad=False,
-        )  # fmt: skip
+            ids.to(device), attn.to(device), length, temperature=temperature, with_entropy=with_entropy, grad=False
+        )
         lps.append(lp.float().cpu())
         if with_entropy:
             ents.append(en.float().cpu())
-    lp = torch.cat(lps) if lps else torch.zeros(0, batch.response_length)
-    return lp * batch.response_mask.float(), (torch.cat(ents) if with_entropy and ents else None)
+    lp = torch.cat(lps) if lps else torch.zeros(0, length)
+    ent = (torch.cat(ents) if ents else torch.zeros(0, length)) if with_entropy else None
+    out_dev = resp_ids.device
+    return lp.to(out_dev) * resp_mask.float(), (ent.to(out_dev) * resp_mask.float() if ent is not None else None)
 
 
 def hf_model_of(policy):
@@ -213,10 +234,11 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
-        # a policy trained apart from its Hugging Face copy (Megatron) scores its own old log-probs, so that the
-        # first PPO ratio compares the trained model with itself; teacher forcing keeps the shared-prefix copy
-        student_scorer=(
-            functools.partial(backend_logprobs, policy, temperature=cfg.generation.temperature, device=device)
+        # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
+        # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
+        # (teacher minus student) compares two forwards of one implementation (plain rows, no prefix sharing)
+        scorer=(
+            functools.partial(backend_row_logprobs, policy, temperature=cfg.generation.temperature, device=device)
             if getattr(policy, "hf_model", None) is not None
             else None
         ),

@@ -202,12 +202,14 @@ def test_checkpoint_saved_at_tp2_loads_and_continues(tmp_path_factory):
         assert (again[k] - v).abs().max().item() <= 1e-6, k
 
 
-def test_backend_scored_old_logprobs_equal_hf_rescoring():
-    """The trainer's old log-probs under Megatron come from the sharded model itself (backend_logprobs), in row
-    chunks; they equal the Hugging Face copy's scoring of the same turn batch."""
+def test_backend_scorer_equals_hf_rescoring():
+    """Under Megatron the trainer scores old log-probs and teacher rows with the sharded model itself
+    (backend_row_logprobs, row chunks); the results equal the Hugging Face copy's shared-prefix rescoring."""
+    import functools
+
     from alignopsd.engine.batch import TurnBatch
     from alignopsd.engine.rescoring import Rescorer
-    from alignopsd.engine.step import backend_logprobs
+    from alignopsd.engine.step import backend_row_logprobs
 
     model = _llama_tiny()
     g = torch.Generator().manual_seed(5)
@@ -217,10 +219,15 @@ def test_backend_scored_old_logprobs_equal_hf_rescoring():
         prompt_ids=torch.randint(3, 500, (m, lp), generator=g), prompt_mask=torch.ones(m, lp, dtype=torch.long),
         response_ids=torch.randint(3, 500, (m, lr), generator=g), response_mask=torch.ones(m, lr, dtype=torch.long),
         outcome=torch.zeros(m), action_valid=torch.ones(m, dtype=torch.bool),
+        teacher_prompt_ids=torch.randint(3, 500, (m, lp + 2), generator=g),
+        teacher_prompt_mask=torch.ones(m, lp + 2, dtype=torch.long),
     )  # fmt: skip
     cb.response_mask[1, 2:] = 0
+    pairs = torch.tensor([[1, 0], [3, 2], [0, 4]])
     pol = _megatron(model)
-    lp_m, ent_m = backend_logprobs(pol, cb, True, temperature=0.9, device=torch.device("cpu"), max_tokens=25)
-    ref = Rescorer(model, mode="plain", temperature=0.9)(cb, student=True, teacher=False, with_entropy=True)
-    assert (lp_m - ref.old_logp).abs().max().item() <= 1e-4
-    assert ((ent_m - ref.entropy) * cb.response_mask).abs().max().item() <= 1e-4
+    scorer = functools.partial(backend_row_logprobs, pol, temperature=0.9, device=torch.device("cpu"), max_tokens=25)
+    ours = Rescorer(model, temperature=0.9, scorer=scorer)(cb, pairs, with_entropy=True)
+    ref = Rescorer(model, temperature=0.9)(cb, pairs, with_entropy=True)
+    assert (ours.old_logp - ref.old_logp).abs().max().item() <= 1e-4
+    assert ((ours.entropy - ref.entropy) * cb.response_mask).abs().max().item() <= 1e-4
+    assert (ours.diag - ref.diag).abs().max().item() <= 1e-4 and (ours.cross - ref.cross).abs().max().item() <= 1e-4

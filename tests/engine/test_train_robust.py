@@ -207,29 +207,39 @@ def test_coupled_loss_falls_back_to_autograd(tiny_policy, monkeypatch, caplog):
     assert "couples tokens" in caplog.text
 
 
-def test_backend_scored_old_logprobs_equal_the_rescorer(tiny_policy):
-    """A Rescorer with a student_scorer (what the Megatron backend gets) asks the policy backend for the old
-    log-probs, in row chunks, and agrees with the Hugging Face scoring path."""
+def test_backend_scorer_equals_the_rescorer(tiny_policy):
+    """A Rescorer with a row scorer (what the Megatron backend gets) has the policy backend score the old log-probs
+    and the teacher rows (diagonal and cross pairs), in row chunks, and agrees with the Hugging Face scoring paths."""
+    import functools
+
     from alignopsd.engine.rescoring import Rescorer
-    from alignopsd.engine.step import backend_logprobs
+    from alignopsd.engine.step import backend_row_logprobs
 
     cb = _batch()
     cb.response_mask[2, 3:] = 0
+    g = torch.Generator().manual_seed(7)
+    cb.teacher_prompt_ids = torch.randint(3, 1000, (6, 7), generator=g)
+    cb.teacher_prompt_mask = torch.ones(6, 7, dtype=torch.long)
+    cb.teacher_prompt_mask[4, :3] = 0  # left padding
+    pairs = torch.tensor([[1, 0], [2, 0], [0, 4], [5, 3]])
     calls = []
 
-    def scorer(batch, with_entropy):
-        calls.append(batch.size)
-        # 9 token positions per row: max_tokens=20 gives chunks of 2 rows
-        return backend_logprobs(tiny_policy, batch, with_entropy, temperature=0.8, device=torch.device("cpu"),
-                                max_tokens=20)  # fmt: skip
+    def scorer(*args):
+        calls.append(int(args[2].numel()))
+        # 9-11 token positions per row: max_tokens=20 gives chunks of 1-2 rows
+        return backend_row_logprobs(tiny_policy, *args, temperature=0.8, device=torch.device("cpu"), max_tokens=20)
 
-    ours = Rescorer(tiny_policy.model, mode="plain", temperature=0.8, student_scorer=scorer)
-    ref = Rescorer(tiny_policy.model, mode="plain", temperature=0.8)
-    a = ours(cb, student=True, teacher=False, with_entropy=True)
-    b = ref(cb, student=True, teacher=False, with_entropy=True)
-    assert calls == [6]
-    torch.testing.assert_close(a.old_logp, b.old_logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(a.entropy * cb.response_mask, b.entropy * cb.response_mask, atol=1e-5, rtol=0)
-    assert bool((a.old_logp[2, 3:] == 0).all())
-    with pytest.raises(ValueError, match="student_scorer"):
-        Rescorer(tiny_policy.model, student_scorer=3)
+    for mode in ("plain", "shared_prefix"):
+        ours = Rescorer(tiny_policy.model, mode=mode, temperature=0.8, scorer=scorer)
+        ref = Rescorer(tiny_policy.model, mode=mode, temperature=0.8)
+        a = ours(cb, pairs, student=True, teacher=True, with_entropy=True)
+        b = ref(cb, pairs, student=True, teacher=True, with_entropy=True)
+        torch.testing.assert_close(a.old_logp, b.old_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.entropy * cb.response_mask, b.entropy * cb.response_mask, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.diag, b.diag, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.cross, b.cross, atol=1e-5, rtol=0)
+        assert bool((a.old_logp[2, 3:] == 0).all()) and bool((a.diag[2, 3:] == 0).all())
+    assert calls == [6, 10, 6, 10]  # student rows, then diagonal + cross rows in one pass, per mode
+    assert functools.partial(backend_row_logprobs, tiny_policy, temperature=1.0, device="cpu")  # the trainer's form
+    with pytest.raises(ValueError, match="scorer"):
+        Rescorer(tiny_policy.model, scorer=3)
