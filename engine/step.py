@@ -170,11 +170,13 @@ def backend_row_logprobs(
     width = int(prompt_ids.shape[1]) + length
     per = max(1, max_tokens // max(1, width))
     rp = row_prompt.long().cpu()
+    p_ids, p_mask = prompt_ids.cpu(), prompt_mask.cpu().long()
+    r_ids, r_mask = resp_ids.cpu(), resp_mask.cpu().long()
     lps, ents = [], []
     for s in range(0, rows, per):
         idx = rp[s : s + per]
-        ids = torch.cat([prompt_ids.cpu()[idx], resp_ids.cpu()[s : s + per]], dim=1)
-        attn = torch.cat([prompt_mask.cpu()[idx].long(), resp_mask.cpu()[s : s + per].long()], dim=1)
+        ids = torch.cat([p_ids[idx], r_ids[s : s + per]], dim=1)
+        attn = torch.cat([p_mask[idx], r_mask[s : s + per]], dim=1)
         lp, en = policy.response_logprobs(
             ids.to(device), attn.to(device), length, temperature=temperature, with_entropy=with_entropy, grad=False
         )

@@ -95,14 +95,12 @@ def _check_buffer(buf: Tensor | None, name: str, shape: tuple[int, ...], device:
         raise ValueError(f"{name}: must be contiguous (it is accumulated into in place)")
 
 
-def _chunk_rows(
-    n_tokens: int, hidden_size: int, vocab: int, n_buffers: int, tile_bytes: int | None, on_cuda: bool = False
-) -> int:
-    """Tokens per chunk: the fp32 chunk buffers fit ``tile_bytes``; chunks are balanced."""
+def _chunk_rows(n_tokens: int, hidden_size: int, vocab: int, tile_bytes: int | None, on_cuda: bool = False) -> int:
+    """Tokens per chunk: the fp32 chunk buffer of logits fits ``tile_bytes``; chunks are balanced."""
     if tile_bytes is None:
         floor = _TILE_MIN_CUDA if on_cuda else _TILE_MIN
         tile_bytes = min(_TILE_MAX, max(floor, 4 * n_tokens * hidden_size))
-    rows = max(1, int(tile_bytes) // (4 * max(1, vocab) * n_buffers))
+    rows = max(1, int(tile_bytes) // (4 * max(1, vocab)))
     n_chunks = max(1, math.ceil(n_tokens / rows))
     return max(1, math.ceil(n_tokens / n_chunks))
 
@@ -210,7 +208,7 @@ def logprob_loss_and_grad(
     vb = V if fp32_w else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
     b32 = bias.detach().float() * inv_t if bias is not None else None
     on_cuda = dev.type == "cuda"
-    rows = _chunk_rows(N, H, V, 1, tile_bytes, on_cuda)
+    rows = _chunk_rows(N, H, V, tile_bytes, on_cuda)
     z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
     dW_acc_dtype = dW is not None and dW.dtype == torch.float32
 
