@@ -165,3 +165,60 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     build_trainer(args.config, args.overrides).fit(resume=args.resume)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the per-estimator step fixture shared by the golden traces and the estimator/device tests
+
+GUESS_OVERRIDES = [
+    "env.name=guess",
+    "env.max_turns=2",
+    "env.history_length=1",
+    "env.group_n=4",
+    "env.tasks_per_step=4",
+    "env.num_games=8",
+    "algorithm.kl_coef=0.0",
+    "trainer.lr=1e-4",
+    "trainer.ppo_mini_batch_size=16",
+    "trainer.ppo_micro_batch_size=8",
+]
+
+# every estimator of the registry and every AlignOPSD ablation: (case name, overrides)
+ESTIMATOR_CASES: list[tuple[str, list[str]]] = [
+    ("grpo", ["algorithm.estimator=grpo"]),
+    ("opsd", ["algorithm.estimator=opsd"]),
+    ("grpo_opsd", ["algorithm.estimator=grpo_opsd"]),
+    ("sdar", ["algorithm.estimator=sdar"]),
+    ("rlsd", ["algorithm.estimator=rlsd"]),
+    ("alignopsd_m1", ["algorithm.estimator=alignopsd_m1"]),
+    *[(f"alignopsd_{ab}", ["algorithm.estimator=alignopsd", f"algorithm.ablation={ab}"]) for ab in "ABCDE"],
+    ("alignopsd_E_kl_sdar", ["algorithm.estimator=alignopsd", "algorithm.kl_coef=0.01", "algorithm.sdar.enabled=true"]),
+]
+
+
+def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = None):
+    """Train tiny.yaml (guess env, choice generator) for ``steps`` steps; (trainer, metric records)."""
+    from pathlib import Path
+
+    from alignopsd.engine.metrics import read_metrics
+
+    torch.set_num_threads(1)
+    cfg = config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+    ov = [*GUESS_OVERRIDES, *overrides, f"trainer.total_steps={steps}", f"output_dir={out_dir}"]
+    tr = build_trainer(cfg, ov)
+    tr.fit()
+    return tr, read_metrics(Path(out_dir) / "metrics.jsonl")
+
+
+GOLDEN_KEYS = (
+    "actor/loss",
+    "actor/pg_loss",
+    "episode/reward_mean",
+    "actor/grad_norm",
+    "adv/token_advantage_abs_mean",
+)
+
+
+def trace_of(recs) -> list[dict]:
+    """The golden-trace fields of each step's metric record (missing keys are left out)."""
+    return [{"step": r["step"], **{k: r[k] for k in GOLDEN_KEYS if k in r}} for r in recs]
