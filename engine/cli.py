@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "eval":
         from .evaluate import main as run
     elif cmd == "profile":
-        from .profiler import main as run
+        from .profile_command import main as run
     elif cmd == "games":
         run = games_main
     elif cmd == "serve-retriever":

@@ -19,6 +19,11 @@ import json
 import sys
 from pathlib import Path
 
+from .checkpoint import load_weights
+from .config import ConfigError, load_config
+from .episodes import run_validation
+from .train import Trainer, add_run_args
+
 ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
                     ("pick2", "Pick2"))  # fmt: skip
 SEARCH_COLUMNS = (("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA"), ("hotpotqa", "HotpotQA"),
@@ -71,10 +76,6 @@ def format_table(env: str, values: dict[str, float | None], row: str = "policy")
 
 def evaluate(cfg, checkpoint: str | None = None) -> dict:
     """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}."""
-    from .checkpoint import load_weights
-    from .step import run_validation
-    from .train import Trainer
-
     trainer = Trainer(cfg)
     parts = trainer.parts
     if checkpoint:
@@ -90,7 +91,7 @@ def evaluate(cfg, checkpoint: str | None = None) -> dict:
                 )
         parts.sync_weights()
     try:
-        metrics = trainer._reduce_metrics(run_validation(parts, 0))
+        metrics = trainer.reduce_metrics(run_validation(parts, 0))
     finally:
         parts.close()
     return {
@@ -103,8 +104,6 @@ def evaluate(cfg, checkpoint: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError, load_config
-    from .train import add_run_args
 
     p = argparse.ArgumentParser(prog="alignopsd eval", description="Evaluate a checkpoint on held-out tasks.")
     add_run_args(p)

@@ -1,7 +1,7 @@
 """Per-phase wall time of a training step, and the alignment overhead over GRPO.
 
-The step wraps each phase in ``profiler.phase(name)``; the profiler sums the wall time of every
-phase per step (a phase may be entered several times), also emits a ``torch.profiler``
+The step wraps each phase in ``profiler.phase(name)``; the profiler synchronises CUDA at both edges of a phase
+and sums the wall time of every phase per step (a phase may be entered several times), also emits a ``torch.profiler``
 ``record_function`` range of the same name (so a torch.profiler trace shows the phases), and
 keeps the history of all steps.
 
@@ -17,7 +17,8 @@ reference              reference-policy log-probs (KL coefficient != 0)         
 teacher_generation     teacher sampling from privileged prompts                   no
 encoding               thinking encoder over student + teacher texts              no
 m1_selection           H, eligibility, source selection, action filter            no
-teacher_forcing        diagonal + cross teacher scoring, rectification            no
+teacher_forcing        diagonal + cross teacher scoring                           no
+rectify                M1 rectification (§2.7): aggregation, confidence, blend    no
 advantage              GRPO outcome advantage (+ invalid-action residual)         yes
 m2                     Mechanism 2 credit allocation                              no
 update                 PPO forward/backward and optimiser steps                   yes
@@ -25,7 +26,8 @@ weight_sync            pushing updated weights to the generation engine         
 =====================  =========================================================  ===========
 
 ``overhead_vs_grpo = alignment_seconds / (step_seconds - alignment_seconds)``, where the
-alignment phases are those a GRPO step does not run.
+alignment phases are those a GRPO step does not run. The ``alignopsd profile`` command that prints these
+tables lives in engine/profile_command.py.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ PHASES = (
     "encoding",
     "m1_selection",
     "teacher_forcing",
+    "rectify",
     "advantage",
     "m2",
     "update",
     "weight_sync",
 )
-ALIGNMENT_PHASES = ("teacher_generation", "encoding", "m1_selection", "teacher_forcing", "m2")
+ALIGNMENT_PHASES = ("teacher_generation", "encoding", "m1_selection", "teacher_forcing", "rectify", "m2")
 LABELS = {
     "rollout_generation": "rollout generation",
     "environment": "environment",
@@ -61,12 +64,19 @@ LABELS = {
     "teacher_generation": "teacher generation",
     "encoding": "thinking encoding",
     "m1_selection": "M1 selection",
-    "teacher_forcing": "teacher forcing (+rectify)",
+    "teacher_forcing": "teacher forcing",
+    "rectify": "rectification",
     "advantage": "GRPO advantage",
     "m2": "M2 credit",
     "update": "PPO update",
     "weight_sync": "weight sync",
 }
+
+
+def synchronize() -> None:
+    """Wait for queued CUDA work (no-op without an initialised CUDA context)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class StepProfiler:
@@ -84,13 +94,17 @@ class StepProfiler:
 
     @contextmanager
     def phase(self, name: str):
+        """Time the enclosed block as phase ``name``; CUDA work queued inside is waited for at both edges, so
+        asynchronous kernels are booked to the phase that launched them."""
         if name not in PHASES:
             raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
+        synchronize()
         t = time.perf_counter()
         with torch.profiler.record_function(f"phase/{name}"):
             try:
                 yield
             finally:
+                synchronize()
                 self._current[name] += time.perf_counter() - t
 
     def add(self, name: str, seconds: float) -> None:
@@ -183,90 +197,3 @@ def write_json(summary: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# `alignopsd profile`
-
-
-def profile_run(cfg, steps: int, *, trace_path: str | Path | None = None, warmup: int = 0) -> dict:
-    """Run ``steps`` training steps of ``cfg`` (no checkpoints, no metrics files) and summarise their phases.
-
-    The last step runs under ``torch.profiler`` (CPU activities, plus CUDA when available) and its
-    Chrome trace is written to ``trace_path``; the trace shows the ``phase/<name>`` ranges. With two or more
-    steps the traced step is left out of the summary (the profiler slows it down); with one step it is the
-    summary.
-    """
-    from .step import run_step
-    from .train import Trainer
-
-    if steps < 1:
-        raise ValueError(f"steps: must be >= 1, got {steps}")
-    trainer = Trainer(cfg)
-    parts = trainer.parts
-    try:
-        for s in range(steps):
-            if trace_path is not None and s == steps - 1:
-                acts = [torch.profiler.ProfilerActivity.CPU]
-                if torch.cuda.is_available():
-                    acts.append(torch.profiler.ProfilerActivity.CUDA)
-                with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
-                    run_step(parts, s)
-                Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(str(trace_path))
-            else:
-                run_step(parts, s)
-    finally:
-        parts.close()
-    p = parts.profiler
-    hist, secs = p.history, p.step_seconds
-    if trace_path is not None and steps >= 2:  # the traced step carries the profiler's own overhead
-        hist, secs = hist[:-1], secs[:-1]
-    return summarize(hist, secs, skip=min(warmup, len(hist) - 1))
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from .config import ConfigError, load_config
-    from .train import add_run_args
-
-    ap = argparse.ArgumentParser(prog="alignopsd profile", description="Per-phase cost of a training step.")
-    add_run_args(ap)
-    ap.add_argument("--steps", type=int, default=3, help="steps to run and average (default 3)")
-    ap.add_argument("--warmup", type=int, default=0, help="leading steps left out of the average")
-    ap.add_argument("--estimators", default=None,
-                    help="comma-separated estimators to profile one after the other (e.g. grpo,alignopsd)")  # fmt: skip
-    ap.add_argument("--json", default=None, help="write the summary JSON here (one estimator: the card's schema)")
-    ap.add_argument("--trace-dir", default=None, help="torch.profiler traces go here (default <run dir>/profile)")
-    args = ap.parse_args(argv)
-    names = [e.strip() for e in args.estimators.split(",")] if args.estimators else [None]
-    try:  # every phase is measured: steps without learnable signal are not skipped here
-        extra = ["trainer.skip_no_signal=false"]
-        cfgs = [load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
-                for n in names]  # fmt: skip
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    summaries: dict[str, dict] = {}
-    for cfg in cfgs:
-        est = cfg.algorithm_name()
-        trace_dir = Path(args.trace_dir) if args.trace_dir else cfg.out_dir / "profile"
-        trace = trace_dir / f"trace_{cfg.algorithm.estimator}.json"
-        s = profile_run(cfg, args.steps, trace_path=trace, warmup=args.warmup)
-        summaries[est] = s
-        print(format_table(s, f"{cfg.name}: {est}"))
-        print(f"torch.profiler trace: {trace}\n", flush=True)
-    if len(summaries) > 1:
-        print(format_side_by_side(summaries))
-    if args.json:
-        if len(summaries) == 1:
-            write_json(next(iter(summaries.values())), args.json)
-        else:
-            out = {
-                k: {f: v[f] for f in ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo")}
-                for k, v in summaries.items()
-            }
-            Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0

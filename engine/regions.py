@@ -20,11 +20,14 @@ Everything is detached; nothing here changes its inputs.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 ACTION_TAGS = ("action", "search", "answer")
 
@@ -170,4 +173,34 @@ def paired_region_stats(
     for region, rmask in (("response", None), ("thinking", regions.thinking), ("action", regions.action)):
         scope = base if rmask is None else base & rmask.bool().to(base.device)
         out.update(paired_sign_flips(diag_gap, cross_gap, corrected_gap, scope, eps=eps, prefix=f"paired/{region}/"))
+    return out
+
+
+def response_regions(response_ids: Tensor, response_mask: Tensor, tokenizer) -> Regions | None:
+    """The step's thinking/action regions of the canonical responses; None (logged) when finding them fails."""
+    try:
+        return token_regions(response_ids, response_mask, tokenizer)
+    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step
+        log.warning("token regions failed: %s", exc)
+        return None
+
+
+def region_metrics(regions: Regions | None, policy_mask: Tensor, old_logp: Tensor, rect) -> dict[str, float]:
+    """Region counts and the paired statistics per region (§4.3) of the step's regions; never raises.
+
+    rect: the step's ``Rectified`` (diag, cross score, corrected, matched), or None without Mechanism 1."""
+    if regions is None:
+        return {"regions/errors": 1.0}
+    out: dict[str, float] = {}
+    try:
+        out.update({f"regions/{k}": float(v) for k, v in regions.counts.items()})
+        for k, v in region_token_counts(regions, policy_mask).items():
+            out[f"regions/{k}_token_count"] = float(v)
+        if rect is not None:
+            old = old_logp.float()
+            gaps = (rect.diag - old, rect.cross_score - old, rect.corrected - old)
+            out.update(paired_region_stats(*gaps, policy_mask, regions, rect.matched))
+    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step
+        log.warning("region diagnostics failed: %s", exc)
+        out["regions/errors"] = 1.0
     return out

@@ -65,34 +65,6 @@ def _as_pairs(pairs, m: int) -> Tensor:
     return t
 
 
-def build_cross_inputs(
-    prompt_ids_ML: Tensor,
-    prompt_mask_ML: Tensor,
-    response_ids_ML: Tensor,
-    response_mask_ML: Tensor,
-    pairs_P2,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Cross teacher-forcing inputs (ALGORITHM.md §2.6, §6 case 11).
-
-    prompt_ids_ML/prompt_mask_ML: [M, Lt] teacher prompts (left-padded); response_ids_ML/response_mask_ML:
-    [M, L] sampled responses (right-padded); pairs_P2: [P, 2] (source, target).
-    Returns (input_ids [P, Lt + L] = [teacher prompt of source | response of target], attention_mask
-    [P, Lt + L], position_ids [P, Lt + L] recomputed from the combined mask).
-    """
-    m = int(prompt_ids_ML.shape[0])
-    if prompt_ids_ML.shape != prompt_mask_ML.shape:
-        raise ValueError("prompt_mask_ML: shape differs from prompt_ids_ML")
-    if response_ids_ML.shape != response_mask_ML.shape:
-        raise ValueError("response_mask_ML: shape differs from response_ids_ML")
-    if int(response_ids_ML.shape[0]) != m:
-        raise ValueError(f"response_ids_ML: expected {m} rows like prompt_ids_ML, got {response_ids_ML.shape[0]}")
-    pairs = _as_pairs(pairs_P2, m).to(prompt_ids_ML.device)
-    src, tgt = pairs[:, 0], pairs[:, 1]
-    ids = torch.cat([prompt_ids_ML[src], response_ids_ML[tgt]], dim=1)
-    mask = torch.cat([prompt_mask_ML[src].long(), response_mask_ML[tgt].long()], dim=1)
-    return ids, mask, position_ids(mask)
-
-
 def _unique_prompts(prompt_ids_SL: Tensor, prompt_mask_SL: Tensor) -> tuple[Tensor, Tensor]:
     """Merge identical prompts (same attended tokens). Returns (representative index [U], inverse map [S])."""
     keys: dict[tuple, int] = {}
@@ -257,18 +229,30 @@ def score_shared_prefix(
         rep_U, inv_S = _unique_prompts(prompt_ids_SP, prompt_mask_SP)
         prompt_ids_SP, prompt_mask_SP = prompt_ids_SP[rep_U], prompt_mask_SP[rep_U]
         row_prompt_R = inv_S[row_prompt_R]
-    body = transformer_body(model)
-    weight, bias = output_head(model)
-    rmask = response_mask_RL.bool()
     order = torch.argsort(row_prompt_R, stable=True)
-    used = row_prompt_R[order].unique_consecutive()
     counts = torch.bincount(row_prompt_R, minlength=int(prompt_ids_SP.shape[0]))
-    lp_full = prompt_ids_SP.shape[1]
     prefix_budget = max(1, max_tokens // 4) if max_prefix_tokens is None else int(max_prefix_tokens)
-    # group prompts: g prompts of padded width w hold g * w cached prompt tokens
+    groups = _prompt_groups(row_prompt_R[order].unique_consecutive().tolist(), prompt_mask_SP, prefix_budget)
+    head = (transformer_body(model), *output_head(model))
+    rows = (row_prompt_R, response_ids_RL, response_mask_RL)
+    kw = dict(temperature=temperature, with_entropy=with_entropy, max_tokens=max_tokens, impl=impl)
+    row_pos = 0
+    for grp in groups:
+        g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
+        n_rows = int(counts[g_idx].sum())
+        rows_g = order[row_pos : row_pos + n_rows]
+        row_pos += n_rows
+        _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, **kw)
+        stats["rows"] += n_rows
+    return out, ent
+
+
+def _prompt_groups(used: list[int], prompt_mask_SP: Tensor, prefix_budget: int) -> list[list[int]]:
+    """Consecutive groups of prompts whose padded cache (g prompts x trimmed width) fits ``prefix_budget``."""
+    lp_full = prompt_mask_SP.shape[1]
     groups: list[list[int]] = []
     cur: list[int] = []
-    for s in used.tolist():
+    for s in used:
         cand = cur + [s]
         w = lp_full - _trim_left(prompt_mask_SP[cand])
         if cur and len(cand) * w > prefix_budget:
@@ -277,67 +261,109 @@ def score_shared_prefix(
         cur = cand
     if cur:
         groups.append(cur)
-    row_pos = 0
-    for grp in groups:
-        g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
-        start = _trim_left(prompt_mask_SP[g_idx])
-        p_ids = prompt_ids_SP[g_idx, start:]
-        p_mask = prompt_mask_SP[g_idx, start:].long()
-        lt = int(p_ids.shape[1])
-        res = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
-        cache = res.past_key_values
-        last_GD = res.last_hidden_state[:, -1]
-        stats["prompt_tokens"] += int(p_ids.numel())
-        stats["token_forwards"] += int(p_ids.numel())
-        stats["forwards"] += 1
-        n_rows = int(counts[g_idx].sum())
-        rows_g = order[row_pos : row_pos + n_rows]
-        row_pos += n_rows
-        local = {s: i for i, s in enumerate(grp)}
-        i = 0
-        while i < n_rows:
-            j = i + 1
-            while j < n_rows and (j + 1 - i) * (lt + _used_right(rmask[rows_g[i : j + 1]])) <= max_tokens:
-                j += 1
-            rows = rows_g[i:j]
-            i = j
-            loc = torch.tensor([local[int(s)] for s in row_prompt_R[rows].tolist()], dtype=torch.long, device=dev)
-            sel = rmask[rows]
-            l_used = _used_right(sel)
-            if l_used == 0:
-                continue
-            h_rows = [last_GD.index_select(0, loc)[:, None]]
-            if l_used > 1:
-                r_ids = response_ids_RL[rows, : l_used - 1]
-                r_mask = response_mask_RL[rows, : l_used - 1].long()
-                full_mask = torch.cat([p_mask.index_select(0, loc), r_mask], dim=1)
-                pos = position_ids(full_mask)[:, lt:]
-                rc = _prefix_cache(cache, loc)
-                hr = body(
-                    input_ids=r_ids, attention_mask=full_mask, position_ids=pos, past_key_values=rc, use_cache=True
-                )
-                h_rows.append(hr.last_hidden_state)
-                del rc, hr
-                stats["response_tokens"] += int(r_ids.numel())
-                stats["token_forwards"] += int(r_ids.numel())
-                stats["forwards"] += 1
-            h_rLD = torch.cat(h_rows, dim=1)
-            sel_used = sel[:, :l_used]
-            lp_N, en_N = token_logprobs(
-                h_rLD[sel_used],
-                weight,
-                response_ids_RL[rows, :l_used][sel_used],
-                temperature=temperature,
-                with_entropy=with_entropy,
-                bias_V=bias,
-                impl=impl,
-            )
-            out[rows] = torch.zeros(len(rows), lr, dtype=torch.float32, device=dev).masked_scatter(sel, lp_N)
-            if with_entropy:
-                ent[rows] = torch.zeros(len(rows), lr, dtype=torch.float32, device=dev).masked_scatter(sel, en_N)
-        stats["rows"] += n_rows
-        del cache, res
-    return out, ent
+    return groups
+
+
+def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, *, temperature,
+                 with_entropy, max_tokens, impl) -> None:  # fmt: skip
+    """One prompt forward of group ``grp`` (cache kept), then its rows ``rows_g`` attached to that cache; writes
+    the rows' log-probs (and entropies) into ``out`` / ``ent``."""
+    body, weight, bias = head
+    row_prompt_R, response_ids_RL, response_mask_RL = rows
+    dev = response_ids_RL.device
+    lr = response_ids_RL.shape[1]
+    rmask = response_mask_RL.bool()
+    g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
+    start = _trim_left(prompt_mask_SP[g_idx])
+    p_ids = prompt_ids_SP[g_idx, start:]
+    p_mask = prompt_mask_SP[g_idx, start:].long()
+    lt = int(p_ids.shape[1])
+    res = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
+    cache = res.past_key_values
+    last_GD = res.last_hidden_state[:, -1]
+    stats["prompt_tokens"] += int(p_ids.numel())
+    stats["token_forwards"] += int(p_ids.numel())
+    stats["forwards"] += 1
+    local = {s: i for i, s in enumerate(grp)}
+    n_rows = int(rows_g.numel())
+    i = 0
+    while i < n_rows:
+        j = i + 1
+        while j < n_rows and (j + 1 - i) * (lt + _used_right(rmask[rows_g[i : j + 1]])) <= max_tokens:
+            j += 1
+        sub = rows_g[i:j]
+        i = j
+        loc = torch.tensor([local[int(s)] for s in row_prompt_R[sub].tolist()], dtype=torch.long, device=dev)
+        sel = rmask[sub]
+        l_used = _used_right(sel)
+        if l_used == 0:
+            continue
+        h_rows = [last_GD.index_select(0, loc)[:, None]]
+        if l_used > 1:
+            r_ids = response_ids_RL[sub, : l_used - 1]
+            r_mask = response_mask_RL[sub, : l_used - 1].long()
+            full_mask = torch.cat([p_mask.index_select(0, loc), r_mask], dim=1)
+            pos = position_ids(full_mask)[:, lt:]
+            rc = _prefix_cache(cache, loc)
+            hr = body(input_ids=r_ids, attention_mask=full_mask, position_ids=pos, past_key_values=rc, use_cache=True)
+            h_rows.append(hr.last_hidden_state)
+            del rc, hr
+            stats["response_tokens"] += int(r_ids.numel())
+            stats["token_forwards"] += int(r_ids.numel())
+            stats["forwards"] += 1
+        h_rLD = torch.cat(h_rows, dim=1)
+        sel_used = sel[:, :l_used]
+        lp_N, en_N = token_logprobs(
+            h_rLD[sel_used], weight, response_ids_RL[sub, :l_used][sel_used],
+            temperature=temperature, with_entropy=with_entropy, bias_V=bias, impl=impl,
+        )  # fmt: skip
+        out[sub] = torch.zeros(len(sub), lr, dtype=torch.float32, device=dev).masked_scatter(sel, lp_N)
+        if with_entropy:
+            ent[sub] = torch.zeros(len(sub), lr, dtype=torch.float32, device=dev).masked_scatter(sel, en_N)
+    del cache, res
+
+
+def backend_row_logprobs(
+    policy,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    row_prompt: Tensor,
+    resp_ids: Tensor,
+    resp_mask: Tensor,
+    with_entropy: bool,
+    *,
+    temperature: float,
+    device: torch.device,
+    max_tokens: int = 16384,
+) -> tuple[Tensor, Tensor | None]:
+    """([R, L] log-probs, [R, L] entropy or None) of rows ``[prompt_ids[row_prompt] | resp_ids]`` scored by the policy
+    backend itself, no grad, in row chunks of at most ``max_tokens`` token positions (the ``scorer`` of a
+    :class:`~alignopsd.engine.rescoring.Rescorer`). Every tensor-parallel rank calls it with the same rows.
+
+    prompt_ids/prompt_mask: [P, Lp] left-padded; row_prompt: [R] indices into them; resp_ids/resp_mask: [R, L]
+    right-padded. Masked-out response positions get 0.
+    """
+    rows, length = int(resp_ids.shape[0]), int(resp_ids.shape[1])
+    width = int(prompt_ids.shape[1]) + length
+    per = max(1, max_tokens // max(1, width))
+    rp = row_prompt.long().cpu()
+    p_ids, p_mask = prompt_ids.cpu(), prompt_mask.cpu().long()
+    r_ids, r_mask = resp_ids.cpu(), resp_mask.cpu().long()
+    lps, ents = [], []
+    for s in range(0, rows, per):
+        idx = rp[s : s + per]
+        ids = torch.cat([p_ids[idx], r_ids[s : s + per]], dim=1)
+        attn = torch.cat([p_mask[idx], r_mask[s : s + per]], dim=1)
+        lp, en = policy.response_logprobs(
+            ids.to(device), attn.to(device), length, temperature=temperature, with_entropy=with_entropy, grad=False
+        )
+        lps.append(lp.float().cpu())
+        if with_entropy:
+            ents.append(en.float().cpu())
+    lp = torch.cat(lps) if lps else torch.zeros(0, length)
+    ent = (torch.cat(ents) if ents else torch.zeros(0, length)) if with_entropy else None
+    out_dev = resp_ids.device
+    return lp.to(out_dev) * resp_mask.float(), (ent.to(out_dev) * resp_mask.float() if ent is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -384,7 +410,7 @@ class Rescorer:
     (see ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
     scorer: ``scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy) -> (logp, ent)``
     scores the rows ``[prompt_ids[row_prompt] | resp_ids]`` instead of ``model`` (student and teacher rows alike;
-    ``mode`` is then unused): a policy backend that is not ``model`` scores with itself (``step.backend_row_logprobs``).
+    ``mode`` is then unused): a policy backend that is not ``model`` scores with itself (:func:`backend_row_logprobs`).
     """
 
     def __init__(

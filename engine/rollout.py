@@ -48,6 +48,9 @@ from typing import Any
 
 import torch
 from alignopsd.engine.batch import TurnBatch
+from alignopsd.engine.envs.prompts import chat_text
+from alignopsd.engine.envs.skills import build_teacher_prompts
+from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -100,18 +103,6 @@ def right_pad(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# teacher prompts
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def _skill_lookup(env_name: str) -> Callable[[dict], str] | None:
-    """The environments' skill lookup for ``env_name`` (row metadata -> skill text); None without a skill bank."""
-    from alignopsd.engine.envs.skills import skill_lookup  # noqa: PLC0415
-
-    return skill_lookup(env_name)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # rollout
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -147,6 +138,239 @@ def _end_of_turn_id(tokenizer, generator) -> int:
     return int(eos)
 
 
+@dataclass
+class _Settings:
+    """The checked settings of one :func:`collect_rollouts` call."""
+
+    group_n: int
+    sampling: SamplingParams
+    budget: int
+    max_prompt_length: int
+    max_turns: int | None
+    base_seed: int
+    truncation: str
+    pad_id: int
+    eot_id: int
+    env_name: str
+    failed_episodes: str
+    task_offset: int
+
+
+@dataclass
+class _Episodes:
+    """Per-episode state of a rollout and its turn rows."""
+
+    failed: list[bool]
+    reward: list[float]
+    won: list[bool]
+    rows: list[_Row]
+    counts: dict
+    t_gen: float = 0.0
+    t_env: float = 0.0
+
+
+def _check_settings(env_manager, generator, tokenizer, *, group_n, sampling, max_prompt_length, max_response_length,
+                    max_turns, seed, validation, truncation, failed_episodes, task_offset, pad_token_id):  # fmt: skip
+    """The call's settings, checked (ValueError names the culprit)."""
+    if validation:
+        group_n = 1
+    if not isinstance(group_n, int) or group_n < 1:
+        raise ValueError(f"group_n: expected an int >= 1, got {group_n!r}")
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length: must be >= 1, got {max_prompt_length}")
+    if failed_episodes not in ("keep", "drop"):
+        raise ValueError(f"failed_episodes: expected 'keep' or 'drop', got {failed_episodes!r}")
+    env_name = getattr(env_manager, "env_name", "")
+    truncation = truncation or default_truncation(env_name)
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"truncation: expected one of {TRUNCATION_MODES}, got {truncation!r}")
+    if sampling is None:
+        sampling = SamplingParams(temperature=VAL_TEMPERATURE) if validation else SamplingParams()
+    if max_response_length is not None:
+        sampling = replace(sampling, max_new_tokens=int(max_response_length))
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
+    pad_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+    eot_id = _end_of_turn_id(tokenizer, generator)
+    return _Settings(
+        group_n=group_n, sampling=sampling, budget=int(sampling.max_new_tokens), max_prompt_length=max_prompt_length,
+        max_turns=max_turns, base_seed=_seed(seed, "validation") if validation else int(seed),
+        truncation=truncation, pad_id=eot_id if pad_id is None else int(pad_id), eot_id=eot_id, env_name=env_name,
+        failed_episodes=failed_episodes, task_offset=task_offset,
+    )  # fmt: skip
+
+
+def _turn_prompts(tokenizer, obs: list[str], act: list[int], turn: int, st: _Settings, counts: dict):
+    """(prompt ids, prompt texts) of the active episodes' observations (§1.3), truncation applied and counted."""
+    prompt_ids, prompt_texts = [], []
+    for i in act:
+        text = chat_text(tokenizer, obs[i])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > st.max_prompt_length and st.truncation == "error":
+            raise ValueError(
+                f"max_prompt_length: the prompt of episode {i} turn {turn} has {len(ids)} tokens "
+                f"(> {st.max_prompt_length}) and truncation is 'error'"
+            )
+        ids, cut = truncate_left(ids, st.max_prompt_length)
+        counts["prompt_truncated"] += int(cut)
+        prompt_ids.append(ids)
+        prompt_texts.append(text)
+    return prompt_ids, prompt_texts
+
+
+def _record_turn(ep: _Episodes, st: _Settings, turn: int, act, prompts, out, infos, new_infos, rewards, dones, active):
+    """Append the turn rows of the active episodes and update their episode state."""
+    prompt_ids, prompt_texts = prompts
+    for k, i in enumerate(act):
+        resp = list(out.token_ids[k])
+        lps = [float(x) for x in (out.logprobs[k] if out.logprobs else [0.0] * len(resp))]
+        ep.counts["generated_tokens"] += len(resp)
+        reason = out.finish_reasons[k] if out.finish_reasons else ("length" if len(resp) >= st.budget else "stop")
+        was_cut = reason == "length" or len(resp) >= st.budget
+        ep.counts["response_truncated"] += int(was_cut)
+        if not resp:
+            resp, lps = [st.eot_id], [0.0]
+            ep.counts["empty_responses"] += 1
+        info_before, info = infos[i], new_infos[i]
+        ep.rows.append(
+            _Row(
+                episode=i,
+                task=st.task_offset + i // st.group_n,
+                rollout=i % st.group_n,
+                turn=turn,
+                prompt_ids=prompt_ids[k],
+                response_ids=resp,
+                logprobs=lps[: len(resp)] + [0.0] * (len(resp) - len(lps)),
+                response_text=out.texts[k],
+                prompt_text=prompt_texts[k],
+                truncated=was_cut,
+                action_valid=bool(info.get("is_action_valid", False)),
+                won=bool(info.get("won", False)),
+                category=str(info.get("category") or info_before.get("category") or ""),
+                data_source=str(info.get("data_source") or info_before.get("data_source") or "text"),
+                gamefile=info_before.get("gamefile", info.get("gamefile")),
+                task_key=str(info.get("task_key") or info_before.get("task_key") or ""),
+                meta={**info_before, "prompt_text": prompt_texts[k]},
+            )
+        )
+        ep.reward[i] += float(rewards[i])
+        ep.won[i] = ep.won[i] or bool(info.get("won", False))
+        if info.get("failed", False):
+            ep.failed[i] = True
+        if dones[i] or ep.failed[i]:
+            active[i] = False
+
+
+def _play(env_manager, generator, tokenizer, tasks: Sequence, st: _Settings) -> _Episodes:
+    """Reset ``len(tasks) * group_n`` episodes and step them until every one ends or the turn limit is reached."""
+    t0 = time.perf_counter()
+    obs, infos = env_manager.reset(list(tasks), group_n=st.group_n, seed=st.base_seed)
+    n_ep = len(obs)
+    if n_ep != len(tasks) * st.group_n:
+        raise ValueError(f"env_manager: reset returned {n_ep} episodes, expected {len(tasks) * st.group_n}")
+    ep = _Episodes(
+        failed=[bool(info.get("failed", False)) for info in infos], reward=[0.0] * n_ep, won=[False] * n_ep, rows=[],
+        counts=dict(prompt_truncated=0, response_truncated=0, empty_responses=0, generated_tokens=0),
+        t_env=time.perf_counter() - t0,
+    )  # fmt: skip
+    active = [not f for f in ep.failed]
+    limit = st.max_turns if st.max_turns is not None else max(int(i.get("max_steps") or 0) for i in infos) or 50
+    turn = 0
+    while turn < limit and any(active):
+        act = [i for i in range(n_ep) if active[i]]
+        prompts = _turn_prompts(tokenizer, obs, act, turn, st, ep.counts)
+        t1 = time.perf_counter()
+        out = generator.generate(prompts[0], replace(st.sampling, seed=_seed(st.base_seed, "generate", turn)))
+        ep.t_gen += time.perf_counter() - t1
+        if len(out.token_ids) != len(act):
+            raise ValueError(f"generator: returned {len(out.token_ids)} responses for {len(act)} prompts")
+        responses: list[str | None] = [None] * n_ep
+        for k, i in enumerate(act):
+            responses[i] = out.texts[k]
+        t2 = time.perf_counter()
+        new_obs, rewards, dones, new_infos = env_manager.step(responses)
+        ep.t_env += time.perf_counter() - t2
+        _record_turn(ep, st, turn, act, prompts, out, infos, new_infos, rewards, dones, active)
+        obs, infos = new_obs, new_infos
+        turn += 1
+    return ep
+
+
+def _to_batch(rows: list[_Row], outcome: list[float], won: list[bool], st: _Settings) -> TurnBatch:
+    width_r = max(len(r.response_ids) for r in rows)
+    p_ids, p_mask = left_pad([r.prompt_ids for r in rows], st.max_prompt_length, st.pad_id)
+    r_ids, r_mask = right_pad([r.response_ids for r in rows], width_r, st.pad_id)
+    r_lp, _ = right_pad([r.logprobs for r in rows], width_r, 0.0, dtype=torch.float32)
+    return TurnBatch(
+        task=torch.tensor([r.task for r in rows], dtype=torch.long),
+        rollout=torch.tensor([r.rollout for r in rows], dtype=torch.long),
+        turn=torch.tensor([r.turn for r in rows], dtype=torch.long),
+        prompt_ids=p_ids,
+        prompt_mask=p_mask,
+        response_ids=r_ids,
+        response_mask=r_mask,
+        outcome=torch.tensor([outcome[r.episode] for r in rows], dtype=torch.float32),
+        action_valid=torch.tensor([r.action_valid for r in rows], dtype=torch.bool),
+        won=torch.tensor([won[r.episode] for r in rows], dtype=torch.bool),
+        truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+        data_source=[r.data_source for r in rows],
+        category=[r.category for r in rows],
+        gamefile=[r.gamefile for r in rows],
+        response_text=[r.response_text for r in rows],
+        prompt_text=[r.prompt_text for r in rows],
+        task_key=[r.task_key for r in rows],
+        rollout_logp=r_lp * r_mask,
+    )
+
+
+def _attach_teacher_prompts(batch: TurnBatch, rows: list[_Row], tokenizer, st: _Settings, skill_lookup) -> int:
+    """Privileged teacher prompts of every row (§1.4); returns how many were left-truncated."""
+    lookup = skill_lookup if skill_lookup is not None else env_skill_lookup(st.env_name)
+    metas = [
+        {**r.meta, "gamefile": r.gamefile, "data_source": r.data_source, "category": r.category, "task_key": r.task_key}
+        for r in rows
+    ]
+    skills = [lookup(m) if lookup is not None else "" for m in metas]
+    t_ids, t_mask, cut = build_teacher_prompts(
+        tokenizer, batch.prompt_ids, batch.prompt_mask, skills, st.max_prompt_length, st.pad_id
+    )
+    start = int(t_mask.any(0).nonzero().min())  # drop the columns that are padding in every row
+    batch.teacher_prompt_ids, batch.teacher_prompt_mask = t_ids[:, start:], t_mask[:, start:]
+    return cut
+
+
+def _rollout_metrics(batch, tasks, ep: _Episodes, outcome, st: _Settings, teacher_cut: int, dropped: int):
+    episodes = [i for i in range(len(ep.failed)) if not (st.failed_episodes == "drop" and ep.failed[i])]
+    lens = batch.response_mask.sum(1).float()
+    cats: dict[str, list[bool]] = {}
+    for i in episodes:
+        cats.setdefault(str(getattr(tasks[i // st.group_n], "category", "") or "all"), []).append(ep.won[i])
+    gen_tokens = ep.counts["generated_tokens"]
+    metrics: dict[str, float] = {
+        "turns": float(batch.size),
+        "episodes": float(len(episodes)),
+        "success_rate": (sum(ep.won[i] for i in episodes) / len(episodes)) if episodes else 0.0,
+        "reward_mean": (sum(outcome[i] for i in episodes) / len(episodes)) if episodes else 0.0,
+        "valid_action_rate": float(batch.action_valid.float().mean()),
+        "response_length_mean": float(lens.mean()),
+        "response_length_max": float(lens.max()),
+        "prompt_length_mean": float(batch.prompt_mask.sum(1).float().mean()),
+        "prompt_truncated": float(ep.counts["prompt_truncated"]),
+        "teacher_prompt_truncated": float(teacher_cut),
+        "response_truncated": float(ep.counts["response_truncated"]),
+        "empty_responses": float(ep.counts["empty_responses"]),
+        "failed_episodes": float(sum(ep.failed)),
+        "dropped_rows": float(dropped),
+        "generation_s": ep.t_gen,
+        "environment_s": ep.t_env,
+        "generated_tokens": float(gen_tokens),
+        "generation_tokens_per_s": gen_tokens / ep.t_gen if ep.t_gen > 0 else 0.0,
+    }
+    for c, wins in sorted(cats.items()):
+        metrics[f"success/{c}"] = sum(wins) / len(wins)
+    return metrics
+
+
 def collect_rollouts(
     env_manager,
     generator,
@@ -180,217 +404,20 @@ def collect_rollouts(
     """
     if not tasks:
         raise ValueError("tasks: expected a non-empty list of tasks")
-    if validation:
-        group_n = 1
-    if not isinstance(group_n, int) or group_n < 1:
-        raise ValueError(f"group_n: expected an int >= 1, got {group_n!r}")
-    if max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length: must be >= 1, got {max_prompt_length}")
-    if failed_episodes not in ("keep", "drop"):
-        raise ValueError(f"failed_episodes: expected 'keep' or 'drop', got {failed_episodes!r}")
-    env_name = getattr(env_manager, "env_name", "")
-    truncation = truncation or default_truncation(env_name)
-    if truncation not in TRUNCATION_MODES:
-        raise ValueError(f"truncation: expected one of {TRUNCATION_MODES}, got {truncation!r}")
-    if sampling is None:
-        sampling = SamplingParams(temperature=VAL_TEMPERATURE) if validation else SamplingParams()
-    if max_response_length is not None:
-        sampling = replace(sampling, max_new_tokens=int(max_response_length))
-    budget = int(sampling.max_new_tokens)
-    if max_turns is not None and max_turns < 1:
-        raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
-    base_seed = _seed(seed, "validation") if validation else int(seed)
-    pad_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
-    eot_id = _end_of_turn_id(tokenizer, generator)
-    pad_id = eot_id if pad_id is None else int(pad_id)
-
-    from alignopsd.engine.envs.prompts import chat_text  # noqa: PLC0415
-    from alignopsd.engine.envs.skills import build_teacher_prompts  # noqa: PLC0415
-
-    t_gen = t_env = 0.0
-    t0 = time.perf_counter()
-    obs, infos = env_manager.reset(list(tasks), group_n=group_n, seed=base_seed)
-    t_env += time.perf_counter() - t0
-    n_ep = len(obs)
-    if n_ep != len(tasks) * group_n:
-        raise ValueError(f"env_manager: reset returned {n_ep} episodes, expected {len(tasks) * group_n}")
-    active = [not bool(info.get("failed", False)) for info in infos]
-    failed = [bool(info.get("failed", False)) for info in infos]
-    ep_reward = [0.0] * n_ep
-    ep_won = [False] * n_ep
-    limit = max_turns if max_turns is not None else max(int(info.get("max_steps") or 0) for info in infos) or 50
-    rows: list[_Row] = []
-    counts = dict(prompt_truncated=0, response_truncated=0, empty_responses=0, generated_tokens=0)
-    turn = 0
-    while turn < limit and any(active):
-        act = [i for i in range(n_ep) if active[i]]
-        prompt_ids, prompt_texts = [], []
-        for i in act:
-            text = chat_text(tokenizer, obs[i])
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > max_prompt_length and truncation == "error":
-                raise ValueError(
-                    f"max_prompt_length: the prompt of episode {i} turn {turn} has {len(ids)} tokens "
-                    f"(> {max_prompt_length}) and truncation is 'error'"
-                )
-            ids, cut = truncate_left(ids, max_prompt_length)
-            counts["prompt_truncated"] += int(cut)
-            prompt_ids.append(ids)
-            prompt_texts.append(text)
-        sp = replace(sampling, seed=_seed(base_seed, "generate", turn))
-        t1 = time.perf_counter()
-        out = generator.generate(prompt_ids, sp)
-        t_gen += time.perf_counter() - t1
-        if len(out.token_ids) != len(act):
-            raise ValueError(f"generator: returned {len(out.token_ids)} responses for {len(act)} prompts")
-        responses: list[str | None] = [None] * n_ep
-        for k, i in enumerate(act):
-            responses[i] = out.texts[k]
-        t2 = time.perf_counter()
-        new_obs, rewards, dones, new_infos = env_manager.step(responses)
-        t_env += time.perf_counter() - t2
-        for k, i in enumerate(act):
-            resp = list(out.token_ids[k])
-            lps = [float(x) for x in (out.logprobs[k] if out.logprobs else [0.0] * len(resp))]
-            counts["generated_tokens"] += len(resp)
-            reason = out.finish_reasons[k] if out.finish_reasons else ("length" if len(resp) >= budget else "stop")
-            was_cut = reason == "length" or len(resp) >= budget
-            counts["response_truncated"] += int(was_cut)
-            if not resp:
-                resp, lps = [eot_id], [0.0]
-                counts["empty_responses"] += 1
-            info_before, info = infos[i], new_infos[i]
-            rows.append(
-                _Row(
-                    episode=i,
-                    task=task_offset + i // group_n,
-                    rollout=i % group_n,
-                    turn=turn,
-                    prompt_ids=prompt_ids[k],
-                    response_ids=resp,
-                    logprobs=lps[: len(resp)] + [0.0] * (len(resp) - len(lps)),
-                    response_text=out.texts[k],
-                    prompt_text=prompt_texts[k],
-                    truncated=was_cut,
-                    action_valid=bool(info.get("is_action_valid", False)),
-                    won=bool(info.get("won", False)),
-                    category=str(info.get("category") or info_before.get("category") or ""),
-                    data_source=str(info.get("data_source") or info_before.get("data_source") or "text"),
-                    gamefile=info_before.get("gamefile", info.get("gamefile")),
-                    task_key=str(info.get("task_key") or info_before.get("task_key") or ""),
-                    meta={**info_before, "prompt_text": prompt_texts[k]},
-                )
-            )
-            ep_reward[i] += float(rewards[i])
-            ep_won[i] = ep_won[i] or bool(info.get("won", False))
-            if info.get("failed", False):
-                failed[i] = True
-            if dones[i] or failed[i]:
-                active[i] = False
-        obs, infos = new_obs, new_infos
-        turn += 1
-    outcome = [0.0 if failed[i] else ep_reward[i] for i in range(n_ep)]
-    dropped = 0
-    if failed_episodes == "drop":
-        keep = [r for r in rows if not failed[r.episode]]
-        dropped = len(rows) - len(keep)
-        rows = keep
+    st = _check_settings(
+        env_manager, generator, tokenizer, group_n=group_n, sampling=sampling, max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length, max_turns=max_turns, seed=seed, validation=validation,
+        truncation=truncation, failed_episodes=failed_episodes, task_offset=task_offset, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    ep = _play(env_manager, generator, tokenizer, tasks, st)
+    outcome = [0.0 if ep.failed[i] else ep.reward[i] for i in range(len(ep.failed))]
+    rows, dropped = ep.rows, 0
+    if st.failed_episodes == "drop":
+        rows = [r for r in ep.rows if not ep.failed[r.episode]]
+        dropped = len(ep.rows) - len(rows)
     if not rows:
         raise ValueError("env_manager: the rollout produced no turn (every episode failed at reset or was dropped)")
-
-    # ---- tensors
-    width_r = max(len(r.response_ids) for r in rows)
-    p_ids, p_mask = left_pad([r.prompt_ids for r in rows], max_prompt_length, pad_id)
-    r_ids, r_mask = right_pad([r.response_ids for r in rows], width_r, pad_id)
-    r_lp, _ = right_pad([r.logprobs for r in rows], width_r, 0.0, dtype=torch.float32)
-    batch = TurnBatch(
-        task=torch.tensor([r.task for r in rows], dtype=torch.long),
-        rollout=torch.tensor([r.rollout for r in rows], dtype=torch.long),
-        turn=torch.tensor([r.turn for r in rows], dtype=torch.long),
-        prompt_ids=p_ids,
-        prompt_mask=p_mask,
-        response_ids=r_ids,
-        response_mask=r_mask,
-        outcome=torch.tensor([outcome[r.episode] for r in rows], dtype=torch.float32),
-        action_valid=torch.tensor([r.action_valid for r in rows], dtype=torch.bool),
-        won=torch.tensor([ep_won[r.episode] for r in rows], dtype=torch.bool),
-        truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
-        data_source=[r.data_source for r in rows],
-        category=[r.category for r in rows],
-        gamefile=[r.gamefile for r in rows],
-        response_text=[r.response_text for r in rows],
-        prompt_text=[r.prompt_text for r in rows],
-        task_key=[r.task_key for r in rows],
-        rollout_logp=r_lp * r_mask,
-    )
-    teacher_cut = 0
-    if teacher_prompts:
-        lookup = skill_lookup if skill_lookup is not None else _skill_lookup(env_name)
-        metas = [
-            {
-                **r.meta,
-                "gamefile": r.gamefile,
-                "data_source": r.data_source,
-                "category": r.category,
-                "task_key": r.task_key,
-            }
-            for r in rows
-        ]
-        skills = [lookup(m) if lookup is not None else "" for m in metas]
-        t_ids, t_mask, teacher_cut = build_teacher_prompts(tokenizer, p_ids, p_mask, skills, max_prompt_length, pad_id)
-        start = int(t_mask.any(0).nonzero().min())  # drop the columns that are padding in every row
-        batch.teacher_prompt_ids, batch.teacher_prompt_mask = t_ids[:, start:], t_mask[:, start:]
-
-    # ---- metrics
-    episodes = [i for i in range(n_ep) if not (failed_episodes == "drop" and failed[i])]
-    lens = r_mask.sum(1).float()
-    cats: dict[str, list[bool]] = {}
-    for i in episodes:
-        cats.setdefault(str(getattr(tasks[i // group_n], "category", "") or "all"), []).append(ep_won[i])
-    gen_tokens = counts["generated_tokens"]
-    metrics: dict[str, float] = {
-        "turns": float(len(rows)),
-        "episodes": float(len(episodes)),
-        "success_rate": (sum(ep_won[i] for i in episodes) / len(episodes)) if episodes else 0.0,
-        "reward_mean": (sum(outcome[i] for i in episodes) / len(episodes)) if episodes else 0.0,
-        "valid_action_rate": float(batch.action_valid.float().mean()),
-        "response_length_mean": float(lens.mean()),
-        "response_length_max": float(lens.max()),
-        "prompt_length_mean": float(p_mask.sum(1).float().mean()),
-        "prompt_truncated": float(counts["prompt_truncated"]),
-        "teacher_prompt_truncated": float(teacher_cut),
-        "response_truncated": float(counts["response_truncated"]),
-        "empty_responses": float(counts["empty_responses"]),
-        "failed_episodes": float(sum(failed)),
-        "dropped_rows": float(dropped),
-        "generation_s": t_gen,
-        "environment_s": t_env,
-        "generated_tokens": float(gen_tokens),
-        "generation_tokens_per_s": gen_tokens / t_gen if t_gen > 0 else 0.0,
-    }
-    for c, wins in sorted(cats.items()):
-        metrics[f"success/{c}"] = sum(wins) / len(wins)
-    batch.extras["rollout_metrics"] = metrics
+    batch = _to_batch(rows, outcome, ep.won, st)
+    teacher_cut = _attach_teacher_prompts(batch, rows, tokenizer, st, skill_lookup) if teacher_prompts else 0
+    batch.extras["rollout_metrics"] = _rollout_metrics(batch, tasks, ep, outcome, st, teacher_cut, dropped)
     return batch
-
-
-class RolloutWorker:
-    """Holds the rollout's fixed pieces and settings; ``collect(tasks, seed)`` returns one TurnBatch.
-
-    ``last_metrics`` keeps the metrics of the latest call (also in ``batch.extras["rollout_metrics"]``).
-    """
-
-    def __init__(self, env_manager, generator, tokenizer, **settings: Any) -> None:
-        self.env_manager = env_manager
-        self.generator = generator
-        self.tokenizer = tokenizer
-        self.settings = settings
-        self.last_metrics: dict[str, float] = {}
-
-    def collect(self, tasks: Sequence, *, seed: int, validation: bool = False, **overrides: Any) -> TurnBatch:
-        kw = {**self.settings, **overrides}
-        batch = collect_rollouts(
-            self.env_manager, self.generator, self.tokenizer, tasks, seed=seed, validation=validation, **kw
-        )
-        self.last_metrics = dict(batch.extras.get("rollout_metrics", {}))
-        return batch

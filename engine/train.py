@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .audit import Auditor, header_of
+from .collectives import reduce_metrics
+from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
+from .episodes import run_validation
+from .metrics import MetricsLogger
+from .report import write_report
+from .step import run_step
 
 log = logging.getLogger("alignopsd.train")
 
@@ -132,8 +139,6 @@ class Trainer:
         if cfg.trainer.deterministic and self.device.type == "cpu":
             torch.use_deterministic_algorithms(True, warn_only=True)
         seed_everything(cfg.trainer.seed + 1000 * self.rank)
-        from .step import build_components
-
         self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
         self.step = 0
         self.span_lengths: list[int] = []
@@ -186,8 +191,6 @@ class Trainer:
 
     def fit(self, resume: str | None = None) -> dict:
         from .checkpoint import resolve_resume
-        from .metrics import MetricsLogger
-        from .step import run_step, run_validation
 
         cfg = self.cfg
         path = resolve_resume(resume, self.ckpt_dir)
@@ -210,12 +213,12 @@ class Trainer:
         last: dict = {}
         try:
             if cfg.trainer.val_before_train and self.step == 0:
-                self._validate(logger, run_validation)
+                self._validate(logger)
             while self.step < cfg.trainer.total_steps:
                 t0 = time.perf_counter()
                 result = run_step(self.parts, self.step)
                 self.step += 1
-                metrics = self._reduce_metrics(result.metrics)
+                metrics = self.reduce_metrics(result.metrics)
                 metrics["time/step_wall"] = time.perf_counter() - t0
                 self.span_lengths.extend(int(x) for x in result.span_lengths)
                 last = logger.log(self.step, metrics)
@@ -224,7 +227,7 @@ class Trainer:
                     and self.step % cfg.trainer.test_freq == 0
                     and self.step >= cfg.trainer.val_start_step
                 ):
-                    self._validate(logger, run_validation)
+                    self._validate(logger)
                 if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
                     self.step == cfg.trainer.total_steps
                 ):
@@ -235,13 +238,11 @@ class Trainer:
                 and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
                 and cfg.trainer.total_steps >= cfg.trainer.val_start_step
             ):
-                self._validate(logger, run_validation)
+                self._validate(logger)
         finally:
             logger.close()
         self._write_spans()
         if self.rank == 0 and cfg.trainer.report:
-            from .report import write_report
-
             report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
             print(f"[train] report: {report}", file=self.stream, flush=True)
         self.parts.close()
@@ -253,8 +254,6 @@ class Trainer:
         cfg = self.cfg
         if not cfg.trainer.audit or int(getattr(self.parts.policy, "tp_rank", 0) or 0) != 0:
             return None
-        from .audit import Auditor, header_of
-
         return Auditor(
             self.out_dir,
             rank=self.parts.rank,
@@ -271,8 +270,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "span_lengths.json").write_text(json.dumps(self.span_lengths))
 
-    def _validate(self, logger, run_validation) -> dict:
-        metrics = self._reduce_metrics(run_validation(self.parts, self.step))
+    def _validate(self, logger) -> dict:
+        metrics = self.reduce_metrics(run_validation(self.parts, self.step))
         flat = logger.log(self.step, metrics, kind="val", echo=False)
         if self.rank == 0:
             sr = flat.get("episode/success_rate")
@@ -285,23 +284,15 @@ class Trainer:
             )
         return flat
 
-    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average metrics over data-parallel ranks (sums for '*count*' keys); NaN-free.
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: sums for '*count*' keys).
 
         Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
         contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
         if not self.dist.enabled:
             return metrics
         lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
-        gathered = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
-        keys = sorted({k for g in gathered for k in g})
-        out = {}
-        for k in keys:
-            vals = [g[k] for g in gathered if g.get(k) is not None]
-            if not vals:
-                continue
-            out[k] = sum(vals) if "count" in k else (max(vals) if k.endswith("_max") else sum(vals) / len(vals))
-        return out
+        return reduce_metrics([g for g, first in self.dist.gather_objects((metrics, lead)) if first])
 
 
 def _optimizer_state(policy) -> dict | None:

@@ -59,7 +59,7 @@ def test_paper_profiles_match_section5(name):
     assert (tr.test_freq, tr.val_start_step) == {"search_3b": (5, 70), "search_7b": (150, 0)}.get(
         name, (tr.test_freq, 0)
     )
-    from alignopsd.engine.step import _sampling
+    from alignopsd.engine.episodes import sampling_params as _sampling
 
     assert _sampling(cfg, validation=True).do_sample == (not search) and _sampling(cfg, validation=False).do_sample
 

@@ -208,8 +208,7 @@ def test_backend_scorer_equals_hf_rescoring():
     import functools
 
     from alignopsd.engine.batch import TurnBatch
-    from alignopsd.engine.rescoring import Rescorer
-    from alignopsd.engine.step import backend_row_logprobs
+    from alignopsd.engine.rescoring import Rescorer, backend_row_logprobs
 
     model = _llama_tiny()
     g = torch.Generator().manual_seed(5)

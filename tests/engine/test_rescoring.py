@@ -8,13 +8,14 @@ from alignopsd.engine.batch import TurnBatch
 from alignopsd.engine.policy.hf import score_rows
 from alignopsd.engine.rescoring import (
     Rescorer,
-    build_cross_inputs,
     can_reuse_rollout_logprobs,
     logprob_mismatch,
     score_plain,
     score_shared_prefix,
 )
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from alignopsd import cross_inputs
 
 V = 211
 
@@ -106,31 +107,6 @@ def full_logits_reference(model, prompt_ids, prompt_mask, response_ids, response
     return out
 
 
-def test_cross_inputs_case_11():
-    prompts = torch.tensor([[10, 11], [20, 21], [30, 31]])
-    pmask = torch.ones_like(prompts)
-    responses = torch.tensor([[100, 101, 0], [200, 201, 202], [300, 0, 0]])
-    rmask = (responses != 0).long()
-    ids, mask, pos = build_cross_inputs(prompts, pmask, responses, rmask, ((2, 0), (0, 1)))
-    assert ids.tolist() == [[30, 31, 100, 101, 0], [10, 11, 200, 201, 202]]
-    assert mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    assert pos.tolist() == [[0, 1, 2, 3, 3], [0, 1, 2, 3, 4]]
-
-
-def test_cross_inputs_left_padded_positions_and_bad_pairs():
-    prompts = torch.tensor([[0, 11], [20, 21]])
-    pmask = torch.tensor([[0, 1], [1, 1]])
-    responses = torch.tensor([[100, 0], [200, 201]])
-    rmask = (responses != 0).long()
-    ids, mask, pos = build_cross_inputs(prompts, pmask, responses, rmask, [(0, 1)])
-    assert ids.tolist() == [[0, 11, 200, 201]]
-    assert pos.tolist() == [[0, 0, 1, 2]]
-    with pytest.raises(ValueError, match="pairs"):
-        build_cross_inputs(prompts, pmask, responses, rmask, [(0, 2)])
-    with pytest.raises(ValueError, match="pairs"):
-        build_cross_inputs(prompts, pmask, responses, rmask, torch.tensor([0, 1, 1]))
-
-
 def test_score_rows_matches_full_logits_reference():
     model = tiny_model()
     b = make_batch()
@@ -163,7 +139,9 @@ def test_shared_prefix_equals_plain(max_tokens, max_prefix_tokens):
     # empty response: zero log-probs in both modes
     assert bool((shared.diag[5] == 0).all()) and bool((shared.cross[5] == 0).all())
     # independent check of the cross rows against full logits
-    ids, _, _ = build_cross_inputs(b.teacher_prompt_ids, b.teacher_prompt_mask, b.response_ids, b.response_mask, pairs)
+    ids, _, _ = cross_inputs(
+        b.teacher_prompt_ids, b.teacher_prompt_mask, b.response_ids, b.response_mask, torch.tensor(pairs)
+    )
     src = torch.tensor([p[0] for p in pairs])
     tgt = torch.tensor([p[1] for p in pairs])
     ref = full_logits_reference(

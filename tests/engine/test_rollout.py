@@ -12,7 +12,7 @@ from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
 from alignopsd.engine.envs.toy import faulty_tasks
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
-from alignopsd.engine.rollout import RolloutWorker, collect_rollouts, default_truncation, truncate_left
+from alignopsd.engine.rollout import collect_rollouts, default_truncation, truncate_left
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +196,11 @@ def test_validation_mode(tok):
     env = EnvManager("codeword", num_workers=0)
     tasks = env.task_source("val", n=2, seed=0)
     gen = ScriptedGenerator(tok, codeword_player)
-    worker = RolloutWorker(env, gen, tok, group_n=8, max_prompt_length=400, teacher_prompts=False)
-    b = worker.collect(tasks, seed=3, validation=True)
+    b = collect_rollouts(env, gen, tok, tasks, group_n=8, max_prompt_length=400, teacher_prompts=False, seed=3,
+                         validation=True)  # fmt: skip
     assert set(b.rollout.tolist()) == {0} and b.size == 2 * 4
     assert gen.calls[0].temperature == pytest.approx(0.4)
-    assert worker.last_metrics["success_rate"] == 1.0
+    assert b.extras["rollout_metrics"]["success_rate"] == 1.0
     train_seed = collect_rollouts(env, gen, tok, tasks, group_n=1, max_prompt_length=400, seed=3,
                                   teacher_prompts=False)  # fmt: skip
     assert gen.calls[-1].seed != gen.calls[0].seed  # validation uses its own seeds

@@ -77,7 +77,7 @@ def test_learning_alignopsd(alignopsd_run):
     _check_learned(recs)
     r = recs[1]
     assert r["time/teacher_generation"] > 0 and r["time/encoding"] > 0 and r["time/m2"] > 0
-    assert r["time/reference"] > 0 and "actor/kl" in r
+    assert r["time/reference"] > 0 and "actor/kl_loss" in r
     assert r["m1/cross_pair_count"] > 0 and 0 <= r["m1/off_turn_match_weight"] <= 1
     assert r["m2/credit_conservation_error_max"] < 1e-4 and r["m2/segment_length_mean"] >= 1
     assert r["paired/response/token_count"] > 0 and r["regions/malformed_region_rows"] == 0
@@ -164,10 +164,10 @@ def test_golden_trace(alignopsd_run):
 
 def test_validation_schedule_and_greedy_decoding(tmp_path, monkeypatch):
     """test_freq from val_start_step on, no duplicate pass at the end; val_do_sample=false decodes greedily."""
-    import alignopsd.engine.step as step_mod
+    import alignopsd.engine.episodes as episodes
 
     seen = []
-    orig = step_mod._sampling
+    orig = episodes.sampling_params
 
     def spy(cfg, validation):
         sp = orig(cfg, validation)
@@ -175,7 +175,7 @@ def test_validation_schedule_and_greedy_decoding(tmp_path, monkeypatch):
             seen.append(sp.do_sample)
         return sp
 
-    monkeypatch.setattr(step_mod, "_sampling", spy)
+    monkeypatch.setattr(episodes, "sampling_params", spy)
     extra = ["trainer.test_freq=1", "trainer.val_start_step=2", "generation.val_do_sample=false"]
     _run(tmp_path, "grpo", 3, extra)
     val = read_metrics(tmp_path / "metrics.jsonl", kind="val")

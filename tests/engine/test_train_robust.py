@@ -10,7 +10,8 @@ import pytest
 import torch
 from alignopsd.engine.batch import TurnBatch
 from alignopsd.engine.config import load_config
-from alignopsd.engine.step import ppo_update, tasks_for_step
+from alignopsd.engine.episodes import tasks_for_step
+from alignopsd.engine.update import ppo_update
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -41,7 +42,7 @@ def _batch(m=6, lp=5, lr=4, seed=0):
 
 def _parts(policy, **over):
     cfg = load_config(TINY, [f"{k}={v}" for k, v in over.items()])
-    return SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=1)
+    return SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=1, dp_group=None)
 
 
 def _old_logp(policy, cb):
@@ -52,7 +53,7 @@ def test_zero_advantage_skips_without_forward(tiny_policy, monkeypatch):
     cb = _batch()
     calls = []
     monkeypatch.setattr(tiny_policy, "response_logprobs", lambda *a, **k: calls.append(1))
-    out = ppo_update(_parts(tiny_policy), cb, torch.zeros(6, 4), None, torch.full((6, 4), 1e-9), torch.ones(6), [])
+    out = ppo_update(_parts(tiny_policy), cb, torch.zeros(6, 4), None, torch.full((6, 4), 1e-9), [])
     assert out["update/skipped"] == 1.0 and out["update/zero_advantage"] == 1.0 and not calls
 
 
@@ -74,9 +75,7 @@ def test_nonfinite_loss_skips_update_weights_unchanged(tiny_policy, monkeypatch,
     monkeypatch.setattr(tiny_policy, "response_logprobs", poisoned)
     monkeypatch.setattr(tiny_policy, "response_loss", poisoned_fused)
     adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
-    out = ppo_update(
-        _parts(tiny_policy, **{"trainer.fused_head_loss": str(fused).lower()}), cb, old, None, adv, torch.ones(6), []
-    )
+    out = ppo_update(_parts(tiny_policy, **{"trainer.fused_head_loss": str(fused).lower()}), cb, old, None, adv, [])
     assert out["update/skipped"] == 1.0 and out["update/nonfinite_loss"] >= 1
     after = tiny_policy.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -114,7 +113,7 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
     try:
         over = {"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0}
         parts = _parts(tiny_policy, **over, **{"trainer.fused_head_loss": str(fused).lower()})
-        out = ppo_update(parts, cb, old, None, adv, torch.ones(6), [])
+        out = ppo_update(parts, cb, old, None, adv, [])
     finally:
         tiny_policy.optimizer_step = orig_step
     assert out["update/optimizer_steps"] == 1 and out["update/fused_head_loss"] == float(fused)
@@ -158,7 +157,7 @@ def test_tasks_for_step_is_deterministic_and_split_by_rank():
 
 def test_separability_probe():
     """The fused head loss needs a sum of per-token terms: token-mean PPO passes, a sequence-level ratio fails."""
-    from alignopsd.engine.step import loss_is_separable
+    from alignopsd.engine.update import loss_is_separable
 
     from alignopsd.losses import entropy_bonus, ppo_loss
 
@@ -199,7 +198,7 @@ def test_coupled_loss_falls_back_to_autograd(tiny_policy, monkeypatch, caplog):
     step = tiny_policy.optimizer_step
     monkeypatch.setattr(tiny_policy, "optimizer_step", lambda max_norm: {"grad_norm": 1.0, "skipped": False})
     try:
-        out = ppo_update(_parts(tiny_policy), cb, old, None, adv, torch.ones(6), [])
+        out = ppo_update(_parts(tiny_policy), cb, old, None, adv, [])
     finally:
         tiny_policy.optimizer_step = step
         tiny_policy.zero_grad()
@@ -212,8 +211,7 @@ def test_backend_scorer_equals_the_rescorer(tiny_policy):
     and the teacher rows (diagonal and cross pairs), in row chunks, and agrees with the Hugging Face scoring paths."""
     import functools
 
-    from alignopsd.engine.rescoring import Rescorer
-    from alignopsd.engine.step import backend_row_logprobs
+    from alignopsd.engine.rescoring import Rescorer, backend_row_logprobs
 
     cb = _batch()
     cb.response_mask[2, 3:] = 0

@@ -1,0 +1,36 @@
+"""The few collectives the step and the trainer need over data-parallel ranks (identity when single-process)."""
+
+from __future__ import annotations
+
+import torch
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+def all_reduce(values: list[float], op: str, world_size: int, group=None) -> list[float]:
+    """All-reduce a few floats across the data-parallel ranks of ``group`` (float64; on the GPU under NCCL)."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op: expected one of {REDUCE_OPS}, got {op!r}")
+    if world_size <= 1:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(t, op=red, group=group)
+    return t.cpu().tolist()
+
+
+def reduce_metrics(gathered: list[dict[str, float]]) -> dict[str, float]:
+    """One metric dict from the dicts of the contributing ranks: sums for ``*count*`` keys, maxima for ``*_max``
+    keys, means otherwise; keys a rank lacks (or holds as None) are averaged over the ranks that have them."""
+    keys = sorted({k for g in gathered for k in g})
+    out = {}
+    for k in keys:
+        vals = [g[k] for g in gathered if g.get(k) is not None]
+        if not vals:
+            continue
+        out[k] = sum(vals) if "count" in k else (max(vals) if k.endswith("_max") else sum(vals) / len(vals))
+    return out

@@ -1,0 +1,221 @@
+"""The composition root: build a run's parts (policy, generator, environments, encoder, scorers) from its config.
+
+Every backend sits behind its protocol (``PolicyBackend``, ``GenerationBackend``); the step only ever sees a
+:class:`Components`. Nothing here runs a phase of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from alignopsd.estimators import EstimatorSpec, get_estimator
+
+from .config import RunConfig
+from .encoder import MINILM, ThinkingEncoder
+from .envs.manager import EnvManager
+from .generation.base import GenerationBackend
+from .models import load_causal_lm, load_tokenizer, resolve_model_path
+from .policy.base import PolicyBackend
+from .profiler import StepProfiler
+from .rescoring import Rescorer, backend_row_logprobs
+
+log = logging.getLogger("alignopsd.components")
+
+
+@dataclass
+class Components:
+    """Everything a step needs, built once per run by :func:`build_components`."""
+
+    cfg: RunConfig
+    device: torch.device
+    rank: int  # data-parallel rank (the ranks of one tensor-parallel group share it)
+    world_size: int  # data-parallel size
+    tokenizer: object  # a Hugging Face tokenizer
+    policy: PolicyBackend
+    generator: GenerationBackend
+    env: EnvManager
+    train_tasks: list
+    val_tasks: list
+    estimator: EstimatorSpec
+    rescorer: Rescorer | None = None
+    ref_scorer: Rescorer | None = None
+    encoder: ThinkingEncoder | None = None
+    profiler: StepProfiler = field(default_factory=StepProfiler)
+    dp_group: object = None  # data-parallel process group (None: the default group)
+    audit: object = None  # engine.audit.Auditor of the run (set by the trainer; None: no audit records)
+    encoder_factory: Callable[[], ThinkingEncoder] | None = None
+
+    def get_encoder(self) -> ThinkingEncoder:
+        """The thinking encoder, loaded on first use (estimators without alignment never load it)."""
+        if self.encoder is None and self.encoder_factory is not None:
+            self.encoder = self.encoder_factory()
+        if self.encoder is None:
+            raise ValueError("encoder: this run's estimator declares no alignment phase, so no encoder was built")
+        return self.encoder
+
+    def sync_weights(self) -> None:
+        """Push the policy's weights to the generation engine and the rescoring copy (no-op when shared)."""
+        hf = getattr(self.policy, "hf_model", None)
+        state = None
+        if hf is not None:  # Megatron backend: refresh the Hugging Face copy used for generation
+            state = self.policy.hf_state_dict()
+            hf.load_state_dict(state, strict=False)
+        gm = getattr(self.generator, "model", None)
+        if gm is not None and gm is hf_model_of(self.policy):
+            return
+        self.generator.load_weights(state if state is not None else self.policy.hf_state_dict())
+
+    def close(self) -> None:
+        for obj in (self.env, self.generator):
+            close = getattr(obj, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
+                    log.warning("close %s: %s", type(obj).__name__, exc)
+
+
+def hf_model_of(policy: PolicyBackend) -> nn.Module:
+    """The Hugging Face module that generation and rescoring use (the policy's own, or its HF copy)."""
+    return getattr(policy, "hf_model", None) or policy.model
+
+
+def build_policy(cfg: RunConfig, device: torch.device) -> PolicyBackend:
+    """Policy backend factory (``policy.backend``): hf | megatron.
+
+    The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
+    teacher forcing with it (``backend_row_logprobs``); generation uses a Hugging Face copy of the same weights
+    (``policy.hf_model``, pushed to vLLM when that is the engine), refreshed after every update by
+    :meth:`Components.sync_weights`.
+    """
+    model = load_causal_lm(
+        cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
+    )
+    warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+    if cfg.policy.backend == "megatron":
+        from .policy.megatron.backend import MegatronPolicy  # megatron-core is imported only when asked for
+
+        policy = MegatronPolicy(
+            model.config,
+            model.state_dict(),
+            tp=cfg.policy.tensor_parallel_size,
+            lr=cfg.trainer.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            betas=cfg.trainer.betas,
+            params_dtype=model.dtype,
+            seed=cfg.trainer.seed,
+        )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        policy.hf_model = model
+        return policy
+    from .policy.hf import HFPolicy
+
+    return HFPolicy(
+        model,
+        lr=cfg.trainer.lr,
+        weight_decay=cfg.trainer.weight_decay,
+        betas=cfg.trainer.betas,
+        warmup_steps=warmup,
+        gradient_checkpointing=cfg.policy.gradient_checkpointing,
+    )
+
+
+def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend:
+    """Generation backend factory (``generation.backend``): hf | vllm."""
+    if cfg.generation.backend == "vllm":
+        from .generation.vllm_backend import VLLMBackend  # vllm is imported only when asked for
+
+        return VLLMBackend.from_config(cfg, policy=policy, tokenizer=tokenizer)
+    from .generation.hf import HFGenerator
+
+    return HFGenerator(hf_model_of(policy), tokenizer)
+
+
+def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:
+    """(environment manager, training tasks, validation tasks) of the config's environment."""
+    env = EnvManager(
+        cfg.env.name,
+        num_workers=cfg.env.workers,
+        step_timeout=cfg.env.step_timeout_s,
+        history_length=cfg.env.history_length,
+        max_steps=cfg.env.max_turns,
+        **({"data_dir": cfg.env.data_dir} if cfg.env.data_dir else {}),
+        **cfg.env.options,
+    )
+    seed = cfg.trainer.seed
+    pool = {"pool_size": cfg.env.num_games} if (cfg.env.name == "alfworld" and not cfg.env.data_dir) else {}
+    train_tasks = env.task_source(cfg.env.split, n=cfg.env.num_games, seed=seed, **pool)
+    val_pool = {"pool_size": cfg.env.val_tasks} if pool else {}
+    val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed, **val_pool)
+    return env, train_tasks, val_tasks
+
+
+def build_encoder(cfg: RunConfig, device: torch.device) -> ThinkingEncoder:
+    """The frozen thinking encoder (§1.6): ``minilm`` (the embedded default), a local folder or a cached id."""
+    name = cfg.encoder.name
+    if name.lower() in ("minilm", MINILM):
+        name = MINILM
+    elif not Path(name).expanduser().is_dir():
+        name = resolve_model_path(name)  # a Hugging Face id already in the local cache
+    return ThinkingEncoder(name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device)
+
+
+def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, world_size: int = 1) -> Components:
+    """Every part of a run, from its config (heavy: loads the models)."""
+    est = get_estimator(cfg.algorithm.estimator)
+    phases = est.phases(cfg.algorithm)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    policy = build_policy(cfg, device)
+    generator = build_generator(cfg, policy, tokenizer, device)
+    env, train_tasks, val_tasks = build_env(cfg)
+    rescorer = Rescorer(
+        hf_model_of(policy),
+        mode=cfg.trainer.rescoring_mode,
+        temperature=cfg.generation.temperature,
+        reuse_rollout_logp=cfg.trainer.logprob_reuse,
+        # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
+        # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
+        # (teacher minus student) compares two forwards of one implementation (plain rows, no prefix sharing)
+        scorer=(
+            functools.partial(backend_row_logprobs, policy, temperature=cfg.generation.temperature, device=device)
+            if getattr(policy, "hf_model", None) is not None
+            else None
+        ),
+    )
+    ref_scorer = None
+    if phases["ref"]:
+        ref_model = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device)
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+        ref_scorer = Rescorer(ref_model, mode="plain", temperature=cfg.generation.temperature)
+
+    dp_group = getattr(policy, "dp_group", None)
+    if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    return Components(
+        dp_group=dp_group,
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        tokenizer=tokenizer,
+        policy=policy,
+        generator=generator,
+        env=env,
+        train_tasks=train_tasks,
+        val_tasks=val_tasks,
+        estimator=est,
+        rescorer=rescorer,
+        ref_scorer=ref_scorer,
+        encoder_factory=functools.partial(build_encoder, cfg, device) if phases["alignment"] else None,
+    )
