@@ -39,6 +39,7 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tools/structure_check.py
 
 format: install
 	$(BIN)/ruff format .

@@ -33,6 +33,8 @@ import torch
 from alignopsd.engine.batch import TurnBatch
 from alignopsd.engine.rescoring import Rescorer
 
+from bench.measure import profile_peak_mb
+
 SIZES = {
     "full": dict(tasks=2, rollouts=8, turns=6, prompt=1024, response=128, k=3, max_tokens=16384),
     "cpu": dict(tasks=2, rollouts=8, turns=2, prompt=512, response=64, k=3, max_tokens=8192),
@@ -87,7 +89,7 @@ def make_batch(tasks, rollouts, turns, prompt, response, k, vocab, seed=0, **_) 
 
 class _PeakMemory:
     """Peak memory of a block, in MiB above the level at entry: the CUDA allocator's peak, or on CPU the peak of
-    the tensor allocations made inside the block (torch profiler memory events, as ``bench.report.peak_mb``
+    the tensor allocations made inside the block (torch profiler memory events, as ``bench.measure.peak_mb``
     measures the kernel rows; independent of the process' resident size and of allocator caching)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -112,8 +114,6 @@ class _PeakMemory:
             torch.cuda.synchronize()
             self.peak_mb = (torch.cuda.max_memory_allocated() - self.base) / 2**20
         else:
-            from bench.report import profile_peak_mb
-
             self.prof.__exit__(*exc)
             self.peak_mb = profile_peak_mb(self.prof)
         return False

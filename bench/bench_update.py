@@ -12,7 +12,7 @@ PPO-clip token-mean loss with an entropy bonus, and leave the same gradients in 
 
 Time: median wall time of interleaved calls (ours, base, ours, ...) after one warm-up each, gradients
 cleared before each call (outside the measurement). Peak memory: tensor allocation peak of one call from
-torch's profiler memory events (``bench.report.peak_mb``), activations and the new gradients included.
+torch's profiler memory events (``bench.measure.peak_mb``), activations and the new gradients included.
 The gradients of both sides are compared (max abs difference over all parameters).
 """
 
@@ -24,6 +24,8 @@ import statistics
 import time
 
 import torch
+
+from bench.measure import peak_mb
 
 SIZES = {"tiny": (2, 64, 32), "quick": (4, 128, 64), "full": (8, 384, 192)}  # rows, prompt, response
 
@@ -43,7 +45,6 @@ def run(size: str = "quick", model_name: str = "smollm2-135m", reps: int = 3) ->
     from alignopsd.engine.policy.hf import HFPolicy
 
     from alignopsd.losses import entropy_bonus, ppo_loss
-    from bench.report import peak_mb
 
     b, lp, lr = SIZES[size]
     model = load_causal_lm(model_name, dtype=torch.float32)

@@ -592,14 +592,5 @@ class Auditor:
 def header_of(cfg) -> dict:
     """Step-level constants of the run for the ``step`` header."""
     a = cfg.algorithm
-    out: dict[str, Any] = {"estimator": str(a.estimator)}
-    rc = getattr(a, "rectify", None)
-    if rc is not None:
-        out.update({"gamma": float(rc.gamma), "top_k": int(rc.top_k)})
-    alpha = getattr(a, "effective_alpha_max", None)
-    if alpha is not None:
-        out["alpha_max"] = float(alpha)
-    ablation = getattr(a, "ablation", None)
-    if ablation is not None:
-        out["ablation"] = str(ablation)
-    return out
+    return {"estimator": str(a.estimator), "gamma": float(a.rectify.gamma), "top_k": int(a.rectify.top_k),
+            "alpha_max": float(a.effective_alpha_max), "ablation": str(a.ablation)}  # fmt: skip

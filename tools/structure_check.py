@@ -1,0 +1,191 @@
+"""Structure limits of the package (run by ``make lint``): sizes a reader can hold and a one-way import graph.
+
+Checks every tracked ``.py`` file of ``alignopsd/``, ``kernels/``, ``engine/`` and ``bench/`` (tests are exempt):
+
+* files of at most ``--max-file`` lines (600);
+* functions of at most ``--max-func`` lines (100), decorator included; a ``@triton.jit`` kernel is exempt
+  (splitting a kernel body costs registers and launches);
+* no import cycle between the project's own modules (lazy imports inside functions count: a cycle is a cycle);
+* no module imports another module's ``_private`` name.
+
+Prints each finding and exits 1 when there is one, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+# folder -> import name (setup.py's package_dir)
+PACKAGES = {"alignopsd": "alignopsd", "kernels": "alignopsd.kernels", "engine": "alignopsd.engine", "bench": "bench"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.with_suffix("").parts)
+    rest = parts[1:-1] if parts[-1] == "__init__" else parts[1:]
+    return ".".join([PACKAGES[parts[0]], *rest])
+
+
+def tracked_files(root: Path) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=root, capture_output=True, text=True, check=True).stdout
+    return [Path(p) for p in out.split() if Path(p).parts[0] in PACKAGES]
+
+
+def is_triton_kernel(node: ast.AST) -> bool:
+    for dec in getattr(node, "decorator_list", []):
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if ast.unparse(target) in ("triton.jit", "jit"):
+            return True
+    return False
+
+
+def jitted_names(tree: ast.AST) -> set[str]:
+    """Functions compiled by a ``triton.jit(f)`` call instead of the decorator."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("triton.jit", "jit"):
+            out.update(a.id for a in node.args if isinstance(a, ast.Name))
+    return out
+
+
+def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
+    """(qualified name, first line, length) of every function over ``limit`` lines (Triton kernels exempt)."""
+    found = []
+    jitted = jitted_names(tree)
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                kernel = is_triton_kernel(child) or child.name in jitted
+                if not isinstance(child, ast.ClassDef) and not kernel:
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    length = child.end_lineno - first + 1
+                    if length > limit:
+                        found.append((name, first, length))
+                visit(child, name + ".")
+
+    visit(tree, "")
+    return found
+
+
+def resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``from ... import`` statement names."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def is_module_file(root: Path, module: str, alias: str) -> bool:
+    """Whether ``module.alias`` is a module on disk (e.g. the compiled extension ``alignopsd._C``)."""
+    head, *rest = module.split(".")
+    folder = {v: k for k, v in PACKAGES.items()}.get(module, "/".join([head, *rest]))
+    return any((root / folder).glob(f"{alias}.*")) or (root / folder / alias).is_dir()
+
+
+def imports_of(tree: ast.AST, name: str, is_package: bool, modules: set[str], root: Path) -> tuple[set[str], list]:
+    """(project modules imported, [(line, module, private name)] of private names taken from other modules)."""
+    deps: set[str] = set()
+    private = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            target = resolve(name, is_package, node)
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in modules:  # ``from pkg import module``
+                    deps.add(sub)
+                elif target in modules:
+                    deps.add(target)
+                    private_name = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private_name and target != name and not is_module_file(root, target, alias.name):
+                        private.append((node.lineno, target, alias.name))
+    deps.discard(name)
+    return deps, private
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-file", type=int, default=600)
+    ap.add_argument("--max-func", type=int, default=100)
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
+    args = ap.parse_args(argv)
+    root = Path(args.root)
+    files = tracked_files(root)
+    names = {module_name(f): f for f in files}
+    modules = set(names)
+    findings: list[str] = []
+    graph: dict[str, set[str]] = {}
+    for name, path in sorted(names.items()):
+        src = (root / path).read_text()
+        lines = src.count("\n") + (0 if src.endswith("\n") else 1)
+        if lines > args.max_file:
+            findings.append(f"{path}: {lines} lines (limit {args.max_file})")
+        tree = ast.parse(src, filename=str(path))
+        for func, first, length in long_functions(tree, args.max_func):
+            findings.append(f"{path}:{first} {func}: {length} lines (limit {args.max_func})")
+        graph[name], private = imports_of(tree, name, path.name == "__init__.py", modules, root)
+        for line, target, alias in private:
+            findings.append(f"{path}:{line} imports the private name {alias} from {target}")
+    for comp in cycles(graph):
+        findings.append("import cycle: " + " <-> ".join(comp))
+    for f in findings:
+        print(f)
+    print(f"structure check: {len(files)} files, {len(findings)} finding(s)")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
