@@ -172,12 +172,13 @@ class ThinkingEncoder:
         }
 
     def encode(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        """([N, D] fp32 unit vectors on CPU, zero rows for invalid texts; [N] bool valid)."""
+        """([N, D] fp32 unit vectors, zero rows for invalid texts; [N] bool valid), both on the encoder's device
+        (so the similarity, selection and Mechanism 2 that follow run there: the Triton kernels on CUDA)."""
         if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
             raise ValueError(f"texts: expected a list of strings, got {type(texts).__name__}")
         clean = [preprocess(t) for t in texts]
-        valid = torch.tensor([bool(t) for t in clean], dtype=torch.bool)
-        emb = torch.zeros((len(clean), self.dim), dtype=torch.float32)
+        valid = torch.tensor([bool(t) for t in clean], dtype=torch.bool, device=self.device)
+        emb = torch.zeros((len(clean), self.dim), dtype=torch.float32, device=self.device)
         todo = [i for i, t in enumerate(clean) if t]
         if not todo:
             return emb, valid
@@ -188,13 +189,13 @@ class ThinkingEncoder:
         try:
             with torch.inference_mode():
                 vecs = self._encode_valid([clean[i] for i in todo])
+            vecs = torch.nn.functional.normalize(vecs.float().to(self.device), p=2, dim=-1)
         finally:
             if moved:
                 self.model.to("cpu")
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-        vecs = torch.nn.functional.normalize(vecs.float().cpu(), p=2, dim=-1)
-        emb[torch.tensor(todo)] = vecs
+        emb[torch.tensor(todo, device=self.device)] = vecs
         dt = time.perf_counter() - t0
         self.texts_encoded += len(todo)
         self.seconds += dt

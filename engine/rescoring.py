@@ -37,7 +37,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from alignopsd.engine import devices
 from alignopsd.engine.batch import TurnBatch, position_ids
+from alignopsd.engine.devices import module_device
 from alignopsd.engine.policy.hf import output_head, score_rows, token_logprobs, transformer_body
 from torch import Tensor, nn
 
@@ -355,8 +357,9 @@ def backend_row_logprobs(
         ids = torch.cat([p_ids[idx], r_ids[s : s + per]], dim=1)
         attn = torch.cat([p_mask[idx], r_mask[s : s + per]], dim=1)
         lp, en = policy.response_logprobs(
-            ids.to(device), attn.to(device), length, temperature=temperature, with_entropy=with_entropy, grad=False
-        )
+            devices.to_device(ids, device), devices.to_device(attn, device), length,
+            temperature=temperature, with_entropy=with_entropy, grad=False,
+        )  # fmt: skip
         lps.append(lp.float().cpu())
         if with_entropy:
             ents.append(en.float().cpu())
@@ -447,25 +450,22 @@ class Rescorer:
         self.scorer = scorer
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
+        """Score the rows on the model's device; results come back on the device of ``resp_ids``."""
         if self.scorer is not None:  # the training backend scores the rows itself (plain rows, no prefix sharing)
             stats["forwards"] += 1
             stats["token_forwards"] += int(row_prompt.numel() * (prompt_ids.shape[1] + resp_ids.shape[1]))
             return self.scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy)
         kw = dict(temperature=self.temperature, with_entropy=with_entropy, max_tokens=self.max_tokens, impl=self.impl)
+        back = resp_ids.device
+        dev = module_device(self.model)
+        rows = [devices.to_device(t, dev) for t in (prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask)]
         if self.mode == "plain":
-            return score_plain(self.model, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, **kw, stats=stats)
-        return score_shared_prefix(
-            self.model,
-            prompt_ids,
-            prompt_mask,
-            row_prompt,
-            resp_ids,
-            resp_mask,
-            **kw,
-            dedupe=self.dedupe,
-            max_prefix_tokens=self.max_prefix_tokens,
-            stats=stats,
-        )
+            lp, en = score_plain(self.model, *rows, **kw, stats=stats)
+        else:
+            lp, en = score_shared_prefix(
+                self.model, *rows, **kw, dedupe=self.dedupe, max_prefix_tokens=self.max_prefix_tokens, stats=stats
+            )
+        return lp.to(back), (en.to(back) if en is not None else None)
 
     @torch.no_grad()
     def student_logprobs(self, batch: TurnBatch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, dict]:

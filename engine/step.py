@@ -141,19 +141,24 @@ def estimate(
 ) -> tuple[EstimatorOutput, list[int], dict[str, float]]:
     """Run the configured estimator; returns (its output, span lengths of the M2 segments, metrics)."""
     m1 = m1 or M1Result()
+    dev = parts.device  # the estimator runs where the model is: on CUDA the core reaches the Triton kernels
+
+    def on(x: Tensor | None) -> Tensor | None:
+        return x.to(dev) if x is not None else None
+
     inputs = EstimatorInputs(
-        old_logp=old_logp,
-        mask=cb.response_mask.bool(),
-        outcome=cb.outcome.float(),
-        task=cb.task,
-        rollout=cb.rollout,
-        turn=cb.turn,
-        invalid=~cb.action_valid.bool(),
-        diag=m1.diag,
-        cross=m1.cross,
-        pairs=m1.pairs,
-        H=m1.H,
-        eligible=m1.eligible,
+        old_logp=on(old_logp),
+        mask=on(cb.response_mask.bool()),
+        outcome=on(cb.outcome.float()),
+        task=on(cb.task),
+        rollout=on(cb.rollout),
+        turn=on(cb.turn),
+        invalid=on(~cb.action_valid.bool()),
+        diag=on(m1.diag),
+        cross=on(m1.cross),
+        pairs=on(m1.pairs),
+        H=on(m1.H),
+        eligible=on(m1.eligible),
         step=step,
     )
     with parts.profiler.phase("m2" if mechanism2 else "advantage"):

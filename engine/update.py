@@ -31,6 +31,7 @@ from torch import Tensor
 
 from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales
 
+from . import devices
 from .batch import TurnBatch
 from .collectives import all_reduce
 
@@ -184,7 +185,7 @@ def ppo_update(
     plan = plan_update(mask, cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group)
     if fused and any(plan):  # probed on the first micro-batch (a dummy row 0 on a rank without rows there)
         fused = _fused_allowed(cfg, inp, next(mbs[0] for mbs in plan if mbs), world, group)
-    input_ids, attn = cb.input_ids().to(parts.device), cb.attention_mask().to(parts.device)
+    input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     out: dict[str, float] = {}
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)

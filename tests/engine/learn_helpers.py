@@ -14,6 +14,7 @@ the probabilities this generator samples from.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -196,6 +197,9 @@ ESTIMATOR_CASES: list[tuple[str, list[str]]] = [
 ]
 
 
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
 def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = None):
     """Train tiny.yaml (guess env, choice generator) for ``steps`` steps; (trainer, metric records)."""
     from pathlib import Path
@@ -203,7 +207,7 @@ def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = Non
     from alignopsd.engine.metrics import read_metrics
 
     torch.set_num_threads(1)
-    cfg = config or str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+    cfg = config or str(TINY_CONFIG)
     ov = [*GUESS_OVERRIDES, *overrides, f"trainer.total_steps={steps}", f"output_dir={out_dir}"]
     tr = build_trainer(cfg, ov)
     tr.fit()
