@@ -231,3 +231,45 @@ def test_backend_scorer_equals_hf_rescoring():
     assert (ours.old_logp - ref.old_logp).abs().max().item() <= 1e-4
     assert ((ours.entropy - ref.entropy) * cb.response_mask).abs().max().item() <= 1e-4
     assert (ours.diag - ref.diag).abs().max().item() <= 1e-4 and (ours.cross - ref.cross).abs().max().item() <= 1e-4
+
+
+def _main_and_model_params(pol):
+    """(fp32 main params, their bf16/fp16 model params) of megatron-core's mixed-precision optimizer."""
+    opts = getattr(pol.optimizer, "chained_optimizers", [pol.optimizer])
+    main = [m for o in opts for g in o.fp32_from_float16_groups for m in g]
+    model = [p for o in opts for g in o.float16_groups for p in g]
+    return main, model
+
+
+def test_bf16_trains_through_fp32_main_params():
+    """lr 1e-6 on bf16 shards: the fp32 main params keep updates below bf16 resolution, which then move
+    the bf16 weights (AdamW on the bf16 weights themselves loses them: see the Hugging Face backend's test);
+    the main params travel with the optimizer state."""
+    bf16 = torch.bfloat16
+    model = _qwen2_tiny().to(bf16)
+    ids, mask, lr = _rows(model.config.vocab_size, seed=4)
+    pol = _megatron(model, lr=1e-6, weight_decay=0.01, params_dtype=bf16)
+    main, params = _main_and_model_params(pol)
+    assert main and all(m.dtype == torch.float32 for m in main) and all(p.dtype == bf16 for p in params)
+    start = [m.clone() for m in main]
+    n = sum(m.numel() for m in main)
+    for step in range(30):
+        _loss(pol, ids, mask, lr).backward()
+        assert not pol.optimizer_step(max_grad_norm=1.0)["skipped"]
+        if step == 0:
+            moved = sum(int((m != s).sum()) for m, s in zip(main, start))
+            bf16_moved = sum(int((p != s.to(bf16)).sum()) for p, s in zip(params, start))
+            assert moved > 0.5 * n and bf16_moved < 0.05 * n, (moved, bf16_moved, n)  # rows of unseen tokens: no grad
+    opts = getattr(pol.optimizer, "chained_optimizers", [pol.optimizer])
+    assert all(st["exp_avg"].dtype == torch.float32 for o in opts for st in o.optimizer.state.values())
+    for p, m in zip(params, main):
+        assert torch.equal(p, m.to(bf16))  # the model's weights are the rounding of the main params
+    changed = sum(int((p != s.to(bf16)).sum()) for p, s in zip(params, start))
+    assert changed > 0.2 * n, (changed, n)
+    # resume: weights and optimizer state (with the main params) into a policy built from other weights
+    state, weights = pol.optimizer_state(), pol.hf_state_dict()
+    fresh = _megatron(_qwen2_tiny().to(bf16), lr=1e-6, weight_decay=0.01, params_dtype=bf16)
+    fresh.load_hf_state_dict(weights)
+    fresh.load_optimizer_state(state)
+    for a, b in zip(_main_and_model_params(fresh)[0], main):
+        assert torch.equal(a, b)
