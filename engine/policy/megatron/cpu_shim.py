@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a few places: ``torch.cuda.current_device()`` as the device of
 new buffers (RoPE frequencies, gathered activations), the CUDA RNG state of its model-parallel
 RNG tracker, ``torch.cuda.manual_seed``, the default causal mask and small tensors of the
-optimizer and DDP grad buffers made with ``device="cuda"``, a ``torch.cuda.FloatTensor``
+optimizer, its loss scaler and DDP grad buffers made with ``device="cuda"``, a ``torch.cuda.FloatTensor``
 assertion in gradient clipping, and the CUDA type names by which the mixed-precision optimizer
 (bf16/fp16 parameters, fp32 main copies) sorts its parameters. On a machine without CUDA this
 module redirects exactly those calls to the CPU so that the same backend code runs under gloo
@@ -120,10 +120,11 @@ def apply_if_needed() -> bool:
     import megatron.core.distributed.distributed_data_parallel as mddp
     import megatron.core.distributed.param_and_grad_buffer as mbuf
     import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.grad_scaler as mscaler
     import megatron.core.optimizer.optimizer as mopt
     import megatron.core.utils as mcutils
 
-    for module in (mopt, mbuf, mddp, mclip, mcutils):
+    for module in (mopt, mbuf, mddp, mclip, mcutils, mscaler):
         module.torch = _CpuTorch(torch)
 
     # clip_grad_by_total_norm_fp32 asserts that grads are torch.cuda.FloatTensor.
