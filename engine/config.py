@@ -70,14 +70,16 @@ class ModelConfig:
     """Tokenizer id or path; None uses the model's."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 | float16 | auto."""
-    attn_implementation: str = "sdpa"
-    """Attention implementation handed to transformers (sdpa | eager | flash_attention_2)."""
+    attn_implementation: str = "auto"
+    """Attention implementation of every model of the run (policy, reference, rescoring copy): auto
+    (flash_attention_2 on CUDA when flash-attn is installed, else sdpa, else eager) | sdpa | eager |
+    flash_attention_2."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("model.name: must be a non-empty string")
         _choice("model.dtype", self.dtype, DTYPES)
-        _choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        _choice("model.attn_implementation", self.attn_implementation, ("auto", "sdpa", "eager", "flash_attention_2"))
 
 
 @dataclass
@@ -277,6 +279,16 @@ class TrainerConfig:
     snapshots on the first, every 10th and the last step; see engine/audit.py). Training is identical either way."""
     audit_max_bytes: int = 1 << 30
     """Cap on the audit's bytes over the whole run (all ranks together); past it, nothing more is written."""
+    rollout_is: str = "off"
+    """Rollout-trainer mismatch correction (alignopsd.losses.rollout_is_weights): off | token_truncate |
+    token_mask | sequence_truncate | sequence_mask. The ratio is pi_trainer(old) / pi_rollout of each sampled
+    token (a row's product for sequence level); truncate multiplies the policy loss by min(ratio, threshold),
+    mask drops tokens (rows) whose ratio is outside [rollout_is_lower, rollout_is_threshold] from the loss and
+    its token-mean denominator. Off as in the authors' runs."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of the importance ratio (the truncation cap, or the mask's upper bound); > 1."""
+    rollout_is_lower: float | None = None
+    """Lower bound of the mask's accepted ratio range; None: 1 / rollout_is_threshold. In [0, 1)."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
@@ -310,6 +322,18 @@ class TrainerConfig:
         if isinstance(self.audit_max_bytes, bool) or not isinstance(self.audit_max_bytes, int):
             raise ConfigError(f"trainer.audit_max_bytes: expected an integer, got {self.audit_max_bytes!r}")
         _positive("trainer.audit_max_bytes", self.audit_max_bytes)
+        _choice(
+            "trainer.rollout_is",
+            self.rollout_is,
+            ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+        )
+        if isinstance(self.rollout_is_threshold, bool) or not isinstance(self.rollout_is_threshold, (int, float)):
+            raise ConfigError(f"trainer.rollout_is_threshold: expected a number > 1, got {self.rollout_is_threshold!r}")
+        if not self.rollout_is_threshold > 1:
+            raise ConfigError(f"trainer.rollout_is_threshold: must be > 1, got {self.rollout_is_threshold!r}")
+        lower = self.rollout_is_lower
+        if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float)) or not 0 <= lower < 1):
+            raise ConfigError(f"trainer.rollout_is_lower: expected null or a number in [0, 1), got {lower!r}")
 
 
 def _algorithm_cls():

@@ -257,16 +257,50 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def pick_attn_implementation(requested: str | None, device: torch.device | str) -> str:
-    """``"auto"``/None: flash_attention_2 when flash-attn is installed and the device is CUDA, else sdpa."""
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "sdpa", "eager", "flex_attention")
+
+
+def pick_attn_implementation(
+    requested: str | None,
+    device: torch.device | str,
+    *,
+    supports_sdpa: bool = True,
+    supports_flash_attn: bool = True,
+) -> str:
+    """The attention implementation to hand to transformers.
+
+    ``"auto"``/None: ``flash_attention_2`` when the device is CUDA, flash-attn is installed and the model
+    supports it; else ``sdpa`` when the model supports it; else ``eager``. An explicit name is checked
+    (flash_attention_2 needs CUDA, the flash-attn package and a model that supports it) and passed through.
+    ``supports_sdpa`` / ``supports_flash_attn``: what the model class declares (see :func:`model_attn_support`).
+    """
     dev = torch.device(device)
+    flash_ok = dev.type == "cuda" and flash_attn_available()
     if requested in (None, "auto"):
-        return "flash_attention_2" if dev.type == "cuda" and flash_attn_available() else "sdpa"
-    if requested not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
-        raise ValueError(f"attn_implementation: unknown {requested!r}")
-    if requested == "flash_attention_2" and not (dev.type == "cuda" and flash_attn_available()):
+        if flash_ok and supports_flash_attn:
+            return "flash_attention_2"
+        return "sdpa" if supports_sdpa else "eager"
+    if requested not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation: unknown {requested!r}; allowed: {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if requested == "flash_attention_2" and not flash_ok:
         raise ValueError("attn_implementation: flash_attention_2 needs a CUDA device and the flash-attn package")
+    if requested == "flash_attention_2" and not supports_flash_attn:
+        raise ValueError("attn_implementation: this model does not support flash_attention_2")
+    if requested == "sdpa" and not supports_sdpa:
+        raise ValueError("attn_implementation: this model does not support sdpa; use 'eager' or 'auto'")
     return requested
+
+
+def model_attn_support(path: str) -> tuple[bool, bool]:
+    """(supports sdpa, supports flash-attention 2) as declared by the causal-LM class of the model at ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError):  # custom or unknown architecture: let transformers decide
+        return True, True
+    return bool(getattr(cls, "_supports_sdpa", True)), bool(getattr(cls, "_supports_flash_attn", True))
 
 
 _DTYPES = {
@@ -299,13 +333,15 @@ def load_causal_lm(
 ):
     """A causal LM in eval mode on ``device``.
 
-    ``attn_implementation="auto"`` uses flash-attention 2 when it is installed and ``device`` is CUDA, SDPA
-    otherwise; an explicit name is passed through (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``).
+    ``attn_implementation``: see :func:`pick_attn_implementation` (``"auto"``: flash-attention 2 on CUDA when
+    installed, else SDPA, else eager when the model has no SDPA path). Every model of a run (policy, reference,
+    rescoring copy) is loaded with the run's ``model.attn_implementation``, so they share one choice.
     """
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(spec)
     dt = parse_dtype(dtype, device)
-    attn = pick_attn_implementation(attn_implementation, device)
+    sdpa_ok, flash_ok = model_attn_support(path)
+    attn = pick_attn_implementation(attn_implementation, device, supports_sdpa=sdpa_ok, supports_flash_attn=flash_ok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn, local_files_only=True)
     return model.to(device).eval()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from alignopsd.engine.batch import position_ids
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
+from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -356,6 +357,11 @@ class HFPolicy:
     when ``torch.distributed`` is initialised with more than one process. gradient_checkpointing: enable the
     model's activation checkpointing for training forwards. impl: fused-head implementation (see
     ``token_logprobs``).
+
+    Precision: a model with bf16/fp16 parameters is trained with fp32 master weights (``MasterAdamW``:
+    AdamW and its moments in fp32, the model's parameters refreshed from the masters after each step), so
+    updates below the low-precision resolution accumulate instead of vanishing. fp32 models use a plain
+    ``torch.optim.AdamW`` on their parameters.
     """
 
     def __init__(
@@ -391,7 +397,11 @@ class HFPolicy:
         else:
             self.module = self.scorer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        if needs_master_weights(self.params):
+            self.optimizer: torch.optim.AdamW = MasterAdamW(self.params, **adamw)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, **adamw)
         self.warmup_steps = warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
@@ -471,9 +481,12 @@ class HFPolicy:
         """Clip to ``max_grad_norm`` (None or <= 0: no clipping), step AdamW and the schedule, zero grads.
 
         A non-finite gradient norm skips the step (weights and optimizer state unchanged) with a warning.
-        Returns {"grad_norm": float (before clipping), "skipped": bool, "lr": float}.
+        Returns {"grad_norm": float (before clipping), "skipped": bool, "lr": float}. With fp32 master
+        weights the gradients are upcast into the masters first; norm, clipping and the step use the masters.
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
+        master = isinstance(self.optimizer, MasterAdamW)
+        params = self.optimizer.masters if master else self.params
+        grads = self.optimizer.grads_to_masters() if master else [p.grad for p in self.params if p.grad is not None]
         norm = float(torch.nn.utils.get_total_norm(grads, 2.0)) if grads else 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not math.isfinite(norm):
@@ -482,8 +495,10 @@ class HFPolicy:
             self.zero_grad()
             return {"grad_norm": norm, "skipped": True, "lr": lr}
         if max_grad_norm is not None and max_grad_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(self.params, max_grad_norm, torch.tensor(norm))
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(norm))
         self.optimizer.step()
+        if master:
+            self.optimizer.masters_to_model()
         self.scheduler.step()
         self.steps += 1
         self.zero_grad()

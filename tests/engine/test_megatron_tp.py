@@ -230,3 +230,47 @@ def test_backend_scorer_equals_hf_rescoring():
     assert (ours.old_logp - ref.old_logp).abs().max().item() <= 1e-4
     assert ((ours.entropy - ref.entropy) * cb.response_mask).abs().max().item() <= 1e-4
     assert (ours.diag - ref.diag).abs().max().item() <= 1e-4 and (ours.cross - ref.cross).abs().max().item() <= 1e-4
+
+
+def _main_and_model_params(pol):
+    """(fp32 main params, their bf16/fp16 model params) of megatron-core's mixed-precision optimizer."""
+    opts = getattr(pol.optimizer, "chained_optimizers", [pol.optimizer])
+    main = [m for o in opts for g in o.fp32_from_float16_groups for m in g]
+    model = [p for o in opts for g in o.float16_groups for p in g]
+    return main, model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_trains_through_fp32_main_params(dtype):
+    """lr 1e-6 on bf16/fp16 shards: the fp32 main params keep updates below the weights' resolution, which
+    then move the low-precision weights (AdamW on those weights themselves loses them: see the Hugging Face
+    backend's test); the main params travel with the optimizer state."""
+    first_step_max = 0.05 if dtype == torch.bfloat16 else 0.2  # fp16 resolves 8x finer than bf16
+    model = _qwen2_tiny().to(dtype)
+    ids, mask, lr = _rows(model.config.vocab_size, seed=4)
+    pol = _megatron(model, lr=1e-6, weight_decay=0.01, params_dtype=dtype)
+    main, params = _main_and_model_params(pol)
+    assert main and all(m.dtype == torch.float32 for m in main) and all(p.dtype == dtype for p in params)
+    start = [m.clone() for m in main]
+    n = sum(m.numel() for m in main)
+    for step in range(30):
+        _loss(pol, ids, mask, lr).backward()
+        assert not pol.optimizer_step(max_grad_norm=1.0)["skipped"]
+        if step == 0:
+            moved = sum(int((m != s).sum()) for m, s in zip(main, start))
+            low_moved = sum(int((p != s.to(dtype)).sum()) for p, s in zip(params, start))
+            # main params of tokens that never occur get no gradient (hence 0.5, not 1)
+            assert moved > 0.5 * n and low_moved < first_step_max * n, (moved, low_moved, n)
+    opts = getattr(pol.optimizer, "chained_optimizers", [pol.optimizer])
+    assert all(st["exp_avg"].dtype == torch.float32 for o in opts for st in o.optimizer.state.values())
+    for p, m in zip(params, main):
+        assert torch.equal(p, m.to(dtype))  # the model's weights are the rounding of the main params
+    changed = sum(int((p != s.to(dtype)).sum()) for p, s in zip(params, start))
+    assert changed > 0.2 * n, (changed, n)
+    # resume: weights and optimizer state (with the main params) into a policy built from other weights
+    state, weights = pol.optimizer_state(), pol.hf_state_dict()
+    fresh = _megatron(_qwen2_tiny().to(dtype), lr=1e-6, weight_decay=0.01, params_dtype=dtype)
+    fresh.load_hf_state_dict(weights)
+    fresh.load_optimizer_state(state)
+    for a, b in zip(_main_and_model_params(fresh)[0], main):
+        assert torch.equal(a, b)

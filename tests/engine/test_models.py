@@ -93,6 +93,41 @@ def test_attn_and_dtype_choice():
         M.parse_dtype("int3")
 
 
+def test_auto_attention_prefers_flash_then_sdpa_then_eager(monkeypatch):
+    monkeypatch.setattr(M, "flash_attn_available", lambda: True)
+    assert M.pick_attn_implementation("auto", "cuda") == "flash_attention_2"
+    assert M.pick_attn_implementation("auto", "cuda", supports_flash_attn=False) == "sdpa"
+    assert M.pick_attn_implementation("auto", "cpu") == "sdpa"  # flash-attn is CUDA only
+    assert M.pick_attn_implementation("auto", "cuda", supports_flash_attn=False, supports_sdpa=False) == "eager"
+    assert M.pick_attn_implementation("flash_attention_2", "cuda") == "flash_attention_2"
+    with pytest.raises(ValueError, match="does not support flash_attention_2"):
+        M.pick_attn_implementation("flash_attention_2", "cuda", supports_flash_attn=False)
+    with pytest.raises(ValueError, match="does not support sdpa"):
+        M.pick_attn_implementation("sdpa", "cpu", supports_sdpa=False)
+    monkeypatch.setattr(M, "flash_attn_available", lambda: False)
+    assert M.pick_attn_implementation("auto", "cuda") == "sdpa"
+
+
+def test_auto_attention_reads_the_model_class(monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    path = M.resolve_model_path("tiny")
+    assert M.model_attn_support(path) == (True, True)
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)
+    assert M.model_attn_support(path) == (False, True)
+    model = M.load_causal_lm("tiny", attn_implementation="auto")
+    assert model.config._attn_implementation == "eager"
+
+
+def test_config_accepts_auto_attention_by_default():
+    from alignopsd.engine.config import ConfigError, ModelConfig
+
+    assert ModelConfig().attn_implementation == "auto"  # = sdpa on CPU, today's choice
+    assert ModelConfig(attn_implementation="flash_attention_2").attn_implementation == "flash_attention_2"
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        ModelConfig(attn_implementation="magic")
+
+
 @pytest.mark.slow
 def test_smollm2_cache_matches_gguf_weights():
     """The converted safetensors equal the GGUF tensors dequantised by the gguf package (Q4_1 and Q8_0)."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from alignopsd.engine.policy.hf import HFPolicy, chunked_token_logprobs, token_logprobs
+from alignopsd.engine.policy.mixed_precision import MasterAdamW
 from transformers import LlamaConfig, LlamaForCausalLM
 
 V = 97
@@ -196,6 +197,80 @@ def test_non_finite_gradient_skips_step(caplog):
         assert torch.equal(v, before[k])
     assert pol.skipped_steps == 1 and pol.steps == 0
     assert len(pol.optimizer.state) == 0  # no moment was touched
+
+
+def _bf16_step(pol, ids, mask, clip=None):
+    """One real update of ``pol`` (forward, backward, optimizer step); returns the model's gradients of it."""
+    lp, _ = pol.response_logprobs(ids, mask, 5, grad=True)
+    (-(lp * mask[:, 6:]).sum() / mask[:, 6:].sum()).backward()
+    grads = [p.grad.detach().clone() for p in pol.params]
+    out = pol.optimizer_step(clip)
+    assert out["skipped"] is False
+    return grads
+
+
+def test_bf16_master_weights_keep_updates_below_bf16_resolution():
+    """lr 1e-6 on bf16 weights: AdamW stepping the bf16 parameters themselves loses almost every update
+    (each one is below half a bf16 ulp of its weight), the fp32 masters keep them, and the bf16 weights
+    follow the masters: after the run they equal the bf16 rounding of an fp32 AdamW fed the same gradients."""
+    model = tiny_model(5).to(torch.bfloat16)
+    start = [p.detach().clone() for p in model.parameters()]
+    pol = HFPolicy(model, lr=1e-6, weight_decay=0.01)
+    assert isinstance(pol.optimizer, MasterAdamW) and all(m.dtype == torch.float32 for m in pol.optimizer.masters)
+    fp32_ref = [p.detach().float().clone() for p in pol.params]
+    ref_opt = torch.optim.AdamW(fp32_ref, lr=1e-6, weight_decay=0.01)
+    pure = [p.detach().clone() for p in pol.params]  # today's behaviour: AdamW on the bf16 parameters
+    pure_opt = torch.optim.AdamW(pure, lr=1e-6, weight_decay=0.01)
+    ids, mask = rows(5)
+    n_elem = sum(p.numel() for p in start)
+    for step in range(30):
+        grads = _bf16_step(pol, ids, mask)
+        for r, q, g in zip(fp32_ref, pure, grads):
+            r.grad, q.grad = g.float(), g.clone()
+        ref_opt.step()
+        pure_opt.step()
+        if step == 0:  # one step: every master with a gradient moved, the pure-bf16 weights barely did
+            moved = sum(int((m != s.float()).sum()) for m, s in zip(pol.optimizer.masters, start))
+            pure_moved = sum(int((q != s).sum()) for q, s in zip(pure, start))
+            assert moved > 0.95 * n_elem and pure_moved < 0.1 * n_elem
+        assert all(st["exp_avg"].dtype == torch.float32 for st in pol.optimizer.state.values())
+    for p, m, r in zip(pol.params, pol.optimizer.masters, fp32_ref):
+        assert p.dtype == torch.bfloat16 and torch.equal(m, r) and torch.equal(p, r.to(torch.bfloat16))
+    changed = sum(int((p != s).sum()) for p, s in zip(pol.params, start))
+    pure_changed = sum(int((q != s).sum()) for q, s in zip(pure, start))
+    assert changed > 0.2 * n_elem and changed > 5 * pure_changed, (changed, pure_changed, n_elem)
+
+
+def test_bf16_master_weights_checkpoint_resumes_exactly(tmp_path):
+    pol = HFPolicy(tiny_model(6).to(torch.bfloat16), lr=1e-6, weight_decay=0.01)
+    ids, mask = rows(6)
+    _bf16_step(pol, ids, mask, clip=1.0)
+    torch.save(pol.state_dict(), tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(state["optimizer"]["master_params"], pol.optimizer.masters))
+    pol2 = HFPolicy(tiny_model(7).to(torch.bfloat16), lr=1e-6, weight_decay=0.01)
+    pol2.load_state_dict(state)
+    for a, b in zip(pol.optimizer.masters, pol2.optimizer.masters):
+        assert torch.equal(a, b)
+    # the masters hold more than their bf16 rounding (so resuming from the bf16 weights alone would differ)
+    assert any(not torch.equal(m, p.float()) for m, p in zip(pol.optimizer.masters, pol.params))
+    for p in (pol, pol2):
+        _bf16_step(p, ids, mask, clip=1.0)
+    for a, b in zip(pol.optimizer.masters, pol2.optimizer.masters):
+        assert torch.equal(a, b)
+    # a state saved without masters (an fp32 run) seeds them from the loaded weights
+    fp32_state = HFPolicy(tiny_model(8), lr=1e-6).state_dict()
+    pol2.load_state_dict(fp32_state)
+    for m, p in zip(pol2.optimizer.masters, pol2.params):
+        assert torch.equal(m, p.float())
+    bad = dict(state, optimizer={**state["optimizer"], "master_params": state["optimizer"]["master_params"][:-1]})
+    with pytest.raises(ValueError, match="master_params"):
+        pol2.load_state_dict(bad)
+
+
+def test_fp32_model_keeps_plain_adamw():
+    pol = HFPolicy(tiny_model(), lr=1e-6)
+    assert type(pol.optimizer) is torch.optim.AdamW
 
 
 def test_bad_constructor_args():

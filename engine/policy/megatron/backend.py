@@ -69,6 +69,8 @@ class MegatronPolicy:
     hf_config / hf_state_dict: the Hugging Face model to start from (every rank passes the full
     state dict; each keeps its shard). tp: tensor-parallel size. lr, weight_decay, betas, eps:
     Adam(W) settings. distributed_optimizer: shard optimizer state over data-parallel ranks.
+    params_dtype: the model's parameter dtype; bf16/fp16 parameters are trained with fp32 main params and
+    fp32 Adam state (megatron-core's mixed-precision optimizer), saved with the optimizer state.
     """
 
     def __init__(
@@ -117,8 +119,12 @@ class MegatronPolicy:
                 adam_beta2=betas[1],
                 adam_eps=eps,
                 clip_grad=1.0,
+                # bf16/fp16 parameters: megatron's mixed-precision optimizer keeps fp32 main params and
+                # fp32 Adam state (the model's parameters are refreshed from them after each step). fp16
+                # gets a constant loss scale of 1: the update scales nothing, as with bf16.
                 bf16=params_dtype == torch.bfloat16,
-                fp16=False,
+                fp16=params_dtype == torch.float16,
+                loss_scale=1.0 if params_dtype == torch.float16 else None,
                 params_dtype=params_dtype,
                 use_distributed_optimizer=distributed_optimizer,
             ),
@@ -152,6 +158,8 @@ class MegatronPolicy:
                         f"state_dict: {name} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}"
                     )
                 params[name].copy_(value)
+        if getattr(self, "optimizer", None) is not None:  # fp32 main params follow the loaded weights
+            self.optimizer.reload_model_params()
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Full weights in Hugging Face layout, gathered over the tensor-parallel group (every rank gets them)."""

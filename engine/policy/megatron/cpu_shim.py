@@ -3,10 +3,12 @@
 megatron-core assumes CUDA in a few places: ``torch.cuda.current_device()`` as the device of
 new buffers (RoPE frequencies, gathered activations), the CUDA RNG state of its model-parallel
 RNG tracker, ``torch.cuda.manual_seed``, the default causal mask and small tensors of the
-optimizer and DDP grad buffers made with ``device="cuda"``, and a ``torch.cuda.FloatTensor``
-assertion in gradient clipping. On a machine without CUDA this module redirects exactly those
-calls to the CPU so that the same backend code runs under gloo (tests, CI, laptops). It is only
-ever applied by the Megatron backend, and only when CUDA is absent; with CUDA it does nothing.
+optimizer, its loss scaler and DDP grad buffers made with ``device="cuda"``, a ``torch.cuda.FloatTensor``
+assertion in gradient clipping, and the CUDA type names by which the mixed-precision optimizer
+(bf16/fp16 parameters, fp32 main copies) sorts its parameters. On a machine without CUDA this
+module redirects exactly those calls to the CPU so that the same backend code runs under gloo
+(tests, CI, laptops). It is only ever applied by the Megatron backend, and only when CUDA is
+absent; with CUDA it does nothing.
 Nothing outside this backend touches ``torch.cuda``.
 """
 
@@ -63,6 +65,31 @@ def _manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _with_cuda_type_names(init):
+    """Run ``init`` while CPU tensors report CUDA type names ("torch.BFloat16Tensor" -> "torch.cuda.BFloat16Tensor").
+
+    megatron-core's mixed-precision optimizer (bf16/fp16 parameters with fp32 main copies) sorts its
+    parameters by ``param.type()`` and rejects anything that is not a CUDA type; the rest of it works on CPU.
+    """
+
+    def wrapped(self, *args, **kwargs):
+        real = torch.Tensor.type
+
+        def cuda_named(t, *a, **k):
+            name = real(t, *a, **k)
+            if a or k or not name.startswith("torch.") or name.startswith("torch.cuda."):
+                return name
+            return "torch.cuda." + name[len("torch.") :]
+
+        torch.Tensor.type = cuda_named  # type: ignore[method-assign]
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = real  # type: ignore[method-assign]
+
+    return wrapped
+
+
 def apply_if_needed() -> bool:
     """Patch the CUDA-only calls when CUDA is absent. Idempotent. Returns whether patched."""
     global _APPLIED
@@ -93,10 +120,11 @@ def apply_if_needed() -> bool:
     import megatron.core.distributed.distributed_data_parallel as mddp
     import megatron.core.distributed.param_and_grad_buffer as mbuf
     import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.grad_scaler as mscaler
     import megatron.core.optimizer.optimizer as mopt
     import megatron.core.utils as mcutils
 
-    for module in (mopt, mbuf, mddp, mclip, mcutils):
+    for module in (mopt, mbuf, mddp, mclip, mcutils, mscaler):
         module.torch = _CpuTorch(torch)
 
     # clip_grad_by_total_norm_fp32 asserts that grads are torch.cuda.FloatTensor.
@@ -113,5 +141,7 @@ def apply_if_needed() -> bool:
 
     mclip.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     mopt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    f16 = mopt.Float16OptimizerWithFloat16Params
+    f16.__init__ = _with_cuda_type_names(f16.__init__)
     _APPLIED = True
     return True

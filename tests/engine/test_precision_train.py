@@ -1,0 +1,44 @@
+"""A bf16 policy through the whole trainer: fp32 master weights in the optimizer, saved with the checkpoint,
+so a resumed run continues exactly (the bf16 weights alone would not carry the masters' low bits)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import learn_helpers as lh
+import pytest
+import torch
+from alignopsd.engine.metrics import read_metrics
+from alignopsd.engine.policy.mixed_precision import MasterAdamW
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+def _overrides(out: Path) -> list[str]:
+    return [
+        "env.name=guess", "env.max_turns=2", "env.history_length=1", "env.group_n=4", "env.tasks_per_step=4",
+        "env.num_games=8", "algorithm.kl_coef=0.0", "algorithm.estimator=grpo", "trainer.lr=1e-5",
+        "trainer.ppo_mini_batch_size=16", "trainer.ppo_micro_batch_size=8", "model.dtype=bfloat16",
+        "trainer.total_steps=3", "trainer.save_freq=1", "trainer.keep_last=3", f"output_dir={out}",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bf16_run_keeps_fp32_masters_and_resumes_exactly(tmp_path):
+    torch.set_num_threads(1)
+    straight = lh.build_trainer(TINY, _overrides(tmp_path / "a"))
+    policy = straight.parts.policy
+    assert next(policy.model.parameters()).dtype == torch.bfloat16 and isinstance(policy.optimizer, MasterAdamW)
+    straight.fit()
+    masters = [m.clone() for m in policy.optimizer.masters]
+    assert any(not torch.equal(m, p.float()) for m, p in zip(masters, policy.params))  # finer than bf16
+
+    resumed = lh.build_trainer(TINY, _overrides(tmp_path / "b"))
+    resumed.fit(resume=str(tmp_path / "a" / "checkpoints" / "step_000002"))
+    for a, b in zip(masters, resumed.parts.policy.optimizer.masters):
+        assert torch.equal(a, b)
+    last_a = read_metrics(tmp_path / "a" / "metrics.jsonl")[-1]
+    last_b = read_metrics(tmp_path / "b" / "metrics.jsonl")[-1]
+    assert last_a["step"] == last_b["step"] == 3
+    for k in ("actor/loss", "actor/grad_norm", "episode/reward_mean"):
+        assert last_a[k] == last_b[k], k

@@ -1,0 +1,45 @@
+"""trainer.rollout_is*: the rollout–trainer mismatch correction's config keys (off by default, validated),
+and their meaning for alignopsd.losses.rollout_is_weights (``<level>_<mode>``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from alignopsd.engine.config import ConfigError, load_config
+
+from alignopsd.losses import rollout_is_weights
+
+
+def test_defaults_are_off():
+    cfg = load_config(None)
+    assert cfg.trainer.rollout_is == "off"
+    assert cfg.trainer.rollout_is_threshold == 2.0 and cfg.trainer.rollout_is_lower is None
+
+
+@pytest.mark.parametrize("value", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_each_mode_is_a_level_and_mode_of_rollout_is_weights(value):
+    cfg = load_config(
+        None, [f"trainer.rollout_is={value}", "trainer.rollout_is_threshold=3", "trainer.rollout_is_lower=0.25"]
+    )
+    t = cfg.trainer
+    level, mode = t.rollout_is.split("_")
+    lp = torch.log(torch.tensor([[0.5, 0.2], [0.1, 0.3]]))
+    w, keep, _ = rollout_is_weights(lp, lp + 0.1, torch.ones(2, 2), level=level, mode=mode,
+                                    threshold=t.rollout_is_threshold, lower=t.rollout_is_lower)  # fmt: skip
+    assert keep.all() and bool((w > 1).all())
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.rollout_is=tis", "trainer.rollout_is"),
+        ("trainer.rollout_is_threshold=1.0", "trainer.rollout_is_threshold"),
+        ("trainer.rollout_is_threshold=0.5", "trainer.rollout_is_threshold"),
+        ("trainer.rollout_is_lower=1.0", "trainer.rollout_is_lower"),
+        ("trainer.rollout_is_lower=-0.1", "trainer.rollout_is_lower"),
+        ("trainer.rollout_is_lower=low", "rollout_is_lower"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [override])
