@@ -192,7 +192,9 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     )
     ref_scorer = None
     if phases["ref"]:
-        ref_model = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device)
+        ref_model = load_causal_lm(
+            cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
+        )
         for p in ref_model.parameters():
             p.requires_grad_(False)
         ref_scorer = Rescorer(ref_model, mode="plain", temperature=cfg.generation.temperature)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from alignopsd.canonical import canonicalize
 from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec
+from alignopsd.losses import rollout_mismatch_metrics
 
 from .batch import TurnBatch
 from .collectives import all_reduce
@@ -129,6 +130,8 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
         for k, v in out.stats.items():
             if isinstance(v, (int, float)) and "diff" in k:
                 metrics[f"rollout/{k.split('/')[-1]}"] = float(v)
+    if cb.rollout_logp is not None and not out.stats.get("student/reused"):  # the sampler's vs the trainer's
+        metrics.update(rollout_mismatch_metrics(cb.rollout_logp, out.old_logp, cb.response_mask))
     ref_logp = None
     if parts.ref_scorer is not None:
         with parts.profiler.phase("reference"):

@@ -13,6 +13,9 @@ data-parallel gradient averaging stays in lock-step; each micro-batch's token-me
 :func:`alignopsd.losses.microbatch_scales` (its tokens / (all ranks' tokens of the mini-batch / world size)).
 The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
 
+Rollout correction (``trainer.rollout_is``, off by default as in the authors' runs): truncated or masked
+importance sampling of π_trainer / π_rollout at token or sequence level (:func:`rollout_correction`).
+
 Non-finite guard: a non-finite log-prob (autograd path or inside the fused head) or loss turns that mini-batch's
 gradients into NaN, so the backend skips the optimiser step (weights and optimiser state unchanged) on every
 rank, and ``update/nonfinite_loss`` counts it.
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales
+from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_weights
 
 from . import devices
 from .batch import TurnBatch
@@ -62,6 +65,7 @@ class UpdateInputs:
     adv: Tensor
     mask: Tensor
     aux: list
+    is_weight: Tensor | None = None  # [M, L] rollout importance weights (trainer.rollout_is), None: off
 
 
 def aux_to(term: AuxTerm, device: torch.device) -> AuxTerm:
@@ -119,7 +123,7 @@ def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
             entropy=ent_bL.float() if (ent_bL is not None and a.entropy_coef > 0) else None,
             entropy_coef=float(a.entropy_coef),
             ref_logp=ref, kl_coef=float(a.kl_coef) if ref is not None else 0.0,
-            aux=inp.aux, rows=ix,
+            aux=inp.aux, rows=ix, is_weight=inp.is_weight[ix] if inp.is_weight is not None else None,
             clip_low=float(a.clip_low), clip_high=float(a.clip_high), dual_clip=float(a.dual_clip),
         )  # fmt: skip
 
@@ -150,7 +154,7 @@ def micro_step(parts, inp: UpdateInputs, mb: MicroBatch, fused: bool, input_ids:
         backward_of = loss
     finite = bool(torch.isfinite(loss))
     if not finite:  # NaN gradients make the optimiser step skip (on every rank, through the all-reduce)
-        log.warning("non-finite loss (%s) in a micro-batch: the optimiser step will be skipped", float(loss))
+        log.warning("non-finite loss (%s) in a micro-batch: the optimiser step will be skipped", float(loss.detach()))
         backward_of = backward_of * float("nan")
     (backward_of * mb.scale).backward()
     return stats, (float(loss.detach()) if finite else None)
@@ -174,6 +178,8 @@ def ppo_update(
         [aux_to(term, dev) for term in aux_terms],
     )
 
+    out: dict[str, float] = rollout_correction(cfg, cb, inp)
+
     # nothing to learn: zero advantages and no auxiliary term (checked on all ranks)
     signal = float(inp.adv.abs().max()) if inp.adv.numel() else 0.0
     signal = max(signal, max((float(a.coef) for a in aux_terms), default=0.0))
@@ -182,11 +188,12 @@ def ppo_update(
         return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
 
     fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
-    plan = plan_update(mask, cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group)
+    plan = plan_update(
+        inp.mask, cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group
+    )
     if fused and any(plan):  # probed on the first micro-batch (a dummy row 0 on a rank without rows there)
         fused = _fused_allowed(cfg, inp, next(mbs[0] for mbs in plan if mbs), world, group)
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
-    out: dict[str, float] = {}
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
     for mbs in plan:
@@ -215,6 +222,28 @@ def ppo_update(
     out["update/skipped_optimizer_steps"] = float(skipped)
     out["update/skipped"] = 1.0 if n_opt and skipped == n_opt else 0.0
     return out
+
+
+def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:
+    """Rollout-trainer mismatch correction (``trainer.rollout_is``): importance weights π_trainer / π_rollout of
+    the sampled tokens (truncated, or masked outside the accepted range at token or sequence level). Rejected
+    tokens leave the policy mask, so every loss term and the global token-mean denominator skip them. Updates
+    ``inp`` in place; returns the correction's metrics (none when off)."""
+    mode = cfg.trainer.rollout_is
+    if mode == "off":
+        return {}
+    if cb.rollout_logp is None:
+        log.warning("trainer.rollout_is: the batch carries no rollout log-probs; no correction this step")
+        return {"rollout_is/unavailable": 1.0}
+    level, kind = mode.split("_")
+    w_ML, keep_ML, stats = rollout_is_weights(
+        cb.rollout_logp.float().to(inp.mask.device), inp.old_logp, inp.mask.bool(), level=level, mode=kind,
+        threshold=float(cfg.trainer.rollout_is_threshold), lower=cfg.trainer.rollout_is_lower,
+    )  # fmt: skip
+    inp.mask = inp.mask * keep_ML.float()
+    inp.adv = inp.adv * inp.mask
+    inp.is_weight = w_ML
+    return stats
 
 
 def _fused_allowed(cfg, inp: UpdateInputs, mb: MicroBatch, world: int, group) -> bool:

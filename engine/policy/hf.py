@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from alignopsd.engine import devices
 from alignopsd.engine.batch import position_ids
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
@@ -342,9 +343,11 @@ class ResponseScorer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _split_rows(input_ids: Tensor, attention_mask: Tensor, response_length: int) -> tuple[Tensor, ...]:
-    """(prompt ids, prompt mask, response ids, response mask) of validated ``[prompt | response]`` rows."""
+def _split_rows(input_ids: Tensor, attention_mask: Tensor, response_length: int, device) -> tuple[Tensor, ...]:
+    """(prompt ids, prompt mask, response ids, response mask) of validated ``[prompt | response]`` rows, moved to
+    the model's ``device`` (the backend's device boundary)."""
     lp = prompt_width(input_ids, attention_mask, response_length)
+    input_ids, attention_mask = devices.to_device(input_ids, device), devices.to_device(attention_mask, device)
     return input_ids[:, :lp], attention_mask[:, :lp], input_ids[:, lp:], attention_mask[:, lp:]
 
 
@@ -428,7 +431,7 @@ class HFPolicy:
         input_ids/attention_mask: [B, T] rows ``[prompt (left-padded) | response (right-padded)]``.
         grad=True keeps the graph (training forward, through DDP when distributed).
         """
-        args = (*_split_rows(input_ids, attention_mask, response_length), temperature, with_entropy)
+        args = (*_split_rows(input_ids, attention_mask, response_length, self.device), temperature, with_entropy)
         if grad:
             self.model.train()
             return self.module(*args)
@@ -460,7 +463,7 @@ class HFPolicy:
         scalar whose gradient is ``loss_fn``'s (``(carrier * scale).backward()``); log-probs are detached.
         Goes through DDP when distributed, like ``response_logprobs(grad=True)``.
         """
-        rows = _split_rows(input_ids, attention_mask, response_length)
+        rows = _split_rows(input_ids, attention_mask, response_length, self.device)
         check_loss_fn(loss_fn)
         self.model.train()
         return self.module(*rows, temperature, with_entropy, loss_fn, loss_fill)

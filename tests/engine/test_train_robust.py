@@ -241,3 +241,50 @@ def test_backend_scorer_equals_the_rescorer(tiny_policy):
     assert functools.partial(backend_row_logprobs, tiny_policy, temperature=1.0, device="cpu")  # the trainer's form
     with pytest.raises(ValueError, match="scorer"):
         Rescorer(tiny_policy.model, scorer=3)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "token_truncate"])
+def test_rollout_correction_in_the_update(tiny_policy, mode):
+    """trainer.rollout_is: the update's gradient is the PPO token-mean with the importance weights, rejected tokens
+    out of the numerator and the denominator (hand-built reference through autograd on the whole batch)."""
+    from alignopsd.losses import ppo_loss
+
+    cb = _batch()
+    old = _old_logp(tiny_policy, cb)
+    roll = old.clone()
+    roll[0, 1] -= 2.0  # ratio e^2 > 2: masked (token_mask) or truncated to 2 (token_truncate)
+    roll[3, 2] += 1.5  # ratio e^-1.5 < 1/2: masked (token_mask); 0.22 kept as is (token_truncate)
+    cb.rollout_logp = roll
+    adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    ratio = torch.exp(old - roll)
+    if mode == "token_mask":
+        keep = (ratio >= 0.5) & (ratio <= 2.0)
+        weight = ratio
+    else:
+        keep = torch.ones_like(ratio, dtype=torch.bool)
+        weight = ratio.clamp(max=2.0)
+    params = [p for p in tiny_policy.model.parameters() if p.requires_grad]
+    tiny_policy.zero_grad()
+    lp, _ = tiny_policy.response_logprobs(cb.input_ids(), cb.attention_mask(), 4, grad=True)
+    loss, _ = ppo_loss(lp, old, adv * keep, cb.response_mask * keep, is_weight=weight)
+    loss.backward()
+    ref = [p.grad.clone() for p in params]
+    tiny_policy.zero_grad()
+    captured = {}
+    orig_step = tiny_policy.optimizer_step
+
+    def capture(max_norm):
+        captured["g"] = [p.grad.clone() for p in params]
+        tiny_policy.zero_grad()
+        return {"grad_norm": 1.0, "skipped": False, "lr": 0.0}
+
+    tiny_policy.optimizer_step = capture
+    try:
+        over = {"trainer.rollout_is": mode, "algorithm.entropy_coef": 0.0, "trainer.ppo_micro_batch_size": 4}
+        out = ppo_update(_parts(tiny_policy, **over), cb, old, None, adv, [])
+    finally:
+        tiny_policy.optimizer_step = orig_step
+    assert (out["rollout_is/rejected_frac"] > 0) == (mode == "token_mask")
+    assert (out["rollout_is/truncated_frac"] > 0) == (mode == "token_truncate")
+    for a, b in zip(ref, captured["g"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
