@@ -38,7 +38,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.retriever import Bm25Index
+from alignopsd.engine.envs.corpus_index import Bm25Index
 
 CATALOGUE_VERSION = "webshop-gen-v1"
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]  # the original's price bounds
