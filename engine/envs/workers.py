@@ -106,8 +106,11 @@ class WorkerProcess:
         self.startup_timeout = startup_timeout
         self.proc = None
         self.conn = None
+        self.booting = False  # launched, its ready announcement not read yet
+        self.launched_at = 0.0
 
     def launch(self) -> None:
+        self.booting, self.launched_at = True, time.monotonic()
         parent, child = self.ctx.Pipe(duplex=True)
         self.proc = self.ctx.Process(target=worker_main, args=(child, self.factory, self.env_kwargs), daemon=True)
         self.proc.start()
@@ -131,6 +134,7 @@ class WorkerProcess:
         if msg[0] != "ready":
             self.kill()
             raise RuntimeError(f"environment worker failed to start:\n{msg[1]}")
+        self.booting = False
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -208,7 +212,6 @@ class _Round:
         n = len(pool.workers)
         self.queue: dict[int, deque] = {w: deque() for w in range(n)}
         self.started: dict[int, float] = {}
-        self.booting: set[int] = set()
         self.dropped: set[int] = set()  # slots whose remaining replies are ignored (rebuild failed)
         self.results: dict[int, tuple[str, Any]] = {}
         self.wave: dict[int, int] = {}  # slot -> timeouts its op has waited through (see timeout_waves)
@@ -220,8 +223,11 @@ class _Round:
             if batch:
                 self._send(w, batch)
 
+    def _booting(self, w: int) -> bool:
+        return self.pool.workers[w].booting
+
     def _send(self, w: int, new_ops: list[tuple]) -> None:
-        if not self.queue[w] and w not in self.booting:
+        if not self.queue[w] and not self._booting(w):
             self.started[w] = time.monotonic()
         self.queue[w].extend(new_ops)
         try:
@@ -230,8 +236,8 @@ class _Round:
             pass
 
     def _deadline(self, w: int) -> float:
-        if w in self.booting:
-            return self.started[w] + self.pool.startup_timeout
+        if self._booting(w):
+            return self.pool.workers[w].launched_at + self.pool.startup_timeout
         return self.started[w] + op_budget(self.queue[w][0], self.timeout)
 
     def run(self) -> dict[int, tuple[str, Any]]:
@@ -245,6 +251,9 @@ class _Round:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
+                    if self._booting(w):
+                        self.pool.workers[w].kill()
+                        raise RuntimeError("environment worker died while starting") from None
                     self.metrics["worker_deaths"] += 1
                     dead.append(w)
                     continue
@@ -254,7 +263,7 @@ class _Round:
             now = time.monotonic()
             hung = [w for w, q in self.queue.items() if q and now >= self._deadline(w)]
             for w in hung:
-                if w in self.booting:
+                if self._booting(w):
                     self.pool.workers[w].kill()
                     raise RuntimeError(f"environment worker did not restart within {self.pool.startup_timeout:.0f}s")
             if hung:
@@ -264,9 +273,8 @@ class _Round:
         return self.results
 
     def _receive(self, w: int, msg: tuple) -> None:
-        if w in self.booting:
+        if self._booting(w):  # relaunched in this round or an earlier one: the first message is "ready"
             self.pool.workers[w].check_ready(msg)
-            self.booting.discard(w)
             self.started[w] = time.monotonic()
             return
         slot, status, payload = msg
@@ -302,11 +310,9 @@ class _Round:
             worker.launch()
             self.metrics["worker_restarts"] += 1
             self.queue[w].clear()
-            self.booting.add(w)
-            self.started[w] = time.monotonic()
             groups += self._moved_work(w)
         for group in groups:
-            target = min(self.queue, key=lambda v: (len(self.queue[v]) + (v in self.booting), v))
+            target = min(self.queue, key=lambda v: (len(self.queue[v]) + self._booting(v), v))
             self.episodes[group[0][0]].worker = target
             self._send(target, group)
 

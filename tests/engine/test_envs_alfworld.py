@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from alignopsd.engine.envs import alfworld_env as A
 from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, sample_game
 from alignopsd.engine.envs.alfworld_textworld import make_textworld_env, memoize_textworld_parsers

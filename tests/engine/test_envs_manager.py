@@ -166,3 +166,19 @@ def test_hanging_siblings_cost_about_one_timeout_per_round():
         assert m["rebuilt_episodes"] >= 3 + 12  # the three moved siblings, then the healthy ones of killed workers
         clean, *_ = _play_perfect(mgr, healthy, group, seed=0)
         assert clean[-1] == obs[4:]
+
+
+@pytest.mark.slow
+def test_worker_relaunched_with_nothing_to_do_serves_the_next_batch():
+    """The hung worker hosted only the hung episode: it is relaunched with no work, still starting when the
+    round ends; the next batch's ops sent to it wait for its start and run normally."""
+    hang, healthy = faulty_tasks("hang", 1, seed=2), faulty_tasks(None, 0, n=2, seed=0)
+    with EnvManager("codeword_faulty", num_workers=2, step_timeout=1.0, hang_seconds=60) as mgr:
+        mgr.reset(hang + healthy[:1], 1, seed=0)
+        mgr.step([WAIT, WAIT])
+        _, _, _, infos = mgr.step([WAIT, WAIT])
+        assert [i["failed"] for i in infos] == [True, False]
+        assert mgr.metrics()["redispatched_ops"] == 0 and mgr.metrics()["worker_restarts"] == 1
+        obs, rew, done, infos = _play(mgr, healthy, 2)  # episodes on both workers
+        assert rew == [10.0] * 4 and not any(i["failed"] for i in infos)
+        assert mgr.metrics()["timeouts"] == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.corpus_index import CorpusRetriever
 from alignopsd.engine.envs.prompts import PromptContext

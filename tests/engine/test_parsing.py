@@ -7,10 +7,9 @@ import re
 import time
 
 import pytest
+from alignopsd.engine.envs.parsing import check_response, contains_cjk, parse_action, parse_response, parse_thinking
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from alignopsd.engine.envs.parsing import check_response, contains_cjk, parse_action, parse_response, parse_thinking
 
 
 def test_case3_exact():
