@@ -12,9 +12,10 @@ Limits (:class:`ServerLimits`): every malformed request gets a 4xx JSON answer `
 and never a dropped connection: a body that is not a JSON object, non-finite numbers, ``topk`` that is
 not an integer in ``[1, max_topk]``, ``return_scores`` that is not a boolean, more than ``max_queries``
 queries (400); a body over ``max_body_bytes``, announced or streamed (413); a body that stalls (408).
-A connection that has not sent complete request headers within ``request_timeout_s`` is closed, so
-stalled clients hold neither a thread nor a slot; idle keep-alive connections close after
-``keep_alive_s``. The listen backlog is ``backlog`` (2048). Loopback (127.0.0.1) is the default host.
+A connection that has not sent complete request headers within ``request_timeout_s`` of opening (or of
+its previous response) is closed, so stalled clients hold neither a thread nor a slot; idle keep-alive
+connections close after ``keep_alive_s``. The listen backlog is ``backlog`` (2048). Loopback (127.0.0.1)
+is the default host.
 
 FastAPI and uvicorn are the ``serve`` extra; they are imported only when a server is built.
 """
@@ -159,16 +160,23 @@ def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None) ->
 
 
 def _stall_guarded(base: type, timeout_s: float) -> type:
-    """A uvicorn HTTP protocol class that closes a connection whose request headers are not complete
-    ``timeout_s`` after it opened (uvicorn itself only times out idle keep-alive connections)."""
+    """A uvicorn HTTP protocol class that closes a connection when no request is being served and the next
+    one has not completed its headers ``timeout_s`` after the connection opened or the last response ended
+    (uvicorn itself times out only idle keep-alive connections, not a client that stalls mid-request)."""
 
     class StallGuarded(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._stall_timer = self.loop.call_later(timeout_s, self._close_if_stalled)
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._stall_timer.cancel()
+            self._stall_timer = self.loop.call_later(timeout_s, self._close_if_stalled)
+
         def _close_if_stalled(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
