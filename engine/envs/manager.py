@@ -129,7 +129,6 @@ class EnvManager:
         self.env_kwargs = env_kwargs
         self.prompt = make_prompt(env_name, history_length)
         self._ctx = mp.get_context(mp_context)
-        self._startup_timeout = startup_timeout
         self._pool: WorkerPool | None = None
         self._host: EnvHost | None = None
         self.episodes: list[_Episode] = []
