@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .alfworld_textworld import make_textworld_env
+
 TASK_TYPES: tuple[str, ...] = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -357,7 +359,6 @@ _EXPERT_ENV: list[Any] = []
 
 def expert_walkthrough(gamefile: str | os.PathLike, max_steps: int = 50, seed: int = 0) -> list[str] | None:
     """Play ``gamefile`` with alfworld's hand-coded TextWorld expert; the winning actions, or None."""
-    from .alfworld_env import make_textworld_env  # noqa: PLC0415
 
     state_rng = random.getstate()
     random.seed(seed)  # the expert breaks ties with the global RNG

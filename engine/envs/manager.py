@@ -25,12 +25,14 @@ handed to the environment even when it is not admissible (the engine answers "No
 a malformed response hands the environment the empty action ``""``, which every environment must
 treat as a no-op that still costs a step. Parsing never raises.
 
-Faults: every reset/step runs with a per-call timeout (``step_timeout``). An environment that raises
-ends its episode as failed (reward 0, done, ``infos["failed"] = True``, ``infos["failure"]`` says
-why) and its instance is discarded. An environment that hangs past the timeout or whose worker process
-dies also fails its episode; the worker is killed and restarted, and the other episodes it hosted are
-rebuilt on the new worker by replaying their seeded reset and their actions so far (environments are
-deterministic given task and seed), so nothing else is lost. ``metrics()`` counts all of it.
+Faults: every reset/step runs with a per-call timeout (``step_timeout``) counted from its own start.
+An environment that raises, or returns a non-finite reward, ends its episode as failed (reward 0, done,
+``infos["failed"] = True``, ``infos["failure"]`` says why) and its instance is discarded. An environment
+that hangs past the timeout or whose worker process dies also fails its episode; the worker is killed and
+relaunched, and the work queued behind the hung call is re-dispatched over all workers, each episode
+rebuilt by replaying its seeded reset and its actions so far (environments are deterministic given task
+and seed), so nothing else is lost and a round costs about one timeout (workers.py has the rules).
+``metrics()`` counts all of it.
 
 ``num_workers=0`` runs the environments in this process (no timeouts; raising still fails only the
 episode): useful for tiny tests and for the toy environment.
@@ -39,19 +41,17 @@ episode): useful for tiny tests and for the toy environment.
 from __future__ import annotations
 
 import hashlib
+import math
 import multiprocessing as mp
-import random
 import time
-import traceback
-from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from .base import TaskSpec
 from .parsing import parse_response
 from .prompts import PromptContext
-from .registry import get_entry, load_tasks, make_prompt, resolve
+from .registry import get_entry, load_tasks, make_prompt
+from .workers import EnvHost, WorkerPool
 
 __all__ = ["EnvManager", "derive_seed", "load_tasks"]
 
@@ -60,67 +60,6 @@ def derive_seed(seed: int, *parts: object) -> int:
     """A 31-bit seed derived from ``seed`` and ``parts`` (stable across processes and runs)."""
     digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-# --------------------------------------------------------------------------------------------------
-# Worker side
-
-
-class _EnvHost:
-    """Holds environment instances by slot and executes ops; used in workers and in-process."""
-
-    def __init__(self, factory: str, env_kwargs: dict[str, Any]) -> None:
-        self.factory = resolve(factory)
-        self.env_kwargs = env_kwargs
-        self.envs: dict[int, Any] = {}
-
-    def _env(self, slot: int):
-        env = self.envs.get(slot)
-        if env is None:
-            env = self.factory(**self.env_kwargs)
-            self.envs[slot] = env
-        return env
-
-    def handle(self, op: tuple) -> tuple[int, str, Any]:
-        slot, kind = op[0], op[1]
-        try:
-            if kind in ("reset", "replay"):
-                task, seed = op[2], op[3]
-                env = self._env(slot)
-                random.seed(seed)
-                obs, info = env.reset(task, seed)
-                payload: Any = (obs, dict(info), int(getattr(env, "max_steps", 50)))
-                if kind == "replay":
-                    for a in op[4]:
-                        env.step(a)
-                return slot, "ok", payload
-            if kind == "step":
-                if slot not in self.envs:
-                    raise RuntimeError(f"no environment in slot {slot}")
-                r = self.envs[slot].step(op[2])
-                return slot, "ok", (r.observation, float(r.reward), bool(r.done), dict(r.info))
-            raise ValueError(f"unknown op {kind!r}")
-        except Exception as exc:  # noqa: BLE001 - any environment error ends only this episode
-            self.envs.pop(slot, None)
-            return slot, "error", f"env raised {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
-
-
-def _worker_main(conn, factory: str, env_kwargs: dict[str, Any]) -> None:
-    try:
-        host = _EnvHost(factory, env_kwargs)
-    except Exception:  # noqa: BLE001
-        conn.send(("fatal", traceback.format_exc()))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
-        if msg[0] == "close":
-            return
-        for op in msg[1]:
-            conn.send(host.handle(op))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,57 +84,6 @@ class _Episode:
     won: bool = False
     reward_sum: float = 0.0
     prompt: str = ""
-
-
-class _Worker:
-    def __init__(self, ctx, factory: str, env_kwargs: dict[str, Any], startup_timeout: float) -> None:
-        self.ctx, self.factory, self.env_kwargs = ctx, factory, env_kwargs
-        self.startup_timeout = startup_timeout
-        self.proc = None
-        self.conn = None
-
-    def start(self) -> None:
-        self.launch()
-        self.await_ready()
-
-    def launch(self) -> None:
-        parent, child = self.ctx.Pipe(duplex=True)
-        self.proc = self.ctx.Process(target=_worker_main, args=(child, self.factory, self.env_kwargs), daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
-
-    def await_ready(self) -> None:
-        parent = self.conn
-        if not parent.poll(self.startup_timeout):
-            self.kill()
-            raise RuntimeError(f"environment worker did not start within {self.startup_timeout:.0f}s")
-        try:
-            kind, payload = parent.recv()
-        except EOFError as exc:
-            self.kill()
-            raise RuntimeError("environment worker died while starting") from exc
-        if kind != "ready":
-            self.kill()
-            raise RuntimeError(f"environment worker failed to start:\n{payload}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.join(timeout=5)
-        if self.conn is not None:
-            self.conn.close()
-        self.proc, self.conn = None, None
-
-    def close(self) -> None:
-        if self.conn is not None and self.proc is not None and self.proc.is_alive():
-            try:
-                self.conn.send(("close",))
-            except (OSError, BrokenPipeError):
-                pass
-            self.proc.join(timeout=2)
-        self.kill()
 
 
 class EnvManager:
@@ -241,28 +129,18 @@ class EnvManager:
         self.env_kwargs = env_kwargs
         self.prompt = make_prompt(env_name, history_length)
         self._ctx = mp.get_context(mp_context)
-        self._startup_timeout = startup_timeout
-        self._workers: list[_Worker] = []
-        self._host: _EnvHost | None = None
+        self._pool: WorkerPool | None = None
+        self._host: EnvHost | None = None
         self.episodes: list[_Episode] = []
         self._metrics: dict[str, float] = dict(
-            episodes=0, failed_episodes=0, env_errors=0, timeouts=0, worker_deaths=0,
-            worker_restarts=0, steps=0, invalid_actions=0, env_time_s=0.0,
+            episodes=0, failed_episodes=0, env_errors=0, timeouts=0, timeout_waves=0, worker_deaths=0,
+            worker_restarts=0, redispatched_ops=0, rebuilt_episodes=0, nonfinite_rewards=0, steps=0,
+            invalid_actions=0, env_time_s=0.0,
         )  # fmt: skip
         if num_workers == 0:
-            self._host = _EnvHost(self.entry.factory, env_kwargs)
+            self._host = EnvHost(self.entry.factory, env_kwargs)
         else:
-            self._workers = [
-                _Worker(self._ctx, self.entry.factory, env_kwargs, startup_timeout) for _ in range(num_workers)
-            ]
-            for w in self._workers:  # start them all, then wait: imports overlap
-                w.launch()
-            try:
-                for w in self._workers:
-                    w.await_ready()
-            except BaseException:
-                self.close()
-                raise
+            self._pool = WorkerPool(self._ctx, self.entry.factory, env_kwargs, num_workers, startup_timeout)
 
     # -- public API --------------------------------------------------------------------------------
 
@@ -340,6 +218,11 @@ class EnvManager:
                 ep.history.append((ep.obs_raw, shown))
                 continue
             obs, reward, done, info = payload
+            if not math.isfinite(reward):  # a broken reward fails its episode, like a crashed environment
+                self._metrics["nonfinite_rewards"] += 1
+                self._fail(ep, f"environment returned a non-finite reward ({reward!r})")
+                ep.history.append((ep.obs_raw, shown))
+                continue
             if info.get("action_admissible") is False:  # the environment's own verdict (WebShop, Search)
                 valids[idx] = False
                 self._metrics["invalid_actions"] += int(parsed[idx][2])
@@ -357,8 +240,9 @@ class EnvManager:
         return obs_out, rewards, [ep.done for ep in self.episodes], infos
 
     def metrics(self) -> dict[str, float]:
-        """Counters since construction: episodes, failed_episodes, env_errors, timeouts, worker_deaths,
-        worker_restarts, steps, invalid_actions, env_time_s."""
+        """Counters since construction: episodes, failed_episodes, env_errors, timeouts, timeout_waves,
+        worker_deaths, worker_restarts, redispatched_ops, rebuilt_episodes, nonfinite_rewards, steps,
+        invalid_actions, env_time_s (workers.py defines the dispatch counters)."""
         return dict(self._metrics)
 
     def episode_results(self) -> list[dict[str, Any]]:
@@ -378,9 +262,9 @@ class EnvManager:
         ]
 
     def close(self) -> None:
-        for w in self._workers:
-            w.close()
-        self._workers = []
+        if self._pool is not None:
+            self._pool.close()
+        self._pool = None
         self._host = None
 
     def __enter__(self) -> EnvManager:
@@ -458,95 +342,7 @@ class EnvManager:
                         self._metrics["env_errors"] += 1
                     out[idx] = (status, payload)
                 return out
-            return self._run_workers(ops)
+            assert self._pool is not None
+            return self._pool.run(ops, self.episodes, self.step_timeout, self._metrics)
         finally:
             self._metrics["env_time_s"] += time.perf_counter() - t0
-
-    def _timeout_for(self, op: tuple) -> float:
-        if op[1] == "replay":
-            return self.step_timeout * (1 + len(op[4]))
-        return self.step_timeout
-
-    def _run_workers(self, ops: dict[int, tuple]) -> dict[int, tuple[str, Any]]:
-        results: dict[int, tuple[str, Any]] = {}
-        pending: dict[int, deque] = {w: deque() for w in range(len(self._workers))}
-        for idx, op in ops.items():
-            pending[self.episodes[idx].worker].append(op)
-        deadline: dict[int, float] = {}
-        for w, q in pending.items():
-            if q:
-                self._workers[w].conn.send(("ops", list(q)))
-                deadline[w] = time.monotonic() + self._timeout_for(q[0])
-
-        while any(pending.values()):
-            active = [w for w, q in pending.items() if q]
-            wait_s = max(0.0, min(deadline[w] for w in active) - time.monotonic())
-            conn_to_w = {self._workers[w].conn: w for w in active}
-            ready = mp_wait(list(conn_to_w), timeout=wait_s)
-            for conn in ready:
-                w = conn_to_w[conn]
-                try:
-                    slot, status, payload = conn.recv()
-                except (EOFError, OSError):
-                    self._metrics["worker_deaths"] += 1
-                    self._recover(w, ops, pending, results, deadline, "worker process died")
-                    continue
-                op = pending[w].popleft()
-                if op[0] != slot:  # protocol invariant: replies come in op order
-                    raise RuntimeError(f"worker {w} answered slot {slot}, expected {op[0]}")
-                if status == "error":
-                    self._metrics["env_errors"] += 1
-                if op[1] != "replay":
-                    results[slot] = (status, payload)
-                elif status != "ok":
-                    # Rebuilding this episode after a restart failed: the episode fails, its own op is dropped.
-                    results[slot] = ("error", f"replay after worker restart failed: {payload}")
-                    pending[w] = deque(o for o in pending[w] if o[0] != slot)
-                if pending[w]:
-                    deadline[w] = time.monotonic() + self._timeout_for(pending[w][0])
-            now = time.monotonic()
-            for w in [w for w, q in pending.items() if q]:
-                if now >= deadline[w]:
-                    self._metrics["timeouts"] += 1
-                    self._recover(w, ops, pending, results, deadline, f"timed out after {self.step_timeout:g}s")
-        return results
-
-    def _recover(
-        self, w: int, ops: dict[int, tuple], pending: dict[int, deque], results: dict, deadline: dict, why: str
-    ) -> None:
-        """Worker ``w`` hung or died while running pending[w][0]: fail that episode, restart, rebuild.
-
-        Every other live episode hosted by ``w`` is rebuilt by replaying its seeded reset and its actions
-        (including this round's step when that already finished); ops that had not run are re-sent.
-        """
-        culprit = pending[w][0][0]
-        results[culprit] = ("failed", why)
-        worker = self._workers[w]
-        worker.kill()
-        worker.start()
-        self._metrics["worker_restarts"] += 1
-        new_ops: list[tuple] = []
-        for ep in self.episodes:
-            if ep.worker != w or ep.idx == culprit or ep.done:
-                continue
-            own = ops.get(ep.idx)
-            if own is None:
-                continue
-            if ep.idx in results:  # this round's op already finished
-                status, payload = results[ep.idx]
-                if status != "ok":
-                    continue
-                if own[1] == "reset":
-                    new_ops.append((ep.idx, "replay", ep.task, ep.seed, []))
-                elif not payload[2]:  # step finished and the episode goes on
-                    new_ops.append((ep.idx, "replay", ep.task, ep.seed, [*ep.env_actions, own[2]]))
-                continue
-            if own[1] == "reset":
-                new_ops.append(own)
-            else:
-                new_ops.append((ep.idx, "replay", ep.task, ep.seed, list(ep.env_actions)))
-                new_ops.append(own)
-        pending[w] = deque(new_ops)
-        if new_ops:
-            worker.conn.send(("ops", new_ops))
-            deadline[w] = time.monotonic() + self._timeout_for(new_ops[0])

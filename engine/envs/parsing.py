@@ -13,7 +13,12 @@ Two layers:
   nested or stray action tags and no CJK characters. Admissibility against the environment's command
   list is checked by the manager on top of this.
 
-Nothing here raises on any string input; non-strings raise ValueError.
+Nothing here raises on any string input; non-strings raise ValueError. Every function is linear in the
+length of the text: a block is found as its head, then the earliest closer after the head, never by one
+regex with ``.*?`` between a repeated opener and a missing closer (quadratic: 32k characters of unclosed
+``<think>`` took 1.2 s). The results are those of the regular expressions
+``<think\\b[^>]*>(.*?)</think\\s*>`` (case-insensitive), ``<t>(.*?)</t>`` (§1.5 actions) and
+``<t\\s*>(.*?)</t\\s*>`` (case-insensitive, strict check); the tests compare them on generated strings.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from dataclasses import dataclass
 
 ACTION_TAGS: tuple[str, ...] = ("action", "search", "answer")
 
-_THINK_RE = re.compile(r"<think\b[^>]*>(.*?)</think\s*>", re.IGNORECASE | re.DOTALL)
-_TAG_RE = {tag: re.compile(rf"<{tag}>(.*?)</{tag}>", re.DOTALL) for tag in ACTION_TAGS}
-_TAG_RE_CI = {tag: re.compile(rf"<{tag}\s*>(.*?)</{tag}\s*>", re.IGNORECASE | re.DOTALL) for tag in ACTION_TAGS}
+# Tag heads and closers. None of these has ``.*?``, so a search is linear: an attempt fails at the first
+# character that does not fit, and the white-space runs tried after different heads are disjoint.
+_THINK_HEAD_RE = re.compile(r"<think\b", re.IGNORECASE)
+_THINK_CLOSE_RE = re.compile(r"</think\s*>", re.IGNORECASE)
 _OPEN_RE = {tag: re.compile(rf"<{tag}\s*>", re.IGNORECASE) for tag in ACTION_TAGS}
 _CLOSE_RE = {tag: re.compile(rf"</{tag}\s*>", re.IGNORECASE) for tag in ACTION_TAGS}
 # CJK Unified Ideographs (+ extension A) and CJK punctuation / full-width forms.
@@ -38,13 +44,39 @@ def _require_str(text: object, name: str) -> str:
     return text
 
 
+def _think_span(text: str) -> tuple[int, int] | None:
+    """Inner span of the first ``<think\\b[^>]*>…</think\\s*>`` (case-insensitive), as that regex finds it.
+
+    Only the leftmost head can match: a later head ends at the same or a later ``>``, so it sees no
+    closer the first one does not see; the closer is the earliest one after the head.
+    """
+    head = _THINK_HEAD_RE.search(text)
+    if head is None:
+        return None
+    gt = text.find(">", head.end())
+    if gt < 0:
+        return None
+    close = _THINK_CLOSE_RE.search(text, gt + 1)
+    return None if close is None else (gt + 1, close.start())
+
+
+def _block_ci(text: str, tag: str) -> tuple[int, int] | None:
+    """Inner span of the first ``<tag\\s*>…</tag\\s*>`` (case-insensitive), as the lazy regex finds it
+    (the same argument as for the thinking block: only the leftmost opener can match)."""
+    head = _OPEN_RE[tag].search(text)
+    if head is None:
+        return None
+    close = _CLOSE_RE[tag].search(text, head.end())
+    return None if close is None else (head.end(), close.start())
+
+
 def parse_thinking(text: str) -> tuple[str, bool]:
     """Inner text of the first ``<think …>…</think>`` block, stripped; valid when non-empty (§1.5)."""
     _require_str(text, "text")
-    m = _THINK_RE.search(text)
-    if m is None:
+    span = _think_span(text)
+    if span is None:
         return "", False
-    inner = m.group(1).strip()
+    inner = text[span[0] : span[1]].strip()
     return inner, bool(inner)
 
 
@@ -56,11 +88,13 @@ def parse_action(text: str, tags: tuple[str, ...] = ACTION_TAGS) -> tuple[str, b
     """
     _require_str(text, "text")
     for tag in tags:
-        if tag not in _TAG_RE:
+        if tag not in ACTION_TAGS:
             raise ValueError(f"tags: unknown action tag {tag!r}; known: {ACTION_TAGS}")
-        m = _TAG_RE[tag].search(text)
-        if m is not None:
-            inner = m.group(1).strip()
+        opener = f"<{tag}>"
+        i = text.find(opener)
+        j = text.find(f"</{tag}>", i + len(opener)) if i >= 0 else -1
+        if j >= 0:
+            inner = text[i + len(opener) : j].strip()
             return inner, bool(inner), tag
     return "", False, None
 
@@ -88,7 +122,7 @@ def check_response(text: str, tags: tuple[str, ...] = ("action",), require_think
     """
     _require_str(text, "text")
     for tag in tags:
-        if tag not in _TAG_RE:
+        if tag not in ACTION_TAGS:
             raise ValueError(f"tags: unknown action tag {tag!r}; known: {ACTION_TAGS}")
     if _CJK_RE.search(text):
         return False, "cjk"
@@ -108,9 +142,9 @@ def check_response(text: str, tags: tuple[str, ...] = ("action",), require_think
     if blocks > 1:
         return False, "multiple_actions"
     for tag in tags:
-        m = _TAG_RE_CI[tag].search(text)
-        if m is not None:
-            inner = m.group(1)
+        span = _block_ci(text, tag)
+        if span is not None:
+            inner = text[span[0] : span[1]]
             if any(_OPEN_RE[t].search(inner) or _CLOSE_RE[t].search(inner) for t in ACTION_TAGS):
                 return False, "nested"
             if not inner.strip():
@@ -127,9 +161,9 @@ def parse_response(text: str, tags: tuple[str, ...] = ACTION_TAGS, require_think
     if ok and tag is None:
         # The single block used upper-case tag names, which §1.5 extraction does not see; take it here.
         for t in tags:
-            m = _TAG_RE_CI[t].search(text)
-            if m is not None:
-                action, action_valid, tag = m.group(1).strip(), True, t
+            span = _block_ci(text, t)
+            if span is not None:
+                action, action_valid, tag = text[span[0] : span[1]].strip(), True, t
                 break
     return ParsedResponse(thinking, thinking_valid, action, action_valid, tag, ok, reason)
 

@@ -31,15 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.corpus_index import CorpusRetriever, Document
 from alignopsd.engine.envs.prompts import PromptBuilder, PromptContext
-from alignopsd.engine.envs.retriever import (
-    URL_ENV_VAR,
-    CorpusRetriever,
-    Document,
-    RetrieverClient,
-    ensure_retriever,
-    format_passages,
-)
+from alignopsd.engine.envs.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
 from alignopsd.engine.envs.search_data import (
     SOURCES,
     TRAIN_SOURCES,

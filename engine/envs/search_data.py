@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.retriever import atomic_cached_dir, cache_root
+from alignopsd.engine.envs.corpus_index import atomic_cached_dir, cache_root
 
 KB_VERSION = "kb-v2"
 SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -91,6 +91,14 @@ def generate_kb(
         if v < 4:
             raise ValueError(f"{name}: need at least 4, got {v}")
     rng = random.Random(f"{KB_VERSION}:{seed}")
+    world = _draw_world(rng, n_people, n_cities, n_orgs, n_works)
+    passages = _kb_passages(world)
+    questions = _kb_questions(world, rng)  # draws after the world: the same stream as one long function
+    return passages, questions
+
+
+def _draw_world(rng: random.Random, n_people: int, n_cities: int, n_orgs: int, n_works: int) -> dict[str, Any]:
+    """Countries, cities, people, companies and works of the knowledge base, drawn from ``rng`` in order."""
     used: set[str] = set()
     countries = []
     for _ in range(max(4, n_cities // 6)):
@@ -143,13 +151,15 @@ def generate_kb(
             "year": rng.randint(creator["born"] + 18, 2023), "genre": rng.choice(_GENRES),
         })  # fmt: skip
 
-    city_by = {c["name"]: c for c in cities}
-    person_by = {p["name"]: p for p in people}
-    org_by = {o["name"]: o for o in orgs}
+    return {"countries": countries, "cities": cities, "people": people, "orgs": orgs, "works": works}
+
+
+def _kb_passages(world: dict[str, Any]) -> list[dict[str, str]]:
+    """One passage per entity, ``{"id", "contents"}`` with ``contents = '"Title"\\nText'`` (no randomness)."""
+    countries, cities, people, orgs, works = (world[k] for k in ("countries", "cities", "people", "orgs", "works"))
     created: dict[str, list[dict[str, Any]]] = {}
     for w in works:
         created.setdefault(w["creator"], []).append(w)
-
     passages: list[dict[str, str]] = []
 
     def add(title: str, text: str) -> None:
@@ -175,6 +185,15 @@ def generate_kb(
     for w in works:
         add(w["title"], f"{w['title']} is a {w['year']} {w['genre']} {w['kind']} {w['verb']} {w['creator']}.")
 
+    return passages
+
+
+def _kb_questions(world: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+    """Single-hop, bridge and comparison questions over the world (comparisons draw pairs from ``rng``)."""
+    countries, cities, people, orgs, works = (world[k] for k in ("countries", "cities", "people", "orgs", "works"))
+    city_by = {c["name"]: c for c in cities}
+    person_by = {p["name"]: p for p in people}
+    org_by = {o["name"]: o for o in orgs}
     questions: list[dict[str, Any]] = []
     seen: set[str] = set()
 
@@ -243,7 +262,7 @@ def generate_kb(
             old = a if a["founded"] < b["founded"] else b
             q("2wikimultihopqa", "compare", f"Which city is older, {a['name']} or {b['name']}?", [old["name"]],
               [a["name"], b["name"]])  # fmt: skip
-    return passages, questions
+    return questions
 
 
 def kb_dir(seed: int = 0) -> Path:

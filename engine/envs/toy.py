@@ -8,7 +8,8 @@ words are listed as ``say <word>`` actions next to ``wait``, so a uniformly rand
 deterministic given the task and the seed.
 
 FaultyCodeword: the same game, but the task payload can ask it to raise, hang or kill its own worker
-process at a given step (or at reset); the environment manager's fault tests use it.
+process at a given step (or at reset), or return a NaN reward at a given step; the environment
+manager's fault tests use it.
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ class CodewordEnv:
 
 
 def faulty_tasks(kind: str | None, at_step: int, n: int = 1, seed: int = 0) -> list[TaskSpec]:
-    """Codeword tasks whose FaultyCodewordEnv will ``raise``/``hang``/``die`` at ``at_step`` (-1: at reset)."""
-    if kind not in (None, "raise", "hang", "die"):
-        raise ValueError(f"kind: expected None, 'raise', 'hang' or 'die', got {kind!r}")
+    """Codeword tasks whose FaultyCodewordEnv will ``raise``/``hang``/``die``/``nan`` at ``at_step`` (-1: at reset;
+    ``nan`` returns a NaN reward from that step)."""
+    if kind not in (None, "raise", "hang", "die", "nan"):
+        raise ValueError(f"kind: expected None, 'raise', 'hang', 'die' or 'nan', got {kind!r}")
     out = []
     for t in load_tasks("fault", n, seed):
         payload = dict(t.payload, fault=kind, at_step=at_step)
@@ -140,5 +142,10 @@ class FaultyCodewordEnv(CodewordEnv):
         return out
 
     def step(self, action: str) -> StepResult:
-        self._maybe_fault(self.t)
-        return super().step(action)
+        t = self.t
+        self._maybe_fault(t)
+        out = super().step(action)
+        assert self.task is not None
+        if self.task.payload.get("fault") == "nan" and t == self.task.payload.get("at_step", 0):
+            return StepResult(out.observation, float("nan"), out.done, out.info)
+        return out

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from alignopsd.engine.envs import alfworld_env as A
 from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, sample_game
+from alignopsd.engine.envs.alfworld_textworld import make_textworld_env, memoize_textworld_parsers
 from alignopsd.engine.envs.manager import EnvManager
 
 FIXTURE = Path(__file__).resolve().parents[1] / "assets" / "alfworld_fixture"
@@ -85,8 +86,8 @@ def test_speedups_do_not_change_the_engine(generated):
     _, tasks = generated
 
     def play(fast: bool):
-        A.memoize_textworld_parsers(fast)
-        env = A.make_textworld_env(fast=fast)
+        memoize_textworld_parsers(fast)
+        env = make_textworld_env(fast=fast)
         out, rng = [], random.Random(5)
         for t in tasks[:2]:
             env.load(t.gamefile)
@@ -100,7 +101,7 @@ def test_speedups_do_not_change_the_engine(generated):
     try:
         assert play(True) == play(False)
     finally:
-        A.memoize_textworld_parsers(True)
+        memoize_textworld_parsers(True)
 
 
 def test_official_adapter_on_fixture(monkeypatch):

@@ -120,3 +120,65 @@ def test_faults_are_contained_and_reported():
         clean, *_ = _play_perfect(mgr, healthy, group, seed=0)
         assert clean[-1] == healthy_trace
         assert mgr.metrics()["failed_episodes"] == 8
+
+
+def _play(mgr: EnvManager, tasks, group: int):
+    obs, infos = mgr.reset(tasks, group, seed=0)
+    codes = [tasks[i // group].payload["code"] for i in range(len(obs))]
+    for t in range(4):
+        resp = [WAIT] * len(obs) if t < 3 else [_say(c) for c in codes]
+        obs, rew, done, infos = mgr.step(resp)
+    return obs, rew, done, infos
+
+
+def test_non_finite_reward_fails_its_episode_and_is_counted(inproc):
+    tasks = faulty_tasks(None, 0, n=1, seed=0) + faulty_tasks("nan", 1, seed=1)
+    with EnvManager("codeword_faulty", num_workers=0) as mgr:
+        before = mgr.metrics()
+        obs, rew, done, infos = _play(mgr, tasks, 2)
+        m = mgr.metrics()
+    assert [i["failed"] for i in infos] == [False, False, True, True]
+    assert "non-finite reward" in infos[2]["failure"] and infos[2]["step"] == 2  # failed at its second step
+    assert rew == [10.0, 10.0, 0.0, 0.0] and all(done)
+    assert m["nonfinite_rewards"] - before["nonfinite_rewards"] == 2
+    assert m["failed_episodes"] - before["failed_episodes"] == 2
+    assert [r["reward"] for r in mgr.episode_results()] == [10.0, 10.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_hanging_siblings_cost_about_one_timeout_per_round():
+    """All four siblings of one task hang at step 1 on the same worker: each fails on its own timeout,
+    the three queued behind the first are re-dispatched to the other workers at once (wave 2), and every
+    healthy episode plays to the end exactly as without the fault."""
+    hang = faulty_tasks("hang", 1, seed=2)
+    healthy = faulty_tasks(None, 0, n=3, seed=0)
+    group = 4
+    with EnvManager("codeword_faulty", num_workers=4, step_timeout=1.0, hang_seconds=60) as mgr:
+        obs, rew, done, infos = _play(mgr, hang + healthy, group)
+        m = mgr.metrics()
+        assert all(done) and len(infos) == 16  # every episode is accounted for
+        assert [i["failed"] for i in infos] == [True] * 4 + [False] * 12
+        assert all("timed out" in infos[i]["failure"] and infos[i]["step"] == 2 for i in range(4))
+        assert rew[4:] == [10.0] * 12 and all(i["won"] for i in infos[4:])
+        assert m["timeouts"] == 4 and m["failed_episodes"] == 4
+        assert m["timeout_waves"] == 2  # one per sibling before: 4
+        assert m["redispatched_ops"] == 3 and m["worker_restarts"] == 4
+        assert m["rebuilt_episodes"] >= 3 + 12  # the three moved siblings, then the healthy ones of killed workers
+        clean, *_ = _play_perfect(mgr, healthy, group, seed=0)
+        assert clean[-1] == obs[4:]
+
+
+@pytest.mark.slow
+def test_worker_relaunched_with_nothing_to_do_serves_the_next_batch():
+    """The hung worker hosted only the hung episode: it is relaunched with no work, still starting when the
+    round ends; the next batch's ops sent to it wait for its start and run normally."""
+    hang, healthy = faulty_tasks("hang", 1, seed=2), faulty_tasks(None, 0, n=2, seed=0)
+    with EnvManager("codeword_faulty", num_workers=2, step_timeout=1.0, hang_seconds=60) as mgr:
+        mgr.reset(hang + healthy[:1], 1, seed=0)
+        mgr.step([WAIT, WAIT])
+        _, _, _, infos = mgr.step([WAIT, WAIT])
+        assert [i["failed"] for i in infos] == [True, False]
+        assert mgr.metrics()["redispatched_ops"] == 0 and mgr.metrics()["worker_restarts"] == 1
+        obs, rew, done, infos = _play(mgr, healthy, 2)  # episodes on both workers
+        assert rew == [10.0] * 4 and not any(i["failed"] for i in infos)
+        assert mgr.metrics()["timeouts"] == 1

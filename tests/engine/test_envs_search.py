@@ -6,8 +6,9 @@ import json
 
 import pytest
 from alignopsd.engine.envs.base import TaskSpec
+from alignopsd.engine.envs.corpus_index import CorpusRetriever
 from alignopsd.engine.envs.prompts import PromptContext
-from alignopsd.engine.envs.retriever import CorpusRetriever, RetrievalServer
+from alignopsd.engine.envs.retrieval_server import RetrievalServer
 from alignopsd.engine.envs.search import (
     INVALID_OBSERVATION,
     SearchEnv,

@@ -315,7 +315,7 @@ def test_manager_runs_webshop_episodes():
 def test_skill_bank_covers_categories_and_keywords_fire_on_instructions():
     import json
 
-    from alignopsd.engine.envs.webshop_data import PRODUCT_TYPES
+    from alignopsd.engine.envs.webshop_products import PRODUCT_TYPES
 
     root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "skills" / "webshop"
     mapping = json.loads((root / "skill_mapping.json").read_text())

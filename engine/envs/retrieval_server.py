@@ -1,0 +1,327 @@
+"""The Search-R1 retrieval server: FastAPI on uvicorn (the stack of Search-R1's own retrieval server).
+
+Protocol (the Search-R1 ``retrieval_server`` format, so the official servers and ours are interchangeable):
+
+    POST /retrieve  {"queries": ["q1", ...], "topk": 3, "return_scores": true}
+    ->  {"result": [[{"document": {"id": "12", "contents": "\\"Title\\"\\nText"}, "score": 7.1}, ...], ...]}
+
+With ``"return_scores": false`` (the default) each inner entry is the document dict itself, as Search-R1
+answers; ``"queries"`` may also be one string. ``GET /health`` answers ``{"status": "ok", "documents": N}``.
+
+Limits (:class:`ServerLimits`): every malformed request gets a 4xx JSON answer ``{"error": "..."}``
+and never a dropped connection: a body that is not a JSON object, non-finite numbers, ``topk`` that is
+not an integer in ``[1, max_topk]``, ``return_scores`` that is not a boolean, more than ``max_queries``
+queries (400); a body over ``max_body_bytes``, announced or streamed (413); a body that stalls (408).
+A connection that has not sent complete request headers within ``request_timeout_s`` of opening (or of
+its previous response) is closed, so stalled clients hold neither a thread nor a slot; idle keep-alive
+connections close after ``keep_alive_s``. The listen backlog is ``backlog`` (2048). Loopback (127.0.0.1)
+is the default host.
+
+FastAPI and uvicorn are the ``serve`` extra; they are imported only when a server is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .corpus_index import CorpusRetriever
+
+__all__ = ["RetrievalServer", "ServerLimits", "build_app", "main", "parse_retrieve_request", "serve_retriever"]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds of the retrieval server (see the module docstring)."""
+
+    max_body_bytes: int = 1 << 20
+    max_queries: int = 1024
+    max_topk: int = 1000
+    request_timeout_s: float = 10.0
+    keep_alive_s: int = 5
+    backlog: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_queries", "max_topk", "keep_alive_s", "backlog"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        t = self.request_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
+            raise ValueError(f"request_timeout_s: expected a positive number of seconds, got {t!r}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"body: {name} is not allowed")
+
+
+def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bool]:
+    """Validate a ``/retrieve`` body; returns ``(queries, topk, return_scores)`` or raises ValueError."""
+    try:
+        req = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise ValueError("body: not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"body: not JSON ({exc.msg})") from None
+    if not isinstance(req, dict):
+        raise ValueError(f"body: expected a JSON object, got {type(req).__name__}")
+    queries = req.get("queries")
+    if isinstance(queries, str):
+        queries = [queries]
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise ValueError("queries: must be a list of strings")
+    if len(queries) > limits.max_queries:
+        raise ValueError(f"queries: at most {limits.max_queries} per request, got {len(queries)}")
+    topk = req.get("topk", 3)
+    if isinstance(topk, float) and math.isfinite(topk) and topk.is_integer():
+        topk = int(topk)
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= limits.max_topk:
+        raise ValueError(f"topk: expected an integer in [1, {limits.max_topk}], got {topk!r}")
+    return_scores = req.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"return_scores: expected true or false, got {return_scores!r}")
+    return queries, topk, return_scores
+
+
+async def _read_body(request: Any, limits: ServerLimits) -> bytes:
+    """The request body, bounded in size and time; raises ``_Reject`` (413 / 408 / 400)."""
+    announced = request.headers.get("content-length")
+    if announced is not None:
+        if not announced.isdigit():
+            raise _Reject(400, f"Content-Length: not a byte count ({announced[:40]!r})")
+        if int(announced) > limits.max_body_bytes:
+            raise _Reject(413, f"body: {announced} bytes is over the limit of {limits.max_body_bytes}")
+
+    async def collect() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise _Reject(413, f"body: over the limit of {limits.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout=limits.request_timeout_s)
+    except asyncio.TimeoutError:
+        raise _Reject(408, f"body: not received within {limits.request_timeout_s:g}s") from None
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None) -> Any:
+    """The FastAPI application serving ``retriever`` over the Search-R1 protocol.
+
+    The routes take the raw request (validated by :func:`parse_retrieve_request`), so they are added as
+    plain routes rather than through FastAPI's parameter models.
+    """
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+
+    limits = limits or ServerLimits()
+    app = FastAPI(title="alignopsd retrieval", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def http_error(request: Any, exc: HTTPException) -> Any:  # 404, 405
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    async def health(request: Any) -> Any:
+        return JSONResponse({"status": "ok", "documents": len(retriever.docs)})
+
+    async def retrieve(request: Any) -> Any:
+        try:
+            queries, topk, return_scores = parse_retrieve_request(await _read_body(request, limits), limits)
+        except _Reject as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status, headers={"Connection": "close"})
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        result = await run_in_threadpool(retriever.retrieve, queries, topk, return_scores)
+        return JSONResponse({"result": result})
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/retrieve", retrieve, methods=["POST"])
+    return app
+
+
+def _stall_guarded(base: type, timeout_s: float) -> type:
+    """A uvicorn HTTP protocol class that closes a connection when no request is being served and the next
+    one has not completed its headers ``timeout_s`` after the connection opened or the last response ended
+    (uvicorn itself times out only idle keep-alive connections, not a client that stalls mid-request)."""
+
+    class StallGuarded(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._stall_timer = self.loop.call_later(timeout_s, self._close_if_stalled)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._stall_timer.cancel()
+            self._stall_timer = self.loop.call_later(timeout_s, self._close_if_stalled)
+
+        def _close_if_stalled(self) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stall_timer.cancel()
+            super().connection_lost(exc)
+
+    return StallGuarded
+
+
+def _protocol_class(timeout_s: float) -> type:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools is optional for uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return _stall_guarded(base, timeout_s)
+
+
+def _listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+class RetrievalServer:
+    """The server over a ``CorpusRetriever``, bound at construction (port 0: a free port).
+
+    ``start()`` serves in a daemon thread (tests, in-process use); ``serve_forever()`` serves in the
+    calling thread until ``close()`` or a signal.
+    """
+
+    def __init__(
+        self,
+        retriever: CorpusRetriever,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+    ) -> None:
+        import uvicorn
+
+        self.retriever = retriever
+        self.limits = limits or ServerLimits()
+        self.sock = _listening_socket(host, port, self.limits.backlog)
+        config = uvicorn.Config(
+            build_app(retriever, self.limits),
+            http=_protocol_class(self.limits.request_timeout_s),
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=self.limits.keep_alive_s,
+            backlog=self.limits.backlog,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def start(self, timeout: float = 30.0) -> RetrievalServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="retrieval-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("retrieval server did not start")
+            time.sleep(0.01)
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.run(sockets=[self.sock])
+
+    def stop_soon(self) -> None:
+        """Ask the serving loop to finish (it closes its connections and returns from ``serve_forever``)."""
+        self._server.should_exit = True
+
+    def close(self) -> None:
+        self.stop_soon()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> RetrievalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_retriever(
+    corpus_path: str | os.PathLike[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    parent_pid: int | None = None,
+    announce: Callable[[str], None] | None = None,
+    limits: ServerLimits | None = None,
+) -> None:
+    """Serve ``corpus_path`` over the Search-R1 protocol until interrupted (or until ``parent_pid`` exits)."""
+    retriever = CorpusRetriever.from_path(corpus_path, Path(cache_dir) if cache_dir else None)
+    server = RetrievalServer(retriever, host, port, limits)
+    if parent_pid is not None:
+
+        def _watch() -> None:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(parent_pid, 0)
+                except OSError:
+                    break
+            server.stop_soon()
+
+        threading.Thread(target=_watch, daemon=True).start()
+    (announce or (lambda u: print(f"RETRIEVER_URL {u}", flush=True)))(server.url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.sock.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    d = ServerLimits()
+    ap = argparse.ArgumentParser(description="Search-R1 compatible BM25 retrieval server")
+    ap.add_argument("--corpus", required=True, help="corpus jsonl with {id, contents} per line")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    ap.add_argument("--max-queries", type=int, default=d.max_queries)
+    ap.add_argument("--max-topk", type=int, default=d.max_topk)
+    ap.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
+    args = ap.parse_args(argv)
+    limits = ServerLimits(args.max_body_bytes, args.max_queries, args.max_topk, args.request_timeout)
+    serve_retriever(
+        args.corpus, args.host, args.port, cache_dir=args.cache_dir, parent_pid=args.parent_pid, limits=limits
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
