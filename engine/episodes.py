@@ -83,7 +83,8 @@ def rollout_phase(
               "generation_tokens_per_s", "prompt_length_mean"):  # fmt: skip
         if k in rm:
             metrics[f"rollout/{k}"] = float(rm[k])
-    for k in ("failed_episodes", "env_errors", "timeouts", "worker_deaths", "invalid_actions"):
+    for k in ("failed_episodes", "env_errors", "timeouts", "worker_deaths", "invalid_actions", "nonfinite_rewards",
+              "timeout_waves", "redispatched_ops", "rebuilt_episodes", "worker_restarts"):  # fmt: skip
         metrics[f"env/{k}"] = float(env_after.get(k, 0) - env_before.get(k, 0))
     return batch, metrics
 

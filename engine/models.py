@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_root
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -69,11 +71,9 @@ class ModelNotFoundError(FileNotFoundError, ValueError):
     """A model spec that cannot be resolved locally (the message says what to install or where to put it)."""
 
 
-def cache_root() -> Path:
-    """Directory holding converted / generated model directories."""
-    base = os.environ.get("ALIGNOPSD_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "alignopsd"
-    return root / "models"
+def models_dir() -> Path:
+    """Directory holding converted / generated model directories (under the engine's cache folder)."""
+    return cache_root() / "models"
 
 
 def smollm2_gguf_path() -> Path:
@@ -137,7 +137,7 @@ def _load_gguf_tokenizer():
 
 
 def _ensure_smollm2() -> Path:
-    final = cache_root() / SMOLLM2
+    final = models_dir() / SMOLLM2
     if _is_valid_cache(final):
         return final
     from transformers import AutoModelForCausalLM
@@ -161,10 +161,10 @@ def _ensure_smollm2() -> Path:
 
 def _tokenizer_source_dir() -> Path:
     """A directory with the SmolLM2 tokenizer files (the converted SmolLM2 dir, or a tokenizer-only cache)."""
-    full = cache_root() / SMOLLM2
+    full = models_dir() / SMOLLM2
     if _is_valid_cache(full):
         return full
-    final = cache_root() / "smollm2-tokenizer"
+    final = models_dir() / "smollm2-tokenizer"
     if _is_valid_cache(final):
         return final
     return _atomic_build(final, lambda tmp: _load_gguf_tokenizer().save_pretrained(str(tmp)), {"source": _GGUF_NAME})
@@ -188,7 +188,7 @@ def build_tiny_model(seed: int = TINY_SEED):
 
 
 def _ensure_tiny(seed: int = TINY_SEED) -> Path:
-    final = cache_root() / (TINY if seed == TINY_SEED else f"{TINY}-seed{seed}")
+    final = models_dir() / (TINY if seed == TINY_SEED else f"{TINY}-seed{seed}")
     if _is_valid_cache(final):
         return final
     tok_dir = _tokenizer_source_dir()

@@ -1,7 +1,5 @@
-"""The retrieval corpus and its BM25 index, and the engine's on-disk cache folder.
+"""The retrieval corpus and its BM25 index (cached under ``engine/cache.py``'s folder).
 
-- ``cache_root`` / ``atomic_cached_dir``: where generated data and indexes live, and how a cached folder is
-  built once even when several worker processes race for it.
 - ``Bm25Index``: bm25s over a list of texts, saved to / loaded from a cache folder (built once per key).
 - ``Document`` / ``load_corpus``: a Search-R1 corpus jsonl (``{"id", "contents"}``, or ``{"id", "title", "text"}``).
 - ``CorpusRetriever``: a corpus plus its index, answering Search-R1 result lists (the server's back end).
@@ -12,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,43 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from ..cache import atomic_cached_dir, cache_root
+
 __all__ = [
-    "INDEX_VERSION", "Bm25Index", "CorpusRetriever", "Document", "atomic_cached_dir", "cache_root", "load_corpus",
-    "tokenize",
+    "INDEX_VERSION", "Bm25Index", "CorpusRetriever", "Document", "load_corpus", "tokenize",
 ]  # fmt: skip
 
 INDEX_VERSION = "bm25s-v1"
-
-
-def cache_root() -> Path:
-    """User cache folder of the engine (``$ALIGNOPSD_CACHE``, else ``$XDG_CACHE_HOME/alignopsd``)."""
-    env = os.environ.get("ALIGNOPSD_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "alignopsd"
-
-
-def atomic_cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """Return ``target``; if it does not exist, ``build`` it in a temporary sibling and rename it into place.
-
-    Several worker processes may race here; the loser discards its copy, so readers never see half a folder.
-    """
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process won the race
-            if not target.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # --------------------------------------------------------------------------------------------------- index

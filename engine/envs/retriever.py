@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .corpus_index import Document, cache_root
+from ..cache import cache_root
+from .corpus_index import Document
 from .retrieval_server import main
 from .search_data import default_corpus_path
 
