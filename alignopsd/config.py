@@ -18,6 +18,7 @@ import yaml
 
 from alignopsd.config_values import bool_field, choice_field, coerce_value, int_field, real_field
 from alignopsd.credit import CreditConfig
+from alignopsd.estimators import ESTIMATORS
 
 __all__ = [
     "ABLATIONS",
@@ -188,8 +189,8 @@ class AlgorithmConfig:
     credit: CreditConfig = field(default_factory=CreditConfig)
     """Mechanism 2 settings (alignopsd.credit.CreditConfig)."""
     mechanism2_enabled: bool | None = None
-    """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match the consumer
-    (true exactly for ``alignopsd``)."""
+    """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match what the consumer
+    declares (``uses_mechanism2`` in its registration: true for ``alignopsd``)."""
     alignment: AlignmentLossConfig = field(default_factory=AlignmentLossConfig)
     """M1-only alignment loss (``alignopsd_m1``)."""
     sdar: SdarConfig = field(default_factory=SdarConfig)
@@ -226,8 +227,6 @@ class AlgorithmConfig:
     """Fields computed from others: :func:`to_dict` leaves them out (explicit values are still checked)."""
 
     def __post_init__(self) -> None:
-        from alignopsd.estimators import ESTIMATORS
-
         if not isinstance(self.estimator, str) or self.estimator not in ESTIMATORS:
             allowed = ", ".join(map(repr, ESTIMATORS))
             raise ValueError(f"estimator: unknown value {self.estimator!r}; allowed: {allowed}")
@@ -253,14 +252,15 @@ class AlgorithmConfig:
         real_field("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
         if self.loss_agg_mode != "token-mean":
             raise ValueError(f"loss_agg_mode: must be 'token-mean' (§3.12), got {self.loss_agg_mode!r}")
-        consumer_m2 = self.estimator == "alignopsd"
+        consumer_m2 = ESTIMATORS[self.estimator].mechanism2
         if self.mechanism2_enabled is None:
             self.mechanism2_enabled = consumer_m2
         bool_field("mechanism2_enabled", self.mechanism2_enabled)
         if self.mechanism2_enabled != consumer_m2:
             raise ValueError(
                 f"mechanism2_enabled: {self.mechanism2_enabled} does not match the consumer estimator "
-                f"{self.estimator!r} (Mechanism 2 runs exactly for 'alignopsd')"
+                f"{self.estimator!r} (Mechanism 2 runs exactly for the estimators that declare it: "
+                f"{', '.join(repr(n) for n, spec in ESTIMATORS.items() if spec.mechanism2)})"
             )
         # derived credit fields
         updates = {}
