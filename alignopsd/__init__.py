@@ -25,8 +25,6 @@ _EXPORTS: dict[str, str] = {
     "pairs_from_selection": "rectify",
     "cross_inputs": "rectify",
     "policy_mask": "rectify",
-    "build_sidecar": "rectify",
-    "M1Sidecar": "rectify",
     # mechanism 2
     "correspondence_profiles": "credit",
     "boundary_scores": "credit",

@@ -36,10 +36,10 @@ from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, 
 from alignopsd._kernels import use_kernels
 from alignopsd.advantage import (
     TurnIndex,
-    _check_invalid,
-    _check_outcome,
     advantage_from_index,
     build_turn_index,
+    check_invalid,
+    check_outcome,
     check_two_rollouts,
     residual_from_index,
     trajectory_outcomes,
@@ -1159,10 +1159,10 @@ def allocate_credit(
     dev = gap_t.device
     L = int(gap_t.shape[1])
     mask_b = _policy_mask(mask, (m, L)).to(dev)
-    r_M = _check_outcome(outcome, m).detach().to(dev)
+    r_M = check_outcome(outcome, m).detach().to(dev)
     H_f = _square(H, "H", m, floating=True).detach().to(dev)
     E_b = _square(eligible, "eligible", m, floating=False).to(dev)
-    inv_M = None if invalid is None else _check_invalid(invalid, m).to(dev)
+    inv_M = None if invalid is None else check_invalid(invalid, m).to(dev)
     if m == 0:
         raise ValueError("task: empty batch (M = 0)")
     task_t, roll_t, turn_t = task_t.to(dev), roll_t.to(dev), turn_t.to(dev)

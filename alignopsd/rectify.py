@@ -25,10 +25,8 @@ from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, 
 from alignopsd._kernels import use_kernels
 
 __all__ = [
-    "M1Sidecar",
     "MODES",
     "Rectified",
-    "build_sidecar",
     "action_filter",
     "cross_inputs",
     "eligibility",
@@ -612,135 +610,6 @@ def rectify(
         gamma=gamma,
         alpha_max=alpha_max,
         mode=mode,
-    )
-
-
-# ----------------------------------------------------------------------------- §2.8 sidecar and invariants
-
-
-@dataclass
-class M1Sidecar:
-    """Per-step Mechanism 1 record on canonical turns (§2.8). Legend: M turns, P pairs, L tokens, R rows.
-
-    H, eligible: [M, M] in the source × target layout (``layout`` = "source_target"). selected: per target,
-    kept source indices in rank order; weights: their ω. rho, alpha: [M]. diag, corrected: [M, L];
-    cross: [P, L] or None; delta_diag, delta_corrected: [M, L] gaps against ℓ^old. sampled_mask,
-    policy_mask: [M, L] bool. gamma, alpha_max: scalars. row_to_canonical: [R]. encoder_contract: dict.
-    """
-
-    H: Tensor
-    eligible: Tensor
-    selected: list[list[int]]
-    weights: list[Tensor]
-    rho: Tensor
-    alpha: Tensor
-    diag: Tensor
-    corrected: Tensor
-    cross: Tensor | None
-    delta_diag: Tensor
-    delta_corrected: Tensor
-    sampled_mask: Tensor
-    policy_mask: Tensor
-    gamma: float
-    alpha_max: float
-    row_to_canonical: Tensor
-    encoder_contract: dict
-    layout: str = "source_target"
-
-    def row_fields(self, *, include_diag: bool = False) -> dict[str, Tensor]:
-        """Values copied to every row [R, ...]: teacher_log_probs = ℓ̃, m1_corrected_gap = δ̃,
-        m1_correspondence_confidence = ρ, m1_correction_strength = α (and sdar_diagonal_teacher_log_probs)."""
-        idx = self.row_to_canonical.to(self.corrected.device)
-        out = {
-            "teacher_log_probs": self.corrected[idx],
-            "m1_corrected_gap": self.delta_corrected[idx],
-            "m1_correspondence_confidence": self.rho[idx],
-            "m1_correction_strength": self.alpha[idx],
-        }
-        if include_diag:
-            out["sdar_diagonal_teacher_log_probs"] = self.diag[idx]
-        return out
-
-
-def build_sidecar(
-    rect: Rectified,
-    H: Tensor,
-    eligible: Tensor,
-    old_logp: Tensor,
-    policy_mask: Tensor,
-    sampled_mask: Tensor,
-    row_to_canonical: Tensor,
-    *,
-    cross: Tensor | None = None,
-    encoder_contract: dict | None = None,
-    tol: float = 1e-5,
-) -> M1Sidecar:
-    """Assemble the §2.8 sidecar and enforce its invariants (ValueError naming the violated field):
-    policy mask ⊆ sampled mask; every canonical turn has a policy token; each matched target's weights
-    sum to 1; selected pairs are eligible; ρ ∈ [0, 1]; α ∈ [0, α_max]; all tensors finite.
-
-    H, eligible: [M, M]; old_logp, policy_mask, sampled_mask: [M, L]; row_to_canonical: [R] in [0, M).
-    """
-    M, L = rect.corrected.shape
-    H_ST = _check_square(H, "H", M)
-    B_ST = _check_square(eligible, "eligible", M, dtype=torch.bool)
-    pm = as_tensor(policy_mask, "policy_mask")
-    sm = as_tensor(sampled_mask, "sampled_mask")
-    check_shape(pm, "policy_mask", (M, L))
-    check_shape(sm, "sampled_mask", (M, L))
-    pm, sm = pm.bool(), sm.bool()
-    if bool((pm & ~sm).any()):
-        raise ValueError("policy_mask: has a token outside sampled_mask (policy mask must be a subset)")
-    if bool((pm.sum(1) == 0).any()):
-        bad = int(torch.nonzero(pm.sum(1) == 0)[0])
-        raise ValueError(f"policy_mask: canonical turn {bad} has no policy-loss token")
-    r2c = as_tensor(row_to_canonical, "row_to_canonical")
-    check_ndim(r2c, "row_to_canonical", 1)
-    if r2c.numel() and (int(r2c.min()) < 0 or int(r2c.max()) >= M):
-        raise ValueError(f"row_to_canonical: indices must lie in [0, {M})")
-    pairs = rect.pairs
-    if pairs.numel():
-        if not bool(B_ST.to(pairs.device)[pairs[:, 0], pairs[:, 1]].all()):
-            raise ValueError("pairs: a selected (source, target) pair is not eligible")
-        sums = torch.zeros(M, dtype=torch.float64, device=pairs.device).index_add_(
-            0, pairs[:, 1], rect.pair_weight.double()
-        )
-        if bool(((sums - 1.0).abs()[rect.matched] > tol).any()):
-            raise ValueError("weights: the weights of a matched target do not sum to 1")
-    if bool(((rect.rho < 0) | (rect.rho > 1)).any()):
-        raise ValueError("rho: outside [0, 1]")
-    if bool(((rect.alpha < 0) | (rect.alpha > rect.alpha_max + tol)).any()):
-        raise ValueError(f"alpha: outside [0, alpha_max = {rect.alpha_max}]")
-    d_diag, d_corr = rect.gaps(old_logp)
-    for name, t in (("corrected", rect.corrected), ("delta_corrected", d_corr), ("rho", rect.rho)):
-        check_finite_fast(t, name)
-    cross_t = None
-    if cross is not None:
-        cross_t = as_tensor(cross, "cross")
-        check_shape(cross_t, "cross", (pairs.shape[0], L))
-        check_finite_fast(cross_t, "cross")
-        cross_t = cross_t.detach().float()
-    selected: list[list[int]] = [[] for _ in range(M)]
-    for s, t in pairs.tolist():
-        selected[t].append(s)
-    return M1Sidecar(
-        H=H_ST,
-        eligible=B_ST,
-        selected=selected,
-        weights=rect.weights,
-        rho=rect.rho,
-        alpha=rect.alpha,
-        diag=rect.diag,
-        corrected=rect.corrected,
-        cross=cross_t,
-        delta_diag=d_diag,
-        delta_corrected=d_corr,
-        sampled_mask=sm,
-        policy_mask=pm,
-        gamma=rect.gamma,
-        alpha_max=rect.alpha_max,
-        row_to_canonical=r2c.long(),
-        encoder_contract=dict(encoder_contract or {}),
     )
 
 

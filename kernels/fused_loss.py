@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .logprob import _all_reduce_partials, _check_inputs, _check_target_range
+from .lse_partials import all_reduce_partials, check_lm_head_inputs, check_target_range
 
 __all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]
 
@@ -167,15 +167,15 @@ def logprob_loss_and_grad(
     Works on any device (plain matmuls plus elementwise work on the chunk). Gradients equal autograd
     through :func:`logprob_ref` and the same loss, up to fp32 rounding.
     """
-    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
     if group is None:
         if vocab_start != 0:
             raise ValueError(f"vocab_start: only meaningful with a group, got {vocab_start!r}")
-        _check_target_range(targets, 0, weight.shape[0])
+        check_target_range(targets, 0, weight.shape[0])
     else:
         if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
             raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-        _check_target_range(targets, 0, 2**62)
+        check_target_range(targets, 0, 2**62)
     if not callable(token_loss):
         raise ValueError(f"token_loss: expected a callable, got {type(token_loss).__name__}")
     V, H = weight.shape
@@ -248,7 +248,7 @@ def logprob_loss_and_grad(
             c = 1.0 / s  # p = e * c
             m_g, s_g, u_g, tz_g = m, s, u, tz
         else:
-            m_g, s_g, u_g, tz_g, hits = _all_reduce_partials(m, s, u, tz, hit, group)
+            m_g, s_g, u_g, tz_g, hits = all_reduce_partials(m, s, u, tz, hit, group)
             if not bool((hits == 1).all()):
                 raise ValueError(
                     "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
@@ -366,7 +366,7 @@ def fused_token_loss(
     ``token_loss`` must be separable over tokens (see the module docstring). ``group`` / ``vocab_start`` /
     ``reduce_grad_hidden``: vocab parallel, as in :func:`logprob_loss_and_grad`.
     """
-    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
     tp = (group, vocab_start, reduce_grad_hidden)
     loss, logp, ent = _FusedLossFn.apply(hidden, weight, bias, targets, token_loss, inv_t, with_entropy, tile_bytes, tp)
     return loss, logp, (ent if with_entropy else None)
