@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from alignopsd.config_values import bool_field, choice_field, coerce_value, int_field, real_field
-from alignopsd.credit import CreditConfig
+from alignopsd.credit_config import CreditConfig
 from alignopsd.estimators import ESTIMATORS
 
 __all__ = [
@@ -187,7 +187,7 @@ class AlgorithmConfig:
     rectify: RectifyConfig = field(default_factory=RectifyConfig)
     """Mechanism 1 settings."""
     credit: CreditConfig = field(default_factory=CreditConfig)
-    """Mechanism 2 settings (alignopsd.credit.CreditConfig)."""
+    """Mechanism 2 settings (alignopsd.credit_config.CreditConfig)."""
     mechanism2_enabled: bool | None = None
     """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match what the consumer
     declares (``uses_mechanism2`` in its registration: true for ``alignopsd``)."""

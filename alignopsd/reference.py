@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from alignopsd import credit as _credit
-from alignopsd.credit import CreditConfig
+from alignopsd.credit_config import CreditConfig
+from alignopsd.projection import project_one
+from alignopsd.segmentation import random_lists, segment_lists
 
 __all__ = [
     "grpo_advantage_ref",
@@ -202,7 +203,7 @@ def allocate_credit_ref(
             sg = _sign(a[us[0]])
             q = _softmax([sg * float(gap[u, j]) / tc for u, j in toks])
             raw = [n_tau * v for v in q]
-            x, err = _credit._project_one_py(
+            x, err = project_one(
                 torch.tensor(raw, dtype=torch.float64), torch.ones(len(raw), dtype=torch.float64), lo, hi, 1e-5
             )
             if x is None:
@@ -228,9 +229,9 @@ def allocate_credit_ref(
                 dl = [float(d[u]) for u in us]
                 vl = [bool(bv[u]) for u in us]
                 if cfg.mode == "adaptive":
-                    res = _credit._segment_lists(dl, vl, tau, cfg.min_span_turns, cfg.max_span_turns, cfg.tau_min)
+                    res = segment_lists(dl, vl, tau, cfg.min_span_turns, cfg.max_span_turns, cfg.tau_min)
                 else:
-                    res = _credit._random_lists(
+                    res = random_lists(
                         len(us), cfg.min_span_turns, cfg.max_span_turns, cfg.seed + j, dl, vl, cfg.tau_min
                     )
                 edges = [0] + sorted(p for p, _ in res) + [len(us)]
@@ -248,7 +249,7 @@ def allocate_credit_ref(
                 q = _softmax([math.log(ntok[u]) + s[u] / tc for u in sp])
                 for u, qu in zip(sp, q):
                     h[u] = n_tau * bk * qu / ntok[u]
-            x, err = _credit._project_one_py(
+            x, err = project_one(
                 torch.tensor([h[u] for u in us], dtype=torch.float64),
                 torch.tensor([ntok[u] for u in us], dtype=torch.float64),
                 lo,
