@@ -31,6 +31,7 @@ from alignopsd._checks import (
 from alignopsd._kernels import use_kernels
 from alignopsd.advantage import TurnIndex, build_turn_index
 from alignopsd.credit_config import DISTANCES, CreditConfig
+from alignopsd.kernels.blocks import blocks_from_order
 from alignopsd.metrics import Metrics
 
 __all__ = [
@@ -260,27 +261,23 @@ def _task_blocks(index: TurnIndex, H: Tensor, E: Tensor) -> tuple[Tensor, Tensor
     """Same-task blocks H_GSN, E_GSN ([task, source, target], padded to N with ineligible cells) and
     the local position of each turn (identity order) inside its block.
 
+    The layout is the kernels' task blocks (``alignopsd.kernels.blocks``) of the identity-sorted turns.
     Only same-task cells are read: B is false across tasks by definition (§2.3).
     """
     m = index.num_turns
     dev = H.device
-    toff = index.task_offsets_G1
-    sizes = toff[1:] - toff[:-1]
-    g = index.num_tasks
-    nmax = int(sizes.max())
-    local = torch.arange(m, device=dev) - toff[index.task_M]
     order = index.order_M
+    b = blocks_from_order(order, index.task_M, index.traj_M)
+    g, nmax = b.idx_TN.shape
+    local = b.slot_M[order]
     identity = bool((order == torch.arange(m, device=dev)).all())
-    if identity and bool((sizes == nmax).all()) and H.is_contiguous() and E.is_contiguous():
+    if identity and bool(b.member_TN.all()) and H.is_contiguous() and E.is_contiguous():
         # sorted input with equal task sizes: the blocks are strided views of the diagonal
         stride = (nmax * m + nmax, m, 1)
         H_GSN = H.as_strided((g, nmax, nmax), stride)
         E_GSN = E.as_strided((g, nmax, nmax), stride)
         return H_GSN, E_GSN, local
-    idx = torch.zeros(g, nmax, dtype=torch.long, device=dev)
-    real = torch.zeros(g, nmax, dtype=torch.bool, device=dev)
-    idx[index.task_M, local] = order
-    real[index.task_M, local] = True
+    idx, real = b.idx_TN, b.member_TN
     H_GSN = H[idx[:, :, None], idx[:, None, :]]
     E_GSN = E[idx[:, :, None], idx[:, None, :]] & real[:, :, None] & real[:, None, :]
     return H_GSN, E_GSN, local
@@ -296,7 +293,6 @@ def _kernel_profiles_distances(
     those rows), d_s [M] float32 and bvalid_s [M] bool (identity order), tau.
     """
     from alignopsd.kernels import batch_threshold, boundary_scores_blocks, profiles_blocks  # noqa: PLC0415
-    from alignopsd.kernels._blocks import task_blocks  # noqa: PLC0415
 
     m = index.num_turns
     dev = H_GSN.device
@@ -305,7 +301,7 @@ def _kernel_profiles_distances(
         H_GSN.transpose(1, 2), E_GNS, gamma=cfg.gamma, temperature=cfg.profile_temperature, impl="triton"
     )
     # the kernels' block layout of the turns in identity order: the same task blocks and slots as H_GSN
-    blocks = task_blocks(index.task_M, index.traj_M, torch.arange(m, device=dev))
+    blocks = blocks_from_order(torch.arange(m, device=dev), index.task_M, index.traj_M)
     valid_s = valid_GN[index.task_M, local]
     d_s, bvalid_s = boundary_scores_blocks(P_GNS, E_GNS, valid_s, blocks, distance=cfg.distance, impl="triton")
     tau = batch_threshold(d_s, bvalid_s, quantile=cfg.quantile, tau_min=cfg.tau_min, tau_max=cfg.tau_max)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real, check_shape
 from alignopsd._kernels import use_kernels
+from alignopsd.kernels.blocks import task_blocks
 
 __all__ = [
     "MODES",
@@ -30,7 +31,6 @@ __all__ = [
     "action_filter",
     "cross_inputs",
     "eligibility",
-    "identity_rank",
     "pairs_from_selection",
     "parse_webshop_action",
     "policy_mask",
@@ -55,17 +55,6 @@ def check_finite_fast(t: Tensor, name: str) -> None:
     lo, hi = torch.aminmax(t.detach())
     if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
         check_finite(t, name)
-
-
-def identity_rank(task: Tensor, rollout: Tensor, turn: Tensor) -> Tensor:
-    """Rank[M] of each turn in the lexicographic identity order (task, rollout, turn)."""
-    task, rollout, turn = check_ids(task, rollout, turn)
-    order = torch.argsort(turn, stable=True)
-    order = order[torch.argsort(rollout[order], stable=True)]
-    order = order[torch.argsort(task[order], stable=True)]
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return rank
 
 
 def _check_square(x, name: str, M: int, *, dtype=None) -> Tensor:
@@ -151,51 +140,6 @@ def eligibility(task: Tensor, rollout: Tensor, source_valid: Tensor, target_vali
 # ----------------------------------------------------------------------------- §2.4 selection
 
 
-def _task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Pad the identity-sorted turns into task blocks.
-
-    Returns idx_TN [T, N] (turn index, identity order within the block; padding = 0),
-    member_TN [T, N] bool, local_rollout_TN [T, N] (rollout index within its task, padding = 0).
-    """
-    M = task.numel()
-    dev = task.device
-    rank = identity_rank(task, rollout, turn)
-    order = torch.empty_like(rank)
-    order[rank] = torch.arange(M, device=dev)
-    task_s = task[order]
-    roll_s = rollout[order]
-    if M > 1:
-        turn_s = turn[order]
-        dup = (task_s[1:] == task_s[:-1]) & (roll_s[1:] == roll_s[:-1]) & (turn_s[1:] == turn_s[:-1])
-        if bool(dup.any()):
-            i = int(order[1:][dup][0])
-            raise ValueError(
-                f"turn: duplicate identity (task, rollout, turn) = {(int(task[i]), int(rollout[i]), int(turn[i]))}; "
-                "canonical turns must be unique"
-            )
-    new_task = torch.ones(M, dtype=torch.bool, device=dev)
-    new_traj = torch.ones(M, dtype=torch.bool, device=dev)
-    if M > 1:
-        new_task[1:] = task_s[1:] != task_s[:-1]
-        new_traj[1:] = new_task[1:] | (roll_s[1:] != roll_s[:-1])
-    task_idx = torch.cumsum(new_task.long(), 0) - 1
-    traj_idx = torch.cumsum(new_traj.long(), 0) - 1
-    T = int(task_idx[-1]) + 1
-    counts = torch.bincount(task_idx, minlength=T)
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(M, device=dev) - starts[task_idx]
-    first_traj_of_task = traj_idx[starts]
-    local_roll = traj_idx - first_traj_of_task[task_idx]
-    N = int(counts.max())
-    idx = torch.zeros(T, N, dtype=torch.long, device=dev)
-    member = torch.zeros(T, N, dtype=torch.bool, device=dev)
-    lroll = torch.zeros(T, N, dtype=torch.long, device=dev)
-    idx[task_idx, pos] = order
-    member[task_idx, pos] = True
-    lroll[task_idx, pos] = local_roll
-    return idx, member, lroll
-
-
 def select_sources(
     H: Tensor, eligible: Tensor, task: Tensor, rollout: Tensor, turn: Tensor, *, gamma: float, top_k: int
 ) -> list[list[int]]:
@@ -223,7 +167,8 @@ def select_sources(
             H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False, impl="triton"
         )
         return res.selected_lists()
-    idx_TN, member_TN, lroll_TN = _task_blocks(task, rollout, turn)
+    blocks = task_blocks(task, rollout, turn)  # identity-sorted task blocks (duplicate identities: ValueError)
+    idx_TN, member_TN, lroll_TN = blocks.idx_TN, blocks.member_TN, blocks.lroll_TN
     T, N = idx_TN.shape
     dev = H_ST.device
     # blocks [T, target, source]; sources in identity order along the last axis

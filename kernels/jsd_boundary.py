@@ -2,7 +2,7 @@
 
 Legend: M = canonical turns, T = tasks, N = slots of the largest task block, K = adjacent
 (previous, current) turn pairs. Dense inputs: P_TS[target, source], B_ST[source, target].
-Block tensors are target-major x_BTS[b, t, s] (see ``_blocks.py``).
+Block tensors are target-major x_BTS[b, t, s] (see ``blocks.py``).
 
 Design
 ------
@@ -39,8 +39,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._blocks import Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
 from ._dispatch import HAS_TRITON, launch, resolve_impl
+from .blocks import Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
 
 if HAS_TRITON:
     import triton
