@@ -442,26 +442,9 @@ def _check_grouped(pairs: Tensor, M: int) -> None:
         raise ValueError("pairs: contains a duplicate (source, target) pair")
 
 
-def rectify(
-    diag: Tensor,
-    cross: Tensor,
-    pairs: Tensor,
-    H: Tensor,
-    *,
-    gamma: float,
-    alpha_max: float,
-    temperature: float = 0.1,
-    mode: str = "probability_mixture",
-) -> Rectified:
-    """Aggregate the cross scores of each target, then blend with the diagonal teacher (§2.7–2.8).
-
-    diag: [M, L] ℓ^diag. cross: [P, L] ℓ^{s→t} in pair order. pairs: [P, 2] (source, target), grouped
-    by target in rank order. H: [M, M] H[source, target]. Weights ω = softmax(h / temperature) per target;
-    c = logsumexp(log ω + ℓ) (probability_mixture) or Σ ω ℓ (log_mean); ρ = Σ ω clip((h-γ)/(1-γ), 0, 1);
-    α = clip(α_max ρ, 0, α_max); ℓ̃ = (1-α) ℓ^diag + α c. Targets with no pair keep ℓ^diag exactly.
-    Vectorised over targets with a dense [targets, K, L] layout of the target groups (no loop over targets);
-    token-level aggregation runs in FP32 (per-pair weights and ρ in float64), outputs are float32.
-    """
+def _rectify_inputs(diag, cross, pairs, H, gamma, alpha_max, temperature, mode):
+    """Checked inputs of :func:`rectify` (ValueError naming the argument): diag [M, L], pairs [P, 2] grouped by
+    target, cross [P, L], H [M, M], and the scalars."""
     d = as_tensor(diag, "diag")
     check_ndim(d, "diag", 2)
     if not d.is_floating_point():
@@ -486,6 +469,49 @@ def rectify(
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     check_choice(mode, "mode", MODES)
     _check_grouped(pr, M)
+    return d, pr, c_in, H_ST, gamma, alpha_max, temperature
+
+
+def _aggregate(x_QKL: Tensor, w32_QK: Tensor, mode: str) -> Tensor:
+    """Cross score c [Q, L] of each target from its sources' scores x [Q, K, L] (overwritten) and weights ω.
+
+    probability_mixture: c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j] (so k
+    equal sources return exactly their score); log_mean: c = Σ_j ω_j ℓ_j.
+    """
+    if mode == "probability_mixture":
+        lmax = x_QKL.amax(1)
+        lmin = x_QKL.amin(1)
+        x_QKL.sub_(lmax[:, None]).exp_()
+        acc = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
+        return torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
+    return torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
+
+
+def rectify(
+    diag: Tensor,
+    cross: Tensor,
+    pairs: Tensor,
+    H: Tensor,
+    *,
+    gamma: float,
+    alpha_max: float,
+    temperature: float = 0.1,
+    mode: str = "probability_mixture",
+) -> Rectified:
+    """Aggregate the cross scores of each target, then blend with the diagonal teacher (§2.7–2.8).
+
+    diag: [M, L] ℓ^diag. cross: [P, L] ℓ^{s→t} in pair order. pairs: [P, 2] (source, target), grouped
+    by target in rank order. H: [M, M] H[source, target]. Weights ω = softmax(h / temperature) per target;
+    c = logsumexp(log ω + ℓ) (probability_mixture) or Σ ω ℓ (log_mean); ρ = Σ ω clip((h-γ)/(1-γ), 0, 1);
+    α = clip(α_max ρ, 0, α_max); ℓ̃ = (1-α) ℓ^diag + α c. Targets with no pair keep ℓ^diag exactly.
+    Vectorised over targets with a dense [targets, K, L] layout of the target groups (no loop over targets);
+    token-level aggregation runs in FP32 (per-pair weights and ρ in float64), outputs are float32.
+    """
+    d, pr, c_in, H_ST, gamma, alpha_max, temperature = _rectify_inputs(
+        diag, cross, pairs, H, gamma, alpha_max, temperature, mode
+    )
+    M, L = d.shape
+    P = pr.shape[0]
 
     dev = d.device
     d32 = d.detach().float()
@@ -516,16 +542,7 @@ def rectify(
         x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float32, device=dev)
     )
     x_QKL[group, slot] = x_PL
-    w32_QK = w_QK.float()
-    if mode == "probability_mixture":
-        # c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j]
-        lmax = x_QKL.amax(1)
-        lmin = x_QKL.amin(1)
-        x_QKL.sub_(lmax[:, None]).exp_()
-        acc = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
-        c_QL = torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
-    else:
-        c_QL = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
+    c_QL = _aggregate(x_QKL, w_QK.float(), mode)
     h_QK = torch.zeros(Q, K, dtype=torch.float64, device=dev)
     h_QK[group, slot] = h
     conf_QK = ((h_QK - gamma) / (1.0 - gamma)).clamp(0.0, 1.0)
