@@ -29,8 +29,10 @@ from alignopsd._checks import (
     check_square,
 )
 from alignopsd._kernels import use_kernels
-from alignopsd.advantage import TurnIndex, build_turn_index
+from alignopsd.advantage import TurnIndex
 from alignopsd.credit_config import DISTANCES, CreditConfig
+from alignopsd.kernels import batch_threshold, boundary_scores_blocks, profiles_blocks
+from alignopsd.kernels import boundary_scores as kernel_boundary_scores
 from alignopsd.kernels.blocks import blocks_from_order
 from alignopsd.metrics import Metrics
 
@@ -121,6 +123,11 @@ def _adjacent_distance(
     return (jsd / math.log(2.0)).clamp(0.0, 1.0)
 
 
+def _impl(*tensors: Tensor) -> str:
+    """The kernels' Triton path for CUDA tensors (or under ``force_kernels``), else their torch path."""
+    return "triton" if use_kernels(*tensors) else "torch"
+
+
 def correspondence_profiles(
     H: Tensor, eligible: Tensor, *, gamma: float, temperature: float = 0.1
 ) -> tuple[Tensor, Tensor]:
@@ -145,16 +152,11 @@ def correspondence_profiles(
     m = int(Hf.shape[0])
     Hf = check_square(Hf, "H", m, floating=True)
     E = check_square(eligible, "eligible", m, floating=False).to(Hf.device)
-    if use_kernels(Hf):
-        # CUDA: the profile kernel of alignopsd.kernels on one [M, M] block (target-major)
-        from alignopsd.kernels.sibling_topk import profiles_blocks  # noqa: PLC0415
-
-        P_b, valid_b = profiles_blocks(Hf.t()[None], E.t()[None], gamma=gamma, temperature=temperature, impl="triton")
-        return P_b[0], valid_b[0]
-    X, has, valid = _masked_logits(Hf.t()[None], E.t().contiguous()[None], gamma)
-    P, _ = _softmax_rows(X[0], temperature)
-    P[~has[0]] = 0.0
-    return P, valid[0]
+    # the kernels' profile path (Triton on CUDA, else their torch path) on one [M, M] block (target-major)
+    P_b, valid_b = profiles_blocks(
+        Hf.t()[None], E.t().contiguous()[None], gamma=gamma, temperature=temperature, impl=_impl(Hf)
+    )
+    return P_b[0], valid_b[0]
 
 
 def _adjacent_pairs(index: TurnIndex) -> tuple[Tensor, Tensor]:
@@ -190,27 +192,14 @@ def boundary_scores(
         turn of a trajectory is never a boundary.
     """
     check_choice(distance, "distance", DISTANCES)
-    if isinstance(P, Tensor) and use_kernels(P):
-        # CUDA: the fused Triton kernel of alignopsd.kernels (same rules, tested equal on CPU)
-        from alignopsd.kernels.jsd_boundary import boundary_scores as kernel_boundary_scores  # noqa: PLC0415
-
-        return kernel_boundary_scores(P, profile_valid, eligible, task, rollout, turn, distance=distance, impl="triton")
     task_t, roll_t, turn_t = check_ids(task, rollout, turn)
     m = int(task_t.shape[0])
     Pf = check_square(P, "P", m, floating=True).detach()
     check_finite(Pf, "P")
     valid = check_bool_vector(profile_valid, "profile_valid", m)
     E = check_square(eligible, "eligible", m, floating=False)
-    index = build_turn_index(task_t, roll_t, turn_t)
-    prev, cur = _adjacent_pairs(index)
-    ip, ic = index.order_M[prev], index.order_M[cur]
-    ok = valid[ip] & valid[ic] & (E[:, ip] == E[:, ic]).all(0)
-    d = torch.zeros(m, dtype=torch.float32, device=Pf.device)
-    sel = torch.nonzero(ok).flatten()
-    d[ic[sel]] = _adjacent_distance(Pf[ip[sel]], Pf[ic[sel]], distance, m)
-    bv = torch.zeros(m, dtype=torch.bool, device=Pf.device)
-    bv[ic] = ok
-    return d, bv
+    # the kernels' adjacent-distance path (Triton on CUDA, else their torch path) on the task blocks of P
+    return kernel_boundary_scores(Pf, valid, E, task_t, roll_t, turn_t, distance=distance, impl=_impl(Pf))
 
 
 def segmentation_threshold(
@@ -292,8 +281,6 @@ def _kernel_profiles_distances(
     Returns valid_R [G*N] bool, P_VN (profiles of the valid rows, row order), negent_V (sum p log p of
     those rows), d_s [M] float32 and bvalid_s [M] bool (identity order), tau.
     """
-    from alignopsd.kernels import batch_threshold, boundary_scores_blocks, profiles_blocks  # noqa: PLC0415
-
     m = index.num_turns
     dev = H_GSN.device
     g, nmax = int(E_GNS.shape[0]), int(E_GNS.shape[1])

@@ -180,8 +180,9 @@ def _check_params(gamma, top_k, temperature, temperature_name: str = "profile_te
 
 
 def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
-    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read)."""
-    if not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
+    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read). A finite sum
+    of all of H proves it without the masked copy, which is only made when some cell is not finite."""
+    if not all_finite(H_BTS) and not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
         raise ValueError("H: contains NaN or inf at eligible cells")
 
 

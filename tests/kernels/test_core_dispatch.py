@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 STK = importlib.import_module("alignopsd.kernels.sibling_topk")
 JSD = importlib.import_module("alignopsd.kernels.jsd_boundary")
+STK_TRITON = importlib.import_module("alignopsd.kernels.sibling_topk_triton")  # the launchers of sibling_topk
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """Counter of Triton kernel launches (by kernel function name) in the two alignment-kernel modules."""
     seen: Counter[str] = Counter()
-    for mod in (STK, JSD):
+    for mod in (STK_TRITON, JSD):
         original = mod.launch
 
         def counting(fn, grid, *args, _original=original, **kwargs):

@@ -13,7 +13,6 @@ from alignopsd.kernels import (
     DISTANCES,
     boundary_scores,
     boundary_scores_blocks,
-    boundary_scores_ref,
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
@@ -22,6 +21,7 @@ from alignopsd.kernels import (
 from test_sibling_topk import make_batch
 
 import alignopsd
+from alignopsd.reference import boundary_scores_ref
 from alignopsd.kernels import blocks as layout
 
 # the modules (the package exports functions of the same names)
