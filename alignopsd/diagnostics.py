@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ndim, check_shape
-from alignopsd.rectify import Rectified
+from alignopsd.rectify import Rectified, rectify
 
 __all__ = [
     "action_filter_metrics",
@@ -341,8 +341,6 @@ def formula_comparison(
     ``formula_neg_to_pos_count``: tokens whose cross gap c − ℓ^old is < 0 under log_mean and > 0 under
     probability_mixture.
     """
-    from alignopsd.rectify import rectify
-
     rp = rectify(diag, cross, pairs, H, gamma=gamma, alpha_max=0.0, temperature=temperature)
     rl = rectify(diag, cross, pairs, H, gamma=gamma, alpha_max=0.0, temperature=temperature, mode="log_mean")
     old = as_tensor(old_logp, "old_logp").detach().float().to(rp.cross_score.device)

@@ -24,6 +24,7 @@ from torch import Tensor
 from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real, check_shape
 from alignopsd._kernels import use_kernels
 from alignopsd.kernels.blocks import task_blocks
+from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity
 
 __all__ = [
     "MODES",
@@ -161,8 +162,6 @@ def select_sources(
         return []
     if use_kernels(H_ST, B_ST):
         # CUDA: the batched block selection of alignopsd.kernels.sibling_topk (equal, ties included)
-        from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity  # noqa: PLC0415
-
         res = sibling_topk_from_similarity(
             H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False, impl="triton"
         )
