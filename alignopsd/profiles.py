@@ -6,8 +6,13 @@ tensors meet (``P_MM``, ``H_GSN`` = [task, source, target]).
 
 Profiles P[t, s] = softmax over eligible s of H[s, t] / T_p, per task block (§3.2); adjacent distances with
 their validity rules (§3.3); the batch threshold tau (§3.4). Everything here is float32 and detached.
-On CUDA tensors (with triton importable) the work runs on the Triton kernels of ``alignopsd.kernels``
-(same rules, tested equal). Slow loop references live in ``alignopsd.reference``.
+
+Paths: the public dense entries (:func:`correspondence_profiles`, :func:`boundary_scores`) are the entries of
+``alignopsd.kernels`` (Triton on CUDA, the kernels' torch path on CPU). The allocator's batch path
+(:func:`batch_distances`) runs the same kernel entries on CUDA; on CPU it keeps a fused torch path (profiles
+only of the valid rows, their sum p log p taken from the log-softmax and reused by the distances over
+compacted neighbours), which measured as fast as or faster than the kernels' torch path inside
+``allocate_credit``. Slow loop references live in ``alignopsd.reference``.
 """
 
 from __future__ import annotations
