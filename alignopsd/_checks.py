@@ -79,3 +79,36 @@ def check_choice(x: str, name: str, allowed) -> str:
     if x not in allowed:
         raise ValueError(f"{name}: unknown value {x!r}; allowed: {', '.join(map(repr, allowed))}")
     return x
+
+
+def check_square(x, name: str, m: int, *, floating: bool) -> Tensor:
+    """An [m, m] tensor: floating (returned as float32) or bool."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, 2)
+    if tuple(t.shape) != (m, m):
+        raise ValueError(f"{name}: expected shape ({m}, {m}) (M turns), got {tuple(t.shape)}")
+    if floating:
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating tensor, got {t.dtype}")
+        return t.float()
+    if t.dtype != torch.bool:
+        raise ValueError(f"{name}: expected a bool tensor, got {t.dtype}")
+    return t
+
+
+def check_bool_vector(x, name: str, m: int) -> Tensor:
+    """A bool tensor of shape [m]."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, 1)
+    if t.shape[0] != m:
+        raise ValueError(f"{name}: expected shape ({m},), got {tuple(t.shape)}")
+    if t.dtype != torch.bool:
+        raise ValueError(f"{name}: expected a bool tensor, got {t.dtype}")
+    return t
+
+
+def check_offsets(offsets: Tensor, k: int) -> None:
+    """Offsets [T+1] of a flat batch of k entries: non-decreasing from 0 to k."""
+    o = offsets.tolist()
+    if not o or o[0] != 0 or o[-1] != k or any(o[i] > o[i + 1] for i in range(len(o) - 1)):
+        raise ValueError(f"offsets: must be non-decreasing from 0 to {k}, got {o}")

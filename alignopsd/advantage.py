@@ -92,7 +92,7 @@ def build_turn_index(task: Tensor, rollout: Tensor, turn: Tensor | None = None) 
     return TurnIndex(order, traj_m, task_m, traj_off, task_off, traj_task)
 
 
-def _check_outcome(outcome, m: int, name: str = "outcome") -> Tensor:
+def check_outcome(outcome, m: int, name: str = "outcome") -> Tensor:
     out = as_tensor(outcome, name).detach()
     check_ndim(out, name, 1)
     if out.shape[0] != m:
@@ -181,7 +181,7 @@ def grpo_advantage(
     check_choice(scope, "scope", _SCOPES)
     eps = check_real(eps, "eps", lo=0.0)
     task_t, roll_t, _ = check_ids(task, rollout)
-    r = _check_outcome(outcome, int(task_t.shape[0]))
+    r = check_outcome(outcome, int(task_t.shape[0]))
     if task_t.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float32, device=r.device)
     index = build_turn_index(task_t, roll_t)
@@ -210,7 +210,7 @@ def residual_from_index(r_M: Tensor, invalid_M: Tensor, task_M: Tensor, num_task
     return norm(r_M - penalty * invalid_M.double()) - norm(r_M)
 
 
-def _check_invalid(invalid, m: int) -> Tensor:
+def check_invalid(invalid, m: int) -> Tensor:
     inv = as_tensor(invalid, "invalid")
     check_ndim(inv, "invalid", 1)
     if inv.shape[0] != m:
@@ -244,8 +244,8 @@ def invalid_action_residual(outcome: Tensor, invalid: Tensor, task: Tensor, *, p
     if task_t.is_floating_point() or task_t.dtype == torch.bool:
         raise ValueError(f"task: expected an integer tensor, got {task_t.dtype}")
     m = int(task_t.shape[0])
-    r = _check_outcome(outcome, m)
-    inv = _check_invalid(invalid, m)
+    r = check_outcome(outcome, m)
+    inv = check_invalid(invalid, m)
     if m == 0:
         return torch.zeros(0, dtype=torch.float32, device=r.device)
     _, task_idx = torch.unique(task_t.long(), return_inverse=True)

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
 
-from alignopsd.credit import CreditConfig
+from alignopsd.config_values import bool_field, choice_field, coerce_value, int_field, real_field
+from alignopsd.credit_config import CreditConfig
+from alignopsd.estimators import ESTIMATORS
 
 __all__ = [
     "ABLATIONS",
@@ -39,39 +39,6 @@ __all__ = [
 ABLATIONS = ("A", "B", "C", "D", "E")
 ABLATION_CREDIT_MODE = {"A": "adaptive", "B": "token", "C": "turn", "D": "random", "E": "adaptive"}
 """Credit (M2) segmentation mode implied by each ablation of ALGORITHM.md §3.11 (A also sets α_max = 0)."""
-
-
-def _real(name: str, v: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name}: expected a real number, got {type(v).__name__} {v!r}")
-    x = float(v)
-    if not math.isfinite(x):
-        raise ValueError(f"{name}: expected a finite number, got {x}")
-    if lo is not None and (x < lo or (lo_open and x == lo)):
-        raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {x}")
-    if hi is not None and x > hi:
-        raise ValueError(f"{name}: must be <= {hi}, got {x}")
-    return x
-
-
-def _int(name: str, v: Any, *, lo: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name}: expected an integer, got {type(v).__name__} {v!r}")
-    if lo is not None and v < lo:
-        raise ValueError(f"{name}: must be >= {lo}, got {v}")
-    return v
-
-
-def _bool(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"{name}: expected true or false, got {v!r}")
-    return v
-
-
-def _choice(name: str, v: Any, allowed: tuple[str, ...]) -> str:
-    if v not in allowed:
-        raise ValueError(f"{name}: unknown value {v!r}; allowed: {', '.join(map(repr, allowed))}")
-    return v
 
 
 # ---------------------------------------------------------------------------------------------------------- sections
@@ -99,18 +66,18 @@ class RectifyConfig:
     """τ_a: minimum action-embedding cosine for a kept pair, a real number in [-1, 1]."""
 
     def __post_init__(self) -> None:
-        _real("gamma", self.gamma, lo=-1.0)
+        real_field("gamma", self.gamma, lo=-1.0)
         if self.gamma >= 1.0:
             raise ValueError(f"gamma: must be < 1, got {self.gamma}")
-        _int("top_k", self.top_k, lo=1)
-        _real("alpha_max", self.alpha_max, lo=0.0, hi=1.0)
-        _real("temperature", self.temperature, lo=0.0, lo_open=True)
-        _choice("mode", self.mode, ("probability_mixture", "log_mean"))
-        _int("source_rollout_cap", self.source_rollout_cap)
+        int_field("top_k", self.top_k, lo=1)
+        real_field("alpha_max", self.alpha_max, lo=0.0, hi=1.0)
+        real_field("temperature", self.temperature, lo=0.0, lo_open=True)
+        choice_field("mode", self.mode, ("probability_mixture", "log_mean"))
+        int_field("source_rollout_cap", self.source_rollout_cap)
         if self.source_rollout_cap != 1:
             raise ValueError(f"source_rollout_cap: must be exactly 1, got {self.source_rollout_cap}")
-        _bool("action_filter", self.action_filter)
-        _real("action_threshold", self.action_threshold, lo=-1.0, hi=1.0)
+        bool_field("action_filter", self.action_filter)
+        real_field("action_threshold", self.action_threshold, lo=-1.0, hi=1.0)
 
 
 @dataclass
@@ -123,8 +90,8 @@ class AlignmentLossConfig:
     """Gate sharpness β (> 0) of σ(β δ̃), δ̃ frozen at rollout."""
 
     def __post_init__(self) -> None:
-        _real("coef", self.coef, lo=0.0)
-        _real("beta", self.beta, lo=0.0, lo_open=True)
+        real_field("coef", self.coef, lo=0.0)
+        real_field("beta", self.beta, lo=0.0, lo_open=True)
 
 
 @dataclass
@@ -139,9 +106,9 @@ class SdarConfig:
     """Gate sharpness β (> 0)."""
 
     def __post_init__(self) -> None:
-        _bool("enabled", self.enabled)
-        _real("coef", self.coef, lo=0.0)
-        _real("beta", self.beta, lo=0.0, lo_open=True)
+        bool_field("enabled", self.enabled)
+        real_field("coef", self.coef, lo=0.0)
+        real_field("beta", self.beta, lo=0.0, lo_open=True)
 
 
 @dataclass
@@ -158,10 +125,10 @@ class RlsdConfig:
     """Upper clip of the per-token multiplier (>= clip_low)."""
 
     def __post_init__(self) -> None:
-        _real("lambda_init", self.lambda_init, lo=0.0, hi=1.0)
-        _int("decay_steps", self.decay_steps, lo=1)
-        _real("clip_low", self.clip_low, lo=0.0, lo_open=True)
-        _real("clip_high", self.clip_high, lo=self.clip_low)
+        real_field("lambda_init", self.lambda_init, lo=0.0, hi=1.0)
+        int_field("decay_steps", self.decay_steps, lo=1)
+        real_field("clip_low", self.clip_low, lo=0.0, lo_open=True)
+        real_field("clip_high", self.clip_high, lo=self.clip_low)
 
 
 @dataclass
@@ -178,10 +145,10 @@ class OpsdConfig:
     """``grpo_opsd``: local trust region α_clip ∈ [0, 1): multipliers clipped to [1 − α_clip, 1 + α_clip]."""
 
     def __post_init__(self) -> None:
-        _real("coef", self.coef, lo=0.0)
-        _real("beta", self.beta, lo=0.0, lo_open=True)
-        _real("mix", self.mix, lo=0.0, hi=1.0)
-        _real("clip", self.clip, lo=0.0)
+        real_field("coef", self.coef, lo=0.0)
+        real_field("beta", self.beta, lo=0.0, lo_open=True)
+        real_field("mix", self.mix, lo=0.0, hi=1.0)
+        real_field("clip", self.clip, lo=0.0)
         if self.clip >= 1.0:
             raise ValueError(f"clip: must be < 1, got {self.clip}")
 
@@ -220,10 +187,10 @@ class AlgorithmConfig:
     rectify: RectifyConfig = field(default_factory=RectifyConfig)
     """Mechanism 1 settings."""
     credit: CreditConfig = field(default_factory=CreditConfig)
-    """Mechanism 2 settings (alignopsd.credit.CreditConfig)."""
+    """Mechanism 2 settings (alignopsd.credit_config.CreditConfig)."""
     mechanism2_enabled: bool | None = None
-    """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match the consumer
-    (true exactly for ``alignopsd``)."""
+    """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match what the consumer
+    declares (``uses_mechanism2`` in its registration: true for ``alignopsd``)."""
     alignment: AlignmentLossConfig = field(default_factory=AlignmentLossConfig)
     """M1-only alignment loss (``alignopsd_m1``)."""
     sdar: SdarConfig = field(default_factory=SdarConfig)
@@ -260,12 +227,10 @@ class AlgorithmConfig:
     """Fields computed from others: :func:`to_dict` leaves them out (explicit values are still checked)."""
 
     def __post_init__(self) -> None:
-        from alignopsd.estimators import ESTIMATORS
-
         if not isinstance(self.estimator, str) or self.estimator not in ESTIMATORS:
             allowed = ", ".join(map(repr, ESTIMATORS))
             raise ValueError(f"estimator: unknown value {self.estimator!r}; allowed: {allowed}")
-        _choice("ablation", self.ablation, ABLATIONS)
+        choice_field("ablation", self.ablation, ABLATIONS)
         for name, cls in (
             ("rectify", RectifyConfig),
             ("credit", CreditConfig),
@@ -276,25 +241,26 @@ class AlgorithmConfig:
         ):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
-        _choice("grpo_scope", self.grpo_scope, ("trajectory", "turn"))
-        _bool("norm_by_std", self.norm_by_std)
-        _bool("use_invalid_penalty", self.use_invalid_penalty)
-        _real("invalid_penalty", self.invalid_penalty, lo=0.0)
-        _real("kl_coef", self.kl_coef, lo=0.0)
-        _real("entropy_coef", self.entropy_coef, lo=0.0)
-        _real("clip_low", self.clip_low, lo=0.0, hi=1.0)
-        _real("clip_high", self.clip_high, lo=0.0)
-        _real("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
+        choice_field("grpo_scope", self.grpo_scope, ("trajectory", "turn"))
+        bool_field("norm_by_std", self.norm_by_std)
+        bool_field("use_invalid_penalty", self.use_invalid_penalty)
+        real_field("invalid_penalty", self.invalid_penalty, lo=0.0)
+        real_field("kl_coef", self.kl_coef, lo=0.0)
+        real_field("entropy_coef", self.entropy_coef, lo=0.0)
+        real_field("clip_low", self.clip_low, lo=0.0, hi=1.0)
+        real_field("clip_high", self.clip_high, lo=0.0)
+        real_field("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
         if self.loss_agg_mode != "token-mean":
             raise ValueError(f"loss_agg_mode: must be 'token-mean' (§3.12), got {self.loss_agg_mode!r}")
-        consumer_m2 = self.estimator == "alignopsd"
+        consumer_m2 = ESTIMATORS[self.estimator].mechanism2
         if self.mechanism2_enabled is None:
             self.mechanism2_enabled = consumer_m2
-        _bool("mechanism2_enabled", self.mechanism2_enabled)
+        bool_field("mechanism2_enabled", self.mechanism2_enabled)
         if self.mechanism2_enabled != consumer_m2:
             raise ValueError(
                 f"mechanism2_enabled: {self.mechanism2_enabled} does not match the consumer estimator "
-                f"{self.estimator!r} (Mechanism 2 runs exactly for 'alignopsd')"
+                f"{self.estimator!r} (Mechanism 2 runs exactly for the estimators that declare it: "
+                f"{', '.join(repr(n) for n, spec in ESTIMATORS.items() if spec.mechanism2)})"
             )
         # derived credit fields
         updates = {}
@@ -358,96 +324,6 @@ def _lookup_with_default(cls: type, data: dict, dotted: str) -> Any:
 # ---------------------------------------------------------------------------------------------------------- loader
 
 
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(path: str, tp: Any, value: Any, section: Any = None) -> Any:
-    """Check ``value`` against the annotation ``tp`` (converting int to float, numeric strings to float, lists
-    to tuples); ValueError names ``path``. ``section(cls, data, path)`` builds nested dataclass sections
-    (default :func:`from_dict`); the run-config loader passes its own, so both loaders share these rules."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is Literal:
-        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args if a == value):
-            raise ValueError(f"{path}: unknown value {value!r}; allowed: {', '.join(map(repr, args))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ValueError(f"{path}: must not be null")
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(path, a, value, section)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
-        return (section or from_dict)(tp, value, path)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, tp):
-            return value
-        try:
-            return tp(value)
-        except ValueError:
-            raise ValueError(
-                f"{path}: unknown value {value!r}; allowed: {', '.join(repr(m.value) for m in tp)}"
-            ) from None
-    if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{path}: expected a list, got {value!r}")
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(f"{path}[{i}]", args[0], v, section) for i, v in enumerate(value))
-        if origin is tuple and args:
-            if len(args) != len(value):
-                raise ValueError(f"{path}: expected {len(args)} entries, got {len(value)}")
-            return tuple(_coerce(f"{path}[{i}]", a, v, section) for i, (a, v) in enumerate(zip(args, value)))
-        inner = args[0] if args else Any
-        out = [_coerce(f"{path}[{i}]", inner, v, section) for i, v in enumerate(value)]
-        return tuple(out) if (origin is tuple or tp is tuple) else out
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{path}: expected a mapping, got {value!r}")
-        vt = args[1] if len(args) == 2 else Any
-        return {k: _coerce(f"{path}.{k}", vt, v, section) for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise ValueError(f"{path}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{path}: expected a string, got {value!r}")
-        return value
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ValueError(f"{path}: expected {tp.__name__}, got {value!r}")
-    return value
-
-
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
     """Build dataclass ``cls`` (and nested sections) from a plain mapping, strictly.
 
@@ -468,7 +344,7 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     check = getattr(cls, "_check_derived", None)
     if check is not None:
         check(data, path)
-    kwargs = {k: _coerce(f"{where}{k}", hints[k], v) for k, v in data.items()}
+    kwargs = {k: coerce_value(f"{where}{k}", hints[k], v, from_dict) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ValueError as exc:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ndim, check_shape
-from alignopsd.rectify import Rectified
+from alignopsd.rectify import Rectified, rectify
 
 __all__ = [
     "action_filter_metrics",
@@ -85,6 +85,35 @@ def off_turn_match_weight(pairs: Tensor, pair_weight: Tensor, turn: Tensor) -> f
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
     return x[mask]
+
+
+def _gap_metrics(rect: Rectified, old: Tensor, m: Tensor) -> dict[str, float]:
+    """Gaps before / after rectification over the policy tokens (cross gaps over matched targets' tokens)."""
+    d_diag = rect.diag - old
+    d_corr = rect.corrected - old
+    matched_tok = m & rect.matched[:, None]
+    out: dict[str, float] = {}
+    out.update(describe(_masked(d_diag, m), "diagonal_gap"))
+    out.update(describe(_masked(d_corr, m), "corrected_gap"))
+    out.update(describe(_masked(rect.cross_score - old, matched_tok), "cross_gap"))
+    out.update(describe(_masked(rect.cross_score - rect.diag, matched_tok), "cross_diagonal_delta"))
+    out.update(describe(_masked(rect.corrected - rect.diag, m), "corrected_diagonal_delta"))
+    out.update(describe(_masked((rect.cross_score - rect.diag).abs(), matched_tok), "cross_diagonal_abs_disagreement"))
+    return out
+
+
+def _similarity_metrics(
+    rect: Rectified, H_ST: Tensor, B: Tensor, thr: Tensor, cand_per_target: Tensor
+) -> dict[str, float]:
+    """Similarity distributions: eligible cells, thresholded cells, the diagonal, selected pairs, counts."""
+    out: dict[str, float] = {}
+    out.update(describe(H_ST[B], "structural_similarity"))
+    out.update(describe(H_ST[thr], "threshold_similarity"))
+    out.update(describe(torch.diagonal(H_ST), "diagonal_similarity"))
+    out.update(describe(rect.pair_similarity, "selected_similarity"))
+    out.update(describe(torch.count_nonzero(B, dim=0).double(), "eligible_sources_per_target"))
+    out.update(describe(cand_per_target.double(), "threshold_candidates_per_target"))
+    return out
 
 
 def m1_diagnostics(
@@ -158,15 +187,8 @@ def m1_diagnostics(
             put(name, float((~vt).double().mean()) if M else 0.0)
 
     # gaps before / after
-    d_diag = rect.diag - old
     d_corr = rect.corrected - old
-    matched_tok = m & matched[:, None]
-    put_all(describe(_masked(d_diag, m), "diagonal_gap"))
-    put_all(describe(_masked(d_corr, m), "corrected_gap"))
-    put_all(describe(_masked(rect.cross_score - old, matched_tok), "cross_gap"))
-    put_all(describe(_masked(rect.cross_score - rect.diag, matched_tok), "cross_diagonal_delta"))
-    put_all(describe(_masked(rect.corrected - rect.diag, m), "corrected_diagonal_delta"))
-    put_all(describe(_masked((rect.cross_score - rect.diag).abs(), matched_tok), "cross_diagonal_abs_disagreement"))
+    put_all(_gap_metrics(rect, old, m))
 
     # confidence / strength
     put_all(describe(rect.rho, "correspondence_confidence"))
@@ -175,12 +197,7 @@ def m1_diagnostics(
     put("correction_strength_mean", float(rect.alpha.double().mean()) if M else 0.0)
 
     # similarity
-    put_all(describe(H_ST[B], "structural_similarity"))
-    put_all(describe(H_ST[thr], "threshold_similarity"))
-    put_all(describe(torch.diagonal(H_ST), "diagonal_similarity"))
-    put_all(describe(rect.pair_similarity, "selected_similarity"))
-    put_all(describe(torch.count_nonzero(B, dim=0).double(), "eligible_sources_per_target"))
-    put_all(describe(cand_per_target.double(), "threshold_candidates_per_target"))
+    put_all(_similarity_metrics(rect, H_ST, B, thr, cand_per_target))
 
     # M1-only gap summary: mean and RMS of ℓ̃ - ℓ^old over policy tokens
     g = d_corr[m].double()
@@ -324,8 +341,6 @@ def formula_comparison(
     ``formula_neg_to_pos_count``: tokens whose cross gap c − ℓ^old is < 0 under log_mean and > 0 under
     probability_mixture.
     """
-    from alignopsd.rectify import rectify
-
     rp = rectify(diag, cross, pairs, H, gamma=gamma, alpha_max=0.0, temperature=temperature)
     rl = rectify(diag, cross, pairs, H, gamma=gamma, alpha_max=0.0, temperature=temperature, mode="log_mean")
     old = as_tensor(old_logp, "old_logp").detach().float().to(rp.cross_score.device)

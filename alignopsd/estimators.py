@@ -21,18 +21,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ids, check_ndim, check_real, check_shape
 from alignopsd.advantage import grpo_advantage, invalid_action_residual
+from alignopsd.credit import allocate_credit
+from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.losses import AuxTerm
 from alignopsd.rectify import Rectified, check_finite_fast, rectify
-
-if TYPE_CHECKING:  # pragma: no cover
-    from alignopsd.config import AlgorithmConfig
 
 __all__ = [
     "ESTIMATORS",
@@ -150,35 +149,65 @@ class EstimatorOutput:
     credit: Any = None
 
 
-EstimatorFn = Callable[[EstimatorInputs, "AlgorithmConfig"], EstimatorOutput]
+EstimatorFn = Callable[[EstimatorInputs, Any], EstimatorOutput]
+"""``fn(inputs, config)``: config is the run's ``alignopsd.config.AlgorithmConfig``."""
+
+Need = bool | Callable[[Any], bool]
+"""A declared need: a fixed answer, or a function of the AlgorithmConfig (e.g. ``lambda cfg: cfg.sdar.enabled``)."""
+
+
+def _answer(need: Need, config: Any) -> bool:
+    return bool(need(config)) if callable(need) else need
+
+
+def _check_need(need: Any, name: str) -> Need:
+    if not (isinstance(need, bool) or callable(need)):
+        raise ValueError(f"{name}: expected a bool or a function of the AlgorithmConfig, got {need!r}")
+    return need
 
 
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """A registered estimator: its function and the phases the step must compute for it."""
+    """A registered estimator: its function and what it declares it needs.
+
+    teacher_diag: diagonal teacher forcing ℓ^diag (implied by ``alignment``); alignment: teacher generation,
+    encoder, selection and cross scoring (Mechanism 1); mechanism2: Mechanism 2 credit; aux: it adds
+    auxiliary loss terms; outcome_scaled: its token advantage is the outcome advantage A (plus the invalid
+    residual) times non-negative weights, so a task whose outcomes (and, with the penalty on, validity flags)
+    are all equal gets exactly zero advantage. ``teacher_diag`` and ``aux`` may depend on the config.
+    """
 
     name: str
     fn: EstimatorFn
-    needs_teacher_diag: bool
-    needs_alignment: bool
-    uses_mechanism2: bool
+    teacher_diag: Need
+    alignment: bool
+    mechanism2: bool
+    aux: Need
+    outcome_scaled: bool
     description: str
 
-    def needs_ref(self, config: AlgorithmConfig) -> bool:
+    def needs_teacher_diag(self, config: Any) -> bool:
+        """Diagonal teacher log-probs are needed (always with alignment)."""
+        return self.alignment or _answer(self.teacher_diag, config)
+
+    def has_aux(self, config: Any) -> bool:
+        """The estimator adds auxiliary loss terms under ``config``."""
+        return _answer(self.aux, config)
+
+    def needs_ref(self, config: Any) -> bool:
         """Reference log-probs are needed iff the KL term is on."""
         return float(config.kl_coef) > 0.0
 
-    def phases(self, config: AlgorithmConfig) -> dict[str, bool]:
+    def phases(self, config: Any) -> dict[str, bool]:
         """{'teacher_diag', 'alignment', 'ref', 'mechanism2'}: the step phases to run."""
-        diag = self.needs_teacher_diag or (self.name == "alignopsd" and config.sdar.enabled)
         return {
-            "teacher_diag": diag,
-            "alignment": self.needs_alignment,
+            "teacher_diag": self.needs_teacher_diag(config),
+            "alignment": self.alignment,
             "ref": self.needs_ref(config),
-            "mechanism2": self.uses_mechanism2,
+            "mechanism2": self.mechanism2,
         }
 
-    def __call__(self, inputs: EstimatorInputs, config: AlgorithmConfig) -> EstimatorOutput:
+    def __call__(self, inputs: EstimatorInputs, config: Any) -> EstimatorOutput:
         return self.fn(inputs, config)
 
 
@@ -188,15 +217,27 @@ ESTIMATORS: dict[str, EstimatorSpec] = {}
 def register_estimator(
     name: str | EstimatorName,
     *,
-    needs_teacher_diag: bool = False,
+    needs_teacher_diag: Need = False,
     needs_alignment: bool = False,
     uses_mechanism2: bool = False,
+    aux: Need = False,
+    outcome_scaled: bool = False,
     description: str = "",
 ) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator registering an estimator under ``name``; a duplicate name raises ValueError."""
+    """Decorator registering an estimator under ``name`` with its declared needs (see :class:`EstimatorSpec`);
+    a duplicate name raises ValueError."""
     key = name.value if isinstance(name, EstimatorName) else name
     if not isinstance(key, str) or not key:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    _check_need(needs_teacher_diag, "needs_teacher_diag")
+    _check_need(aux, "aux")
+    for flag, value in (
+        ("needs_alignment", needs_alignment),
+        ("uses_mechanism2", uses_mechanism2),
+        ("outcome_scaled", outcome_scaled),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}: expected true or false, got {value!r}")
 
     def deco(fn: EstimatorFn) -> EstimatorFn:
         if key in ESTIMATORS:
@@ -204,9 +245,11 @@ def register_estimator(
         ESTIMATORS[key] = EstimatorSpec(
             name=key,
             fn=fn,
-            needs_teacher_diag=needs_teacher_diag or needs_alignment,
-            needs_alignment=needs_alignment,
-            uses_mechanism2=uses_mechanism2,
+            teacher_diag=needs_teacher_diag,
+            alignment=needs_alignment,
+            mechanism2=uses_mechanism2,
+            aux=aux,
+            outcome_scaled=outcome_scaled,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
         )
         return fn
@@ -225,7 +268,7 @@ def get_estimator(name: str | EstimatorName) -> EstimatorSpec:
 # --------------------------------------------------------------------------------------------------- shared pieces
 
 
-def _outcome_advantage(inp: EstimatorInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
+def _outcome_advantage(inp: EstimatorInputs, cfg: Any) -> tuple[Tensor, Tensor, dict[str, float]]:
     """(A [M] per-turn GRPO advantage (§3.1), r [M] invalid residual (§3.10) or zeros, metrics)."""
     A = grpo_advantage(inp.outcome, inp.task, inp.rollout, scope=cfg.grpo_scope, norm_by_std=cfg.norm_by_std)
     A = A.to(inp.old_logp.device)
@@ -306,15 +349,15 @@ def rlsd_lambda(step: int, *, lambda_init: float, decay_steps: int) -> float:
 # --------------------------------------------------------------------------------------------------- estimators
 
 
-@register_estimator(EstimatorName.GRPO)
-def _grpo(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+@register_estimator(EstimatorName.GRPO, outcome_scaled=True)
+def _grpo(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """GRPO: Â = mask · (A + r), the outcome advantage plus the invalid residual; no teacher pass."""
     A, r, metrics = _outcome_advantage(inp, cfg)
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), metrics=metrics)
 
 
-@register_estimator(EstimatorName.SDAR, needs_teacher_diag=True)
-def _sdar(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+@register_estimator(EstimatorName.SDAR, needs_teacher_diag=True, aux=True, outcome_scaled=True)
+def _sdar(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """SDAR: GRPO plus the §2.10 auxiliary (diagonal teacher, gate from the current policy)."""
     inp.require("diag")
     A, r, metrics = _outcome_advantage(inp, cfg)
@@ -324,8 +367,8 @@ def _sdar(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics)
 
 
-@register_estimator(EstimatorName.OPSD, needs_teacher_diag=True)
-def _opsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+@register_estimator(EstimatorName.OPSD, needs_teacher_diag=True, aux=True)
+def _opsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """OPSD: gated distillation only (the SDAR-form term with the diagonal teacher); no outcome advantage."""
     inp.require("diag")
     aux = [AuxTerm("sdar", inp.diag, coef=cfg.opsd.coef, beta=cfg.opsd.beta)]  # type: ignore[arg-type]
@@ -334,8 +377,8 @@ def _opsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
     return EstimatorOutput(torch.zeros_like(inp.old_logp), aux=aux, metrics=metrics)
 
 
-@register_estimator(EstimatorName.GRPO_OPSD, needs_teacher_diag=True)
-def _grpo_opsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+@register_estimator(EstimatorName.GRPO_OPSD, needs_teacher_diag=True, outcome_scaled=True)
+def _grpo_opsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """GRPO + dense OPSD shaping, StepOPSD-style (sign-preserving, per-step credit budget).
 
     Per token m = clip(exp(sign(A)·δ), 1 − α_clip, 1 + α_clip) with δ = ℓ^diag − ℓ^old; each turn (agent
@@ -356,8 +399,8 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
-@register_estimator(EstimatorName.RLSD, needs_teacher_diag=True)
-def _rlsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+@register_estimator(EstimatorName.RLSD, needs_teacher_diag=True, outcome_scaled=True)
+def _rlsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """RLSD: Â = mask · (A·((1−λ) + λ·clip(exp(sign(A)·Δ), lo, hi)) + r), Δ = ℓ^diag − ℓ^old, λ decayed to 0."""
     A, r, metrics = _outcome_advantage(inp, cfg)
     delta = _teacher_gap(inp)
@@ -370,10 +413,8 @@ def _rlsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
-def _run_m1(inp: EstimatorInputs, cfg: AlgorithmConfig) -> tuple[Rectified, Tensor, dict[str, float]]:
+def _run_m1(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str, float]]:
     """Rectify (§2.7) with the config's α_max (0 under ablation A); returns (rect, δ̃ [M, L], m1 metrics)."""
-    from alignopsd.diagnostics import m1_diagnostics
-
     inp.require("diag", "H", "eligible")
     M, L = inp.old_logp.shape
     pairs = inp.pairs if inp.pairs is not None else torch.zeros(0, 2, dtype=torch.long)
@@ -393,12 +434,16 @@ def _run_m1(inp: EstimatorInputs, cfg: AlgorithmConfig) -> tuple[Rectified, Tens
     return rect, gap, metrics
 
 
-@register_estimator(EstimatorName.ALIGNOPSD, needs_alignment=True, uses_mechanism2=True)
-def _alignopsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+def _sdar_enabled(cfg: Any) -> bool:
+    return bool(cfg.sdar.enabled)
+
+
+@register_estimator(
+    EstimatorName.ALIGNOPSD, needs_alignment=True, uses_mechanism2=True, aux=_sdar_enabled, outcome_scaled=True
+)
+def _alignopsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """AlignOPSD: M1 rectification, then M2 credit (ablation A–E) on δ̃, plus the invalid residual;
     the SDAR auxiliary when ``cfg.sdar.enabled``. M2 adds no alignment loss term."""
-    from alignopsd.credit import allocate_credit
-
     rect, gap, metrics = _run_m1(inp, cfg)
     invalid = inp.invalid if cfg.use_invalid_penalty else None
     credit = allocate_credit(
@@ -412,8 +457,8 @@ def _alignopsd(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
     return EstimatorOutput(_finish(adv, inp), aux=aux, metrics=metrics, rectified=rect, credit=credit)
 
 
-@register_estimator(EstimatorName.ALIGNOPSD_M1, needs_alignment=True)
-def _alignopsd_m1(inp: EstimatorInputs, cfg: AlgorithmConfig) -> EstimatorOutput:
+@register_estimator(EstimatorName.ALIGNOPSD_M1, needs_alignment=True, aux=True, outcome_scaled=True)
+def _alignopsd_m1(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """M1-only (§2.9): verl-agent GRPO over all rows on R − c·invalid, plus coef · L_align with the
     rollout-frozen δ̃ gate."""
     rect, gap, metrics = _run_m1(inp, cfg)

@@ -23,16 +23,15 @@ from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real, check_shape
 from alignopsd._kernels import use_kernels
+from alignopsd.kernels.blocks import task_blocks
+from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity
 
 __all__ = [
-    "M1Sidecar",
     "MODES",
     "Rectified",
-    "build_sidecar",
     "action_filter",
     "cross_inputs",
     "eligibility",
-    "identity_rank",
     "pairs_from_selection",
     "parse_webshop_action",
     "policy_mask",
@@ -57,17 +56,6 @@ def check_finite_fast(t: Tensor, name: str) -> None:
     lo, hi = torch.aminmax(t.detach())
     if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
         check_finite(t, name)
-
-
-def identity_rank(task: Tensor, rollout: Tensor, turn: Tensor) -> Tensor:
-    """Rank[M] of each turn in the lexicographic identity order (task, rollout, turn)."""
-    task, rollout, turn = check_ids(task, rollout, turn)
-    order = torch.argsort(turn, stable=True)
-    order = order[torch.argsort(rollout[order], stable=True)]
-    order = order[torch.argsort(task[order], stable=True)]
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return rank
 
 
 def _check_square(x, name: str, M: int, *, dtype=None) -> Tensor:
@@ -153,51 +141,6 @@ def eligibility(task: Tensor, rollout: Tensor, source_valid: Tensor, target_vali
 # ----------------------------------------------------------------------------- §2.4 selection
 
 
-def _task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Pad the identity-sorted turns into task blocks.
-
-    Returns idx_TN [T, N] (turn index, identity order within the block; padding = 0),
-    member_TN [T, N] bool, local_rollout_TN [T, N] (rollout index within its task, padding = 0).
-    """
-    M = task.numel()
-    dev = task.device
-    rank = identity_rank(task, rollout, turn)
-    order = torch.empty_like(rank)
-    order[rank] = torch.arange(M, device=dev)
-    task_s = task[order]
-    roll_s = rollout[order]
-    if M > 1:
-        turn_s = turn[order]
-        dup = (task_s[1:] == task_s[:-1]) & (roll_s[1:] == roll_s[:-1]) & (turn_s[1:] == turn_s[:-1])
-        if bool(dup.any()):
-            i = int(order[1:][dup][0])
-            raise ValueError(
-                f"turn: duplicate identity (task, rollout, turn) = {(int(task[i]), int(rollout[i]), int(turn[i]))}; "
-                "canonical turns must be unique"
-            )
-    new_task = torch.ones(M, dtype=torch.bool, device=dev)
-    new_traj = torch.ones(M, dtype=torch.bool, device=dev)
-    if M > 1:
-        new_task[1:] = task_s[1:] != task_s[:-1]
-        new_traj[1:] = new_task[1:] | (roll_s[1:] != roll_s[:-1])
-    task_idx = torch.cumsum(new_task.long(), 0) - 1
-    traj_idx = torch.cumsum(new_traj.long(), 0) - 1
-    T = int(task_idx[-1]) + 1
-    counts = torch.bincount(task_idx, minlength=T)
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(M, device=dev) - starts[task_idx]
-    first_traj_of_task = traj_idx[starts]
-    local_roll = traj_idx - first_traj_of_task[task_idx]
-    N = int(counts.max())
-    idx = torch.zeros(T, N, dtype=torch.long, device=dev)
-    member = torch.zeros(T, N, dtype=torch.bool, device=dev)
-    lroll = torch.zeros(T, N, dtype=torch.long, device=dev)
-    idx[task_idx, pos] = order
-    member[task_idx, pos] = True
-    lroll[task_idx, pos] = local_roll
-    return idx, member, lroll
-
-
 def select_sources(
     H: Tensor, eligible: Tensor, task: Tensor, rollout: Tensor, turn: Tensor, *, gamma: float, top_k: int
 ) -> list[list[int]]:
@@ -219,13 +162,12 @@ def select_sources(
         return []
     if use_kernels(H_ST, B_ST):
         # CUDA: the batched block selection of alignopsd.kernels.sibling_topk (equal, ties included)
-        from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity  # noqa: PLC0415
-
         res = sibling_topk_from_similarity(
             H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False, impl="triton"
         )
         return res.selected_lists()
-    idx_TN, member_TN, lroll_TN = _task_blocks(task, rollout, turn)
+    blocks = task_blocks(task, rollout, turn)  # identity-sorted task blocks (duplicate identities: ValueError)
+    idx_TN, member_TN, lroll_TN = blocks.idx_TN, blocks.member_TN, blocks.lroll_TN
     T, N = idx_TN.shape
     dev = H_ST.device
     # blocks [T, target, source]; sources in identity order along the last axis
@@ -499,26 +441,9 @@ def _check_grouped(pairs: Tensor, M: int) -> None:
         raise ValueError("pairs: contains a duplicate (source, target) pair")
 
 
-def rectify(
-    diag: Tensor,
-    cross: Tensor,
-    pairs: Tensor,
-    H: Tensor,
-    *,
-    gamma: float,
-    alpha_max: float,
-    temperature: float = 0.1,
-    mode: str = "probability_mixture",
-) -> Rectified:
-    """Aggregate the cross scores of each target, then blend with the diagonal teacher (§2.7–2.8).
-
-    diag: [M, L] ℓ^diag. cross: [P, L] ℓ^{s→t} in pair order. pairs: [P, 2] (source, target), grouped
-    by target in rank order. H: [M, M] H[source, target]. Weights ω = softmax(h / temperature) per target;
-    c = logsumexp(log ω + ℓ) (probability_mixture) or Σ ω ℓ (log_mean); ρ = Σ ω clip((h-γ)/(1-γ), 0, 1);
-    α = clip(α_max ρ, 0, α_max); ℓ̃ = (1-α) ℓ^diag + α c. Targets with no pair keep ℓ^diag exactly.
-    Vectorised over targets with a dense [targets, K, L] layout of the target groups (no loop over targets);
-    token-level aggregation runs in FP32 (per-pair weights and ρ in float64), outputs are float32.
-    """
+def _rectify_inputs(diag, cross, pairs, H, gamma, alpha_max, temperature, mode):
+    """Checked inputs of :func:`rectify` (ValueError naming the argument): diag [M, L], pairs [P, 2] grouped by
+    target, cross [P, L], H [M, M], and the scalars."""
     d = as_tensor(diag, "diag")
     check_ndim(d, "diag", 2)
     if not d.is_floating_point():
@@ -543,6 +468,49 @@ def rectify(
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     check_choice(mode, "mode", MODES)
     _check_grouped(pr, M)
+    return d, pr, c_in, H_ST, gamma, alpha_max, temperature
+
+
+def _aggregate(x_QKL: Tensor, w32_QK: Tensor, mode: str) -> Tensor:
+    """Cross score c [Q, L] of each target from its sources' scores x [Q, K, L] (overwritten) and weights ω.
+
+    probability_mixture: c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j] (so k
+    equal sources return exactly their score); log_mean: c = Σ_j ω_j ℓ_j.
+    """
+    if mode == "probability_mixture":
+        lmax = x_QKL.amax(1)
+        lmin = x_QKL.amin(1)
+        x_QKL.sub_(lmax[:, None]).exp_()
+        acc = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
+        return torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
+    return torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
+
+
+def rectify(
+    diag: Tensor,
+    cross: Tensor,
+    pairs: Tensor,
+    H: Tensor,
+    *,
+    gamma: float,
+    alpha_max: float,
+    temperature: float = 0.1,
+    mode: str = "probability_mixture",
+) -> Rectified:
+    """Aggregate the cross scores of each target, then blend with the diagonal teacher (§2.7–2.8).
+
+    diag: [M, L] ℓ^diag. cross: [P, L] ℓ^{s→t} in pair order. pairs: [P, 2] (source, target), grouped
+    by target in rank order. H: [M, M] H[source, target]. Weights ω = softmax(h / temperature) per target;
+    c = logsumexp(log ω + ℓ) (probability_mixture) or Σ ω ℓ (log_mean); ρ = Σ ω clip((h-γ)/(1-γ), 0, 1);
+    α = clip(α_max ρ, 0, α_max); ℓ̃ = (1-α) ℓ^diag + α c. Targets with no pair keep ℓ^diag exactly.
+    Vectorised over targets with a dense [targets, K, L] layout of the target groups (no loop over targets);
+    token-level aggregation runs in FP32 (per-pair weights and ρ in float64), outputs are float32.
+    """
+    d, pr, c_in, H_ST, gamma, alpha_max, temperature = _rectify_inputs(
+        diag, cross, pairs, H, gamma, alpha_max, temperature, mode
+    )
+    M, L = d.shape
+    P = pr.shape[0]
 
     dev = d.device
     d32 = d.detach().float()
@@ -573,16 +541,7 @@ def rectify(
         x_PL[group_start][:, None, :].repeat(1, K, 1) if P else torch.zeros(0, K, L, dtype=torch.float32, device=dev)
     )
     x_QKL[group, slot] = x_PL
-    w32_QK = w_QK.float()
-    if mode == "probability_mixture":
-        # c = max_j ℓ_j + log Σ_j ω_j exp(ℓ_j - max_j ℓ_j), clamped into [min_j, max_j]
-        lmax = x_QKL.amax(1)
-        lmin = x_QKL.amin(1)
-        x_QKL.sub_(lmax[:, None]).exp_()
-        acc = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
-        c_QL = torch.minimum(torch.maximum(lmax + torch.log(acc), lmin), lmax)
-    else:
-        c_QL = torch.einsum("qk,qkl->ql", w32_QK, x_QKL)
+    c_QL = _aggregate(x_QKL, w_QK.float(), mode)
     h_QK = torch.zeros(Q, K, dtype=torch.float64, device=dev)
     h_QK[group, slot] = h
     conf_QK = ((h_QK - gamma) / (1.0 - gamma)).clamp(0.0, 1.0)
@@ -612,135 +571,6 @@ def rectify(
         gamma=gamma,
         alpha_max=alpha_max,
         mode=mode,
-    )
-
-
-# ----------------------------------------------------------------------------- §2.8 sidecar and invariants
-
-
-@dataclass
-class M1Sidecar:
-    """Per-step Mechanism 1 record on canonical turns (§2.8). Legend: M turns, P pairs, L tokens, R rows.
-
-    H, eligible: [M, M] in the source × target layout (``layout`` = "source_target"). selected: per target,
-    kept source indices in rank order; weights: their ω. rho, alpha: [M]. diag, corrected: [M, L];
-    cross: [P, L] or None; delta_diag, delta_corrected: [M, L] gaps against ℓ^old. sampled_mask,
-    policy_mask: [M, L] bool. gamma, alpha_max: scalars. row_to_canonical: [R]. encoder_contract: dict.
-    """
-
-    H: Tensor
-    eligible: Tensor
-    selected: list[list[int]]
-    weights: list[Tensor]
-    rho: Tensor
-    alpha: Tensor
-    diag: Tensor
-    corrected: Tensor
-    cross: Tensor | None
-    delta_diag: Tensor
-    delta_corrected: Tensor
-    sampled_mask: Tensor
-    policy_mask: Tensor
-    gamma: float
-    alpha_max: float
-    row_to_canonical: Tensor
-    encoder_contract: dict
-    layout: str = "source_target"
-
-    def row_fields(self, *, include_diag: bool = False) -> dict[str, Tensor]:
-        """Values copied to every row [R, ...]: teacher_log_probs = ℓ̃, m1_corrected_gap = δ̃,
-        m1_correspondence_confidence = ρ, m1_correction_strength = α (and sdar_diagonal_teacher_log_probs)."""
-        idx = self.row_to_canonical.to(self.corrected.device)
-        out = {
-            "teacher_log_probs": self.corrected[idx],
-            "m1_corrected_gap": self.delta_corrected[idx],
-            "m1_correspondence_confidence": self.rho[idx],
-            "m1_correction_strength": self.alpha[idx],
-        }
-        if include_diag:
-            out["sdar_diagonal_teacher_log_probs"] = self.diag[idx]
-        return out
-
-
-def build_sidecar(
-    rect: Rectified,
-    H: Tensor,
-    eligible: Tensor,
-    old_logp: Tensor,
-    policy_mask: Tensor,
-    sampled_mask: Tensor,
-    row_to_canonical: Tensor,
-    *,
-    cross: Tensor | None = None,
-    encoder_contract: dict | None = None,
-    tol: float = 1e-5,
-) -> M1Sidecar:
-    """Assemble the §2.8 sidecar and enforce its invariants (ValueError naming the violated field):
-    policy mask ⊆ sampled mask; every canonical turn has a policy token; each matched target's weights
-    sum to 1; selected pairs are eligible; ρ ∈ [0, 1]; α ∈ [0, α_max]; all tensors finite.
-
-    H, eligible: [M, M]; old_logp, policy_mask, sampled_mask: [M, L]; row_to_canonical: [R] in [0, M).
-    """
-    M, L = rect.corrected.shape
-    H_ST = _check_square(H, "H", M)
-    B_ST = _check_square(eligible, "eligible", M, dtype=torch.bool)
-    pm = as_tensor(policy_mask, "policy_mask")
-    sm = as_tensor(sampled_mask, "sampled_mask")
-    check_shape(pm, "policy_mask", (M, L))
-    check_shape(sm, "sampled_mask", (M, L))
-    pm, sm = pm.bool(), sm.bool()
-    if bool((pm & ~sm).any()):
-        raise ValueError("policy_mask: has a token outside sampled_mask (policy mask must be a subset)")
-    if bool((pm.sum(1) == 0).any()):
-        bad = int(torch.nonzero(pm.sum(1) == 0)[0])
-        raise ValueError(f"policy_mask: canonical turn {bad} has no policy-loss token")
-    r2c = as_tensor(row_to_canonical, "row_to_canonical")
-    check_ndim(r2c, "row_to_canonical", 1)
-    if r2c.numel() and (int(r2c.min()) < 0 or int(r2c.max()) >= M):
-        raise ValueError(f"row_to_canonical: indices must lie in [0, {M})")
-    pairs = rect.pairs
-    if pairs.numel():
-        if not bool(B_ST.to(pairs.device)[pairs[:, 0], pairs[:, 1]].all()):
-            raise ValueError("pairs: a selected (source, target) pair is not eligible")
-        sums = torch.zeros(M, dtype=torch.float64, device=pairs.device).index_add_(
-            0, pairs[:, 1], rect.pair_weight.double()
-        )
-        if bool(((sums - 1.0).abs()[rect.matched] > tol).any()):
-            raise ValueError("weights: the weights of a matched target do not sum to 1")
-    if bool(((rect.rho < 0) | (rect.rho > 1)).any()):
-        raise ValueError("rho: outside [0, 1]")
-    if bool(((rect.alpha < 0) | (rect.alpha > rect.alpha_max + tol)).any()):
-        raise ValueError(f"alpha: outside [0, alpha_max = {rect.alpha_max}]")
-    d_diag, d_corr = rect.gaps(old_logp)
-    for name, t in (("corrected", rect.corrected), ("delta_corrected", d_corr), ("rho", rect.rho)):
-        check_finite_fast(t, name)
-    cross_t = None
-    if cross is not None:
-        cross_t = as_tensor(cross, "cross")
-        check_shape(cross_t, "cross", (pairs.shape[0], L))
-        check_finite_fast(cross_t, "cross")
-        cross_t = cross_t.detach().float()
-    selected: list[list[int]] = [[] for _ in range(M)]
-    for s, t in pairs.tolist():
-        selected[t].append(s)
-    return M1Sidecar(
-        H=H_ST,
-        eligible=B_ST,
-        selected=selected,
-        weights=rect.weights,
-        rho=rect.rho,
-        alpha=rect.alpha,
-        diag=rect.diag,
-        corrected=rect.corrected,
-        cross=cross_t,
-        delta_diag=d_diag,
-        delta_corrected=d_corr,
-        sampled_mask=sm,
-        policy_mask=pm,
-        gamma=rect.gamma,
-        alpha_max=rect.alpha_max,
-        row_to_canonical=r2c.long(),
-        encoder_contract=dict(encoder_contract or {}),
     )
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from alignopsd import credit as _credit
-from alignopsd.credit import CreditConfig
+from alignopsd.credit_config import CreditConfig
+from alignopsd.projection import project_one
+from alignopsd.segmentation import random_lists, segment_lists
 
 __all__ = [
     "grpo_advantage_ref",
@@ -162,6 +163,64 @@ def _sign(x: float) -> float:
     return (x > 0) - (x < 0)
 
 
+def _token_mode_ref(cfg, trajs, maskb, gap, a, residual, weights, h_out, x_out, token_adv) -> None:
+    """Ablation B, loop form: per trajectory, softmax over its policy tokens, projection; fills the outputs."""
+    lo, hi = cfg.box
+    tc = cfg.credit_temperature
+    for us in trajs:
+        toks = [(u, j) for u in us for j in torch.nonzero(maskb[u]).flatten().tolist()]
+        n_tau = float(len(toks))
+        sg = _sign(a[us[0]])
+        q = _softmax([sg * float(gap[u, j]) / tc for u, j in toks])
+        raw = [n_tau * v for v in q]
+        x, err = project_one(
+            torch.tensor(raw, dtype=torch.float64), torch.ones(len(raw), dtype=torch.float64), lo, hi, 1e-5
+        )
+        if x is None:
+            raise ValueError(err)
+        xl = x.tolist()
+        for u in us:
+            idx = [k for k, (uu, _) in enumerate(toks) if uu == u]
+            weights[u] = sum(xl[k] for k in idx) / len(idx)
+            h_out[u] = sum(raw[k] for k in idx) / len(idx)
+            x_out[u] = weights[u]
+        for k, (u, j) in enumerate(toks):
+            token_adv[u, j] = a[u] * xl[k] + residual[u]
+
+
+def _segments_ref(cfg, trajs, m, H, eligible, task, rollout, turn):
+    """Spans of every trajectory (lists of turn indices), the global span index per turn, tau, and the
+    profile validity, distances and boundary validity (modes "adaptive" and "random"; "turn": one span)."""
+    seg_index = [-1] * m
+    tau = math.inf
+    pv = torch.zeros(m, dtype=torch.bool)
+    d = torch.zeros(m, dtype=torch.float32)
+    bv = torch.zeros(m, dtype=torch.bool)
+    segments: list[list[list[int]]] = []  # per trajectory: list of spans (turn indices)
+    if cfg.mode == "turn":
+        segments = [[us] for us in trajs]
+    else:
+        P, pv = correspondence_profiles_ref(H, eligible, gamma=cfg.gamma, temperature=cfg.profile_temperature)
+        d, bv = boundary_scores_ref(P, pv, eligible, task, rollout, turn, distance=cfg.distance)
+        tau = segmentation_threshold_ref(d, bv, quantile=cfg.quantile, tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+        k = 0
+        for j, us in enumerate(trajs):
+            dl = [float(d[u]) for u in us]
+            vl = [bool(bv[u]) for u in us]
+            if cfg.mode == "adaptive":
+                res = segment_lists(dl, vl, tau, cfg.min_span_turns, cfg.max_span_turns, cfg.tau_min)
+            else:
+                res = random_lists(len(us), cfg.min_span_turns, cfg.max_span_turns, cfg.seed + j, dl, vl, cfg.tau_min)
+            edges = [0] + sorted(p for p, _ in res) + [len(us)]
+            spans = [us[edges[i] : edges[i + 1]] for i in range(len(edges) - 1)]
+            segments.append(spans)
+            for span in spans:
+                for u in span:
+                    seg_index[u] = k
+                k += 1
+    return segments, seg_index, tau, pv, d, bv
+
+
 def allocate_credit_ref(
     gap, mask, outcome, task, rollout, turn, H, eligible, config: CreditConfig | None = None, *, invalid=None
 ) -> CreditRef:
@@ -196,50 +255,9 @@ def allocate_credit_ref(
     token_adv = torch.zeros(m, L, dtype=torch.float32)
 
     if cfg.mode == "token":
-        for us in trajs:
-            toks = [(u, j) for u in us for j in torch.nonzero(maskb[u]).flatten().tolist()]
-            n_tau = float(len(toks))
-            sg = _sign(a[us[0]])
-            q = _softmax([sg * float(gap[u, j]) / tc for u, j in toks])
-            raw = [n_tau * v for v in q]
-            x, err = _credit._project_one_py(
-                torch.tensor(raw, dtype=torch.float64), torch.ones(len(raw), dtype=torch.float64), lo, hi, 1e-5
-            )
-            if x is None:
-                raise ValueError(err)
-            xl = x.tolist()
-            for u in us:
-                idx = [k for k, (uu, _) in enumerate(toks) if uu == u]
-                weights[u] = sum(xl[k] for k in idx) / len(idx)
-                h_out[u] = sum(raw[k] for k in idx) / len(idx)
-                x_out[u] = weights[u]
-            for k, (u, j) in enumerate(toks):
-                token_adv[u, j] = a[u] * xl[k] + residual[u]
+        _token_mode_ref(cfg, trajs, maskb, gap, a, residual, weights, h_out, x_out, token_adv)
     else:
-        segments: list[list[list[int]]] = []  # per trajectory: list of spans (turn indices)
-        if cfg.mode == "turn":
-            segments = [[us] for us in trajs]
-        else:
-            P, pv = correspondence_profiles_ref(H, eligible, gamma=cfg.gamma, temperature=cfg.profile_temperature)
-            d, bv = boundary_scores_ref(P, pv, eligible, task, rollout, turn, distance=cfg.distance)
-            tau = segmentation_threshold_ref(d, bv, quantile=cfg.quantile, tau_min=cfg.tau_min, tau_max=cfg.tau_max)
-            k = 0
-            for j, us in enumerate(trajs):
-                dl = [float(d[u]) for u in us]
-                vl = [bool(bv[u]) for u in us]
-                if cfg.mode == "adaptive":
-                    res = _credit._segment_lists(dl, vl, tau, cfg.min_span_turns, cfg.max_span_turns, cfg.tau_min)
-                else:
-                    res = _credit._random_lists(
-                        len(us), cfg.min_span_turns, cfg.max_span_turns, cfg.seed + j, dl, vl, cfg.tau_min
-                    )
-                edges = [0] + sorted(p for p, _ in res) + [len(us)]
-                spans = [us[edges[i] : edges[i + 1]] for i in range(len(edges) - 1)]
-                segments.append(spans)
-                for span in spans:
-                    for u in span:
-                        seg_index[u] = k
-                    k += 1
+        segments, seg_index, tau, pv, d, bv = _segments_ref(cfg, trajs, m, H, eligible, task, rollout, turn)
         for us, spans in zip(trajs, segments):
             n_tau = sum(ntok[u] for u in us)
             b = _softmax([math.log(sum(ntok[u] for u in sp)) + (sum(s[u] for u in sp) / len(sp)) / tc for sp in spans])
@@ -248,7 +266,7 @@ def allocate_credit_ref(
                 q = _softmax([math.log(ntok[u]) + s[u] / tc for u in sp])
                 for u, qu in zip(sp, q):
                     h[u] = n_tau * bk * qu / ntok[u]
-            x, err = _credit._project_one_py(
+            x, err = project_one(
                 torch.tensor([h[u] for u in us], dtype=torch.float64),
                 torch.tensor([ntok[u] for u in us], dtype=torch.float64),
                 lo,

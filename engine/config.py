@@ -413,7 +413,7 @@ class RunConfig:
 def _coerce(path: str, tp: Any, value: Any) -> Any:
     """Check ``value`` against the annotation ``tp`` with the algorithm core's rules (``alignopsd.config``);
     nested sections are built by :func:`load_dataclass`. Errors are ConfigError naming the dotted key."""
-    from alignopsd.config import _coerce as core_coerce
+    from alignopsd.config_values import coerce_value as core_coerce
 
     try:
         return core_coerce(path, tp, value, load_dataclass)

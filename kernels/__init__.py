@@ -13,7 +13,6 @@ from .jsd_boundary import (
     batch_threshold,
     boundary_scores,
     boundary_scores_blocks,
-    boundary_scores_ref,
 )
 from .logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
 from .sibling_topk import (
@@ -33,7 +32,6 @@ __all__ = [
     "batch_threshold",
     "boundary_scores",
     "boundary_scores_blocks",
-    "boundary_scores_ref",
     "fused_token_loss",
     "core_uses_kernels",
     "force_kernels",

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .logprob import _all_reduce_partials, _check_inputs, _check_target_range
+from .lse_partials import all_reduce_partials, check_lm_head_inputs, check_target_range
 
 __all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]
 
@@ -129,6 +129,135 @@ def _token_grads(
     return total.detach().float(), g_lp.float(), (g_ent.float() if g_ent is not None else None)
 
 
+def _check_args(
+    hidden, weight, targets, token_loss, bias, temperature, grad_weight, grad_bias, tile_bytes, group, vocab_start
+) -> float:
+    """Validate the arguments of :func:`logprob_loss_and_grad` (ValueError naming the culprit); returns 1 / T."""
+    inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
+    if group is None:
+        if vocab_start != 0:
+            raise ValueError(f"vocab_start: only meaningful with a group, got {vocab_start!r}")
+        check_target_range(targets, 0, weight.shape[0])
+    else:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+        check_target_range(targets, 0, 2**62)
+    if not callable(token_loss):
+        raise ValueError(f"token_loss: expected a callable, got {type(token_loss).__name__}")
+    V, H = weight.shape
+    dev = hidden.device
+    _check_buffer(grad_weight, "grad_weight", (V, H), dev)
+    _check_buffer(grad_bias, "grad_bias", (V,), dev)
+    if grad_bias is not None and bias is None:
+        raise ValueError("grad_bias: given without a bias")
+    if tile_bytes is not None and (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes <= 0):
+        raise ValueError(f"tile_bytes: expected a positive int, got {tile_bytes!r}")
+
+    return inv_t
+
+
+def _fill_logits(z: Tensor, w: Tensor, hs_T: Tensor, b32: Tensor | None, vb: int) -> None:
+    """z[v, i] = w[v] . hs[:, i] (+ bias[v] / T), in vocabulary blocks of ``vb`` rows (fp32 upcast per block)."""
+    V = w.shape[0]
+    fp32_w = w.dtype == torch.float32
+    for v0 in range(0, V, vb):  # one block for fp32 weights
+        v1 = min(V, v0 + vb)
+        w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
+        if b32 is None:
+            torch.mm(w_c, hs_T, out=z[v0:v1])
+        else:
+            torch.addmm(b32[v0:v1, None], w_c, hs_T, out=z[v0:v1])
+
+
+def _exp_sums(z: Tensor, m: Tensor, blk: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """s = sum_v exp(z - m) and u = sum_v exp(z - m) (z - m) per token, in vocabulary blocks of ``blk`` rows that
+    stay in cache. z becomes z - m (with entropy) or exp(z - m) (without)."""
+    V, n = z.shape
+    s = torch.zeros(n, dtype=torch.float32, device=z.device)
+    u = torch.zeros(n, dtype=torch.float32, device=z.device)
+    for b0 in range(0, V, blk):
+        zb = z[b0 : b0 + blk].sub_(m)  # z - max (this shard's max)
+        if with_entropy:
+            eb = torch.exp(zb)
+            s += eb.sum(0)
+            u += eb.mul_(zb).sum(0)
+        else:
+            s += zb.exp_().sum(0)  # z now holds e = exp(z - max)
+    return s, u
+
+
+def _accumulate_grads(
+    gz: Tensor, w: Tensor, h_c: Tensor, vb: int, dH_n: Tensor | None, dW: Tensor | None, dB: Tensor | None
+) -> None:
+    """From the chunk's logits gradient gz [V, n]: dH_n = gz.T @ W (written), dW += gz @ h, dB += gz.sum(1), in
+    vocabulary blocks of ``vb`` rows."""
+    V = w.shape[0]
+    fp32_w = w.dtype == torch.float32
+    for v0 in range(0, V, vb):
+        v1 = min(V, v0 + vb)
+        w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
+        g_blk = gz[v0:v1]
+        if dH_n is not None:
+            part = g_blk.T @ w_c  # [n, H]
+            if v0 == 0:
+                dH_n.copy_(part)
+            else:
+                dH_n += part
+        if dW is not None:
+            if dW.dtype == torch.float32:
+                dW[v0:v1].addmm_(g_blk, h_c)
+            else:
+                dW[v0:v1] += (g_blk @ h_c).to(dW.dtype)
+        if dB is not None:
+            dB[v0:v1] += g_blk.sum(1).to(dB.dtype)
+
+
+def _combine(m, s, u, tz, hit, group, with_entropy: bool):
+    """(lse, c with p = exp(z - m) * c, entropy or None, target logit) of a chunk's partial statistics,
+    combined across the vocabulary shards of ``group`` when given."""
+    if group is None:
+        lse = m + torch.log(s)
+        c = 1.0 / s  # p = e * c
+        m_g, s_g, u_g, tz_g = m, s, u, tz
+    else:
+        m_g, s_g, u_g, tz_g, hits = all_reduce_partials(m, s, u, tz, hit, group)
+        if not bool((hits == 1).all()):
+            raise ValueError(
+                "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
+            )
+        lse = m_g + torch.log(s_g)
+        c = torch.exp(m - lse)
+    ent_c = (torch.log(s_g) - u_g / s_g).clamp_min(0.0) if with_entropy else None
+    return lse, c, ent_c, tz_g
+
+
+def _logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t: float, blk: int) -> Tensor:
+    """gz = -p (g_lp + g_ent (log p + ent)) / T in place of z (log p = (z - m) + m - lse, p = exp(z - m) * c;
+    z holds z - m with entropy, exp(z - m) without); the target term is added by the caller."""
+    V = z.shape[0]
+    if ent_c is not None:
+        shift, scale = m - lse + ent_c, -inv_t * c
+        for b0 in range(0, V, blk):
+            zb = z[b0 : b0 + blk]
+            eb = torch.exp(zb)
+            zb.add_(shift).mul_(g_ent).add_(g_lp).mul_(eb).mul_(scale)
+    else:
+        z.mul_(-inv_t * g_lp * c)
+    return z
+
+
+def _grad_buffers(N, V, H, dev, has_bias, need_hidden_grad, need_weight_grad, grad_weight, grad_bias):
+    """(dH [N, H] or None, dW [V, H] or None, dB [V] or None): the caller's buffers where given, else new fp32."""
+    dW = None
+    if need_weight_grad:
+        dW = grad_weight if grad_weight is not None else torch.zeros(V, H, dtype=torch.float32, device=dev)
+    dB = None
+    if has_bias and (need_weight_grad or grad_bias is not None):
+        dB = grad_bias if grad_bias is not None else torch.zeros(V, dtype=torch.float32, device=dev)
+    dH = torch.empty(N, H, dtype=torch.float32, device=dev) if need_hidden_grad else None
+    return dH, dW, dB
+
+
 def logprob_loss_and_grad(
     hidden: Tensor,
     weight: Tensor,
@@ -167,50 +296,28 @@ def logprob_loss_and_grad(
     Works on any device (plain matmuls plus elementwise work on the chunk). Gradients equal autograd
     through :func:`logprob_ref` and the same loss, up to fp32 rounding.
     """
-    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
-    if group is None:
-        if vocab_start != 0:
-            raise ValueError(f"vocab_start: only meaningful with a group, got {vocab_start!r}")
-        _check_target_range(targets, 0, weight.shape[0])
-    else:
-        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-            raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-        _check_target_range(targets, 0, 2**62)
-    if not callable(token_loss):
-        raise ValueError(f"token_loss: expected a callable, got {type(token_loss).__name__}")
+    inv_t = _check_args(
+        hidden, weight, targets, token_loss, bias, temperature, grad_weight, grad_bias, tile_bytes, group, vocab_start
+    )
     V, H = weight.shape
     dev = hidden.device
-    _check_buffer(grad_weight, "grad_weight", (V, H), dev)
-    _check_buffer(grad_bias, "grad_bias", (V,), dev)
-    if grad_bias is not None and bias is None:
-        raise ValueError("grad_bias: given without a bias")
-    if tile_bytes is not None and (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes <= 0):
-        raise ValueError(f"tile_bytes: expected a positive int, got {tile_bytes!r}")
-
     lead = hidden.shape[:-1]
     h_NH = hidden.detach().reshape(-1, H)
     t_N = targets.reshape(-1).long()
     N = h_NH.shape[0]
-    need_b = bias is not None and (need_weight_grad or grad_bias is not None)
-    dW = None
-    if need_weight_grad:
-        dW = grad_weight if grad_weight is not None else torch.zeros(V, H, dtype=torch.float32, device=dev)
-    dB = None
-    if need_b:
-        dB = grad_bias if grad_bias is not None else torch.zeros(V, dtype=torch.float32, device=dev)
-    dH = torch.empty(N, H, dtype=torch.float32, device=dev) if need_hidden_grad else None
+    dH, dW, dB = _grad_buffers(
+        N, V, H, dev, bias is not None, need_hidden_grad, need_weight_grad, grad_weight, grad_bias
+    )
     logp = torch.empty(N, dtype=torch.float32, device=dev)
     ent = torch.empty(N, dtype=torch.float32, device=dev) if with_entropy else None
     loss = torch.zeros((), dtype=torch.float32, device=dev)
 
     w = weight.detach()
-    fp32_w = w.dtype == torch.float32
-    vb = V if fp32_w else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
+    vb = V if w.dtype == torch.float32 else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
     b32 = bias.detach().float() * inv_t if bias is not None else None
     on_cuda = dev.type == "cuda"
     rows = _chunk_rows(N, H, V, tile_bytes, on_cuda)
     z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
-    dW_acc_dtype = dW is not None and dW.dtype == torch.float32
 
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
@@ -218,13 +325,7 @@ def logprob_loss_and_grad(
         h_c = h_NH[n0:n1].float()
         hs_T = (h_c * inv_t if inv_t != 1.0 else h_c).T  # [H, n]
         z = z_buf[: V * n].view(V, n)  # z[v, i]: logits of token i, vocabulary entry v
-        for v0 in range(0, V, vb):  # one block for fp32 weights
-            v1 = min(V, v0 + vb)
-            w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
-            if b32 is None:
-                torch.mm(w_c, hs_T, out=z[v0:v1])
-            else:
-                torch.addmm(b32[v0:v1, None], w_c, hs_T, out=z[v0:v1])
+        _fill_logits(z, w, hs_T, b32, vb)
         cols = torch.arange(n, device=dev)
         lt = t_N[n0:n1] - vocab_start  # local target row; outside [0, V) on other ranks' shards
         hit = (lt >= 0) & (lt < V)
@@ -232,68 +333,21 @@ def logprob_loss_and_grad(
         tz = torch.where(hit, z[lt_in, cols], 0.0)
         m = z.amax(dim=0)
         # elementwise work in vocabulary blocks that stay in cache (one block on CUDA)
-        s = torch.zeros(n, dtype=torch.float32, device=dev)
-        u = torch.zeros(n, dtype=torch.float32, device=dev)
         blk = V if on_cuda else max(64, _BLOCK_BYTES // (4 * n))
-        for b0 in range(0, V, blk):
-            zb = z[b0 : b0 + blk].sub_(m)  # z - max (this shard's max)
-            if with_entropy:
-                eb = torch.exp(zb)
-                s += eb.sum(0)
-                u += eb.mul_(zb).sum(0)
-            else:
-                s += zb.exp_().sum(0)  # z now holds e = exp(z - max)
-        if group is None:
-            lse = m + torch.log(s)
-            c = 1.0 / s  # p = e * c
-            m_g, s_g, u_g, tz_g = m, s, u, tz
-        else:
-            m_g, s_g, u_g, tz_g, hits = _all_reduce_partials(m, s, u, tz, hit, group)
-            if not bool((hits == 1).all()):
-                raise ValueError(
-                    "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
-                )
-            lse = m_g + torch.log(s_g)
-            c = torch.exp(m - lse)
-        ent_c = (torch.log(s_g) - u_g / s_g).clamp_min(0.0) if with_entropy else None
+        s, u = _exp_sums(z, m, blk, with_entropy)
+        lse, c, ent_c, tz_g = _combine(m, s, u, tz, hit, group, with_entropy)
         if with_entropy:
             ent[n0:n1] = ent_c
         lp_c = tz_g - lse
         logp[n0:n1] = lp_c
         loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, torch.arange(n0, n1, device=dev))
         loss += loss_c
-        # gz = -p (g_lp + g_ent (log p + ent)) / T, plus g_lp / T at the target; log p = (z - m) + m - lse,
-        # p = exp(z - m) * c
-        if with_entropy:
-            shift, scale = m - lse + ent_c, -inv_t * c
-            for b0 in range(0, V, blk):
-                zb = z[b0 : b0 + blk]
-                eb = torch.exp(zb)
-                zb.add_(shift).mul_(g_ent).add_(g_lp).mul_(eb).mul_(scale)
-        else:
-            z.mul_(-inv_t * g_lp * c)
-        gz = z
+        gz = _logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t, blk)  # plus g_lp / T at the target:
         if group is None:
             gz[lt_in, cols] += g_lp * inv_t
         else:
             gz[lt_in[hit], cols[hit]] += g_lp[hit] * inv_t
-        for v0 in range(0, V, vb):
-            v1 = min(V, v0 + vb)
-            w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
-            g_blk = gz[v0:v1]
-            if dH is not None:
-                part = g_blk.T @ w_c  # [n, H]
-                if v0 == 0:
-                    dH[n0:n1] = part
-                else:
-                    dH[n0:n1] += part
-            if dW is not None:
-                if dW_acc_dtype:
-                    dW[v0:v1].addmm_(g_blk, h_c)
-                else:
-                    dW[v0:v1] += (g_blk @ h_c).to(dW.dtype)
-            if dB is not None:
-                dB[v0:v1] += g_blk.sum(1).to(dB.dtype)
+        _accumulate_grads(gz, w, h_c, vb, dH[n0:n1] if dH is not None else None, dW, dB)
     if dH is not None and group is not None and reduce_grad_hidden:
         dist.all_reduce(dH, op=dist.ReduceOp.SUM, group=group)
     return FusedTokenLoss(
@@ -366,7 +420,7 @@ def fused_token_loss(
     ``token_loss`` must be separable over tokens (see the module docstring). ``group`` / ``vocab_start`` /
     ``reduce_grad_hidden``: vocab parallel, as in :func:`logprob_loss_and_grad`.
     """
-    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
     tp = (group, vocab_start, reduce_grad_hidden)
     loss, logp, ent = _FusedLossFn.apply(hidden, weight, bias, targets, token_loss, inv_t, with_entropy, tile_bytes, tp)
     return loss, logp, (ent if with_entropy else None)

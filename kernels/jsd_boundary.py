@@ -2,7 +2,7 @@
 
 Legend: M = canonical turns, T = tasks, N = slots of the largest task block, K = adjacent
 (previous, current) turn pairs. Dense inputs: P_TS[target, source], B_ST[source, target].
-Block tensors are target-major x_BTS[b, t, s] (see ``_blocks.py``).
+Block tensors are target-major x_BTS[b, t, s] (see ``blocks.py``).
 
 Design
 ------
@@ -27,8 +27,8 @@ accumulates the six row sums and the eligibility mismatch), the torch path (the 
 row reductions over chunks of ~512 KiB; a pair is always two consecutive rows of the blocks, so
 while the blocks have at most twice as many rows as turns the sums run over all rows as views,
 the one-row sums once per row, and are read at the pairs; otherwise the pairs' rows are
-gathered), ``boundary_scores_ref``
-(a Python loop over trajectories on the dense rows, the oracle). BLOCK = 128 source slots per
+gathered); the slow loop reference is ``alignopsd.reference.boundary_scores_ref`` (a Python loop over
+trajectories on the dense rows, the oracle of the tests). BLOCK = 128 source slots per
 iteration (blocks are a few hundred turns; not tuned on a GPU, none was available).
 """
 
@@ -39,8 +39,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._blocks import Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
 from ._dispatch import HAS_TRITON, launch, resolve_impl
+from .blocks import Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
 
 if HAS_TRITON:
     import triton
@@ -54,7 +54,6 @@ __all__ = [
     "batch_threshold",
     "boundary_scores",
     "boundary_scores_blocks",
-    "boundary_scores_ref",
 ]
 
 DISTANCES = ("jsd", "entropy", "cosine")
@@ -350,52 +349,3 @@ def batch_threshold(
         raise ValueError("d: contains NaN or inf at valid boundaries")
     q = float(torch.quantile(vals, float(quantile), interpolation="linear"))
     return min(max(q, float(tau_min)), float(tau_max))
-
-
-@torch.no_grad()
-def boundary_scores_ref(
-    P: Tensor,
-    profile_valid: Tensor,
-    eligible: Tensor,
-    task: Tensor,
-    rollout: Tensor,
-    turn: Tensor,
-    *,
-    distance: str = "jsd",
-) -> tuple[Tensor, Tensor]:
-    """Slow reference of :func:`boundary_scores`: a Python loop over trajectories on the dense fp32 rows."""
-    _check_distance(distance)
-    M = P.shape[0]
-    d = torch.zeros(M, dtype=torch.float32)
-    bv = torch.zeros(M, dtype=torch.bool)
-    Pf = P.detach().float().cpu()
-    E = eligible.cpu()
-    trajs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for i, (a, r, u) in enumerate(zip(task.tolist(), rollout.tolist(), turn.tolist())):
-        trajs.setdefault((a, r), []).append((u, i))
-    for rows in trajs.values():
-        rows.sort()
-        for (_, ip), (_, ic) in zip(rows[:-1], rows[1:]):
-            if not (bool(profile_valid[ip]) and bool(profile_valid[ic]) and bool((E[:, ip] == E[:, ic]).all())):
-                continue
-            p, q = Pf[ip], Pf[ic]
-            if distance == "jsd":
-                m = 0.5 * (p + q)
-
-                def kl(a, b):
-                    nz = a > 0
-                    return float((a[nz] * torch.log(a[nz] / b[nz])).sum())
-
-                val = min(max((0.5 * kl(p, m) + 0.5 * kl(q, m)) / _LN2, 0.0), 1.0)
-            elif distance == "entropy":
-
-                def ent(a):
-                    nz = a > 0
-                    return -float((a[nz] * torch.log(a[nz])).sum())
-
-                val = abs(ent(p) - ent(q)) / math.log(M) if M > 1 else 0.0
-            else:
-                val = min(max(1.0 - float(p @ q) / (float(p.norm()) * float(q.norm())), 0.0), 1.0)
-            d[ic] = val
-            bv[ic] = True
-    return d.to(P.device), bv.to(P.device)

@@ -33,14 +33,14 @@ Paths
   tiles) with fp32 atomic adds into d hidden / d W / d bias (not bitwise deterministic).
   Operands go to ``tl.dot`` in their own dtype with fp32 accumulation (exact fp32 for fp32
   inputs, like torch's default matmul); in interpreter mode they are cast to fp32 first.
-- torch (CPU default): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x ``_vocab_chunk(...)``
-  vocabulary entries, vocabulary outermost so every weight chunk is read (and, for bf16,
+- torch (CPU default, in ``lse_partials.py``): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x
+  ``_vocab_chunk(...)`` vocabulary entries, vocabulary outermost so every weight chunk is read (and, for bf16,
   upcast) once per sweep; peak extra memory is a few chunk-sized fp32 tiles.
 - ``logprob_ref``: plain fp32 torch (materialises the logits), the test oracle.
 
 Tuning constants. Torch path: tiles of up to 512 rows and clamp(N V / 32, 2^18, 2^21) fp32
-elements (1-8 MiB), see ``_vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v] ran at 8-15 GFLOP/s
-for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
+elements (1-8 MiB), see ``lse_partials._vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v]
+ran at 8-15 GFLOP/s for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
 gained nothing measurable and cost memory, smaller ones lost up to 2x.
 Triton: BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, 4 warps are starting values taken from
 fused cross-entropy kernels of the same shape (no GPU was available to tune them here);
@@ -59,6 +59,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
+from .lse_partials import (
+    all_reduce_partials,
+    check_lm_head_inputs,
+    check_target_range,
+    combine_splits,
+    finish_partials,
+    torch_backward,
+    torch_partials,
+)
 
 if HAS_TRITON:
     import triton
@@ -74,58 +83,11 @@ __all__ = [
     "logprob_vocab_parallel",
 ]
 
-_NEG_INIT = -1.0e30  # finite "minus infinity" for the running max: keeps 0 * (m - m') at 0
-_TORCH_ROWS = 512
-_TORCH_TILE = 2**21  # max fp32 elements of one logits tile (8 MiB): vocab chunk = elements // rows
-_TORCH_TILE_MIN = 2**18  # min elements of a tile (1 MiB)
-_UPCAST_BYTES = 32 * 2**20  # bf16/fp16 weight chunks are upcast to fp32 in at most this many bytes
-
 # Triton launch constants (see the module docstring).
 _BLOCK_N = 64
 _BLOCK_V = 128
 _BLOCK_H = 64
 _NUM_WARPS = 4
-
-
-# --------------------------------------------------------------------------------------
-# validation
-# --------------------------------------------------------------------------------------
-def _check_inputs(hidden, weight, targets, bias, temperature) -> float:
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not hidden.is_floating_point():
-        raise ValueError(f"hidden: expected a floating tensor, got {hidden.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden: expected shape [..., H], got a scalar")
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight: expected a floating [V, H] tensor, got {weight.dtype} {tuple(weight.shape)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's {hidden.shape[-1]}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
-    if targets.is_floating_point() or targets.dtype == torch.bool:
-        raise ValueError(f"targets: expected an integer tensor, got {targets.dtype}")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
-    for name, t in (("weight", weight), ("targets", targets)):
-        if t.device != hidden.device:
-            raise ValueError(f"{name}: expected device {hidden.device}, got {t.device}")
-    if bias is not None:
-        if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
-        if bias.device != hidden.device:
-            raise ValueError(f"bias: expected device {hidden.device}, got {bias.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature: expected a real number, got {temperature!r}")
-    if not math.isfinite(float(temperature)) or float(temperature) <= 0:
-        raise ValueError(f"temperature: must be finite and > 0, got {temperature}")
-    return 1.0 / float(temperature)
-
-
-def _check_target_range(targets: Tensor, lo: int, hi: int, name: str = "targets") -> None:
-    if targets.numel() and (int(targets.min()) < lo or int(targets.max()) >= hi):
-        raise ValueError(f"{name}: ids must lie in [{lo}, {hi}), got [{int(targets.min())}, {int(targets.max())}]")
 
 
 # --------------------------------------------------------------------------------------
@@ -145,8 +107,8 @@ def logprob_ref(
     hidden[..., H], weight[V, H], targets[...] -> logp[...] fp32 (and entropy[...] if asked).
     Differentiable (autograd through the full logits); the oracle of the tests.
     """
-    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
-    _check_target_range(targets, 0, weight.shape[0])
+    inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
+    check_target_range(targets, 0, weight.shape[0])
     z = hidden.float() @ weight.float().T
     if bias is not None:
         z = z + bias.float()
@@ -156,145 +118,6 @@ def logprob_ref(
         return logp
     ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
-
-
-# --------------------------------------------------------------------------------------
-# partial statistics and their combination
-# --------------------------------------------------------------------------------------
-def _merge(m1, s1, u1, m2, s2, u2):
-    """Merge two online-softmax partials (elementwise over rows)."""
-    m = torch.maximum(m1, m2)
-    a1 = torch.exp(m1 - m)
-    a2 = torch.exp(m2 - m)
-    s = s1 * a1 + s2 * a2
-    u = a1 * (u1 + s1 * (m1 - m)) + a2 * (u2 + s2 * (m2 - m))
-    return m, s, u
-
-
-def _combine_splits(m_SN, s_SN, u_SN):
-    """Combine S partials (rows of [S, N]) into one [N] partial."""
-    m = m_SN.max(dim=0).values
-    a = torch.exp(m_SN - m)
-    s = (s_SN * a).sum(0)
-    u = (a * (u_SN + s_SN * (m_SN - m))).sum(0)
-    return m, s, u
-
-
-def _finish(m, s, u, tz):
-    lse = m + torch.log(s)
-    logp = tz - lse
-    ent = (torch.log(s) - u / s).clamp_min(0.0)
-    return logp, lse, ent
-
-
-# --------------------------------------------------------------------------------------
-# torch CPU path
-# --------------------------------------------------------------------------------------
-def _vocab_chunk(weight: Tensor, n_rows: int, *, backward: bool = False) -> int:
-    """Vocabulary entries per tile: the tile holds clamp(N * V / 32, 2^18, 2^21) fp32 elements.
-
-    At most 1/32 of the full logits (so the few live tiles stay a small fraction of what plain
-    torch allocates), at least 1 MiB (small matmuls lose efficiency on CPU), at most 8 MiB.
-    The backward always uses 8 MiB tiles: its peak is dominated by the [V, H] weight gradient
-    anyway, and its three matmuls per tile gain from the larger shapes.
-    """
-    V = weight.shape[0]
-    elems = _TORCH_TILE if backward else min(_TORCH_TILE, max(_TORCH_TILE_MIN, n_rows * V // 32))
-    vc = max(256, elems // max(1, min(n_rows, _TORCH_ROWS)))
-    if weight.dtype != torch.float32:  # the chunk is upcast to fp32: bound that copy too
-        vc = min(vc, max(256, _UPCAST_BYTES // (4 * max(1, weight.shape[1]))))
-    return vc
-
-
-def _torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
-    """Online (m, s, u, tz) over the local vocabulary; tz is 0 for targets outside it.
-
-    Each tile contributes (max, sum exp(z - max), sum exp(z - max) (z - max)) and is merged with
-    :func:`_merge`; ``u`` (the entropy's first moment) is skipped when ``need_u`` is false.
-    """
-    N, V = h_NH.shape[0], w_VH.shape[0]
-    dev = h_NH.device
-    m = torch.full((N,), _NEG_INIT, dtype=torch.float32, device=dev)
-    s = torch.zeros(N, dtype=torch.float32, device=dev)
-    u = torch.zeros(N, dtype=torch.float32, device=dev)
-    tz = torch.zeros(N, dtype=torch.float32, device=dev)
-    local_t = t_N.long() - vocab_start
-    vc = _vocab_chunk(w_VH, N)
-    for v0 in range(0, V, vc):
-        v1 = min(V, v0 + vc)
-        w_c = w_VH[v0:v1].float()
-        b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
-        for n0 in range(0, N, _TORCH_ROWS):
-            n1 = min(N, n0 + _TORCH_ROWS)
-            z = _tile_logits(h_NH[n0:n1], w_c, b_c, inv_t)
-            lt = local_t[n0:n1]
-            hit = (lt >= v0) & (lt < v1)
-            if bool(hit.any()):
-                rows = hit.nonzero().squeeze(1)
-                tz[n0 + rows] = z[rows, lt[rows] - v0]
-            m_t = z.amax(dim=1)
-            z.sub_(m_t.unsqueeze(1))  # z - max: keeps u free of the |z| * ulp(lse) error
-            e = torch.exp(z)
-            s_t = e.sum(1)
-            u_t = torch.linalg.vecdot(e, z) if need_u else torch.zeros_like(s_t)
-            m[n0:n1], s[n0:n1], u[n0:n1] = _merge(m[n0:n1], s[n0:n1], u[n0:n1], m_t, s_t, u_t)
-    return m, s, u, tz
-
-
-def _tile_logits(h_c, w_c, b_c, inv_t):
-    """(h_c @ w_c.T + b) * inv_t for one tile, fp32; the temperature is folded into the small h_c."""
-    h_c = h_c.float()
-    if inv_t != 1.0:
-        h_c = h_c * inv_t
-    return torch.mm(h_c, w_c.T) if b_c is None else torch.addmm(b_c, h_c, w_c.T)
-
-
-def _torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_ent, need_h, need_w, need_b):
-    N, H = h_NH.shape
-    V = w_VH.shape[0]
-    dev = h_NH.device
-    dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
-    dw = (
-        (torch.empty if N else torch.zeros)(V, H, dtype=torch.float32, device=dev) if need_w else None
-    )  # row chunk 0 writes it
-    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
-    local_t = t_N.long() - vocab_start
-    glp = g_lp.float() if g_lp is not None else torch.zeros(N, device=dev)
-    h32 = h_NH if h_NH.dtype == torch.float32 else None
-    vc = _vocab_chunk(w_VH, N, backward=True)
-    for v0 in range(0, V, vc):
-        v1 = min(V, v0 + vc)
-        w_c = w_VH[v0:v1].float()
-        b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
-        for n0 in range(0, N, _TORCH_ROWS):
-            n1 = min(N, n0 + _TORCH_ROWS)
-            h_c = h32[n0:n1] if h32 is not None else h_NH[n0:n1].float()
-            z = _tile_logits(h_c, w_c, b_c, inv_t)
-            z.sub_(lse[n0:n1].unsqueeze(1))  # z - lse = log p
-            p = torch.exp(z)
-            if g_ent is not None:
-                # coef = g_lp + g_ent * (log p + ent); gz = -p * coef
-                z.add_(ent[n0:n1].unsqueeze(1)).mul_(g_ent[n0:n1].float().unsqueeze(1))
-                z.add_(glp[n0:n1].unsqueeze(1))
-                gz = z.mul_(p).neg_()
-            else:
-                gz = p.mul_(glp[n0:n1].unsqueeze(1)).neg_()
-            lt = local_t[n0:n1]
-            hit = (lt >= v0) & (lt < v1)
-            if bool(hit.any()):
-                rows = hit.nonzero().squeeze(1)
-                gz[rows, lt[rows] - v0] += glp[n0 + rows]
-            gz.mul_(inv_t)
-            if need_h:
-                dh[n0:n1].addmm_(gz, w_c)
-            if need_w:
-                if n0 == 0:
-                    torch.mm(gz.T, h_c, out=dw[v0:v1])
-                else:
-                    dw[v0:v1].addmm_(gz.T, h_c)
-            if need_b:
-                db[v0:v1] += gz.sum(0)
-    return dh, dw, db
 
 
 # --------------------------------------------------------------------------------------
@@ -498,7 +321,7 @@ def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
     N, H = h_NH.shape
     V = w_VH.shape[0]
     if N == 0 or V == 0:  # nothing to launch
-        return _torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
+        return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
     h_NH = h_NH.contiguous()
     w_VH = w_VH.contiguous()
     n_tiles = triton.cdiv(N, BN)
@@ -533,7 +356,7 @@ def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
         BLOCK_H=BH,
         num_warps=_NUM_WARPS,
     )
-    m, s, u = _combine_splits(parts[0], parts[1], parts[2])
+    m, s, u = combine_splits(parts[0], parts[1], parts[2])
     return m, s, u, parts[3].sum(0)
 
 
@@ -592,32 +415,22 @@ def _triton_backward(
 # --------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------
-def _all_reduce_partials(m, s, u, tz, hit, group):
-    """Combine per-rank partials across ``group`` (vocab parallel). Returns global (m, s, u, tz, hits)."""
-    m_g = m.clone()
-    dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
-    a = torch.exp(m - m_g)
-    packed = torch.stack([s * a, a * (u + s * (m - m_g)), tz, hit.float()])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return m_g, packed[0], packed[1], packed[2], packed[3]
-
-
 class _LogprobFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_t, vocab_start, impl, group, reduce_grad_hidden, with_entropy):
         if impl == "triton":
             m, s, u, tz = _triton_partials(hidden, weight, bias, targets, inv_t, vocab_start)
         else:
-            m, s, u, tz = _torch_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
+            m, s, u, tz = torch_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
         if group is not None:
             local = targets.long() - vocab_start
             hit = (local >= 0) & (local < weight.shape[0])
-            m, s, u, tz, hits = _all_reduce_partials(m, s, u, tz, hit, group)
+            m, s, u, tz, hits = all_reduce_partials(m, s, u, tz, hit, group)
             if targets.numel() and not bool((hits == 1).all()):
                 raise ValueError(
                     "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
                 )
-        logp, lse, ent = _finish(m, s, u, tz)
+        logp, lse, ent = finish_partials(m, s, u, tz)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.inv_t = inv_t
         ctx.vocab_start = vocab_start
@@ -637,7 +450,7 @@ class _LogprobFn(torch.autograd.Function):
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
             return (None,) * 10
-        bwd = _triton_backward if ctx.impl == "triton" else _torch_backward
+        bwd = _triton_backward if ctx.impl == "triton" else torch_backward
         dh, dw, db = bwd(
             hidden,
             weight,
@@ -670,7 +483,7 @@ class _LogprobFn(torch.autograd.Function):
 
 
 def _run(hidden, weight, targets, bias, temperature, with_entropy, impl, vocab_start, group, reduce_grad_hidden):
-    inv_t = _check_inputs(hidden, weight, targets, bias, temperature)
+    inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
     impl = resolve_impl(impl, hidden, weight)
     lead = hidden.shape[:-1]
     h_NH = hidden.reshape(-1, hidden.shape[-1])
@@ -704,8 +517,8 @@ def logprob(
     hidden, weight and bias; the [N, V] logits are never materialised, forward or backward.
     ``impl``: "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch".
     """
-    _check_inputs(hidden, weight, targets, bias, temperature)
-    _check_target_range(targets, 0, weight.shape[0])
+    check_lm_head_inputs(hidden, weight, targets, bias, temperature)
+    check_target_range(targets, 0, weight.shape[0])
     return _run(hidden, weight, targets, bias, temperature, with_entropy, impl, 0, None, False)
 
 
@@ -762,8 +575,8 @@ def logprob_vocab_parallel(
         raise ValueError("group: a process group is required (use logprob() without tensor parallelism)")
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-    _check_inputs(hidden, weight_shard, targets, bias_shard, temperature)
-    _check_target_range(targets, 0, 2**62)
+    check_lm_head_inputs(hidden, weight_shard, targets, bias_shard, temperature)
+    check_target_range(targets, 0, 2**62)
     return _run(
         hidden,
         weight_shard,

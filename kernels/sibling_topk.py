@@ -7,7 +7,7 @@ B_ST[source, target], P_TS[target, source]. Block tensors are target-major: x_BT
 Design
 ------
 All tasks are handled at once: turns are sorted by identity (task, rollout, turn) into
-zero-padded task blocks (``_blocks.py``), so cross-task cells are never computed and identity
+zero-padded task blocks (``blocks.py``), so cross-task cells are never computed and identity
 order inside a block is slot order. Per block:
 
     H[s, t]   = clamp(<teacher_s, student_t>, -1, 1), 0 when either side is invalid       (§2.2)
@@ -21,7 +21,7 @@ order inside a block is slot order. Per block:
     valid[t]  = some eligible source and max eligible H[s, t] >= gamma                     (§3.2)
 
 The per-rollout maxima: with a regular layout (every task G rollouts of L turns, see
-``_blocks.py``) X is reshaped to [targets, G, L] and one max over L gives the best and its
+``blocks.py``) X is reshaped to [targets, G, L] and one max over L gives the best and its
 first (smallest) slot; with uneven rollouts the same max runs on the slots gathered into a
 padded [G, Lp] view (Lp = longest rollout, -inf past a rollout's end) while G x Lp <= 2N;
 beyond that, two scatter-reduces over the slots' rollout index.
@@ -53,15 +53,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._blocks import Blocks, all_finite, check_id_vectors, gather_blocks, scatter_dense, task_blocks, to_blocks
-from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover
-    triton = None
-    tl = None
+from ._dispatch import resolve_impl
+from .blocks import Blocks, all_finite, check_id_vectors, gather_blocks, scatter_dense, task_blocks, to_blocks
+from .sibling_topk_triton import blocks_triton, profiles_triton
 
 __all__ = [
     "SiblingTopK",
@@ -73,9 +67,6 @@ __all__ = [
 ]
 
 _MASKED = -1.0e30  # an ineligible cell before the division by T_p: its probability is exactly 0
-_BLOCK_T = 32
-_BLOCK_S = 32
-_BLOCK_D = 64
 _CHUNK_CELLS = 1 << 17  # cells of a group of blocks in the torch path (512 KiB of float32: fits a core's L2)
 _PAD_MAX = 2.0  # selection: padded per-rollout view while G x (longest rollout) <= _PAD_MAX x N
 
@@ -189,8 +180,9 @@ def _check_params(gamma, top_k, temperature, temperature_name: str = "profile_te
 
 
 def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
-    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read)."""
-    if not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
+    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read). A finite sum
+    of all of H proves it without the masked copy, which is only made when some cell is not finite."""
+    if not all_finite(H_BTS) and not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
         raise ValueError("H: contains NaN or inf at eligible cells")
 
 
@@ -232,7 +224,7 @@ def _rollout_best(X_BTS: Tensor, ro: _Rollouts, b0: int, b1: int, gamma: float) 
 
     X_BTS: blocks b0:b1. Returns best [n, N, G] (highest H >= gamma of the rollout, -inf without a candidate),
     first [n, N, G] (its smallest slot = smallest identity; any value where best is -inf) and rowmax [n, N]
-    (max over all eligible sources, -inf without one). With a regular layout (see ``_blocks.py``) the source
+    (max over all eligible sources, -inf without one). With a regular layout (see ``blocks.py``) the source
     axis is reshaped to [G, L] and one max over L gives both (ties: the first maximal index); with the padded
     form the same max runs on the slots gathered into [G, Lp] (-inf past a rollout's end); otherwise two
     scatter-reduces over the rollout index of each slot.
@@ -377,183 +369,6 @@ def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, ro: _Rollouts, gamma, temperat
 
 
 # --------------------------------------------------------------------------------------
-# Triton kernel
-# --------------------------------------------------------------------------------------
-def _sibling_kernel(
-    t_ptr,
-    s_ptr,
-    srcok_ptr,
-    tgtok_ptr,
-    roll_ptr,
-    h_ptr,
-    e_ptr,
-    p_ptr,
-    valid_ptr,
-    N,
-    D,
-    inv_temp,
-    gamma,
-    UPCAST: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Program (block b, target tile): H, B and P rows of BLOCK_T targets against all sources of block b."""
-    b = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    tg = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tg_in = tg < N
-    base = b.to(tl.int64) * N
-    tgt_ok = tl.load(tgtok_ptr + base + tg, mask=tg_in, other=0) != 0
-    tgt_roll = tl.load(roll_ptr + base + tg, mask=tg_in, other=-1)
-    m = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
-    ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    hmax = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
-    has = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for pass_id in tl.static_range(2):
-        for s0 in range(0, N, BLOCK_S):
-            sr = s0 + tl.arange(0, BLOCK_S)
-            sr_in = sr < N
-            src_ok = tl.load(srcok_ptr + base + sr, mask=sr_in, other=0) != 0
-            src_roll = tl.load(roll_ptr + base + sr, mask=sr_in, other=-2)
-            acc = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                ds = d0 + tl.arange(0, BLOCK_D)
-                d_in = ds < D
-                st = tl.load(
-                    s_ptr + (base + tg[:, None]) * D + ds[None, :], mask=tg_in[:, None] & d_in[None, :], other=0.0
-                )
-                te = tl.load(
-                    t_ptr + (base + sr[:, None]) * D + ds[None, :], mask=sr_in[:, None] & d_in[None, :], other=0.0
-                )
-                if UPCAST:
-                    st = st.to(tl.float32)
-                    te = te.to(tl.float32)
-                acc = tl.dot(st, tl.trans(te), acc, input_precision=DOT_PREC)
-            ok = tgt_ok[:, None] & src_ok[None, :]
-            h = tl.where(ok, tl.minimum(tl.maximum(acc, -1.0), 1.0), 0.0)
-            elig = ok & (tgt_roll[:, None] != src_roll[None, :])
-            x = tl.where(elig, h, -1.0e30)
-            if pass_id == 0:
-                hmax = tl.maximum(hmax, tl.max(x, axis=1))
-                has = tl.maximum(has, tl.max(elig.to(tl.int32), axis=1))
-                xs = x * inv_temp
-                m_new = tl.maximum(m, tl.max(xs, axis=1))
-                ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.where(elig, tl.exp(xs - m_new[:, None]), 0.0), axis=1)
-                m = m_new
-            else:
-                denom = tl.where(ssum > 0, ssum, 1.0)
-                p = tl.where(elig, tl.exp(x * inv_temp - m[:, None]) / denom[:, None], 0.0)
-                out = (base + tg[:, None]) * N + sr[None, :]
-                omask = tg_in[:, None] & sr_in[None, :]
-                tl.store(h_ptr + out, h, mask=omask)
-                tl.store(e_ptr + out, elig.to(tl.int8), mask=omask)
-                tl.store(p_ptr + out, p, mask=omask)
-    valid = (has > 0) & (hmax >= gamma)
-    tl.store(valid_ptr + base + tg, valid.to(tl.int8), mask=tg_in)
-
-
-def _blocks_triton(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
-    T, N, D = Tb.shape
-    dev = Tb.device
-    H = torch.empty(T, N, N, dtype=torch.float32, device=dev)
-    E = torch.empty(T, N, N, dtype=torch.int8, device=dev)
-    P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
-    valid = torch.empty(T, N, dtype=torch.int8, device=dev)
-    if T and N:
-        launch(
-            _sibling_kernel,
-            (T, triton.cdiv(N, _BLOCK_T)),
-            Tb.contiguous(),
-            Sb.contiguous(),
-            src_ok.to(torch.int8).contiguous(),
-            tgt_ok.to(torch.int8).contiguous(),
-            lroll.to(torch.int32).contiguous(),
-            H,
-            E,
-            P,
-            valid,
-            N,
-            D,
-            1.0 / temperature,
-            float(gamma),
-            UPCAST=upcast_dots(Tb),
-            DOT_PREC=dot_precision(Tb.dtype),
-            BLOCK_T=_BLOCK_T,
-            BLOCK_S=_BLOCK_S,
-            BLOCK_D=_BLOCK_D,
-        )
-    return H, E.bool(), P, valid.bool()
-
-
-def _profiles_kernel(
-    h_ptr,
-    e_ptr,
-    p_ptr,
-    valid_ptr,
-    N,
-    inv_temp,
-    gamma,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Program (block b, target tile): P rows and validity of BLOCK_T targets from precomputed H and B tiles."""
-    b = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    tg = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tg_in = tg < N
-    base = b.to(tl.int64) * N
-    m = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
-    ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    hmax = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
-    has = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for pass_id in tl.static_range(2):
-        for s0 in range(0, N, BLOCK_S):
-            sr = s0 + tl.arange(0, BLOCK_S)
-            cell = (base + tg[:, None]) * N + sr[None, :]
-            cmask = tg_in[:, None] & (sr < N)[None, :]
-            h = tl.load(h_ptr + cell, mask=cmask, other=0.0)
-            elig = tl.load(e_ptr + cell, mask=cmask, other=0) != 0
-            x = tl.where(elig, h, -1.0e30)
-            if pass_id == 0:
-                hmax = tl.maximum(hmax, tl.max(x, axis=1))
-                has = tl.maximum(has, tl.max(elig.to(tl.int32), axis=1))
-                xs = x * inv_temp
-                m_new = tl.maximum(m, tl.max(xs, axis=1))
-                ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.where(elig, tl.exp(xs - m_new[:, None]), 0.0), axis=1)
-                m = m_new
-            else:
-                denom = tl.where(ssum > 0, ssum, 1.0)
-                p = tl.where(elig, tl.exp(x * inv_temp - m[:, None]) / denom[:, None], 0.0)
-                tl.store(p_ptr + cell, p, mask=cmask)
-    valid = (has > 0) & (hmax >= gamma)
-    tl.store(valid_ptr + base + tg, valid.to(tl.int8), mask=tg_in)
-
-
-def _profiles_triton(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
-    T, N, _ = H_BTS.shape
-    dev = H_BTS.device
-    P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
-    valid = torch.empty(T, N, dtype=torch.int8, device=dev)
-    if T and N:
-        launch(
-            _profiles_kernel,
-            (T, triton.cdiv(N, _BLOCK_T)),
-            H_BTS.float().contiguous(),
-            E_BTS.to(torch.int8).contiguous(),
-            P,
-            valid,
-            N,
-            1.0 / temperature,
-            float(gamma),
-            BLOCK_T=_BLOCK_T,
-            BLOCK_S=_BLOCK_S,
-        )
-    return P, valid.bool()
-
-
-# --------------------------------------------------------------------------------------
 # functional entry
 # --------------------------------------------------------------------------------------
 @torch.no_grad()
@@ -593,7 +408,7 @@ def sibling_topk(
         # padding slots hold a copy of some turn's embedding; the validity masks (False on padding) zero them out
         Tb = to_blocks(teacher_emb, blocks, zero_padding=False)
         Sb = to_blocks(student_emb, blocks, zero_padding=False)
-        H_b, E_b, P_b, valid_b = _blocks_triton(
+        H_b, E_b, P_b, valid_b = blocks_triton(
             Tb, Sb, src_ok, tgt_ok, blocks.lroll_TN, float(gamma), float(profile_temperature)
         )
         win = _select_blocks(H_b, E_b, ro, float(gamma), top_k)[0]
@@ -645,7 +460,7 @@ def profiles_blocks(
     E_BTS = E_BTS.to(H_BTS.device)
     _check_eligible_finite(H_BTS, E_BTS)
     if impl == "triton":
-        return _profiles_triton(H_BTS, E_BTS, float(gamma), float(temperature))
+        return profiles_triton(H_BTS, E_BTS, float(gamma), float(temperature))
     return _profiles_torch(H_BTS.float(), E_BTS, float(gamma), float(temperature))
 
 
@@ -702,7 +517,7 @@ def sibling_topk_from_similarity(
     if not profiles:
         valid_b = rowmax >= gamma  # = some eligible source and max eligible H >= gamma
     elif impl == "triton":
-        P_b, valid_b = _profiles_triton(H_b, E_b, float(gamma), float(profile_temperature))
+        P_b, valid_b = profiles_triton(H_b, E_b, float(gamma), float(profile_temperature))
     else:
         valid_b = _profile_valid(rowmax, float(gamma))
     selected, valid = _to_turns(win, valid_b, blocks, M, top_k)

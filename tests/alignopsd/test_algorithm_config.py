@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
+import yaml
 
 from alignopsd.config import (
     PRESETS,
@@ -176,3 +178,73 @@ def test_yaml_string_floats_are_numbers_and_junk_is_named():
     assert cfg.kl_coef == 0.001 and isinstance(cfg.kl_coef, float)
     with pytest.raises(ValueError, match="kl_coef: expected a number"):
         from_dict(AlgorithmConfig, {"kl_coef": "small"})
+
+
+def _real_fields(cls, prefix=""):
+    """Dotted paths of every float-typed field of a config dataclass and its sections."""
+    import typing
+
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = typing.get_type_hints(cls)[f.name]
+        if tp is float:
+            out.append(prefix + f.name)
+        elif dataclasses.is_dataclass(tp):
+            out += _real_fields(tp, f"{prefix}{f.name}.")
+    return out
+
+
+REAL_FIELDS = [
+    k for k in _real_fields(AlgorithmConfig) if k not in AlgorithmConfig._DERIVED
+]  # derived: set by their owner
+
+
+def test_every_real_field_is_covered():
+    assert {"rectify.gamma", "credit.mixing", "kl_coef", "opsd.clip", "rlsd.clip_high"} <= set(REAL_FIELDS)
+    assert len(REAL_FIELDS) == 29
+
+
+@pytest.mark.parametrize("raw", [".nan", ".inf", "-.inf", "nan", "'inf'", "'-inf'", "'NaN'"])
+@pytest.mark.parametrize("key", REAL_FIELDS)
+def test_non_finite_reals_are_rejected_at_load(key, raw):
+    """Every real-valued setting rejects NaN and ±inf (YAML literals or strings) with the field's dotted name."""
+    pattern = "^" + re.escape(key) + ": expected a finite number"
+    with pytest.raises(ValueError, match=pattern):
+        apply_overrides(AlgorithmConfig(), [f"{key}={raw}"])
+    section, _, leaf = key.rpartition(".")
+    data = {leaf: yaml.safe_load(raw)}  # a float or a string, as the YAML loader hands it over
+    if section:
+        data = {section: data}
+    with pytest.raises(ValueError, match=pattern):
+        from_dict(AlgorithmConfig, data)
+
+
+def test_coerce_value_rules_shared_with_other_loaders():
+    from alignopsd.config_values import coerce_value
+
+    @dataclasses.dataclass
+    class Section:
+        lr: float = 1.0
+        sizes: tuple[int, ...] = ()
+
+    built = []
+
+    def section(cls, data, path):
+        built.append(path)
+        return cls(
+            **{
+                k: coerce_value(f"{path}.{k}", float if k == "lr" else tuple[int, ...], v, section)
+                for k, v in data.items()
+            }
+        )
+
+    out = coerce_value("opt", Section | None, {"lr": "1e-3", "sizes": [1, 2]}, section)
+    assert out == Section(lr=1e-3, sizes=(1, 2)) and built == ["opt"]
+    assert coerce_value("x", float, 3, section) == 3.0 and isinstance(coerce_value("x", float, 3, section), float)
+    for bad in (float("nan"), float("inf"), -float("inf"), "nan", "-inf", "Infinity"):
+        with pytest.raises(ValueError, match=r"^opt\.lr: expected a finite number"):
+            coerce_value("opt", Section, {"lr": bad}, section)
+    with pytest.raises(ValueError, match=r"^x: expected an integer"):
+        coerce_value("x", int, 1.5, section)

@@ -7,20 +7,14 @@ import math
 import pytest
 import torch
 
-from alignopsd import credit
-from alignopsd.credit import (
-    CreditConfig,
-    allocate_credit,
-    boundary_scores,
-    correspondence_profiles,
-    project_to_box,
-    segment,
-    segment_random,
-    segmentation_threshold,
-)
+from alignopsd import _native, credit
+from alignopsd.credit import CreditConfig, allocate_credit
+from alignopsd.profiles import boundary_scores, correspondence_profiles, segmentation_threshold
+from alignopsd.projection import project_batch, project_to_box
+from alignopsd.segmentation import segment, segment_random
 
 T = torch.tensor
-IMPLS = ["python", "cpp"] if credit._native.has_native() else ["python"]
+IMPLS = ["python", "cpp"] if _native.has_native() else ["python"]
 
 
 def make_batch(lengths, *, L=4, tasks=None, gap=None, mask=None, outcome=None, seed=0):
@@ -353,7 +347,7 @@ def test_case40_random_projections(impl):
         counts = torch.randint(1, 513, (17,), generator=g).double()
         q = torch.softmax(torch.randn(17, generator=g, dtype=torch.float64) * 2, 0)
         h = counts.sum() * q / counts
-        x = credit._project_batch(h, counts, T([0, 17]), 0.8, 1.2, 1e-5, impl)
+        x = project_batch(h, counts, T([0, 17]), 0.8, 1.2, 1e-5, impl)
         assert float(x.min()) >= 0.8 and float(x.max()) <= 1.2
         assert float((counts * x).sum()) == pytest.approx(float(counts.sum()), rel=1e-6)
 
@@ -409,9 +403,8 @@ def test_case44_flat_turn_mode(weighting, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("segmentation must not run in mode 'turn'")
 
-    monkeypatch.setattr(credit, "_segment_batch", boom)
-    monkeypatch.setattr(credit, "_random_lists", boom)
-    monkeypatch.setattr(credit, "_structure", boom)
+    monkeypatch.setattr(credit, "segment_trajectories", boom)
+    monkeypatch.setattr(credit, "batch_distances", boom)
     tc = 0.5
     cfgs = [CreditConfig(mode="turn", weighting=weighting, max_span_turns=m, credit_temperature=tc) for m in (3, 8)]
     c, c_other = (allocate_credit(**b, config=cfg) for cfg in cfgs)

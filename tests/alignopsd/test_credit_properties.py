@@ -13,13 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alignopsd.credit import (
-    CreditConfig,
-    allocate_credit,
-    boundary_scores,
-    correspondence_profiles,
-    segmentation_threshold,
-)
+from alignopsd.credit import CreditConfig, allocate_credit
+from alignopsd.profiles import boundary_scores, correspondence_profiles, segmentation_threshold
 from alignopsd.reference import (
     allocate_credit_ref,
     boundary_scores_ref,

@@ -407,3 +407,61 @@ def test_rowwise_grpo_and_rlsd_lambda_bad_inputs():
     inp = _hand()
     with pytest.raises(ValueError, match="outcome"):
         EstimatorInputs(inp.old_logp, inp.mask, torch.tensor([1.0, float("nan"), 0.0]), inp.task, inp.rollout, inp.turn)
+
+
+def _configs(name: str) -> list[AlgorithmConfig]:
+    cfgs = [_cfg(name), _cfg(name, **{"sdar.enabled": "true"}), _cfg(name, use_invalid_penalty="false")]
+    return cfgs + [_cfg(name, ablation=a) for a in "ABCD"] if name.startswith("alignopsd") else cfgs
+
+
+@pytest.mark.parametrize("name", [e.value for e in EstimatorName])
+def test_declared_aux_matches_what_the_estimator_returns(name):
+    """``has_aux(config)`` is exactly whether the estimator's output carries auxiliary terms."""
+    spec = get_estimator(name)
+    for cfg in _configs(name):
+        out = spec(_batch(), cfg)
+        assert spec.has_aux(cfg) == bool(out.aux), (name, cfg.sdar.enabled)
+        if any(term.kind == "sdar" for term in out.aux):
+            assert spec.needs_teacher_diag(cfg)
+    assert get_estimator("alignopsd").has_aux(_cfg("alignopsd", **{"sdar.enabled": "true"}))
+    assert not get_estimator("alignopsd").has_aux(_cfg("alignopsd"))
+
+
+@pytest.mark.parametrize("name", [e.value for e in EstimatorName])
+def test_outcome_scaled_estimators_give_zero_advantage_without_outcome_signal(name):
+    """Constant outcomes and validity per task: an estimator declared outcome-scaled gives zero
+    token advantage (what lets a step skip its model passes); the others are not bound by it."""
+    spec = get_estimator(name)
+    inp = _batch()
+    flat = EstimatorInputs(
+        inp.old_logp,
+        inp.mask,
+        inp.task.float() * 3.0,  # equal within each task, different across tasks
+        inp.task,
+        inp.rollout,
+        inp.turn,
+        invalid=inp.task == 1,  # equal within each task
+        diag=inp.diag,
+        cross=inp.cross,
+        pairs=inp.pairs,
+        H=inp.H,
+        eligible=inp.eligible,
+        step=3,
+    )
+    for cfg in _configs(name):
+        adv = spec(flat, cfg).token_advantage
+        if spec.outcome_scaled:
+            # zero up to the rounding of a constant's mean in the invalid residual (~1e-9)
+            torch.testing.assert_close(adv, torch.zeros_like(adv), rtol=0.0, atol=1e-6, msg=name)
+    # and with outcome signal, an outcome-scaled estimator is not trivially zero
+    if spec.outcome_scaled:
+        assert bool((spec(inp, _cfg(name)).token_advantage != 0).any())
+    assert spec.outcome_scaled == (name != "opsd")
+
+
+def test_register_estimator_checks_declared_needs():
+    with pytest.raises(ValueError, match="aux"):
+        register_estimator("bad_aux", aux="yes")(lambda inp, cfg: None)
+    with pytest.raises(ValueError, match="outcome_scaled"):
+        register_estimator("bad_scaled", outcome_scaled=1)(lambda inp, cfg: None)
+    assert "bad_aux" not in ESTIMATORS and "bad_scaled" not in ESTIMATORS

@@ -10,8 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alignopsd import _native, credit
+from alignopsd import _native
 from alignopsd.credit import CreditConfig, allocate_credit
+from alignopsd.projection import project_batch
+from alignopsd.segmentation import segment_batch
 
 needs_cpp = pytest.mark.skipif(not _native.has_native(), reason="C++ extension alignopsd._C not built")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,7 +72,7 @@ def segment_inputs(draw):
 @given(segment_inputs())
 def test_segment_batch_cpp_equals_python(args):
     d, valid, offsets, tau, min_len, max_len, tau_min = args
-    py = credit._segment_batch(
+    py = segment_batch(
         torch.from_numpy(d),
         torch.from_numpy(valid),
         torch.from_numpy(offsets),
@@ -80,7 +82,7 @@ def test_segment_batch_cpp_equals_python(args):
         tau_min,
         "python",
     )
-    cpp = credit._segment_batch(
+    cpp = segment_batch(
         torch.from_numpy(d), torch.from_numpy(valid), torch.from_numpy(offsets), tau, min_len, max_len, tau_min, "cpp"
     )
     for a, b in zip(py, cpp):
@@ -122,8 +124,8 @@ def projection_inputs(draw):
 def test_project_batch_cpp_equals_python(args):
     h, c, offsets, (lo, hi) = args
     th, tcnt, toff = torch.from_numpy(h), torch.from_numpy(c), torch.from_numpy(offsets)
-    py = credit._project_batch(th, tcnt, toff, lo, hi, 1e-5, "python")
-    cpp = credit._project_batch(th, tcnt, toff, lo, hi, 1e-5, "cpp")
+    py = project_batch(th, tcnt, toff, lo, hi, 1e-5, "python")
+    cpp = project_batch(th, tcnt, toff, lo, hi, 1e-5, "cpp")
     assert py.dtype == cpp.dtype == torch.float64
     assert torch.equal(py, cpp)
     assert float(py.min()) >= lo and float(py.max()) <= hi
@@ -249,7 +251,7 @@ def test_cpp_projection_checks_inputs(kw, name):
 def test_budget_error_names_trajectory(impl):
     h = torch.tensor([1.0, 1.0, 3.0, 3.0], dtype=torch.float64)
     with pytest.raises(ValueError, match="trajectory 1"):
-        credit._project_batch(h, torch.ones(4, dtype=torch.float64), torch.tensor([0, 2, 4]), 0.0, 4.0, 1e-5, impl)
+        project_batch(h, torch.ones(4, dtype=torch.float64), torch.tensor([0, 2, 4]), 0.0, 4.0, 1e-5, impl)
 
 
 @needs_cpp
@@ -265,7 +267,7 @@ def test_long_token_level_projection_bit_identical(box):
     h = torch.cat(parts)
     counts = torch.ones_like(h)
     offsets = torch.tensor([0, 5000, 5001, 7301])
-    py = credit._project_batch(h, counts, offsets, *box, 1e-5, "python")
-    cpp = credit._project_batch(h, counts, offsets, *box, 1e-5, "cpp")
+    py = project_batch(h, counts, offsets, *box, 1e-5, "python")
+    cpp = project_batch(h, counts, offsets, *box, 1e-5, "cpp")
     assert torch.equal(py, cpp)
     assert not torch.equal(py, h)  # the projection was active

@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 STK = importlib.import_module("alignopsd.kernels.sibling_topk")
 JSD = importlib.import_module("alignopsd.kernels.jsd_boundary")
+STK_TRITON = importlib.import_module("alignopsd.kernels.sibling_topk_triton")  # the launchers of sibling_topk
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """Counter of Triton kernel launches (by kernel function name) in the two alignment-kernel modules."""
     seen: Counter[str] = Counter()
-    for mod in (STK, JSD):
+    for mod in (STK_TRITON, JSD):
         original = mod.launch
 
         def counting(fn, grid, *args, _original=original, **kwargs):
@@ -80,7 +81,7 @@ def test_select_sources_routes_through_sibling_topk_with_ties(monkeypatch, top_k
         calls.append(kwargs["impl"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(STK, "sibling_topk_from_similarity", counting)
+    monkeypatch.setattr(importlib.import_module("alignopsd.rectify"), "sibling_topk_from_similarity", counting)
     with force_kernels():
         got = alignopsd.select_sources(H, B, task, roll, turn, gamma=0.2, top_k=top_k)
     assert calls == ["triton"]

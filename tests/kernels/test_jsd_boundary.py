@@ -14,13 +14,13 @@ from alignopsd.kernels import (
     batch_threshold,
     boundary_scores,
     boundary_scores_blocks,
-    boundary_scores_ref,
     sibling_topk,
 )
 from kernel_helpers import IMPLS, assert_three_way
 from test_sibling_topk import make_batch
 
 import alignopsd
+from alignopsd.reference import boundary_scores_ref
 
 
 def _profiles(seed=0, gamma=0.3, dtype=torch.float32):

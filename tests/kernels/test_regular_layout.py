@@ -11,10 +11,8 @@ import pytest
 import torch
 from alignopsd.kernels import (
     DISTANCES,
-    _blocks,
     boundary_scores,
     boundary_scores_blocks,
-    boundary_scores_ref,
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
@@ -23,6 +21,8 @@ from alignopsd.kernels import (
 from test_sibling_topk import make_batch
 
 import alignopsd
+from alignopsd.reference import boundary_scores_ref
+from alignopsd.kernels import blocks as layout
 
 # the modules (the package exports functions of the same names)
 sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")
@@ -56,24 +56,24 @@ def _general(blocks):
 
 def test_rollout_len_detects_the_regular_layout():
     _, _, task, roll, turn, _, _ = regular_batch(tasks=2, rollouts=3, turns=4)
-    assert _blocks.task_blocks(task, roll, turn).rollout_len == 4
+    assert layout.task_blocks(task, roll, turn).rollout_len == 4
     # one turn fewer in one rollout, or one task with an extra rollout: general layout
     keep = torch.ones(task.numel(), dtype=torch.bool)
     keep[((task == task[0]) & (roll == roll[0]) & (turn == turn.max())).nonzero()[0]] = False
-    assert _blocks.task_blocks(task[keep], roll[keep], turn[keep]).rollout_len == 0
+    assert layout.task_blocks(task[keep], roll[keep], turn[keep]).rollout_len == 0
     more = torch.arange(4) * 2
     t2 = torch.cat([task, torch.full((4,), int(task[0]))])
     r2 = torch.cat([roll, torch.full((4,), 99)])
-    assert _blocks.task_blocks(t2, r2, torch.cat([turn, more])).rollout_len == 0
+    assert layout.task_blocks(t2, r2, torch.cat([turn, more])).rollout_len == 0
     # all rollouts L long but tasks of different rollout counts: not regular either
     t3 = torch.cat([task, torch.full((4,), 1000)])
     assert (
-        _blocks.task_blocks(
+        layout.task_blocks(
             t3, torch.cat([roll, torch.zeros(4, dtype=torch.long)]), torch.cat([turn, more])
         ).rollout_len
         == 0
     )
-    assert _blocks.task_blocks(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 0])).rollout_len == 1
+    assert layout.task_blocks(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 0])).rollout_len == 1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -84,7 +84,7 @@ def test_regular_fast_path_equals_general_path_and_reference(monkeypatch, seed, 
     kw = dict(gamma=0.1, top_k=top_k, profile_temperature=0.1, impl="torch")
     fast = sibling_topk(te, st, task, roll, turn, sv, tv, **kw)
     assert fast.blocks.rollout_len == 5
-    real = _blocks.task_blocks
+    real = layout.task_blocks
     monkeypatch.setattr(sibling_mod, "task_blocks", lambda *a: _general(real(*a)))
     slow = sibling_topk(te, st, task, roll, turn, sv, tv, **kw)
     assert slow.blocks.rollout_len == 0
@@ -126,7 +126,7 @@ def test_uneven_padded_path_equals_scatter_path_and_reference(monkeypatch, seed,
     got = {}
     for path, pad_max in (("padded", 2.0), ("scatter", 0.0)):
         monkeypatch.setattr(sibling_mod, "_PAD_MAX", pad_max)
-        assert (sibling_mod._rollout_layout(_blocks.task_blocks(task, roll, turn)).pad_idx is not None) == (
+        assert (sibling_mod._rollout_layout(layout.task_blocks(task, roll, turn)).pad_idx is not None) == (
             path == "padded"
         )
         got[path] = [
@@ -188,13 +188,13 @@ def test_boundary_adjacent_rows_path_equals_gather_path(monkeypatch, distance, l
 
 def test_all_finite_sum_shortcut_and_fallback():
     big = torch.full((4,), 3.0e38)  # finite entries whose sum overflows: the elementwise fallback decides
-    assert _blocks.all_finite(big) and _blocks.all_finite(torch.zeros(0)) and _blocks.all_finite(torch.ones(3, 2))
+    assert layout.all_finite(big) and layout.all_finite(torch.zeros(0)) and layout.all_finite(torch.ones(3, 2))
     for bad in (float("nan"), float("inf"), -float("inf")):
         x = torch.ones(5, 3)
         x[2, 1] = bad
-        assert not _blocks.all_finite(x) and not _blocks.all_finite(x.bfloat16())
+        assert not layout.all_finite(x) and not layout.all_finite(x.bfloat16())
     x = torch.tensor([float("inf"), -float("inf")])  # sum NaN
-    assert not _blocks.all_finite(x)
+    assert not layout.all_finite(x)
 
 
 def test_regular_single_turn_rollouts_have_no_boundaries():

@@ -68,13 +68,18 @@ def check_id_vectors(task, rollout, turn) -> tuple[Tensor, Tensor, Tensor]:
     return out[0], out[1], out[2]
 
 
+def identity_order(task: Tensor, rollout: Tensor, turn: Tensor) -> Tensor:
+    """Turn indices [M] in identity order: lexicographic (task, rollout, turn), stable."""
+    order = torch.argsort(turn, stable=True)
+    order = order[torch.argsort(rollout[order], stable=True)]
+    return order[torch.argsort(task[order], stable=True)]
+
+
 def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
     """Build the block layout; duplicate (task, rollout, turn) identities raise ValueError."""
     M = task.numel()
     dev = task.device
-    order = torch.argsort(turn, stable=True)
-    order = order[torch.argsort(rollout[order], stable=True)]
-    order = order[torch.argsort(task[order], stable=True)]
+    order = identity_order(task, rollout, turn)
     task_s, roll_s, turn_s = task[order], rollout[order], turn[order]
     new_task = torch.ones(M, dtype=torch.bool, device=dev)
     new_traj = torch.ones(M, dtype=torch.bool, device=dev)
@@ -88,8 +93,15 @@ def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
                 f"turn: duplicate turn id {int(turn_s[i])} in trajectory (task {int(task_s[i])}, "
                 f"rollout {int(roll_s[i])})"
             )
-    task_idx = torch.cumsum(new_task.long(), 0) - 1
-    traj_idx = torch.cumsum(new_traj.long(), 0) - 1
+    return blocks_from_order(order, torch.cumsum(new_task.long(), 0) - 1, torch.cumsum(new_traj.long(), 0) - 1)
+
+
+def blocks_from_order(order: Tensor, task_idx: Tensor, traj_idx: Tensor) -> Blocks:
+    """The block layout of turns already in identity order: ``order`` [M] turn indices in identity order,
+    ``task_idx`` / ``traj_idx`` [M] the task and trajectory index (0, 1, ... in identity order) of each sorted
+    turn."""
+    M = order.numel()
+    dev = order.device
     T = int(task_idx[-1]) + 1 if M else 0
     counts = torch.bincount(task_idx, minlength=T)
     starts = torch.cumsum(counts, 0) - counts

@@ -1,0 +1,230 @@
+"""Shared pieces of the fused LM-head log-prob (``logprob.py``) and the fused token loss (``fused_loss.py``).
+
+Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the local shard's size).
+
+- input checks of (hidden, weight, targets, bias, temperature);
+- online-logsumexp partials (m, s, u, tz) per row and their exact combination: two partials
+  (:func:`merge_partials`), S vocabulary splits (:func:`combine_splits`), tensor-parallel ranks
+  (:func:`all_reduce_partials`), and the final (logp, lse, entropy) (:func:`finish_partials`);
+- the tiled torch CPU path: :func:`torch_partials` (forward) and :func:`torch_backward`.
+
+The algorithm and the tuning measurements are described in ``logprob.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "all_reduce_partials",
+    "check_lm_head_inputs",
+    "check_target_range",
+    "combine_splits",
+    "finish_partials",
+    "merge_partials",
+    "torch_backward",
+    "torch_partials",
+]
+
+_NEG_INIT = -1.0e30  # finite "minus infinity" for the running max: keeps 0 * (m - m') at 0
+_TORCH_ROWS = 512
+_TORCH_TILE = 2**21  # max fp32 elements of one logits tile (8 MiB): vocab chunk = elements // rows
+_TORCH_TILE_MIN = 2**18  # min elements of a tile (1 MiB)
+_UPCAST_BYTES = 32 * 2**20  # bf16/fp16 weight chunks are upcast to fp32 in at most this many bytes
+
+
+# --------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------
+def check_lm_head_inputs(hidden, weight, targets, bias, temperature) -> float:
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a floating tensor, got {hidden.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected shape [..., H], got a scalar")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a floating [V, H] tensor, got {weight.dtype} {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's {hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise ValueError(f"targets: expected an integer tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    for name, t in (("weight", weight), ("targets", targets)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name}: expected device {hidden.device}, got {t.device}")
+    if bias is not None:
+        if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias: expected device {hidden.device}, got {bias.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature: expected a real number, got {temperature!r}")
+    if not math.isfinite(float(temperature)) or float(temperature) <= 0:
+        raise ValueError(f"temperature: must be finite and > 0, got {temperature}")
+    return 1.0 / float(temperature)
+
+
+def check_target_range(targets: Tensor, lo: int, hi: int, name: str = "targets") -> None:
+    if targets.numel() and (int(targets.min()) < lo or int(targets.max()) >= hi):
+        raise ValueError(f"{name}: ids must lie in [{lo}, {hi}), got [{int(targets.min())}, {int(targets.max())}]")
+
+
+# --------------------------------------------------------------------------------------
+# partial statistics and their combination
+# --------------------------------------------------------------------------------------
+def merge_partials(m1, s1, u1, m2, s2, u2):
+    """Merge two online-softmax partials (elementwise over rows)."""
+    m = torch.maximum(m1, m2)
+    a1 = torch.exp(m1 - m)
+    a2 = torch.exp(m2 - m)
+    s = s1 * a1 + s2 * a2
+    u = a1 * (u1 + s1 * (m1 - m)) + a2 * (u2 + s2 * (m2 - m))
+    return m, s, u
+
+
+def combine_splits(m_SN, s_SN, u_SN):
+    """Combine S partials (rows of [S, N]) into one [N] partial."""
+    m = m_SN.max(dim=0).values
+    a = torch.exp(m_SN - m)
+    s = (s_SN * a).sum(0)
+    u = (a * (u_SN + s_SN * (m_SN - m))).sum(0)
+    return m, s, u
+
+
+def finish_partials(m, s, u, tz):
+    lse = m + torch.log(s)
+    logp = tz - lse
+    ent = (torch.log(s) - u / s).clamp_min(0.0)
+    return logp, lse, ent
+
+
+# --------------------------------------------------------------------------------------
+# torch CPU path
+# --------------------------------------------------------------------------------------
+def _vocab_chunk(weight: Tensor, n_rows: int, *, backward: bool = False) -> int:
+    """Vocabulary entries per tile: the tile holds clamp(N * V / 32, 2^18, 2^21) fp32 elements.
+
+    At most 1/32 of the full logits (so the few live tiles stay a small fraction of what plain
+    torch allocates), at least 1 MiB (small matmuls lose efficiency on CPU), at most 8 MiB.
+    The backward always uses 8 MiB tiles: its peak is dominated by the [V, H] weight gradient
+    anyway, and its three matmuls per tile gain from the larger shapes.
+    """
+    V = weight.shape[0]
+    elems = _TORCH_TILE if backward else min(_TORCH_TILE, max(_TORCH_TILE_MIN, n_rows * V // 32))
+    vc = max(256, elems // max(1, min(n_rows, _TORCH_ROWS)))
+    if weight.dtype != torch.float32:  # the chunk is upcast to fp32: bound that copy too
+        vc = min(vc, max(256, _UPCAST_BYTES // (4 * max(1, weight.shape[1]))))
+    return vc
+
+
+def torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
+    """Online (m, s, u, tz) over the local vocabulary; tz is 0 for targets outside it.
+
+    Each tile contributes (max, sum exp(z - max), sum exp(z - max) (z - max)) and is merged with
+    :func:`merge_partials`; ``u`` (the entropy's first moment) is skipped when ``need_u`` is false.
+    """
+    N, V = h_NH.shape[0], w_VH.shape[0]
+    dev = h_NH.device
+    m = torch.full((N,), _NEG_INIT, dtype=torch.float32, device=dev)
+    s = torch.zeros(N, dtype=torch.float32, device=dev)
+    u = torch.zeros(N, dtype=torch.float32, device=dev)
+    tz = torch.zeros(N, dtype=torch.float32, device=dev)
+    local_t = t_N.long() - vocab_start
+    vc = _vocab_chunk(w_VH, N)
+    for v0 in range(0, V, vc):
+        v1 = min(V, v0 + vc)
+        w_c = w_VH[v0:v1].float()
+        b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
+        for n0 in range(0, N, _TORCH_ROWS):
+            n1 = min(N, n0 + _TORCH_ROWS)
+            z = _tile_logits(h_NH[n0:n1], w_c, b_c, inv_t)
+            lt = local_t[n0:n1]
+            hit = (lt >= v0) & (lt < v1)
+            if bool(hit.any()):
+                rows = hit.nonzero().squeeze(1)
+                tz[n0 + rows] = z[rows, lt[rows] - v0]
+            m_t = z.amax(dim=1)
+            z.sub_(m_t.unsqueeze(1))  # z - max: keeps u free of the |z| * ulp(lse) error
+            e = torch.exp(z)
+            s_t = e.sum(1)
+            u_t = torch.linalg.vecdot(e, z) if need_u else torch.zeros_like(s_t)
+            m[n0:n1], s[n0:n1], u[n0:n1] = merge_partials(m[n0:n1], s[n0:n1], u[n0:n1], m_t, s_t, u_t)
+    return m, s, u, tz
+
+
+def _tile_logits(h_c, w_c, b_c, inv_t):
+    """(h_c @ w_c.T + b) * inv_t for one tile, fp32; the temperature is folded into the small h_c."""
+    h_c = h_c.float()
+    if inv_t != 1.0:
+        h_c = h_c * inv_t
+    return torch.mm(h_c, w_c.T) if b_c is None else torch.addmm(b_c, h_c, w_c.T)
+
+
+def torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_ent, need_h, need_w, need_b):
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    dev = h_NH.device
+    dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
+    dw = (
+        (torch.empty if N else torch.zeros)(V, H, dtype=torch.float32, device=dev) if need_w else None
+    )  # row chunk 0 writes it
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
+    local_t = t_N.long() - vocab_start
+    glp = g_lp.float() if g_lp is not None else torch.zeros(N, device=dev)
+    h32 = h_NH if h_NH.dtype == torch.float32 else None
+    vc = _vocab_chunk(w_VH, N, backward=True)
+    for v0 in range(0, V, vc):
+        v1 = min(V, v0 + vc)
+        w_c = w_VH[v0:v1].float()
+        b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
+        for n0 in range(0, N, _TORCH_ROWS):
+            n1 = min(N, n0 + _TORCH_ROWS)
+            h_c = h32[n0:n1] if h32 is not None else h_NH[n0:n1].float()
+            z = _tile_logits(h_c, w_c, b_c, inv_t)
+            z.sub_(lse[n0:n1].unsqueeze(1))  # z - lse = log p
+            p = torch.exp(z)
+            if g_ent is not None:
+                # coef = g_lp + g_ent * (log p + ent); gz = -p * coef
+                z.add_(ent[n0:n1].unsqueeze(1)).mul_(g_ent[n0:n1].float().unsqueeze(1))
+                z.add_(glp[n0:n1].unsqueeze(1))
+                gz = z.mul_(p).neg_()
+            else:
+                gz = p.mul_(glp[n0:n1].unsqueeze(1)).neg_()
+            lt = local_t[n0:n1]
+            hit = (lt >= v0) & (lt < v1)
+            if bool(hit.any()):
+                rows = hit.nonzero().squeeze(1)
+                gz[rows, lt[rows] - v0] += glp[n0 + rows]
+            gz.mul_(inv_t)
+            if need_h:
+                dh[n0:n1].addmm_(gz, w_c)
+            if need_w:
+                if n0 == 0:
+                    torch.mm(gz.T, h_c, out=dw[v0:v1])
+                else:
+                    dw[v0:v1].addmm_(gz.T, h_c)
+            if need_b:
+                db[v0:v1] += gz.sum(0)
+    return dh, dw, db
+
+
+# --------------------------------------------------------------------------------------
+# tensor parallel
+# --------------------------------------------------------------------------------------
+def all_reduce_partials(m, s, u, tz, hit, group):
+    """Combine per-rank partials across ``group`` (vocab parallel). Returns global (m, s, u, tz, hits)."""
+    m_g = m.clone()
+    dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
+    a = torch.exp(m - m_g)
+    packed = torch.stack([s * a, a * (u + s * (m - m_g)), tz, hit.float()])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return m_g, packed[0], packed[1], packed[2], packed[3]
