@@ -40,6 +40,7 @@ __all__ = [
     "EstimatorOutput",
     "EstimatorSpec",
     "get_estimator",
+    "rectify_inputs",
     "register_estimator",
     "rlsd_lambda",
     "rowwise_grpo_advantage",
@@ -70,6 +71,8 @@ class EstimatorInputs:
     H: [M, M] H[source, target]; eligible: [M, M] bool B[source, target].
     copies: [M] long, rows per canonical turn (k; None: 1), used by alignopsd_m1's all-row statistics.
     step: the training step (0-based), for schedules (RLSD λ).
+    rectification: a precomputed :func:`rectify_inputs` result (the engine computes it first, to time it as its
+    own phase); None: the estimator computes it.
     """
 
     old_logp: Tensor
@@ -86,6 +89,7 @@ class EstimatorInputs:
     eligible: Tensor | None = None
     copies: Tensor | None = None
     step: int = 0
+    rectification: tuple[Rectified, Tensor, dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         self.task, self.rollout, self.turn = check_ids(self.task, self.rollout, self.turn)
@@ -413,7 +417,7 @@ def _rlsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
-def _run_m1(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str, float]]:
+def rectify_inputs(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str, float]]:
     """Rectify (§2.7) with the config's α_max (0 under ablation A); returns (rect, δ̃ [M, L], m1 metrics)."""
     inp.require("diag", "H", "eligible")
     M, L = inp.old_logp.shape
@@ -434,6 +438,12 @@ def _run_m1(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str
     return rect, gap, metrics
 
 
+def _rectification(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str, float]]:
+    """The inputs' precomputed rectification, else :func:`rectify_inputs` (metrics copied: callers add to them)."""
+    rect, gap, metrics = inp.rectification if inp.rectification is not None else rectify_inputs(inp, cfg)
+    return rect, gap, dict(metrics)
+
+
 def _sdar_enabled(cfg: Any) -> bool:
     return bool(cfg.sdar.enabled)
 
@@ -444,7 +454,7 @@ def _sdar_enabled(cfg: Any) -> bool:
 def _alignopsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """AlignOPSD: M1 rectification, then M2 credit (ablation A–E) on δ̃, plus the invalid residual;
     the SDAR auxiliary when ``cfg.sdar.enabled``. M2 adds no alignment loss term."""
-    rect, gap, metrics = _run_m1(inp, cfg)
+    rect, gap, metrics = _rectification(inp, cfg)
     invalid = inp.invalid if cfg.use_invalid_penalty else None
     credit = allocate_credit(
         gap, inp.mask, inp.outcome, inp.task, inp.rollout, inp.turn, inp.H, inp.eligible, cfg.credit, invalid=invalid
@@ -461,7 +471,7 @@ def _alignopsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
 def _alignopsd_m1(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     """M1-only (§2.9): verl-agent GRPO over all rows on R − c·invalid, plus coef · L_align with the
     rollout-frozen δ̃ gate."""
-    rect, gap, metrics = _run_m1(inp, cfg)
+    rect, gap, metrics = _rectification(inp, cfg)
     score = inp.outcome.double()
     if cfg.use_invalid_penalty and inp.invalid is not None:
         score = score - cfg.invalid_penalty * inp.invalid.double()

@@ -76,7 +76,7 @@ log = logging.getLogger("alignopsd.audit")
 SNAPSHOT_EVERY = 10
 SNAPSHOT_TURNS = 8
 TARGETS = ("neg_to_pos", "pos_to_neg", "fallback", "max_cross_shift")
-BOUNDARY_KINDS = ("none", "semantic", "guided", "forced", "random")  # alignopsd.credit KIND_* values
+BOUNDARY_KINDS = ("none", "semantic", "guided", "forced", "random")  # alignopsd.segmentation KIND_* values
 _FILE_RE = re.compile(r"^step_(\d+)\.rank(\d+)\.jsonl$")
 
 

@@ -7,7 +7,7 @@ Legend: R = turn rows on this rank, M = canonical turns, L = response length, P 
     old log-probs (policy, fused head; entropy logged)              -> old_logp_ML         engine/rescoring.py
     reference log-probs when the KL coefficient is non-zero         -> ref_logp_ML
     teacher pass, as the estimator declares (§2.1-2.6)              -> M1Result            engine/teacher_pass.py
-    rectification (§2.7), when the estimator aligns                 -> Rectified           alignopsd.estimators
+    rectification (§2.7), when the estimator aligns (own phase)     -> Rectified           alignopsd.estimators
     advantages: the estimator (GRPO, M2 credit, ...)                -> token advantage [M, L] + auxiliary terms
     PPO update over mini/micro-batches, exact global token-mean     -> metrics             engine/update.py
     weight sync to the generation engine
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from alignopsd.canonical import canonicalize
-from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec
+from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec, rectify_inputs
 from alignopsd.losses import rollout_mismatch_metrics
 
 from .batch import TurnBatch
@@ -93,7 +93,7 @@ def run_step(parts: Components, step: int) -> StepOutput:
         m1 = teacher_diagonal(parts, cb)
 
     # 6. advantages ----------------------------------------------------------------------------------------------
-    est_out, span_lengths, est_metrics = estimate(parts, cb, old_logp, m1, step, mechanism2=phases["mechanism2"])
+    est_out, span_lengths, est_metrics = estimate(parts, cb, old_logp, m1, step, phases, canon.counts)
     metrics.update(est_metrics)
     regions = None
     if est_out.rectified is not None or parts.audit is not None:  # shared by the region metrics and the audit
@@ -140,9 +140,12 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
 
 
 def estimate(
-    parts: Components, cb: TurnBatch, old_logp: Tensor, m1: M1Result | None, step: int, *, mechanism2: bool
+    parts: Components, cb: TurnBatch, old_logp: Tensor, m1: M1Result | None, step: int, phases: dict, counts: Tensor
 ) -> tuple[EstimatorOutput, list[int], dict[str, float]]:
-    """Run the configured estimator; returns (its output, span lengths of the M2 segments, metrics)."""
+    """Run the configured estimator; returns (its output, span lengths of the M2 segments, metrics).
+
+    With alignment, rectification (§2.7) runs first as its own ``rectify`` phase (an alignment cost), and the
+    estimator takes its result. ``counts``: [M] rows per canonical turn (§1.2)."""
     m1 = m1 or M1Result()
     dev = parts.device  # the estimator runs where the model is: on CUDA the core reaches the Triton kernels
 
@@ -162,9 +165,13 @@ def estimate(
         pairs=on(m1.pairs),
         H=on(m1.H),
         eligible=on(m1.eligible),
+        copies=on(counts),
         step=step,
     )
-    with parts.profiler.phase("m2" if mechanism2 else "advantage"):
+    if phases["alignment"]:
+        with parts.profiler.phase("rectify"):
+            inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
+    with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
         out = parts.estimator(inputs, parts.cfg.algorithm)
     metrics = {k: float(v) for k, v in out.metrics.items() if isinstance(v, (int, float))}
     spans: list[int] = []
@@ -177,15 +184,12 @@ def estimate(
     return out, spans, metrics
 
 
-AUX_FREE = ("grpo", "rlsd", "grpo_opsd", "alignopsd")  # estimators whose advantage is A * (positive weights)
-
-
 def no_signal(cfg, spec: EstimatorSpec, batch: TurnBatch) -> bool:
-    """True when every token advantage is provably 0 before any model pass: the estimator has no auxiliary
-    term, each task's outcomes are equal (A = 0, and M2 only re-weights A) and, with the invalid-action
-    penalty on, each task's validity flags are equal too (residual 0)."""
+    """True when every token advantage is provably 0 before any model pass: the estimator declares its advantage
+    outcome-scaled (A times non-negative weights) with no auxiliary term under this config, each task's outcomes
+    are equal (A = 0) and, with the invalid-action penalty on, each task's validity flags are equal too."""
     a = cfg.algorithm
-    if spec.name not in AUX_FREE or (spec.name == "alignopsd" and a.sdar.enabled):
+    if not spec.outcome_scaled or spec.has_aux(a):
         return False
     for t in batch.task.unique():
         sel = batch.task == t

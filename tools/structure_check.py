@@ -43,11 +43,15 @@ def is_triton_kernel(node: ast.AST) -> bool:
 
 
 def jitted_names(tree: ast.AST) -> set[str]:
-    """Functions compiled by a ``triton.jit(f)`` call instead of the decorator."""
+    """Functions compiled by a ``triton.jit(f)`` call instead of the decorator, or handed to the kernels'
+    ``launch(f, grid, ...)`` (which jits them)."""
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("triton.jit", "jit"):
-            out.update(a.id for a in node.args if isinstance(a, ast.Name))
+        if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Name):
+            continue
+        name = ast.unparse(node.func)
+        if name in ("triton.jit", "jit") or name.split(".")[-1] == "launch":
+            out.add(node.args[0].id)
     return out
 
 
