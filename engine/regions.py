@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from .envs.parsing import ACTION_TAGS
 
-ACTION_TAGS = ("action", "search", "answer")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-from alignopsd.engine.envs.parsing import parse_action, parse_thinking
+from alignopsd.engine.envs.parsing import ACTION_TAGS, parse_action, parse_thinking
 from alignopsd.engine.generation.base import GenerationBackend, SamplingParams
 from torch import Tensor
 
 THINK_STOP: tuple[str, ...] = ("</think>",)
-ACTION_STOPS: tuple[str, ...] = ("</action>", "</search>", "</answer>")
+ACTION_STOPS: tuple[str, ...] = tuple(f"</{tag}>" for tag in ACTION_TAGS)  # every environment parses these tags
 
 
 def teacher_stops(action_filter: bool) -> tuple[str, ...]:
