@@ -193,8 +193,11 @@ def grpo_advantage(
     return out.float()
 
 
-def residual_from_index(r_M: Tensor, invalid_M: Tensor, task_M: Tensor, num_tasks: int, penalty: float) -> Tensor:
-    """Invalid-action residual (float64 [M]) for turns grouped by ``task_M`` (task index per turn)."""
+def residual_from_index(
+    r_M: Tensor, invalid_M: Tensor, task_M: Tensor, num_tasks: int, penalty: float, norm_by_std: bool = True
+) -> Tensor:
+    """Invalid-action residual (float64 [M]) for turns grouped by ``task_M`` (task index per turn); the
+    normalisation divides by (unbiased std + 1e-6) only when ``norm_by_std`` (else it centres only)."""
     dev = r_M.device
     cnt = torch.zeros(num_tasks, dtype=torch.float64, device=dev).index_add_(0, task_M, torch.ones_like(r_M))
 
@@ -204,7 +207,7 @@ def residual_from_index(r_M: Tensor, invalid_M: Tensor, task_M: Tensor, num_task
         var = torch.zeros_like(cnt).index_add_(0, task_M, d * d) / (cnt - 1.0).clamp_min(1.0)
         single = (cnt == 1.0)[task_M]
         mean_u = torch.where(single, torch.zeros_like(v), mean[task_M])
-        std_u = torch.where(single, torch.ones_like(v), var.sqrt()[task_M] + 1e-6)
+        std_u = torch.where(single | (not norm_by_std), torch.ones_like(v), var.sqrt()[task_M] + 1e-6)
         return (v - mean_u) / std_u
 
     return norm(r_M - penalty * invalid_M.double()) - norm(r_M)
@@ -224,11 +227,14 @@ def check_invalid(invalid, m: int) -> Tensor:
     return inv
 
 
-def invalid_action_residual(outcome: Tensor, invalid: Tensor, task: Tensor, *, penalty: float) -> Tensor:
+def invalid_action_residual(
+    outcome: Tensor, invalid: Tensor, task: Tensor, *, penalty: float, norm_by_std: bool = True
+) -> Tensor:
     """Residual r = norm(R - penalty*invalid) - norm(R) over each task's turns (§3.10).
 
     norm(v) = (v - mean) / (unbiased std + 1e-6) over the canonical turns of a task (each turn counts
-    once); a task with a single turn uses mean 0 and std 1. One invalid turn shifts every turn of its task.
+    once) when ``norm_by_std``, else v - mean (as the outcome advantage, ``grpo_normalize_by_std``); a task
+    with a single turn uses mean 0 and std 1. One invalid turn shifts every turn of its task.
 
     Args:
         outcome: [M] episode outcome R per turn.
@@ -250,4 +256,6 @@ def invalid_action_residual(outcome: Tensor, invalid: Tensor, task: Tensor, *, p
         return torch.zeros(0, dtype=torch.float32, device=r.device)
     _, task_idx = torch.unique(task_t.long(), return_inverse=True)
     g = int(task_idx.max()) + 1
-    return residual_from_index(r, inv.to(r.device), task_idx, g, penalty).float()
+    if not isinstance(norm_by_std, bool):
+        raise ValueError(f"norm_by_std: expected a bool, got {type(norm_by_std).__name__}")
+    return residual_from_index(r, inv.to(r.device), task_idx, g, penalty, norm_by_std).float()

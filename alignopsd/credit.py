@@ -212,7 +212,9 @@ def _turns(gap, mask, outcome, task, rollout, turn, H, eligible, invalid, cfg: C
     m = index.num_turns
     residual_s = torch.zeros(m, dtype=torch.float64, device=gap_t.device)
     if inv_M is not None and cfg.invalid_penalty > 0:
-        residual_s = residual_from_index(r_M[order], inv_M[order], index.task_M, index.num_tasks, cfg.invalid_penalty)
+        residual_s = residual_from_index(
+            r_M[order], inv_M[order], index.task_M, index.num_tasks, cfg.invalid_penalty, cfg.norm_by_std
+        )
     return _Turns(index, gap_t, mask_b, mask_f, H_f, E_b, inv_M, r_T, A_T, A_s, g_s, s_s, ntok_s, ntraj_T, residual_s)
 
 

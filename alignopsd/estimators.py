@@ -277,7 +277,9 @@ def _outcome_advantage(inp: EstimatorInputs, cfg: Any) -> tuple[Tensor, Tensor, 
     A = grpo_advantage(inp.outcome, inp.task, inp.rollout, scope=cfg.grpo_scope, norm_by_std=cfg.norm_by_std)
     A = A.to(inp.old_logp.device)
     if cfg.use_invalid_penalty and inp.invalid is not None:
-        r = invalid_action_residual(inp.outcome, inp.invalid, inp.task, penalty=cfg.invalid_penalty)
+        r = invalid_action_residual(
+            inp.outcome, inp.invalid, inp.task, penalty=cfg.invalid_penalty, norm_by_std=cfg.norm_by_std
+        )
         r = r.to(A.device)
     else:
         r = torch.zeros_like(A)

@@ -60,9 +60,9 @@ def grpo_advantage_ref(outcome, task, rollout, *, scope="trajectory", norm_by_st
     return torch.tensor(out, dtype=torch.float32)
 
 
-def invalid_action_residual_ref(outcome, invalid, task, *, penalty) -> Tensor:
+def invalid_action_residual_ref(outcome, invalid, task, *, penalty, norm_by_std=True) -> Tensor:
     """Loop reference of ``invalid_action_residual``."""
-    return torch.tensor(_residual_f64(outcome, invalid, task, penalty), dtype=torch.float32)
+    return torch.tensor(_residual_f64(outcome, invalid, task, penalty, norm_by_std), dtype=torch.float32)
 
 
 def correspondence_profiles_ref(H: Tensor, eligible: Tensor, *, gamma: float, temperature: float = 0.1):
@@ -242,7 +242,7 @@ def allocate_credit_ref(
     s = [_sign(a[u]) * g[u] for u in range(m)]
     residual = [0.0] * m
     if invalid is not None and cfg.invalid_penalty > 0:
-        residual = _residual_f64(outcome, invalid, task, cfg.invalid_penalty)
+        residual = _residual_f64(outcome, invalid, task, cfg.invalid_penalty, cfg.norm_by_std)
 
     seg_index = [-1] * m
     tau = math.inf
@@ -301,8 +301,9 @@ def allocate_credit_ref(
     )
 
 
-def _residual_f64(outcome, invalid, task, penalty: float) -> list[float]:
-    """Per-task loop of r = norm(R - c * invalid) - norm(R), float64 (unrounded, to compose with A * w)."""
+def _residual_f64(outcome, invalid, task, penalty: float, norm_by_std: bool = True) -> list[float]:
+    """Per-task loop of r = norm(R - c * invalid) - norm(R), float64 (unrounded, to compose with A * w);
+    norm divides by (std + 1e-6) only when ``norm_by_std``."""
     r, inv, tk = outcome.double().tolist(), invalid.tolist(), task.tolist()
     groups: dict[int, list[int]] = {}
     for u in range(len(r)):
@@ -314,7 +315,7 @@ def _residual_f64(outcome, invalid, task, penalty: float) -> list[float]:
             if len(us) == 1:
                 return v
             mean, std = _mean_std(v, [1.0] * len(v))
-            return [(x - mean) / (std + 1e-6) for x in v]
+            return [(x - mean) / (std + 1e-6 if norm_by_std else 1.0) for x in v]
 
         for u, x, y in zip(us, norm([r[u] - penalty * float(inv[u]) for u in us]), norm([r[u] for u in us])):
             out[u] = x - y

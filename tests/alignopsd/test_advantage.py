@@ -91,6 +91,17 @@ def test_case41_invalid_residual():
     assert torch.equal(res2[4:], torch.zeros(2))
 
 
+def test_invalid_residual_without_std_normalisation_centres_only():
+    """grpo_normalize_by_std false: both normalisations subtract the task mean only (§3.10)."""
+    r, task, inv = T([1.0, 1, -1, -1]), T([0, 0, 0, 0]), T([False, True, False, False])
+    res = invalid_action_residual(r, inv, task, penalty=0.1, norm_by_std=False)
+    # (R - c*inv) - mean(R - c*inv) - (R - mean R) = -c*inv + c/4
+    assert torch.allclose(res, T([0.025, -0.075, 0.025, 0.025]), atol=1e-7)
+    assert not torch.allclose(res, invalid_action_residual(r, inv, task, penalty=0.1), atol=1e-3)
+    with pytest.raises(ValueError, match="norm_by_std"):
+        invalid_action_residual(r, inv, task, penalty=0.1, norm_by_std="no")
+
+
 def test_invalid_residual_single_turn_task_uses_mean0_std1():
     res = invalid_action_residual(T([2.0]), T([True]), T([3]), penalty=0.25)
     assert torch.allclose(res, T([-0.25]))
@@ -142,11 +153,11 @@ def test_grpo_matches_loop_reference(batch, scope, norm):
 
 
 @settings(max_examples=40, deadline=None)
-@given(_groups(), st.sampled_from([0.0, 0.01, 0.1, 1.0]))
-def test_residual_matches_loop_reference(batch, penalty):
+@given(_groups(), st.sampled_from([0.0, 0.01, 0.1, 1.0]), st.booleans())
+def test_residual_matches_loop_reference(batch, penalty, norm):
     out, task, _, invalid = batch
-    r = invalid_action_residual(out, invalid, task, penalty=penalty)
-    ref = invalid_action_residual_ref(out, invalid, task, penalty=penalty)
+    r = invalid_action_residual(out, invalid, task, penalty=penalty, norm_by_std=norm)
+    ref = invalid_action_residual_ref(out, invalid, task, penalty=penalty, norm_by_std=norm)
     assert torch.allclose(r, ref, atol=1e-5, rtol=1e-6)
     if penalty == 0.0 or not bool(invalid.any()):
         assert torch.equal(r, torch.zeros_like(r))
