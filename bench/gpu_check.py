@@ -151,7 +151,6 @@ def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
 
 def _check_logprob_case(tag, h, w, t, dtype, device) -> None:
     import torch
-
     from alignopsd.kernels import logprob, logprob_loss_and_grad, logprob_ref
 
     N_ = h.shape[0]
@@ -192,7 +191,6 @@ def _check_logprob_case(tag, h, w, t, dtype, device) -> None:
 
 def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
     import torch
-
     from alignopsd.kernels import logprob, logprob_loss_and_grad
 
     N_, H = h.shape
@@ -294,9 +292,9 @@ _TOPK_KW = dict(gamma=0.7, top_k=3, profile_temperature=0.1)
 
 def _check_topk_case(tag: str, batch: tuple, dtype) -> None:
     import torch
+    from alignopsd.kernels import DISTANCES, boundary_scores, sibling_topk
 
     import alignopsd
-    from alignopsd.kernels import DISTANCES, boundary_scores, sibling_topk
 
     te, st, task, roll, turn, sv, tv = batch
     cpu = lambda *xs: [x.cpu() for x in xs]  # noqa: E731  (the core's torch path runs on CPU tensors)
@@ -326,8 +324,9 @@ def _check_topk_case(tag: str, batch: tuple, dtype) -> None:
 
 
 def _time_alignment(tag: str, batch: tuple, device: str) -> None:
-    import alignopsd
     from alignopsd.kernels import boundary_scores_blocks, sibling_topk
+
+    import alignopsd
     from alignopsd.rectify import similarity_matrix
 
     te, st, task, roll, turn, sv, tv = batch
@@ -359,10 +358,10 @@ def check_core_dispatch(device: str, dry: bool) -> None:
     import contextlib
 
     import torch
+    from alignopsd.kernels import core_uses_kernels, force_kernels
 
     import alignopsd
     from alignopsd.credit import CreditConfig, allocate_credit
-    from alignopsd.kernels import core_uses_kernels, force_kernels
     from alignopsd.rectify import similarity_matrix
 
     tasks, rollouts, turns, D, L = (16, 8, 50, 256, 64) if not dry else (2, 3, 6, 16, 5)

@@ -92,7 +92,6 @@ def scrub(text: str) -> str:
 def run_case(name: str, overrides: list[str], steps: int, device: str, emit: Callable[[str], None]) -> dict:
     """Train ``steps`` steps of the tiny run with ``overrides``; emit the verdict and the phase table."""
     import torch
-
     from alignopsd.engine.config import load_config
     from alignopsd.engine.profiler import format_table, summarize
     from alignopsd.engine.step import run_step
