@@ -9,12 +9,14 @@ optimizer step; the policy weights changed. Each case's per-phase table (engine/
 verdict. Then :func:`run_scale`: one AlignOPSD step at a quickstart-like batch (8 tasks x 8 rollouts, longer
 responses, bf16 with fp32 masters on CUDA) with its table and the alignment overhead over GRPO.
 
-Every line goes through ``emit`` as soon as it is known (the caller flushes it to the results file), so a run
-cut off by a timeout keeps the cases it finished.
+The dry run (CPU) routes the algorithm core to the Triton kernels under the interpreter, as CUDA tensors are
+routed on a GPU. Every line goes through ``emit`` as soon as it is known (the caller flushes it to the results
+file), so a run cut off by a timeout keeps the cases it finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -146,6 +148,15 @@ def run_case(name: str, overrides: list[str], steps: int, device: str, emit: Cal
     return result
 
 
+def _kernel_route(dry: bool):
+    """The dry run sends the core's CPU tensors to the Triton kernels (interpreter), as CUDA tensors go on a GPU."""
+    if not dry:
+        return contextlib.nullcontext()
+    from alignopsd.kernels import force_kernels
+
+    return force_kernels()
+
+
 def run_engine(device: str, dry: bool, emit: Callable[[str], None], *, steps: int = 2, budget_s: float = 1e9) -> list:
     """Every case of :func:`engine_cases` in turn; cases past ``budget_s`` are reported as skipped."""
     t0 = time.perf_counter()
@@ -155,13 +166,15 @@ def run_engine(device: str, dry: bool, emit: Callable[[str], None], *, steps: in
             emit(f"[SKIP] engine {name}: past the part's budget of {budget_s:.0f} s")
             results.append({"name": name, "ok": False, "skipped": True})
             continue
-        results.append(run_case(name, [*ov, *(DRY if dry else [])], steps, device, emit))
+        with _kernel_route(dry):
+            results.append(run_case(name, [*ov, *(DRY if dry else [])], steps, device, emit))
     return results
 
 
 def run_scale(device: str, dry: bool, emit: Callable[[str], None]) -> dict:
     """One AlignOPSD step at a quickstart-like batch (smaller in the dry run), with its phase table."""
-    res = run_case("alignopsd quickstart-like", [*SCALE, *(DRY_SCALE if dry else [])], 1, device, emit)
+    with _kernel_route(dry):
+        res = run_case("alignopsd quickstart-like", [*SCALE, *(DRY_SCALE if dry else [])], 1, device, emit)
     if "summary" in res:
         s = res["summary"]
         emit(
