@@ -1,10 +1,15 @@
-"""GPU check of every Triton kernel: correctness against its reference, then a timing table against torch.
+"""GPU check: the Triton kernels' correctness, the training engine on the device, then the kernel timings.
 
-Run through ``bench/gpu_check.sh`` on a CUDA machine (no installs; the image's torch and triton).
-``--dry-run`` runs the same code path on CPU under the Triton interpreter with tiny shapes (this is
-how it is tested without a GPU); timings are then wall-clock and meaningless.
+Run through ``bench/gpu_check.sh`` on a CUDA machine (no installs; the image's torch, triton and transformers;
+the project need not be installed: the source folders are mapped as ``alignopsd.kernels`` / ``alignopsd.engine``).
+``--dry-run`` runs the same code on CPU under the Triton interpreter with tiny shapes (this is how it is tested
+without a GPU); timings are then wall-clock and meaningless. Four parts, in this order (``--part`` runs one;
+the shell script runs each in its own process under its own timeout): ``kernels`` (the checks below),
+``engine`` and ``scale`` (bench/gpu_engine_check.py: 2 tiny training steps per estimator / ablation, one
+quickstart-like AlignOPSD step, each with its per-phase table), ``timing`` (the table below, within
+``--budget``). Every line is appended to ``--out`` as soon as it is known.
 
-Checks (GPU shapes; dry-run shapes in brackets):
+Kernel checks (GPU shapes; dry-run shapes in brackets):
 - logprob, bf16 and fp32, forward + entropy and gradients (hidden, weight): three-way tolerance
   (kernel error vs the fp32 reference <= 2 x plain torch's error in the same dtype + atol).
   Qwen2.5-7B head H=3584, V=152064, N=4096 and SmolLM2 head H=576, V=49152, N=8192 [N=37, H=72, V=1031].
