@@ -20,7 +20,7 @@ if [[ " $* " == *" --dry-run "* ]]; then
   BUDGETS=(120 240 90 60); TOTAL="${GPU_CHECK_TOTAL_S:-480}"
   OUT="${GPU_CHECK_OUT:-${TMPDIR:-/tmp}/gpu_check-dryrun-$(uname -m)-${STAMP}.md}"
 else
-  BUDGETS=(65 110 30 60); TOTAL="${GPU_CHECK_TOTAL_S:-235}"
+  BUDGETS=(65 105 40 60); TOTAL="${GPU_CHECK_TOTAL_S:-235}"
   GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z ' 'a-z_')"
   OUT="${GPU_CHECK_OUT:-bench/results/gpu_check-$(uname -m)-${GPU:-nogpu}-${STAMP}.md}"
 fi
