@@ -1,10 +1,15 @@
-"""GPU check of every Triton kernel: correctness against its reference, then a timing table against torch.
+"""GPU check: the Triton kernels' correctness, the training engine on the device, then the kernel timings.
 
-Run through ``bench/gpu_check.sh`` on a CUDA machine (no installs; the image's torch and triton).
-``--dry-run`` runs the same code path on CPU under the Triton interpreter with tiny shapes (this is
-how it is tested without a GPU); timings are then wall-clock and meaningless.
+Run through ``bench/gpu_check.sh`` on a CUDA machine (no installs; the image's torch, triton and transformers;
+the project need not be installed: the source folders are mapped as ``alignopsd.kernels`` / ``alignopsd.engine``).
+``--dry-run`` runs the same code on CPU under the Triton interpreter with tiny shapes (this is how it is tested
+without a GPU); timings are then wall-clock and meaningless. Four parts, in this order (``--part`` runs one;
+the shell script runs each in its own process under its own timeout): ``kernels`` (the checks below),
+``engine`` and ``scale`` (bench/gpu_engine_check.py: 2 tiny training steps per estimator / ablation, one
+quickstart-like AlignOPSD step, each with its per-phase table), ``timing`` (the table below, within
+``--budget``). Every line is appended to ``--out`` as soon as it is known.
 
-Checks (GPU shapes; dry-run shapes in brackets):
+Kernel checks (GPU shapes; dry-run shapes in brackets):
 - logprob, bf16 and fp32, forward + entropy and gradients (hidden, weight): three-way tolerance
   (kernel error vs the fp32 reference <= 2 x plain torch's error in the same dtype + atol).
   Qwen2.5-7B head H=3584, V=152064, N=4096 and SmolLM2 head H=576, V=49152, N=8192 [N=37, H=72, V=1031].
@@ -30,27 +35,35 @@ import sys
 import time
 
 
+def _map_package(name: str, folder: str) -> None:
+    """Import the source folder ``folder`` as package ``name`` (its subpackages resolve inside it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    parent, _, child = name.rpartition(".")
+    setattr(sys.modules[parent], child, mod)
+
+
 def _setup_imports(dry_run: bool) -> None:
+    """Make ``alignopsd``, ``alignopsd.kernels`` and ``alignopsd.engine`` importable without installing the
+    project: the source folders kernels/ and engine/ are mapped by hand when the package has no such members."""
     if dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
-    try:
-        import alignopsd.kernels  # noqa: F401
-    except ImportError:
-        # not installed: map the source folders (kernels/ -> alignopsd.kernels) by hand
-        import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name, folder in (("alignopsd.kernels", "kernels"), ("alignopsd.engine", "engine")):
+        try:
+            __import__(name)
+        except ImportError:
+            if root not in sys.path:
+                sys.path.insert(0, root)
+            import alignopsd  # noqa: F401
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sys.path.insert(0, root)
-        import alignopsd
-
-        spec = importlib.util.spec_from_file_location(
-            "alignopsd.kernels", os.path.join(root, "kernels", "__init__.py"),
-            submodule_search_locations=[os.path.join(root, "kernels")],
-        )  # fmt: skip
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["alignopsd.kernels"] = mod
-        spec.loader.exec_module(mod)
-        alignopsd.kernels = mod
+            _map_package(name, os.path.join(root, folder))
 
 
 PEAKS = {  # dense bf16 TFLOP/s, HBM GB/s (vendor figures)
@@ -61,13 +74,34 @@ PEAKS = {  # dense bf16 TFLOP/s, HBM GB/s (vendor figures)
 }
 
 RESULTS: list[tuple[str, bool, str]] = []
-TIMING = True
-TIMES: list[tuple[str, float, float, str]] = []
+CHECKS = True  # correctness checks (the "kernels" part)
+TIMING = True  # timing rows (the "timing" part)
+DEADLINE = math.inf  # perf_counter() past which timings are skipped
+_OUT = None  # the results file, appended to and flushed line by line
+
+
+def emit(line: str = "") -> None:
+    """Print ``line`` and append it to the results file at once (a run cut off later keeps it)."""
+    print(line, flush=True)
+    if _OUT is not None:
+        _OUT.write(line + "\n")
+        _OUT.flush()
 
 
 def record(name: str, ok: bool, detail: str) -> None:
     RESULTS.append((name, ok, detail))
-    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+    emit(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}")
+
+
+def time_row(label: str, ours_ms: float, torch_ms: float, note: str) -> None:
+    emit(f"| {label} | {ours_ms:.3f} | {torch_ms:.3f} | {torch_ms / ours_ms:.2f}x | {note} |")
+
+
+def past_deadline(label: str) -> bool:
+    if time.perf_counter() <= DEADLINE:
+        return False
+    emit(f"| {label} | - | - | - | skipped: past the part's budget |")
+    return True
 
 
 def three_way(ours, plain, ref, atol: float) -> tuple[bool, str]:
@@ -92,10 +126,11 @@ def bench_ms(fn, device: str) -> float:
 
 # ----------------------------------------------------------------------------------------------
 def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
-    import torch
-    from alignopsd.kernels import logprob, logprob_loss_and_grad, logprob_ref
+    import importlib
 
-    lp_mod = sys.modules["alignopsd.kernels.logprob"]
+    import torch
+
+    lp_mod = importlib.import_module("alignopsd.kernels.logprob")
     shapes = [("qwen7b", 4096, 3584, 152064), ("smollm2", 8192, 576, 49152)] if not dry else [("tiny", 37, 72, 1031)]
     for name, N, H, V in shapes:
         for dtype in (torch.bfloat16, torch.float32):
@@ -110,44 +145,53 @@ def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
             tag = f"logprob {name} N={N_} {str(dtype).split('.')[-1]}"
             h.requires_grad_()
             w.requires_grad_()
-            lp, ent = logprob(h, w, t, with_entropy=True, impl="triton")
-            z = h @ w.T
-            ls = torch.log_softmax(z, -1)
-            plain_lp = ls.gather(-1, t[:, None]).squeeze(-1)
-            plain_ent = -(ls.exp() * ls).sum(-1)
-            h32 = h.detach().float().requires_grad_()
-            w32 = w.detach().float().requires_grad_()
-            ref_lp, ref_ent = logprob_ref(h32, w32, t, with_entropy=True)
-            atol = 1e-5 if dtype == torch.float32 else 1e-3
-            ok1, d1 = three_way(lp, plain_lp, ref_lp, atol)
-            ok2, d2 = three_way(ent, plain_ent, ref_ent, atol)
-            record(f"{tag} forward", ok1 and ok2, f"logp {d1}; entropy {d2}")
-            gl = torch.randn(N_, device=device, generator=g)
-            ge = torch.randn(N_, device=device, generator=g)
-            ours = torch.autograd.grad((lp * gl).sum() + (ent * ge).sum(), [h, w])
-            plain = torch.autograd.grad((plain_lp.float() * gl).sum() + (plain_ent.float() * ge).sum(), [h, w])
-            ref = torch.autograd.grad((ref_lp * gl).sum() + (ref_ent * ge).sum(), [h32, w32])
-            for gname, o, p, r in zip(("d_hidden", "d_weight"), ours, plain, ref):
-                scale = float(r.abs().max())
-                ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
-                record(f"{tag} {gname}", ok, d)
-            fz = logprob_loss_and_grad(
-                h.detach(), w.detach(), t, lambda a, e, i, gl=gl, ge=ge: a * gl[i] + e * ge[i], with_entropy=True
-            )  # gradients formed with the log-probs (three matmuls), torch ops on the device
-            for gname, o, p, r in zip(("d_hidden", "d_weight"), (fz.grad_hidden, fz.grad_weight), plain, ref):
-                scale = float(r.abs().max())
-                ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
-                record(f"{tag} fused-loss {gname}", ok, d)
-            del fz
-            del z, ls, plain_lp, plain_ent, ref_lp, ref_ent, ours, plain, ref, h32, w32, lp, ent
-            if device == "cuda":
-                torch.cuda.empty_cache()
-
-            if TIMING:
+            if CHECKS:
+                _check_logprob_case(tag, h, w, t, dtype, device)
+            if TIMING and not past_deadline(tag):
                 _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod)
             del h, w
             if device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _check_logprob_case(tag, h, w, t, dtype, device) -> None:
+    import torch
+    from alignopsd.kernels import logprob, logprob_loss_and_grad, logprob_ref
+
+    N_ = h.shape[0]
+    g = torch.Generator(device=device).manual_seed(1)
+    lp, ent = logprob(h, w, t, with_entropy=True, impl="triton")
+    z = h @ w.T
+    ls = torch.log_softmax(z, -1)
+    plain_lp = ls.gather(-1, t[:, None]).squeeze(-1)
+    plain_ent = -(ls.exp() * ls).sum(-1)
+    h32 = h.detach().float().requires_grad_()
+    w32 = w.detach().float().requires_grad_()
+    ref_lp, ref_ent = logprob_ref(h32, w32, t, with_entropy=True)
+    atol = 1e-5 if dtype == torch.float32 else 1e-3
+    ok1, d1 = three_way(lp, plain_lp, ref_lp, atol)
+    ok2, d2 = three_way(ent, plain_ent, ref_ent, atol)
+    record(f"{tag} forward", ok1 and ok2, f"logp {d1}; entropy {d2}")
+    gl = torch.randn(N_, device=device, generator=g)
+    ge = torch.randn(N_, device=device, generator=g)
+    ours = torch.autograd.grad((lp * gl).sum() + (ent * ge).sum(), [h, w])
+    plain = torch.autograd.grad((plain_lp.float() * gl).sum() + (plain_ent.float() * ge).sum(), [h, w])
+    ref = torch.autograd.grad((ref_lp * gl).sum() + (ref_ent * ge).sum(), [h32, w32])
+    for gname, o, p, r in zip(("d_hidden", "d_weight"), ours, plain, ref):
+        scale = float(r.abs().max())
+        ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
+        record(f"{tag} {gname}", ok, d)
+    fz = logprob_loss_and_grad(
+        h.detach(), w.detach(), t, lambda a, e, i, gl=gl, ge=ge: a * gl[i] + e * ge[i], with_entropy=True
+    )  # gradients formed with the log-probs (three matmuls), torch ops on the device
+    for gname, o, p, r in zip(("d_hidden", "d_weight"), (fz.grad_hidden, fz.grad_weight), plain, ref):
+        scale = float(r.abs().max())
+        ok, d = three_way(o, p, r, (1e-5 if dtype == torch.float32 else 4e-3) * scale)
+        record(f"{tag} fused-loss {gname}", ok, d)
+    del fz
+    del z, ls, plain_lp, plain_ent, ref_lp, ref_ent, ours, plain, ref, h32, w32, lp, ent
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
@@ -187,31 +231,33 @@ def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
         ("fused-loss fwd+bwd", ours_fused, base_fb, 3),
     )
     for mode, fo, fb, nmm in modes:
+        if past_deadline(f"{tag} {mode}"):
+            return
         to, tb = bench_ms(fo, device), bench_ms(fb, device)
         fl = nmm * flops
         min_fl = (1 if mode == "fwd" else 3) * flops
         floor = max(min_fl / (peak[0] * 1e12), bytes_ * (1 if mode == "fwd" else 3) / (peak[1] * 1e9)) * 1e3
-        TIMES.append(
-            (
-                f"{tag} {mode}",
-                to,
-                tb,
-                f"{fl / to / 1e9:.0f} TFLOP/s achieved ({nmm} matmuls), floor {floor:.3f} ms "
-                f"({min_fl / 1e12:.2f} TFLOP min, {bytes_ / 2**20:.0f} MiB read once)",
-            )
+        time_row(
+            f"{tag} {mode}",
+            to,
+            tb,
+            f"{fl / to / 1e9:.0f} TFLOP/s achieved ({nmm} matmuls), floor {floor:.3f} ms "
+            f"({min_fl / 1e12:.2f} TFLOP min, {bytes_ / 2**20:.0f} MiB read once)",
         )
-    if dtype == torch.bfloat16 and not dry:  # block-size sweep of the forward kernel
+    if (
+        dtype == torch.bfloat16 and not dry and not past_deadline(f"{tag} block sweep")
+    ):  # block-size sweep of the forward kernel
         best = None
         for blocks in ((64, 128, 64), (128, 128, 64), (64, 256, 64), (128, 64, 64), (64, 128, 128)):
             try:
                 ms = bench_ms(lambda b=blocks: lp_mod._triton_partials(hd, wd, None, t, 1.0, 0, b), device)
             except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory)
-                print(f"  sweep {blocks}: failed ({type(exc).__name__})")
+                emit(f"  sweep {blocks}: failed ({type(exc).__name__})")
                 continue
-            print(f"  sweep fwd BLOCK_N/V/H={blocks}: {ms:.3f} ms")
+            emit(f"  sweep fwd BLOCK_N/V/H={blocks}: {ms:.3f} ms")
             best = min(best or (ms, blocks), (ms, blocks))
         if best:
-            print(f"  best forward blocks for {tag}: {best[1]} ({best[0]:.3f} ms)")
+            emit(f"  best forward blocks for {tag}: {best[1]} ({best[0]:.3f} ms)")
 
 
 def _turn_batch(tasks: int, rollouts: int, turns: int, D: int, *, seed: int):
@@ -235,64 +281,79 @@ def _turn_batch(tasks: int, rollouts: int, turns: int, D: int, *, seed: int):
 
 def check_alignment(device: str, dry: bool) -> None:
     import torch
-    from alignopsd.kernels import DISTANCES, boundary_scores, boundary_scores_blocks, sibling_topk
-
-    import alignopsd
 
     tasks, rollouts, turns, D = (16, 8, 50, 1024) if not dry else (2, 3, 5, 33)
     M = tasks * rollouts * turns
-    te, st, task, roll, turn, sv, tv = (x.to(device) for x in _turn_batch(tasks, rollouts, turns, D, seed=0))
+    batch = tuple(x.to(device) for x in _turn_batch(tasks, rollouts, turns, D, seed=0))
+    if CHECKS:
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_topk_case(f"sibling_topk M={M} D={D} {str(dtype).split('.')[-1]}", batch, dtype)
+    if TIMING and not past_deadline(f"alignment M={M} D={D}"):
+        _time_alignment(f"alignment M={M} D={D}", batch, device)
+
+
+_TOPK_KW = dict(gamma=0.7, top_k=3, profile_temperature=0.1)
+
+
+def _check_topk_case(tag: str, batch: tuple, dtype) -> None:
+    import torch
+    from alignopsd.kernels import DISTANCES, boundary_scores, sibling_topk
+
+    import alignopsd
+
+    te, st, task, roll, turn, sv, tv = batch
     cpu = lambda *xs: [x.cpu() for x in xs]  # noqa: E731  (the core's torch path runs on CPU tensors)
-    kw = dict(gamma=0.7, top_k=3, profile_temperature=0.1)
-    for dtype in (torch.float32, torch.bfloat16):
-        tag = f"sibling_topk M={M} D={D} {str(dtype).split('.')[-1]}"
-        tq, sq = te.to(dtype), st.to(dtype)
-        out = sibling_topk(tq, sq, task, roll, turn, sv, tv, impl="triton", **kw)
-        ref = sibling_topk(tq.float(), sq.float(), task, roll, turn, sv, tv, impl="torch", **kw)
-        plain = (tq @ sq.T).float().clamp(-1, 1) * (task[:, None] == task[None, :]) * (sv[:, None] & tv[None, :])
-        ok, d = three_way(out.H, plain, ref.H, 1e-6)
-        record(f"{tag} H", ok, d)
-        record(f"{tag} eligibility", bool(torch.equal(out.eligible, ref.eligible)), "exact")
-        sel = alignopsd.select_sources(*cpu(out.H, out.eligible, task, roll, turn), gamma=0.7, top_k=3)
-        record(f"{tag} selection == select_sources", out.selected_lists() == sel, f"{sum(map(len, sel))} pairs")
-        P, valid = alignopsd.correspondence_profiles(*cpu(out.H, out.eligible), gamma=0.7, temperature=0.1)
-        err = float((out.P.cpu() - P).abs().max())
-        ok = err <= 1e-5 and bool(torch.equal(valid, out.profile_valid.cpu()))
-        record(f"{tag} profiles", ok, f"max err {err:.1e}")
-        for dist in DISTANCES:
-            d_t, bv_t = boundary_scores(
-                out.P, out.profile_valid, out.eligible, task, roll, turn, distance=dist, impl="triton"
-            )
-            d_c, bv_c = alignopsd.boundary_scores(
-                *cpu(out.P, out.profile_valid, out.eligible, task, roll, turn), distance=dist
-            )
-            err = float((d_t.cpu() - d_c).abs().max())
-            ok = err <= 1e-5 and bool(torch.equal(bv_t.cpu(), bv_c))
-            record(f"{tag} boundary {dist}", ok, f"max err {err:.1e}")
-        if dtype == torch.float32 and TIMING:
+    tq, sq = te.to(dtype), st.to(dtype)
+    out = sibling_topk(tq, sq, task, roll, turn, sv, tv, impl="triton", **_TOPK_KW)
+    ref = sibling_topk(tq.float(), sq.float(), task, roll, turn, sv, tv, impl="torch", **_TOPK_KW)
+    plain = (tq @ sq.T).float().clamp(-1, 1) * (task[:, None] == task[None, :]) * (sv[:, None] & tv[None, :])
+    ok, d = three_way(out.H, plain, ref.H, 1e-6)
+    record(f"{tag} H", ok, d)
+    record(f"{tag} eligibility", bool(torch.equal(out.eligible, ref.eligible)), "exact")
+    sel = alignopsd.select_sources(*cpu(out.H, out.eligible, task, roll, turn), gamma=0.7, top_k=3)
+    record(f"{tag} selection == select_sources", out.selected_lists() == sel, f"{sum(map(len, sel))} pairs")
+    P, valid = alignopsd.correspondence_profiles(*cpu(out.H, out.eligible), gamma=0.7, temperature=0.1)
+    err = float((out.P.cpu() - P).abs().max())
+    ok = err <= 1e-5 and bool(torch.equal(valid, out.profile_valid.cpu()))
+    record(f"{tag} profiles", ok, f"max err {err:.1e}")
+    for dist in DISTANCES:
+        d_t, bv_t = boundary_scores(
+            out.P, out.profile_valid, out.eligible, task, roll, turn, distance=dist, impl="triton"
+        )
+        d_c, bv_c = alignopsd.boundary_scores(
+            *cpu(out.P, out.profile_valid, out.eligible, task, roll, turn), distance=dist
+        )
+        err = float((d_t.cpu() - d_c).abs().max())
+        ok = err <= 1e-5 and bool(torch.equal(bv_t.cpu(), bv_c))
+        record(f"{tag} boundary {dist}", ok, f"max err {err:.1e}")
 
-            def ours():
-                r = sibling_topk(te, st, task, roll, turn, sv, tv, impl="triton", **kw)
-                return boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks, impl="triton")
 
-            def base():
-                r = sibling_topk(te, st, task, roll, turn, sv, tv, impl="torch", **kw)
-                return boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks, impl="torch")
+def _time_alignment(tag: str, batch: tuple, device: str) -> None:
+    from alignopsd.kernels import boundary_scores_blocks, sibling_topk
 
-            def core():
-                from alignopsd.rectify import similarity_matrix
+    import alignopsd
+    from alignopsd.rectify import similarity_matrix
 
-                H = similarity_matrix(te, st, task)
-                E = alignopsd.eligibility(task, roll, sv, tv)
-                alignopsd.select_sources(H, E, task, roll, turn, gamma=0.7, top_k=3)
-                P, v = alignopsd.correspondence_profiles(H, E, gamma=0.7)
-                return alignopsd.boundary_scores(P, v, E, task, roll, turn)
+    te, st, task, roll, turn, sv, tv = batch
 
-            to, tb, tc = bench_ms(ours, device), bench_ms(base, device), bench_ms(core, device)
-            TIMES.append((f"alignment M={M} D={D} (triton vs torch path)", to, tb, ""))
-            TIMES.append(
-                (f"alignment M={M} D={D} (triton vs core dense)", to, tc, "the core dispatches to the kernels")
-            )
+    def ours():
+        r = sibling_topk(te, st, task, roll, turn, sv, tv, impl="triton", **_TOPK_KW)
+        return boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks, impl="triton")
+
+    def base():
+        r = sibling_topk(te, st, task, roll, turn, sv, tv, impl="torch", **_TOPK_KW)
+        return boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks, impl="torch")
+
+    def core():
+        H = similarity_matrix(te, st, task)
+        E = alignopsd.eligibility(task, roll, sv, tv)
+        alignopsd.select_sources(H, E, task, roll, turn, gamma=0.7, top_k=3)
+        P, v = alignopsd.correspondence_profiles(H, E, gamma=0.7)
+        return alignopsd.boundary_scores(P, v, E, task, roll, turn)
+
+    to, tb, tc = bench_ms(ours, device), bench_ms(base, device), bench_ms(core, device)
+    time_row(f"{tag} (triton vs torch path)", to, tb, "")
+    time_row(f"{tag} (triton vs core dense)", to, tc, "the core dispatches to the kernels")
 
 
 def check_core_dispatch(device: str, dry: bool) -> None:
@@ -353,19 +414,53 @@ def check_core_dispatch(device: str, dry: bool) -> None:
     record(f"{tag} allocate_credit", same and err <= 1e-5 and abs(credit.threshold - ref.threshold) <= 1e-6, detail)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Check every Triton kernel on a GPU and time it against torch.")
+PARTS = ("kernels", "engine", "scale", "timing")
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description="Check the Triton kernels and the training engine on a GPU.")
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes (no GPU needed)")
     ap.add_argument("--skip-timing", action="store_true", help="correctness checks only")
+    ap.add_argument("--part", choices=("all", *PARTS), default="all", help="run one part (default: all in turn)")
+    ap.add_argument("--out", default=None, help="append every line to this results file as it is known")
+    ap.add_argument("--budget", type=float, default=None, help="seconds after which engine cases / timings skip")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per estimator (default 2; dry run 1)")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--peak-gbps", type=float, default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _run_part(part: str, device: str, args, peak: tuple[float, float]) -> None:
+    global CHECKS, TIMING, DEADLINE
+    budget = args.budget if args.budget is not None else math.inf
+    DEADLINE = time.perf_counter() + budget
+    if part in ("kernels", "timing"):
+        CHECKS, TIMING = part == "kernels", part == "timing"
+        if TIMING:
+            emit("| check | time ours (ms) | time torch (ms) | speedup | notes |\n|---|---:|---:|---:|---|")
+        check_logprob(device, args.dry_run, peak)
+        check_alignment(device, args.dry_run)
+        if CHECKS:
+            check_core_dispatch(device, args.dry_run)
+        return
+    from bench.gpu_engine_check import run_engine, run_scale
+
+    if part == "engine":
+        steps = args.steps or (1 if args.dry_run else 2)
+        out = run_engine(device, args.dry_run, emit, steps=steps, budget_s=budget)
+    else:
+        out = [run_scale(device, args.dry_run, emit)]
+    for r in out:
+        RESULTS.append((f"engine {r['name']}", r["ok"], r.get("detail", "")))
+
+
+def main(argv=None) -> int:
+    global _OUT
+    args = _parse(argv)
     _setup_imports(args.dry_run)
-    global TIMING
-    TIMING = not args.skip_timing
     RESULTS.clear()
-    TIMES.clear()
     import torch
+    import transformers
     import triton
 
     device = "cpu" if args.dry_run else "cuda"
@@ -376,19 +471,26 @@ def main(argv=None) -> int:
     key = next((k for k in PEAKS if k in name.lower()), None)
     peak = PEAKS.get(key, (100.0, 1000.0))
     peak = (args.peak_tflops or peak[0], args.peak_gbps or peak[1])
-    print(f"# GPU check: {name}; torch {torch.__version__}, triton {triton.__version__}")
-    print(f"peak assumed: {peak[0]:.0f} TFLOP/s, {peak[1]:.0f} GB/s\n", flush=True)
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    check_logprob(device, args.dry_run, peak)
-    check_alignment(device, args.dry_run)
-    check_core_dispatch(device, args.dry_run)
-    print("\n| check | time ours (ms) | time torch (ms) | speedup | notes |\n|---|---:|---:|---:|---|")
-    for label, to, tb, note in TIMES:
-        print(f"| {label} | {to:.3f} | {tb:.3f} | {tb / to:.2f}x | {note} |")
-    failed = [r for r in RESULTS if not r[1]]
-    print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed in {time.perf_counter() - t0:.0f} s")
-    return 1 if failed else 0
+    parts = [p for p in (PARTS if args.part == "all" else (args.part,)) if p != "timing" or not args.skip_timing]
+    _OUT = open(args.out, "a") if args.out else None  # noqa: SIM115  (closed below)
+    try:
+        for part in parts:
+            t0 = time.perf_counter()
+            n0 = len(RESULTS)
+            emit(f"\n## {part}: {name}; torch {torch.__version__}, triton {triton.__version__}, "
+                 f"transformers {transformers.__version__}")  # fmt: skip
+            if part == "timing":
+                emit(f"peak assumed: {peak[0]:.0f} TFLOP/s, {peak[1]:.0f} GB/s\n")
+            torch.manual_seed(0)
+            _run_part(part, device, args, peak)
+            mine = RESULTS[n0:]
+            bad = sum(not r[1] for r in mine)
+            emit(f"\n{part}: {len(mine) - bad}/{len(mine)} checks passed in {time.perf_counter() - t0:.0f} s")
+    finally:
+        if _OUT is not None:
+            _OUT.close()
+            _OUT = None
+    return 1 if any(not r[1] for r in RESULTS) else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ A model *spec* is one of:
   safetensors + tokenizer directory under the cache root, so later loads take seconds;
 - ``"tiny"``: a random-weight Llama model (2 layers, hidden 64, 2 heads of dim 32) with the SmolLM2 tokenizer,
   deterministically initialised from a seed and saved under the cache root (vLLM loads it by path);
+- ``"tiny-bpe"``: the same random Llama with a small byte-level BPE tokenizer trained at first use on a built-in
+  text (no package, no file, no network: for machines without the SmolLM2 wheel), vocabulary sized to it;
+- ``"tiny-encoder"``: a random 2-layer BERT body with that tokenizer, for the thinking encoder (last-token
+  pooling, L2-normalised, through the same ``ThinkingEncoder`` path as the real encoders);
 - a local directory in Hugging Face layout (``config.json`` + weights);
 - a Hugging Face id (``Qwen/Qwen2.5-7B-Instruct``) that is already in the local Hugging Face cache. Nothing is
   ever downloaded: loads run with ``local_files_only=True``.
@@ -44,7 +48,9 @@ ALIASES = {
 }
 SMOLLM2 = "smollm2-135m"
 TINY = "tiny"
-EMBEDDED = (SMOLLM2, TINY)
+TINY_BPE = "tiny-bpe"
+TINY_ENCODER = "tiny-encoder"
+EMBEDDED = (SMOLLM2, TINY, TINY_BPE, TINY_ENCODER)
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FORMAT_VERSION = 1  # bump to invalidate cache directories written by older code
 _MARKER = "alignopsd_model.json"
@@ -227,6 +233,8 @@ def resolve_model_path(spec: str) -> str:
         return str(_ensure_smollm2())
     if key.lower() == TINY:
         return str(_ensure_tiny())
+    if key.lower() in (TINY_BPE, TINY_ENCODER):
+        return str(ensure_self_contained(key.lower()))
     if not Path(key).expanduser().exists():  # a local directory of that name wins over an alias
         key = ALIASES.get(key.lower(), key)
     path = Path(key).expanduser()
@@ -345,3 +353,84 @@ def load_causal_lm(
     attn = pick_attn_implementation(attn_implementation, device, supports_sdpa=sdpa_ok, supports_flash_attn=flash_ok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn, local_files_only=True)
     return model.to(device).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# self-contained tiny models: a byte-level BPE tokenizer trained on a built-in text, no wheel, no gguf, no download
+
+BPE_VOCAB_SIZE = 1024  # an upper bound: the built-in text yields fewer merges
+# ChatML, like SmolLM2's template without its default system message; ids 0-2 as in SmolLM2 (bos 1, eos = pad 2)
+BPE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BPE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_BPE_CORPUS = """You are an agent in a text world. Think inside <think> </think>, then give exactly one admissible
+action inside <action> </action>. Your task is to find the code word and say it at the last step.
+Observation: you are in a room with a door, a table and a chest. On the table is a note. The note reads: the
+code word is hidden. Admissible actions: [look, open chest, read note, go north, go south, say the word].
+Step 1: observation 'you see a key', action 'take key'. Step 2: observation 'the chest is open', action 'look'.
+<think>i should read the note first, then open the chest and say the code word</think><action>read note</action>
+Search the web for the answer. <search>query</search> <answer>the answer</answer> <information>result</information>
+Product: red cotton shirt, size medium, price 12.99 dollars. search[shirt] click[buy now] click[back to search]
+ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz 0123456789 .,;:!?'"()[]{}<>/\\|-_+=*&^%$#@~`
+"""
+
+
+def build_bpe_tokenizer():
+    """A byte-level BPE tokenizer (``BPE_VOCAB_SIZE`` entries, ChatML template), trained on a built-in text;
+    identical on every call (a fast tokenizer; every byte is encodable)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        special_tokens=list(BPE_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_BPE_CORPUS.splitlines() * 4, trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BPE_SPECIALS[1], eos_token=BPE_SPECIALS[2], pad_token=BPE_SPECIALS[2]
+    )
+    tok.chat_template = BPE_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_encoder_config(vocab_size: int):
+    """The BertConfig of the tiny random thinking encoder (2 layers, width 64)."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=512, pad_token_id=2, initializer_range=0.2,
+    )  # fmt: skip
+
+
+def ensure_self_contained(name: str, seed: int = TINY_SEED) -> Path:
+    """The cache directory of ``"tiny-bpe"`` (random Llama) or ``"tiny-encoder"`` (random BERT body), built
+    deterministically from ``seed`` with the built-in BPE tokenizer on first use."""
+    if name not in (TINY_BPE, TINY_ENCODER):
+        raise ValueError(f"name: expected {TINY_BPE!r} or {TINY_ENCODER!r}, got {name!r}")
+    final = cache_root() / (name if seed == TINY_SEED else f"{name}-seed{seed}")
+    if _is_valid_cache(final):
+        return final
+
+    def build(tmp: Path) -> None:
+        from transformers import BertModel, LlamaForCausalLM
+
+        tok = build_bpe_tokenizer()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if name == TINY_BPE:
+                model = LlamaForCausalLM(tiny_config(len(tok)))
+                model.generation_config.pad_token_id = tok.pad_token_id
+            else:
+                model = BertModel(tiny_encoder_config(len(tok)))
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+
+    return _atomic_build(final, build, {"seed": seed, "max_vocab_size": BPE_VOCAB_SIZE})
