@@ -18,11 +18,11 @@ from alignopsd.kernels import (
     sibling_topk_from_similarity,
     sibling_topk_ref,
 )
+from alignopsd.kernels import blocks as layout
 from test_sibling_topk import make_batch
 
 import alignopsd
 from alignopsd.reference import boundary_scores_ref
-from alignopsd.kernels import blocks as layout
 
 # the modules (the package exports functions of the same names)
 sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")
@@ -68,9 +68,7 @@ def test_rollout_len_detects_the_regular_layout():
     # all rollouts L long but tasks of different rollout counts: not regular either
     t3 = torch.cat([task, torch.full((4,), 1000)])
     assert (
-        layout.task_blocks(
-            t3, torch.cat([roll, torch.zeros(4, dtype=torch.long)]), torch.cat([turn, more])
-        ).rollout_len
+        layout.task_blocks(t3, torch.cat([roll, torch.zeros(4, dtype=torch.long)]), torch.cat([turn, more])).rollout_len
         == 0
     )
     assert layout.task_blocks(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 0])).rollout_len == 1
