@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from alignopsd.engine.batch import TurnBatch
 from alignopsd.engine.envs.prompts import chat_text
-from alignopsd.engine.envs.skills import build_teacher_prompts
+from alignopsd.engine.envs.skills import build_teacher_prompts, teacher_prompt_text
 from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
 
@@ -154,6 +154,7 @@ class _Settings:
     env_name: str
     failed_episodes: str
     task_offset: int
+    student_skills: Callable[[dict], str] | None = None  # skill lookup when the skill is in the student prompt
 
 
 @dataclass
@@ -200,11 +201,16 @@ def _check_settings(env_manager, generator, tokenizer, *, group_n, sampling, max
     )  # fmt: skip
 
 
-def _turn_prompts(tokenizer, obs: list[str], act: list[int], turn: int, st: _Settings, counts: dict):
-    """(prompt ids, prompt texts) of the active episodes' observations (§1.3), truncation applied and counted."""
+def _turn_prompts(tokenizer, obs: list[str], infos, act: list[int], turn: int, st: _Settings, counts: dict):
+    """(prompt ids, prompt texts) of the active episodes' observations (§1.3), truncation applied and counted.
+
+    With ``st.student_skills`` (the Skill-Prompt / Skill-GRPO baselines) the skill block of §1.4 is put in front
+    of the student's own prompt, as it is in front of the teacher's."""
     prompt_ids, prompt_texts = [], []
     for i in act:
         text = chat_text(tokenizer, obs[i])
+        if st.student_skills is not None:
+            text = teacher_prompt_text(st.student_skills({**infos[i], "prompt_text": text}), text)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > st.max_prompt_length and st.truncation == "error":
             raise ValueError(
@@ -278,7 +284,7 @@ def _play(env_manager, generator, tokenizer, tasks: Sequence, st: _Settings) -> 
     turn = 0
     while turn < limit and any(active):
         act = [i for i in range(n_ep) if active[i]]
-        prompts = _turn_prompts(tokenizer, obs, act, turn, st, ep.counts)
+        prompts = _turn_prompts(tokenizer, obs, infos, act, turn, st, ep.counts)
         t1 = time.perf_counter()
         out = generator.generate(prompts[0], replace(st.sampling, seed=_seed(st.base_seed, "generate", turn)))
         ep.t_gen += time.perf_counter() - t1
@@ -390,6 +396,7 @@ def collect_rollouts(
     failed_episodes: str = "keep",
     task_offset: int = 0,
     pad_token_id: int | None = None,
+    student_skills: bool = False,
 ) -> TurnBatch:
     """Play ``len(tasks) * group_n`` episodes to the end and return their turn rows (see the module docstring).
 
@@ -400,7 +407,9 @@ def collect_rollouts(
     environment, §1.3). teacher_prompts: also build the privileged teacher prompt of every row (§1.4), with
     ``skill_lookup(row_meta) -> skill text`` (default: the environments' skill bank for this environment; an
     environment without a skill bank gets the empty skill). failed_episodes: "keep" (outcome 0) | "drop".
-    task_offset: added to the task ids (distinct ids across data-parallel ranks).
+    task_offset: added to the task ids (distinct ids across data-parallel ranks). student_skills: put the skill
+    block in front of the student's prompt too (the Skill-Prompt / Skill-GRPO baselines; ``skill_lookup`` or the
+    environment's skill bank).
     """
     if not tasks:
         raise ValueError("tasks: expected a non-empty list of tasks")
@@ -409,6 +418,9 @@ def collect_rollouts(
         max_response_length=max_response_length, max_turns=max_turns, seed=seed, validation=validation,
         truncation=truncation, failed_episodes=failed_episodes, task_offset=task_offset, pad_token_id=pad_token_id,
     )  # fmt: skip
+    if student_skills:
+        lookup = skill_lookup if skill_lookup is not None else env_skill_lookup(st.env_name)
+        st.student_skills = lookup if lookup is not None else (lambda meta: "")
     ep = _play(env_manager, generator, tokenizer, tasks, st)
     outcome = [0.0 if ep.failed[i] else ep.reward[i] for i in range(len(ep.failed))]
     rows, dropped = ep.rows, 0

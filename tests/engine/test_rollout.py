@@ -290,3 +290,25 @@ def test_alfworld_tiny_model_vllm_backend(tok):
     _check_turn_batch(b, 2)
     assert b.size == 2 * 2
     assert bool(torch.isfinite(b.rollout_logp).all()) and bool((b.rollout_logp[b.response_mask.bool()] < 0).all())
+
+
+def test_student_skills_put_the_skill_in_the_student_prompt(tok):
+    """Skill-Prompt / Skill-GRPO baselines: the §1.4 skill block precedes the student's own prompt; the policy
+    sees it (the generator's prompt tokens) and the row keeps it; without the option the prompt has no skill."""
+    env = EnvManager("codeword", num_workers=0)
+    tasks = env.task_source("val", n=1, seed=0)
+    seen = []
+
+    def lookup(meta):
+        seen.append(meta)
+        return "Always read the clue."
+
+    gen = ScriptedGenerator(tok, codeword_player)
+    b = collect_rollouts(env, gen, tok, tasks, group_n=2, max_prompt_length=400, teacher_prompts=False, seed=1,
+                         skill_lookup=lookup, student_skills=True)  # fmt: skip
+    assert all(t.startswith(SKILL_HEADER + "Always read the clue.\n\n") for t in b.prompt_text)
+    assert SKILL_HEADER in tok.decode(gen.prompts[0][0])
+    assert seen and all("prompt_text" in m for m in seen)
+    plain = collect_rollouts(env, ScriptedGenerator(tok, codeword_player), tok, tasks, group_n=2,
+                             max_prompt_length=400, teacher_prompts=False, seed=1)  # fmt: skip
+    assert not any(SKILL_HEADER in t for t in plain.prompt_text)
