@@ -19,6 +19,7 @@ this module only nests it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ ENV_NAMES = ("alfworld", "webshop", "search", "codeword")
 RESCORING_MODES = ("shared_prefix", "plain")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
+SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it too
 
 
 def _env_names() -> tuple[str, ...]:
@@ -55,7 +57,20 @@ def _choice(path: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{path}: unknown value {value!r}; allowed: {', '.join(map(repr, allowed))}")
 
 
+def _finite(path: str, value: Any) -> None:
+    """Reject NaN and infinities anywhere in a value (floats, and floats inside lists, tuples and mappings)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _finite(f"{path}[{i}]", v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _finite(f"{path}.{k}", v)
+
+
 def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+    _finite(path, value)
     if (value < 0) if allow_zero else (value <= 0):
         raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
@@ -137,6 +152,7 @@ class GenerationConfig:
             raise ConfigError(f"generation.top_p: must be in (0, 1], got {self.top_p!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ConfigError(f"generation.top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
+        _finite("generation.top_p", self.top_p)
         if self.teacher_do_sample is not None and self.teacher_do_sample != self.do_sample:
             raise ConfigError(
                 f"generation.teacher_do_sample: {self.teacher_do_sample!r} disagrees with generation.do_sample="
@@ -280,6 +296,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
+        _finite("trainer.betas", self.betas)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"trainer.seed: expected an integer in [0, 2**32), got {self.seed!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"trainer.betas: expected two numbers in [0, 1), got {self.betas!r}")
         for key in ("total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "keep_last"):
@@ -291,7 +310,7 @@ class TrainerConfig:
         _positive("trainer.lr", self.lr)
         _positive("trainer.weight_decay", self.weight_decay, allow_zero=True)
         _positive("trainer.grad_clip", self.grad_clip)
-        if not 0 <= self.warmup_ratio < 1:
+        if not 0 <= self.warmup_ratio < 1:  # NaN fails too
             raise ConfigError(f"trainer.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if self.ppo_micro_batch_size > self.ppo_mini_batch_size:
             raise ConfigError(
@@ -392,11 +411,14 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     from alignopsd.config import _coerce as core_coerce
 
     try:
-        return core_coerce(path, tp, value, load_dataclass)
+        out = core_coerce(path, tp, value, load_dataclass)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if not dataclasses.is_dataclass(out):  # sections check their own fields
+        _finite(path, out)
+    return out
 
 
 def load_dataclass(cls: type, data: dict, path: str = "") -> Any:
@@ -501,20 +523,46 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+def read_yaml(path: Path) -> dict:
+    """The top-level mapping of a YAML config file; ConfigError (file, line, column) for everything else: a missing
+    or non-UTF-8 file, a syntax error (tabs included), a tag other than YAML's plain types (``!!python/object``
+    and the like are refused, never constructed), an empty file, a top level that is not a mapping."""
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {str(path)!r}")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_message(path, exc)) from None
+    if loaded is None:
+        raise ConfigError(f"{path}: the file is empty (no settings); write at least the keys the run needs")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+def _yaml_message(path: Path, exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if isinstance(exc, yaml.constructor.ConstructorError):
+        return f"{where}: YAML tag refused ({problem}); configs hold plain values only"
+    ctx = getattr(exc, "context", None)
+    hint = " (YAML indentation must use spaces, not tabs)" if "\t" in problem or "tab" in problem else ""
+    return f"{where}: YAML syntax error: {f'{ctx}; ' if ctx else ''}{problem}{hint}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config, apply overrides, validate. Nothing heavy is imported."""
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: no such file {str(p)!r}")
-        with open(p) as f:
-            loaded = yaml.safe_load(f)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded
+        data = read_yaml(p)
         data.setdefault("name", p.stem)
     data = apply_overrides(data, overrides or [])
     return load_dataclass(RunConfig, data).validate()

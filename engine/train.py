@@ -142,6 +142,7 @@ class Trainer:
 
     def save(self) -> Path:
         from .checkpoint import save_checkpoint
+        from .resume import stored_config
 
         policy = self.parts.policy
         return save_checkpoint(
@@ -152,6 +153,7 @@ class Trainer:
             trainer_state={
                 "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
                 "config_name": self.cfg.name,
+                "run_config": stored_config(self.cfg),
                 "span_lengths_count": len(self.span_lengths),
             },
             hf_config=getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None),
@@ -159,41 +161,39 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.dist.barrier,
+            gather=self.dist.gather_objects if self.dist.enabled else None,
         )
 
     def load(self, path: Path) -> None:
-        from .checkpoint import load_checkpoint
+        from .checkpoint import load_checkpoint, restore_rng_state
 
-        ck = load_checkpoint(path, rank=self.rank, restore_rng=False)
+        ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
         policy = self.parts.policy
         _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
         self.parts.sync_weights()
         self.step = int(ck["trainer_state"]["step"])
-        spans = self.out_dir / "span_lengths.json"
-        if spans.exists():
-            n = int(ck["trainer_state"].get("span_lengths_count", 0))
-            self.span_lengths = json.loads(spans.read_text())[:n]
+        self.span_lengths = self._read_spans(int(ck["trainer_state"].get("span_lengths_count", 0)))
         # RNG last: nothing after this point may draw random numbers before the next step
-        from .checkpoint import restore_rng_state
-
-        rng = path / f"rng_rank{self.rank}.pt"
-        if rng.exists():
-            import torch
-
-            restore_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
+        restore_rng_state(ck["rng_state"])
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 
-    def fit(self, resume: str | None = None) -> dict:
-        from .checkpoint import resolve_resume
+    def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
         from .metrics import MetricsLogger
+        from .resume import prepare_resume
         from .step import run_step, run_validation
 
         cfg = self.cfg
-        path = resolve_resume(resume, self.ckpt_dir)
+        path, changes = prepare_resume(
+            cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
+        )
+        for line in changes:
+            self._say(f"[resume] config change: {line}")
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+            from .manifest import atomic_write_bytes
+
+            atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
         if path is not None:
             self.load(path)
             if self.rank == 0:
@@ -268,8 +268,30 @@ class Trainer:
 
     def _write_spans(self) -> None:
         if self.rank == 0:
+            from .manifest import atomic_write_bytes
+
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "span_lengths.json").write_text(json.dumps(self.span_lengths))
+            atomic_write_bytes(self.out_dir / "span_lengths.json", json.dumps(self.span_lengths).encode())
+
+    def _read_spans(self, n: int) -> list[int]:
+        """The first ``n`` M2 span lengths of the run (they feed the report only: an unreadable file is a warning)."""
+        spans = self.out_dir / "span_lengths.json"
+        if n == 0:
+            return []
+        try:
+            out = [int(x) for x in json.loads(spans.read_text())][:n]
+        except (OSError, ValueError, TypeError) as exc:
+            out, why = [], f"unreadable ({exc})"
+        else:
+            why = f"holds {len(out)} of the {n} span lengths the checkpoint counts"
+        if len(out) < n:
+            self._say(f"[resume] warning: {spans} {why}; the report's span histogram starts over")
+            return []
+        return out
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, file=self.stream, flush=True)
 
     def _validate(self, logger, run_validation) -> dict:
         metrics = self._reduce_metrics(run_validation(self.parts, self.step))
@@ -363,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(p)
     p.add_argument("--resume", default=None, help="'auto' (newest complete checkpoint), a checkpoint path, or none")
     p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though the config differs from the checkpoint's in settings that change training",
+    )
     return p
 
 
@@ -371,15 +398,31 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
-    try:
-        cfg = load_config(args.config, overrides)  # strict: fails here, before anything heavy loads
+    from .checkpoint import UnsafeStateError
+    from .preflight import preflight
+    from .resume import prepare_resume
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:  # every config error before anything heavy loads: the config, the machine, the checkpoint to resume
+        cfg = load_config(args.config, overrides)
+        preflight(cfg)
+        resume, _ = prepare_resume(
+            cfg,
+            args.resume,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            allow_changes=args.allow_config_change,
+            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None,
+        )
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     trainer = Trainer(cfg)
     try:
-        trainer.fit(resume=args.resume)
+        trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
+    except UnsafeStateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         trainer.dist.close()
     return 0
