@@ -553,7 +553,7 @@ def _yaml_message(path: Path, exc: yaml.YAMLError) -> str:
     if isinstance(exc, yaml.constructor.ConstructorError):
         return f"{where}: YAML tag refused ({problem}); configs hold plain values only"
     ctx = getattr(exc, "context", None)
-    hint = " (YAML indentation must use spaces, not tabs)" if "\t" in problem or "tab" in problem else ""
+    hint = " (YAML indentation must use spaces, not tabs)" if "\\t" in problem or "tab" in problem else ""
     return f"{where}: YAML syntax error: {f'{ctx}; ' if ctx else ''}{problem}{hint}"
 
 
