@@ -165,9 +165,13 @@ def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], h
             raise ValueError(f"hf_config: expected a transformers config or a dict, got {type(hf_config).__name__}")
 
 
-def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_weights(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint, after verifying the checkpoint against its manifest (``verify=False``: the
+    caller has just verified it)."""
     from safetensors.torch import load_file
 
+    if verify:
+        verify_manifest(path, require=(WEIGHTS_FILE,))
     return load_file(str(Path(path) / WEIGHTS_FILE))
 
 
@@ -277,7 +281,7 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     if restore_rng:
         restore_rng_state(rng_state)
     return {
-        "model_state": load_weights(path),
+        "model_state": load_weights(path, verify=False),
         "optimizer_state": optimizer_state,
         "trainer_state": trainer_state,
         "rng_state": rng_state,
