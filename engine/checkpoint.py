@@ -292,7 +292,7 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
 def resolve_resume(
     resume: str | None, ckpt_dir: str | os.PathLike, *, say: Callable[[str], None] | None = None
 ) -> Path | None:
-    """``--resume``: None/'none' -> None; a path -> that checkpoint (it must be complete); 'auto' -> the newest
+    """``--resume``: None/'none' -> None; a path -> that checkpoint (it must verify); 'auto' -> the newest
     checkpoint that verifies (sizes and checksums), falling back past bad ones with a message through ``say``.
 
     'auto' returns None only when no directory under a checkpoint name exists; when some exist and none
@@ -301,12 +301,12 @@ def resolve_resume(
         return None
     if resume != "auto":
         p = Path(resume)
-        if not is_complete(p):
-            try:
-                verify_checkpoint(p)
-            except ManifestError as exc:
-                raise ValueError(f"--resume: {resume!r} is not a complete checkpoint directory: {exc}") from None
+        if not p.is_dir() or not STEP_RE.match(p.name):
             raise ValueError(f"--resume: {resume!r} is not a checkpoint directory (step_NNNNNN)")
+        try:
+            verify_checkpoint(p)
+        except ManifestError as exc:
+            raise ValueError(f"--resume: {resume!r} is not a complete, intact checkpoint: {exc}") from None
         return p
     rejected: list[str] = []
     for cand in reversed(_step_dirs(Path(ckpt_dir))):

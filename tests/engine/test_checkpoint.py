@@ -205,6 +205,8 @@ def test_corrupt_checkpoint_is_refused_and_auto_falls_back(tmp_path, damage, mat
         (second / "trainer_state.json").write_text("")
     with pytest.raises(ValueError, match=match):
         ck.load_checkpoint(second, restore_rng=False)
+    with pytest.raises(ValueError, match="--resume: .*not a complete, intact checkpoint"):
+        ck.resolve_resume(str(second), tmp_path)  # an explicit path does not fall back
     said = []
     assert ck.resolve_resume("auto", tmp_path, say=said.append) == first
     assert match.split("'")[1] in said[0] and "falling back" in said[1] and "step_000001" in said[1]
