@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -108,30 +109,34 @@ def test_train_refuses_before_loading_anything(tmp_path, setup, extra, match):
 
 @pytest.mark.slow
 def test_trainer_falls_back_past_a_corrupt_checkpoint_and_never_saves_nan(tmp_path):
-    """A real run: step 2's weights corrupted -> --resume auto says so, resumes from step 1, ends at step 3; then
-    a NaN in the weights stops the save with a message naming the last good checkpoint."""
+    """A real run: step 3's weights corrupted and span_lengths.json emptied -> --resume auto says so, resumes from
+    step 2, ends at step 4; then a NaN in the weights stops the save with a message naming the last good checkpoint."""
     import io
 
     from alignopsd.engine.metrics import read_metrics
 
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.save_freq=1", "trainer.keep_last=3",
+    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=alignopsd", "trainer.save_freq=1", "trainer.keep_last=3",
           f"output_dir={tmp_path}"]  # fmt: skip
-    lh.build_trainer(TINY, [*ov, "trainer.total_steps=2"]).fit()
-    weights = tmp_path / "checkpoints" / "step_000002" / "model.safetensors"
+    lh.build_trainer(TINY, [*ov, "trainer.total_steps=3"]).fit()
+    weights = tmp_path / "checkpoints" / "step_000003" / "model.safetensors"
     raw = bytearray(weights.read_bytes())
     raw[-4096:] = bytes(b ^ 0xFF for b in raw[-4096:])
     weights.write_bytes(bytes(raw))
-    tr = lh.build_trainer(TINY, [*ov, "trainer.total_steps=3"])
+    state = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["span_lengths_count"] > 0
+    (tmp_path / "span_lengths.json").write_text("")
+    tr = lh.build_trainer(TINY, [*ov, "trainer.total_steps=4"])
     tr.stream = io.StringIO()
     tr.fit(resume="auto")
     said = tr.stream.getvalue()
-    assert "'model.safetensors' is corrupted" in said and "falling back to" in said and "step_000001" in said
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "step_000003"
+    assert "'model.safetensors' is corrupted" in said and "falling back to" in said and "step_000002" in said
+    assert "span_lengths.json unreadable" in said  # a report-only side file: a warning, not a crash
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert ck.latest_checkpoint(tmp_path / "checkpoints").name == "step_000004"
     with torch.no_grad():
         next(tr.parts.policy.model.parameters()).view(-1)[0] = float("nan")
-    tr.step = 4
-    with pytest.raises(ck.UnsafeStateError, match="not finite.*last good checkpoint is .*step_000003"):
+    tr.step = 5
+    with pytest.raises(ck.UnsafeStateError, match="not finite.*last good checkpoint is .*step_000004"):
         tr.save()
-    assert not (tmp_path / "checkpoints" / "step_000004").exists()
+    assert not (tmp_path / "checkpoints" / "step_000005").exists()
