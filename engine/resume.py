@@ -12,6 +12,9 @@ section included). Resuming compares it key by key with the config of the new ru
   rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
   ``--allow-config-change``;
 * ``total_steps`` below the checkpoint's step is refused in any case (there is nothing to run).
+
+The run's side file ``span_lengths.json`` (the M2 span lengths of every step so far, for the report) is cut back
+to the count the checkpoint records (:func:`read_span_lengths`).
 """
 
 from __future__ import annotations
@@ -143,3 +146,19 @@ def prepare_resume(
     if path is None:
         return None, []
     return path, check_resume(path, cfg, world_size=world_size, allow_changes=allow_changes)
+
+
+def read_span_lengths(path: Path, n: int) -> tuple[list[int], str | None]:
+    """The first ``n`` span lengths of ``path`` and None, or ([], a warning) when the file is unreadable or short:
+    the lengths feed the report only, so a damaged file costs the report's histogram, never the resume."""
+    if n == 0:
+        return [], None
+    try:
+        out = [int(x) for x in json.loads(path.read_text())][:n]
+    except (OSError, ValueError, TypeError) as exc:
+        why = f"unreadable ({exc})"
+    else:
+        if len(out) == n:
+            return out, None
+        why = f"holds {len(out)} of the {n} span lengths the checkpoint counts"
+    return [], f"[resume] warning: {path} {why}; the report's span histogram starts over"

@@ -13,6 +13,9 @@ ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/audit.py).
 Determinism: every random draw of a step (task sampling, environment seeds, sampling) derives from
 ``trainer.seed``, the step index and the rank, plus the torch/python/numpy generator states, which
 checkpoints store; so ``--resume auto`` continues with exactly the steps an uninterrupted run takes.
+Resuming reads verified checkpoints only and refuses a config that changes training
+(engine/resume.py; ``--allow-config-change`` overrides); config errors, including the pre-flight checks
+of engine/preflight.py, end the command with exit code 2 before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -166,13 +169,17 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         from .checkpoint import load_checkpoint, restore_rng_state
+        from .resume import read_span_lengths
 
         ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
         policy = self.parts.policy
         _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
         self.parts.sync_weights()
         self.step = int(ck["trainer_state"]["step"])
-        self.span_lengths = self._read_spans(int(ck["trainer_state"].get("span_lengths_count", 0)))
+        n = int(ck["trainer_state"].get("span_lengths_count", 0))
+        self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
+        if warning:
+            self._say(warning)
         # RNG last: nothing after this point may draw random numbers before the next step
         restore_rng_state(ck["rng_state"])
 
@@ -273,22 +280,6 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.out_dir / "span_lengths.json", json.dumps(self.span_lengths).encode())
 
-    def _read_spans(self, n: int) -> list[int]:
-        """The first ``n`` M2 span lengths of the run (they feed the report only: an unreadable file is a warning)."""
-        spans = self.out_dir / "span_lengths.json"
-        if n == 0:
-            return []
-        try:
-            out = [int(x) for x in json.loads(spans.read_text())][:n]
-        except (OSError, ValueError, TypeError) as exc:
-            out, why = [], f"unreadable ({exc})"
-        else:
-            why = f"holds {len(out)} of the {n} span lengths the checkpoint counts"
-        if len(out) < n:
-            self._say(f"[resume] warning: {spans} {why}; the report's span histogram starts over")
-            return []
-        return out
-
     def _say(self, line: str) -> None:
         if self.rank == 0:
             print(line, file=self.stream, flush=True)
@@ -383,7 +374,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alignopsd train", description="Train a policy with AlignOPSD or a baseline.")
     add_run_args(p)
-    p.add_argument("--resume", default=None, help="'auto' (newest complete checkpoint), a checkpoint path, or none")
+    p.add_argument("--resume", default=None, help="'auto' (newest verified checkpoint), a checkpoint path, or none")
     p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
     p.add_argument(
         "--allow-config-change",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from alignopsd.engine import checkpoint as ck
 from alignopsd.engine.config import load_config
-from alignopsd.engine.resume import ResumeConfigError, check_resume, stored_config
+from alignopsd.engine.resume import ResumeConfigError, check_resume, read_span_lengths, stored_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -75,6 +75,18 @@ def test_a_checkpoint_without_its_config_needs_the_override(tmp_path):
     with pytest.raises(ResumeConfigError, match="stores no run config"):
         check_resume(path, load_config(TINY))
     assert "not compared" in check_resume(path, load_config(TINY), allow_changes=True)[0]
+
+
+def test_span_lengths_side_file(tmp_path):
+    p = tmp_path / "span_lengths.json"
+    p.write_text("[3, 1, 4, 1, 5]")
+    assert read_span_lengths(p, 3) == ([3, 1, 4], None)
+    assert read_span_lengths(p, 0) == ([], None)
+    spans, warning = read_span_lengths(p, 9)
+    assert spans == [] and "holds 5 of the 9" in warning
+    p.write_text("")  # what a kill during the old non-atomic write left
+    spans, warning = read_span_lengths(p, 2)
+    assert spans == [] and "unreadable" in warning
 
 
 _MAIN = (
