@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from .yamlfile import YamlFileError, read_yaml
+
 MODEL_ALIASES = ("tiny", "smollm2-135m")
 POLICY_BACKENDS = ("hf", "megatron")
 GENERATION_BACKENDS = ("hf", "vllm")
@@ -523,46 +525,15 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
-def read_yaml(path: Path) -> dict:
-    """The top-level mapping of a YAML config file; ConfigError (file, line, column) for everything else: a missing
-    or non-UTF-8 file, a syntax error (tabs included), a tag other than YAML's plain types (``!!python/object``
-    and the like are refused, never constructed), an empty file, a top level that is not a mapping."""
-    if not path.is_file():
-        raise ConfigError(f"--config: no such file {str(path)!r}")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(_yaml_message(path, exc)) from None
-    if loaded is None:
-        raise ConfigError(f"{path}: the file is empty (no settings); write at least the keys the run needs")
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-    return loaded
-
-
-def _yaml_message(path: Path, exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    problem = getattr(exc, "problem", None) or str(exc)
-    if isinstance(exc, yaml.constructor.ConstructorError):
-        return f"{where}: YAML tag refused ({problem}); configs hold plain values only"
-    ctx = getattr(exc, "context", None)
-    hint = " (YAML indentation must use spaces, not tabs)" if "\\t" in problem or "tab" in problem else ""
-    return f"{where}: YAML syntax error: {f'{ctx}; ' if ctx else ''}{problem}{hint}"
-
-
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config, apply overrides, validate. Nothing heavy is imported."""
     data: dict = {}
     if path is not None:
         p = Path(path)
-        data = read_yaml(p)
+        try:
+            data = read_yaml(p)
+        except YamlFileError as exc:
+            raise ConfigError(str(exc)) from None
         data.setdefault("name", p.stem)
     data = apply_overrides(data, overrides or [])
     return load_dataclass(RunConfig, data).validate()
