@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import ManifestError, file_entry, fsync_dir, verify_manifest, write_manifest
+from .manifest import MANIFEST, ManifestError, file_entry, fsync_dir, verify_manifest, write_manifest
 from .statefile import load_state, save_state
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -98,9 +98,33 @@ def is_complete(path: str | os.PathLike) -> bool:
     return True
 
 
+# checkpoints this process has verified, with the (size, mtime_ns) of each file then: a resume verifies the same
+# checkpoint when choosing it, when checking its config and when loading it, and hashes it only once
+_VERIFIED: dict[str, tuple] = {}
+
+
+def _stat_key(path: Path, names: list[str]) -> tuple | None:
+    try:
+        stats = [(rel, os.stat(path / rel)) for rel in [MANIFEST, *names]]
+    except OSError:
+        return None
+    return tuple((rel, st.st_size, st.st_mtime_ns, st.st_ino) for rel, st in stats)
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Verify every file of a checkpoint against its manifest; ManifestError names the bad file."""
-    return verify_manifest(path, require=(STATE_FILE, WEIGHTS_FILE))
+    """Verify every file of a checkpoint against its manifest; ManifestError names the bad file. Checksums are
+    computed once per process while no file of the checkpoint changes (size, modification time, inode)."""
+    path = Path(path)
+    key = str(path.resolve())
+    files = verify_manifest(path, checksums=False, require=(STATE_FILE, WEIGHTS_FILE))
+    before = _stat_key(path, sorted(files))
+    if before is not None and _VERIFIED.get(key) == before:
+        return files
+    _VERIFIED.pop(key, None)
+    files = verify_manifest(path, require=(STATE_FILE, WEIGHTS_FILE))
+    if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
+        _VERIFIED[key] = before
+    return files
 
 
 def _step_dirs(ckpt_dir: Path) -> list[Path]:

@@ -250,3 +250,23 @@ def test_other_ranks_files_are_checksummed_by_their_writers(tmp_path):
     assert list(calls[0]) == ["rng_rank0.safetensors"]
     files = ck.verify_checkpoint(path)
     assert files["rng_rank0.safetensors"] == calls[0]["rng_rank0.safetensors"]
+
+
+def test_a_resume_hashes_each_checkpoint_once(tmp_path, monkeypatch):
+    """Choosing, checking and loading a checkpoint verify it three times; the checksums are computed once, and again
+    as soon as any of its files changes."""
+    from alignopsd.engine import manifest
+
+    model = _tiny_llama()
+    path = _save(tmp_path, 1, model)
+    hashed = []
+    real = manifest.file_crc32
+    monkeypatch.setattr(manifest, "file_crc32", lambda p: hashed.append(p) or real(p))
+    assert ck.resolve_resume("auto", tmp_path) == path
+    n = len(hashed)
+    assert n == len(ck.verify_checkpoint(path))
+    ck.load_checkpoint(path, restore_rng=False)
+    assert len(hashed) == n
+    _flip(path / "optimizer.safetensors", 300, 8)  # same size, new bytes
+    with pytest.raises(ValueError, match="'optimizer.safetensors' is corrupted"):
+        ck.load_checkpoint(path, restore_rng=False)
