@@ -1,19 +1,25 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, verified, resumable checkpoints; nothing in them is unpickled.
 
 Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
 
-    model.safetensors      policy weights in Hugging Face layout (``transformers`` loads the folder)
-    config.json            the model's Hugging Face config (when the policy has one)
-    optimizer.pt           optimizer state (and LR scheduler state) of rank 0
-    rng_rank<r>.pt         python / numpy / torch (/ cuda) RNG state of every rank
-    trainer_state.json     step, data position, run config, metrics summary
+    model.safetensors          policy weights in Hugging Face layout (``transformers`` loads the folder)
+    config.json                the model's Hugging Face config (when the policy has one)
+    optimizer.safetensors      optimizer (and LR scheduler) state of rank 0, tensors + JSON (engine/statefile.py)
+    rng_rank<r>.safetensors    python / numpy / torch (/ cuda) RNG state of every rank, tensors + JSON
+    trainer_state.json         step, data position, the resolved run config, metrics summary
+    manifest.json              every file above with its size and CRC-32 (engine/manifest.py), written last
 
-Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, flushed to disk,
-and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
-on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints
-or the new one, never a half-written directory under a final name; stale ``.tmp-*`` folders are
-ignored by :func:`latest_checkpoint` and removed by the next save. Only the newest ``keep_last``
-complete checkpoints are kept.
+Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, flushed to disk, listed in the
+manifest, and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
+on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
+one, never a half-written directory under a final name; stale ``.tmp-*`` folders are ignored by
+:func:`latest_checkpoint` and removed by the next save. Only the newest ``keep_last`` complete checkpoints are
+kept.
+
+Trust: :func:`load_checkpoint` verifies the manifest (sizes and checksums) before reading any file and refuses
+a checkpoint that is incomplete, corrupted or missing a part, naming the file; ``--resume auto`` falls back to
+the newest checkpoint that verifies (:func:`resolve_resume`) and refuses to start over in a folder whose
+checkpoints all fail. Weights that are not finite are never written (:class:`UnsafeStateError`).
 """
 
 from __future__ import annotations
@@ -23,15 +29,28 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from .manifest import MANIFEST, ManifestError, file_entry, fsync_dir, verify_manifest, write_manifest
+from .statefile import load_state, save_state
+
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+class UnsafeStateError(RuntimeError):
+    """The state to be saved is not finite; nothing was written (the message names the last good checkpoint)."""
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
 
 
 def step_dir_name(step: int) -> str:
@@ -66,26 +85,59 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # discovery
 
 
-def is_complete(path: Path) -> bool:
-    """A checkpoint directory under its final name with a readable trainer state."""
+def is_complete(path: str | os.PathLike) -> bool:
+    """A checkpoint directory under its final name whose manifest lists the weights and the trainer state and
+    whose files have the listed sizes (cheap: no checksums; :func:`verify_checkpoint` checks those)."""
     path = Path(path)
     if not path.is_dir() or not STEP_RE.match(path.name):
         return False
     try:
-        with open(path / STATE_FILE) as f:
-            state = json.load(f)
-    except (OSError, ValueError):
+        verify_manifest(path, checksums=False, require=(STATE_FILE, WEIGHTS_FILE))
+    except ManifestError:
         return False
-    return bool(state.get("complete")) and (path / WEIGHTS_FILE).is_file()
+    return True
+
+
+# checkpoints this process has verified, with the (size, mtime_ns) of each file then: a resume verifies the same
+# checkpoint when choosing it, when checking its config and when loading it, and hashes it only once
+_VERIFIED: dict[str, tuple] = {}
+
+
+def _stat_key(path: Path, names: list[str]) -> tuple | None:
+    try:
+        stats = [(rel, os.stat(path / rel)) for rel in [MANIFEST, *names]]
+    except OSError:
+        return None
+    return tuple((rel, st.st_size, st.st_mtime_ns, st.st_ino) for rel, st in stats)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Verify every file of a checkpoint against its manifest; ManifestError names the bad file. Checksums are
+    computed once per process while no file of the checkpoint changes (size, modification time, inode)."""
+    path = Path(path)
+    key = str(path.resolve())
+    files = verify_manifest(path, checksums=False, require=(STATE_FILE, WEIGHTS_FILE))
+    before = _stat_key(path, sorted(files))
+    if before is not None and _VERIFIED.get(key) == before:
+        return files
+    _VERIFIED.pop(key, None)
+    files = verify_manifest(path, require=(STATE_FILE, WEIGHTS_FILE))
+    if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
+        _VERIFIED[key] = before
+    return files
+
+
+def _step_dirs(ckpt_dir: Path) -> list[Path]:
+    """Every directory under a final checkpoint name, oldest first (complete or not)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP_RE.match(p.name)) and is_complete(p)]
-    return [p for _, p in sorted(found)]
+    return [p for p in _step_dirs(Path(ckpt_dir)) if is_complete(p)]
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
@@ -97,27 +149,6 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 # save / load
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
 def _plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies; tensors sharing storage (tied embeddings) become separate tensors."""
     out = {}
@@ -126,6 +157,19 @@ def _plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
             raise ValueError(f"state_dict[{k!r}]: expected a tensor, got {type(v).__name__}")
         out[k] = v.detach().to("cpu").contiguous().clone()
     return out
+
+
+def check_finite(state_dict: dict[str, torch.Tensor], *, step: int, ckpt_dir: str | os.PathLike) -> None:
+    """Raise UnsafeStateError when a floating-point tensor holds NaN or inf (names the tensor and the newest
+    complete checkpoint, from which the run can be resumed)."""
+    for k, v in state_dict.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            last = latest_checkpoint(ckpt_dir)
+            where = f"the last good checkpoint is {last}" if last else "there is no earlier checkpoint"
+            raise UnsafeStateError(
+                f"weights at step {step} are not finite ({k!r} holds NaN or inf); nothing was saved and the run "
+                f"stops; {where}"
+            )
 
 
 def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: Any = None) -> None:
@@ -145,10 +189,28 @@ def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], h
             raise ValueError(f"hf_config: expected a transformers config or a dict, got {type(hf_config).__name__}")
 
 
-def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_weights(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint, after verifying the checkpoint against its manifest (``verify=False``: the
+    caller has just verified it)."""
     from safetensors.torch import load_file
 
+    if verify:
+        verify_manifest(path, require=(WEIGHTS_FILE,))
     return load_file(str(Path(path) / WEIGHTS_FILE))
+
+
+def _install(tmp: Path, final: Path, ckpt_dir: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``final`` (replacing an older copy of the same step atomically)."""
+    if final.exists():  # re-saving the same step (e.g. after a resume)
+        old = ckpt_dir / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(ckpt_dir)
 
 
 def save_checkpoint(
@@ -163,20 +225,25 @@ def save_checkpoint(
     keep_last: int = 2,
     rank: int = 0,
     world_size: int = 1,
-    barrier=None,
+    barrier: Callable[[], None] | None = None,
+    gather: Callable[[Any], list[Any]] | None = None,
     _fail_after: str | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically; returns its final path.
 
-    Every rank calls this (each stores its RNG state); rank 0 writes the weights, optimizer and
-    trainer state and performs the rename. ``barrier`` synchronises ranks (None when single-process).
-    ``_fail_after`` (tests only) raises after the named file is written to simulate a crash.
+    Every rank calls this (each stores its RNG state and checksums it); rank 0 writes the weights, optimizer
+    and trainer state, the manifest, and performs the rename. ``barrier`` synchronises ranks and ``gather``
+    (all-gather of a Python object) brings each rank's manifest entry to rank 0; both None when
+    single-process (without ``gather`` rank 0 checksums the other ranks' files itself). Non-finite weights
+    raise UnsafeStateError on every rank before anything is written. ``_fail_after`` (tests only) raises
+    after the named file is written to simulate a crash.
     """
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
     ckpt_dir = Path(ckpt_dir)
+    check_finite(model_state, step=step, ckpt_dir=ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
     sync = barrier or (lambda: None)
@@ -187,35 +254,31 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     sync()
-    torch.save(capture_rng_state(), tmp / f"rng_rank{rank}.pt")
-    sync()
+    save_state(tmp / rng_file(rank), capture_rng_state())
+    mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
+    entries: dict[str, dict[str, Any]] = {}
+    if gather is not None:
+        for part in gather(mine):
+            entries.update(part)
+    else:
+        sync()
     if rank == 0:
         save_weights(tmp, model_state, hf_config)
         if _fail_after == WEIGHTS_FILE:
             raise RuntimeError("simulated crash after writing the weights")
         if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-        if _fail_after == "optimizer.pt":
+            save_state(tmp / OPTIMIZER_FILE, optimizer_state)
+        if _fail_after == OPTIMIZER_FILE:
             raise RuntimeError("simulated crash after writing the optimizer")
         for name, blob in (extra_files or {}).items():
             (tmp / name).write_bytes(blob)
         state = dict(trainer_state)
         state.update(step=step, world_size=world_size, complete=True)
-        with open(tmp / STATE_FILE, "w") as f:
-            json.dump(state, f, indent=2, default=str)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
         if _fail_after == STATE_FILE:
-            raise RuntimeError("simulated crash before the rename")
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it atomically
-            old = ckpt_dir / f".old-{step_dir_name(step)}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
+            raise RuntimeError("simulated crash before the manifest")
+        write_manifest(tmp, entries)  # flushes every file, then the manifest, last
+        _install(tmp, final, ckpt_dir)
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     sync()
@@ -223,35 +286,67 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool = True) -> dict[str, Any]:
-    """Read a complete checkpoint: {"model_state", "optimizer_state", "trainer_state", "path"}; restores RNG."""
+    """Verify, then read a checkpoint: {"model_state", "optimizer_state", "trainer_state", "rng_state", "path"}.
+
+    Every file is checked against the manifest before any is read (ManifestError names a missing, truncated
+    or corrupted file). ``rng_state`` is this rank's generator state (rank 0's when the checkpoint was
+    written by fewer ranks); ``restore_rng`` restores it right away."""
     path = Path(path)
-    if not is_complete(path):
-        raise ValueError(f"checkpoint: {str(path)!r} is not a complete checkpoint")
-    with open(path / STATE_FILE) as f:
-        trainer_state = json.load(f)
-    opt_path = path / "optimizer.pt"
-    optimizer_state = torch.load(opt_path, map_location="cpu", weights_only=False) if opt_path.exists() else None
+    if not path.is_dir() or not STEP_RE.match(path.name):
+        raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
+    files = verify_checkpoint(path)
+    trainer_state = json.loads((path / STATE_FILE).read_text())
+    optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
+    saved_world = int(trainer_state.get("world_size", 1))
+    name = rng_file(rank if rank < saved_world else 0)
+    if name not in files:
+        raise ManifestError(f"{path}: {name!r} is not listed in the manifest (missing part)")
+    rng_state = load_state(path / name)
     if restore_rng:
-        rng_path = path / f"rng_rank{rank}.pt"
-        if not rng_path.exists():
-            rng_path = path / "rng_rank0.pt"
-        if rng_path.exists():
-            restore_rng_state(torch.load(rng_path, map_location="cpu", weights_only=False))
+        restore_rng_state(rng_state)
     return {
-        "model_state": load_weights(path),
+        "model_state": load_weights(path, verify=False),
         "optimizer_state": optimizer_state,
         "trainer_state": trainer_state,
+        "rng_state": rng_state,
         "path": path,
     }
 
 
-def resolve_resume(resume: str | None, ckpt_dir: str | os.PathLike) -> Path | None:
-    """``--resume``: None/'none' -> None; 'auto' -> newest complete checkpoint (or None); else a path."""
+def resolve_resume(
+    resume: str | None, ckpt_dir: str | os.PathLike, *, say: Callable[[str], None] | None = None
+) -> Path | None:
+    """``--resume``: None/'none' -> None; a path -> that checkpoint (it must verify); 'auto' -> the newest
+    checkpoint that verifies (sizes and checksums), falling back past bad ones with a message through ``say``.
+
+    'auto' returns None only when no directory under a checkpoint name exists; when some exist and none
+    verifies it raises ManifestError listing why (a run never silently starts over on top of checkpoints)."""
     if resume is None or resume == "none":
         return None
-    if resume == "auto":
-        return latest_checkpoint(ckpt_dir)
-    p = Path(resume)
-    if not is_complete(p):
-        raise ValueError(f"--resume: {resume!r} is not a complete checkpoint directory")
-    return p
+    if resume != "auto":
+        p = Path(resume)
+        if not p.is_dir() or not STEP_RE.match(p.name):
+            raise ValueError(f"--resume: {resume!r} is not a checkpoint directory (step_NNNNNN)")
+        try:
+            verify_checkpoint(p)
+        except ManifestError as exc:
+            raise ValueError(f"--resume: {resume!r} is not a complete, intact checkpoint: {exc}") from None
+        return p
+    rejected: list[str] = []
+    for cand in reversed(_step_dirs(Path(ckpt_dir))):
+        try:
+            verify_checkpoint(cand)
+        except ManifestError as exc:
+            rejected.append(str(exc))
+            continue
+        if rejected and say is not None:
+            say(f"[resume] skipped {len(rejected)} checkpoint(s) that failed verification: {'; '.join(rejected)}")
+            say(f"[resume] falling back to {cand}")
+        return cand
+    if rejected:
+        raise ManifestError(
+            f"--resume auto: no checkpoint under {ckpt_dir} verifies ({'; '.join(rejected)}); refusing to start "
+            "over on top of them: resume from a checkpoint path, repair or move the folder, or choose another "
+            "output_dir"
+        )
+    return None

@@ -19,6 +19,7 @@ this module only nests it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,13 @@ from typing import Any
 
 import yaml
 
+from alignopsd import config as core
+from alignopsd.config import AlgorithmConfig
+from alignopsd.config_values import coerce_value as core_coerce
+
+from .envs.registry import env_names
+from .yamlfile import YamlFileError, read_yaml
+
 MODEL_ALIASES = ("tiny", "smollm2-135m")
 POLICY_BACKENDS = ("hf", "megatron")
 GENERATION_BACKENDS = ("hf", "vllm")
@@ -34,13 +42,12 @@ ENV_NAMES = ("alfworld", "webshop", "search", "codeword")
 RESCORING_MODES = ("shared_prefix", "plain")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
+SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it too
 
 
 def _env_names() -> tuple[str, ...]:
     """Built-in environment names plus those registered at runtime (the registry module is import-light)."""
     try:
-        from .envs.registry import env_names
-
         return tuple(env_names()) or ENV_NAMES
     except ImportError:  # pragma: no cover
         return ENV_NAMES
@@ -55,7 +62,20 @@ def _choice(path: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{path}: unknown value {value!r}; allowed: {', '.join(map(repr, allowed))}")
 
 
+def _finite(path: str, value: Any) -> None:
+    """Reject NaN and infinities anywhere in a value (floats, and floats inside lists, tuples and mappings)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _finite(f"{path}[{i}]", v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _finite(f"{path}.{k}", v)
+
+
 def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+    _finite(path, value)
     if (value < 0) if allow_zero else (value <= 0):
         raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
@@ -139,6 +159,7 @@ class GenerationConfig:
             raise ConfigError(f"generation.top_p: must be in (0, 1], got {self.top_p!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ConfigError(f"generation.top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
+        _finite("generation.top_p", self.top_p)
         if self.teacher_do_sample is not None and self.teacher_do_sample != self.do_sample:
             raise ConfigError(
                 f"generation.teacher_do_sample: {self.teacher_do_sample!r} disagrees with generation.do_sample="
@@ -292,6 +313,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
+        _finite("trainer.betas", self.betas)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"trainer.seed: expected an integer in [0, 2**32), got {self.seed!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"trainer.betas: expected two numbers in [0, 1), got {self.betas!r}")
         for key in ("total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "keep_last"):
@@ -303,7 +327,7 @@ class TrainerConfig:
         _positive("trainer.lr", self.lr)
         _positive("trainer.weight_decay", self.weight_decay, allow_zero=True)
         _positive("trainer.grad_clip", self.grad_clip)
-        if not 0 <= self.warmup_ratio < 1:
+        if not 0 <= self.warmup_ratio < 1:  # NaN fails too
             raise ConfigError(f"trainer.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if self.ppo_micro_batch_size > self.ppo_mini_batch_size:
             raise ConfigError(
@@ -337,7 +361,6 @@ class TrainerConfig:
 
 
 def _algorithm_cls():
-    from alignopsd.config import AlgorithmConfig
 
     return AlgorithmConfig
 
@@ -384,7 +407,6 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Cross-section consistency checks; raises ConfigError naming the keys."""
-        from alignopsd.config import AlgorithmConfig
 
         if not isinstance(self.algorithm, AlgorithmConfig):
             raise ConfigError(f"algorithm: expected AlgorithmConfig, got {type(self.algorithm).__name__}")
@@ -413,14 +435,16 @@ class RunConfig:
 def _coerce(path: str, tp: Any, value: Any) -> Any:
     """Check ``value`` against the annotation ``tp`` with the algorithm core's rules (``alignopsd.config``);
     nested sections are built by :func:`load_dataclass`. Errors are ConfigError naming the dotted key."""
-    from alignopsd.config_values import coerce_value as core_coerce
 
     try:
-        return core_coerce(path, tp, value, load_dataclass)
+        out = core_coerce(path, tp, value, load_dataclass)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if not dataclasses.is_dataclass(out):  # sections check their own fields
+        _finite(path, out)
+    return out
 
 
 def load_dataclass(cls: type, data: dict, path: str = "") -> Any:
@@ -459,7 +483,6 @@ def _algorithm_cls_or_none():
 
 def _load_algorithm(data: Any, path: str) -> Any:
     """The algorithm section through the core's strict loader (``alignopsd.config.from_dict``)."""
-    from alignopsd import config as core
 
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping, got {data!r}")
@@ -530,15 +553,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: no such file {str(p)!r}")
-        with open(p) as f:
-            loaded = yaml.safe_load(f)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded
+        try:
+            data = read_yaml(p)
+        except YamlFileError as exc:
+            raise ConfigError(str(exc)) from None
         data.setdefault("name", p.stem)
     data = apply_overrides(data, overrides or [])
     return load_dataclass(RunConfig, data).validate()

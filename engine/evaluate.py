@@ -22,6 +22,8 @@ from pathlib import Path
 from .checkpoint import load_weights
 from .config import ConfigError, load_config
 from .episodes import run_validation
+from .manifest import ManifestError, verify_manifest
+from .preflight import preflight
 from .train import Trainer, add_run_args
 
 ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
@@ -112,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    if args.checkpoint and not Path(args.checkpoint, "model.safetensors").is_file():
-        print(f"--checkpoint: {args.checkpoint!r} has no model.safetensors", file=sys.stderr)
+        preflight(cfg)
+        if args.checkpoint:
+            verify_manifest(Path(args.checkpoint), require=("model.safetensors",))
+    except (ConfigError, ManifestError) as exc:
+        print(f"{'config' if isinstance(exc, ConfigError) else '--checkpoint'} error: {exc}", file=sys.stderr)
         return 2
     res = evaluate(cfg, args.checkpoint)
     name = Path(args.checkpoint).name if args.checkpoint else cfg.model.name

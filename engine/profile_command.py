@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, load_config
+from .preflight import preflight
 from .profiler import format_side_by_side, format_table, summarize, write_json
 from .step import run_step
 from .train import Trainer, add_run_args
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["trainer.skip_no_signal=false"]
         cfgs = [load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
                 for n in names]  # fmt: skip
+        for cfg in cfgs:
+            preflight(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

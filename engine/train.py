@@ -13,6 +13,9 @@ ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/audit.py).
 Determinism: every random draw of a step (task sampling, environment seeds, sampling) derives from
 ``trainer.seed``, the step index and the rank, plus the torch/python/numpy generator states, which
 checkpoints store; so ``--resume auto`` continues with exactly the steps an uninterrupted run takes.
+Resuming reads verified checkpoints only and refuses a config that changes training
+(engine/resume.py; ``--allow-config-change`` overrides); config errors, including the pre-flight checks
+of engine/preflight.py, end the command with exit code 2 before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from .audit import Auditor, header_of
+from .checkpoint import UnsafeStateError, load_checkpoint, restore_rng_state, save_checkpoint
 from .collectives import reduce_metrics
 from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .episodes import run_validation
+from .manifest import atomic_write_bytes
 from .metrics import MetricsLogger
+from .preflight import preflight
 from .report import write_report
+from .resume import prepare_resume, read_span_lengths, stored_config
 from .step import run_step
 
 log = logging.getLogger("alignopsd.train")
@@ -146,7 +153,6 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        from .checkpoint import save_checkpoint
 
         policy = self.parts.policy
         return save_checkpoint(
@@ -157,6 +163,7 @@ class Trainer:
             trainer_state={
                 "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
                 "config_name": self.cfg.name,
+                "run_config": stored_config(self.cfg),
                 "span_lengths_count": len(self.span_lengths),
             },
             hf_config=getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None),
@@ -164,39 +171,37 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.dist.barrier,
+            gather=self.dist.gather_objects if self.dist.enabled else None,
         )
 
     def load(self, path: Path) -> None:
-        from .checkpoint import load_checkpoint
 
-        ck = load_checkpoint(path, rank=self.rank, restore_rng=False)
+        ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
         policy = self.parts.policy
         _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
         self.parts.sync_weights()
         self.step = int(ck["trainer_state"]["step"])
-        spans = self.out_dir / "span_lengths.json"
-        if spans.exists():
-            n = int(ck["trainer_state"].get("span_lengths_count", 0))
-            self.span_lengths = json.loads(spans.read_text())[:n]
+        n = int(ck["trainer_state"].get("span_lengths_count", 0))
+        self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
+        if warning:
+            self._say(warning)
         # RNG last: nothing after this point may draw random numbers before the next step
-        from .checkpoint import restore_rng_state
-
-        rng = path / f"rng_rank{self.rank}.pt"
-        if rng.exists():
-            import torch
-
-            restore_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
+        restore_rng_state(ck["rng_state"])
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 
-    def fit(self, resume: str | None = None) -> dict:
-        from .checkpoint import resolve_resume
+    def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
 
         cfg = self.cfg
-        path = resolve_resume(resume, self.ckpt_dir)
+        path, changes = prepare_resume(
+            cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
+        )
+        for line in changes:
+            self._say(f"[resume] config change: {line}")
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+
+            atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
         if path is not None:
             self.load(path)
             if self.rank == 0:
@@ -268,7 +273,11 @@ class Trainer:
     def _write_spans(self) -> None:
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "span_lengths.json").write_text(json.dumps(self.span_lengths))
+            atomic_write_bytes(self.out_dir / "span_lengths.json", json.dumps(self.span_lengths).encode())
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, file=self.stream, flush=True)
 
     def _validate(self, logger) -> dict:
         metrics = self.reduce_metrics(run_validation(self.parts, self.step))
@@ -352,8 +361,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alignopsd train", description="Train a policy with AlignOPSD or a baseline.")
     add_run_args(p)
-    p.add_argument("--resume", default=None, help="'auto' (newest complete checkpoint), a checkpoint path, or none")
+    p.add_argument("--resume", default=None, help="'auto' (newest verified checkpoint), a checkpoint path, or none")
     p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though the config differs from the checkpoint's in settings that change training",
+    )
     return p
 
 
@@ -362,15 +376,28 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
-    try:
-        cfg = load_config(args.config, overrides)  # strict: fails here, before anything heavy loads
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:  # every config error before anything heavy loads: the config, the machine, the checkpoint to resume
+        cfg = load_config(args.config, overrides)
+        preflight(cfg)
+        resume, _ = prepare_resume(
+            cfg,
+            args.resume,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            allow_changes=args.allow_config_change,
+            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None,
+        )
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     trainer = Trainer(cfg)
     try:
-        trainer.fit(resume=args.resume)
+        trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
+    except UnsafeStateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         trainer.dist.close()
     return 0

@@ -31,6 +31,33 @@ def test_subcommands_reject_bad_config_keys(cmd, capsys):
     assert "trainer.nope: unknown key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", ["train", "eval", "profile"])
+@pytest.mark.parametrize(
+    ("text", "sets", "match"),
+    [
+        ("", [], "the file is empty"),
+        ("trainer:\n\tlr: 1\n", [], "run.yaml:2:1: YAML syntax error"),
+        ("x: !!python/object/new:os.system [echo]\n", [], "YAML tag refused"),
+        ("name: run\n", ["trainer.lr=.nan"], "trainer.lr: must be a finite number"),
+    ],
+)
+def test_config_errors_exit_2_with_one_message(tmp_path, capsys, cmd, text, sets, match):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    overrides = [a for s in sets for a in ("--set", s)]
+    assert cli.main([cmd, "--config", str(p), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
+
+
+def test_train_preflight_exit_2(tmp_path, capsys):
+    """Paths and options the run needs are checked before the trainer loads anything."""
+    assert cli.main(["train", "--config", TINY, "--set", f"model.name={tmp_path / 'nope'}"]) == 2
+    assert "model.name: " in capsys.readouterr().err
+    assert cli.main(["train", "--config", TINY, "--set", "env.options={bogus: 1}"]) == 2
+    assert "env.options.bogus: unknown option" in capsys.readouterr().err
+
+
 def test_console_script_entry_point():
     r = subprocess.run([sys.executable, "-m", "alignopsd.engine", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "serve-retriever" in r.stdout

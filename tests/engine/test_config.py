@@ -167,3 +167,58 @@ def test_dumped_config_reloads_with_overrides(tmp_path):
     assert load_config(path).algorithm == cfg.algorithm
     again = load_config(path, ["algorithm.rectify.gamma=0.77"])
     assert again.algorithm.rectify.gamma == 0.77 and again.algorithm.credit.gamma == 0.77
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.lr=.nan",
+        "trainer.lr=.inf",
+        "generation.temperature=.inf",
+        "generation.val_temperature=.nan",
+        "trainer.grad_clip=.nan",
+        "trainer.weight_decay=.nan",
+        "trainer.warmup_ratio=.nan",
+        "env.step_timeout_s=.inf",
+        "generation.top_p=.nan",
+        "trainer.betas=[0.9, .nan]",
+        "env.options={scale: -.inf}",
+    ],
+)
+def test_non_finite_values_are_rejected(override):
+    import re
+
+    key = re.escape(override.split("=")[0])
+    with pytest.raises(ConfigError, match=rf"^{key}.*(finite|must be in)"):
+        load_config(CONFIGS / "tiny.yaml", [override])
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999999", "true"])
+def test_seed_range(seed):
+    with pytest.raises(ConfigError, match="trainer.seed"):
+        load_config(CONFIGS / "tiny.yaml", [f"trainer.seed={seed}"])
+    assert load_config(CONFIGS / "tiny.yaml", ["trainer.seed=4294967295"]).trainer.seed == 2**32 - 1
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("trainer:\n  lr: [1\n", r"run\.yaml:3:1: YAML syntax error"),
+        ("trainer:\n\tlr: 1\n", r"run\.yaml:2:1: YAML syntax error.*tabs"),
+        ("trainer: !!python/object/apply:os.system [echo hi]\n", r"run\.yaml:1:10: YAML tag refused"),
+        ("", r"run\.yaml: the file is empty"),
+        ("# only a comment\n", "the file is empty"),
+    ],
+)
+def test_yaml_errors_are_one_clear_message(tmp_path, text, match):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(p)
+
+
+def test_non_utf8_file(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_bytes(b"name: x\ntrainer:\n  lr: 1e-4 # \xe9t\xe9\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:3: not UTF-8 text \(byte 0xe9"):
+        load_config(p)

@@ -1,0 +1,149 @@
+"""Pre-flight check of a run: what the config names must exist on this machine, before anything heavy loads.
+
+:func:`preflight` runs after the config has loaded (types, ranges and cross-section rules are checked there,
+engine/config.py) and before the trainer builds its components. It checks, each failure a ConfigError naming
+the key:
+
+* the device: ``trainer.device: cuda`` needs CUDA, and under torchrun every local rank needs its own GPU;
+* the launch: a tensor-parallel backend (``policy.backend: megatron``) needs torchrun's distributed
+  environment, and the world size must be a multiple of ``policy.tensor_parallel_size``;
+* paths that must exist: the model and tokenizer (a local Hugging Face directory, a Hugging Face id in the
+  local cache, or an embedded name, resolved as engine/models.py resolves them but without building the
+  embedded caches), the thinking encoder (as engine/encoder.py resolves it), ``env.data_dir``;
+* ``env.options``: every key must be an option of the environment (:func:`env_option_names`), and keys the
+  env section sets itself (``max_steps`` is ``env.max_turns``, ...) are refused there.
+
+It imports torch and the environment's module; it loads no model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from alignopsd.estimators import get_estimator
+
+from . import models
+from .config import ConfigError, RunConfig
+from .encoder import MINILM, minilm_path
+from .envs.manager import EnvManager
+from .envs.registry import get_entry, resolve
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_device(cfg: RunConfig, env: Mapping[str, str]) -> None:
+    import torch
+
+    if cfg.trainer.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("trainer.device: 'cuda' requested but CUDA is not available on this machine")
+    local_rank, count = int(env.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"trainer.device: local rank {local_rank} needs GPU {local_rank}, this machine has {count}")
+
+
+def check_launch(cfg: RunConfig, env: Mapping[str, str]) -> None:
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world > 1 and any(v not in env for v in TORCHRUN_VARS):
+        missing = [v for v in TORCHRUN_VARS if v not in env]
+        raise ConfigError(f"WORLD_SIZE={world} without the rest of torchrun's environment (missing {missing})")
+    if cfg.policy.backend == "megatron":
+        missing = [v for v in TORCHRUN_VARS if v not in env]
+        if missing:
+            raise ConfigError(
+                "policy.backend: 'megatron' needs the distributed environment torchrun sets up (missing "
+                f"{', '.join(missing)}); launch with `torchrun --nproc_per_node=N -m alignopsd.engine.train ...`"
+            )
+    tp = cfg.policy.tensor_parallel_size
+    if world % tp:
+        raise ConfigError(f"policy.tensor_parallel_size: {tp} does not divide the number of processes {world}")
+
+
+def check_model_spec(key: str, spec: str) -> None:
+    """A model or tokenizer spec resolves locally (embedded names are checked without building their caches)."""
+
+    low = spec.strip().lower()
+    try:
+        if low == models.TINY:
+            return
+        if low == models.SMOLLM2:
+            models.smollm2_gguf_path()
+            return
+        models.resolve_model_path(spec)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def check_encoder(spec: str) -> None:
+
+    try:
+        if spec.lower() in (MINILM, "minilm"):
+            minilm_path()
+            return
+        if Path(os.path.expanduser(spec)).is_dir():
+            return
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"encoder.name: {exc}") from None
+    check_model_spec("encoder.name", spec)
+
+
+# EnvManager keyword arguments that the env section sets itself (engine/step.py build_components)
+SET_BY_ENV_SECTION = {
+    "env_name": "env.name",
+    "num_workers": "env.workers",
+    "step_timeout": "env.step_timeout_s",
+    "history_length": "env.history_length",
+    "max_steps": "env.max_turns",
+    "data_dir": "env.data_dir",
+}
+# options the environment manager hands to the task source rather than to the environment (EnvManager.task_source)
+TASK_OPTIONS = ("cache_dir",)
+
+
+def _named_params(fn) -> list[str]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds and p.name != "self"]
+
+
+def env_option_names(env_name: str) -> list[str]:
+    """Keys ``env.options`` may hold for ``env_name``: the named keyword arguments of its factory, the
+    environment manager's own tuning arguments, and the task-source options the manager forwards. (The built-in
+    factories swallow unknown keywords, so a misspelt option would otherwise be ignored without a word.)"""
+
+    entry = get_entry(env_name)
+    names = set(_named_params(resolve(entry.factory))) | set(_named_params(EnvManager.__init__))
+    names |= set(TASK_OPTIONS) & set(_named_params(resolve(entry.tasks)))
+    return sorted(names - set(SET_BY_ENV_SECTION))
+
+
+def check_env_options(cfg: RunConfig) -> None:
+    if not cfg.env.options:
+        return
+    allowed = env_option_names(cfg.env.name)
+    for k in cfg.env.options:
+        if k in SET_BY_ENV_SECTION:
+            raise ConfigError(f"env.options.{k}: set by {SET_BY_ENV_SECTION[k]}, not through env.options")
+        if k not in allowed:
+            raise ConfigError(
+                f"env.options.{k}: unknown option of environment {cfg.env.name!r}; allowed: {', '.join(allowed)}"
+            )
+
+
+def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
+    """Every check of this module; ConfigError on the first failure."""
+    env = os.environ if env is None else env
+    check_launch(cfg, env)
+    check_device(cfg, env)
+    check_model_spec("model.name", cfg.model.name)
+    if cfg.model.tokenizer:
+        check_model_spec("model.tokenizer", cfg.model.tokenizer)
+
+    if get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm)["alignment"]:  # the encoder of Mechanism 1
+        check_encoder(cfg.encoder.name)
+    if cfg.env.data_dir and not Path(cfg.env.data_dir).expanduser().exists():
+        raise ConfigError(f"env.data_dir: no such directory {cfg.env.data_dir!r}")
+    check_env_options(cfg)
