@@ -91,7 +91,7 @@ class EnvManager:
 
     Args:
         env_name: a registered environment name (registry.env_names()).
-        num_workers: worker processes (episodes are split into contiguous blocks, one per worker); 0 runs the
+        num_workers: worker processes (episodes are dealt round robin, siblings on different workers); 0 runs the
             environments in this process.
         step_timeout: seconds one reset or step may take before its episode is failed.
         history_length: (observation, action) pairs shown in the prompt (default: the env's, §1.3).
@@ -171,8 +171,9 @@ class EnvManager:
             env_seed = derive_seed(seed, "task", ti, task.key)
             for _ in range(group_n):
                 i = len(self.episodes)
-                # Contiguous blocks: siblings mostly share a worker (warm caches), loads stay balanced.
-                self.episodes.append(_Episode(i, task, env_seed, i * nw // total))
+                # Round robin: the siblings of a task sit on different workers, so if the task's environment
+                # hangs they time out together (one timeout for the round) instead of one behind the other.
+                self.episodes.append(_Episode(i, task, env_seed, i % nw))
         self._metrics["episodes"] += len(self.episodes)
         ops = {ep.idx: (ep.idx, "reset", ep.task, ep.seed) for ep in self.episodes}
         results = self._run(ops)

@@ -53,7 +53,8 @@ def test_zero_advantage_skips_without_forward(tiny_policy, monkeypatch):
     cb = _batch()
     calls = []
     monkeypatch.setattr(tiny_policy, "response_logprobs", lambda *a, **k: calls.append(1))
-    out = ppo_update(_parts(tiny_policy), cb, torch.zeros(6, 4), None, torch.full((6, 4), 1e-9), [])
+    parts = _parts(tiny_policy, **{"trainer.skip_no_signal": "true"})
+    out = ppo_update(parts, cb, torch.zeros(6, 4), None, torch.full((6, 4), 1e-9), [])
     assert out["update/skipped"] == 1.0 and out["update/zero_advantage"] == 1.0 and not calls
 
 
@@ -128,7 +129,7 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
     from alignopsd.engine.train import Trainer
 
     ov = ["env.name=codeword_faulty", "algorithm.estimator=grpo", "algorithm.kl_coef=0.0", "env.max_turns=2",
-          "generation.max_response_length=8", f"output_dir={tmp_path}"]  # fmt: skip
+          "generation.max_response_length=8", "trainer.skip_no_signal=true", f"output_dir={tmp_path}"]  # fmt: skip
     cfg = load_config(TINY, ov)
     tr = Trainer(cfg)
     tr.parts.train_tasks = faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1)
