@@ -31,6 +31,7 @@ import yaml
 from alignopsd import config as core
 from alignopsd.config import AlgorithmConfig
 from alignopsd.config_values import coerce_value as core_coerce
+from alignopsd.estimators import get_estimator
 
 from .envs.registry import env_names
 from .yamlfile import YamlFileError, read_yaml
@@ -47,10 +48,7 @@ SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it
 
 def _env_names() -> tuple[str, ...]:
     """Built-in environment names plus those registered at runtime (the registry module is import-light)."""
-    try:
-        return tuple(env_names()) or ENV_NAMES
-    except ImportError:  # pragma: no cover
-        return ENV_NAMES
+    return tuple(env_names()) or ENV_NAMES
 
 
 class ConfigError(ValueError):
@@ -192,6 +190,9 @@ class EncoderConfig:
         _positive("encoder.batch_size", self.batch_size)
 
 
+STUDENT_SKILLS = ("off", "validation", "always")
+
+
 @dataclass
 class EnvConfig:
     """The environment and the task supply of a step."""
@@ -226,9 +227,13 @@ class EnvConfig:
     """Per-step environment timeout (a hung environment ends that episode as failed)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Environment-specific keyword options passed through to the environment registry."""
+    student_skills: str = "off"
+    """Skill block in the student's own prompt (the paper's prompting baselines): off | validation (Skill-Prompt:
+    skills in the validation prompt) | always (Skill-GRPO: skills kept in training and validation)."""
 
     def __post_init__(self) -> None:
         _choice("env.name", self.name, _env_names())
+        _choice("env.student_skills", self.student_skills, STUDENT_SKILLS)
         for key in ("num_games", "group_n", "tasks_per_step", "val_tasks", "max_turns", "max_prompt_length"):
             _positive(f"env.{key}", getattr(self, key))
         _positive("env.workers", self.workers, allow_zero=True)
@@ -292,9 +297,10 @@ class TrainerConfig:
     """Write TensorBoard event files under <output>/tb."""
     report: bool = True
     """Write report.md and plots at the end."""
-    skip_no_signal: bool = True
-    """Skip the rest of a step whose advantages are all zero and that has no auxiliary term (logged as
-    update/skipped). `alignopsd profile` turns it off so that every phase is measured."""
+    skip_no_signal: bool = False
+    """Skip the rest of a step whose advantages are provably all zero and that has no auxiliary term (logged as
+    update/skipped). Off by default, as in the authors' runs: their entropy (and KL) terms update the policy on
+    every step, a step with zero advantages included."""
     audit: bool = True
     """Write the audit records of ALGORITHM.md §4.3 under <output>/audit/ (per-turn JSONL every step, token
     snapshots on the first, every 10th and the last step; see engine/audit.py). Training is identical either way."""
@@ -360,13 +366,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.rollout_is_lower: expected null or a number in [0, 1), got {lower!r}")
 
 
-def _algorithm_cls():
-
-    return AlgorithmConfig
-
-
 def _default_algorithm():
-    return _algorithm_cls()()
+    return AlgorithmConfig()
 
 
 @dataclass
@@ -407,7 +408,6 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Cross-section consistency checks; raises ConfigError naming the keys."""
-
         if not isinstance(self.algorithm, AlgorithmConfig):
             raise ConfigError(f"algorithm: expected AlgorithmConfig, got {type(self.algorithm).__name__}")
         if self.generation.backend == "vllm":
@@ -421,6 +421,10 @@ class RunConfig:
             raise ConfigError(
                 f"env.group_n: group-relative advantages need >= 2 rollouts per task, got {self.env.group_n}"
             )
+        if self.env.student_skills == "always" and get_estimator(self.algorithm.estimator).needs_teacher_diag(
+            self.algorithm
+        ):  # the teacher's privileged view would be the student's own
+            raise ConfigError("env.student_skills: 'always' (Skill-GRPO) needs an estimator without a teacher pass")
         if self.trainer.logprob_reuse and self.generation.backend != "hf":
             raise ConfigError(
                 "trainer.logprob_reuse: only valid with generation.backend='hf' (the trainer's own model)"
@@ -451,7 +455,7 @@ def load_dataclass(cls: type, data: dict, path: str = "") -> Any:
     """Build ``cls`` from ``data`` strictly: unknown keys, wrong types and bad values raise ConfigError."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
-    if cls is _algorithm_cls_or_none():
+    if cls is AlgorithmConfig:
         return _load_algorithm(data, path)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
@@ -474,16 +478,8 @@ def load_dataclass(cls: type, data: dict, path: str = "") -> Any:
         raise ConfigError(f"{path or cls.__name__}: {exc}") from exc
 
 
-def _algorithm_cls_or_none():
-    try:
-        return _algorithm_cls()
-    except ImportError:  # pragma: no cover - the core is part of the package
-        return None
-
-
 def _load_algorithm(data: Any, path: str) -> Any:
     """The algorithm section through the core's strict loader (``alignopsd.config.from_dict``)."""
-
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping, got {data!r}")
     data = dict(data)

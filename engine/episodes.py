@@ -73,6 +73,7 @@ def rollout_phase(
             seed=seed,
             validation=validation,
             teacher_prompts=teacher_prompts and not validation,
+            student_skills=cfg.env.student_skills == "always" or (validation and cfg.env.student_skills != "off"),
             task_offset=parts.rank * per,
         )
     rm = batch.extras.get("rollout_metrics", {})

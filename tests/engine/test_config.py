@@ -222,3 +222,17 @@ def test_non_utf8_file(tmp_path):
     p.write_bytes(b"name: x\ntrainer:\n  lr: 1e-4 # \xe9t\xe9\n")
     with pytest.raises(ConfigError, match=r"run\.yaml:3: not UTF-8 text \(byte 0xe9"):
         load_config(p)
+
+
+def test_student_skills_baselines():
+    """Skill-Prompt (validation) and Skill-GRPO (always, with an estimator without a teacher pass) load; 'always'
+    with a teacher estimator is refused (the privileged view would be the student's own)."""
+    from alignopsd.engine.config import ConfigError, load_config
+
+    tiny = CONFIGS / "tiny.yaml"
+    assert load_config(tiny, ["env.student_skills=validation"]).env.student_skills == "validation"
+    assert load_config(tiny, ["env.student_skills=always", "algorithm.estimator=grpo"]).env.student_skills == "always"
+    with pytest.raises(ConfigError, match="env.student_skills"):
+        load_config(tiny, ["env.student_skills=always", "algorithm.estimator=alignopsd"])
+    with pytest.raises(ConfigError, match="env.student_skills"):
+        load_config(tiny, ["env.student_skills=sometimes"])
