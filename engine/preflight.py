@@ -246,7 +246,8 @@ def search_official_data(
         if not path.is_file():
             raise _official_error(
                 f"env.data_dir: no {split}.parquet in {data_dir}",
-                "env.data_dir must hold Search-R1's train.parquet and test.parquet (its data_process/nq_search.py)",
+                "env.data_dir must hold the train.parquet and test.parquet that Search-R1's "
+                "scripts/data_process/qa_search_{train,test}_merge.py write",
             )
         out[split] = str(path)
     url, corpus = options.get("retriever_url"), options.get("corpus_path")

@@ -15,6 +15,7 @@ from alignopsd.engine.envs.alfworld_env import load_tasks as alfworld_load_tasks
 from alignopsd.engine.envs.retriever import URL_ENV_VAR
 from alignopsd.engine.envs.search import load_tasks as search_load_tasks
 from alignopsd.engine.preflight import (
+    README_HINT,
     alfworld_official_data,
     env_option_names,
     preflight,
@@ -213,3 +214,9 @@ def test_paper_profiles_refuse_without_official_data(name, tmp_path, monkeypatch
 def test_official_data_only_for_the_benchmarks():
     with pytest.raises(ConfigError, match=r"environment 'codeword' has no official data; it applies to alfworld"):
         preflight(_cfg("env.require_official_data=true"), env={})
+
+
+def test_messages_point_to_a_readme_section_that_exists():
+    readme = (CONFIGS.parent / "README.md").read_text()
+    assert "\n## Running the paper's experiments\n" in readme and "Running the paper's experiments" in README_HINT
+    assert "env.require_official_data" in readme
