@@ -227,6 +227,9 @@ class EnvConfig:
     """Per-step environment timeout (a hung environment ends that episode as failed)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Environment-specific keyword options passed through to the environment registry."""
+    require_official_data: bool = False
+    """The paper's runs: the pre-flight refuses to start unless the benchmark's official data is where the loader
+    looks (never the generated games, catalogue or knowledge base); README "Running the paper's experiments"."""
     student_skills: str = "off"
     """Skill block in the student's own prompt (the paper's prompting baselines): off | validation (Skill-Prompt:
     skills in the validation prompt) | always (Skill-GRPO: skills kept in training and validation)."""

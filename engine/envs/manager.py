@@ -165,7 +165,6 @@ class EnvManager:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
         nw = max(self.num_workers, 1)
-        total = len(tasks) * group_n
         self.episodes = []
         for ti, task in enumerate(tasks):
             env_seed = derive_seed(seed, "task", ti, task.key)
