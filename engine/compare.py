@@ -5,11 +5,10 @@ one schedule, then writes, under ``--out`` (default ``runs/compare-<config name>
 
 * ``<estimator>-seed<seed>/``: the run directory of each pair (the trainer's own files: ``metrics.jsonl``,
   ``config.yaml``, checkpoints, report), plus ``val_tasks.json`` (the keys of the held-out games it played);
-* ``compare.json``: the plan, every run's held-out success at every evaluation step, and the summary
-  (mean, sample standard deviation and count over seeds per estimator and step);
-* ``compare.md``: the table of held-out success (rows: evaluation steps; columns: estimators; cells
-  ``mean ± std (n)`` in percent), the held-out table of the last step (the ``alignopsd eval`` columns of the
-  environment) and the paired per-seed difference to the first estimator;
+* ``compare.json``: the plan, every run's held-out success at every evaluation step, and the summary;
+* ``compare.md``: held-out success (rows: evaluation steps; columns: estimators; cells ``mean ± std (n)`` over
+  seeds, in percent), the ``alignopsd eval`` table of the last step, the paired per-seed difference to the first
+  estimator, the wall seconds per step;
 * ``compare.png``: held-out success over steps, a mean line and a ±1 std band per estimator (thin lines: seeds).
 
 What is held equal across estimators, so that the estimator is the only difference:
@@ -29,7 +28,9 @@ Runs are sequential in this process (each builds its own Trainer, which re-seeds
 decides the held-out games, and under ``torchrun`` every rank runs the same sequence (rank 0 writes). Resumable: a
 run whose ``metrics.jsonl`` holds its last step and last evaluation is read, not redone, once its stored config and
 held-out games are checked to be the ones asked for; an unfinished run resumes from its newest verified
-checkpoint (``--set trainer.save_freq=K`` makes long runs resumable mid-way), or starts again.
+checkpoint (``--set trainer.save_freq=K`` makes long runs resumable mid-way), or starts again. So each run can
+also have a fresh process of its own (``--estimators grpo --seeds 1 --first-seed 2``, same ``--out``), and a last
+call with every estimator and seed reads them all and writes the table.
 """
 
 from __future__ import annotations
@@ -103,29 +104,15 @@ def eval_schedule(steps: int, eval_every: int) -> list[int]:
     return sorted({0, *between, steps})
 
 
-def parse_seeds(text: str, base: int) -> tuple[int, ...]:
-    """``"3"``: three seeds from ``base`` (base, base+1, base+2); ``"0,5,7"``: those seeds."""
-    items = [s.strip() for s in str(text).split(",") if s.strip()]
-    try:
-        values = [int(s) for s in items]
-    except ValueError:
-        raise ConfigError(f"--seeds: expected a count or a comma-separated list of ints, got {text!r}") from None
-    if len(values) == 1 and "," not in str(text):
-        if values[0] < 1:
-            raise ConfigError(f"--seeds: the number of seeds must be >= 1, got {values[0]}")
-        return tuple(base + i for i in range(values[0]))
-    if not values or len(set(values)) != len(values) or min(values) < 0:
-        raise ConfigError(f"--seeds: expected distinct seeds >= 0, got {text!r}")
-    return tuple(values)
-
-
-def _check_options(overrides: tuple[str, ...], estimators: Sequence[str], steps: int, eval_every: int) -> None:
+def _check_options(overrides: tuple[str, ...], estimators: Sequence[str], seeds: int, steps: int, eval_every: int):
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         if key in OWNED_KEYS:
             raise ConfigError(
                 f"--set {key}: compare sets it for every run (use --estimators, --seeds, --steps, --eval-every, --out)"
             )
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"--seeds: the number of seeds must be an int >= 1, got {seeds!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"--steps: expected an int >= 1, got {steps!r}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
@@ -139,24 +126,26 @@ def plan_comparison(
     config: str | os.PathLike,
     *,
     estimators: Sequence[str],
-    seeds: str | int | Sequence[int],
+    seeds: int,
     steps: int,
     eval_every: int | None = None,
     out: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
     val_seed: int | None = None,
+    first_seed: int | None = None,
 ) -> Plan:
     """Check everything a comparison needs before anything heavy loads (ConfigError naming the culprit):
     the options, the config of every run and the pre-flight checks of each (engine/preflight.py)."""
     from .preflight import preflight
 
     overrides = tuple(overrides)
+    estimators = estimators.split(",") if isinstance(estimators, str) else estimators
     eval_every = max(1, steps // 10) if eval_every is None and isinstance(steps, int) else eval_every
-    _check_options(overrides, estimators, steps, eval_every)
+    _check_options(overrides, estimators, seeds, steps, eval_every)
     names = tuple(e.strip() for e in estimators)
     base = load_config(config, list(overrides))
-    seed_text = str(seeds) if isinstance(seeds, (str, int)) else ",".join(str(s) for s in seeds)
-    seed_list = parse_seeds(seed_text, base.trainer.seed)
+    first = base.trainer.seed if first_seed is None else int(first_seed)
+    seed_list = tuple(range(first, first + seeds))
     out_dir = Path(out) if out is not None else Path("runs") / f"compare-{base.name}"
     runs = []
     for est in names:
@@ -277,6 +266,7 @@ def train_one(spec: RunSpec, steps: int, val_tasks: list, factory: Callable, str
         trainer.parts.val_tasks = list(val_tasks)
         trainer.stream = PrefixedStream(stream, f"[{spec.label}] ")
         trainer.fit(resume="auto")
+        trainer.dist.barrier()  # rank 0 has written the run's last records before any rank reads them
     finally:
         del trainer
         gc.collect()
@@ -316,7 +306,7 @@ def train_runs(plan: Plan, *, trainer_factory: Callable | None, stream) -> tuple
             t0 = time.perf_counter()
             val = train_one(spec, plan.steps, val_tasks, factory, stream)
             say(f"{head}: done in {time.perf_counter() - t0:.1f} s")
-        say(f"{head}: held-out success " + ", ".join(f"step {s}: {_pct(val[s].get(SUCCESS))}" for s in sorted(val)))
+        say(f"{head}: held-out success " + ", ".join(f"step {s}: {_value(val[s])}" for s in sorted(val)))
         evals[(spec.estimator, spec.seed)] = val
     return keys, evals
 
@@ -339,10 +329,6 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
 def _value(rec: dict | None, key: str = SUCCESS) -> float | None:
     v = None if rec is None else rec.get(key)
     return None if v is None or not math.isfinite(v) else float(v)
-
-
-def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f}%"
 
 
 def summarize(plan: Plan, evals: dict[tuple[str, int], dict[int, dict]]) -> dict[str, Any]:
@@ -465,12 +451,13 @@ def run(
     config: str | os.PathLike,
     *,
     estimators: Sequence[str] = ("grpo", "alignopsd"),
-    seeds: str | int | Sequence[int] = 3,
+    seeds: int = 3,
     steps: int,
     eval_every: int | None = None,
     out: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
     val_seed: int | None = None,
+    first_seed: int | None = None,
     trainer_factory: Callable[[str, list[str]], Any] | None = None,
     stream=None,
 ) -> dict[str, Any]:
@@ -486,6 +473,7 @@ def run(
         out=out,
         overrides=overrides,
         val_seed=val_seed,
+        first_seed=first_seed,
     )
     try:
         keys, evals = train_runs(plan, trainer_factory=trainer_factory, stream=stream)
@@ -553,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_args(p)
     p.add_argument("--estimators", default="grpo,alignopsd", help="comma-separated estimators (default grpo,alignopsd)")
-    p.add_argument("--seeds", default="3", help="a number of seeds from trainer.seed (default 3) or a list: 0,1,2")
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds: S, S+1, ... (default 3)")
+    p.add_argument("--first-seed", type=int, default=None, help="the first seed S (default: trainer.seed)")
     p.add_argument("--steps", type=int, required=True, help="training steps of every run")
     p.add_argument(
         "--eval-every",
@@ -587,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             out=args.out,
             overrides=args.overrides,
             val_seed=args.val_seed,
+            first_seed=args.first_seed,
         )
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
