@@ -306,7 +306,7 @@ def train_runs(plan: Plan, *, trainer_factory: Callable | None, stream) -> tuple
             t0 = time.perf_counter()
             val = train_one(spec, plan.steps, val_tasks, factory, stream)
             say(f"{head}: done in {time.perf_counter() - t0:.1f} s")
-        say(f"{head}: held-out success " + ", ".join(f"step {s}: {_value(val[s])}" for s in sorted(val)))
+        say(f"{head}: held-out success " + ", ".join(f"step {s}: {_fmt(_value(val[s]))}" for s in sorted(val)))
         evals[(spec.estimator, spec.seed)] = val
     return keys, evals
 
@@ -324,6 +324,10 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
         "n": len(vals),
         "values": vals,
     }
+
+
+def _fmt(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3f}"
 
 
 def _value(rec: dict | None, key: str = SUCCESS) -> float | None:
@@ -564,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
+    from .checkpoint import UnsafeStateError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -581,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except UnsafeStateError as exc:  # a checkpoint to resume from that fails its checks
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
