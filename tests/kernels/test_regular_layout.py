@@ -1,6 +1,7 @@
 """Fast paths of the kernels' torch code against the general ones: in the selection, the regular block
 layout (every task G rollouts of L turns) and the padded per-rollout view against scatter-reduces; the
-adjacent-rows boundary sums against gathered row pairs; the finiteness check and selection_lists."""
+boundary sums of the compacted valid rows against the dense entry and the reference; the finiteness check and
+selection_lists."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import importlib
 
 import pytest
 import torch
-from test_sibling_topk import make_batch
-
-import alignopsd
 from alignopsd.kernels import (
     DISTANCES,
     boundary_scores,
@@ -24,6 +22,9 @@ from alignopsd.kernels import (
     sibling_topk_ref,
 )
 from alignopsd.kernels import blocks as layout
+from test_sibling_topk import make_batch
+
+import alignopsd
 from alignopsd.reference import boundary_scores_ref
 
 # the modules (the package exports functions of the same names)
