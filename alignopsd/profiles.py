@@ -37,7 +37,7 @@ from alignopsd.advantage import TurnIndex
 from alignopsd.credit_config import DISTANCES, CreditConfig
 from alignopsd.kernels import batch_threshold, boundary_scores_rows, profile_rows, profiles_blocks
 from alignopsd.kernels import boundary_scores as kernel_boundary_scores
-from alignopsd.kernels.blocks import blocks_from_order
+from alignopsd.kernels.blocks import blocks_from_order, packed_rows
 from alignopsd.metrics import Metrics
 
 __all__ = [
@@ -163,18 +163,6 @@ def _top1_top3(P_RN: Tensor) -> tuple[Tensor, Tensor]:
     return v[:, 0], v.sum(-1)
 
 
-def _packed_rows(E_RN: Tensor) -> Tensor:
-    """Rows of a contiguous bool matrix [R, N] as int64 words [R, ceil(N / 8)] (8 flags per word, zero-padded).
-
-    Row equality and row emptiness become 8x narrower comparisons.
-    """
-    u8 = E_RN.view(torch.uint8)
-    pad = (-E_RN.shape[1]) % 8
-    if pad:
-        u8 = torch.nn.functional.pad(u8, (0, pad))
-    return u8.view(torch.int64)
-
-
 def _task_blocks(index: TurnIndex, H: Tensor, E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Same-task blocks H_GSN, E_GSN ([task, source, target], padded to N with ineligible cells) and
     the local position of each turn (identity order) inside its block.
@@ -220,7 +208,7 @@ def batch_distances(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, m
     E_GNS = E_GSN.transpose(1, 2).contiguous()  # eligibility column of each target, as rows
     g, nmax = int(E_GNS.shape[0]), int(E_GNS.shape[1])
     rows = g * nmax
-    words_R = _packed_rows(E_GNS.view(rows, nmax))
+    words_R = packed_rows(E_GNS.view(rows, nmax))
     row_s = index.task_M * nmax + local  # row of each turn (identity order) in the flattened [G*N, N] blocks
     # consecutive turns of a trajectory sit in consecutive rows
     prev, cur = _adjacent_pairs(index)

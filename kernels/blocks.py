@@ -201,3 +201,13 @@ def block_groups(T: int, N: int) -> list[tuple[int, int]]:
     cache-resident temporaries instead of materialising full-size ones."""
     step = max(1, CHUNK_CELLS // max(1, N * N))
     return [(b0, min(T, b0 + step)) for b0 in range(0, T, step)]
+
+
+def packed_rows(E_RN: Tensor) -> Tensor:
+    """Rows of a bool matrix [R, N] as int64 words [R, ceil(N / 8)] (8 flags per word, zero-padded): row equality
+    and row emptiness become 8x narrower comparisons."""
+    u8 = E_RN.contiguous().view(torch.uint8)
+    pad = (-E_RN.shape[1]) % 8
+    if pad or u8.storage_offset() % 8:
+        u8 = torch.nn.functional.pad(u8, (0, pad))
+    return u8.view(torch.int64)

@@ -23,12 +23,15 @@ The threshold (§3.4) is the linear-interpolation quantile of the valid distance
 batch, clipped to [tau_min, tau_max]; +inf when there is none.
 
 Paths: the Triton kernel (one program per pair, a loop over the block's source tiles that
-accumulates the six row sums and the eligibility mismatch), the torch path (the same sums as
-row reductions over chunks of ~512 KiB; a pair is always two consecutive rows of the blocks, so
-while the blocks have at most twice as many rows as turns the sums run over all rows as views,
-the one-row sums once per row, and are read at the pairs; otherwise the pairs' rows are
-gathered); the slow loop reference is ``alignopsd.reference.boundary_scores_ref`` (a Python loop over
-trajectories on the dense rows, the oracle of the tests). BLOCK = 128 source slots per
+accumulates the six row sums and the eligibility mismatch), the torch path (the CPU path of the
+whole project, the algorithm core's included): only pairs of two valid profiles are scored, and a
+pair is always two consecutive rows of the blocks, so the valid rows are compacted (padding and
+invalid rows drop out) and the sums run as row reductions over chunks of ~512 KiB of the compacted
+rows as views: the one-row sums once per row (or sum p log p passed in by ``boundary_scores_rows``,
+from ``profiles.profile_rows``' log-softmax), the two-row sums for every (row, next row); then read
+at the pairs; eligibility rows are compared as packed words); the slow loop reference is
+``alignopsd.reference.boundary_scores_ref`` (a Python loop over trajectories on the dense rows, the
+oracle of the tests). BLOCK = 128 source slots per
 iteration (blocks are a few hundred turns; not tuned on a GPU, none was available).
 """
 
@@ -40,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ._dispatch import HAS_TRITON, launch, resolve_impl
-from .blocks import CHUNK_CELLS, Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
+from .blocks import CHUNK_CELLS, Blocks, all_finite, check_id_vectors, gather_blocks, packed_rows, task_blocks
 
 if HAS_TRITON:
     import triton
@@ -124,22 +127,13 @@ def _compact_pair_stats(P_VN: Tensor, one_V: Tensor | None, x_K: Tensor, distanc
     return out
 
 
-def _packed_rows(E_RN: Tensor) -> Tensor:
-    """Rows of a bool matrix [R, N] as int64 words [R, ceil(N / 8)] (8 flags per word, zero-padded)."""
-    u8 = E_RN.contiguous().view(torch.uint8)
-    pad = (-E_RN.shape[1]) % 8
-    if pad or u8.storage_offset() % 8:
-        u8 = torch.nn.functional.pad(u8, (0, pad))
-    return u8.view(torch.int64)
-
-
 def _scores_torch(
     P_VN: Tensor, one_V: Tensor | None, valid_R: Tensor, E_RN: Tensor, rowp: Tensor, distance: str, M: int
 ) -> tuple[Tensor, Tensor]:
     """The torch path: pairs (rowp, rowp + 1) of the block rows; P_VN holds only the valid rows (valid_R), in row
     order, so the two rows of a valid pair are consecutive there too. Returns ok [K] (both valid, eligible rows
     equal) and the distance of the ok pairs."""
-    words = _packed_rows(E_RN)
+    words = packed_rows(E_RN)
     ok = valid_R[rowp] & valid_R[rowp + 1] & (words[rowp] == words[rowp + 1]).all(1)
     pos = torch.cumsum(valid_R, 0) - 1
     x = pos[rowp[ok]]

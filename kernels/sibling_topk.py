@@ -36,9 +36,9 @@ a loop over tasks and targets written straight from the spec (the oracle of the 
 
 From a precomputed H (the algorithm core's inputs: dense H[source, target] and any
 within-task eligibility B), ``sibling_topk_from_similarity`` gathers the task blocks and runs
-the same selection, and ``profiles_blocks`` the profile kernel (the kernel above without the
-dot product: it reads the H and B tiles). ``alignopsd.select_sources``,
-``correspondence_profiles`` and ``allocate_credit`` call these on CUDA tensors.
+the same selection; ``profiles.py`` has the profile entries (the Triton profile kernel is the
+kernel above without the dot product: it reads the H and B tiles). ``alignopsd.select_sources``
+calls these on CUDA tensors.
 
 Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting values
 (no GPU was available to tune them); blocks are a few hundred turns, so one program per
