@@ -147,14 +147,7 @@ def segmentation_threshold(
     check_ndim(dt, "d", 1)
     check_finite(dt, "d")
     bv = check_bool_vector(boundary_valid, "boundary_valid", int(dt.shape[0]))
-    return _threshold(dt[bv.to(dt.device)], quantile, tau_min, tau_max)
-
-
-def _threshold(values: Tensor, quantile: float, tau_min: float, tau_max: float) -> float:
-    if values.numel() == 0:
-        return math.inf
-    q = float(torch.quantile(values.double(), quantile, interpolation="linear"))
-    return min(max(q, tau_min), tau_max)
+    return batch_threshold(dt, bv.to(dt.device), quantile=quantile, tau_min=tau_min, tau_max=tau_max)
 
 
 def _top1_top3(P_RN: Tensor) -> tuple[Tensor, Tensor]:
