@@ -23,16 +23,17 @@ The threshold (§3.4) is the linear-interpolation quantile of the valid distance
 batch, clipped to [tau_min, tau_max]; +inf when there is none.
 
 Paths: the Triton kernel (one program per pair, a loop over the block's source tiles that
-accumulates the six row sums and the eligibility mismatch), the torch path (the CPU path of the
-whole project, the algorithm core's included): only pairs of two valid profiles are scored, and a
-pair is always two consecutive rows of the blocks, so the valid rows are compacted (padding and
-invalid rows drop out) and the sums run as row reductions over chunks of ~512 KiB of the compacted
-rows as views: the one-row sums once per row (or sum p log p passed in by ``boundary_scores_rows``,
-from ``profiles.profile_rows``' log-softmax), the two-row sums for every (row, next row); then read
-at the pairs; eligibility rows are compared as packed words); the slow loop reference is
-``alignopsd.reference.boundary_scores_ref`` (a Python loop over trajectories on the dense rows, the
-oracle of the tests). BLOCK = 128 source slots per
-iteration (blocks are a few hundred turns; not tuned on a GPU, none was available).
+accumulates the six row sums and the eligibility mismatch), and the torch path, the CPU path of
+the whole project (the algorithm core's included). Only pairs of two valid profiles are scored,
+and a pair is always two consecutive rows of the blocks, so the valid rows are compacted (padding
+and invalid rows drop out; not when nearly all rows are valid, a copy would cost more than it
+saves); the sums run as row reductions over chunks of ~512 KiB of those rows as views: the
+one-row sums once per row (or sum p log p passed in by ``boundary_scores_rows``, from the
+log-softmax of ``profiles.profile_rows``), the two-row sums for every (row, next row); then they
+are read at the pairs. Eligibility rows are compared as packed words. The slow loop reference is
+``alignopsd.reference.boundary_scores_ref`` (a Python loop over trajectories on the dense rows,
+the oracle of the tests). BLOCK = 128 source slots per iteration (blocks are a few hundred
+turns; not tuned on a GPU, none was available).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ DISTANCES = ("jsd", "entropy", "cosine")
 _LN2 = math.log(2.0)
 _TINY = float(torch.finfo(torch.float32).tiny)
 _BLOCK = 128
+_COMPACT_BELOW = 0.9  # torch path of dense blocks: the valid rows are copied out when fewer than this share of rows
 
 
 def _check_distance(distance: str) -> str:
@@ -128,16 +130,18 @@ def _compact_pair_stats(P_VN: Tensor, one_V: Tensor | None, x_K: Tensor, distanc
 
 
 def _scores_torch(
-    P_VN: Tensor, one_V: Tensor | None, valid_R: Tensor, E_RN: Tensor, rowp: Tensor, distance: str, M: int
+    P_XN: Tensor, one_X: Tensor | None, valid_R: Tensor, E_RN: Tensor, rowp: Tensor, distance: str, M: int
 ) -> tuple[Tensor, Tensor]:
-    """The torch path: pairs (rowp, rowp + 1) of the block rows; P_VN holds only the valid rows (valid_R), in row
-    order, so the two rows of a valid pair are consecutive there too. Returns ok [K] (both valid, eligible rows
-    equal) and the distance of the ok pairs."""
+    """The torch path: pairs (rowp, rowp + 1) of the block rows. P_XN holds every row of the blocks, or only the
+    valid rows (valid_R) in row order: the two rows of a valid pair are consecutive there too. Returns ok [K] (both
+    valid, eligible rows equal) and the distance of the ok pairs."""
     words = packed_rows(E_RN)
-    ok = valid_R[rowp] & valid_R[rowp + 1] & (words[rowp] == words[rowp + 1]).all(1)
-    pos = torch.cumsum(valid_R, 0) - 1
-    x = pos[rowp[ok]]
-    return ok, _distance(_compact_pair_stats(P_VN, one_V, x, distance), distance, M)
+    differ = (words[:-1] != words[1:]).sum(1) > 0  # every (row, next row), as views; sum: faster than any
+    ok = valid_R[rowp] & valid_R[rowp + 1] & ~differ[rowp]
+    x = rowp[ok]
+    if P_XN.shape[0] != valid_R.shape[0]:  # compacted: the position of a valid row among the valid rows
+        x = (torch.cumsum(valid_R, 0) - 1)[x]
+    return ok, _distance(_compact_pair_stats(P_XN, one_X, x, distance), distance, M)
 
 
 def _pair_kernel(
@@ -250,7 +254,7 @@ def boundary_scores_blocks(
 
     P_BTS [T, N, N] float (target-major profiles), E_BTS [T, N, N] bool (E_BTS[b, t, s] = B[s, t]),
     profile_valid [M] bool. Returns d [M] float32, boundary_valid [M] bool. The torch path scores the valid
-    rows (compacted) as :func:`boundary_scores_rows` does.
+    rows as :func:`boundary_scores_rows` does, on a compacted copy unless nearly all rows are valid.
     """
     _check_distance(distance)
     impl = resolve_impl(impl, P_BTS)
@@ -264,8 +268,9 @@ def boundary_scores_blocks(
     valid_R = torch.zeros(T * N, dtype=torch.bool, device=P_BTS.device)
     valid_R[blocks.block_M * N + blocks.slot_M] = profile_valid
     P_RN = P_BTS.reshape(-1, N).float()
-    P_VN = P_RN if bool(valid_R.all()) else P_RN.index_select(0, valid_R.nonzero().view(-1))
-    ok, dist = _scores_torch(P_VN, None, valid_R, E_BTS.reshape(-1, N), rowp, distance, M)
+    rows = valid_R.nonzero().view(-1)
+    P_XN = P_RN.index_select(0, rows) if rows.numel() < _COMPACT_BELOW * valid_R.numel() else P_RN
+    ok, dist = _scores_torch(P_XN, None, valid_R, E_BTS.reshape(-1, N), rowp, distance, M)
     return _scores(M, cur, ok, dist)
 
 

@@ -29,6 +29,7 @@ from alignopsd.reference import boundary_scores_ref
 
 # the modules (the package exports functions of the same names)
 sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")
+jsd_mod = importlib.import_module("alignopsd.kernels.jsd_boundary")
 
 
 def regular_batch(*, tasks=3, rollouts=4, turns=5, dim=8, seed=0, ties=True):
@@ -153,10 +154,10 @@ def test_uneven_padded_path_equals_scatter_path_and_reference(monkeypatch, seed,
 
 @pytest.mark.parametrize("distance", DISTANCES)
 @pytest.mark.parametrize("layout", ["regular", "uneven"])
-def test_boundary_rows_path_equals_blocks_path(distance, layout):
-    """The torch path scores the valid rows, compacted: from the dense blocks (boundary_scores_blocks) and from
-    profile_rows with its log-softmax sum p log p (boundary_scores_rows, the allocator's call) it agrees with the
-    dense entry and the loop reference, also where a changed eligibility row removes boundaries."""
+def test_boundary_rows_path_equals_blocks_path(monkeypatch, distance, layout):
+    """The torch path scores the valid rows: from the dense blocks (boundary_scores_blocks, compacted or on all
+    rows) and from profile_rows with its log-softmax sum p log p (boundary_scores_rows, the allocator's call) it
+    agrees with the dense entry and the loop reference, also where a changed eligibility row removes boundaries."""
     if layout == "regular":
         te, st, task, roll, turn, sv, tv = regular_batch(seed=3, ties=False, tasks=2, rollouts=3, turns=6)
     else:
@@ -175,7 +176,11 @@ def test_boundary_rows_path_equals_blocks_path(distance, layout):
     E2[b, t] = ~E2[b, t]
     got = {}
     for E in (out.E_BTS, E2):
+        monkeypatch.setattr(jsd_mod, "_COMPACT_BELOW", 0.0)  # all rows, as views
+        d_all, bv_all = boundary_scores_blocks(out.P_BTS, E, out.profile_valid, out.blocks, distance=distance)
+        monkeypatch.setattr(jsd_mod, "_COMPACT_BELOW", 2.0)  # the valid rows, compacted
         d, bv = boundary_scores_blocks(out.P_BTS, E, out.profile_valid, out.blocks, distance=distance, impl="torch")
+        assert torch.equal(bv, bv_all) and torch.equal(d, d_all)
         d_r, bv_r = boundary_scores_rows(
             pr.P_VN, pr.valid_BT, E, out.blocks, negent_V=pr.negent_V, distance=distance, impl="torch"
         )
