@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ._dispatch import resolve_impl
-from .blocks import MASKED_LOGIT, all_finite, block_groups, check_eligible_finite, check_params
+from .blocks import MASKED_LOGIT, all_finite, block_groups, check_eligible_finite, check_params, packed_rows
 from .sibling_topk_triton import profiles_triton
 
 __all__ = ["ProfileRows", "profile_rows", "profiles_blocks"]
@@ -49,7 +49,8 @@ def _profiles_torch(
         if not all_finite(X):
             raise ValueError("H: contains NaN or inf at eligible cells")
         r0, r1 = b0 * N, b1 * N
-        torch.any(E, 2, out=has[r0:r1].view(b1 - b0, N))
+        # some eligible source: the flags are bytes 0/1, so a packed word is >= 0, and > 0 iff one of its flags is set
+        torch.gt(packed_rows(E.reshape(-1, N)).amax(1), 0, out=has[r0:r1])
         ok = torch.logical_and(has[r0:r1], X.amax(1) >= gamma, out=valid[r0:r1])
         if valid_rows and not bool(ok.all()):
             X = X.index_select(0, ok.nonzero().view(-1))
