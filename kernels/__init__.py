@@ -13,11 +13,12 @@ from .jsd_boundary import (
     batch_threshold,
     boundary_scores,
     boundary_scores_blocks,
+    boundary_scores_rows,
 )
 from .logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
+from .profiles import ProfileRows, profile_rows, profiles_blocks
 from .sibling_topk import (
     SiblingTopK,
-    profiles_blocks,
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
@@ -28,10 +29,12 @@ __all__ = [
     "DISTANCES",
     "FusedTokenLoss",
     "HAS_TRITON",
+    "ProfileRows",
     "SiblingTopK",
     "batch_threshold",
     "boundary_scores",
     "boundary_scores_blocks",
+    "boundary_scores_rows",
     "fused_token_loss",
     "core_uses_kernels",
     "force_kernels",
@@ -41,6 +44,7 @@ __all__ = [
     "logprob_ref",
     "logprob_rescore",
     "logprob_vocab_parallel",
+    "profile_rows",
     "profiles_blocks",
     "resolve_impl",
     "selection_lists",

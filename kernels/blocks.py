@@ -14,10 +14,14 @@ code uses it for per-rollout maxima without scatter-reduces.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+MASKED_LOGIT = -1.0e30  # an ineligible cell before the division by T_p: its probability is exactly 0
+CHUNK_CELLS = 1 << 17  # cells of a group of blocks in the torch paths (512 KiB of float32: fits a core's L2)
 
 
 @dataclass
@@ -171,3 +175,39 @@ def gather_blocks(x_MM: Tensor, b: Blocks, *, transpose: bool) -> Tensor:
     mask = b.member_TN[:, :, None] & b.member_TN[:, None, :]
     out = x_MM.reshape(-1)[lin]
     return out & mask if out.dtype == torch.bool else out * mask
+
+
+def check_params(gamma, top_k, temperature, temperature_name: str = "profile_temperature") -> None:
+    """ValueError naming the culprit: gamma and the temperature finite reals (temperature >= 1e-6), top_k (unless
+    None) an integer >= 1."""
+    for name, x in (("gamma", gamma), (temperature_name, temperature)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
+            raise ValueError(f"{name}: expected a finite real number, got {x!r}")
+    if float(temperature) < 1e-6:
+        raise ValueError(f"{temperature_name}: must be >= 1e-6, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k: expected an integer >= 1, got {top_k!r}")
+
+
+def check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
+    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read). A finite sum
+    of all of H proves it without the masked copy, which is only made when some cell is not finite."""
+    if not all_finite(H_BTS) and not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
+        raise ValueError("H: contains NaN or inf at eligible cells")
+
+
+def block_groups(T: int, N: int) -> list[tuple[int, int]]:
+    """Groups of consecutive blocks of about ``CHUNK_CELLS`` cells: the [T, N, N] passes run group by group on
+    cache-resident temporaries instead of materialising full-size ones."""
+    step = max(1, CHUNK_CELLS // max(1, N * N))
+    return [(b0, min(T, b0 + step)) for b0 in range(0, T, step)]
+
+
+def packed_rows(E_RN: Tensor) -> Tensor:
+    """Rows of a bool matrix [R, N] as int64 words [R, ceil(N / 8)] (8 flags per word, zero-padded): row equality
+    and row emptiness become 8x narrower comparisons."""
+    u8 = E_RN.contiguous().view(torch.uint8)
+    pad = (-E_RN.shape[1]) % 8
+    if pad or u8.storage_offset() % 8:
+        u8 = torch.nn.functional.pad(u8, (0, pad))
+    return u8.view(torch.int64)

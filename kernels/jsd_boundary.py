@@ -23,13 +23,17 @@ The threshold (§3.4) is the linear-interpolation quantile of the valid distance
 batch, clipped to [tau_min, tau_max]; +inf when there is none.
 
 Paths: the Triton kernel (one program per pair, a loop over the block's source tiles that
-accumulates the six row sums and the eligibility mismatch), the torch path (the same sums as
-row reductions over chunks of ~512 KiB; a pair is always two consecutive rows of the blocks, so
-while the blocks have at most twice as many rows as turns the sums run over all rows as views,
-the one-row sums once per row, and are read at the pairs; otherwise the pairs' rows are
-gathered); the slow loop reference is ``alignopsd.reference.boundary_scores_ref`` (a Python loop over
-trajectories on the dense rows, the oracle of the tests). BLOCK = 128 source slots per
-iteration (blocks are a few hundred turns; not tuned on a GPU, none was available).
+accumulates the six row sums and the eligibility mismatch), and the torch path, the CPU path of
+the whole project (the algorithm core's included). Only pairs of two valid profiles are scored,
+and a pair is always two consecutive rows of the blocks, so the valid rows are compacted (padding
+and invalid rows drop out; not when nearly all rows are valid, a copy would cost more than it
+saves); the sums run as row reductions over chunks of ~512 KiB of those rows as views: the
+one-row sums once per row (or sum p log p passed in by ``boundary_scores_rows``, from the
+log-softmax of ``profiles.profile_rows``), the two-row sums for every (row, next row); then they
+are read at the pairs. Eligibility rows are compared as packed words. The slow loop reference is
+``alignopsd.reference.boundary_scores_ref`` (a Python loop over trajectories on the dense rows,
+the oracle of the tests). BLOCK = 128 source slots per iteration (blocks are a few hundred
+turns; not tuned on a GPU, none was available).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ._dispatch import HAS_TRITON, launch, resolve_impl
-from .blocks import Blocks, all_finite, check_id_vectors, gather_blocks, task_blocks
+from .blocks import CHUNK_CELLS, Blocks, all_finite, check_id_vectors, gather_blocks, packed_rows, task_blocks
 
 if HAS_TRITON:
     import triton
@@ -54,14 +58,14 @@ __all__ = [
     "batch_threshold",
     "boundary_scores",
     "boundary_scores_blocks",
+    "boundary_scores_rows",
 ]
 
 DISTANCES = ("jsd", "entropy", "cosine")
 _LN2 = math.log(2.0)
 _TINY = float(torch.finfo(torch.float32).tiny)
 _BLOCK = 128
-_CHUNK_CELLS = 1 << 17  # cells per chunk of the torch path's row sums (512 KiB of float32: fits a core's L2)
-_ADJACENT_MAX_ROWS = 2.0  # torch path: sums over all block rows while they are at most this many times the turns
+_COMPACT_BELOW = 0.9  # torch path of dense blocks: the valid rows are copied out when fewer than this share of rows
 
 
 def _check_distance(distance: str) -> str:
@@ -90,79 +94,54 @@ def _xlogx_sum(x_KN: Tensor) -> Tensor:
     return x_KN.clamp_min(_TINY).log_().mul_(x_KN).sum(-1)
 
 
-def _pair_stats_torch(p_KN: Tensor, q_KN: Tensor, ep_KN: Tensor, eq_KN: Tensor, distance: str) -> Tensor:
-    """[7, K]: sum p log p, sum q log q, sum m log m, <p,q>, |p|^2, |q|^2, eligibility mismatch.
-
-    Only the sums ``distance`` needs are computed; the others are left at 0.
-    """
-    K = p_KN.shape[0]
-    out = torch.zeros(7, K, dtype=torch.float32, device=p_KN.device)
-    if K == 0:
-        return out
-    if distance in ("jsd", "entropy"):
-        out[0] = _xlogx_sum(p_KN)
-        out[1] = _xlogx_sum(q_KN)
-    if distance == "jsd":
-        out[2] = _xlogx_sum(torch.add(p_KN, q_KN).mul_(0.5))
-    if distance == "cosine":
-        out[3] = torch.linalg.vecdot(p_KN, q_KN)
-        out[4] = torch.linalg.vecdot(p_KN, p_KN)
-        out[5] = torch.linalg.vecdot(q_KN, q_KN)
-    out[6] = (ep_KN != eq_KN).any(1).float()
-    return out
-
-
 def _chunks(rows: int, row_cells: int) -> list[tuple[int, int]]:
-    """Ranges of about ``_CHUNK_CELLS`` cells over ``rows`` rows of ``row_cells`` cells: the row sums run chunk by
+    """Ranges of about ``CHUNK_CELLS`` cells over ``rows`` rows of ``row_cells`` cells: the row sums run chunk by
     chunk on cache-resident temporaries instead of full-size ones."""
-    step = max(1, _CHUNK_CELLS // max(1, row_cells))
+    step = max(1, CHUNK_CELLS // max(1, row_cells))
     return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
-def _pair_stats_gather(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor, distance: str) -> Tensor:
-    """:func:`_pair_stats_torch` of the row pairs (rowp[k], rowq[k]) of P_RN / E_RN [rows, N], chunk by chunk."""
-    K = rowp.numel()
-    out = torch.zeros(7, K, dtype=torch.float32, device=P_RN.device)
-    for k0, k1 in _chunks(K, P_RN.shape[1]):
-        rp, rq = rowp[k0:k1], rowq[k0:k1]
-        p, q = P_RN.index_select(0, rp), P_RN.index_select(0, rq)
-        out[:, k0:k1] = _pair_stats_torch(p, q, E_RN.index_select(0, rp), E_RN.index_select(0, rq), distance)
-    return out
+def _compact_pair_stats(P_VN: Tensor, one_V: Tensor | None, x_K: Tensor, distance: str) -> Tensor:
+    """[7, K] sums (as :func:`_pair_stats_triton`, mismatch left 0) of the compacted row pairs (x_K, x_K + 1).
 
-
-def _pair_stats_adjacent(P_RN: Tensor, E_RN: Tensor, rowp: Tensor, rowq: Tensor, distance: str) -> Tensor:
-    """:func:`_pair_stats_torch` when every pair is two consecutive rows (rowq = rowp + 1: consecutive turns of a
-    trajectory are consecutive slots of its block).
-
-    The sums are taken over all rows of the blocks, chunk by chunk, without gathers: the one-row sums
-    (sum p log p, |p|^2) once per row, the two-row sums for every (row, next row) pair, as views; then read at
-    the pairs. Rows between trajectories and padding rows are wasted work, so the caller uses this when the
-    blocks have few rows besides the turns.
+    The one-row sums (sum p log p, or |p|^2 for cosine) once per row unless given (``one_V``), the two-row sums
+    (sum m log m or <p, q>) for every (row, next row), as views, chunk by chunk; then read at the pairs.
     """
-    R, N = P_RN.shape
-    dev = P_RN.device
-    K = rowp.numel()
-    out = torch.zeros(7, K, dtype=torch.float32, device=dev)
-    if K == 0:
+    V, N = P_VN.shape
+    out = torch.zeros(7, x_K.numel(), dtype=torch.float32, device=P_VN.device)
+    if x_K.numel() == 0:
         return out
-    one = torch.zeros(R, dtype=torch.float32, device=dev)  # sum p log p or |p|^2 of every row
-    two = torch.zeros(R - 1, dtype=torch.float32, device=dev)  # sum m log m or <p, q> of rows r, r + 1
     cosine = distance == "cosine"
-    for r0, r1 in _chunks(R, N):
-        rows = P_RN[r0:r1]
-        one[r0:r1] = torch.linalg.vecdot(rows, rows) if cosine else _xlogx_sum(rows)
-        if distance in ("jsd", "cosine") and r0 < R - 1:
-            p, q = P_RN[r0 : min(r1, R - 1)], P_RN[r0 + 1 : min(r1, R - 1) + 1]
+    one = torch.empty(V, dtype=torch.float32, device=P_VN.device) if one_V is None or cosine else one_V
+    two = torch.zeros(V - 1, dtype=torch.float32, device=P_VN.device)
+    for r0, r1 in _chunks(V, N):
+        rows = P_VN[r0:r1]
+        if one is not one_V:
+            one[r0:r1] = torch.linalg.vecdot(rows, rows) if cosine else _xlogx_sum(rows)
+        if distance != "entropy" and r0 < V - 1:
+            p, q = P_VN[r0 : min(r1, V - 1)], P_VN[r0 + 1 : min(r1, V - 1) + 1]
             two[r0 : r0 + p.shape[0]] = torch.linalg.vecdot(p, q) if cosine else _xlogx_sum(torch.add(p, q).mul_(0.5))
     s_one, s_two = (4, 3) if cosine else (0, 2)
-    out[s_one] = one[rowp]
-    out[s_one + 1] = one[rowq]
+    out[s_one] = one[x_K]
+    out[s_one + 1] = one[x_K + 1]
     if distance != "entropy":
-        out[s_two] = two[rowp]
-    if N % 8 == 0 and E_RN.is_contiguous() and E_RN.storage_offset() % 8 == 0:
-        E_RN = E_RN.view(torch.int64)  # compare 8 flags per word
-    out[6] = ((E_RN[:-1] != E_RN[1:]).sum(1) > 0)[rowp]  # every (row, next row), as views; sum: faster than any
+        out[s_two] = two[x_K]
     return out
+
+
+def _scores_torch(
+    P_XN: Tensor, one_X: Tensor | None, valid_R: Tensor, E_RN: Tensor, rowp: Tensor, distance: str, M: int
+) -> tuple[Tensor, Tensor]:
+    """The torch path: pairs (rowp, rowp + 1) of the block rows. P_XN holds every row of the blocks, or only the
+    valid rows (valid_R) in row order: the two rows of a valid pair are consecutive there too. Returns ok [K] (both
+    valid, eligible rows equal) and the distance of the ok pairs."""
+    words = packed_rows(E_RN)
+    differ = (words[:-1] != words[1:]).sum(1) > 0  # every (row, next row), as views; sum: faster than any
+    ok = valid_R[rowp] & valid_R[rowp + 1] & ~differ[rowp]
+    x = rowp[ok]
+    if P_XN.shape[0] != valid_R.shape[0]:  # compacted: the position of a valid row among the valid rows
+        x = (torch.cumsum(valid_R, 0) - 1)[x]
+    return ok, _distance(_compact_pair_stats(P_XN, one_X, x, distance), distance, M)
 
 
 def _pair_kernel(
@@ -246,6 +225,21 @@ def _distance(stats: Tensor, distance: str, M: int) -> Tensor:
 # --------------------------------------------------------------------------------------
 # entries
 # --------------------------------------------------------------------------------------
+def _pairs(blocks: Blocks, N: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(prev_K, cur_K) turns and rowp_K, the row of prev in the flattened [T*N, N] blocks (cur is the next row)."""
+    prev, cur = _adjacent(blocks)
+    return prev, cur, blocks.block_M[prev] * N + blocks.slot_M[prev]
+
+
+def _scores(M: int, cur: Tensor, ok: Tensor, dist: Tensor) -> tuple[Tensor, Tensor]:
+    """d [M] (dist of the ok pairs at their current turn, else 0) and boundary_valid [M]."""
+    d = torch.zeros(M, dtype=torch.float32, device=cur.device)
+    bv = torch.zeros(M, dtype=torch.bool, device=cur.device)
+    d[cur[ok]] = dist
+    bv[cur] = ok
+    return d, bv
+
+
 @torch.no_grad()
 def boundary_scores_blocks(
     P_BTS: Tensor,
@@ -259,28 +253,59 @@ def boundary_scores_blocks(
     """:func:`boundary_scores` on the block form (e.g. ``SiblingTopK.P_BTS``/``E_BTS``/``blocks``).
 
     P_BTS [T, N, N] float (target-major profiles), E_BTS [T, N, N] bool (E_BTS[b, t, s] = B[s, t]),
-    profile_valid [M] bool. Returns d [M] float32, boundary_valid [M] bool.
+    profile_valid [M] bool. Returns d [M] float32, boundary_valid [M] bool. The torch path scores the valid
+    rows as :func:`boundary_scores_rows` does, on a compacted copy unless nearly all rows are valid.
     """
     _check_distance(distance)
     impl = resolve_impl(impl, P_BTS)
     M = profile_valid.shape[0]
-    dev = P_BTS.device
-    prev, cur = _adjacent(blocks)
-    N = P_BTS.shape[1]
-    rowp = blocks.block_M[prev] * N + blocks.slot_M[prev]
-    rowq = blocks.block_M[cur] * N + blocks.slot_M[cur]
+    T, N = P_BTS.shape[0], P_BTS.shape[1]
+    prev, cur, rowp = _pairs(blocks, N)
     if impl == "triton":
-        stats = _pair_stats_triton(P_BTS, E_BTS, rowp, rowq)
-    elif P_BTS.shape[0] * N <= _ADJACENT_MAX_ROWS * M:
-        stats = _pair_stats_adjacent(P_BTS.reshape(-1, N).float(), E_BTS.reshape(-1, N), rowp, rowq, distance)
-    else:
-        stats = _pair_stats_gather(P_BTS.reshape(-1, N).float(), E_BTS.reshape(-1, N), rowp, rowq, distance)
-    ok = profile_valid[prev] & profile_valid[cur] & (stats[6] == 0)
-    d = torch.zeros(M, dtype=torch.float32, device=dev)
-    bv = torch.zeros(M, dtype=torch.bool, device=dev)
-    d[cur] = torch.where(ok, _distance(stats, distance, M), 0.0)
-    bv[cur] = ok
-    return d, bv
+        stats = _pair_stats_triton(P_BTS, E_BTS, rowp, rowp + 1)
+        ok = profile_valid[prev] & profile_valid[cur] & (stats[6] == 0)
+        return _scores(M, cur, ok, _distance(stats, distance, M)[ok])
+    valid_R = torch.zeros(T * N, dtype=torch.bool, device=P_BTS.device)
+    valid_R[blocks.block_M * N + blocks.slot_M] = profile_valid
+    P_RN = P_BTS.reshape(-1, N).float()
+    rows = valid_R.nonzero().view(-1)
+    P_XN = P_RN.index_select(0, rows) if rows.numel() < _COMPACT_BELOW * valid_R.numel() else P_RN
+    ok, dist = _scores_torch(P_XN, None, valid_R, E_BTS.reshape(-1, N), rowp, distance, M)
+    return _scores(M, cur, ok, dist)
+
+
+@torch.no_grad()
+def boundary_scores_rows(
+    P_VN: Tensor,
+    valid_BT: Tensor,
+    E_BTS: Tensor,
+    blocks: Blocks,
+    *,
+    negent_V: Tensor | None = None,
+    distance: str = "jsd",
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """:func:`boundary_scores_blocks` from the valid profile rows only (``profiles.profile_rows``).
+
+    P_VN [V, N] float32: the rows r of the flattened [T*N, N] blocks with valid_BT.view(-1)[r], in row order;
+    valid_BT [T, N] bool; negent_V [V] (optional): sum p log p of those rows, reused by "jsd" and "entropy".
+    E_BTS, blocks: as :func:`boundary_scores_blocks`. Returns d [M] float32, boundary_valid [M] bool.
+    """
+    _check_distance(distance)
+    impl = resolve_impl(impl, P_VN)
+    T, N = valid_BT.shape
+    valid_R = valid_BT.reshape(-1)
+    if P_VN.shape != (int(valid_R.sum()), N):
+        raise ValueError(f"P_VN: expected one row of {N} per valid row ({int(valid_R.sum())}), got {tuple(P_VN.shape)}")
+    if impl == "triton":  # the kernel reads the dense blocks
+        P_RN = torch.zeros(T * N, N, dtype=torch.float32, device=P_VN.device)
+        P_RN[valid_R] = P_VN.float()
+        pv = valid_BT[blocks.block_M, blocks.slot_M]
+        return boundary_scores_blocks(P_RN.view(T, N, N), E_BTS, pv, blocks, distance=distance, impl=impl)
+    prev, cur, rowp = _pairs(blocks, N)
+    M = blocks.block_M.shape[0]
+    ok, dist = _scores_torch(P_VN.float(), negent_V, valid_R, E_BTS.reshape(-1, N), rowp, distance, M)
+    return _scores(M, cur, ok, dist)
 
 
 @torch.no_grad()

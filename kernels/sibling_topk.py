@@ -36,9 +36,9 @@ a loop over tasks and targets written straight from the spec (the oracle of the 
 
 From a precomputed H (the algorithm core's inputs: dense H[source, target] and any
 within-task eligibility B), ``sibling_topk_from_similarity`` gathers the task blocks and runs
-the same selection, and ``profiles_blocks`` the profile kernel (the kernel above without the
-dot product: it reads the H and B tiles). ``alignopsd.select_sources``,
-``correspondence_profiles`` and ``allocate_credit`` call these on CUDA tensors.
+the same selection; ``profiles.py`` has the profile entries (the Triton profile kernel is the
+kernel above without the dot product: it reads the H and B tiles). ``alignopsd.select_sources``
+calls these on CUDA tensors.
 
 Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting values
 (no GPU was available to tune them); blocks are a few hundred turns, so one program per
@@ -54,20 +54,29 @@ import torch
 from torch import Tensor
 
 from ._dispatch import resolve_impl
-from .blocks import Blocks, all_finite, check_id_vectors, gather_blocks, scatter_dense, task_blocks, to_blocks
+from .blocks import (
+    MASKED_LOGIT,
+    Blocks,
+    all_finite,
+    block_groups,
+    check_eligible_finite,
+    check_id_vectors,
+    check_params,
+    gather_blocks,
+    scatter_dense,
+    task_blocks,
+    to_blocks,
+)
 from .sibling_topk_triton import blocks_triton, profiles_triton
 
 __all__ = [
     "SiblingTopK",
-    "profiles_blocks",
     "selection_lists",
     "sibling_topk",
     "sibling_topk_from_similarity",
     "sibling_topk_ref",
 ]
 
-_MASKED = -1.0e30  # an ineligible cell before the division by T_p: its probability is exactly 0
-_CHUNK_CELLS = 1 << 17  # cells of a group of blocks in the torch path (512 KiB of float32: fits a core's L2)
 _PAD_MAX = 2.0  # selection: padded per-rollout view while G x (longest rollout) <= _PAD_MAX x N
 
 
@@ -164,26 +173,9 @@ def _check(teacher_emb, student_emb, task, rollout, turn, source_valid, target_v
         if v.dtype != torch.bool or v.shape != (M,):
             raise ValueError(f"{name}: expected a bool tensor of shape ({M},), got {v.dtype} {tuple(v.shape)}")
         out.append(v)
-    _check_params(gamma, top_k, temperature)
+    check_params(gamma, top_k, temperature)
     dev = teacher_emb.device
     return task.to(dev), rollout.to(dev), turn.to(dev), out[0], out[1]
-
-
-def _check_params(gamma, top_k, temperature, temperature_name: str = "profile_temperature") -> None:
-    for name, x in (("gamma", gamma), (temperature_name, temperature)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
-            raise ValueError(f"{name}: expected a finite real number, got {x!r}")
-    if float(temperature) < 1e-6:
-        raise ValueError(f"{temperature_name}: must be >= 1e-6, got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected an integer >= 1, got {top_k!r}")
-
-
-def _check_eligible_finite(H_BTS: Tensor, E_BTS: Tensor) -> None:
-    """ValueError naming ``H`` if an eligible cell is NaN or inf (the only cells the kernels read). A finite sum
-    of all of H proves it without the masked copy, which is only made when some cell is not finite."""
-    if not all_finite(H_BTS) and not all_finite(torch.where(E_BTS, H_BTS, 0.0)):
-        raise ValueError("H: contains NaN or inf at eligible cells")
 
 
 # --------------------------------------------------------------------------------------
@@ -266,13 +258,6 @@ def _rank_rollouts(best: Tensor, first: Tensor, top_k: int) -> Tensor:
     return win
 
 
-def _chunks(T: int, N: int) -> list[tuple[int, int]]:
-    """Groups of consecutive blocks of about ``_CHUNK_CELLS`` cells: the [T, N, N] passes run group by group on
-    cache-resident temporaries instead of materialising full-size ones."""
-    step = max(1, _CHUNK_CELLS // max(1, N * N))
-    return [(b0, min(T, b0 + step)) for b0 in range(0, T, step)]
-
-
 def _masked_group(H: Tensor, E: Tensor, ro: _Rollouts | None, b0: int, b1: int, gamma: float, temperature, P_out):
     """Blocks b0:b1 (H, E: their slices): X = H on eligible cells, -inf elsewhere; the rollout bests (without
     ``ro``: only the row max); the profiles softmax(X / T_p) written into ``P_out`` when given (rows without an
@@ -300,8 +285,8 @@ def _finish_groups(parts: list, N: int, P: Tensor | None) -> list[Tensor]:
 
 
 def _profile_valid(rowmax: Tensor, gamma: float) -> Tensor:
-    """Some eligible source and max eligible H >= gamma (the max taken with masked cells at ``_MASKED``)."""
-    return (rowmax > -math.inf) & (rowmax.clamp_min(_MASKED) >= gamma)
+    """Some eligible source and max eligible H >= gamma (the max taken with masked cells at ``MASKED_LOGIT``)."""
+    return (rowmax > -math.inf) & (rowmax.clamp_min(MASKED_LOGIT) >= gamma)
 
 
 def _select_blocks(
@@ -313,7 +298,7 @@ def _select_blocks(
     P = torch.empty(T, N, N, device=H_BTS.device) if temperature is not None else None
     parts = [
         _masked_group(H_BTS[b0:b1], E_BTS[b0:b1], ro, b0, b1, gamma, temperature, None if P is None else P[b0:b1])
-        for b0, b1 in _chunks(T, N)
+        for b0, b1 in block_groups(T, N)
     ]
     best, first, rowmax = _finish_groups(parts, N, P) or _empty_groups(T, N, ro.G, H_BTS.device)
     return _rank_rollouts(best, first, top_k), P, rowmax
@@ -325,17 +310,6 @@ def _empty_groups(T: int, N: int, G: int, dev) -> list[Tensor]:
         torch.zeros(T, N, G, dtype=torch.long, device=dev),
         torch.full((T, N), -math.inf, device=dev),
     ]
-
-
-def _profiles_torch(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: float) -> tuple[Tensor, Tensor]:
-    T, N, _ = H_BTS.shape
-    P = torch.empty(T, N, N, device=H_BTS.device)
-    parts = [
-        _masked_group(H_BTS[b0:b1], E_BTS[b0:b1], None, b0, b1, gamma, temperature, P[b0:b1])
-        for b0, b1 in _chunks(T, N)
-    ]
-    (rowmax,) = _finish_groups(parts, N, P) or _empty_groups(T, N, 0, H_BTS.device)[2:]
-    return P, _profile_valid(rowmax, gamma)
 
 
 def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, ro: _Rollouts, gamma, temperature, top_k):
@@ -353,7 +327,7 @@ def _blocks_torch(te, st, idx_TN, src_ok, tgt_ok, ro: _Rollouts, gamma, temperat
     H = torch.empty(T, N, N, device=dev)
     P = torch.empty(T, N, N, device=dev)
     parts = []
-    for b0, b1 in _chunks(T, N):
+    for b0, b1 in block_groups(T, N):
         ix = idx_TN[b0:b1]  # padding slots gather some turn's row; masked below (H) or not eligible (X)
         rows = ix.reshape(-1)  # index_select: several times faster than advanced indexing on CPU
         S = st.index_select(0, rows).view(b1 - b0, N, -1).float()
@@ -434,37 +408,6 @@ def _to_turns(win: Tensor, valid_b: Tensor, blocks: Blocks, M: int, top_k: int) 
 
 
 @torch.no_grad()
-def profiles_blocks(
-    H_BTS: Tensor, E_BTS: Tensor, *, gamma: float, temperature: float = 0.1, impl: str = "auto"
-) -> tuple[Tensor, Tensor]:
-    """Correspondence profiles and their validity (§3.2) from precomputed target-major blocks.
-
-    H_BTS [T, N, N] float: H_BTS[b, t, s] = H[s, t] of the block's slots; E_BTS [T, N, N] bool, the
-    eligibility in the same layout (False on padding slots). Only eligible cells are read; they must be
-    finite (ValueError naming ``H``). gamma: validity threshold; temperature: T_p >= 1e-6.
-    impl: "auto" | "triton" | "torch".
-    Returns P_BTS [T, N, N] float32 (softmax over eligible s of H[s, t] / T_p; a row without an
-    eligible source is 0) and valid_BT [T, N] bool (some eligible source with H >= gamma).
-    """
-    _check_params(gamma, None, temperature, "temperature")
-    for name, x in (("H", H_BTS), ("eligible", E_BTS)):
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[1] != x.shape[2]:
-            raise ValueError(f"{name}: expected a [T, N, N] tensor, got {tuple(getattr(x, 'shape', ()))}")
-    if E_BTS.shape != H_BTS.shape:
-        raise ValueError(f"eligible: expected shape {tuple(H_BTS.shape)} like H, got {tuple(E_BTS.shape)}")
-    if not H_BTS.is_floating_point():
-        raise ValueError(f"H: expected a floating tensor, got {H_BTS.dtype}")
-    if E_BTS.dtype != torch.bool:
-        raise ValueError(f"eligible: expected a bool tensor, got {E_BTS.dtype}")
-    impl = resolve_impl(impl, H_BTS)
-    E_BTS = E_BTS.to(H_BTS.device)
-    _check_eligible_finite(H_BTS, E_BTS)
-    if impl == "triton":
-        return profiles_triton(H_BTS, E_BTS, float(gamma), float(temperature))
-    return _profiles_torch(H_BTS.float(), E_BTS, float(gamma), float(temperature))
-
-
-@torch.no_grad()
 def sibling_topk_from_similarity(
     H: Tensor,
     eligible: Tensor,
@@ -497,7 +440,7 @@ def sibling_topk_from_similarity(
         raise ValueError(f"H: expected a floating tensor, got {H.dtype}")
     if eligible.dtype != torch.bool:
         raise ValueError(f"eligible: expected a bool tensor, got {eligible.dtype}")
-    _check_params(gamma, top_k, profile_temperature)
+    check_params(gamma, top_k, profile_temperature)
     if not isinstance(profiles, bool):
         raise ValueError(f"profiles: expected a bool, got {profiles!r}")
     impl = resolve_impl(impl, H)
@@ -509,7 +452,7 @@ def sibling_topk_from_similarity(
     E_b = gather_blocks(eligible, blocks, transpose=True)
     if int(E_b.sum()) != int(eligible.sum()):
         raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
-    _check_eligible_finite(H_b, E_b)
+    check_eligible_finite(H_b, E_b)
     torch_profiles = profiles and impl != "triton"
     win, P_b, rowmax = _select_blocks(
         H_b, E_b, _rollout_layout(blocks), float(gamma), top_k, float(profile_temperature) if torch_profiles else None

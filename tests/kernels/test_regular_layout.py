@@ -1,6 +1,7 @@
 """Fast paths of the kernels' torch code against the general ones: in the selection, the regular block
 layout (every task G rollouts of L turns) and the padded per-rollout view against scatter-reduces; the
-adjacent-rows boundary sums against gathered row pairs; the finiteness check and selection_lists."""
+boundary sums of the compacted valid rows against the dense entry and the reference; the finiteness check and
+selection_lists."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from alignopsd.kernels import (
     DISTANCES,
     boundary_scores,
     boundary_scores_blocks,
+    boundary_scores_rows,
+    profile_rows,
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
@@ -151,28 +154,40 @@ def test_uneven_padded_path_equals_scatter_path_and_reference(monkeypatch, seed,
 
 @pytest.mark.parametrize("distance", DISTANCES)
 @pytest.mark.parametrize("layout", ["regular", "uneven"])
-def test_boundary_adjacent_rows_path_equals_gather_path(monkeypatch, distance, layout):
-    """The torch path reads the pairs as (row, next row) of the blocks; with much padding it gathers them."""
+def test_boundary_rows_path_equals_blocks_path(monkeypatch, distance, layout):
+    """The torch path scores the valid rows: from the dense blocks (boundary_scores_blocks, compacted or on all
+    rows) and from profile_rows with its log-softmax sum p log p (boundary_scores_rows, the allocator's call) it
+    agrees with the dense entry and the loop reference, also where a changed eligibility row removes boundaries."""
     if layout == "regular":
         te, st, task, roll, turn, sv, tv = regular_batch(seed=3, ties=False, tasks=2, rollouts=3, turns=6)
     else:
         te, st, task, roll, turn, sv, tv = make_batch(seed=3, ties=False, tasks=3, rollouts=4, turns=5)
     out = sibling_topk(te, st, task, roll, turn, sv, tv, gamma=0.1, top_k=2, impl="torch")
     assert (out.blocks.rollout_len > 0) == (layout == "regular")
+    assert bool((~out.profile_valid).any())  # some rows are left out of the compacted profiles
+    pr = profile_rows(out.H_BTS, out.E_BTS, gamma=0.1, temperature=0.1, impl="torch")
+    valid_R = pr.valid_BT.reshape(-1)
+    assert torch.equal(pr.valid_BT[out.blocks.block_M, out.blocks.slot_M], out.profile_valid)
+    N = out.P_BTS.shape[1]
+    assert torch.equal(pr.P_VN, out.P_BTS.reshape(-1, N)[valid_R])
+    torch.testing.assert_close(pr.negent_V, torch.special.xlogy(pr.P_VN, pr.P_VN).sum(1), atol=2e-6, rtol=0)
     E2 = out.E_BTS.clone()
     b, t = 0, 1  # slot 1 of block 0 (rollout 0, turn 1) and its neighbours: not boundaries once its row differs
     E2[b, t] = ~E2[b, t]
     got = {}
-    for path, rows in (("adjacent", 2.0), ("gather", 0.0)):
-        monkeypatch.setattr(jsd_mod, "_ADJACENT_MAX_ROWS", rows)
-        got[path] = [
-            boundary_scores_blocks(out.P_BTS, E, out.profile_valid, out.blocks, distance=distance, impl="torch")
-            for E in (out.E_BTS, E2)
-        ]
-    for (d, bv), (d_g, bv_g) in zip(got["adjacent"], got["gather"]):
-        assert torch.equal(bv, bv_g)
-        torch.testing.assert_close(d, d_g, atol=1e-7, rtol=0)
-    (d, bv), (d2, bv2) = got["adjacent"]
+    for E in (out.E_BTS, E2):
+        monkeypatch.setattr(jsd_mod, "_COMPACT_BELOW", 0.0)  # all rows, as views
+        d_all, bv_all = boundary_scores_blocks(out.P_BTS, E, out.profile_valid, out.blocks, distance=distance)
+        monkeypatch.setattr(jsd_mod, "_COMPACT_BELOW", 2.0)  # the valid rows, compacted
+        d, bv = boundary_scores_blocks(out.P_BTS, E, out.profile_valid, out.blocks, distance=distance, impl="torch")
+        assert torch.equal(bv, bv_all) and torch.equal(d, d_all)
+        d_r, bv_r = boundary_scores_rows(
+            pr.P_VN, pr.valid_BT, E, out.blocks, negent_V=pr.negent_V, distance=distance, impl="torch"
+        )
+        assert torch.equal(bv, bv_r)
+        torch.testing.assert_close(d, d_r, atol=1e-6, rtol=0)
+        got[E is E2] = d, bv
+    (d, bv), (_, bv2) = got[False], got[True]
     assert bv.sum() > 3
     d_dense, bv_dense = boundary_scores(out.P, out.profile_valid, out.eligible, task, roll, turn, distance=distance)
     assert torch.equal(bv, bv_dense)
@@ -182,6 +197,8 @@ def test_boundary_adjacent_rows_path_equals_gather_path(monkeypatch, distance, l
     torch.testing.assert_close(d, d_ref, atol=2e-6, rtol=0)
     assert not bv2[out.blocks.idx_TN[b, t]] and not bv2[out.blocks.idx_TN[b, t + 1]]
     assert not (bv2 & ~bv).any()  # the changed row only removes boundaries
+    with pytest.raises(ValueError, match="P_VN"):
+        boundary_scores_rows(pr.P_VN[1:], pr.valid_BT, out.E_BTS, out.blocks, distance=distance, impl="torch")
 
 
 def test_all_finite_sum_shortcut_and_fallback():
