@@ -54,8 +54,25 @@ def rope_settings(hf_config) -> tuple[float, str]:
     return float(theta), str(kind)
 
 
-def transformer_config(hf_config, tp: int, params_dtype: torch.dtype = torch.float32):
-    """A megatron ``TransformerConfig`` equivalent to ``hf_config`` at tensor-parallel size ``tp``."""
+RECOMPUTE = ("none", "full", "selective")
+
+
+def recompute_settings(recompute: str) -> dict:
+    """TransformerConfig fields of an activation-recomputation choice: ``none``; ``full`` (each transformer
+    layer keeps only its input and is recomputed in the backward pass, one layer per checkpoint); ``selective``
+    (only the core attention is recomputed)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute: expected one of {RECOMPUTE}, got {recompute!r}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
+
+
+def transformer_config(hf_config, tp: int, params_dtype: torch.dtype = torch.float32, recompute: str = "none"):
+    """A megatron ``TransformerConfig`` equivalent to ``hf_config`` at tensor-parallel size ``tp``, with the
+    activation recomputation ``recompute`` (see :func:`recompute_settings`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
     _, rope_kind = rope_settings(hf_config)
@@ -96,14 +113,17 @@ def transformer_config(hf_config, tp: int, params_dtype: torch.dtype = torch.flo
         # Weights always come from a Hugging Face checkpoint, but initialisation also tags each
         # parameter with its tensor-parallel attributes (the gradient norm needs them).
         perform_initialization=True,
+        **recompute_settings(recompute),
     )
 
 
-def build_gpt_model(hf_config, tp: int, params_dtype: torch.dtype = torch.float32, spec: str = "auto"):
+def build_gpt_model(
+    hf_config, tp: int, params_dtype: torch.dtype = torch.float32, spec: str = "auto", recompute: str = "none"
+):
     """(GPTModel for this rank, spec kind). ``parallel_state`` must already be initialised."""
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
 
-    cfg = transformer_config(hf_config, tp, params_dtype)
+    cfg = transformer_config(hf_config, tp, params_dtype, recompute)
     kind, layer = layer_spec(spec)
     d = Dims.from_hf_config(hf_config)
     model = GPTModel(
