@@ -7,7 +7,8 @@ same generations (so it trains on the same batch) and is the reference for losse
 Tolerances (fp32): tensor parallelism sums the row-parallel partial products and the vocabulary-parallel
 log-sum-exp in another order than one full matmul, so log-probs differ by ~1e-6; the loss is compared at 1e-4
 relative. The first Adam steps move each weight by about lr * g / (|g| + eps) (close to lr * sign(g)), so a
-gradient that differs by rounding moves a weight by a tiny fraction of lr: weights are compared at 0.05 * lr.
+gradient that differs by rounding moves a weight by a small fraction of lr (two optimizer steps per update
+here): weights are compared at 0.1 * lr.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = [
 ]
 
 LR = 1e-4
+STEP = 1  # a step index whose batch has learnable signal (step 0's episodes all fail: no advantage)
 
 
 class Recorder:
@@ -97,7 +99,7 @@ def _hf_reference(extra: list[str], calls, world_size: int, rank: int):
 
     parts = _parts(_config([], extra), world_size, rank)
     parts.generator = Replay(calls)
-    out = run_step(parts, 0)
+    out = run_step(parts, STEP)
     assert not parts.generator.calls, "the reference made fewer generation calls"
     return out.metrics, parts.policy.hf_state_dict()
 
@@ -126,7 +128,7 @@ class BatchProbe:
 def _compare_weights(ours: dict, ref: dict, start: dict) -> None:
     moved = 0.0
     for k, v in ref.items():
-        assert (ours[k] - v).abs().max().item() <= 0.05 * LR, k
+        assert (ours[k] - v).abs().max().item() <= 0.1 * LR, k
         moved = max(moved, (v - start[k]).abs().max().item())
     assert moved > 0.5 * LR  # the step really moved the weights
 
@@ -145,7 +147,7 @@ def test_tp_group_trains_on_its_first_ranks_batch():
 
     from alignopsd.engine.step import run_step
 
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
     parts = _megatron_parts(["algorithm.estimator=alignopsd"], tp=2, seed_offset=7919 * (rank + 1))
     probe = BatchProbe(parts.rescorer)
     parts.rescorer = probe
@@ -187,7 +189,7 @@ def test_tp2_step_equals_hf_backend(estimator):
     extra = [f"algorithm.estimator={estimator}"]
     parts = _megatron_parts(extra, tp=2)
     start = parts.policy.hf_state_dict()
-    out = run_step(parts, 0)
+    out = run_step(parts, STEP)
     ours = parts.policy.hf_state_dict()
     hf_copy = parts.policy.hf_model.state_dict()
     assert all(torch.equal(hf_copy[k], v) for k, v in ours.items())  # weight sync
@@ -263,25 +265,33 @@ def test_recomputation_recomputes_and_keeps_gradients(mode):
         torch.testing.assert_close(grads[1][k], g, atol=1e-7, rtol=1e-5, msg=k)
 
 
-def test_dp2_distributed_optimizer_step_equals_hf_ddp():
-    """TP=1 x DP=2 with the distributed optimizer (each rank keeps half of the Adam state): one full grpo step
-    gives the weights of the Hugging Face backend under DDP on the same batches; the sharded optimizer state
-    survives a save and load."""
+@pytest.mark.parametrize(
+    "distributed_optimizer",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's "
+                                                    "distributed optimizer only wraps CUDA parameters")),
+    ],
+)  # fmt: skip
+def test_dp2_step_equals_hf_ddp(distributed_optimizer):
+    """TP=1 x DP=2 (with the distributed optimizer: each rank keeps half of the Adam state): one full grpo step
+    gives the weights of the Hugging Face backend under DDP on the same batches; the optimizer state survives a
+    save and load."""
     import torch.distributed as dist
 
     from alignopsd.engine.step import run_step
 
     _reset_parallel_state()
     try:
-        rank = dist.get_rank()
-        extra = ["algorithm.estimator=grpo", "policy.distributed_optimizer=true"]
+        rank = int(os.environ["RANK"])
+        extra = ["algorithm.estimator=grpo", f"policy.distributed_optimizer={str(distributed_optimizer).lower()}"]
         parts = _megatron_parts(extra, tp=1)
         pol = parts.policy
-        assert parts.world_size == 2 and pol.distributed_optimizer
-        opts = pol.optimizers()
-        assert all(type(o).__name__ == "DistributedOptimizer" for o in opts)
+        assert parts.world_size == 2 and pol.distributed_optimizer == distributed_optimizer
+        kind = "DistributedOptimizer" if distributed_optimizer else "FP32Optimizer"
+        assert all(type(o).__name__ == kind for o in pol.optimizers())
         start = pol.hf_state_dict()
-        out = run_step(parts, 0)
+        out = run_step(parts, STEP)
         ours = pol.hf_state_dict()
         ref_metrics, ref = _hf_reference(["algorithm.estimator=grpo"], parts.generator.calls, 2, rank)
         assert abs(out.metrics["actor/loss"] - ref_metrics["actor/loss"]) <= 1e-4 * max(

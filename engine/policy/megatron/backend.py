@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
@@ -34,7 +36,6 @@ from alignopsd.engine.policy.megatron.model import (
     output_weight,
     te_names,
 )
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class MegatronPolicy:
             raise ValueError(f"lr: must be > 0, got {lr}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+        if distributed_optimizer and not torch.cuda.is_available():
+            raise ValueError("distributed_optimizer: megatron-core's distributed optimizer needs CUDA parameters")
         init_parallel(tp, seed)
         from megatron.core import parallel_state as ps  # noqa: PLC0415
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
@@ -105,6 +108,8 @@ class MegatronPolicy:
 
         self.hf_config = hf_config
         self.dims = Dims.from_hf_config(hf_config)
+        pad = getattr(hf_config, "pad_token_id", None)
+        self.padding_idx = int(pad) if pad is not None else None  # HF's embedding padding_idx (no lookup grad)
         self.tp = tp
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -226,7 +231,7 @@ class MegatronPolicy:
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         self.model.train(grad)
         with ctx:
-            hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
+            hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
             h_BLD = hidden_BTD[:, lp - 1 :]
             logp_N, ent_N = self._logprob(h_BLD[rmask_BL], input_ids[:, lp:][rmask_BL], temperature, with_entropy)
             logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
@@ -260,7 +265,7 @@ class MegatronPolicy:
         check_loss_fn(loss_fn)
         rmask_BL = attention_mask[:, lp:].bool()
         self.model.train(True)
-        hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
+        hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
         h_BLD = hidden_BTD[:, lp - 1 :]
         weight = output_weight(self.model)
         tp = self.tp > 1

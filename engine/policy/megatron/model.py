@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from alignopsd.engine.batch import position_ids
 from alignopsd.engine.policy.megatron.convert import Dims
-from torch import Tensor
 
 
 def transformer_engine_available() -> bool:
@@ -162,14 +163,21 @@ def local_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def forward_hidden(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T, D] final hidden states (after the final norm) of ``model`` (a GPTModel) for padded rows."""
+def forward_hidden(model, input_ids: Tensor, attention_mask: Tensor, padding_idx: int | None = None) -> Tensor:
+    """[B, T, D] final hidden states (after the final norm) of ``model`` (a GPTModel) for padded rows.
+
+    ``padding_idx``: the Hugging Face embedding's ``padding_idx`` (the config's ``pad_token_id``): as in
+    ``nn.Embedding(padding_idx=...)``, looking that token up passes no gradient to its embedding row (with tied
+    embeddings the row still learns through the output head), so both backends train the same weights."""
     pos_BT = position_ids(attention_mask)
     t = int(input_ids.shape[1])
     dev = input_ids.device
     causal_TT = torch.triu(torch.ones(t, t, dtype=torch.bool, device=dev), diagonal=1)
     masked_B1TT = causal_TT[None, None] | ~attention_mask.bool()[:, None, None, :]
     emb_TBD = model.embedding(input_ids=input_ids, position_ids=pos_BT)
+    if padding_idx is not None and torch.is_grad_enabled():
+        pad_TB1 = (input_ids == padding_idx).t().unsqueeze(-1)
+        emb_TBD = torch.where(pad_TB1, emb_TBD.detach(), emb_TBD)
     rope_S11h = model.rotary_pos_emb(int(pos_BT.max()) + 1)
     rope_TB1h = rope_S11h[:, 0, 0, :][pos_BT.t()].unsqueeze(2)
     hidden_TBD = model.decoder(hidden_states=emb_TBD, attention_mask=masked_B1TT, rotary_pos_emb=rope_TB1h)
