@@ -275,8 +275,7 @@ def test_recomputation_recomputes_and_keeps_gradients(mode):
 )  # fmt: skip
 def test_dp2_step_equals_hf_ddp(distributed_optimizer):
     """TP=1 x DP=2 (with the distributed optimizer: each rank keeps half of the Adam state): one full grpo step
-    gives the weights of the Hugging Face backend under DDP on the same batches; the optimizer state survives a
-    save and load."""
+    gives the weights of the Hugging Face backend under DDP on the same batches, and the replicas agree."""
     import torch.distributed as dist
 
     from alignopsd.engine.step import run_step
@@ -301,19 +300,5 @@ def test_dp2_step_equals_hf_ddp(distributed_optimizer):
         both: list = [None, None]
         dist.all_gather_object(both, float(sum(v.double().sum() for v in ours.values())))
         assert both[0] == both[1]
-        # each rank holds its shard of the Adam state; saved, loaded into a fresh policy, it gives the same step
-        state = pol.optimizer_state()
-        fresh = _megatron_parts(extra, tp=1).policy
-        fresh.load_hf_state_dict(ours)
-        fresh.load_optimizer_state(state)
-        ids = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(2 + rank))
-        after = []
-        for p in (pol, fresh):
-            lp, _ = p.response_logprobs(ids, torch.ones_like(ids), 4, grad=True)
-            (-lp.mean()).backward()
-            p.optimizer_step(1.0)
-            after.append(p.hf_state_dict())
-        for k, v in after[0].items():
-            assert torch.equal(after[1][k], v), k
     finally:
         _reset_parallel_state()
