@@ -87,18 +87,31 @@ def hf_model_of(policy: PolicyBackend) -> nn.Module:
     return getattr(policy, "hf_model", None) or policy.model
 
 
-def build_policy(cfg: RunConfig, device: torch.device) -> PolicyBackend:
+def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> PolicyBackend:
     """Policy backend factory (``policy.backend``): hf | megatron.
+
+    Every optimisation setting reaches the backend: lr, weight decay, betas, the warm-up
+    (``trainer.warmup_ratio`` of ``trainer.total_steps``), gradient checkpointing (megatron: activation
+    recomputation as ``policy.recompute`` says) and, for megatron, the distributed optimizer. A tensor-parallel
+    layout that does not fit the model (heads, key/value heads, MLP width, vocabulary) or the world size
+    (``world_size``: all processes) fails before the weights load.
 
     The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
     teacher forcing with it (``backend_row_logprobs``); generation uses a Hugging Face copy of the same weights
     (``policy.hf_model``, pushed to vLLM when that is the engine), refreshed after every update by
     :meth:`Components.sync_weights`.
     """
+    warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+    if cfg.policy.backend == "megatron":  # pre-flight: the layout must fit before any weight loads
+        from transformers import AutoConfig
+
+        from .policy.megatron.convert import check_parallel_layout
+
+        hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name), local_files_only=True)
+        check_parallel_layout(hf_config, cfg.policy.tensor_parallel_size, world_size)
     model = load_causal_lm(
         cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
     )
-    warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
     if cfg.policy.backend == "megatron":
         from .policy.megatron.backend import MegatronPolicy  # megatron-core is imported only when asked for
 
@@ -111,6 +124,9 @@ def build_policy(cfg: RunConfig, device: torch.device) -> PolicyBackend:
             betas=cfg.trainer.betas,
             params_dtype=model.dtype,
             seed=cfg.trainer.seed,
+            warmup_steps=warmup,
+            recompute=cfg.policy.recompute if cfg.policy.gradient_checkpointing else "none",
+            distributed_optimizer=cfg.policy.distributed_optimizer,
         )
         for p in model.parameters():
             p.requires_grad_(False)
@@ -173,7 +189,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     est = get_estimator(cfg.algorithm.estimator)
     phases = est.phases(cfg.algorithm)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-    policy = build_policy(cfg, device)
+    policy = build_policy(cfg, device, world_size)
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
     rescorer = Rescorer(

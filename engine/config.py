@@ -109,11 +109,19 @@ class PolicyConfig:
     tensor_parallel_size: int = 1
     """Tensor-parallel size (megatron only; must be 1 for hf)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass."""
+    """Recompute activations in the backward pass (megatron: as ``recompute`` says)."""
+    recompute: str = "full"
+    """megatron, with gradient_checkpointing: full (each layer recomputed from its input) | selective (the core
+    attention only)."""
+    distributed_optimizer: bool = False
+    """megatron: shard the optimizer state (fp32 main params, Adam moments) over data-parallel ranks."""
 
     def __post_init__(self) -> None:
         _choice("policy.backend", self.backend, POLICY_BACKENDS)
         _positive("policy.tensor_parallel_size", self.tensor_parallel_size)
+        _choice("policy.recompute", self.recompute, ("full", "selective"))
+        if self.backend == "hf" and self.distributed_optimizer:
+            raise ConfigError("policy.distributed_optimizer: only the megatron backend shards the optimizer state")
         if self.backend == "hf" and self.tensor_parallel_size != 1:
             raise ConfigError(
                 f"policy.tensor_parallel_size: must be 1 with policy.backend='hf', got {self.tensor_parallel_size}; "

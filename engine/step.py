@@ -38,6 +38,7 @@ from .components import Components
 from .episodes import rollout_phase, step_seed, tasks_for_step
 from .regions import region_metrics, response_regions
 from .teacher_pass import M1Result, mechanism1, teacher_diagonal
+from .tp_broadcast import group_rollout, group_sampling
 from .update import ppo_update
 
 log = logging.getLogger("alignopsd.step")
@@ -61,10 +62,12 @@ def run_step(parts: Components, step: int) -> StepOutput:
     tasks = tasks_for_step(
         parts.train_tasks, step, cfg.env.tasks_per_step, cfg.trainer.seed, parts.rank, parts.world_size
     )
-    batch, roll_metrics = rollout_phase(
-        parts, tasks, seed=step_seed(cfg.trainer.seed, step, parts.rank), validation=False,
-        teacher_prompts=phases["alignment"] or phases["teacher_diag"],
-    )  # fmt: skip
+    seed = step_seed(cfg.trainer.seed, step, parts.rank)
+    teacher_prompts = phases["alignment"] or phases["teacher_diag"]
+    # once per tensor-parallel group, the group's other ranks receive the batch (engine/tp_broadcast.py)
+    batch, roll_metrics = group_rollout(
+        parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=False, teacher_prompts=teacher_prompts)
+    )
     metrics.update(roll_metrics)
     if cfg.trainer.skip_no_signal and _skip_everywhere(parts, no_signal(cfg, parts.estimator, batch)):
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
@@ -87,7 +90,8 @@ def run_step(parts: Components, step: int) -> StepOutput:
     # 5. teacher pass (only what the estimator declares) -----------------------------------------------------------
     m1 = None
     if phases["alignment"]:
-        m1, m1_metrics = mechanism1(parts, cb)
+        with group_sampling(parts):  # teacher generation and encoding once per tensor-parallel group
+            m1, m1_metrics = mechanism1(parts, cb)
         metrics.update(m1_metrics)
     elif phases["teacher_diag"]:
         m1 = teacher_diagonal(parts, cb)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
@@ -34,7 +36,6 @@ from alignopsd.engine.policy.megatron.model import (
     output_weight,
     te_names,
 )
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class MegatronPolicy:
     hf_config / hf_state_dict: the Hugging Face model to start from (every rank passes the full
     state dict; each keeps its shard). tp: tensor-parallel size. lr, weight_decay, betas, eps:
     Adam(W) settings. distributed_optimizer: shard optimizer state over data-parallel ranks.
+    warmup_steps: linear learning-rate warm-up over this many optimizer steps, then constant (the Hugging Face
+    backend's schedule: step k uses lr * min(1, (k + 1) / warmup_steps)), run by megatron-core's
+    ``OptimizerParamScheduler``. recompute: activation recomputation, "none" | "full" | "selective"
+    (``model.recompute_settings``).
     params_dtype: the model's parameter dtype; bf16/fp16 parameters are trained with fp32 main params and
     fp32 Adam state (megatron-core's mixed-precision optimizer), saved with the optimizer state.
     """
@@ -87,9 +92,15 @@ class MegatronPolicy:
         distributed_optimizer: bool = False,
         layer_spec: str = "auto",
         seed: int = 0,
+        warmup_steps: int = 0,
+        recompute: str = "none",
     ) -> None:
         if not lr > 0:
             raise ValueError(f"lr: must be > 0, got {lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+        if distributed_optimizer and not torch.cuda.is_available():
+            raise ValueError("distributed_optimizer: megatron-core's distributed optimizer needs CUDA parameters")
         init_parallel(tp, seed)
         from megatron.core import parallel_state as ps  # noqa: PLC0415
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
@@ -97,11 +108,14 @@ class MegatronPolicy:
 
         self.hf_config = hf_config
         self.dims = Dims.from_hf_config(hf_config)
+        pad = getattr(hf_config, "pad_token_id", None)
+        self.padding_idx = int(pad) if pad is not None else None  # HF's embedding padding_idx (no lookup grad)
         self.tp = tp
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
-        self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec)
+        self.distributed_optimizer = distributed_optimizer
+        self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec, recompute)
         self.load_hf_state_dict(hf_state_dict)
         self.ddp = DistributedDataParallel(
             self.model.config,
@@ -114,6 +128,7 @@ class MegatronPolicy:
             OptimizerConfig(
                 optimizer="adam",
                 lr=lr,
+                min_lr=lr,
                 weight_decay=weight_decay,
                 adam_beta1=betas[0],
                 adam_beta2=betas[1],
@@ -130,6 +145,7 @@ class MegatronPolicy:
             ),
             [self.ddp],
         )
+        self.scheduler = warmup_scheduler(self.optimizer, lr, weight_decay, warmup_steps)
         self.steps = 0
         self.skipped_steps = 0
 
@@ -215,7 +231,7 @@ class MegatronPolicy:
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         self.model.train(grad)
         with ctx:
-            hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
+            hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
             h_BLD = hidden_BTD[:, lp - 1 :]
             logp_N, ent_N = self._logprob(h_BLD[rmask_BL], input_ids[:, lp:][rmask_BL], temperature, with_entropy)
             logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
@@ -249,7 +265,7 @@ class MegatronPolicy:
         check_loss_fn(loss_fn)
         rmask_BL = attention_mask[:, lp:].bool()
         self.model.train(True)
-        hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1])
+        hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
         h_BLD = hidden_BTD[:, lp - 1 :]
         weight = output_weight(self.model)
         tp = self.tp > 1
@@ -294,6 +310,8 @@ class MegatronPolicy:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             opt.config.clip_grad = float(max_grad_norm) if max_grad_norm and max_grad_norm > 0 else 0.0
         ok, _, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(1)
         self.steps += 1
         self.zero_grad()
         return {"grad_norm": norm, "skipped": not ok, "lr": lr}
@@ -309,6 +327,7 @@ class MegatronPolicy:
         return {
             f"{prefix}/model": self.model.state_dict(),
             f"{prefix}/optimizer": opt,
+            f"{prefix}/scheduler_steps": torch.tensor(self.scheduler.num_steps),
             "steps": torch.tensor(self.steps),
         }
 
@@ -340,27 +359,73 @@ class MegatronPolicy:
         prefix = f"tp{self.tp_rank}of{self.tp}"
         self.model.load_state_dict(state[f"{prefix}/model"], strict=False)
         self.optimizer.load_state_dict(state[f"{prefix}/optimizer"])
+        self._set_scheduler_steps(int(state[f"{prefix}/scheduler_steps"]))
         self.steps = int(state["steps"])
+
+    def _set_scheduler_steps(self, num_steps: int) -> None:
+        self.scheduler.num_steps = 0
+        self.scheduler.step(num_steps)
+
+    def optimizers(self) -> list:
+        """megatron-core's optimizers behind ``self.optimizer`` (one per parameter dtype group when chained)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def optimizer_state(self) -> dict[str, Any]:
         """Optimizer state of every tensor-parallel rank, gathered (identical on all ranks), for the
-        trainer's single-file checkpoint. Data-parallel replicas hold the same state (no distributed
-        optimizer), so a checkpoint loads at any data-parallel size with the same ``tp``."""
-        local = self.optimizer.state_dict()
+        trainer's single-file checkpoint. Data-parallel replicas hold the same state; with the distributed
+        optimizer each holds a shard, and the shards of the data-parallel group are gathered into one
+        (``get_parameter_state_dp_zero``), so a checkpoint loads at any data-parallel size with the same ``tp``."""
+        local: dict[str, Any] = {"optimizer": self.optimizer.state_dict()}
+        if self.distributed_optimizer:
+            local["param_state"] = [o.get_parameter_state_dp_zero(return_on_all_ranks=True) for o in self.optimizers()]
         states: list[Any] = [None] * self.tp
         if self.tp == 1:
             states = [local]
         else:
             dist.all_gather_object(states, local, group=self.tp_group)
-        return {"tp": self.tp, "tp_rank_states": states, "steps": self.steps, "skipped_steps": self.skipped_steps}
+        return {"tp": self.tp, "tp_rank_states": states, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                "scheduler_steps": self.scheduler.num_steps}  # fmt: skip
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if int(state.get("tp", -1)) != self.tp:
             raise ValueError(f"optimizer_state: saved at tensor_parallel_size={state.get('tp')}, running at {self.tp}")
         self._materialize_optimizer_state()
-        self.optimizer.load_state_dict(state["tp_rank_states"][self.tp_rank])
+        local = state["tp_rank_states"][self.tp_rank]
+        if "optimizer" not in local:  # a checkpoint written before the state carried its parts by name
+            local = {"optimizer": local}
+        if self.distributed_optimizer and "param_state" not in local:
+            raise ValueError("optimizer_state: saved without the distributed optimizer; policy.distributed_optimizer "
+                             "must match the run that wrote the checkpoint")  # fmt: skip
+        self.optimizer.load_state_dict(local["optimizer"])
+        if self.distributed_optimizer:
+            for opt, param_state in zip(self.optimizers(), local["param_state"]):
+                opt.load_parameter_state_from_dp_zero(param_state)
+        self._set_scheduler_steps(int(state.get("scheduler_steps", 1)))
         self.steps = int(state.get("steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def state_dict(self) -> dict[str, Any]:
         return self._dcp_state()
+
+
+def warmup_scheduler(optimizer, lr: float, weight_decay: float, warmup_steps: int):
+    """megatron-core's ``OptimizerParamScheduler`` set to the Hugging Face backend's schedule: linear warm-up
+    from 0, then constant. Megatron's warm-up gives lr * n / warmup_steps after n scheduler steps; the
+    scheduler starts one step ahead so that optimizer step k (0-based) uses lr * min(1, (k + 1) / warmup_steps)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: PLC0415
+
+    sched = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=warmup_steps + 1,
+        lr_decay_style="constant",
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    sched.step(1)
+    return sched

@@ -56,7 +56,14 @@ class Dims:
         )
 
     def check_tp(self, tp: int) -> None:
-        for name, value in (("num_key_value_heads", self.groups), ("intermediate_size", self.ffn)):
+        """ValueError naming the first dimension that ``tp`` shards unevenly."""
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {tp}")
+        for name, value in (
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.groups),
+            ("intermediate_size", self.ffn),
+        ):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size: {tp} does not divide {name} = {value}")
         if self.vocab % tp:
@@ -171,3 +178,13 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor
     out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
     out["lm_head.weight"] = out["model.embed_tokens.weight"] if d.tied else cat_rows("output_layer.weight")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def check_parallel_layout(hf_config, tp: int, world_size: int) -> None:
+    """Pre-flight of a tensor-parallel run (before any weight loads): ``tp`` divides the attention heads, the
+    key/value heads, the MLP width and the vocabulary of ``hf_config``, and the world size is a multiple of it."""
+    Dims.from_hf_config(hf_config).check_tp(tp)
+    if world_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size: the world size {world_size} is not a multiple of tensor_parallel_size = {tp}"
+        )

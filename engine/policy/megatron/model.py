@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from alignopsd.engine.batch import position_ids
 from alignopsd.engine.policy.megatron.convert import Dims
-from torch import Tensor
 
 
 def transformer_engine_available() -> bool:
@@ -54,8 +55,25 @@ def rope_settings(hf_config) -> tuple[float, str]:
     return float(theta), str(kind)
 
 
-def transformer_config(hf_config, tp: int, params_dtype: torch.dtype = torch.float32):
-    """A megatron ``TransformerConfig`` equivalent to ``hf_config`` at tensor-parallel size ``tp``."""
+RECOMPUTE = ("none", "full", "selective")
+
+
+def recompute_settings(recompute: str) -> dict:
+    """TransformerConfig fields of an activation-recomputation choice: ``none``; ``full`` (each transformer
+    layer keeps only its input and is recomputed in the backward pass, one layer per checkpoint); ``selective``
+    (only the core attention is recomputed)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute: expected one of {RECOMPUTE}, got {recompute!r}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
+
+
+def transformer_config(hf_config, tp: int, params_dtype: torch.dtype = torch.float32, recompute: str = "none"):
+    """A megatron ``TransformerConfig`` equivalent to ``hf_config`` at tensor-parallel size ``tp``, with the
+    activation recomputation ``recompute`` (see :func:`recompute_settings`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
     _, rope_kind = rope_settings(hf_config)
@@ -96,14 +114,17 @@ def transformer_config(hf_config, tp: int, params_dtype: torch.dtype = torch.flo
         # Weights always come from a Hugging Face checkpoint, but initialisation also tags each
         # parameter with its tensor-parallel attributes (the gradient norm needs them).
         perform_initialization=True,
+        **recompute_settings(recompute),
     )
 
 
-def build_gpt_model(hf_config, tp: int, params_dtype: torch.dtype = torch.float32, spec: str = "auto"):
+def build_gpt_model(
+    hf_config, tp: int, params_dtype: torch.dtype = torch.float32, spec: str = "auto", recompute: str = "none"
+):
     """(GPTModel for this rank, spec kind). ``parallel_state`` must already be initialised."""
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
 
-    cfg = transformer_config(hf_config, tp, params_dtype)
+    cfg = transformer_config(hf_config, tp, params_dtype, recompute)
     kind, layer = layer_spec(spec)
     d = Dims.from_hf_config(hf_config)
     model = GPTModel(
@@ -142,14 +163,21 @@ def local_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def forward_hidden(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T, D] final hidden states (after the final norm) of ``model`` (a GPTModel) for padded rows."""
+def forward_hidden(model, input_ids: Tensor, attention_mask: Tensor, padding_idx: int | None = None) -> Tensor:
+    """[B, T, D] final hidden states (after the final norm) of ``model`` (a GPTModel) for padded rows.
+
+    ``padding_idx``: the Hugging Face embedding's ``padding_idx`` (the config's ``pad_token_id``): as in
+    ``nn.Embedding(padding_idx=...)``, looking that token up passes no gradient to its embedding row (with tied
+    embeddings the row still learns through the output head), so both backends train the same weights."""
     pos_BT = position_ids(attention_mask)
     t = int(input_ids.shape[1])
     dev = input_ids.device
     causal_TT = torch.triu(torch.ones(t, t, dtype=torch.bool, device=dev), diagonal=1)
     masked_B1TT = causal_TT[None, None] | ~attention_mask.bool()[:, None, None, :]
     emb_TBD = model.embedding(input_ids=input_ids, position_ids=pos_BT)
+    if padding_idx is not None and torch.is_grad_enabled():
+        pad_TB1 = (input_ids == padding_idx).t().unsqueeze(-1)
+        emb_TBD = torch.where(pad_TB1, emb_TBD.detach(), emb_TBD)
     rope_S11h = model.rotary_pos_emb(int(pos_BT.max()) + 1)
     rope_TB1h = rope_S11h[:, 0, 0, :][pos_BT.t()].unsqueeze(2)
     hidden_TBD = model.decoder(hidden_states=emb_TBD, attention_mask=masked_B1TT, rotary_pos_emb=rope_TB1h)

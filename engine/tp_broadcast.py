@@ -1,0 +1,123 @@
+"""One rollout per tensor-parallel group: the group's first rank samples, the others receive its results.
+
+The ranks of a tensor-parallel group must train on the same batch. Sampling is not bitwise reproducible across
+processes on GPUs (vLLM, one engine per rank), and an environment can time out on one rank and not on another, so
+"every rank samples the same thing" is not something to rely on. Instead the group's first rank (tensor-parallel
+rank 0) runs each sampling part and broadcasts what it produced over the group (``broadcast_object_list``; on CPU
+tensors, so it works under gloo and NCCL alike):
+
+    rollout (student generation + environments + episode metrics)  -> :func:`group_rollout`
+    teacher generation and thinking encoding of the teacher pass     -> :func:`group_sampling`
+
+Everything after that (old log-probs, teacher forcing through the sharded model, the estimator, the update) runs
+on every rank of the group with identical inputs. The other ranks never generate, never step an environment
+during training and never load the thinking encoder. Without tensor parallelism (no group, or a group of one)
+every function here is the plain call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def tp_layout(policy) -> tuple[Any, int]:
+    """(tensor-parallel process group, global rank of its first rank), or (None, 0) without tensor parallelism."""
+    group = getattr(policy, "tp_group", None)
+    if group is None or int(getattr(policy, "tp", 1)) <= 1:
+        return None, 0
+    import torch.distributed as dist
+
+    return group, dist.get_global_rank(group, 0)
+
+
+def is_group_lead(policy) -> bool:
+    """True on the rank that samples for its tensor-parallel group (and always without tensor parallelism)."""
+    return int(getattr(policy, "tp_rank", 0) or 0) == 0
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor (also inside dataclass fields, lists, tuples and dicts) moved to the CPU."""
+    if isinstance(obj, Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    return obj
+
+
+def broadcast_from_lead(policy, make: Callable[[], Any]) -> Any:
+    """``make()`` on the group's first rank, its result (tensors on the CPU) on every rank of the group.
+
+    Every rank of the group must call this at the same point; only the first one calls ``make``."""
+    group, src = tp_layout(policy)
+    if group is None:
+        return make()
+    import torch.distributed as dist
+
+    box = [_to_cpu(make()) if is_group_lead(policy) else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def group_rollout(parts, run: Callable[[], tuple]) -> tuple:
+    """The rollout phase once per tensor-parallel group: ``run()`` (returning the turn batch and its metrics) on
+    the group's first rank, broadcast to the others."""
+    return broadcast_from_lead(parts.policy, run)
+
+
+class LeadGenerator:
+    """A generation backend for the duration of a teacher pass: the group's first rank generates with the real
+    backend, every rank returns its output. The ranks of the group call it with the same prompts (their batches
+    are the group's one batch), so the calls line up."""
+
+    def __init__(self, inner, policy) -> None:
+        self.inner = inner
+        self.policy = policy
+
+    def generate(self, prompts: list[list[int]], sampling):
+        return broadcast_from_lead(self.policy, lambda: self.inner.generate(prompts, sampling))
+
+    def load_weights(self, state_dict) -> None:
+        self.inner.load_weights(state_dict)
+
+
+class LeadEncoder:
+    """The thinking encoder for the duration of a teacher pass: the group's first rank encodes with the real
+    encoder (``inner``; loaded there only, None elsewhere), every rank gets the embeddings and validity on
+    ``device``."""
+
+    def __init__(self, inner, policy, device: torch.device) -> None:
+        self.inner = inner
+        self.policy = policy
+        self.device = device
+
+    def encode(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        emb, valid = broadcast_from_lead(self.policy, lambda: self.inner.encode(texts))
+        return emb.to(self.device), valid.to(self.device)
+
+
+@contextlib.contextmanager
+def group_sampling(parts) -> Iterator[None]:
+    """Within this block, teacher generation and thinking encoding run once per tensor-parallel group (see the
+    module docstring); a no-op without tensor parallelism. Loads the encoder on the group's first rank."""
+    if tp_layout(parts.policy)[0] is None:
+        yield
+        return
+    generator = parts.generator
+    encoder = parts.get_encoder() if is_group_lead(parts.policy) else parts.encoder
+    parts.generator = LeadGenerator(generator, parts.policy)
+    parts.encoder = LeadEncoder(encoder, parts.policy, parts.device)
+    try:
+        yield
+    finally:
+        parts.generator, parts.encoder = generator, encoder
