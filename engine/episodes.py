@@ -14,6 +14,7 @@ from .generation.base import SamplingParams
 from .generation.teacher import ACTION_STOPS
 from .profiler import StepProfiler
 from .rollout import collect_rollouts
+from .tp_broadcast import group_rollout
 
 
 def tasks_for_step(tasks: list, step: int, n: int, seed: int, rank: int = 0, world_size: int = 1) -> list:
@@ -100,7 +101,8 @@ def run_validation(parts, step: int) -> dict[str, float]:
     prof.start_step()
     try:
         seed = step_seed(cfg.trainer.seed, 10_000_000 + step, parts.rank)
-        _, metrics = rollout_phase(parts, tasks, seed=seed, validation=True)
+        # once per tensor-parallel group, as in training (the group's other ranks receive its metrics)
+        _, metrics = group_rollout(parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=True))
     finally:
         parts.profiler = saved
     return metrics

@@ -75,7 +75,6 @@ def _config(backend_overrides: list[str], extra: list[str] = ()):
 
 def _parts(cfg, world_size: int, rank: int):
     import torch.distributed as dist
-
     from alignopsd.engine.components import build_components
 
     torch.set_num_threads(1)
@@ -144,7 +143,6 @@ def test_tp_group_trains_on_its_first_ranks_batch():
     """Each rank samples with its own seed, yet both ranks of the group score and train on one batch (rank 0's),
     rank 1 never generates, and both end with the same replicated weights."""
     import torch.distributed as dist
-
     from alignopsd.engine.step import run_step
 
     rank = int(os.environ["RANK"])
@@ -183,7 +181,6 @@ def test_tp2_step_equals_hf_backend(estimator):
     """TP=2, one full step (micro-batches of 8 rows in mini-batches of 16): the loss and the updated weights of
     the Hugging Face backend on the same batch; the generation copy is refreshed with the new weights."""
     import torch.distributed as dist
-
     from alignopsd.engine.step import run_step
 
     extra = [f"algorithm.estimator={estimator}"]
@@ -277,7 +274,6 @@ def test_dp2_step_equals_hf_ddp(distributed_optimizer):
     """TP=1 x DP=2 (with the distributed optimizer: each rank keeps half of the Adam state): one full grpo step
     gives the weights of the Hugging Face backend under DDP on the same batches, and the replicas agree."""
     import torch.distributed as dist
-
     from alignopsd.engine.step import run_step
 
     _reset_parallel_state()

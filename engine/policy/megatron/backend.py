@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
@@ -36,6 +34,7 @@ from alignopsd.engine.policy.megatron.model import (
     output_weight,
     te_names,
 )
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from alignopsd.engine.batch import position_ids
 from alignopsd.engine.policy.megatron.convert import Dims
+from torch import Tensor
 
 
 def transformer_engine_available() -> bool:
