@@ -25,18 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 GOLDEN = ROOT / "tests" / "assets" / "golden_tiny.json"
 
-GUESS = [
-    "env.name=guess",
-    "env.max_turns=2",
-    "env.history_length=1",
-    "env.group_n=4",
-    "env.tasks_per_step=4",
-    "env.num_games=8",
-    "algorithm.kl_coef=0.0",
-    "trainer.lr=1e-4",
-    "trainer.ppo_mini_batch_size=16",
-    "trainer.ppo_micro_batch_size=8",
-]
+GUESS = lh.GUESS_OVERRIDES
 
 
 def _run(tmp_path, estimator, steps, extra=()):

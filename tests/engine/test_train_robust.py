@@ -45,6 +45,26 @@ def _parts(policy, **over):
     return SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=1, dp_group=None)
 
 
+def _update_grads(policy, parts, cb, old, adv):
+    """(ppo_update's metrics, the gradients it hands to the optimizer step), the step itself replaced."""
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    policy.zero_grad()
+    captured = {}
+    orig_step = policy.optimizer_step
+
+    def capture(max_norm):
+        captured["g"] = [p.grad.clone() for p in params]
+        policy.zero_grad()
+        return {"grad_norm": 1.0, "skipped": False, "lr": 0.0}
+
+    policy.optimizer_step = capture
+    try:
+        out = ppo_update(parts, cb, old, None, adv, [])
+    finally:
+        policy.optimizer_step = orig_step
+    return out, captured["g"]
+
+
 def _old_logp(policy, cb):
     return policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0]
 
@@ -101,24 +121,11 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
     loss, _ = ppo_loss(lp, old, adv, cb.response_mask)
     loss.backward()
     ref = [p.grad.clone() for p in params]
-    tiny_policy.zero_grad()
-    captured = {}
-    orig_step = tiny_policy.optimizer_step
-
-    def capture(max_norm):
-        captured["g"] = [p.grad.clone() for p in params]
-        tiny_policy.zero_grad()
-        return {"grad_norm": 1.0, "skipped": False, "lr": 0.0}
-
-    tiny_policy.optimizer_step = capture
-    try:
-        over = {"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0}
-        parts = _parts(tiny_policy, **over, **{"trainer.fused_head_loss": str(fused).lower()})
-        out = ppo_update(parts, cb, old, None, adv, [])
-    finally:
-        tiny_policy.optimizer_step = orig_step
+    over = {"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0}
+    parts = _parts(tiny_policy, **over, **{"trainer.fused_head_loss": str(fused).lower()})
+    out, grads = _update_grads(tiny_policy, parts, cb, old, adv)
     assert out["update/optimizer_steps"] == 1 and out["update/fused_head_loss"] == float(fused)
-    for a, b in zip(ref, captured["g"]):
+    for a, b in zip(ref, grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -270,22 +277,9 @@ def test_rollout_correction_in_the_update(tiny_policy, mode):
     loss, _ = ppo_loss(lp, old, adv * keep, cb.response_mask * keep, is_weight=weight)
     loss.backward()
     ref = [p.grad.clone() for p in params]
-    tiny_policy.zero_grad()
-    captured = {}
-    orig_step = tiny_policy.optimizer_step
-
-    def capture(max_norm):
-        captured["g"] = [p.grad.clone() for p in params]
-        tiny_policy.zero_grad()
-        return {"grad_norm": 1.0, "skipped": False, "lr": 0.0}
-
-    tiny_policy.optimizer_step = capture
-    try:
-        over = {"trainer.rollout_is": mode, "algorithm.entropy_coef": 0.0, "trainer.ppo_micro_batch_size": 4}
-        out = ppo_update(_parts(tiny_policy, **over), cb, old, None, adv, [])
-    finally:
-        tiny_policy.optimizer_step = orig_step
+    over = {"trainer.rollout_is": mode, "algorithm.entropy_coef": 0.0, "trainer.ppo_micro_batch_size": 4}
+    out, grads = _update_grads(tiny_policy, _parts(tiny_policy, **over), cb, old, adv)
     assert (out["rollout_is/rejected_frac"] > 0) == (mode == "token_mask")
     assert (out["rollout_is/truncated_frac"] > 0) == (mode == "token_truncate")
-    for a, b in zip(ref, captured["g"]):
+    for a, b in zip(ref, grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
