@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from alignopsd.engine import devices
+from alignopsd.engine.devices import module_device
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
@@ -210,6 +212,11 @@ class MegatronPolicy:
             )
         return out if with_entropy else (out, None)
 
+    def _to_device(self, *rows: Tensor) -> tuple[Tensor, ...]:
+        """The backend's device boundary: rows onto the shard's device."""
+        dev = module_device(self.model)
+        return tuple(devices.to_device(r, dev) for r in rows)
+
     def response_logprobs(
         self,
         input_ids: Tensor,
@@ -226,6 +233,7 @@ class MegatronPolicy:
         a tensor-parallel group must call this with the same rows.
         """
         lp = prompt_width(input_ids, attention_mask, response_length)
+        input_ids, attention_mask = self._to_device(input_ids, attention_mask)
         rmask_BL = attention_mask[:, lp:].bool()
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         self.model.train(grad)
@@ -262,6 +270,7 @@ class MegatronPolicy:
 
         lp = prompt_width(input_ids, attention_mask, response_length)
         check_loss_fn(loss_fn)
+        input_ids, attention_mask = self._to_device(input_ids, attention_mask)
         rmask_BL = attention_mask[:, lp:].bool()
         self.model.train(True)
         hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
