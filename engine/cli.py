@@ -3,6 +3,7 @@
     alignopsd train   --config FILE [--set k=v ...] [--resume auto]     (also under torchrun)
     alignopsd eval    --config FILE [--checkpoint DIR] [--json FILE]
     alignopsd profile --config FILE [--steps N] [--estimators grpo,alignopsd] [--json FILE]
+    alignopsd sft     --config FILE [--out DIR] [--steps N] [--easy-games] [--pipeline] [--warm-start DIR]
     alignopsd games   alfworld --n 120 --out DIR [--seed S] [--split train]
     alignopsd serve-retriever --corpus FILE [--host H] [--port P]
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-COMMANDS = ("train", "eval", "profile", "games", "serve-retriever")
+COMMANDS = ("train", "eval", "profile", "sft", "games", "serve-retriever")
 
 
 def games_main(argv: list[str]) -> int:
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import main as run
     elif cmd == "profile":
         from .profile_command import main as run
+    elif cmd == "sft":
+        from .sft import main as run
     elif cmd == "games":
         run = games_main
     elif cmd == "serve-retriever":
