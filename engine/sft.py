@@ -359,7 +359,7 @@ def run_pipeline(config: str, overrides: list[str], args, sft_out: Path, *, time
 
 def add_sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="checkpoint folder (default: <run output>/sft)")
-    p.add_argument("--steps", type=int, default=32, help="optimizer steps (batches of --batch-size expert turns)")
+    p.add_argument("--steps", type=int, default=24, help="optimizer steps (batches of --batch-size expert turns)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--pipeline", action="store_true", help="base eval, warm start, eval, RL, eval (the quickstart)")
@@ -385,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"alignopsd sft: {exc}", file=sys.stderr)
         return 2
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `alignopsd train`
     times: dict[str, float] = {}
     if args.easy_games:
         t0 = time.perf_counter()
