@@ -4,6 +4,7 @@
     alignopsd eval    --config FILE [--checkpoint DIR] [--json FILE]
     alignopsd profile --config FILE [--steps N] [--estimators grpo,alignopsd] [--json FILE]
     alignopsd compare --config FILE --steps N [--estimators grpo,alignopsd] [--seeds 3] [--eval-every K] [--out DIR]
+    alignopsd sft     --config FILE [--out DIR] [--steps N] [--easy-games] [--pipeline] [--warm-start DIR]
     alignopsd games   alfworld --n 120 --out DIR [--seed S] [--split train]
     alignopsd serve-retriever --corpus FILE [--host H] [--port P]
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-COMMANDS = ("train", "eval", "profile", "compare", "games", "serve-retriever")
+COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever")
 
 
 def games_main(argv: list[str]) -> int:
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         from .profile_command import main as run
     elif cmd == "compare":
         from .compare import main as run
+    elif cmd == "sft":
+        from .sft import main as run
     elif cmd == "games":
         run = games_main
     elif cmd == "serve-retriever":

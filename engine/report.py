@@ -144,6 +144,8 @@ def final_table(train: list[dict], val: list[dict]) -> str:
         ("m1/off_turn_match_weight", "off-turn match weight"),
         ("m1/correspondence_confidence_mean", "confidence ρ"),
         ("m2/segment_length_mean", "span length"),
+        ("episode/trajectory_length_mean", "trajectory length"),
+        ("m1/teacher_at_budget_fraction", "teacher at-budget fraction"),
         ("m2/projection_activation_rate", "projection activity"),
         ("m2/credit_conservation_error_max", "conservation error"),
         ("time/step", "step seconds"),
@@ -158,6 +160,25 @@ def final_table(train: list[dict], val: list[dict]) -> str:
     for k in cats:
         cells = " | ".join(_fmt(r.get(k)) for r in (first, last, lv))
         lines.append(f"| success: {k.split('/')[-1]} | {cells} |")
+    return "\n".join(lines)
+
+
+def heldout_table(rows: dict[str, dict], times: dict[str, float] | None = None) -> str:
+    """Markdown section: held-out success per stage (same games for every row), then the stage times.
+
+    ``rows``: stage label -> {"success", "valid", "turns", "episodes"} (None where unknown).
+    """
+    lines = ["## Held-out success by stage", "", "| stage | episodes | success | valid-action rate | turns / episode |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for label, r in rows.items():
+        lines.append(
+            f"| {label} | {r.get('episodes', 0)} | {_fmt(r.get('success'))} | {_fmt(r.get('valid'))} | "
+            f"{_fmt(r.get('turns'))} |"
+        )
+    if times:
+        lines += ["", "| stage | seconds |", "|---|---:|"]
+        lines += [f"| {k} | {v:.0f} |" for k, v in times.items()]
+        lines.append(f"| **total** | **{sum(times.values()):.0f}** |")
     return "\n".join(lines)
 
 

@@ -299,6 +299,8 @@ def _play(env_manager, generator, tokenizer, tasks: Sequence, st: _Settings) -> 
         _record_turn(ep, st, turn, act, prompts, out, infos, new_infos, rewards, dones, active)
         obs, infos = new_obs, new_infos
         turn += 1
+        log.info("rollout turn %d/%d: %d active, %d won, %.0fs", turn, limit, sum(active), sum(ep.won),
+                 time.perf_counter() - t0)  # fmt: skip
     return ep
 
 

@@ -14,6 +14,7 @@ as alignment.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ from .batch import TurnBatch
 from .envs.parsing import parse_action, parse_thinking
 from .generation.base import SamplingParams
 from .generation.teacher import TeacherOutput, generate_teacher
+
+log = logging.getLogger("alignopsd.teacher_pass")
 
 
 @dataclass
@@ -158,8 +161,10 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
     """Teacher generation, parsing, encoding, selection (+ action filter) and teacher forcing (§2.1-2.6)."""
     prof = parts.profiler
     use_filter = bool(parts.cfg.algorithm.rectify.action_filter)
+    log.info("teacher pass: generating %d privileged responses", cb.size)
     with prof.phase("teacher_generation"):
         teacher, metrics = teacher_generation(parts, cb, action_filter=use_filter)
+    log.info("teacher pass: %d tokens generated, encoding and matching", teacher.tokens_generated)
     with prof.phase("encoding"):
         enc = encode_texts(parts, cb, teacher, action_filter=use_filter)
     metrics["m1/invalid_student_thinking_fraction"] = _invalid_fraction(enc.student_valid)

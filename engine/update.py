@@ -196,9 +196,10 @@ def ppo_update(
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
-    for mbs in plan:
+    for i, mbs in enumerate(plan):
         if not mbs:
             continue
+        log.info("update: mini-batch %d/%d (%d micro-batches)", i + 1, n_mini, len(mbs))
         for j, mb in enumerate(mbs):
             last = j == len(mbs) - 1
             ctx = policy.no_sync() if (hasattr(policy, "no_sync") and not last) else contextlib.nullcontext()

@@ -153,7 +153,7 @@ class _Rec:
     loc: str
 
 
-def _sample_room(room: str, r: random.Random) -> list[_Rec]:
+def _sample_room(room: str, r: random.Random, small: bool = False) -> list[_Rec]:
     c = _constants()
     recs: list[_Rec] = []
     used_locs: set[str] = set()
@@ -168,6 +168,8 @@ def _sample_room(room: str, r: random.Random) -> list[_Rec]:
                 return loc
 
     for cls, lo, hi in _ROOM_RECEPTACLES[room]:
+        if small:  # at most one of each kind (two for the kinds a room needs two of): short observations
+            hi = max(lo, min(hi, 1))
         for _ in range(r.randint(lo, hi)):
             if cls == "SinkBasin":
                 pid = f"Sink_bar_{_mangle('x', r).split('_bar_', 1)[1]}_bar_SinkBasin"
@@ -273,15 +275,19 @@ def _task_text(task_type: str, obj: str, parent: str, toggle: str, r: random.Ran
     return template.format(obj=obj.lower(), recep=parent.lower(), toggle=toggle.lower(), mrecep="")
 
 
-def sample_game(task_type: str, seed: int, room: str | None = None) -> dict[str, Any] | None:
-    """Sample one game description (no I/O); None when the room cannot host the task type."""
+def sample_game(task_type: str, seed: int, room: str | None = None, small: bool = False) -> dict[str, Any] | None:
+    """Sample one game description (no I/O); None when the room cannot host the task type.
+
+    ``small`` samples smaller rooms (at most one receptacle of most kinds, 3-6 distractor objects), whose
+    observations and admissible-action lists, hence prompts, are about half as long.
+    """
     if task_type not in TASK_TYPES:
         raise ValueError(f"task_type: expected one of {TASK_TYPES}, got {task_type!r}")
     r = random.Random(seed)
     room = room or r.choice(_VALID_ROOMS[task_type])
     if room not in _VALID_ROOMS[task_type]:
         raise ValueError(f"room: {room!r} cannot host {task_type}")
-    recs = _sample_room(room, r)
+    recs = _sample_room(room, r, small)
     choices = _task_choices(task_type, room, recs)
     if not choices:
         return None
@@ -306,7 +312,7 @@ def sample_game(task_type: str, seed: int, room: str | None = None) -> dict[str,
         objs.append(lamp)
         lamp_ids.append(lamp.pid)
     others = [o for o in _ROOM_OBJECTS[room] if o != obj_cls]
-    for _ in range(r.randint(8, 16)):
+    for _ in range(r.randint(3, 6) if small else r.randint(8, 16)):
         cls = r.choice(others)
         rc = _place(r, cls, recs, set())
         if rc is not None:
@@ -384,14 +390,16 @@ def expert_walkthrough(gamefile: str | os.PathLike, max_steps: int = 50, seed: i
         random.setstate(state_rng)
 
 
-def _generate_one(i: int, seed: int, split: str, task_type: str, split_dir: str, max_steps: int, max_tries: int) -> str:
+def _generate_one(
+    i: int, seed: int, split: str, task_type: str, split_dir: str, max_steps: int, max_tries: int, small: bool = False
+) -> str:
     """Game ``i`` of a split: the first of its seeded candidates that alfworld's expert wins."""
     domain_path, grammar_path = alfworld_logic_files()
     domain = Path(domain_path).read_text()
     grammar = Path(grammar_path).read_text()
     for attempt in range(max_tries):
         game_seed = int.from_bytes(hashlib.sha256(f"{seed}:{split}:{i}:{attempt}".encode()).digest()[:4], "little")
-        game = sample_game(task_type, game_seed)
+        game = sample_game(task_type, game_seed, small=small)
         if game is None:
             continue
         gamefile = _write_game(game, Path(split_dir), domain, grammar)
@@ -416,12 +424,15 @@ def generate_games(
     max_steps: int = 50,
     max_tries_per_game: int = 20,
     workers: int = 1,
+    small: bool = False,
 ) -> list[Path]:
     """Write ``n`` expert-verified games of ``split`` under ``out_dir/json_2.1.1/<split>/``.
 
     Task types cycle through ``task_types`` (so every type is present when ``n >= 6``). The same
     (n, seed, split, task_types) always writes the same games, whatever ``workers`` (processes used
-    to generate and verify games in parallel). Returns the game file paths in index order.
+    to generate and verify games in parallel). Returns the game file paths in index order. ``max_steps`` also
+    bounds the walkthroughs kept (a game whose expert needs more steps is replaced by the next candidate);
+    ``small``: smaller rooms (see :func:`sample_game`).
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n: expected an int >= 1, got {n!r}")
@@ -435,7 +446,7 @@ def generate_games(
     alfworld_logic_files()
     split_dir = Path(out_dir) / "json_2.1.1" / split
     split_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, seed, split, task_types[i % len(task_types)], str(split_dir), max_steps, max_tries_per_game)
+    jobs = [(i, seed, split, task_types[i % len(task_types)], str(split_dir), max_steps, max_tries_per_game, small)
             for i in range(n)]  # fmt: skip
     if workers == 1 or n == 1:
         return [Path(_generate_one(*job)) for job in jobs]
@@ -444,3 +455,26 @@ def generate_games(
 
     with ProcessPoolExecutor(max_workers=min(workers, n), mp_context=mp.get_context("spawn")) as pool:
         return [Path(p) for p in pool.map(_generate_one, *zip(*jobs))]
+
+
+def game_facts(gamefile: str | os.PathLike) -> dict[str, Any]:
+    """The facts a generated (or official) game states about itself: ``walkthrough`` (the expert's winning
+    actions), ``task_type``, ``object`` / ``parent`` / ``toggle`` (lower-case target classes) and ``task``
+    (the task sentence). Raises ValueError when the game has no walkthrough."""
+    path = Path(gamefile)
+    data = json.loads(path.read_text())
+    walk = list(data.get("walkthrough") or [])
+    if not walk:
+        raise ValueError(f"gamefile: {path} has no expert walkthrough")
+    traj_path = path.parent / "traj_data.json"
+    traj = json.loads(traj_path.read_text()) if traj_path.is_file() else {}
+    params = traj.get("pddl_params", {})
+    anns = traj.get("turk_annotations", {}).get("anns", [{}])
+    return {
+        "walkthrough": walk,
+        "task_type": traj.get("task_type", ""),
+        "object": str(params.get("object_target", "")).lower(),
+        "parent": str(params.get("parent_target", "")).lower(),
+        "toggle": str(params.get("toggle_target", "")).lower(),
+        "task": str(anns[0].get("task_desc", "")) if anns else "",
+    }
