@@ -7,6 +7,7 @@ model in the same process.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,14 @@ def test_checkpoint_saved_at_tp2_loads_and_continues(tmp_path_factory):
     again = fresh.hf_state_dict()
     for k, v in continued.items():
         assert (again[k] - v).abs().max().item() <= 1e-6, k
+    # the folder is verified before DCP reads it (its .metadata is unpickled by the library)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        meta = Path(path[0]) / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:-8] + b"XXXXXXXX")
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match=r"\.metadata"):
+        _megatron(_llama_tiny(), lr=1e-3).load_checkpoint(path[0])
 
 
 def test_backend_scorer_equals_hf_rescoring():

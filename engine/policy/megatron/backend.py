@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from alignopsd.engine import devices
 from alignopsd.engine.devices import module_device
+from alignopsd.engine.manifest import verify_manifest, write_manifest
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
@@ -340,9 +341,15 @@ class MegatronPolicy:
         }
 
     def save_checkpoint(self, path: str) -> None:
+        """Sharded save (torch.distributed.checkpoint), then the folder's manifest (engine/manifest.py), written
+        last by the first rank once every rank has written its files."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
         dcp.save(self._dcp_state(), checkpoint_id=path)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            write_manifest(path)
+        dist.barrier()
 
     def _materialize_optimizer_state(self) -> None:
         """Give every parameter its Adam state (zeros) so that a checkpoint can be loaded into it in place."""
@@ -359,8 +366,11 @@ class MegatronPolicy:
                         st["exp_avg_sq"] = torch.zeros_like(p.data)
 
     def load_checkpoint(self, path: str) -> None:
+        """Sharded load; the folder's manifest is verified first, so no file (DCP's pickled ``.metadata``
+        included) is read unless it is the one that was written."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
+        verify_manifest(path, require=(".metadata",))
         self._materialize_optimizer_state()
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=path)
