@@ -163,12 +163,16 @@ def segment_batch(
         return torch.from_numpy(pos), torch.from_numpy(kinds), torch.from_numpy(bo)
     check_offsets(o_c, int(d_c.shape[0]))
     d_l, v_l, o_l = d_c.tolist(), v_c.tolist(), o_c.tolist()
+    return _pack(segment_lists(d_l[s:e], v_l[s:e], tau, min_len, max_len, tau_min) for s, e in zip(o_l[:-1], o_l[1:]))
+
+
+def _pack(per_trajectory) -> tuple[Tensor, Tensor, Tensor]:
+    """(positions int64, kinds int8, boundary offsets int64 [T+1]) of per-trajectory (position, kind) lists."""
     pos_l: list[int] = []
     kind_l: list[int] = []
     bo_l = [0]
-    for j in range(len(o_l) - 1):
-        s, e = o_l[j], o_l[j + 1]
-        res = sorted(segment_lists(d_l[s:e], v_l[s:e], tau, min_len, max_len, tau_min))
+    for res in per_trajectory:
+        res = sorted(res)
         pos_l += [p for p, _ in res]
         kind_l += [k for _, k in res]
         bo_l.append(len(pos_l))
@@ -270,21 +274,9 @@ def _random_batch(d_s: Tensor, bvalid_s: Tensor, offsets: Tensor, cfg: CreditCon
     """Ablation D on every trajectory: Python's random.Random(seed + trajectory index); same outputs as
     :func:`segment_batch`."""
     d_l, v_l, o_l = d_s.tolist(), bvalid_s.tolist(), offsets.tolist()
-    pos_l: list[int] = []
-    kind_l: list[int] = []
-    bo_l = [0]
-    for j in range(len(o_l) - 1):
-        s, e = o_l[j], o_l[j + 1]
-        res = sorted(
-            random_lists(e - s, cfg.min_span_turns, cfg.max_span_turns, cfg.seed + j, d_l[s:e], v_l[s:e], cfg.tau_min)
-        )
-        pos_l += [p for p, _ in res]
-        kind_l += [k for _, k in res]
-        bo_l.append(len(pos_l))
-    return (
-        torch.tensor(pos_l, dtype=torch.int64),
-        torch.tensor(kind_l, dtype=torch.int8),
-        torch.tensor(bo_l, dtype=torch.int64),
+    return _pack(
+        random_lists(e - s, cfg.min_span_turns, cfg.max_span_turns, cfg.seed + j, d_l[s:e], v_l[s:e], cfg.tau_min)
+        for j, (s, e) in enumerate(zip(o_l[:-1], o_l[1:]))
     )
 
 
