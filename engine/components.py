@@ -20,6 +20,7 @@ from alignopsd.estimators import EstimatorSpec, get_estimator
 from .config import RunConfig
 from .encoder import MINILM, ThinkingEncoder
 from .envs.manager import EnvManager
+from .envs.skills import skill_lookup
 from .generation.base import GenerationBackend
 from .models import load_causal_lm, load_tokenizer, resolve_model_path
 from .policy.base import PolicyBackend
@@ -51,6 +52,7 @@ class Components:
     dp_group: object = None  # data-parallel process group (None: the default group)
     audit: object = None  # engine.audit.Auditor of the run (set by the trainer; None: no audit records)
     encoder_factory: Callable[[], ThinkingEncoder] | None = None
+    skill_lookup: Callable[[dict], str] | None = None  # env.skills_dir's bank (None: the packaged bank)
 
     def get_encoder(self) -> ThinkingEncoder:
         """The thinking encoder, loaded on first use (estimators without alignment never load it)."""
@@ -236,4 +238,5 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         rescorer=rescorer,
         ref_scorer=ref_scorer,
         encoder_factory=functools.partial(build_encoder, cfg, device) if phases["alignment"] else None,
+        skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
     )

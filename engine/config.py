@@ -241,6 +241,10 @@ class EnvConfig:
     student_skills: str = "off"
     """Skill block in the student's own prompt (the paper's prompting baselines): off | validation (Skill-Prompt:
     skills in the validation prompt) | always (Skill-GRPO: skills kept in training and validation)."""
+    skills_dir: str | None = None
+    """Root of the skill banks (``<root>/<env.name>/skill_mapping.json`` and its markdown files, see
+    engine/envs/skills.py); None: the packaged banks of the paper's runs. A relative path is resolved against the
+    config file's folder. The quickstart uses a compact bank so its privileged prompts fit its prompt budget."""
 
     def __post_init__(self) -> None:
         _choice("env.name", self.name, _env_names())
@@ -252,6 +256,11 @@ class EnvConfig:
         if self.teacher_max_response_length is not None:
             _positive("env.teacher_max_response_length", self.teacher_max_response_length)
         _positive("env.step_timeout_s", self.step_timeout_s)
+        if self.skills_dir is not None and not (Path(self.skills_dir) / self.name / "skill_mapping.json").is_file():
+            raise ConfigError(
+                f"env.skills_dir: no skill bank for {self.name!r} at {Path(self.skills_dir) / self.name} "
+                "(expected skill_mapping.json and its markdown files)"
+            )
 
 
 @dataclass
@@ -565,6 +574,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         except YamlFileError as exc:
             raise ConfigError(str(exc)) from None
         data.setdefault("name", p.stem)
+        env = data.get("env")
+        if isinstance(env, dict) and isinstance(env.get("skills_dir"), str) and not os.path.isabs(env["skills_dir"]):
+            env["skills_dir"] = str((p.resolve().parent / env["skills_dir"]).resolve())  # relative to the file
     data = apply_overrides(data, overrides or [])
     return load_dataclass(RunConfig, data).validate()
 

@@ -76,6 +76,7 @@ def rollout_phase(
             teacher_prompts=teacher_prompts and not validation,
             student_skills=cfg.env.student_skills == "always" or (validation and cfg.env.student_skills != "off"),
             task_offset=parts.rank * per,
+            skill_lookup=parts.skill_lookup,
         )
     rm = batch.extras.get("rollout_metrics", {})
     prof.move("rollout_generation", "environment", float(rm.get("environment_s", 0.0)))

@@ -46,27 +46,32 @@ class ExpertTurn:
     response: str  # <think>...</think><action>...</action>
 
 
-def expert_thinking(facts: dict, action: str, holding: bool) -> str:
-    """Short reasoning for ``action`` written from the game's facts (§ module doc); no model involved."""
+def expert_thinking(facts: dict, action: str, holding: bool, at: str | None = None) -> str:
+    """Short reasoning for ``action`` written from the game's facts (§ module doc); no model involved.
+
+    It starts from where the agent stands (``at``: the receptacle of the last ``go to``, None before the first
+    move), so the model learns to read its position from the observation before choosing a move."""
     obj, parent = facts.get("object") or "object", facts.get("parent") or "target"
     verb, _, rest = action.partition(" ")
+    where = f"I am at {at}" if at else "I am in the middle of the room"
+    have = f"I hold the {obj}" if holding else f"I need a {obj}"
     if action == "look":
-        return f"I need to put a {obj} in or on the {parent}. First I look around."
+        return f"{where}. I need to put a {obj} in or on the {parent}. First I look around."
     if verb == "go" and not holding:
-        return f"I need a {obj}. I will look for it at {rest[3:]}."
+        return f"{where}. {have}. I will look for it at {rest[3:]}."
     if verb == "go":
-        return f"I hold the {obj}. Next I go to the {parent}: {rest[3:]}."
+        return f"{where}. {have}. Next I go to the {parent}: {rest[3:]}."
     if verb == "open":
-        return f"{rest} is closed. I open it to see inside."
+        return f"{where}. {rest} is closed. I open it to see inside."
     if verb == "close":
-        return f"I close {rest}."
+        return f"{where}. I close {rest}."
     if verb == "take":
-        return f"The {obj} is here. I take it."
+        return f"{where}. The {obj} is here. I take it."
     if verb in ("move", "put"):
-        return f"I am at the {parent} with the {obj}. I put it here."
+        return f"{where}, the {parent}, with the {obj}. I put it here."
     if verb == "use":
-        return f"I turn on the {facts.get('toggle') or 'light'} to look at the {obj}."
-    return f"Next step toward the goal: {action}."
+        return f"{where}. I turn on the {facts.get('toggle') or 'light'} to look at the {obj}."
+    return f"{where}. {have}. Next step toward the goal: {action}."
 
 
 def expert_turns(manager, tasks: list, *, seed: int = 0) -> list[ExpertTurn]:
@@ -79,6 +84,7 @@ def expert_turns(manager, tasks: list, *, seed: int = 0) -> list[ExpertTurn]:
     facts = [game_facts(t.gamefile) for t in tasks]
     obs, _ = manager.reset(list(tasks), group_n=1, seed=seed)
     holding = [False] * len(tasks)
+    at: list[str | None] = [None] * len(tasks)
     done = [False] * len(tasks)
     out: list[ExpertTurn] = []
     for turn in range(max(len(f["walkthrough"]) for f in facts)):
@@ -87,10 +93,11 @@ def expert_turns(manager, tasks: list, *, seed: int = 0) -> list[ExpertTurn]:
             if done[i] or turn >= len(f["walkthrough"]):
                 continue
             action = f["walkthrough"][turn]
-            think = expert_thinking(f, action, holding[i])
+            think = expert_thinking(f, action, holding[i], at[i])
             responses[i] = f"<think>{think}</think><action>{action}</action>"
             out.append(ExpertTurn(tasks[i].key, turn, obs[i], responses[i]))
             holding[i] = holding[i] or action.startswith("take ")
+            at[i] = action[len("go to ") :] if action.startswith("go to ") else at[i]
         obs, _, dones, _ = manager.step(responses)
         done = [bool(d) for d in dones]
     lost = [r["task_key"] for r in manager.episode_results() if not r["won"]]

@@ -147,3 +147,39 @@ def test_teacher_prompts(tok):
         build_teacher_prompts(tok, enc["input_ids"], enc["attention_mask"], skills[:1], 64, 0)
     with pytest.raises(ValueError, match="max_prompt_length"):
         build_teacher_prompts(tok, enc["input_ids"], enc["attention_mask"], skills, 0, 0)
+
+
+def test_skills_dir_config_resolves_and_validates(tmp_path):
+    """env.skills_dir: relative to the config file, checked at load time (the culprit named)."""
+    from alignopsd.engine.config import ConfigError, load_config
+
+    cfg = load_config("configs/quickstart_cpu.yaml")
+    bank = load_skill_bank("alfworld", cfg.env.skills_dir)
+    assert cfg.env.skills_dir.endswith("configs/skills") and set(bank.skills) == {"general_skills", "pick_and_place"}
+    text = skill_lookup("alfworld", cfg.env.skills_dir)({"gamefile": "x/pick_and_place_simple-Cd-None-Desk-1/g.z8"})
+    assert text.startswith("# ALFWorld: compact") and "pick_and_place_simple" in text
+    assert len(text) < len(skill_lookup("alfworld")({"gamefile": "x/pick_and_place_simple-Cd-None-Desk-1/g.z8"})) / 2
+    with pytest.raises(ConfigError, match=r"env.skills_dir: no skill bank for 'alfworld'"):
+        load_config("configs/quickstart_cpu.yaml", [f"env.skills_dir={tmp_path}"])
+
+
+def test_skills_dir_reaches_the_teacher_prompts_of_a_training_rollout(tmp_path):
+    """The configured bank is the one the rollout phase of a real run puts in the privileged prompts."""
+    from learn_helpers import GUESS_OVERRIDES, TINY_CONFIG, build_trainer
+
+    from alignopsd.engine.episodes import rollout_phase
+
+    (tmp_path / "guess").mkdir()
+    (tmp_path / "guess" / "general.md").write_text("ZEBRA-SKILL: pick the code word.")
+    (tmp_path / "guess" / "skill_mapping.json").write_text(
+        json.dumps({"skill_files": {"general_skills": "general.md"}, "task_to_skill": {}})
+    )
+    tr = build_trainer(str(TINY_CONFIG), [*GUESS_OVERRIDES, f"env.skills_dir={tmp_path}", f"output_dir={tmp_path}/r"])
+    try:
+        batch, _ = rollout_phase(tr.parts, tr.parts.train_tasks[:1], seed=0, validation=False, teacher_prompts=True)
+        texts = tr.parts.tokenizer.batch_decode(batch.teacher_prompt_ids, skip_special_tokens=True)
+        assert all(HEADER + "ZEBRA-SKILL: pick the code word." in t for t in texts)
+        students = tr.parts.tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
+        assert not any("ZEBRA" in s for s in students)
+    finally:
+        tr.dist.close()

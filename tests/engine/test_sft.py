@@ -73,6 +73,24 @@ def test_expert_turns_cover_walkthroughs(expert):
             assert "ALFRED" in x.user_text and "Your task is to" in x.user_text
 
 
+def test_expert_thinking_reads_the_position_from_the_game(expert):
+    """Each thought starts from where the agent stands: the receptacle of the last `go to`, which is also what
+    the turn's observation reports ("You arrive at X"), and says whether the object is held."""
+    tasks, turns, _ = expert
+    for t in tasks:
+        at, holding = None, False
+        for x, action in zip([x for x in turns if x.task_key == t.key], game_facts(t.gamefile)["walkthrough"]):
+            think = x.response[len("<think>") : x.response.index("</think>")]
+            assert think.startswith(f"I am at {at}" if at else "I am in the middle of the room"), (think, at)
+            if at:
+                assert f"You arrive at {at}" in x.user_text
+            if action.startswith("go to "):
+                obj = game_facts(t.gamefile)["object"]
+                assert (f"I hold the {obj}" in think) == holding, think
+                at = action[len("go to ") :]
+            holding = holding or action.startswith("take ")
+
+
 def test_examples_render_prompts_exactly_as_the_rollout(expert, games, tok):
     """A rollout whose generator answers with the expert responses sees the same prompt ids, turn by turn."""
     tasks, _, examples = expert
