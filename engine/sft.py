@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .envs.prompts import chat_text
 from .rollout import truncate_left
 
 SFT_MARKER = "alignopsd_sft.json"
+SEARCH_DETOURS = 2  # receptacles the expert searches before the object's place (see expert_turns)
 
 
 @dataclass
@@ -57,6 +59,8 @@ def expert_thinking(facts: dict, action: str, holding: bool, at: str | None = No
     have = f"I hold the {obj}" if holding else f"I need a {obj}"
     if action == "look":
         return f"{where}. I need to put a {obj} in or on the {parent}. First I look around."
+    if verb == "go" and not holding and at:
+        return f"{where}. The {obj} is not here. I will look for it at {rest[3:]}."
     if verb == "go" and not holding:
         return f"{where}. {have}. I will look for it at {rest[3:]}."
     if verb == "go":
@@ -74,25 +78,70 @@ def expert_thinking(facts: dict, action: str, holding: bool, at: str | None = No
     return f"{where}. {have}. Next step toward the goal: {action}."
 
 
-def expert_turns(manager, tasks: list, *, seed: int = 0) -> list[ExpertTurn]:
+def _go_targets(prompt_text: str) -> list[str]:
+    """The ``go to`` targets among the admissible actions listed in a rendered ALFWorld prompt."""
+    listed = prompt_text.rsplit("admissible actions of the current situation are: [", 1)[-1].split("].", 1)[0]
+    return [a[len("'go to ") : -1] for a in listed.split("\n ") if a.startswith("'go to ") and a.endswith("'")]
+
+
+def _search_plan(facts: dict, first_prompt: str, rng: random.Random, detours: int, max_turns: int | None) -> list:
+    """Receptacles visited (in order) before the expert's own walkthrough: at most ``detours``, each costing up
+    to two turns (go there, open it if closed), within ``max_turns``; never the object's place or the goal."""
+    walk = facts["walkthrough"]
+    budget = 0 if max_turns is None else (max_turns - len(walk)) // 2
+    first_go = next((a[len("go to ") :] for a in walk if a.startswith("go to ")), None)
+    avoid = {first_go} | {r for r in _go_targets(first_prompt) if facts.get("parent") and r.startswith(facts["parent"])}
+    options = [r for r in _go_targets(first_prompt) if r not in avoid]
+    return rng.sample(options, min(detours, budget, len(options)))
+
+
+def _take_here(facts: dict, now: str, here: str, queue: list[str]) -> list[str]:
+    """The rest of the plan when a searched receptacle shows a matching object (a second one of the target
+    type): take it here and finish from the walkthrough's step after its own ``take``, for this object."""
+    seen = re.search(rf"\b{re.escape(facts['object'])} (\d+)", now)
+    walk = facts["walkthrough"]
+    took = next((k for k, a in enumerate(walk) if a.startswith("take ")), None)
+    if seen is None or took is None:
+        return queue
+    mine, theirs = f"{facts['object']} {seen.group(1)}", walk[took][len("take ") :].split(" from ")[0]
+    rest = [a.replace(theirs, mine) for a in walk[took + 1 :] if not a.startswith("close ")]
+    return [f"take {mine} from {here}", *rest]
+
+
+def expert_turns(
+    manager, tasks: list, *, seed: int = 0, detours: int = 0, max_turns: int | None = None
+) -> list[ExpertTurn]:
     """Play every task's expert walkthrough through ``manager`` (an EnvManager); one example per turn.
 
-    Raises ValueError when a walkthrough does not win its game in the engine (stale or foreign game files).
+    detours: with ``max_turns``, the expert first searches up to this many other receptacles (chosen with
+    ``seed``; a closed one is opened and found empty) while the episode still fits ``max_turns``, so the data
+    also shows what to do where the object is not, which a policy that does not know the object's place meets
+    on every search. Raises ValueError when an episode does not win its game in the engine (stale or foreign
+    game files).
     """
     if not tasks:
         raise ValueError("tasks: expected at least one task with a game file")
     facts = [game_facts(t.gamefile) for t in tasks]
     obs, _ = manager.reset(list(tasks), group_n=1, seed=seed)
+    rng = random.Random(seed)
+    plans = [_search_plan(f, o, rng, detours, max_turns) for f, o in zip(facts, obs)]
+    queues = [[f"go to {r}" for r in p] + list(f["walkthrough"]) for f, p in zip(facts, plans)]
     holding = [False] * len(tasks)
     at: list[str | None] = [None] * len(tasks)
     done = [False] * len(tasks)
     out: list[ExpertTurn] = []
-    for turn in range(max(len(f["walkthrough"]) for f in facts)):
+    turn = 0
+    while not all(done[i] or not queues[i] for i in range(len(tasks))):
         responses: list[str | None] = [None] * len(tasks)
         for i, f in enumerate(facts):
-            if done[i] or turn >= len(f["walkthrough"]):
+            if done[i] or not queues[i]:
                 continue
-            action = f["walkthrough"][turn]
+            now = obs[i].rsplit("current observation is:", 1)[-1].split("Your admissible actions", 1)[0]
+            if at[i] in plans[i] and f"The {at[i]} is closed" in now:
+                queues[i].insert(0, f"open {at[i]}")
+            elif at[i] in plans[i] and not holding[i]:
+                queues[i] = _take_here(f, now, at[i], queues[i])
+            action = queues[i].pop(0)
             think = expert_thinking(f, action, holding[i], at[i])
             responses[i] = f"<think>{think}</think><action>{action}</action>"
             out.append(ExpertTurn(tasks[i].key, turn, obs[i], responses[i]))
@@ -100,6 +149,7 @@ def expert_turns(manager, tasks: list, *, seed: int = 0) -> list[ExpertTurn]:
             at[i] = action[len("go to ") :] if action.startswith("go to ") else at[i]
         obs, _, dones, _ = manager.step(responses)
         done = [bool(d) for d in dones]
+        turn += 1
     lost = [r["task_key"] for r in manager.episode_results() if not r["won"]]
     if lost:
         raise ValueError(f"tasks: the expert walkthrough does not win {lost[:3]} in the engine")
@@ -244,19 +294,26 @@ def check_warm_start(path: str | Path, base: str) -> Path:
 
 
 def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[ExpertTurn], list]:
-    """(expert turns, encoded examples) of the config's training games (ALFWorld only)."""
+    """(expert turns, encoded examples) of the config's training games (ALFWorld only).
+
+    Each game is played with :data:`SEARCH_DETOURS` searched receptacles before the walkthrough; its step limit
+    is raised by the turns they may take, so every game gets them (the prompts are the rollout's otherwise)."""
+    import dataclasses
+
     from .components import build_env
 
     if cfg.env.name != "alfworld":
         raise ValueError(f"env.name: the warm start needs expert walkthroughs (alfworld), got {cfg.env.name!r}")
-    manager, train_tasks, _ = build_env(cfg)
+    limit = cfg.env.max_turns + 2 * SEARCH_DETOURS
+    manager, train_tasks, _ = build_env(dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_turns=limit)))
     try:
         seen, tasks = set(), []
         for t in train_tasks:  # the task pool may repeat games; one walkthrough each
             if t.key not in seen:
                 seen.add(t.key)
                 tasks.append(t)
-        turns = expert_turns(manager, tasks[:n_games] if n_games else tasks, seed=cfg.trainer.seed)
+        turns = expert_turns(manager, tasks[:n_games] if n_games else tasks, seed=cfg.trainer.seed,
+                             detours=SEARCH_DETOURS, max_turns=limit)  # fmt: skip
     finally:
         manager.close()
     return turns, [encode_turn(tokenizer, t, cfg.env.max_prompt_length) for t in turns]
