@@ -4,6 +4,7 @@ tiny model, the checkpoint is what a run loads, bad warm starts fail early and c
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,31 @@ def test_expert_thinking_reads_the_position_from_the_game(expert):
                 assert (f"I hold the {obj}" in think) == holding, think
                 at = action[len("go to ") :]
             holding = holding or action.startswith("take ")
+
+
+def test_search_detours_win_and_show_what_to_do_where_the_object_is_not(games):
+    """With detours the expert first visits other receptacles (opening closed ones) and still wins within the
+    limit; each thought after a visit says the object is not here, unless one shows, which it then takes."""
+    env = EnvManager("alfworld", num_workers=0, history_length=1, max_steps=12, data_dir=str(games))
+    try:
+        tasks = env.task_source("train", None, 0)
+        turns = expert_turns(env, tasks, seed=3, detours=2, max_turns=12)  # raises unless every game is won
+    finally:
+        env.close()
+    searched = 0
+    for t in tasks:
+        facts = game_facts(t.gamefile)
+        mine = [x for x in turns if x.task_key == t.key]
+        actions = [x.response.split("<action>")[1].split("</action>")[0] for x in mine]
+        assert len(mine) <= 12 and actions[-1].startswith("move ")
+        first_go = next(a for a in facts["walkthrough"] if a.startswith("go to "))
+        assert actions[0].startswith("go to ") and actions[0] != first_go  # a detour comes first
+        for x in mine:
+            now = x.user_text.rsplit("current observation is:", 1)[-1].split("Your admissible actions")[0]
+            if "is not here" in x.response:
+                searched += 1
+                assert not re.search(rf"\b{facts['object']} \d", now), (now, x.response)
+    assert searched >= len(tasks)
 
 
 def test_examples_render_prompts_exactly_as_the_rollout(expert, games, tok):
