@@ -17,6 +17,11 @@ The hot path is vectorised over the whole batch; segmentation and projection are
 Slow per-turn loop references of every vectorised function live in ``alignopsd.reference``.
 Ablations (§3.11): mode "adaptive" (E), "token" (B), "turn" (C), "random" (D). Ablation A is the
 Mechanism-1 side (alpha_max = 0) and needs nothing here.
+
+Data parallelism: a call may see one share of the step's batch (whole tasks). Everything above is per task,
+trajectory or turn except tau, the ln M of the "entropy" distance, the task-block width of the profile sums and
+the global trajectory index of the ablation-D seeds; ``whole_batch`` (``credit_config.WholeBatch``, gathered by
+the engine) carries those, and the share then gets exactly its turns' results of the whole batch.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ tensors meet (``P_MM``, ``H_GSN`` = [task, source, target]).
 
 Profiles P[t, s] = softmax over eligible s of H[s, t] / T_p, per task block (§3.2); adjacent distances with
 their validity rules (§3.3); the batch threshold tau (§3.4). Everything here is float32 and detached.
+:func:`valid_distances` gives one share's part of the threshold's population (data parallelism).
 
 Paths: everything runs on the entries of ``alignopsd.kernels`` (Triton on CUDA, the kernels' torch path on
 CPU): the public dense entries (:func:`correspondence_profiles`, :func:`boundary_scores`) on the dense block
@@ -138,6 +139,8 @@ def segmentation_threshold(
     """tau = clip(quantile_q of the valid distances (linear interpolation), tau_min, tau_max) (§3.4).
 
     The population is every valid adjacent pair of the whole batch. Returns ``math.inf`` when none is valid.
+    When the batch is split into shares (data parallelism), pass the concatenated :func:`valid_distances` of
+    every share (all valid): the quantile depends only on the multiset, so it is the whole batch's tau exactly.
     """
     quantile = check_real(quantile, "quantile", lo=0.0, hi=1.0)
     tau_min = check_real(tau_min, "tau_min")
