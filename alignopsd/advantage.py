@@ -53,6 +53,12 @@ class TurnIndex:
     def num_tasks(self) -> int:
         return int(self.task_offsets_G1.shape[0]) - 1
 
+    @property
+    def largest_task_turns(self) -> int:
+        """Turns of the largest task (the width of the task blocks); 0 for an empty batch."""
+        sizes = self.task_offsets_G1[1:] - self.task_offsets_G1[:-1]
+        return int(sizes.max()) if sizes.numel() else 0
+
 
 def build_turn_index(task: Tensor, rollout: Tensor, turn: Tensor | None = None) -> TurnIndex:
     """Sort turns by identity and number trajectories and tasks (validated LongTensors [M]).

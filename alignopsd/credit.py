@@ -17,6 +17,11 @@ The hot path is vectorised over the whole batch; segmentation and projection are
 Slow per-turn loop references of every vectorised function live in ``alignopsd.reference``.
 Ablations (§3.11): mode "adaptive" (E), "token" (B), "turn" (C), "random" (D). Ablation A is the
 Mechanism-1 side (alpha_max = 0) and needs nothing here.
+
+Data parallelism: a call may see one share of the step's batch (whole tasks). Everything above is per task,
+trajectory or turn except tau, the ln M of the "entropy" distance, the task-block width of the profile sums and
+the global trajectory index of the ablation-D seeds; ``whole_batch`` (``credit_config.WholeBatch``, gathered by
+the engine) carries those, and the share then gets exactly its turns' results of the whole batch.
 """
 
 from __future__ import annotations
@@ -39,13 +44,13 @@ from alignopsd.advantage import (
     residual_from_index,
     trajectory_outcomes,
 )
-from alignopsd.credit_config import CreditConfig
+from alignopsd.credit_config import CreditConfig, WholeBatch
 from alignopsd.metrics import Metrics
 from alignopsd.profiles import BatchDistances, batch_distances
 from alignopsd.projection import PROJECTION_TOL, project_batch
 from alignopsd.segmentation import segment_trajectories
 
-__all__ = ["Credit", "CreditConfig", "allocate_credit"]
+__all__ = ["Credit", "CreditConfig", "WholeBatch", "allocate_credit"]
 
 ADVANTAGE_EPS = 1e-6
 _ZERO_F32 = torch.zeros((), dtype=torch.float32)
@@ -61,7 +66,8 @@ class Credit:
         turn_weight: [M] w_u (mode "token": mean token weight of the turn).
         token_advantage: [M, L] final advantage mask * (A * w + residual); exactly 0 outside the mask.
         segment_index: [M] long, global span index in sorted (task, rollout) order, left to right; -1 in
-            modes "turn" and "token".
+            modes "turn" and "token". For a share of a larger batch (``whole_batch``) the indices count from 0
+            in the share; adding the span count of the shares before it gives the whole batch's.
         threshold: the segmentation threshold tau (math.inf when none: no valid distance, or no spans).
         metrics: the m2/* and episode/* diagnostics of ALGORITHM.md §4.3 as Python floats.
         turn_gap: [M] g_u, mean corrected gap over the turn's policy tokens.
@@ -283,19 +289,22 @@ def _allocate_tokens(t: _Turns, cfg: CreditConfig, impl: str) -> _Allocation:
     )
 
 
-def _allocate_spans(t: _Turns, cfg: CreditConfig, impl: str, mx: Metrics) -> _Allocation:
+def _allocate_spans(t: _Turns, cfg: CreditConfig, impl: str, mx: Metrics, whole: WholeBatch | None) -> _Allocation:
     """Modes "adaptive" (E), "random" (D) and "turn" (C: one span per trajectory): span budgets b, within-span
-    budgets q, raw density h (§3.7), box projection (§3.8), mixing (§3.9)."""
+    budgets q, raw density h (§3.7), box projection (§3.8), mixing (§3.9). ``whole``: see ``allocate_credit``."""
     index = t.index
     traj_s, t_count = index.traj_M, index.num_trajectories
     dev = t.gap.device
     tc = cfg.credit_temperature
     dists = kind_s = None
-    if cfg.mode == "turn":
+    if not cfg.uses_distances:  # mode "turn"
         seg_s, n_seg = traj_s, t_count
     else:
-        dists = batch_distances(index, t.H, t.E, cfg, mx)
-        seg_s, kind_s, n_seg = segment_trajectories(index, dists.d_s, dists.bvalid_s, dists.threshold, cfg, impl, mx)
+        dists = batch_distances(index, t.H, t.E, cfg, mx, whole)
+        first = whole.trajectory_offset if whole is not None else 0
+        seg_s, kind_s, n_seg = segment_trajectories(
+            index, dists.d_s, dists.bvalid_s, dists.threshold, cfg, impl, mx, trajectory_offset=first
+        )
     seg_traj = torch.zeros(n_seg, dtype=torch.long, device=dev).index_put_((seg_s,), traj_s)
     turns_seg = _group_sum(torch.ones_like(t.s_s), seg_s, n_seg)
     S_seg = _group_sum(t.s_s, seg_s, n_seg) / turns_seg  # unweighted mean over the span's turns
@@ -433,6 +442,7 @@ def allocate_credit(
     config: CreditConfig | None = None,
     *,
     invalid: Tensor | None = None,
+    whole_batch: WholeBatch | None = None,
 ) -> Credit:
     """Mechanism 2: token advantages from outcome advantage, corrected gaps and correspondence (§3).
 
@@ -448,6 +458,12 @@ def allocate_credit(
         invalid: optional [M] bool, the environment rejected the turn's action. With
             config.invalid_penalty > 0, the residual of §3.10 is added to the token advantages after
             allocation (outside budget conservation).
+        whole_batch: the turns given are one share of a larger batch (data parallelism: whole tasks per
+            rank) and these are the whole batch's statistics (:class:`WholeBatch`): its threshold tau, turn
+            count M (ln M of the "entropy" distance), task-block width and the share's first trajectory
+            index (mode "random" seeds). Everything else of §3 is per task or per trajectory, so the share
+            gets exactly the spans, budgets and token advantages of its turns in the whole batch; only
+            ``segment_index`` counts from 0 in the share. None: the turns given are the whole batch.
     Returns:
         Credit (see its docstring); per-turn tensors in the order given, float32 (or bool/long).
     Raises:
@@ -460,8 +476,13 @@ def allocate_credit(
         raise ValueError(f"config: expected a CreditConfig, got {type(cfg).__name__}")
     impl = _native.resolve_impl(cfg.impl, "impl")
     t = _turns(gap, mask, outcome, task, rollout, turn, H, eligible, invalid, cfg)
+    if whole_batch is not None:
+        if not isinstance(whole_batch, WholeBatch):
+            raise ValueError(f"whole_batch: expected a WholeBatch, got {type(whole_batch).__name__}")
+        whole_batch.check_share(turns=t.m, width=t.index.largest_task_turns)
+        whole_batch.check_threshold(cfg)
     mx = Metrics(t.gap.device)
-    a = _allocate_tokens(t, cfg, impl) if cfg.mode == "token" else _allocate_spans(t, cfg, impl, mx)
+    a = _allocate_tokens(t, cfg, impl) if cfg.mode == "token" else _allocate_spans(t, cfg, impl, mx, whole_batch)
     err_x, err_w = _conservation_errors(t, a)
     _allocation_metrics(mx, t, a, cfg, err_x, err_w)
     return _credit(t, a, mx.result())

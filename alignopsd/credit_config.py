@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from alignopsd import _native
 from alignopsd._checks import check_choice, check_real
 
-__all__ = ["DISTANCES", "GRPO_SCOPES", "MODES", "WEIGHTINGS", "CreditConfig"]
+__all__ = ["DISTANCES", "GRPO_SCOPES", "MODES", "WEIGHTINGS", "CreditConfig", "WholeBatch"]
 
 MODES = ("adaptive", "turn", "token", "random")
 WEIGHTINGS = ("legacy", "bounded")
@@ -97,8 +98,85 @@ class CreditConfig:
         self.invalid_penalty = check_real(self.invalid_penalty, "invalid_penalty", lo=0.0)
 
     @property
+    def uses_distances(self) -> bool:
+        """The mode computes profiles, adjacent distances and the threshold (§3.2-§3.4): "adaptive" and "random"
+        (which keeps them for its diagnostics and the repair's guided fallback); "turn" and "token" do not."""
+        return self.mode in ("adaptive", "random")
+
+    @property
     def box(self) -> tuple[float, float]:
         """(lo, hi) of the projected density x."""
         if self.weighting == "legacy":
             return 0.0, self.density_upper_bound
         return 1.0 - self.multiplier_band, 1.0 + self.multiplier_band
+
+
+def _count(v, name: str, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class WholeBatch:
+    """The whole batch's statistics, for a Mechanism 2 call that sees only one share of the batch.
+
+    Under data parallelism every rank holds whole tasks of the step's batch (all rollouts of a task on one rank),
+    so the per-task and per-trajectory rules of §3 need nothing from the other ranks; these are the quantities
+    §3 takes over the whole batch. The engine gathers them over the ranks and passes them in; with them a share
+    gets exactly (bit for bit) the spans, budgets and token advantages its turns get when the whole batch is
+    allocated in one call. The shares must be in identity order across the ranks (every task of a lower rank
+    sorts before the tasks of a higher rank).
+
+    turns: M of the whole batch, the normaliser ln M of the "entropy" distance (§3.3).
+    block_width: turns of the whole batch's largest task: the width of the task blocks the profile and distance
+        sums run over (rows padded to another width sum in another order and differ in the last bits).
+    trajectory_offset: trajectories of the whole batch before this share in sorted (task, rollout) order; mode
+        "random" (ablation D) seeds trajectory j of the share with Random(seed + trajectory_offset + j) (§3.11).
+    threshold: tau of §3.4 over the valid adjacent distances of the whole batch (``segmentation_threshold`` of
+        the distances gathered from every share, each from ``profiles.valid_distances``); math.inf when none is
+        valid. None: not known yet (what ``valid_distances`` is given); ``allocate_credit`` requires it in the
+        modes that segment ("adaptive", "random").
+    """
+
+    turns: int
+    block_width: int
+    trajectory_offset: int = 0
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        _count(self.turns, "whole_batch.turns", 1)
+        _count(self.block_width, "whole_batch.block_width", 1)
+        _count(self.trajectory_offset, "whole_batch.trajectory_offset", 0)
+        tau = self.threshold
+        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau)):
+            raise ValueError(f"whole_batch.threshold: expected a real number, math.inf or None, got {tau!r}")
+        if self.block_width > self.turns:
+            raise ValueError(
+                f"whole_batch.block_width: {self.block_width} exceeds the whole batch's {self.turns} turns"
+            )
+
+    def check_share(self, *, turns: int, width: int) -> None:
+        """ValueError naming the field when a share of ``turns`` turns, ``width`` of them in its largest task,
+        cannot be part of this whole batch."""
+        if turns > self.turns:
+            raise ValueError(f"whole_batch.turns: {self.turns} is fewer than this share's {turns} turns")
+        if width > self.block_width:
+            raise ValueError(
+                f"whole_batch.block_width: {self.block_width} is smaller than this share's largest task ({width} turns)"
+            )
+
+    def check_threshold(self, config: CreditConfig) -> None:
+        """ValueError naming ``whole_batch.threshold`` when it is missing in a mode that segments, or is not a
+        threshold of ``config`` (math.inf, or clipped to [tau_min, tau_max])."""
+        tau = self.threshold
+        if config.uses_distances and tau is None:
+            raise ValueError(
+                f"whole_batch.threshold: required in mode {config.mode!r} (tau is the quantile over the whole "
+                "batch's valid distances)"
+            )
+        if tau is not None and tau != math.inf and not config.tau_min <= tau <= config.tau_max:
+            raise ValueError(
+                f"whole_batch.threshold: {tau} is neither math.inf nor inside [tau_min, tau_max] = "
+                f"[{config.tau_min}, {config.tau_max}]"
+            )

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ids, check_ndim, check_real, check_shape
 from alignopsd.advantage import grpo_advantage, invalid_action_residual
-from alignopsd.credit import allocate_credit
+from alignopsd.credit import WholeBatch, allocate_credit
 from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.losses import AuxTerm
 from alignopsd.rectify import Rectified, check_finite_fast, rectify
@@ -73,6 +73,10 @@ class EstimatorInputs:
     step: the training step (0-based), for schedules (RLSD λ).
     rectification: a precomputed :func:`rectify_inputs` result (the engine computes it first, to time it as its
     own phase); None: the estimator computes it.
+    whole_batch: the turns are one data-parallel share of the step's batch (whole tasks) and these are the whole
+    batch's statistics, gathered over the ranks by the engine (:class:`alignopsd.credit_config.WholeBatch`;
+    Mechanism 2's threshold, ln M, block width, trajectory offset); None: the turns are the whole batch. Every
+    other estimator statistic is per task, trajectory or turn, so only Mechanism 2 reads it.
     """
 
     old_logp: Tensor
@@ -90,6 +94,7 @@ class EstimatorInputs:
     copies: Tensor | None = None
     step: int = 0
     rectification: tuple[Rectified, Tensor, dict[str, float]] | None = None
+    whole_batch: WholeBatch | None = None
 
     def __post_init__(self) -> None:
         self.task, self.rollout, self.turn = check_ids(self.task, self.rollout, self.turn)
@@ -459,7 +464,17 @@ def _alignopsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     rect, gap, metrics = _rectification(inp, cfg)
     invalid = inp.invalid if cfg.use_invalid_penalty else None
     credit = allocate_credit(
-        gap, inp.mask, inp.outcome, inp.task, inp.rollout, inp.turn, inp.H, inp.eligible, cfg.credit, invalid=invalid
+        gap,
+        inp.mask,
+        inp.outcome,
+        inp.task,
+        inp.rollout,
+        inp.turn,
+        inp.H,
+        inp.eligible,
+        cfg.credit,
+        invalid=invalid,
+        whole_batch=inp.whole_batch,
     )
     adv = credit.token_advantage.to(inp.old_logp.device).float()  # includes the §3.10 residual
     metrics.update({k: float(v) for k, v in credit.metrics.items()})

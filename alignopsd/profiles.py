@@ -6,6 +6,7 @@ tensors meet (``P_MM``, ``H_GSN`` = [task, source, target]).
 
 Profiles P[t, s] = softmax over eligible s of H[s, t] / T_p, per task block (§3.2); adjacent distances with
 their validity rules (§3.3); the batch threshold tau (§3.4). Everything here is float32 and detached.
+:func:`valid_distances` gives one share's part of the threshold's population (data parallelism).
 
 Paths: everything runs on the entries of ``alignopsd.kernels`` (Triton on CUDA, the kernels' torch path on
 CPU): the public dense entries (:func:`correspondence_profiles`, :func:`boundary_scores`) on the dense block
@@ -33,8 +34,8 @@ from alignopsd._checks import (
     check_square,
 )
 from alignopsd._kernels import use_kernels
-from alignopsd.advantage import TurnIndex
-from alignopsd.credit_config import DISTANCES, CreditConfig
+from alignopsd.advantage import TurnIndex, build_turn_index
+from alignopsd.credit_config import DISTANCES, CreditConfig, WholeBatch
 from alignopsd.kernels import batch_threshold, boundary_scores_rows, profile_rows, profiles_blocks
 from alignopsd.kernels import boundary_scores as kernel_boundary_scores
 from alignopsd.kernels.blocks import blocks_from_order, packed_rows
@@ -47,6 +48,7 @@ __all__ = [
     "boundary_scores",
     "correspondence_profiles",
     "segmentation_threshold",
+    "valid_distances",
 ]
 
 NEAR_ZERO_DISTANCE = 1e-6  # a valid distance at or below this counts in m2/near_zero_jsd_rate
@@ -137,6 +139,8 @@ def segmentation_threshold(
     """tau = clip(quantile_q of the valid distances (linear interpolation), tau_min, tau_max) (§3.4).
 
     The population is every valid adjacent pair of the whole batch. Returns ``math.inf`` when none is valid.
+    When the batch is split into shares (data parallelism), pass the concatenated :func:`valid_distances` of
+    every share (all valid): the quantile depends only on the multiset, so it is the whole batch's tau exactly.
     """
     quantile = check_real(quantile, "quantile", lo=0.0, hi=1.0)
     tau_min = check_real(tau_min, "tau_min")
@@ -156,17 +160,18 @@ def _top1_top3(P_RN: Tensor) -> tuple[Tensor, Tensor]:
     return v[:, 0], v.sum(-1)
 
 
-def _task_blocks(index: TurnIndex, H: Tensor, E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _task_blocks(index: TurnIndex, H: Tensor, E: Tensor, width: int | None) -> tuple[Tensor, Tensor, Tensor]:
     """Same-task blocks H_GSN, E_GSN ([task, source, target], padded to N with ineligible cells) and
     the local position of each turn (identity order) inside its block.
 
-    The layout is the kernels' task blocks (``alignopsd.kernels.blocks``) of the identity-sorted turns.
+    The layout is the kernels' task blocks (``alignopsd.kernels.blocks``) of the identity-sorted turns; N is
+    ``width`` when given (the whole batch's, for a share of it), else the largest task's turn count.
     Only same-task cells are read: B is false across tasks by definition (§2.3).
     """
     m = index.num_turns
     dev = H.device
     order = index.order_M
-    b = blocks_from_order(order, index.task_M, index.traj_M)
+    b = blocks_from_order(order, index.task_M, index.traj_M, width=width)
     g, nmax = b.idx_TN.shape
     local = b.slot_M[order]
     identity = bool((order == torch.arange(m, device=dev)).all())
@@ -192,12 +197,19 @@ class BatchDistances:
     threshold: float
 
 
-def batch_distances(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, mx: Metrics) -> BatchDistances:
+def batch_distances(
+    index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, mx: Metrics, whole: WholeBatch | None = None
+) -> BatchDistances:
     """Profiles (§3.2), adjacent distances (§3.3) and the threshold (§3.4) of a whole batch, for
-    ``allocate_credit``; records the profile and distance diagnostics in ``mx``."""
+    ``allocate_credit``; records the profile and distance diagnostics in ``mx``.
+
+    ``whole``: the turns are one share of a larger batch: the blocks are ``whole.block_width`` wide, the
+    "entropy" distance divides by ln ``whole.turns``, and tau is ``whole.threshold`` (when known; else the
+    share's own quantile)."""
     m = index.num_turns
     dev = H.device
-    H_GSN, E_GSN, local = _task_blocks(index, H, E)
+    width = whole.block_width if whole is not None else None
+    H_GSN, E_GSN, local = _task_blocks(index, H, E, width)
     E_GNS = E_GSN.transpose(1, 2).contiguous()  # eligibility column of each target, as rows
     g, nmax = int(E_GNS.shape[0]), int(E_GNS.shape[1])
     rows = g * nmax
@@ -214,14 +226,24 @@ def batch_distances(index: TurnIndex, H: Tensor, E: Tensor, cfg: CreditConfig, m
         H_GSN.transpose(1, 2), E_GNS, gamma=cfg.gamma, temperature=cfg.profile_temperature, impl=_impl(H, E)
     )
     valid_R, P_VN, negent_V = pr.valid_BT.reshape(rows), pr.P_VN, pr.negent_V
-    blocks = blocks_from_order(torch.arange(m, device=dev), index.task_M, index.traj_M)  # the blocks of H_GSN
+    blocks = blocks_from_order(torch.arange(m, device=dev), index.task_M, index.traj_M, width=width)  # of H_GSN
     d_s, bvalid_s = boundary_scores_rows(
-        P_VN, pr.valid_BT, E_GNS, blocks, negent_V=negent_V, distance=cfg.distance, impl=_impl(H, E)
+        P_VN,
+        pr.valid_BT,
+        E_GNS,
+        blocks,
+        negent_V=negent_V,
+        distance=cfg.distance,
+        impl=_impl(H, E),
+        num_turns=whole.turns if whole is not None else None,
     )
     both = valid_R[k] & valid_R[k + 1]
     ok = bvalid_s[cur]  # = both & same_mask: the kernels apply the same structural rule
     dist = d_s[bvalid_s]
-    tau = batch_threshold(d_s, bvalid_s, quantile=cfg.quantile, tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+    if whole is not None and whole.threshold is not None:
+        tau = float(whole.threshold)
+    else:
+        tau = batch_threshold(d_s, bvalid_s, quantile=cfg.quantile, tau_min=cfg.tau_min, tau_max=cfg.tau_max)
     valid_s = valid_R[row_s]
 
     mx.rate("m2/profile_valid_rate", valid_s)
@@ -251,3 +273,39 @@ def _profile_metrics(mx: Metrics, P_VN: Tensor, negent_V: Tensor) -> None:
     else:
         for key in ("entropy", "max_prob", "top3_mass", "effective_support"):
             mx.put(f"m2/profile_{key}_mean", 0.0)
+
+
+def valid_distances(
+    task: Tensor,
+    rollout: Tensor,
+    turn: Tensor,
+    H: Tensor,
+    eligible: Tensor,
+    config: CreditConfig,
+    *,
+    whole_batch: WholeBatch | None = None,
+) -> Tensor:
+    """The valid adjacent distances of a batch (§3.3): the population of the threshold (§3.4), float32 [V].
+
+    Computed exactly as ``allocate_credit`` computes them (same path, same bits), so that a batch split into
+    shares (data parallelism) gets the whole batch's tau: each share passes ``whole_batch`` (its ``turns`` and
+    ``block_width``; the threshold is not read), the shares' results are concatenated and
+    :func:`segmentation_threshold` of them, with every entry valid, is the whole batch's tau (the quantile does
+    not depend on the order of its population). Arguments as ``allocate_credit``'s; ids in any order.
+    """
+    if not isinstance(config, CreditConfig):
+        raise ValueError(f"config: expected a CreditConfig, got {type(config).__name__}")
+    task_t, roll_t, turn_t = check_ids(task, rollout, turn)
+    m = int(task_t.shape[0])
+    if m == 0:
+        raise ValueError("task: empty batch (M = 0)")
+    H_f = check_square(H, "H", m, floating=True).detach()
+    dev = H_f.device
+    E_b = check_square(eligible, "eligible", m, floating=False).to(dev)
+    index = build_turn_index(task_t.to(dev), roll_t.to(dev), turn_t.to(dev))
+    if whole_batch is not None:
+        if not isinstance(whole_batch, WholeBatch):
+            raise ValueError(f"whole_batch: expected a WholeBatch, got {type(whole_batch).__name__}")
+        whole_batch.check_share(turns=m, width=index.largest_task_turns)
+    dists = batch_distances(index, H_f, E_b, config, Metrics(dev), whole_batch)
+    return dists.d_s[dists.bvalid_s]

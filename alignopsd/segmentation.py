@@ -270,24 +270,37 @@ def segment_random(
     return Segmentation.from_boundaries(n, random_lists(n, min_len, max_len, seed, d_l, v_l, tau_min))
 
 
-def _random_batch(d_s: Tensor, bvalid_s: Tensor, offsets: Tensor, cfg: CreditConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Ablation D on every trajectory: Python's random.Random(seed + trajectory index); same outputs as
-    :func:`segment_batch`."""
+def _random_batch(
+    d_s: Tensor, bvalid_s: Tensor, offsets: Tensor, cfg: CreditConfig, first: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Ablation D on every trajectory: Python's random.Random(seed + trajectory index), the index counted from
+    ``first`` (the batch's first trajectory in the whole batch); same outputs as :func:`segment_batch`."""
     d_l, v_l, o_l = d_s.tolist(), bvalid_s.tolist(), offsets.tolist()
+    lo, hi, base = cfg.min_span_turns, cfg.max_span_turns, cfg.seed + first
     return _pack(
-        random_lists(e - s, cfg.min_span_turns, cfg.max_span_turns, cfg.seed + j, d_l[s:e], v_l[s:e], cfg.tau_min)
+        random_lists(e - s, lo, hi, base + j, d_l[s:e], v_l[s:e], cfg.tau_min)
         for j, (s, e) in enumerate(zip(o_l[:-1], o_l[1:]))
     )
 
 
 def segment_trajectories(
-    index: TurnIndex, d_s: Tensor, bvalid_s: Tensor, tau: float, cfg: CreditConfig, impl: str, mx: Metrics
+    index: TurnIndex,
+    d_s: Tensor,
+    bvalid_s: Tensor,
+    tau: float,
+    cfg: CreditConfig,
+    impl: str,
+    mx: Metrics,
+    *,
+    trajectory_offset: int = 0,
 ) -> tuple[Tensor, Tensor, int]:
     """Spans of every trajectory of a batch (identity order): mode "adaptive" (§3.5) or "random" (§3.11 D).
 
     d_s [M] float32 and bvalid_s [M] bool are the adjacent distances in identity order; tau the batch
-    threshold. Returns (seg_s [M] long global span index, kind_s [M] int8 kind of the boundary starting at
-    each turn, number of spans) and records the boundary and span metrics in ``mx``.
+    threshold (the whole batch's, when the batch is a share of it). trajectory_offset: trajectories of the
+    whole batch before this one in sorted (task, rollout) order (mode "random" seeds by the global index).
+    Returns (seg_s [M] long span index in this batch, kind_s [M] int8 kind of the boundary starting at each
+    turn, number of spans) and records the boundary and span metrics in ``mx``.
     """
     m = index.num_turns
     dev = d_s.device
@@ -297,7 +310,7 @@ def segment_trajectories(
             d_s, bvalid_s, offsets, tau, cfg.min_span_turns, cfg.max_span_turns, cfg.tau_min, impl
         )
     else:
-        pos, kinds, bo = _random_batch(d_s, bvalid_s, offsets, cfg)
+        pos, kinds, bo = _random_batch(d_s, bvalid_s, offsets, cfg, trajectory_offset)
     pos, kinds, bo = pos.to(dev), kinds.to(dev), bo.to(dev)
     traj_of_b = torch.repeat_interleave(torch.arange(index.num_trajectories, device=dev), bo[1:] - bo[:-1])
     flat = offsets[:-1][traj_of_b] + pos

@@ -34,3 +34,23 @@ def reduce_metrics(gathered: list[dict[str, float]]) -> dict[str, float]:
             continue
         out[k] = sum(vals) if "count" in k else (max(vals) if k.endswith("_max") else sum(vals) / len(vals))
     return out
+
+
+def all_gather_tensors(t: torch.Tensor, world_size: int, group=None) -> list[torch.Tensor]:
+    """Every data-parallel rank's ``t`` in rank order (its first dimension may differ between ranks), exact
+    copies on ``t``'s device (on the GPU in transit under NCCL). Single-process: ``[t]``."""
+    if world_size <= 1:
+        return [t]
+    import torch.distributed as dist
+
+    dev = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    x = t.detach().to(dev).contiguous()
+    n = torch.tensor([x.shape[0]], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(world_size)]
+    dist.all_gather(sizes, n, group=group)
+    counts = [int(s) for s in sizes]
+    padded = torch.zeros((max(max(counts), 1), *x.shape[1:]), dtype=x.dtype, device=dev)
+    padded[: x.shape[0]] = x
+    bufs = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(bufs, padded, group=group)
+    return [b[:c].to(t.device) for b, c in zip(bufs, counts)]

@@ -40,6 +40,7 @@ from .regions import region_metrics, response_regions
 from .teacher_pass import M1Result, mechanism1, teacher_diagonal
 from .tp_broadcast import group_rollout, group_sampling
 from .update import ppo_update
+from .whole_batch import globalise_spans, whole_batch
 
 log = logging.getLogger("alignopsd.step")
 
@@ -149,7 +150,12 @@ def estimate(
     """Run the configured estimator; returns (its output, span lengths of the M2 segments, metrics).
 
     With alignment, rectification (§2.7) runs first as its own ``rectify`` phase (an alignment cost), and the
-    estimator takes its result. ``counts``: [M] rows per canonical turn (§1.2)."""
+    estimator takes its result. ``counts``: [M] rows per canonical turn (§1.2).
+
+    Data parallelism: ``cb`` is this rank's share of the step's batch (whole tasks). Mechanism 2's whole-batch
+    statistics (threshold, ln M, block width, trajectory offset) are gathered over the data-parallel ranks
+    before the estimator runs, and the span indices made global after it (engine/whole_batch.py), so the
+    spans, budgets and token advantages are exactly those of the whole batch on one rank."""
     m1 = m1 or M1Result()
     dev = parts.device  # the estimator runs where the model is: on CUDA the core reaches the Triton kernels
 
@@ -175,8 +181,13 @@ def estimate(
     if phases["alignment"]:
         with parts.profiler.phase("rectify"):
             inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
+    credit_cfg, dp = parts.cfg.algorithm.credit, (parts.rank, parts.world_size, parts.dp_group)
     with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
+        if phases["mechanism2"]:
+            inputs.whole_batch = whole_batch(inputs, credit_cfg, *dp)  # None single-process
         out = parts.estimator(inputs, parts.cfg.algorithm)
+        if phases["mechanism2"]:
+            globalise_spans(out.credit, credit_cfg, *dp)
     metrics = {k: float(v) for k, v in out.metrics.items() if isinstance(v, (int, float))}
     spans: list[int] = []
     seg = getattr(out.credit, "segment_index", None) if out.credit is not None else None

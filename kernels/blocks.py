@@ -100,10 +100,12 @@ def task_blocks(task: Tensor, rollout: Tensor, turn: Tensor) -> Blocks:
     return blocks_from_order(order, torch.cumsum(new_task.long(), 0) - 1, torch.cumsum(new_traj.long(), 0) - 1)
 
 
-def blocks_from_order(order: Tensor, task_idx: Tensor, traj_idx: Tensor) -> Blocks:
+def blocks_from_order(order: Tensor, task_idx: Tensor, traj_idx: Tensor, *, width: int | None = None) -> Blocks:
     """The block layout of turns already in identity order: ``order`` [M] turn indices in identity order,
     ``task_idx`` / ``traj_idx`` [M] the task and trajectory index (0, 1, ... in identity order) of each sorted
-    turn."""
+    turn. ``width``: the block size N (None: the largest task's turn count; else at least that). A share of a
+    larger batch passes the whole batch's N, so that its row sums run over exactly the cells of the whole
+    batch's blocks (the sums of padded rows depend on their length in the last bits)."""
     M = order.numel()
     dev = order.device
     T = int(task_idx[-1]) + 1 if M else 0
@@ -112,6 +114,10 @@ def blocks_from_order(order: Tensor, task_idx: Tensor, traj_idx: Tensor) -> Bloc
     pos = torch.arange(M, device=dev) - starts[task_idx]
     local_roll = traj_idx - traj_idx[starts][task_idx]
     N = int(counts.max()) if M else 0
+    if width is not None:
+        if isinstance(width, bool) or not isinstance(width, int) or width < N:
+            raise ValueError(f"width: expected an int >= the largest task's {N} turns, got {width!r}")
+        N = width
     idx = torch.zeros(T, N, dtype=torch.long, device=dev)
     member = torch.zeros(T, N, dtype=torch.bool, device=dev)
     lroll = torch.zeros(T, N, dtype=torch.long, device=dev)

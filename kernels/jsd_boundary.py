@@ -11,7 +11,8 @@ Trajectories are the (task, rollout) runs of the identity-sorted turns; every co
 
     boundary_valid[cur] = valid[prev] & valid[cur] & (B[:, prev] == B[:, cur])
     jsd     = (0.5 (sum p log p + sum q log q) - sum m log m) / ln 2, m = (p + q)/2, clamped to [0, 1]
-    entropy = |H(p) - H(q)| / ln M          (M = the whole batch's turn count)
+    entropy = |H(p) - H(q)| / ln M          (M = the whole batch's turn count: ``num_turns`` when the turns
+                                             given are one share of a larger batch)
     cosine  = 1 - <p, q> / (|p| |q|), clamped to [0, 1]
     d[cur]  = distance if boundary_valid[cur] else 0; the first turn of a trajectory is never a boundary
 
@@ -209,6 +210,15 @@ def _pair_stats_triton(P_BTS: Tensor, E_BTS: Tensor, rowp: Tensor, rowq: Tensor)
     return out
 
 
+def _norm_turns(num_turns: int | None, M: int) -> int:
+    """The M of the "entropy" normaliser ln M: the turns given, or the whole batch's count they belong to."""
+    if num_turns is None:
+        return M
+    if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < M:
+        raise ValueError(f"num_turns: expected an int >= the {M} turns given, got {num_turns!r}")
+    return num_turns
+
+
 def _distance(stats: Tensor, distance: str, M: int) -> Tensor:
     if distance == "jsd":
         jsd = 0.5 * (stats[0] + stats[1]) - stats[2]
@@ -249,28 +259,32 @@ def boundary_scores_blocks(
     *,
     distance: str = "jsd",
     impl: str = "auto",
+    num_turns: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`boundary_scores` on the block form (e.g. ``SiblingTopK.P_BTS``/``E_BTS``/``blocks``).
 
     P_BTS [T, N, N] float (target-major profiles), E_BTS [T, N, N] bool (E_BTS[b, t, s] = B[s, t]),
     profile_valid [M] bool. Returns d [M] float32, boundary_valid [M] bool. The torch path scores the valid
     rows as :func:`boundary_scores_rows` does, on a compacted copy unless nearly all rows are valid.
+    num_turns: the M of the "entropy" normaliser ln M (None: the M turns given; the whole batch's turn count
+    when they are one share of it).
     """
     _check_distance(distance)
     impl = resolve_impl(impl, P_BTS)
     M = profile_valid.shape[0]
+    norm_m = _norm_turns(num_turns, M)
     T, N = P_BTS.shape[0], P_BTS.shape[1]
     prev, cur, rowp = _pairs(blocks, N)
     if impl == "triton":
         stats = _pair_stats_triton(P_BTS, E_BTS, rowp, rowp + 1)
         ok = profile_valid[prev] & profile_valid[cur] & (stats[6] == 0)
-        return _scores(M, cur, ok, _distance(stats, distance, M)[ok])
+        return _scores(M, cur, ok, _distance(stats, distance, norm_m)[ok])
     valid_R = torch.zeros(T * N, dtype=torch.bool, device=P_BTS.device)
     valid_R[blocks.block_M * N + blocks.slot_M] = profile_valid
     P_RN = P_BTS.reshape(-1, N).float()
     rows = valid_R.nonzero().view(-1)
     P_XN = P_RN.index_select(0, rows) if rows.numel() < _COMPACT_BELOW * valid_R.numel() else P_RN
-    ok, dist = _scores_torch(P_XN, None, valid_R, E_BTS.reshape(-1, N), rowp, distance, M)
+    ok, dist = _scores_torch(P_XN, None, valid_R, E_BTS.reshape(-1, N), rowp, distance, norm_m)
     return _scores(M, cur, ok, dist)
 
 
@@ -284,12 +298,13 @@ def boundary_scores_rows(
     negent_V: Tensor | None = None,
     distance: str = "jsd",
     impl: str = "auto",
+    num_turns: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`boundary_scores_blocks` from the valid profile rows only (``profiles.profile_rows``).
 
     P_VN [V, N] float32: the rows r of the flattened [T*N, N] blocks with valid_BT.view(-1)[r], in row order;
     valid_BT [T, N] bool; negent_V [V] (optional): sum p log p of those rows, reused by "jsd" and "entropy".
-    E_BTS, blocks: as :func:`boundary_scores_blocks`. Returns d [M] float32, boundary_valid [M] bool.
+    E_BTS, blocks, num_turns: as :func:`boundary_scores_blocks`. Returns d [M] float32, boundary_valid [M] bool.
     """
     _check_distance(distance)
     impl = resolve_impl(impl, P_VN)
@@ -301,10 +316,13 @@ def boundary_scores_rows(
         P_RN = torch.zeros(T * N, N, dtype=torch.float32, device=P_VN.device)
         P_RN[valid_R] = P_VN.float()
         pv = valid_BT[blocks.block_M, blocks.slot_M]
-        return boundary_scores_blocks(P_RN.view(T, N, N), E_BTS, pv, blocks, distance=distance, impl=impl)
+        return boundary_scores_blocks(
+            P_RN.view(T, N, N), E_BTS, pv, blocks, distance=distance, impl=impl, num_turns=num_turns
+        )
     prev, cur, rowp = _pairs(blocks, N)
     M = blocks.block_M.shape[0]
-    ok, dist = _scores_torch(P_VN.float(), negent_V, valid_R, E_BTS.reshape(-1, N), rowp, distance, M)
+    norm_m = _norm_turns(num_turns, M)
+    ok, dist = _scores_torch(P_VN.float(), negent_V, valid_R, E_BTS.reshape(-1, N), rowp, distance, norm_m)
     return _scores(M, cur, ok, dist)
 
 
