@@ -6,8 +6,9 @@ section included). Resuming compares it key by key with the config of the new ru
 * changes that do not alter the trajectory of training are allowed and listed: the run's name and output
   directory, save cadence and retention, logging and report switches, validation before/after training,
   environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and the
-  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, so it
-  reshards to any data-parallel size at the same tensor-parallel size);
+  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one
+  keys its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same
+  tensor-parallel size);
 * every other change (model, estimator or any algorithm setting, seed, group size, environment, learning
   rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
   ``--allow-config-change``;
