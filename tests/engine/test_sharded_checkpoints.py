@@ -138,9 +138,10 @@ def _torchrun(nproc: int, out: Path, *args: str, runner: tuple[str, ...] = ()) -
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", RUNNER, *runner,
-           "--config", TINY, *GUESS, "--set", "policy.backend=megatron", "--set", f"output_dir={out}", *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", RUNNER, *runner, "--config", TINY,
+           *GUESS, "--set", "policy.backend=megatron", "--set", f"output_dir={out}", *args]  # fmt: skip
+    # about a minute each on a quiet 2-core machine; far longer when the machine is shared
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
 
 
 def _metrics(out: Path, step: int) -> dict:
@@ -184,8 +185,9 @@ def test_tp2_resume_after_a_kill_is_bit_identical(tmp_path):
     assert eval_main(["--config", TINY, "--checkpoint", str(final), "--set", "env.val_tasks=1"]) == 0
 
     r = _torchrun(1, killed, *run[2:], "--set", "trainer.total_steps=3", "--resume", "auto", "--allow-config-change")
-    assert r.returncode == 2 and "policy.tensor_parallel_size: 2 -> 1" in r.stderr and "sharded" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr  # torchrun reports the command's exit code 2
+    assert "config error: --resume:" in r.stderr and "is a sharded checkpoint" in r.stderr
+    assert "policy.tensor_parallel_size: 2 -> 1" in r.stderr and "[rank0]: Traceback" not in r.stderr
 
 
 @pytest.mark.slow
