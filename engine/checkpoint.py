@@ -9,6 +9,14 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
     trainer_state.json         step, data position, the resolved run config, metrics summary
     manifest.json              every file above with its size and CRC-32 (engine/manifest.py), written last
 
+A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
+optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
+state, written by every rank; see the backend's ``save_checkpoint``), listed in the same manifest as every
+other file; ``trainer_state.json`` says ``"sharded": true``. Its ``model.safetensors`` (+ ``config.json``) is a
+Hugging Face export of the gathered weights, written only on the steps the caller asks for (the trainer: every
+``trainer.export_hf_freq`` steps and at the end of the run), for evaluation and serving; it is never read back
+to resume.
+
 Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, flushed to disk, listed in the
 manifest, and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
 on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
@@ -36,13 +44,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import MANIFEST, ManifestError, file_entry, fsync_dir, verify_manifest, write_manifest
+from .manifest import (
+    MANIFEST,
+    ManifestError,
+    file_entry,
+    fsync_dir,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 from .statefile import load_state, save_state
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+SHARDS_DIR = "shards"
+SHARDS_METADATA = f"{SHARDS_DIR}/.metadata"  # written last by torch.distributed.checkpoint: the shards are all there
 
 
 class UnsafeStateError(RuntimeError):
@@ -85,6 +103,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # discovery
 
 
+def _require_weights(path: Path, files: dict[str, Any]) -> None:
+    """A checkpoint holds its weights: the Hugging Face weights file or a sharded folder."""
+    if WEIGHTS_FILE not in files and SHARDS_METADATA not in files:
+        raise ManifestError(
+            f"{path}: neither {WEIGHTS_FILE!r} nor {SHARDS_METADATA!r} is listed in {MANIFEST} (missing part)"
+        )
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """A checkpoint directory under its final name whose manifest lists the weights and the trainer state and
     whose files have the listed sizes (cheap: no checksums; :func:`verify_checkpoint` checks those)."""
@@ -92,7 +118,7 @@ def is_complete(path: str | os.PathLike) -> bool:
     if not path.is_dir() or not STEP_RE.match(path.name):
         return False
     try:
-        verify_manifest(path, checksums=False, require=(STATE_FILE, WEIGHTS_FILE))
+        _require_weights(path, verify_manifest(path, checksums=False, require=(STATE_FILE,)))
     except ManifestError:
         return False
     return True
@@ -116,12 +142,13 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     computed once per process while no file of the checkpoint changes (size, modification time, inode)."""
     path = Path(path)
     key = str(path.resolve())
-    files = verify_manifest(path, checksums=False, require=(STATE_FILE, WEIGHTS_FILE))
+    files = verify_manifest(path, checksums=False, require=(STATE_FILE,))
+    _require_weights(path, files)
     before = _stat_key(path, sorted(files))
     if before is not None and _VERIFIED.get(key) == before:
         return files
     _VERIFIED.pop(key, None)
-    files = verify_manifest(path, require=(STATE_FILE, WEIGHTS_FILE))
+    files = verify_manifest(path, require=(STATE_FILE,))
     if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
         _VERIFIED[key] = before
     return files
@@ -159,17 +186,30 @@ def _plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def check_finite(state_dict: dict[str, torch.Tensor], *, step: int, ckpt_dir: str | os.PathLike) -> None:
+def check_finite(
+    state_dict: dict[str, torch.Tensor],
+    *,
+    step: int,
+    ckpt_dir: str | os.PathLike,
+    gather: Callable[[Any], list[Any]] | None = None,
+) -> None:
     """Raise UnsafeStateError when a floating-point tensor holds NaN or inf (names the tensor and the newest
-    complete checkpoint, from which the run can be resumed)."""
-    for k, v in state_dict.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            last = latest_checkpoint(ckpt_dir)
-            where = f"the last good checkpoint is {last}" if last else "there is no earlier checkpoint"
-            raise UnsafeStateError(
-                f"weights at step {step} are not finite ({k!r} holds NaN or inf); nothing was saved and the run "
-                f"stops; {where}"
-            )
+    complete checkpoint, from which the run can be resumed). ``gather`` (all-gather of a Python object): every
+    rank checks its own part (shards) and all raise when any part is bad."""
+    bad = next(
+        (k for k, v in state_dict.items()
+         if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())),
+        None,
+    )  # fmt: skip
+    if gather is not None:
+        bad = next((b for b in gather(bad) if b is not None), None)
+    if bad is not None:
+        last = latest_checkpoint(ckpt_dir)
+        where = f"the last good checkpoint is {last}" if last else "there is no earlier checkpoint"
+        raise UnsafeStateError(
+            f"weights at step {step} are not finite ({bad!r} holds NaN or inf); nothing was saved and the run "
+            f"stops; {where}"
+        )
 
 
 def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: Any = None) -> None:
@@ -217,7 +257,7 @@ def save_checkpoint(
     ckpt_dir: str | os.PathLike,
     step: int,
     *,
-    model_state: dict[str, torch.Tensor],
+    model_state: dict[str, torch.Tensor] | None,
     optimizer_state: dict[str, Any] | None,
     trainer_state: dict[str, Any],
     hf_config: Any = None,
@@ -227,6 +267,8 @@ def save_checkpoint(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     gather: Callable[[Any], list[Any]] | None = None,
+    shards: Callable[[Path], None] | None = None,
+    shard_state: dict[str, torch.Tensor] | None = None,
     _fail_after: str | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically; returns its final path.
@@ -237,13 +279,23 @@ def save_checkpoint(
     single-process (without ``gather`` rank 0 checksums the other ranks' files itself). Non-finite weights
     raise UnsafeStateError on every rank before anything is written. ``_fail_after`` (tests only) raises
     after the named file is written to simulate a crash.
+
+    Sharded: ``shards(folder)`` is called on every rank (collectively) to write the backend's sharded state into
+    ``<tmp>/shards`` together with that folder's own manifest, whose entries the checkpoint's manifest takes
+    over; ``shard_state`` is this rank's part of the weights (checked for NaN/inf on every rank) and
+    ``model_state`` the optional Hugging Face export (None: no ``model.safetensors``).
     """
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
+    if model_state is None and shards is None:
+        raise ValueError("model_state: required unless the checkpoint is sharded (shards=...)")
     ckpt_dir = Path(ckpt_dir)
-    check_finite(model_state, step=step, ckpt_dir=ckpt_dir)
+    if shards is not None:
+        check_finite(shard_state or {}, step=step, ckpt_dir=ckpt_dir, gather=gather)
+    if model_state is not None:
+        check_finite(model_state, step=step, ckpt_dir=ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
     sync = barrier or (lambda: None)
@@ -262,21 +314,13 @@ def save_checkpoint(
             entries.update(part)
     else:
         sync()
+    if shards is not None:
+        shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and the folder's manifest are written
+        if rank == 0:
+            entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
     if rank == 0:
-        save_weights(tmp, model_state, hf_config)
-        if _fail_after == WEIGHTS_FILE:
-            raise RuntimeError("simulated crash after writing the weights")
-        if optimizer_state is not None:
-            save_state(tmp / OPTIMIZER_FILE, optimizer_state)
-        if _fail_after == OPTIMIZER_FILE:
-            raise RuntimeError("simulated crash after writing the optimizer")
-        for name, blob in (extra_files or {}).items():
-            (tmp / name).write_bytes(blob)
-        state = dict(trainer_state)
-        state.update(step=step, world_size=world_size, complete=True)
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
-        if _fail_after == STATE_FILE:
-            raise RuntimeError("simulated crash before the manifest")
+        _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
+                           world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
         write_manifest(tmp, entries)  # flushes every file, then the manifest, last
         _install(tmp, final, ckpt_dir)
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
@@ -285,17 +329,56 @@ def save_checkpoint(
     return final
 
 
+def _write_rank0_files(
+    tmp: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor] | None,
+    optimizer_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    hf_config: Any,
+    extra_files: dict[str, bytes] | None,
+    *,
+    world_size: int,
+    sharded: bool,
+    fail_after: str | None,
+) -> None:
+    """The files rank 0 writes into the unfinished checkpoint folder (everything but the manifest)."""
+    if model_state is not None:
+        save_weights(tmp, model_state, hf_config)
+    if fail_after == WEIGHTS_FILE:
+        raise RuntimeError("simulated crash after writing the weights")
+    if optimizer_state is not None:
+        save_state(tmp / OPTIMIZER_FILE, optimizer_state)
+    if fail_after == OPTIMIZER_FILE:
+        raise RuntimeError("simulated crash after writing the optimizer")
+    for name, blob in (extra_files or {}).items():
+        (tmp / name).write_bytes(blob)
+    state = dict(trainer_state)
+    state.update(step=step, world_size=world_size, sharded=sharded, complete=True)
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+    if fail_after == STATE_FILE:
+        raise RuntimeError("simulated crash before the manifest")
+
+
 def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool = True) -> dict[str, Any]:
-    """Verify, then read a checkpoint: {"model_state", "optimizer_state", "trainer_state", "rng_state", "path"}.
+    """Verify, then read a checkpoint: {"model_state", "optimizer_state", "trainer_state", "rng_state", "shards",
+    "path"}.
 
     Every file is checked against the manifest before any is read (ManifestError names a missing, truncated
     or corrupted file). ``rng_state`` is this rank's generator state (rank 0's when the checkpoint was
-    written by fewer ranks); ``restore_rng`` restores it right away."""
+    written by fewer ranks); ``restore_rng`` restores it right away. A sharded checkpoint gives ``shards``
+    (the verified folder, for the backend's sharded load) and ``model_state`` None (its Hugging Face export,
+    if any, is not read); otherwise ``shards`` is None."""
     path = Path(path)
     if not path.is_dir() or not STEP_RE.match(path.name):
         raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
     files = verify_checkpoint(path)
     trainer_state = json.loads((path / STATE_FILE).read_text())
+    sharded = bool(trainer_state.get("sharded", False))
+    if sharded and SHARDS_METADATA not in files:
+        raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")
+    if not sharded and WEIGHTS_FILE not in files:
+        raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
     optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
     saved_world = int(trainer_state.get("world_size", 1))
     name = rng_file(rank if rank < saved_world else 0)
@@ -305,10 +388,11 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     if restore_rng:
         restore_rng_state(rng_state)
     return {
-        "model_state": load_weights(path, verify=False),
+        "model_state": None if sharded else load_weights(path, verify=False),
         "optimizer_state": optimizer_state,
         "trainer_state": trainer_state,
         "rng_state": rng_state,
+        "shards": path / SHARDS_DIR if sharded else None,
         "path": path,
     }
 

@@ -299,6 +299,9 @@ class TrainerConfig:
     """Run a validation pass after the last step."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
+    export_hf_freq: int = -1
+    """Sharded checkpoints (policy.backend megatron): also write the gathered Hugging Face weights (model.safetensors
+    + config.json, for eval and serving) into every Nth step's checkpoint; -1: only the last step's."""
     logprob_reuse: bool = False
     """Take old log-probs from the rollout engine (hf backend only) instead of a trainer forward."""
     fused_head_loss: bool = True
@@ -360,7 +363,7 @@ class TrainerConfig:
                 f"trainer.ppo_micro_batch_size: {self.ppo_micro_batch_size} exceeds trainer.ppo_mini_batch_size "
                 f"{self.ppo_mini_batch_size}"
             )
-        for key in ("save_freq", "test_freq"):
+        for key in ("save_freq", "test_freq", "export_hf_freq"):
             v = getattr(self, key)
             if v != -1 and v < 1:
                 raise ConfigError(f"trainer.{key}: must be -1 (off) or >= 1, got {v}")
@@ -372,11 +375,8 @@ class TrainerConfig:
         if isinstance(self.audit_max_bytes, bool) or not isinstance(self.audit_max_bytes, int):
             raise ConfigError(f"trainer.audit_max_bytes: expected an integer, got {self.audit_max_bytes!r}")
         _positive("trainer.audit_max_bytes", self.audit_max_bytes)
-        _choice(
-            "trainer.rollout_is",
-            self.rollout_is,
-            ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-        )
+        modes = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+        _choice("trainer.rollout_is", self.rollout_is, modes)
         if isinstance(self.rollout_is_threshold, bool) or not isinstance(self.rollout_is_threshold, (int, float)):
             raise ConfigError(f"trainer.rollout_is_threshold: expected a number > 1, got {self.rollout_is_threshold!r}")
         if not self.rollout_is_threshold > 1:

@@ -6,12 +6,17 @@ section included). Resuming compares it key by key with the config of the new ru
 * changes that do not alter the trajectory of training are allowed and listed: the run's name and output
   directory, save cadence and retention, logging and report switches, validation before/after training,
   environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and the
-  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, so it
-  reshards to any data-parallel size at the same tensor-parallel size);
+  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one
+  keys its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same
+  tensor-parallel size);
 * every other change (model, estimator or any algorithm setting, seed, group size, environment, learning
   rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
   ``--allow-config-change``;
-* ``total_steps`` below the checkpoint's step is refused in any case (there is nothing to run).
+* ``total_steps`` below the checkpoint's step is refused in any case (there is nothing to run);
+* a sharded checkpoint (Megatron, torch.distributed.checkpoint) loads only into the model, dtype, backend,
+  tensor-parallel size and optimizer sharding it was written with (it reshards over data-parallel ranks only):
+  a change of these is refused in any case, ``--allow-config-change`` included (:data:`SHARDED_LAYOUT`); the
+  backend checks the model's shapes against the folder's ``layout.json`` again before it reads a shard.
 
 The run's side file ``span_lengths.json`` (the M2 span lengths of every step so far, for the report) is cut back
 to the count the checkpoint records (:func:`read_span_lengths`).
@@ -35,6 +40,7 @@ TRAJECTORY_NEUTRAL = frozenset(
         "output_dir",
         "trainer.save_freq",
         "trainer.keep_last",
+        "trainer.export_hf_freq",
         "trainer.tensorboard",
         "trainer.report",
         "trainer.audit",
@@ -46,6 +52,10 @@ TRAJECTORY_NEUTRAL = frozenset(
     }
 )
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
+# dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
+SHARDED_LAYOUT = frozenset(
+    {"model.name", "model.dtype", "policy.backend", "policy.tensor_parallel_size", "policy.distributed_optimizer"}
+)
 
 
 class ResumeConfigError(ConfigError):
@@ -119,6 +129,15 @@ def check_resume(
     blocking, neutral = config_changes(
         saved, stored_config(cfg), step=step, saved_world=int(state.get("world_size", 1)), world=world_size
     )
+    fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
+    if state.get("sharded") and fixed:
+        listed = "\n  ".join(fixed)
+        raise ResumeConfigError(
+            f"--resume: {path} is a sharded checkpoint; it loads only into the model and parallel layout it was "
+            f"written with (at any data-parallel size), and this run changes:\n  {listed}\nrestore these settings "
+            "(--allow-config-change cannot override them), or start a new run from the checkpoint's Hugging Face "
+            "export (model.safetensors)"
+        )
     if blocking and not allow_changes:
         listed = "\n  ".join(blocking)
         raise ResumeConfigError(

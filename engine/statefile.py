@@ -34,13 +34,18 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
 def flatten_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(JSON skeleton, tensors by name) of a nested state; ValueError naming the path of an unsupported value."""
     tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()  # one stored tensor per storage: a tensor met twice (tied weights) is copied
 
     def enc(x: Any, where: str) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, torch.Tensor):
             name = f"t{len(tensors)}"
-            tensors[name] = _plain_tensor(x)
+            t = _plain_tensor(x)
+            if t.untyped_storage().data_ptr() in storages:
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
             return {"t": name}
         if isinstance(x, np.ndarray):
             name = f"t{len(tensors)}"

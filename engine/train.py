@@ -153,32 +153,52 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-
+        """Checkpoint the current step. A backend with a sharded save (Megatron) writes its shards from every rank
+        (torch.distributed.checkpoint) and a gathered Hugging Face export only when :meth:`export_due`; the
+        others write the gathered weights and optimizer state (engine/checkpoint.py)."""
         policy = self.parts.policy
+        sharded = is_sharded(policy)
+        hf_config = getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None)
         return save_checkpoint(
             self.ckpt_dir,
             self.step,
-            model_state=policy.hf_state_dict(),
-            optimizer_state=_optimizer_state(policy),
+            model_state=policy.hf_state_dict() if not sharded or self.export_due() else None,
+            optimizer_state=None if sharded else _optimizer_state(policy),
             trainer_state={
                 "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
                 "config_name": self.cfg.name,
                 "run_config": stored_config(self.cfg),
                 "span_lengths_count": len(self.span_lengths),
             },
-            hf_config=getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None),
+            hf_config=hf_config,
             keep_last=self.cfg.trainer.keep_last,
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.dist.barrier,
             gather=self.dist.gather_objects if self.dist.enabled else None,
+            shards=(lambda folder: policy.save_checkpoint(str(folder))) if sharded else None,
+            shard_state=policy.model.state_dict() if sharded else None,  # this rank's weights, checked for NaN/inf
         )
+
+    def export_due(self) -> bool:
+        """A sharded checkpoint carries a Hugging Face export every ``trainer.export_hf_freq`` steps and at the
+        end of the run."""
+        freq = self.cfg.trainer.export_hf_freq
+        return self.step == self.cfg.trainer.total_steps or (freq > 0 and self.step % freq == 0)
 
     def load(self, path: Path) -> None:
 
         ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
         policy = self.parts.policy
-        _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
+        if ck["shards"] is not None:
+            if not is_sharded(policy):
+                raise ConfigError(
+                    f"--resume: {path} is a sharded checkpoint; policy.backend={self.cfg.policy.backend!r} cannot "
+                    "load it (resume with the backend that wrote it, or start a new run from its model.safetensors)"
+                )
+            policy.load_checkpoint(str(ck["shards"]), verify=False)  # verified with the checkpoint
+        else:
+            _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
         self.parts.sync_weights()
         self.step = int(ck["trainer_state"]["step"])
         n = int(ck["trainer_state"].get("span_lengths_count", 0))
@@ -302,6 +322,11 @@ class Trainer:
             return metrics
         lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
         return reduce_metrics([g for g, first in self.dist.gather_objects((metrics, lead)) if first])
+
+
+def is_sharded(policy) -> bool:
+    """Whether the policy backend saves and loads sharded checkpoints itself (torch.distributed.checkpoint)."""
+    return callable(getattr(policy, "save_checkpoint", None)) and callable(getattr(policy, "load_checkpoint", None))
 
 
 def _optimizer_state(policy) -> dict | None:

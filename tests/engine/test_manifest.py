@@ -160,3 +160,11 @@ def test_state_refuses_what_needs_pickle(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(b"\x80\x04garbage")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         load_state(tmp_path / "x.safetensors")
+
+
+def test_state_with_one_tensor_under_two_names(tmp_path):
+    """Tied weights (embedding and head: one tensor under two keys) round-trip as two equal tensors."""
+    w = torch.randn(4, 3)
+    save_state(tmp_path / "tied.safetensors", {"embed": w, "head": w, "view": w[1:]})
+    back = load_state(tmp_path / "tied.safetensors")
+    assert torch.equal(back["embed"], w) and torch.equal(back["head"], w) and torch.equal(back["view"], w[1:])

@@ -18,15 +18,18 @@ Launch with ``torchrun``; world size = tp × data-parallel size. Without CUDA th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from alignopsd.engine import devices
 from alignopsd.engine.devices import module_device
-from alignopsd.engine.manifest import verify_manifest, write_manifest
+from alignopsd.engine.manifest import file_entry, verify_manifest, write_manifest
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
@@ -40,6 +43,8 @@ from alignopsd.engine.policy.megatron.model import (
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+LAYOUT_FILE = "layout.json"  # of a sharded checkpoint folder: the model and layout it was written for
 
 
 def init_parallel(tp: int, seed: int = 0) -> None:
@@ -330,26 +335,65 @@ class MegatronPolicy:
     # ------------------------------------------------------------------------------------------
     def _dcp_state(self) -> dict[str, Any]:
         """Keys name the tensor-parallel rank, never the data-parallel one: data-parallel replicas
-        write one copy, and a checkpoint loads at any data-parallel size (same tp)."""
+        write one copy, and a checkpoint loads at any data-parallel size (same tp). With the distributed
+        optimizer its parameter state (fp32 main params, Adam moments), sharded over data-parallel ranks, is
+        gathered into one (``get_parameter_state_dp_zero``), so that it reshards like the rest."""
         prefix = f"tp{self.tp_rank}of{self.tp}"
         opt = self.optimizer.state_dict()
-        return {
+        state = {
             f"{prefix}/model": self.model.state_dict(),
             f"{prefix}/optimizer": opt,
             f"{prefix}/scheduler_steps": torch.tensor(self.scheduler.num_steps),
             "steps": torch.tensor(self.steps),
+            "skipped_steps": torch.tensor(self.skipped_steps),
+        }
+        if self.distributed_optimizer:
+            state[f"{prefix}/param_state"] = [
+                o.get_parameter_state_dp_zero(return_on_all_ranks=True) for o in self.optimizers()
+            ]
+        return state
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """What a sharded checkpoint must match to load here (``layout.json`` of the folder)."""
+        return {
+            "tensor_parallel_size": self.tp,
+            "dims": dataclasses.asdict(self.dims),
+            "params_dtype": str(self.model.config.params_dtype),
+            "distributed_optimizer": self.distributed_optimizer,
+            "layer_spec": self.spec,
         }
 
     def save_checkpoint(self, path: str) -> None:
-        """Sharded save (torch.distributed.checkpoint), then the folder's manifest (engine/manifest.py), written
-        last by the first rank once every rank has written its files."""
+        """Sharded save (torch.distributed.checkpoint) and ``layout.json``, then the folder's manifest
+        (engine/manifest.py), written last by the first rank once every rank has written (and checksummed) its
+        files. Collective: every rank calls it with the same path."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
         dcp.save(self._dcp_state(), checkpoint_id=path)
         dist.barrier()
+        folder = Path(path)
+        mine = {p.name: file_entry(p) for p in sorted(folder.glob(f"__{dist.get_rank()}_*.distcp"))}
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
         if dist.get_rank() == 0:
-            write_manifest(path)
+            (folder / LAYOUT_FILE).write_text(json.dumps(self.checkpoint_layout(), indent=1, sort_keys=True))
+            write_manifest(folder, {k: v for part in parts for k, v in part.items()})
         dist.barrier()
+
+    def check_checkpoint_layout(self, path: str) -> None:
+        """ValueError naming every difference when the sharded checkpoint at ``path`` was written for another
+        model or parallel layout (it reshards over data-parallel ranks only); reads ``layout.json`` only."""
+        try:
+            saved = json.loads((Path(path) / LAYOUT_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"sharded checkpoint {path}: {LAYOUT_FILE} is unreadable ({exc})") from None
+        mine = self.checkpoint_layout()
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items() if saved.get(k) != v]
+        if diff:
+            raise ValueError(
+                f"sharded checkpoint {path} does not fit this model and parallel layout (a sharded checkpoint loads "
+                f"into the same model, dtype and tensor-parallel size, at any data-parallel size): {'; '.join(diff)}"
+            )
 
     def _materialize_optimizer_state(self) -> None:
         """Give every parameter its Adam state (zeros) so that a checkpoint can be loaded into it in place."""
@@ -365,20 +409,28 @@ class MegatronPolicy:
                         st["exp_avg"] = torch.zeros_like(p.data)
                         st["exp_avg_sq"] = torch.zeros_like(p.data)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Sharded load; the folder's manifest is verified first, so no file (DCP's pickled ``.metadata``
-        included) is read unless it is the one that was written."""
+    def load_checkpoint(self, path: str, *, verify: bool = True) -> None:
+        """Sharded load; the folder's manifest is verified first (``verify=False``: the caller has just verified
+        it, the trainer's checkpoint manifest lists these files too), so no file (DCP's pickled ``.metadata``
+        included) is read unless it is the one that was written; then its layout is checked against this model
+        before any shard is read."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
-        verify_manifest(path, require=(".metadata",))
+        if verify:
+            verify_manifest(path, require=(".metadata", LAYOUT_FILE))
+        self.check_checkpoint_layout(path)
         self._materialize_optimizer_state()
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=path)
         prefix = f"tp{self.tp_rank}of{self.tp}"
         self.model.load_state_dict(state[f"{prefix}/model"], strict=False)
         self.optimizer.load_state_dict(state[f"{prefix}/optimizer"])
+        if self.distributed_optimizer:
+            for opt, param_state in zip(self.optimizers(), state[f"{prefix}/param_state"]):
+                opt.load_parameter_state_from_dp_zero(param_state)
         self._set_scheduler_steps(int(state[f"{prefix}/scheduler_steps"]))
         self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
 
     def _set_scheduler_steps(self, num_steps: int) -> None:
         self.scheduler.num_steps = 0
