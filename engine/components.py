@@ -73,6 +73,14 @@ class Components:
             return
         self.generator.load_weights(state if state is not None else self.policy.hf_state_dict())
 
+    def release_generation(self) -> None:
+        """A generation phase ended, the training phases follow: the generation engine gives back its accelerator
+        memory (weights and KV cache) until it generates or receives weights again (vLLM's sleep mode; a no-op for
+        an engine without one)."""
+        sleep = getattr(self.generator, "sleep", None)
+        if callable(sleep):
+            sleep()
+
     def close(self) -> None:
         for obj in (self.env, self.generator):
             close = getattr(obj, "close", None)

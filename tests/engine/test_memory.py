@@ -84,3 +84,45 @@ def test_command_on_the_test_config(capsys):
         layout_from_config(load_config("configs/tiny.yaml", []), 1, 80.0)
     with pytest.raises(ValueError, match="model.name"):
         layout_from_config(load_config("configs/tiny.yaml", [*over, "model.name=nobody/none-1b"]), 2, 80.0)
+
+
+class PhaseLog:
+    """The run's generator (the candidate-choice generator on the policy's own model) with a ``sleep`` like the
+    vLLM engine's, logging the order of generation, sleep and weight pushes."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.events: list[str] = []
+
+    def generate(self, prompts, sampling):
+        self.events.append("generate")
+        return self.inner.generate(prompts, sampling)
+
+    def sleep(self) -> None:
+        self.events.append("sleep")
+
+    def load_weights(self, state_dict) -> None:
+        self.events.append("load_weights")
+        self.inner.load_weights(state_dict)
+
+
+@pytest.mark.slow
+def test_step_puts_the_engine_to_sleep_after_each_generation_phase(tmp_path):
+    """A training step releases the generation engine when the rollout ends and when the teacher generation ends,
+    so old log-probs, teacher forcing and the update run with it asleep; the weight sync then wakes it."""
+    import learn_helpers as lh
+    from alignopsd.engine.step import run_step
+
+    torch.set_num_threads(1)
+    ov = [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", "trainer.skip_no_signal=false", f"output_dir={tmp_path}",
+          "algorithm.estimator=alignopsd"]  # fmt: skip
+    tr = lh.build_trainer(str(lh.TINY_CONFIG), ov)
+    gen = PhaseLog(tr.parts.generator)
+    tr.parts.generator = gen
+    run_step(tr.parts, 1)
+    tr.parts.close()
+    ev = gen.events
+    rollout_end = ev.index("sleep")
+    assert rollout_end > 0 and set(ev[:rollout_end]) == {"generate"}  # the rollout's turns, then sleep
+    teacher = ev[rollout_end + 1 :]
+    assert teacher == ["generate", "sleep", "load_weights"]  # one teacher call, sleep, the sync after the update
