@@ -157,10 +157,7 @@ class GenerationConfig:
     """vLLM memory share (CUDA) or KV cache fraction."""
     enforce_eager: bool = True
     """vLLM: skip CUDA graphs."""
-    vllm_sleep: bool | None = None
-    """vLLM: release its weights (to host memory) and KV cache during the training phases and take them back to
-    generate (vLLM's sleep mode, level 1). None: on where vLLM supports it (CUDA), off elsewhere; true on a
-    platform without it (vLLM's CPU build) is an error when the engine starts."""
+    vllm_sleep: bool | None = None  # vLLM sleep mode while training; None: where vLLM supports it (CUDA)
 
     def __post_init__(self) -> None:
         _choice("generation.backend", self.backend, GENERATION_BACKENDS)
