@@ -7,6 +7,7 @@
     alignopsd sft     --config FILE [--out DIR] [--steps N] [--easy-games] [--pipeline] [--warm-start DIR]
     alignopsd games   alfworld --n 120 --out DIR [--seed S] [--split train]
     alignopsd serve-retriever --corpus FILE [--host H] [--port P]
+    alignopsd memory  --config FILE [--set k=v ...] [--world-size N] [--gpu-gib G]   (Megatron, per rank)
 
 Each subcommand parses its own options (``alignopsd <cmd> --help``); nothing heavy is imported before a
 subcommand is chosen.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever")
+COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever", "memory")
 
 
 def games_main(argv: list[str]) -> int:
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         run = games_main
     elif cmd == "serve-retriever":
         from .envs.retriever import main as run
+    elif cmd == "memory":
+        from .memory import main as run
     else:
         print(f"alignopsd: unknown command {cmd!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

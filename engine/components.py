@@ -22,8 +22,9 @@ from .encoder import MINILM, ThinkingEncoder
 from .envs.manager import EnvManager
 from .envs.skills import skill_lookup
 from .generation.base import GenerationBackend
-from .models import load_causal_lm, load_tokenizer, resolve_model_path
+from .models import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
 from .policy.base import PolicyBackend
+from .policy.megatron.scoring import ShardScoring
 from .profiler import StepProfiler
 from .rescoring import Rescorer, backend_row_logprobs
 
@@ -74,6 +75,14 @@ class Components:
             return
         self.generator.load_weights(state if state is not None else self.policy.hf_state_dict())
 
+    def release_generation(self) -> None:
+        """A generation phase ended, the training phases follow: the generation engine gives back its accelerator
+        memory (weights and KV cache) until it generates or receives weights again (vLLM's sleep mode; a no-op for
+        an engine without one)."""
+        sleep = getattr(self.generator, "sleep", None)
+        if callable(sleep):
+            sleep()
+
     def close(self) -> None:
         for obj in (self.env, self.generator):
             close = getattr(obj, "close", None)
@@ -85,8 +94,21 @@ class Components:
 
 
 def hf_model_of(policy: PolicyBackend) -> nn.Module:
-    """The Hugging Face module that generation and rescoring use (the policy's own, or its HF copy)."""
+    """The module that generation and rescoring see: the Hugging Face policy's own, the Megatron policy's Hugging
+    Face copy when it keeps one (:func:`needs_hf_copy`), else the Megatron policy's shard (which scores itself)."""
     return getattr(policy, "hf_model", None) or policy.model
+
+
+def needs_hf_copy(cfg: RunConfig) -> bool:
+    """A Megatron-trained policy keeps a full Hugging Face copy of its weights on every rank only for Hugging Face
+    generation (student and teacher rollouts sample from it). Nothing else reads it: old log-probs, teacher forcing
+    and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
+    return cfg.generation.backend == "hf"
+
+
+def scores_itself(policy: PolicyBackend) -> bool:
+    """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself."""
+    return isinstance(policy, ShardScoring)
 
 
 def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> PolicyBackend:
@@ -99,11 +121,13 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
     (``world_size``: all processes) fails before the weights load.
 
     The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
-    teacher forcing with it (``backend_row_logprobs``); generation uses a Hugging Face copy of the same weights
-    (``policy.hf_model``, pushed to vLLM when that is the engine), refreshed after every update by
-    :meth:`Components.sync_weights`.
+    teacher forcing with it (``backend_row_logprobs``). Only Hugging Face generation keeps a Hugging Face copy of
+    the same weights (``policy.hf_model``, refreshed after every update by :meth:`Components.sync_weights`); with
+    vLLM the weights go from the shards to the engine, and the full model read from disk is loaded on the CPU and
+    dropped once each rank holds its shard.
     """
     warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+    load_on = device
     if cfg.policy.backend == "megatron":  # pre-flight: the layout must fit before any weight loads
         from transformers import AutoConfig
 
@@ -111,8 +135,13 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
 
         hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name), local_files_only=True)
         check_parallel_layout(hf_config, cfg.policy.tensor_parallel_size, world_size)
+        if not needs_hf_copy(cfg):
+            load_on = torch.device("cpu")  # only the source of the shards: never on the accelerator
     model = load_causal_lm(
-        cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
+        cfg.model.name,
+        dtype=parse_dtype(cfg.model.dtype, device),
+        attn_implementation=cfg.model.attn_implementation,
+        device=load_on,
     )
     if cfg.policy.backend == "megatron":
         from .policy.megatron.backend import MegatronPolicy  # megatron-core is imported only when asked for
@@ -130,9 +159,10 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
             recompute=cfg.policy.recompute if cfg.policy.gradient_checkpointing else "none",
             distributed_optimizer=cfg.policy.distributed_optimizer,
         )
-        for p in model.parameters():
-            p.requires_grad_(False)
-        policy.hf_model = model
+        if needs_hf_copy(cfg):
+            for p in model.parameters():
+                p.requires_grad_(False)
+            policy.hf_model = model
         return policy
     from .policy.hf import HFPolicy
 
@@ -144,6 +174,27 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
         warmup_steps=warmup,
         gradient_checkpointing=cfg.policy.gradient_checkpointing,
     )
+
+
+def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device) -> Rescorer:
+    """The scorer of the reference model of the KL term (the initial weights; student rows, plain mode).
+
+    A Megatron-trained policy's reference is a frozen snapshot of its own shard (``FrozenShard``: sharded like the
+    policy, no gradients or optimizer state), taken here, before any update, and scored by the same backend code
+    as the old log-probs. The Hugging Face policy's reference is a second Hugging Face model read from disk."""
+    temperature = cfg.generation.temperature
+    if scores_itself(policy):
+        from .policy.megatron.scoring import FrozenShard
+
+        ref = FrozenShard(policy)
+        scorer = functools.partial(backend_row_logprobs, ref, temperature=temperature, device=device)
+        return Rescorer(ref.model, mode="plain", temperature=temperature, scorer=scorer)
+    ref_model = load_causal_lm(
+        cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
+    )
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    return Rescorer(ref_model, mode="plain", temperature=temperature)
 
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend:
@@ -204,18 +255,11 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         # (teacher minus student) compares two forwards of one implementation (plain rows, no prefix sharing)
         scorer=(
             functools.partial(backend_row_logprobs, policy, temperature=cfg.generation.temperature, device=device)
-            if getattr(policy, "hf_model", None) is not None
+            if scores_itself(policy)
             else None
         ),
     )
-    ref_scorer = None
-    if phases["ref"]:
-        ref_model = load_causal_lm(
-            cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
-        )
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-        ref_scorer = Rescorer(ref_model, mode="plain", temperature=cfg.generation.temperature)
+    ref_scorer = build_reference(cfg, policy, device) if phases["ref"] else None
 
     dp_group = getattr(policy, "dp_group", None)
     if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks

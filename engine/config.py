@@ -34,6 +34,7 @@ from alignopsd.config_values import coerce_value as core_coerce
 from alignopsd.estimators import get_estimator
 
 from .envs.registry import env_names
+from .overrides import ConfigError, apply_overrides, deep_merge, parse_override  # noqa: F401 (re-exported)
 from .yamlfile import YamlFileError, read_yaml
 
 MODEL_ALIASES = ("tiny", "smollm2-135m")
@@ -49,10 +50,6 @@ SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it
 def _env_names() -> tuple[str, ...]:
     """Built-in environment names plus those registered at runtime (the registry module is import-light)."""
     return tuple(env_names()) or ENV_NAMES
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is invalid (the message names the dotted key)."""
 
 
 def _choice(path: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -157,6 +154,7 @@ class GenerationConfig:
     """vLLM memory share (CUDA) or KV cache fraction."""
     enforce_eager: bool = True
     """vLLM: skip CUDA graphs."""
+    vllm_sleep: bool | None = None  # vLLM sleep mode while training; None: where vLLM supports it (CUDA)
 
     def __post_init__(self) -> None:
         _choice("generation.backend", self.backend, GENERATION_BACKENDS)
@@ -510,7 +508,7 @@ def _load_algorithm(data: Any, path: str) -> Any:
             if preset not in presets:
                 raise ConfigError(f"{path}.preset: unknown value {preset!r}; allowed: {', '.join(map(repr, presets))}")
             base = core.to_dict(_preset_value(presets[preset]))
-            data = _deep_merge(base, data)
+            data = deep_merge(base, data)
         return core.from_dict(core.AlgorithmConfig, data, path)
     except ConfigError:
         raise
@@ -520,48 +518,6 @@ def _load_algorithm(data: Any, path: str) -> Any:
 
 def _preset_value(p: Any) -> Any:
     return p() if callable(p) and not dataclasses.is_dataclass(p) else p
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """'a.b.c=value' -> (['a', 'b', 'c'], YAML-parsed value)."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {item!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{key}: cannot parse value {raw!r} ({exc})") from exc
-    return key.split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply dotted ``key=value`` overrides to a raw config mapping (returns a new mapping)."""
-    out = _deep_merge({}, data)
-    for item in overrides or []:
-        keys, value = parse_override(item)
-        node = out
-        for i, k in enumerate(keys[:-1]):
-            nxt = node.get(k)
-            if nxt is None:
-                nxt = node[k] = {}
-            elif not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(keys[: i + 1])}: is a value, not a section (in --set {item!r})")
-            node = nxt
-        node[keys[-1]] = value
-    return out
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -70,6 +70,7 @@ def run_step(parts: Components, step: int) -> StepOutput:
         parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=False, teacher_prompts=teacher_prompts)
     )
     metrics.update(roll_metrics)
+    parts.release_generation()  # scoring and training follow: the engine sleeps until the teacher pass or the sync
     if cfg.trainer.skip_no_signal and _skip_everywhere(parts, no_signal(cfg, parts.estimator, batch)):
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
         metrics.update({"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0})

@@ -164,6 +164,7 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
     log.info("teacher pass: generating %d privileged responses", cb.size)
     with prof.phase("teacher_generation"):
         teacher, metrics = teacher_generation(parts, cb, action_filter=use_filter)
+    parts.release_generation()  # encoding and teacher forcing follow: the engine sleeps until the weight sync
     log.info("teacher pass: %d tokens generated, encoding and matching", teacher.tokens_generated)
     with prof.phase("encoding"):
         enc = encode_texts(parts, cb, teacher, action_filter=use_filter)

@@ -90,6 +90,12 @@ class LeadGenerator:
     def load_weights(self, state_dict) -> None:
         self.inner.load_weights(state_dict)
 
+    def sleep(self) -> None:
+        """Every rank's own engine gives back its memory (see ``Components.release_generation``)."""
+        sleep = getattr(self.inner, "sleep", None)
+        if callable(sleep):
+            sleep()
+
 
 class LeadEncoder:
     """The thinking encoder for the duration of a teacher pass: the group's first rank encodes with the real

@@ -26,6 +26,13 @@ the worker reloads in place. vLLM's CPU worker lowers torch to one thread and di
 ``torch.set_num_threads`` for the process; both are restored after the engine starts so the trainer in the same
 process keeps its threads. Scripts that start an engine should keep a ``if __name__ == "__main__":`` guard.
 On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache (default here: ``kv_cache_space_gib``).
+
+Sleep mode (``sleep_mode``; the run's ``generation.vllm_sleep``): the engine starts with vLLM's
+``enable_sleep_mode``; :meth:`VLLMGenerator.sleep` (called by the trainer when a generation phase ends) moves its
+weights to host memory and drops its KV cache (``LLM.sleep(level=1)``), and the next ``generate`` or weight push
+takes them back first (``LLM.wake_up()``). vLLM supports it on CUDA (and ROCm/XPU), not in its CPU build, whose
+platform reports no sleep mode (and whose worker would ignore the calls): there, asking for it is an error and the
+default (None) leaves it off.
 """
 
 from __future__ import annotations
@@ -101,6 +108,29 @@ def _vllm_safe_module_scan() -> Iterator[None]:
             namespace[attr] = value
 
 
+def sleep_mode_available() -> bool:
+    """True when this machine's vLLM platform supports sleep mode (CUDA, ROCm, XPU; not the CPU build)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def resolve_sleep_mode(requested: bool | None) -> bool:
+    """Sleep mode of a new engine: ``requested`` (None: on exactly where the platform supports it); a request
+    the platform cannot honour is a ValueError naming the setting."""
+    available = sleep_mode_available()
+    if requested is None:
+        return available
+    if requested and not available:
+        from vllm.platforms import current_platform
+
+        raise ValueError(
+            f"generation.vllm_sleep: vLLM's sleep mode is not supported on this platform "
+            f"({type(current_platform).__name__}); it needs CUDA, ROCm or XPU. Leave it unset (auto) or set it false"
+        )
+    return bool(requested)
+
+
 class VLLMGenerator:
     """Generation with a vLLM engine (implements ``GenerationBackend``)."""
 
@@ -119,6 +149,7 @@ class VLLMGenerator:
         tensor_parallel_size: int = 1,
         in_process: bool | None = None,
         ignore_eos: bool = False,
+        sleep_mode: bool | None = None,
         **engine_kwargs,
     ) -> None:
         if max_model_len < 2:
@@ -137,6 +168,10 @@ class VLLMGenerator:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
+        self.sleep_mode = resolve_sleep_mode(sleep_mode)  # before the engine starts: a bad request fails fast
+        self.asleep = False
+        if self.sleep_mode:
+            engine_kwargs["enable_sleep_mode"] = True
         if not on_cuda:
             # vLLM rewinds a seeded request's generator offset when it discards the sample of a partial
             # (chunked) prefill, which CPU generators do not support ("CPU Generator does not use offset"):
@@ -183,6 +218,20 @@ class VLLMGenerator:
 
         gc.collect()
 
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self) -> None:
+        """Give back the engine's accelerator memory until it is needed again: weights to host memory, KV cache
+        dropped (``LLM.sleep(level=1)``). A no-op without sleep mode or when already asleep."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Take the weights and the KV cache back (``LLM.wake_up()``); a no-op when awake."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
         """Push HF-named weights into the running engine in place, then drop the (stale) prefix cache."""
@@ -191,6 +240,7 @@ class VLLMGenerator:
             if not isinstance(name, str) or not isinstance(value, Tensor):
                 raise ValueError(f"state_dict: expected (name, tensor) pairs, got {type(name).__name__}")
         items = [(n, v.detach()) for n, v in items]
+        self.wake_up()  # the weights are reloaded in place: they must be back on the device
         # The worker's reload_weights re-runs the model's load_weights on checkpoint-format (HF) tensors and then
         # the per-layer post-processing (e.g. the CPU backend's weight repacking), in place.
         if self.in_process:
@@ -251,6 +301,7 @@ class VLLMGenerator:
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
         if not prompts:
             return out
+        self.wake_up()
         reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         params = [self._vllm_params(sampling, i) for i in range(len(prompts))]
         results = self.llm.generate(reqs, params, use_tqdm=False)
@@ -287,6 +338,7 @@ class VLLMBackend(VLLMGenerator):
             seed=int(getattr(getattr(cfg, "trainer", None), "seed", 0) or 0),
             dtype=dtype,
             enforce_eager=g.enforce_eager if torch.cuda.is_available() else True,
+            sleep_mode=g.vllm_sleep,
         )
         if policy is not None and callable(getattr(policy, "hf_state_dict", None)):
             gen.load_weights(policy.hf_state_dict())

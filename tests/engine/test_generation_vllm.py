@@ -193,6 +193,7 @@ def test_from_config_maps_run_config_and_pushes_policy_weights(monkeypatch):
     assert seen["model_path"] == resolve_model_path(cfg.model.name) and seen["tokenizer"] == "TOK"
     assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
     assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
+    assert seen["sleep_mode"] is cfg.generation.vllm_sleep is None  # auto unless the run says otherwise
     assert len(pushed) == 1 and set(pushed[0]) == {"w"}
 
 
@@ -216,5 +217,91 @@ def test_weight_sync_to_engine_in_its_own_process(tiny, prompts):
         old, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
         lp = pad_logprobs(out.logprobs)[0]
         assert logprob_gap(lp, ref, mask)["max_abs"] < 1e-4 and logprob_gap(lp, old, mask)["mean_abs"] > 0.1
+    finally:
+        gen.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sleep mode (generation.vllm_sleep): supported by vLLM on CUDA/ROCm/XPU, not by its CPU build
+
+
+@needs_vllm
+def test_sleep_mode_follows_the_platform_and_a_bad_request_fails_before_the_engine_starts():
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator, resolve_sleep_mode, sleep_mode_available
+
+    available = sleep_mode_available()
+    assert resolve_sleep_mode(None) is available  # auto: on exactly where vLLM supports it
+    assert resolve_sleep_mode(False) is False
+    if available:
+        assert resolve_sleep_mode(True) is True
+        return
+    with pytest.raises(ValueError, match="generation.vllm_sleep: vLLM's sleep mode is not supported"):
+        resolve_sleep_mode(True)
+    with pytest.raises(ValueError, match="generation.vllm_sleep"):
+        VLLMGenerator(resolve_model_path("tiny"), max_model_len=MAX_LEN, dtype="float32", sleep_mode=True)
+
+
+class EngineCalls:
+    """Stands in for ``vllm.LLM`` behind a ``VLLMGenerator``: records the sleep-mode and weight calls the
+    generator makes (the CPU build cannot run sleep mode, so the calls themselves are what is checked here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+
+    def collective_rpc(self, method: str, kwargs: dict) -> None:
+        self.calls.append(method)
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+
+@pytest.mark.parametrize("sleep_mode", [True, False])
+def test_sleeping_engine_wakes_before_a_weight_push(sleep_mode):
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator
+
+    gen = VLLMGenerator.__new__(VLLMGenerator)
+    gen.llm, gen.sleep_mode, gen.asleep, gen.in_process, gen.weight_version = EngineCalls(), sleep_mode, False, True, 0
+    gen.sleep()
+    gen.sleep()  # already asleep: nothing more
+    assert gen.asleep is sleep_mode
+    gen.load_weights({"model.norm.weight": torch.ones(2)})
+    expected = ["sleep1", "wake_up"] if sleep_mode else []
+    assert gen.llm.calls == [*expected, "reload_weights", "reset_prefix_cache"] and not gen.asleep
+
+
+needs_sleep_mode = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
+    reason="vLLM's sleep mode needs CUDA (the CPU build has none)",
+)
+
+
+@pytest.mark.slow
+@needs_sleep_mode
+def test_generation_after_sleep_and_wake_gives_the_same_tokens(tiny, prompts):
+    """Level-1 sleep keeps the weights in host memory: after sleep and wake (and after a weight push into a sleeping
+    engine) a seeded call samples the same tokens with the same log-probs."""
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator
+
+    model, tok = tiny
+    gen = VLLMGenerator(resolve_model_path("tiny"), tok, max_model_len=MAX_LEN, dtype="float32", sleep_mode=True,
+                        gpu_memory_utilization=0.2)  # fmt: skip
+    try:
+        sp = SamplingParams(max_new_tokens=12, seed=5)
+        first = gen.generate(prompts, sp)
+        gen.sleep()
+        assert gen.asleep
+        again = gen.generate(prompts, sp)
+        assert not gen.asleep and again.token_ids == first.token_ids
+        assert pad_logprobs(again.logprobs)[0].tolist() == pad_logprobs(first.logprobs)[0].tolist()
+        gen.sleep()
+        gen.load_weights(model.state_dict())
+        third = gen.generate(prompts, sp)
+        assert third.token_ids == first.token_ids
     finally:
         gen.close()

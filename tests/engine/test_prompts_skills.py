@@ -165,9 +165,8 @@ def test_skills_dir_config_resolves_and_validates(tmp_path):
 
 def test_skills_dir_reaches_the_teacher_prompts_of_a_training_rollout(tmp_path):
     """The configured bank is the one the rollout phase of a real run puts in the privileged prompts."""
-    from learn_helpers import GUESS_OVERRIDES, TINY_CONFIG, build_trainer
-
     from alignopsd.engine.episodes import rollout_phase
+    from learn_helpers import GUESS_OVERRIDES, TINY_CONFIG, build_trainer
 
     (tmp_path / "guess").mkdir()
     (tmp_path / "guess" / "general.md").write_text("ZEBRA-SKILL: pick the code word.")

@@ -27,8 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from alignopsd.engine import devices
-from alignopsd.engine.devices import module_device
 from alignopsd.engine.manifest import file_entry, verify_manifest, write_manifest
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
@@ -40,6 +38,7 @@ from alignopsd.engine.policy.megatron.model import (
     output_weight,
     te_names,
 )
+from alignopsd.engine.policy.megatron.scoring import ShardScoring
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def init_parallel(tp: int, seed: int = 0) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-class MegatronPolicy:
+class MegatronPolicy(ShardScoring):
     """A megatron-core GPTModel as the trained policy (``PolicyBackend``).
 
     hf_config / hf_state_dict: the Hugging Face model to start from (every rank passes the full
@@ -200,60 +199,6 @@ class MegatronPolicy:
     # ------------------------------------------------------------------------------------------
     # scoring
     # ------------------------------------------------------------------------------------------
-    def _logprob(self, hidden_ND: Tensor, targets_N: Tensor, temperature: float, with_entropy: bool):
-        from alignopsd.kernels.logprob import logprob, logprob_vocab_parallel  # noqa: PLC0415
-
-        weight = output_weight(self.model)
-        if self.tp == 1:
-            out = logprob(hidden_ND, weight, targets_N, temperature=temperature, with_entropy=with_entropy)
-        else:
-            out = logprob_vocab_parallel(
-                hidden_ND,
-                weight,
-                targets_N,
-                group=self.tp_group,
-                vocab_start=self.tp_rank * int(weight.shape[0]),
-                temperature=temperature,
-                with_entropy=with_entropy,
-            )
-        return out if with_entropy else (out, None)
-
-    def _to_device(self, *rows: Tensor) -> tuple[Tensor, ...]:
-        """The backend's device boundary: rows onto the shard's device."""
-        dev = module_device(self.model)
-        return tuple(devices.to_device(r, dev) for r in rows)
-
-    def response_logprobs(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        response_length: int,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        grad: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """([B, L] fp32 log-probs of the last ``response_length`` columns, [B, L] entropy or None).
-
-        Same contract as the Hugging Face backend: masked-out response positions get 0. Every rank of
-        a tensor-parallel group must call this with the same rows.
-        """
-        lp = prompt_width(input_ids, attention_mask, response_length)
-        input_ids, attention_mask = self._to_device(input_ids, attention_mask)
-        rmask_BL = attention_mask[:, lp:].bool()
-        ctx = contextlib.nullcontext() if grad else torch.no_grad()
-        self.model.train(grad)
-        with ctx:
-            hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
-            h_BLD = hidden_BTD[:, lp - 1 :]
-            logp_N, ent_N = self._logprob(h_BLD[rmask_BL], input_ids[:, lp:][rmask_BL], temperature, with_entropy)
-            logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
-            logp_BL = logp_BL.masked_scatter(rmask_BL, logp_N.float())
-            ent_BL = None
-            if with_entropy:
-                ent_BL = torch.zeros_like(logp_BL).masked_scatter(rmask_BL, ent_N.float())
-        return logp_BL, ent_BL
-
     supports_fused_loss = True
     """``response_loss``: the vocab-parallel head's gradients are formed with the log-probs."""
 

@@ -1,0 +1,138 @@
+"""What a Megatron run holds per rank (run as ``torchrun --nproc_per_node=2 -m pytest -m distributed``).
+
+No full Hugging Face model stays on a rank unless Hugging Face generation samples from it, the KL reference is a
+frozen shard like the policy's, and its log-probs equal the Hugging Face backend's reference log-probs.
+
+Tolerance (fp32, TP=2): the shards sum the row-parallel partial products and the vocabulary-parallel log-sum-exp
+in another order than one full matmul, so the reference log-probs differ from the Hugging Face model's by ~1e-6;
+compared at 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+
+import learn_helpers as lh
+import pytest
+import torch
+from test_megatron_steps import Recorder, Replay
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(os.environ.get("WORLD_SIZE") != "2", reason="needs torchrun --nproc_per_node=2"),
+]
+
+STEP = 1  # a step index whose batch has learnable signal
+# one mini-batch: every loss term of the step is computed before the (single) optimizer step
+KL = ["algorithm.estimator=grpo", "algorithm.kl_coef=0.05", "trainer.ppo_mini_batch_size=64"]
+
+
+def config(overrides: list[str]):
+    from alignopsd.engine.config import load_config
+
+    lh.register_guess_env()
+    out = os.path.join(tempfile.gettempdir(), f"alignopsd-megmem-{os.environ.get('MASTER_PORT', '0')}")
+    return load_config(str(lh.TINY_CONFIG), [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", f"output_dir={out}",
+                                             *overrides])  # fmt: skip
+
+
+def build(cfg, world_size: int, rank: int):
+    import torch.distributed as dist
+    from alignopsd.engine.components import build_components
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return build_components(cfg, device=torch.device("cpu"), rank=rank, world_size=world_size)
+
+
+def live_hf_params() -> int:
+    """Parameter elements held by the Hugging Face models alive in this process (each storage counted once)."""
+    from transformers import PreTrainedModel
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if isinstance(o, PreTrainedModel):
+            seen.update({p.data_ptr(): p.numel() for p in o.parameters()})
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("generation", ["vllm", "hf"])
+def test_rank_holds_shards_and_a_hf_copy_only_for_hf_generation(generation):
+    """The objects a TP=2 rank keeps after building its policy and reference (the CPU shim's real megatron-core
+    modules): with vLLM generation no Hugging Face model survives the build, the policy and the reference are
+    shards of S parameters each (``engine.memory.shard_params``: the report's arithmetic on the live objects),
+    the reference's storage is its own, frozen and equal to the policy's initial shard."""
+    from alignopsd.engine.components import build_policy, build_reference, hf_model_of
+    from alignopsd.engine.memory import full_params, shard_params
+    from alignopsd.engine.policy.megatron.convert import Dims
+
+    cfg = config(["policy.backend=megatron", "policy.tensor_parallel_size=2", f"generation.backend={generation}", *KL])
+    before = live_hf_params()
+    policy = build_policy(cfg, torch.device("cpu"), 2)
+    ref = build_reference(cfg, policy, torch.device("cpu"))
+    kept = live_hf_params() - before
+    dims = Dims.from_hf_config(policy.hf_config)
+    s = shard_params(dims, 2)
+    assert sum(p.numel() for p in policy.model.parameters()) == s < full_params(dims)
+    assert sum(p.numel() for p in ref.model.parameters()) == s
+    if generation == "vllm":
+        assert kept == 0 and getattr(policy, "hf_model", None) is None
+        assert hf_model_of(policy) is policy.model
+    else:  # Hugging Face generation samples from the one copy the rank keeps
+        assert kept == full_params(dims) and hf_model_of(policy) is policy.hf_model
+    pol = dict(policy.model.named_parameters())
+    ptrs = {p.data_ptr() for p in pol.values()}
+    for name, p in ref.model.named_parameters():
+        assert not p.requires_grad and p.data_ptr() not in ptrs
+        assert torch.equal(p, pol[name]), name
+
+
+def probe(scorer, seen: list):
+    def call(cb, *a, **kw):
+        out = scorer(cb, *a, **kw)
+        seen.append((cb, out.old_logp.clone()))
+        return out
+
+    return call
+
+
+@pytest.mark.slow
+def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
+    """TP=2, one grpo step with the KL term (one mini-batch): the frozen shard's reference log-probs equal the
+    Hugging Face backend's reference model on the same batch (1e-5 absolute), the loss, policy-gradient and KL terms
+    match (1e-4 relative), and after the update the reference still scores the initial weights while the policy has
+    moved."""
+    import torch.distributed as dist
+    from alignopsd.engine.components import hf_model_of
+    from alignopsd.engine.step import run_step
+
+    rank = int(os.environ["RANK"])
+    parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2", *KL]), 2, rank)
+    parts.generator = Recorder(lh.ChoiceGenerator(hf_model_of(parts.policy), parts.tokenizer))
+    ours: list = []
+    parts.ref_scorer = probe(parts.ref_scorer, ours)
+    out = run_step(parts, STEP)
+    calls = [parts.generator.calls]
+    dist.broadcast_object_list(calls, src=0)
+
+    hf = build(config(KL), 1, 0)
+    hf.generator = Replay(calls[0])
+    theirs: list = []
+    hf.ref_scorer = probe(hf.ref_scorer, theirs)
+    ref_out = run_step(hf, STEP)
+    assert len(ours) == len(theirs) == 1
+    (cb, mine), (_, ref_logp) = ours[0], theirs[0]
+    mask = cb.response_mask.bool()
+    assert mask.any() and (ref_logp[mask] < 0).all()
+    torch.testing.assert_close(mine, ref_logp, atol=1e-5, rtol=0)
+    assert out.metrics["update/optimizer_steps"] == ref_out.metrics["update/optimizer_steps"] == 1.0
+    for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss"):
+        assert abs(out.metrics[key] - ref_out.metrics[key]) <= 1e-4 * max(1e-3, abs(ref_out.metrics[key])), key
+    again = parts.ref_scorer(cb, student=True, teacher=False).old_logp
+    assert torch.equal(again, mine)  # frozen: the update did not reach the reference
+    moved = parts.rescorer(cb, student=True, teacher=False).old_logp
+    assert (moved - mine)[mask].abs().max() > 1e-6  # ... while the policy did move
