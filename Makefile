@@ -29,7 +29,7 @@ $(STAMP):
 # The quickstart (about 30 minutes on 2 cores): easy generated games, held-out success of the base model, a
 # supervised warm start on the expert walkthroughs, the AlignOPSD updates from it, held-out success after each.
 run: install
-	$(BIN)/python -m alignopsd.engine sft --pipeline --easy-games --config configs/quickstart_cpu.yaml --steps 51
+	$(BIN)/python -m alignopsd.engine sft --pipeline --easy-games --config configs/quickstart_cpu.yaml --steps 60
 
 test: install
 	$(BIN)/python -m pytest -q -m "not distributed" tests
