@@ -21,7 +21,8 @@ Two modes:
   mask ``[prompt mask | response mask]`` and position ids continuing from the prompt's length. The log-prob
   of response token 0 comes from the prompt's last hidden state, so the prompt forward also serves the first
   token. Results equal the plain mode up to floating-point reassociation (tested at max |delta| <= 1e-5 in
-  fp32 on a tiny model).
+  fp32 on a tiny model). A policy backend that scores its own rows (Megatron shards, :func:`backend_scorer`)
+  shares prefixes by packing each prompt's responses behind one copy of it in one sequence instead.
 Both modes never push a response's last token (it predicts nothing that is scored) and trim all-padding
 columns per forward. Forwards are sized by ``max_tokens`` (tokens of context per forward: rows x (prompt
 + response) for a row forward, prompts x prompt length for a prompt forward), which bounds peak memory.
@@ -378,22 +379,21 @@ def backend_prefix_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row
         raise ValueError(f"policy: {type(policy).__name__} cannot score packed shared-prefix rows (no prefix_logprobs)")
     stats = _new_stats() if stats is None else stats
     p_ids, p_mask, rp = prompt_ids.cpu(), prompt_mask.cpu().long(), row_prompt.long().cpu()
-    if dedupe and rp.numel():
+    if dedupe:
         rep_U, inv_S = _unique_prompts(p_ids, p_mask)
         p_ids, p_mask, rp = p_ids[rep_U], p_mask[rep_U], inv_S[rp]
     lp, ent, counts = policy.prefix_logprobs(
         p_ids, p_mask, rp, resp_ids.cpu(), resp_mask.cpu().long(), temperature=temperature,
         with_entropy=with_entropy, max_tokens=max_tokens, max_pack_tokens=max_pack_tokens,
     )  # fmt: skip
-    _add(stats, **counts)
-    stats["rows"] += int(rp.numel())
+    _add(stats, **counts, rows=int(rp.numel()))
     keep = resp_mask.float()
     return lp.to(resp_ids.device) * keep, (ent.to(resp_ids.device) * keep if ent is not None else None)
 
 
 def backend_scorer(policy, mode: str, *, temperature: float, device: torch.device, **kw):
-    """The ``scorer`` of a :class:`Rescorer` whose policy backend scores its own rows: ``plain`` ->
-    :func:`backend_row_logprobs`, ``shared_prefix`` -> :func:`backend_prefix_logprobs` (kw: their sizes)."""
+    """A :class:`Rescorer`'s ``scorer`` for a policy backend that scores its own rows: ``plain`` rows (on ``device``)
+    by :func:`backend_row_logprobs`, ``shared_prefix`` by :func:`backend_prefix_logprobs`; kw: their sizes."""
     if mode not in RESCORING_MODES:
         raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
     if mode == "plain":
@@ -402,7 +402,7 @@ def backend_scorer(policy, mode: str, *, temperature: float, device: torch.devic
 
 
 def _add(stats: dict, **counts: int) -> None:
-    for k, v in counts.items():
+    for k, v in counts.items():  # the backends' counts (module legend) into ``stats``
         stats[k] = stats.get(k, 0) + int(v)
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from alignopsd.engine.batch import TurnBatch
-from alignopsd.engine.policy.megatron.scoring import pack_layout, plan_forwards, plan_packs
+from alignopsd.engine.policy.megatron.scoring import ShardScoring, pack_layout, plan_forwards, plan_packs
 from alignopsd.engine.rescoring import Rescorer, backend_prefix_logprobs, backend_scorer
 
 two_ranks = pytest.mark.skipif(os.environ.get("WORLD_SIZE") != "2", reason="needs torchrun --nproc_per_node=2")
@@ -69,6 +69,13 @@ def test_backend_prefix_scoring_needs_a_packing_backend():
         backend_prefix_logprobs(RowsOnly(), z, z, torch.zeros(1, dtype=torch.long), z, z, False, temperature=1.0)
     with pytest.raises(ValueError, match="mode"):
         backend_scorer(RowsOnly(), "packed", temperature=1.0, device=torch.device("cpu"))
+
+    class TransformerEngineShard(ShardScoring):
+        spec = "te"  # its causal attention ignores an arbitrary mask: packing would let responses see each other
+
+    with pytest.raises(ValueError, match="rescoring_mode=plain"):
+        backend_prefix_logprobs(TransformerEngineShard(), z, z, torch.zeros(1, dtype=torch.long), z, z, False,
+                                temperature=1.0)  # fmt: skip
 
 
 def _qwen2_tiny():

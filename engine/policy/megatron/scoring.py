@@ -3,7 +3,8 @@ reference (legend as in ``backend``: B rows, T tokens per row, L response length
 
 :class:`ShardScoring` is the no-grad and training forward to per-token log-probs on this rank's vocabulary shard
 (``alignopsd.kernels.logprob_vocab_parallel``; no rank holds the full [N, V] logits). A class using it sets
-``model`` (the GPTModel shard), ``tp``, ``tp_rank``, ``tp_group`` and ``padding_idx``.
+``model`` (the GPTModel shard), ``spec`` (its layer spec kind), ``tp``, ``tp_rank``, ``tp_group`` and
+``padding_idx``.
 
 Shared prefixes (``ShardScoring.prefix_logprobs``, the ``shared_prefix`` rescoring mode under Megatron): the rows
 scored under one prompt go through the model as one packed sequence ``[prompt | resp_1 | resp_2 | ...]`` (the
@@ -116,6 +117,7 @@ class ShardScoring:
     """Per-token log-probs of response tokens from a tensor-parallel GPTModel shard (see the module docstring)."""
 
     model: torch.nn.Module
+    spec: str
     tp: int
     tp_rank: int
     tp_group: object
@@ -200,6 +202,11 @@ class ShardScoring:
         ``token_forwards``, ``forwards``, ``attention_scores`` (query-key pairs, rows x T^2 per forward). Every
         rank of a tensor-parallel group must call this with the same rows. Results are on the inputs' device.
         """
+        if self.spec != "local":  # Transformer Engine's causal attention ignores the mask
+            raise ValueError(
+                "trainer.rescoring_mode: packed shared prefixes need the local layer spec (its attention "
+                "honours an arbitrary mask); use rescoring_mode=plain with the Transformer Engine spec"
+            )
         r, lr = int(resp_ids_RL.shape[0]), int(resp_ids_RL.shape[1])
         used = row_prompt_R.unique()
         if r and (prompt_mask_SP.shape[1] == 0 or not bool(prompt_mask_SP[used, -1].bool().all())):
