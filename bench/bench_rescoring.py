@@ -14,6 +14,8 @@ between the two modes' log-probs.
     python -m bench.bench_rescoring --size full     # 2 tasks x 8 rollouts x 6 turns, prompt 1024, response 128, K=3
     python -m bench.bench_rescoring --size cpu      # a CPU-sized version of the same structure
     python -m bench.bench_rescoring --size quick    # seconds; what `python -m bench.report` runs by default
+    torchrun --nproc_per_node=1 -m bench.bench_rescoring --size full --counts-only --backend megatron
+                                                    # the Megatron backend's plain rows vs packed shared prefixes
 
 ``run_rescoring_case(quick)`` is the entry of ``bench.report`` (case ``rescoring_shared_prefix``).
 """
@@ -226,6 +228,40 @@ def token_counts(size: str = "full") -> dict:
     return out
 
 
+def megatron_token_counts(size: str = "full") -> dict:
+    """Token forwards, forwards and attention scores (query-key pairs) of the Megatron backend's plain rows and
+    packed shared prefixes on the ``size`` batch, scored by a 1-layer toy GPTModel at tensor-parallel size = the
+    torchrun world size (the counts depend only on the lengths), with the max |delta| between the two and each
+    mode's wall time (a toy model: attention dominates its cost, the worst case for packing)."""
+    from alignopsd.engine.policy.megatron.backend import MegatronPolicy
+    from alignopsd.engine.rescoring import backend_scorer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = SIZES[size]
+    torch.manual_seed(0)
+    mcfg = LlamaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(mcfg).eval()
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    pol = MegatronPolicy(mcfg, model.state_dict(), tp=tp)
+    batch, pairs = make_batch(vocab=1024, **cfg)
+    out: dict = {"size": size, "turns": batch.size, "cross_rows": int(pairs.shape[0]), "tp": tp}
+    res = {}
+    for mode in ("plain", "shared_prefix"):
+        scorer = backend_scorer(pol, mode, temperature=1.0, device=torch.device("cpu"), max_tokens=cfg["max_tokens"])
+        t0 = time.perf_counter()
+        diag, cross, st = Rescorer(model, mode=mode, scorer=scorer).teacher_logprobs(batch, pairs)
+        keys = ("prompt_tokens", "response_tokens", "token_forwards", "forwards", "attention_scores")
+        out[mode] = {k: st[k] for k in keys} | {"seconds": round(time.perf_counter() - t0, 2)}
+        res[mode] = torch.cat([diag, cross])
+    out["max_abs_diff"] = float((res["plain"] - res["shared_prefix"]).abs().max())
+    for k in ("token_forwards", "attention_scores"):
+        out[f"{k}_ratio"] = out["plain"][k] / out["shared_prefix"][k]
+    return out
+
+
 def run_rescoring_case(quick: bool = True) -> dict:
     """Entry for ``python -m bench.report``: quick = the tiny batch once (the report's --quick must finish in two
     minutes), else the full realistic batch."""
@@ -271,12 +307,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attribution", action="store_true", help="also run shared_prefix without prompt merging")
     ap.add_argument("--counts-only", action="store_true", help="only the token-forward counts (toy model, fast)")
+    ap.add_argument("--backend", choices=("hf", "megatron"), default="hf", help="--counts-only: the scoring path")
     ap.add_argument(
         "--out", default=None, help="markdown file to append to (default bench/results/rescoring-<date>.md)"
     )
     args = ap.parse_args()
     if args.counts_only:
-        print(token_counts(args.size))
+        print(megatron_token_counts(args.size) if args.backend == "megatron" else token_counts(args.size))
         return
     res = run(args.size, args.model, args.device, args.reps, args.attribution)
     md = to_markdown(res)

@@ -26,7 +26,7 @@ from .models import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_p
 from .policy.base import PolicyBackend
 from .policy.megatron.scoring import ShardScoring
 from .profiler import StepProfiler
-from .rescoring import Rescorer, backend_row_logprobs
+from .rescoring import Rescorer, backend_row_logprobs, backend_scorer
 
 log = logging.getLogger("alignopsd.components")
 
@@ -121,10 +121,10 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
     (``world_size``: all processes) fails before the weights load.
 
     The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
-    teacher forcing with it (``backend_row_logprobs``). Only Hugging Face generation keeps a Hugging Face copy of
-    the same weights (``policy.hf_model``, refreshed after every update by :meth:`Components.sync_weights`); with
-    vLLM the weights go from the shards to the engine, and the full model read from disk is loaded on the CPU and
-    dropped once each rank holds its shard.
+    teacher forcing with it (``backend_scorer``: plain rows, or packed shared prefixes). Only Hugging Face
+    generation keeps a Hugging Face copy of the same weights (``policy.hf_model``, refreshed after every update by
+    :meth:`Components.sync_weights`); with vLLM the weights go from the shards to the engine, and the full model
+    read from disk is loaded on the CPU and dropped once each rank holds its shard.
     """
     warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
     load_on = device
@@ -252,9 +252,10 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
         # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
         # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
-        # (teacher minus student) compares two forwards of one implementation (plain rows, no prefix sharing)
+        # (teacher minus student) compares two forwards of one implementation; in the same rescoring mode
+        # (shared_prefix: each prompt's rows packed behind one copy of it)
         scorer=(
-            functools.partial(backend_row_logprobs, policy, temperature=cfg.generation.temperature, device=device)
+            backend_scorer(policy, cfg.trainer.rescoring_mode, temperature=cfg.generation.temperature, device=device)
             if scores_itself(policy)
             else None
         ),

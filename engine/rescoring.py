@@ -21,7 +21,8 @@ Two modes:
   mask ``[prompt mask | response mask]`` and position ids continuing from the prompt's length. The log-prob
   of response token 0 comes from the prompt's last hidden state, so the prompt forward also serves the first
   token. Results equal the plain mode up to floating-point reassociation (tested at max |delta| <= 1e-5 in
-  fp32 on a tiny model).
+  fp32 on a tiny model). A policy backend that scores its own rows (Megatron shards, :func:`backend_scorer`)
+  shares prefixes by packing each prompt's responses behind one copy of it in one sequence instead.
 Both modes never push a response's last token (it predicts nothing that is scored) and trim all-padding
 columns per forward. Forwards are sized by ``max_tokens`` (tokens of context per forward: rows x (prompt
 + response) for a row forward, prompts x prompt length for a prompt forward), which bounds peak memory.
@@ -32,6 +33,7 @@ positions included: that is what costs FLOPs), their sum ``token_forwards``, and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -325,26 +327,18 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     del cache, res
 
 
-def backend_row_logprobs(
-    policy,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    row_prompt: Tensor,
-    resp_ids: Tensor,
-    resp_mask: Tensor,
-    with_entropy: bool,
-    *,
-    temperature: float,
-    device: torch.device,
-    max_tokens: int = 16384,
-) -> tuple[Tensor, Tensor | None]:
+def backend_row_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row_prompt: Tensor, resp_ids: Tensor,
+                         resp_mask: Tensor, with_entropy: bool, stats: dict | None = None, *, temperature: float,
+                         device: torch.device, max_tokens: int = 16384) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """([R, L] log-probs, [R, L] entropy or None) of rows ``[prompt_ids[row_prompt] | resp_ids]`` scored by the policy
-    backend itself, no grad, in row chunks of at most ``max_tokens`` token positions (the ``scorer`` of a
+    backend itself, no grad, in row chunks of at most ``max_tokens`` token positions (the ``plain`` ``scorer`` of a
     :class:`~alignopsd.engine.rescoring.Rescorer`). Every tensor-parallel rank calls it with the same rows.
 
     prompt_ids/prompt_mask: [P, Lp] left-padded; row_prompt: [R] indices into them; resp_ids/resp_mask: [R, L]
-    right-padded. Masked-out response positions get 0.
+    right-padded. Masked-out response positions get 0. stats: counts added in place (module legend; also
+    ``attention_scores``, query-key pairs: rows x (Lp + L - 1)^2 per chunk).
     """
+    stats = _new_stats() if stats is None else stats
     rows, length = int(resp_ids.shape[0]), int(resp_ids.shape[1])
     width = int(prompt_ids.shape[1]) + length
     per = max(1, max_tokens // max(1, width))
@@ -363,10 +357,53 @@ def backend_row_logprobs(
         lps.append(lp.float().cpu())
         if with_entropy:
             ents.append(en.float().cpu())
+        n = int(idx.numel())  # the forward pushes every column but the last
+        _add(stats, prompt_tokens=n * int(prompt_ids.shape[1]), response_tokens=n * (length - 1),
+             token_forwards=n * (width - 1), forwards=1, attention_scores=n * (width - 1) ** 2)  # fmt: skip
+    stats["rows"] += rows
     lp = torch.cat(lps) if lps else torch.zeros(0, length)
     ent = (torch.cat(ents) if ents else torch.zeros(0, length)) if with_entropy else None
     out_dev = resp_ids.device
     return lp.to(out_dev) * resp_mask.float(), (ent.to(out_dev) * resp_mask.float() if ent is not None else None)
+
+
+def backend_prefix_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row_prompt: Tensor, resp_ids: Tensor,
+                            resp_mask: Tensor, with_entropy: bool, stats: dict | None = None, *, temperature: float,
+                            max_tokens: int = 16384, dedupe: bool = True,
+                            max_pack_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """:func:`backend_row_logprobs` with shared prefixes (the ``shared_prefix`` ``scorer`` of a ``Rescorer`` whose
+    policy scores packed rows itself, a Megatron shard: ``policy.prefix_logprobs``): identical prompts are merged
+    (``dedupe``, as in :func:`score_shared_prefix`) and each prompt's rows are scored in packed sequences behind one
+    copy of it, at most ``max_pack_tokens`` tokens each. Same contract and results as the plain rows."""
+    if not callable(getattr(policy, "prefix_logprobs", None)):
+        raise ValueError(f"policy: {type(policy).__name__} cannot score packed shared-prefix rows (no prefix_logprobs)")
+    stats = _new_stats() if stats is None else stats
+    p_ids, p_mask, rp = prompt_ids.cpu(), prompt_mask.cpu().long(), row_prompt.long().cpu()
+    if dedupe:
+        rep_U, inv_S = _unique_prompts(p_ids, p_mask)
+        p_ids, p_mask, rp = p_ids[rep_U], p_mask[rep_U], inv_S[rp]
+    lp, ent, counts = policy.prefix_logprobs(
+        p_ids, p_mask, rp, resp_ids.cpu(), resp_mask.cpu().long(), temperature=temperature,
+        with_entropy=with_entropy, max_tokens=max_tokens, max_pack_tokens=max_pack_tokens,
+    )  # fmt: skip
+    _add(stats, **counts, rows=int(rp.numel()))
+    keep = resp_mask.float()
+    return lp.to(resp_ids.device) * keep, (ent.to(resp_ids.device) * keep if ent is not None else None)
+
+
+def backend_scorer(policy, mode: str, *, temperature: float, device: torch.device, **kw):
+    """A :class:`Rescorer`'s ``scorer`` for a policy backend that scores its own rows: ``plain`` rows (on ``device``)
+    by :func:`backend_row_logprobs`, ``shared_prefix`` by :func:`backend_prefix_logprobs`; kw: their sizes."""
+    if mode not in RESCORING_MODES:
+        raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
+    if mode == "plain":
+        return functools.partial(backend_row_logprobs, policy, temperature=temperature, device=device, **kw)
+    return functools.partial(backend_prefix_logprobs, policy, temperature=temperature, **kw)
+
+
+def _add(stats: dict, **counts: int) -> None:
+    for k, v in counts.items():  # the backends' counts (module legend) into ``stats``
+        stats[k] = stats.get(k, 0) + int(v)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -411,9 +448,10 @@ class Rescorer:
     reuse_rollout_logp: take the student old log-probs from ``batch.rollout_logp`` (engine log-probs) instead
     of a forward (then no student entropy is returned); only correct when the engine is the trainer's own model
     (see ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
-    scorer: ``scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy) -> (logp, ent)``
-    scores the rows ``[prompt_ids[row_prompt] | resp_ids]`` instead of ``model`` (student and teacher rows alike;
-    ``mode`` is then unused): a policy backend that is not ``model`` scores with itself (:func:`backend_row_logprobs`).
+    scorer: ``scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats) -> (logp, ent)``
+    scores the rows ``[prompt_ids[row_prompt] | resp_ids]`` instead of ``model`` (student and teacher rows alike)
+    and adds its counts to ``stats``: a policy backend that is not ``model`` scores with itself, in the mode
+    :func:`backend_scorer` was given (the same ``mode`` as here).
     """
 
     def __init__(
@@ -451,10 +489,8 @@ class Rescorer:
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
         """Score the rows on the model's device; results come back on the device of ``resp_ids``."""
-        if self.scorer is not None:  # the training backend scores the rows itself (plain rows, no prefix sharing)
-            stats["forwards"] += 1
-            stats["token_forwards"] += int(row_prompt.numel() * (prompt_ids.shape[1] + resp_ids.shape[1]))
-            return self.scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy)
+        if self.scorer is not None:  # the training backend scores the rows itself (and counts its forwards)
+            return self.scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats)
         kw = dict(temperature=self.temperature, with_entropy=with_entropy, max_tokens=self.max_tokens, impl=self.impl)
         back = resp_ids.device
         dev = module_device(self.model)

@@ -168,11 +168,18 @@ def forward_hidden(model, input_ids: Tensor, attention_mask: Tensor, padding_idx
     ``padding_idx``: the Hugging Face embedding's ``padding_idx`` (the config's ``pad_token_id``): as in
     ``nn.Embedding(padding_idx=...)``, looking that token up passes no gradient to its embedding row (with tied
     embeddings the row still learns through the output head), so both backends train the same weights."""
-    pos_BT = position_ids(attention_mask)
     t = int(input_ids.shape[1])
-    dev = input_ids.device
-    causal_TT = torch.triu(torch.ones(t, t, dtype=torch.bool, device=dev), diagonal=1)
+    causal_TT = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
     masked_B1TT = causal_TT[None, None] | ~attention_mask.bool()[:, None, None, :]
+    return forward_layout(model, input_ids, position_ids(attention_mask), masked_B1TT, padding_idx)
+
+
+def forward_layout(
+    model, input_ids: Tensor, pos_BT: Tensor, masked_B1TT: Tensor, padding_idx: int | None = None
+) -> Tensor:
+    """[B, T, D] final hidden states of ``model`` for any attention layout: token t of row b sits at position
+    ``pos_BT[b, t]`` (its rotary phase) and attends to key k unless ``masked_B1TT[b, 0, t, k]`` (True = blocked).
+    ``padding_idx``: as in :func:`forward_hidden`."""
     emb_TBD = model.embedding(input_ids=input_ids, position_ids=pos_BT)
     if padding_idx is not None and torch.is_grad_enabled():
         pad_TB1 = (input_ids == padding_idx).t().unsqueeze(-1)
