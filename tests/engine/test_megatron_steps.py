@@ -177,11 +177,11 @@ def test_tp2_step_equals_hf_backend(estimator):
     start = parts.policy.hf_state_dict()
     out = run_step(parts, STEP)
     ours = parts.policy.hf_state_dict()
+    calls = [parts.generator.calls if parts.generator is not None else None]  # rank 0 generated for the group
+    dist.broadcast_object_list(calls, src=0)
     if parts.generator is not None:  # rank 0: the generator's model got the new weights (rank 1 has none)
         synced = parts.generator.inner.model.state_dict()
         assert synced.keys() == ours.keys() and all(torch.equal(synced[k], v) for k, v in ours.items())
-    calls = [parts.generator.calls]
-    dist.broadcast_object_list(calls, src=0)
     ref_metrics, ref = _hf_reference(extra, calls[0], 1, 0)
     m = out.metrics
     assert m["update/optimizer_steps"] == ref_metrics["update/optimizer_steps"] == 2.0
