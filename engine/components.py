@@ -27,6 +27,7 @@ from .policy.base import PolicyBackend
 from .policy.megatron.scoring import ShardScoring
 from .profiler import StepProfiler
 from .rescoring import Rescorer, backend_row_logprobs, backend_scorer
+from .tp_broadcast import is_group_lead, tp_layout
 
 log = logging.getLogger("alignopsd.components")
 
@@ -41,7 +42,7 @@ class Components:
     world_size: int  # data-parallel size
     tokenizer: object  # a Hugging Face tokenizer
     policy: PolicyBackend
-    generator: GenerationBackend
+    generator: GenerationBackend | None  # None on tensor-parallel ranks other than their group's first
     env: EnvManager
     train_tasks: list
     val_tasks: list
@@ -64,16 +65,25 @@ class Components:
         return self.encoder
 
     def sync_weights(self) -> None:
-        """Push the policy's weights to the generation engine and the rescoring copy (no-op when shared)."""
-        hf = getattr(self.policy, "hf_model", None)
-        state = None
-        if hf is not None:  # Megatron backend: refresh the Hugging Face copy used for generation
-            state = self.policy.hf_state_dict()
-            hf.load_state_dict(state, strict=False)
+        """Push the policy's weights into the generation engine (no-op when it samples from the trained module).
+
+        Under tensor parallelism every rank of the group calls it: the weights are gathered one conversion part at
+        a time to the group's first rank, the only one with a generator (``policy.hf_weights``), and the other
+        ranks only send their shards."""
         gm = getattr(self.generator, "model", None)
-        if gm is not None and gm is hf_model_of(self.policy):
+        if gm is not None and gm is self.policy.model:
             return
-        self.generator.load_weights(state if state is not None else self.policy.hf_state_dict())
+        weights = self.policy.hf_weights()
+        if self.generator is not None:
+            self.generator.load_weights(weights)
+        if tp_layout(self.policy)[0] is None:
+            return
+        left = sum(1 for _ in weights)  # the group's remaining gathers (all of them on a rank without a generator)
+        if left and self.generator is not None:
+            raise RuntimeError(
+                f"generator: {type(self.generator).__name__}.load_weights left {left} weights of the sync unread "
+                "(a weight sync must load every weight it is given)"
+            )
 
     def release_generation(self) -> None:
         """A generation phase ended, the training phases follow: the generation engine gives back its accelerator
@@ -94,14 +104,16 @@ class Components:
 
 
 def hf_model_of(policy: PolicyBackend) -> nn.Module:
-    """The module that generation and rescoring see: the Hugging Face policy's own, the Megatron policy's Hugging
-    Face copy when it keeps one (:func:`needs_hf_copy`), else the Megatron policy's shard (which scores itself)."""
+    """The module that Hugging Face generation samples from: the Hugging Face policy's own, or the Megatron
+    policy's Hugging Face copy where it keeps one (:func:`needs_hf_copy`: the first rank of each tensor-parallel
+    group); else the Megatron policy's shard (which scores itself and generates nothing)."""
     return getattr(policy, "hf_model", None) or policy.model
 
 
 def needs_hf_copy(cfg: RunConfig) -> bool:
-    """A Megatron-trained policy keeps a full Hugging Face copy of its weights on every rank only for Hugging Face
-    generation (student and teacher rollouts sample from it). Nothing else reads it: old log-probs, teacher forcing
+    """A Megatron-trained policy keeps a full Hugging Face copy of its weights only for Hugging Face generation
+    (student and teacher rollouts sample from it), and then only on the first rank of each tensor-parallel group,
+    which samples for the group (engine/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
     and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
     return cfg.generation.backend == "hf"
 
@@ -123,19 +135,21 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
     The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
     teacher forcing with it (``backend_scorer``: plain rows, or packed shared prefixes). Only Hugging Face
     generation keeps a Hugging Face copy of the same weights (``policy.hf_model``, refreshed after every update by
-    :meth:`Components.sync_weights`); with vLLM the weights go from the shards to the engine, and the full model
-    read from disk is loaded on the CPU and dropped once each rank holds its shard.
+    :meth:`Components.sync_weights`), on the first rank of each tensor-parallel group only; elsewhere, and with
+    vLLM everywhere, the full model read from disk is loaded on the CPU and dropped once the rank holds its shard.
     """
     warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
-    load_on = device
+    load_on, keep_copy = device, False
     if cfg.policy.backend == "megatron":  # pre-flight: the layout must fit before any weight loads
         from transformers import AutoConfig
 
+        from .policy.megatron.backend import tensor_parallel_rank
         from .policy.megatron.convert import check_parallel_layout
 
         hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name), local_files_only=True)
         check_parallel_layout(hf_config, cfg.policy.tensor_parallel_size, world_size)
-        if not needs_hf_copy(cfg):
+        keep_copy = needs_hf_copy(cfg) and tensor_parallel_rank(cfg.policy.tensor_parallel_size, cfg.trainer.seed) == 0
+        if not keep_copy:
             load_on = torch.device("cpu")  # only the source of the shards: never on the accelerator
     model = load_causal_lm(
         cfg.model.name,
@@ -159,7 +173,7 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
             recompute=cfg.policy.recompute if cfg.policy.gradient_checkpointing else "none",
             distributed_optimizer=cfg.policy.distributed_optimizer,
         )
-        if needs_hf_copy(cfg):
+        if keep_copy:
             for p in model.parameters():
                 p.requires_grad_(False)
             policy.hf_model = model
@@ -197,12 +211,16 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     return Rescorer(ref_model, mode="plain", temperature=temperature)
 
 
-def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend:
-    """Generation backend factory (``generation.backend``): hf | vllm."""
+def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
+    """Generation backend factory (``generation.backend``): hf | vllm. Under tensor parallelism only the first rank
+    of each group generates (engine/tp_broadcast.py), so only it builds an engine: None on the group's other ranks.
+    A vLLM engine starts from the weights on disk; :func:`build_components` pushes the policy's into it."""
+    if not is_group_lead(policy):
+        return None
     if cfg.generation.backend == "vllm":
         from .generation.vllm_backend import VLLMBackend  # vllm is imported only when asked for
 
-        return VLLMBackend.from_config(cfg, policy=policy, tokenizer=tokenizer)
+        return VLLMBackend.from_config(cfg, tokenizer=tokenizer)
     from .generation.hf import HFGenerator
 
     return HFGenerator(hf_model_of(policy), tokenizer)
@@ -246,7 +264,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
     rescorer = Rescorer(
-        hf_model_of(policy),
+        policy.model if scores_itself(policy) else hf_model_of(policy),
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
@@ -267,7 +285,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         import torch.distributed as dist
 
         rank, world_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    return Components(
+    parts = Components(
         dp_group=dp_group,
         cfg=cfg,
         device=device,
@@ -285,3 +303,6 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         encoder_factory=functools.partial(build_encoder, cfg, device) if phases["alignment"] else None,
         skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
     )
+    if cfg.generation.backend == "vllm":  # the policy's weights into the engine (collective under tensor parallelism)
+        parts.sync_weights()
+    return parts

@@ -14,11 +14,16 @@ Hugging Face cache), else from a built-in table of the paper's models. Per rank,
     optimizer            (4 S if b < 4) + 8 S  (fp32 main params for bf16/fp16 weights, Adam's two fp32 moments),
                                                divided by dp with the distributed optimizer
     reference (KL > 0)   before: P b (a full Hugging Face model); after: S b (a frozen snapshot of the shard)
-    Hugging Face copy    before: P b always; after: P b only with Hugging Face generation
+    Hugging Face copy    before: P b on every rank; after: P b only with Hugging Face generation, and only on the
+                         first rank of each tensor-parallel group (the one that generates for its group)
     vLLM                 gpu_memory_utilization x the accelerator's memory (weights P b, the rest KV cache and
-                         vLLM's own buffers), on every rank; after: released in the training phases when vLLM can
-                         sleep (level 1: weights to host memory, KV cache dropped) and taken back to generate
-    weight sync          P b while the full weights are gathered from the shards (every rank, after the update)
+                         vLLM's own buffers); before: on every rank; after: only on the first rank of each
+                         tensor-parallel group, released in the training phases when vLLM can sleep (level 1:
+                         weights to host memory, KV cache dropped) and taken back to generate
+    weight sync          before: P b while the full weights are gathered from the shards (every rank, after the
+                         update); after: 2 Q b on the first rank of each group (Q: the largest conversion part, the
+                         embedding, one layer or the final norm with the untied head; its gathered pieces and its
+                         converted weights), gathered there part by part; the other ranks only send their shards
 
 S counts, per layer, the replicated norms 2 D and the tp-th part of q/k/v ((nq + 2 ng) hn D, plus biases), the
 output projection nq hn D and the gated MLP 3 D F; plus the tp-th part of the embedding V D (and of the output
@@ -77,11 +82,22 @@ def full_params(d: Dims) -> int:
 def shard_params(d: Dims, tp: int) -> int:
     """S: parameters of one tensor-parallel shard (megatron-core's layout, ``convert.hf_to_megatron``)."""
     d.check_tp(tp)
-    qkv = (d.heads + 2 * d.groups) * d.head_dim
-    layer = 2 * d.hidden + (qkv * d.hidden + (qkv if d.qkv_bias else 0) + d.heads * d.head_dim * d.hidden) // tp
-    layer += 3 * d.hidden * d.ffn // tp
+    layer = layer_params(d, tp)
     heads = (1 if d.tied else 2) * d.vocab * d.hidden // tp
     return d.num_layers * layer + heads + d.hidden
+
+
+def layer_params(d: Dims, tp: int) -> int:
+    """Parameters of one decoder layer's shard: its replicated norms and the tp-th part of the rest."""
+    qkv = (d.heads + 2 * d.groups) * d.head_dim
+    attention = qkv * d.hidden + (qkv if d.qkv_bias else 0) + d.heads * d.head_dim * d.hidden
+    return 2 * d.hidden + (attention + 3 * d.hidden * d.ffn) // tp
+
+
+def sync_part_params(d: Dims) -> int:
+    """Q: parameters of the largest conversion part of the weight sync (``convert.conversion_parts``): the
+    embedding (with a tied head, the same tensor), one decoder layer, or the final norm with an untied head."""
+    return max(d.vocab * d.hidden, layer_params(d, 1), d.hidden + (0 if d.tied else d.vocab * d.hidden))
 
 
 def kv_bytes_per_token(d: Dims, dtype_bytes: int) -> int:
@@ -105,8 +121,10 @@ class Layout:
     gpu_bytes: int
     gpu_memory_utilization: float
 
-    def rows(self) -> list[tuple[str, int, int, int]]:
-        """(item, before, after in the training phases, after while generating) per rank, in bytes."""
+    def rows(self) -> list[tuple[str, int, int, int, int]]:
+        """(item, before, after: training phases and generating on the first rank of a tensor-parallel group,
+        after: the group's other ranks) per rank, in bytes. The other ranks hold no generation engine, so their
+        training and generating phases are the same."""
         d, b = self.dims, self.dtype_bytes
         p, s = full_params(d), shard_params(d, self.tp)
         opt = (8 + (4 if b < 4 else 0)) * s
@@ -115,15 +133,15 @@ class Layout:
         copy_after = p * b if self.hf_generation else 0
         engine = int(self.gpu_memory_utilization * self.gpu_bytes) if self.vllm else 0
         engine_training = 0 if self.vllm_sleep else engine
-        sync = p * b
+        sync = 2 * sync_part_params(d) * b
         return [
-            ("policy shard (weights)", s * b, s * b, s * b),
-            ("gradients (fp32 buffer)", 4 * s, 4 * s, 4 * s),
-            ("optimizer (fp32 main + Adam moments)", opt, opt, opt),
-            ("reference model", ref_before, ref_after, ref_after),
-            ("Hugging Face copy of the policy", p * b, copy_after, copy_after),
-            ("vLLM (weights + KV cache)", engine, engine_training, engine),
-            ("weight-sync gather (transient)", sync, sync, sync),
+            ("policy shard (weights)", s * b, s * b, s * b, s * b),
+            ("gradients (fp32 buffer)", 4 * s, 4 * s, 4 * s, 4 * s),
+            ("optimizer (fp32 main + Adam moments)", opt, opt, opt, opt),
+            ("reference model", ref_before, ref_after, ref_after, ref_after),
+            ("Hugging Face copy of the policy", p * b, copy_after, copy_after, 0),
+            ("vLLM (weights + KV cache)", engine, engine_training, engine, 0),
+            ("weight-sync gather (transient)", p * b, sync, sync, 0),
         ]
 
     def vllm_kv_bytes(self) -> int:
@@ -164,17 +182,25 @@ def layout_from_config(cfg, world_size: int, gpu_gib: float) -> tuple[Layout, st
 
 
 def format_table(layout: Layout) -> str:
-    """The per-rank table (GiB) with its totals."""
+    """The per-rank table (GiB) with its totals (without tensor parallelism every rank is a group's first)."""
     rows = layout.rows()
-    lines = ["| per rank (GiB) | before | after: training phases | after: generating |", "|---|---:|---:|---:|"]
+    others = layout.tp > 1
+    lines = [
+        "| per rank (GiB) | before (every rank) | after, TP rank 0: training phases | after, TP rank 0: generating "
+        "| after, other TP ranks |",
+        "|---|---:|---:|---:|---:|",
+    ]
+
+    def cells(vals) -> str:
+        return " | ".join("–" if v is None or (i == 3 and not others) else f"{v / GIB:.2f}" for i, v in enumerate(vals))
+
     for name, *vals in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{v / GIB:.2f}" for v in vals) + " |")
-    resident = [sum(r[i] for r in rows[:-1]) for i in (1, 2, 3)]
-    lines.append("| **resident total** | " + " | ".join(f"**{v / GIB:.2f}**" for v in resident) + " |")
+        lines.append(f"| {name} | {cells(vals)} |")
+    resident = [sum(r[i] for r in rows[:-1]) for i in (1, 2, 3, 4)]
+    lines.append("| **resident total** | " + " | ".join(f"**{c}**" for c in cells(resident).split(" | ")) + " |")
     # the weights are gathered after the update and pushed into an awake engine: the generating column's set
-    peak = [resident[0] + rows[-1][1], None, resident[2] + rows[-1][3]]
-    cells = ["–" if v is None else f"{v / GIB:.2f}" for v in peak]
-    lines.append("| peak at weight sync (resident + gather) | " + " | ".join(cells) + " |")
+    peak = [resident[0] + rows[-1][1], None, resident[2] + rows[-1][3], resident[3] + rows[-1][4]]
+    lines.append(f"| peak at weight sync (resident + gather) | {cells(peak)} |")
     return "\n".join(lines)
 
 

@@ -10,8 +10,9 @@ tensors, so it works under gloo and NCCL alike):
     teacher generation and thinking encoding of the teacher pass     -> :func:`group_sampling`
 
 Everything after that (old log-probs, teacher forcing through the sharded model, the estimator, the update) runs
-on every rank of the group with identical inputs. The other ranks never generate, never step an environment
-during training and never load the thinking encoder. Without tensor parallelism (no group, or a group of one)
+on every rank of the group with identical inputs. The other ranks never generate (they hold no generation
+engine: ``components.build_generator``), never step an environment during training and never load the thinking
+encoder. Without tensor parallelism (no group, or a group of one)
 every function here is the plain call.
 """
 
@@ -77,8 +78,8 @@ def group_rollout(parts, run: Callable[[], tuple]) -> tuple:
 
 class LeadGenerator:
     """A generation backend for the duration of a teacher pass: the group's first rank generates with the real
-    backend, every rank returns its output. The ranks of the group call it with the same prompts (their batches
-    are the group's one batch), so the calls line up."""
+    backend (``inner``; None on the other ranks, which hold none), every rank returns its output. The ranks of the
+    group call it with the same prompts (their batches are the group's one batch), so the calls line up."""
 
     def __init__(self, inner, policy) -> None:
         self.inner = inner
@@ -88,10 +89,12 @@ class LeadGenerator:
         return broadcast_from_lead(self.policy, lambda: self.inner.generate(prompts, sampling))
 
     def load_weights(self, state_dict) -> None:
+        if self.inner is None:
+            raise ValueError("generator: this rank holds no generation engine (weights go through sync_weights)")
         self.inner.load_weights(state_dict)
 
     def sleep(self) -> None:
-        """Every rank's own engine gives back its memory (see ``Components.release_generation``)."""
+        """The group's engine (on its first rank) gives back its memory (see ``Components.release_generation``)."""
         sleep = getattr(self.inner, "sleep", None)
         if callable(sleep):
             sleep()

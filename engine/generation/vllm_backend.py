@@ -131,6 +131,55 @@ def resolve_sleep_mode(requested: bool | None) -> bool:
     return bool(requested)
 
 
+def _checked_pairs(items: Iterable) -> Iterator[tuple[str, Tensor]]:
+    """``items`` as detached (name, tensor) pairs, read lazily; ValueError at the first other element."""
+    for item in items:
+        name, value = item if isinstance(item, tuple) and len(item) == 2 else (None, None)
+        if not isinstance(name, str) or not isinstance(value, Tensor):
+            raise ValueError(f"state_dict: expected (name, tensor) pairs, got {type(item).__name__} {item!r:.80}")
+        yield name, value.detach()
+
+
+def layer_key(name: str) -> str:
+    """The unit a weight is written with: its decoder layer (``model.layers.N``), else the weight itself."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["model", "layers"] and len(parts) > 3 else name
+
+
+def write_by_layer(items: Iterable[tuple[str, Tensor]], folder: str) -> int:
+    """Write (name, tensor) pairs (in layer order) into ``folder`` as safetensors files, one per layer
+    (:func:`layer_key`), holding one layer's CPU copies at a time; returns the number of files. A tensor whose
+    storage an earlier tensor of the same file already holds (tied weights) is written once."""
+    from safetensors.torch import save_file
+
+    files = 0
+    buf: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    alive: list[Tensor] = []  # the file's source tensors: no storage address is reused while it is compared
+    key = None
+
+    def flush() -> None:
+        nonlocal files
+        if buf:
+            files += 1
+            save_file(buf, os.path.join(folder, f"part-{files:05d}.safetensors"))
+        buf.clear()
+        seen.clear()
+        alive.clear()
+
+    for name, value in items:
+        if layer_key(name) != key:
+            flush()
+            key = layer_key(name)
+        if value.data_ptr() in seen:  # tied weights share storage; safetensors refuses shared tensors in a file
+            continue
+        seen.add(value.data_ptr())
+        alive.append(value)
+        buf[name] = value.to("cpu").contiguous()
+    flush()
+    return files
+
+
 class VLLMGenerator:
     """Generation with a vLLM engine (implements ``GenerationBackend``)."""
 
@@ -234,12 +283,14 @@ class VLLMGenerator:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
-        """Push HF-named weights into the running engine in place, then drop the (stale) prefix cache."""
-        items = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
-        for name, value in items:
-            if not isinstance(name, str) or not isinstance(value, Tensor):
-                raise ValueError(f"state_dict: expected (name, tensor) pairs, got {type(name).__name__}")
-        items = [(n, v.detach()) for n, v in items]
+        """Push HF-named weights into the running engine in place, then drop the (stale) prefix cache.
+
+        ``state_dict`` may be a lazy stream of (name, tensor) pairs (``policy.hf_weights``): it is read once, in
+        order, and no more of it is held at once than one layer's weights (its pairs are checked as they come; a
+        mapping, list or tuple is checked before the engine is touched)."""
+        items = _checked_pairs(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
+        if isinstance(state_dict, (Mapping, list, tuple)):
+            items = iter(list(items))  # already in memory: check every pair first
         self.wake_up()  # the weights are reloaded in place: they must be back on the device
         # The worker's reload_weights re-runs the model's load_weights on checkpoint-format (HF) tensors and then
         # the per-layer post-processing (e.g. the CPU backend's weight repacking), in place.
@@ -247,20 +298,11 @@ class VLLMGenerator:
             kwargs = {"weights_iterator": items, "is_checkpoint_format": True}
             with _vllm_safe_module_scan():
                 self.llm.collective_rpc("reload_weights", kwargs=kwargs)
-        else:  # the engine core lives in another process: hand the tensors over as a safetensors file
+        else:  # the engine core lives in another process: hand the tensors over as safetensors files, one a layer
             import tempfile
 
-            from safetensors.torch import save_file
-
-            seen: set[int] = set()
-            unique = {}
-            for n, v in items:  # tied weights share storage; safetensors refuses shared tensors
-                if v.data_ptr() in seen:
-                    continue
-                seen.add(v.data_ptr())
-                unique[n] = v.to("cpu").contiguous()
             with tempfile.TemporaryDirectory(prefix="alignopsd-weights-") as tmp:
-                save_file(unique, os.path.join(tmp, "model.safetensors"))
+                write_by_layer(items, tmp)
                 kwargs = {"weights_path": tmp, "is_checkpoint_format": True}
                 self.llm.collective_rpc("reload_weights", kwargs=kwargs)
         self.llm.reset_prefix_cache()
@@ -323,14 +365,14 @@ class VLLMBackend(VLLMGenerator):
     """``VLLMGenerator`` built from a run configuration (the trainer's ``generation.backend: vllm``)."""
 
     @classmethod
-    def from_config(cls, cfg, *, policy=None, tokenizer=None) -> VLLMBackend:
-        """Engine on ``cfg.model.name`` with ``cfg.generation``'s limits; the policy's current weights are pushed
-        once at start (a resumed run's weights differ from the checkpoint on disk)."""
+    def from_config(cls, cfg, *, tokenizer=None) -> VLLMBackend:
+        """Engine on ``cfg.model.name`` with ``cfg.generation``'s limits, started from the weights on disk (the
+        trainer pushes the policy's own once it is built: ``Components.sync_weights``)."""
         from alignopsd.engine.models import resolve_model_path
 
         g = cfg.generation
         dtype = getattr(cfg.model, "dtype", "auto") or "auto"
-        gen = cls(
+        return cls(
             resolve_model_path(cfg.model.name),
             tokenizer,
             max_model_len=g.max_model_len,
@@ -340,6 +382,3 @@ class VLLMBackend(VLLMGenerator):
             enforce_eager=g.enforce_eager if torch.cuda.is_available() else True,
             sleep_mode=g.vllm_sleep,
         )
-        if policy is not None and callable(getattr(policy, "hf_state_dict", None)):
-            gen.load_weights(policy.hf_state_dict())
-        return gen

@@ -8,7 +8,7 @@ log-prob head (no [B, T, V] logits).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from torch import Tensor
@@ -68,5 +68,10 @@ class PolicyBackend(Protocol):
     def zero_grad(self) -> None: ...
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full weights in Hugging Face layout (for checkpoints and pushing to the rollout engine)."""
+        """Full weights in Hugging Face layout, on every rank (for checkpoints)."""
+        ...
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The full weights in Hugging Face layout as (name, tensor) pairs, for pushing into the generation engine;
+        a sharded backend yields them only where an engine runs (collective there: every rank iterates it)."""
         ...

@@ -517,6 +517,10 @@ class HFPolicy:
         """Full weights in Hugging Face layout (detached; tied weights appear under both names)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, tensor) pairs of :meth:`hf_state_dict` for the generation engine (no copy is made)."""
+        return iter(self.hf_state_dict().items())
+
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and schedule state for a checkpoint."""
         return {

@@ -21,6 +21,7 @@ import torch
 from alignopsd.engine.envs.base import StepResult, TaskSpec
 from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.generation.hf import HFGenerator
 
 ACTIONS = ("left", "right")
 
@@ -104,8 +105,8 @@ class ChoiceGenerator:
         self.tokenizer = tokenizer
         self.eos_token_ids = {tokenizer.eos_token_id}
 
-    def load_weights(self, state_dict) -> None:  # shares the trainer's module: nothing to copy
-        return None
+    # the Hugging Face backend's weight push into ``model`` (a no-op for the trainer's own tensors)
+    load_weights = HFGenerator.load_weights
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:

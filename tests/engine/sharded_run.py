@@ -39,9 +39,14 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     lh.register_guess_env()
-    components.build_generator = lambda cfg, policy, tok, device: lh.ChoiceGenerator(
-        components.hf_model_of(policy), tok
-    )
+    build_generator = components.build_generator
+
+    def choice_generator(cfg, policy, tok, device):
+        """The run's own generator's model (on the first rank of a tensor-parallel group; None elsewhere)."""
+        gen = build_generator(cfg, policy, tok, device)
+        return None if gen is None else lh.ChoiceGenerator(gen.model, tok)
+
+    components.build_generator = choice_generator
     save, load = train.Trainer.save, train.Trainer.load
 
     def save_then(self):

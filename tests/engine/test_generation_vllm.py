@@ -170,31 +170,60 @@ def test_seeded_batch_larger_than_one_prefill_step(engine, tiny):
     assert again.token_ids == out.token_ids[:2]  # per-request seeds: independent of the batch around them
 
 
-def test_from_config_maps_run_config_and_pushes_policy_weights(monkeypatch):
-    """The trainer builds the engine with ``VLLMBackend.from_config(cfg, policy=..., tokenizer=...)``."""
+def test_from_config_maps_run_config(monkeypatch):
+    """The trainer builds the engine with ``VLLMBackend.from_config(cfg, tokenizer=...)`` (it pushes the policy's
+    weights itself, from every rank of a tensor-parallel group: ``Components.sync_weights``)."""
     from alignopsd.engine.config import load_config
     from alignopsd.engine.generation import vllm_backend as vb
 
-    seen, pushed = {}, []
+    seen = {}
 
     def fake_init(self, model_path, tokenizer=None, **kw):
         seen.update(kw, model_path=model_path, tokenizer=tokenizer)
 
     monkeypatch.setattr(vb.VLLMGenerator, "__init__", fake_init)
-    monkeypatch.setattr(vb.VLLMGenerator, "load_weights", lambda self, sd: pushed.append(sd))
     cfg = load_config(None, ["generation.max_model_len=3000", "generation.gpu_memory_utilization=0.3"])
-
-    class Policy:
-        def hf_state_dict(self):
-            return {"w": torch.zeros(1)}
-
-    gen = vb.VLLMBackend.from_config(cfg, policy=Policy(), tokenizer="TOK")
+    gen = vb.VLLMBackend.from_config(cfg, tokenizer="TOK")
     assert isinstance(gen, vb.VLLMGenerator)
     assert seen["model_path"] == resolve_model_path(cfg.model.name) and seen["tokenizer"] == "TOK"
     assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
     assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
     assert seen["sleep_mode"] is cfg.generation.vllm_sleep is None  # auto unless the run says otherwise
-    assert len(pushed) == 1 and set(pushed[0]) == {"w"}
+
+
+def test_weights_for_an_engine_in_its_own_process_go_one_layer_a_file(tmp_path):
+    """A streamed weight push is written one decoder layer per safetensors file, read once and in order; the files
+    hold exactly the pushed tensors, a storage shared within a file once."""
+    from alignopsd.engine.generation.vllm_backend import write_by_layer
+    from safetensors.torch import load_file
+
+    emb = torch.randn(8, 4)
+    state = {"model.embed_tokens.weight": emb, "lm_head.weight": emb}
+    for i in range(3):
+        state |= {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(6, 4),
+                  f"model.layers.{i}.input_layernorm.weight": torch.randn(4)}  # fmt: skip
+    state["model.norm.weight"] = torch.randn(4)
+    read: list[str] = []
+
+    def stream():
+        for k, v in state.items():
+            read.append(k)
+            yield k, v
+
+    assert write_by_layer(stream(), str(tmp_path)) == 6  # embedding, lm_head, 3 layers, final norm
+    assert read == list(state)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    got = {}
+    for f in files:
+        part = load_file(f)
+        assert len({k.split(".")[2] if k.startswith("model.layers.") else k for k in part}) == 1, f.name
+        got |= part
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    w = torch.randn(4, 4)  # two names of one layer on one storage: the file holds it once (safetensors needs that)
+    (tmp_path / "tied").mkdir()
+    shared = [("model.layers.0.a.weight", w), ("model.layers.0.b.weight", w)]
+    assert write_by_layer(iter(shared), str(tmp_path / "tied")) == 1
+    assert list(load_file(next((tmp_path / "tied").glob("*.safetensors")))) == ["model.layers.0.a.weight"]
 
 
 @pytest.mark.slow

@@ -63,7 +63,8 @@ def live_hf_params() -> int:
 @pytest.mark.parametrize("generation", ["vllm", "hf"])
 def test_rank_holds_shards_and_a_hf_copy_only_for_hf_generation(generation):
     """The objects a TP=2 rank keeps after building its policy and reference (the CPU shim's real megatron-core
-    modules): with vLLM generation no Hugging Face model survives the build, the policy and the reference are
+    modules): no Hugging Face model survives the build with vLLM generation, nor on rank 1 (which never
+    generates), the policy and the reference are
     shards of S parameters each (``engine.memory.shard_params``: the report's arithmetic on the live objects),
     the reference's storage is its own, frozen and equal to the policy's initial shard."""
     from alignopsd.engine.components import build_policy, build_reference, hf_model_of
@@ -79,10 +80,10 @@ def test_rank_holds_shards_and_a_hf_copy_only_for_hf_generation(generation):
     s = shard_params(dims, 2)
     assert sum(p.numel() for p in policy.model.parameters()) == s < full_params(dims)
     assert sum(p.numel() for p in ref.model.parameters()) == s
-    if generation == "vllm":
+    if generation == "vllm" or policy.tp_rank > 0:
         assert kept == 0 and getattr(policy, "hf_model", None) is None
         assert hf_model_of(policy) is policy.model
-    else:  # Hugging Face generation samples from the one copy the rank keeps
+    else:  # Hugging Face generation samples from the one copy the group's first rank keeps
         assert kept == full_params(dims) and hf_model_of(policy) is policy.hf_model
     pol = dict(policy.model.named_parameters())
     ptrs = {p.data_ptr() for p in pol.values()}
@@ -107,16 +108,16 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     match (1e-4 relative), and after the update the reference still scores the initial weights while the policy has
     moved."""
     import torch.distributed as dist
-    from alignopsd.engine.components import hf_model_of
     from alignopsd.engine.step import run_step
 
     rank = int(os.environ["RANK"])
     parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2", *KL]), 2, rank)
-    parts.generator = Recorder(lh.ChoiceGenerator(hf_model_of(parts.policy), parts.tokenizer))
+    if parts.generator is not None:  # rank 0: the candidate-choice generator on its generator's Hugging Face copy
+        parts.generator = Recorder(lh.ChoiceGenerator(parts.generator.model, parts.tokenizer))
     ours: list = []
     parts.ref_scorer = probe(parts.ref_scorer, ours)
     out = run_step(parts, STEP)
-    calls = [parts.generator.calls]
+    calls = [parts.generator.calls if parts.generator is not None else None]
     dist.broadcast_object_list(calls, src=0)
 
     hf = build(config(KL), 1, 0)
@@ -136,3 +137,99 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     assert torch.equal(again, mine)  # frozen: the update did not reach the reference
     moved = parts.rescorer(cb, student=True, teacher=False).old_logp
     assert (moved - mine)[mask].abs().max() > 1e-6  # ... while the policy did move
+
+
+class EngineStub:
+    """Stands in for the vLLM engine (which needs minutes to start on CPU): keeps a copy of every weight pushed."""
+
+    def __init__(self) -> None:
+        self.pushed: list[dict[str, torch.Tensor]] = []
+
+    def load_weights(self, weights) -> None:
+        self.pushed.append({k: v.clone() for k, v in weights})
+
+
+@pytest.mark.parametrize("generation", ["vllm", "hf"])
+def test_only_the_groups_first_rank_builds_a_generator(generation, monkeypatch):
+    """build_components at TP=2: rank 0 builds the generation engine (vLLM: it receives the policy's weights,
+    gathered from the shards, exactly; Hugging Face: its model is the one Hugging Face copy), rank 1 builds none
+    and holds no Hugging Face parameters."""
+    from alignopsd.engine.generation import vllm_backend as vb
+    from alignopsd.engine.generation.hf import HFGenerator
+    from alignopsd.engine.memory import full_params
+    from alignopsd.engine.policy.megatron.convert import Dims
+
+    monkeypatch.setattr(vb.VLLMBackend, "from_config", classmethod(lambda cls, cfg, tokenizer=None: EngineStub()))
+    rank = int(os.environ["RANK"])
+    before = live_hf_params()
+    parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2",
+                          f"generation.backend={generation}", *KL]), 2, rank)  # fmt: skip
+    kept = live_hf_params() - before
+    gathered = parts.policy.hf_state_dict()
+    if rank == 1:
+        assert parts.generator is None and kept == 0 and getattr(parts.policy, "hf_model", None) is None
+    elif generation == "vllm":
+        assert isinstance(parts.generator, EngineStub) and kept == 0
+        (pushed,) = parts.generator.pushed  # the first sync, at build
+        assert pushed.keys() == gathered.keys() and all(torch.equal(pushed[k], v) for k, v in gathered.items())
+    else:
+        assert isinstance(parts.generator, HFGenerator) and parts.generator.model is parts.policy.hf_model
+        assert kept == full_params(Dims.from_hf_config(parts.policy.hf_config))
+
+
+def test_weight_sync_gathers_one_part_at_a_time_to_rank_0():
+    """After the shards change, ``sync_weights`` gives rank 0's generator exactly the gathered shards, streamed
+    one conversion part at a time: when a part's first weight arrives, every weight of the parts before it has
+    been freed. Rank 1 receives nothing. A generator that leaves weights unread is an error, not a hang."""
+    import weakref
+
+    import torch.distributed as dist
+
+    class PartWatcher:
+        """Loads nothing (keeps a checksum); records, per weight, how many earlier parts' weights are alive."""
+
+        def __init__(self, tied: bool, stop_after: int | None = None) -> None:
+            self.tied = tied
+            self.refs: list = []
+            self.names: list[str] = []
+            self.stale = 0
+            self.sums: dict[str, float] = {}
+            self.stop_after = stop_after
+
+        def load_weights(self, weights) -> None:
+            for i, (name, value) in enumerate(weights):
+                if self.stop_after is not None and i == self.stop_after:
+                    return
+                hf_part = (name.split(".")[2] if name.startswith("model.layers.") else "embedding"
+                           if name == "model.embed_tokens.weight" or (name == "lm_head.weight" and self.tied)
+                           else "final")  # fmt: skip
+                self.stale += sum(r() is not None for r, p in self.refs if p != hf_part)
+                self.refs = [(r, p) for r, p in self.refs if p == hf_part] + [(weakref.ref(value), hf_part)]
+                self.names.append(name)
+                self.sums[name] = float(value.double().sum())
+
+    rank = int(os.environ["RANK"])
+    parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2", "generation.backend=hf"]),
+                  2, rank)  # fmt: skip
+    with torch.no_grad():
+        for i, p in enumerate(parts.policy.model.parameters()):
+            p.add_(0.01 * (i + 1) * (rank + 1))  # shards now differ from the Hugging Face copy
+    parts.sync_weights()
+    gathered = parts.policy.hf_state_dict()
+    if rank == 0:
+        synced = parts.generator.model.state_dict()
+        assert synced.keys() == gathered.keys() and all(torch.equal(synced[k], v) for k, v in gathered.items())
+    tied = parts.policy.dims.tied
+    watcher = PartWatcher(tied) if rank == 0 else None
+    parts.generator = watcher
+    parts.sync_weights()
+    if rank == 0:
+        assert watcher.names == list(gathered) and watcher.stale == 0
+        assert watcher.sums == {k: float(v.double().sum()) for k, v in gathered.items()}
+    parts.generator = PartWatcher(tied, stop_after=3) if rank == 0 else None
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="left .* weights of the sync unread"):
+            parts.sync_weights()
+    else:
+        parts.sync_weights()
+    dist.barrier()

@@ -47,24 +47,44 @@ def test_shard_size_is_the_converters(tp):
 
 
 def test_rows_before_and_after_by_hand():
+    """Columns: before (every rank), after on the first rank of a tensor-parallel group (training phases,
+    generating), after on the group's other ranks (no generation engine, no Hugging Face copy, no gather)."""
     lay = Layout(dims=SMALL, dtype_bytes=2, tp=2, dp=2, distributed_optimizer=True, reference=True,
                  hf_generation=False, vllm=True, vllm_sleep=True, gpu_bytes=1000,
                  gpu_memory_utilization=0.5)  # fmt: skip
     rows = {name: vals for name, *vals in lay.rows()}
-    assert rows["policy shard (weights)"] == [1776, 1776, 1776]  # 888 * 2 bytes
-    assert rows["gradients (fp32 buffer)"] == [3552, 3552, 3552]  # 888 * 4
-    assert rows["optimizer (fp32 main + Adam moments)"] == [5328] * 3  # 888 * 12 / dp 2
-    assert rows["reference model"] == [3472, 1776, 1776]  # full 1736 * 2, then the shard
-    assert rows["Hugging Face copy of the policy"] == [3472, 0, 0]
-    assert rows["vLLM (weights + KV cache)"] == [500, 0, 500]  # 0.5 of 1000 bytes, asleep while training
-    assert rows["weight-sync gather (transient)"] == [3472] * 3
+    assert rows["policy shard (weights)"] == [1776] * 4  # 888 * 2 bytes
+    assert rows["gradients (fp32 buffer)"] == [3552] * 4  # 888 * 4
+    assert rows["optimizer (fp32 main + Adam moments)"] == [5328] * 4  # 888 * 12 / dp 2
+    assert rows["reference model"] == [3472, 1776, 1776, 1776]  # full 1736 * 2, then the shard
+    assert rows["Hugging Face copy of the policy"] == [3472, 0, 0, 0]
+    assert rows["vLLM (weights + KV cache)"] == [500, 0, 500, 0]  # 0.5 of 1000 bytes, asleep while training
+    # before: the full model on every rank; after: twice the largest part (a layer: 608 > 264 > 256) on rank 0
+    assert rows["weight-sync gather (transient)"] == [3472, 2432, 2432, 0]
     hf_gen = Layout(**{**lay.__dict__, "hf_generation": True, "vllm": False, "vllm_sleep": False,
                        "distributed_optimizer": False, "dtype_bytes": 4})  # fmt: skip
     rows = {name: vals for name, *vals in hf_gen.rows()}
-    assert rows["Hugging Face copy of the policy"] == [6944] * 3  # kept: Hugging Face generation reads it
-    assert rows["optimizer (fp32 main + Adam moments)"] == [8 * 888] * 3  # fp32 weights: no separate main copy
+    assert rows["Hugging Face copy of the policy"] == [6944, 6944, 6944, 0]  # kept where Hugging Face generates
+    assert rows["optimizer (fp32 main + Adam moments)"] == [8 * 888] * 4  # fp32 weights: no separate main copy
     table = format_table(lay)
     assert "| **resident total** | **0.00** |" in table and table.count("\n") == 10
+    assert "| weight-sync gather (transient) | 0.00 | 0.00 | 0.00 | 0.00 |" in table
+    single = format_table(Layout(**{**lay.__dict__, "tp": 1}))  # every rank is its group's first: no last column
+    assert single.splitlines()[-1].endswith("| – |")
+
+
+def test_sync_part_is_the_largest_conversion_part():
+    """Q counts the largest unit that the weight sync converts at once, as the converter cuts them."""
+    from alignopsd.engine.memory import sync_part_params
+    from alignopsd.engine.policy.megatron.convert import conversion_parts, megatron_part_to_hf
+
+    for d in (SMALL, Dims(**{**SMALL.__dict__, "tied": True, "vocab": 160})):
+        shard = hf_to_megatron(_hf_state(d), d, 1, 0)
+        sizes = []
+        for part in conversion_parts(d):
+            hf = megatron_part_to_hf([shard], d, part)
+            sizes.append(sum(v.numel() for v in {id(v): v for v in hf.values()}.values()))
+        assert sync_part_params(d) == max(sizes)
 
 
 def test_command_on_the_test_config(capsys):

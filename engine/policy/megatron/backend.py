@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,13 @@ import torch.distributed as dist
 from alignopsd.engine.manifest import file_entry, verify_manifest, write_manifest
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
-from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron, megatron_to_hf
+from alignopsd.engine.policy.megatron.convert import (
+    Dims,
+    conversion_parts,
+    hf_to_megatron,
+    megatron_part_to_hf,
+    part_of,
+)
 from alignopsd.engine.policy.megatron.model import (
     build_gpt_model,
     forward_hidden,
@@ -68,6 +75,15 @@ def init_parallel(tp: int, seed: int = 0) -> None:
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(seed)
+
+
+def tensor_parallel_rank(tp: int, seed: int = 0) -> int:
+    """This process's rank in its tensor-parallel group (parallel state initialised first: :func:`init_parallel`),
+    known before any weight loads (rank 0 samples for its group and keeps the generation engine)."""
+    init_parallel(tp, seed)
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    return int(ps.get_tensor_model_parallel_rank())
 
 
 class MegatronPolicy(ShardScoring):
@@ -185,16 +201,60 @@ class MegatronPolicy(ShardScoring):
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Full weights in Hugging Face layout, gathered over the tensor-parallel group (every rank gets them)."""
-        local = {k: v.detach().contiguous() for k, v in self._shard_state().items()}
-        if self.tp == 1:
-            return megatron_to_hf([local], self.dims)
-        shards: list[dict[str, Tensor]] = [{} for _ in range(self.tp)]
+        local = self._shard_state()
+        out: dict[str, Tensor] = {}
+        for part, names in self._parts(local):
+            out.update(megatron_part_to_hf(self._gather(local, names, everywhere=True), self.dims, part))
+        return out
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The full weights in Hugging Face layout as (name, tensor) pairs for the generation engine, gathered to
+        the tensor-parallel group's first rank only and one conversion part at a time (the embedding, one layer,
+        the final norm and head: ``convert.conversion_parts``): the first rank yields every weight, the group's
+        other ranks send their shard of each part and yield nothing. The first rank holds at most one part's
+        gathered pieces and its converted weights at once, never the full model.
+
+        Collective over the tensor-parallel group: every rank must iterate it to the end, in step."""
+        lead = self.tp_rank == 0
+        local = self._shard_state()
+        for part, names in self._parts(local):
+            shards = self._gather(local, names, everywhere=False)
+            if lead:
+                hf = megatron_part_to_hf(shards, self.dims, part)
+                del shards
+                yield from hf.items()
+                del hf
+
+    def _parts(self, local: dict[str, Tensor]) -> list[tuple[str | int, list[str]]]:
+        """(conversion part, the names of ``local``, this rank's shard, that it converts from), in conversion
+        order."""
+        names: dict[str | int, list[str]] = {part: [] for part in conversion_parts(self.dims)}
         for name in sorted(local):
-            parts = [torch.empty_like(local[name]) for _ in range(self.tp)]
-            dist.all_gather(parts, local[name], group=self.tp_group)
-            for r in range(self.tp):
-                shards[r][name] = parts[r]
-        return megatron_to_hf(shards, self.dims)
+            part = part_of(name)
+            if part is not None:
+                names[part].append(name)
+        return list(names.items())
+
+    def _gather(
+        self, local: dict[str, Tensor], names: list[str], *, everywhere: bool
+    ) -> list[dict[str, Tensor]] | None:
+        """The shards of every tensor-parallel rank for ``names`` of ``local`` (one dict per rank): on every rank
+        (``everywhere``) or on the group's first rank only (None elsewhere). Collective over the group."""
+        mine = {n: local[n].detach().contiguous() for n in names}
+        if self.tp == 1:
+            return [mine]
+        gets = everywhere or self.tp_rank == 0
+        shards: list[dict[str, Tensor]] = [{} for _ in range(self.tp)]
+        for name in names:
+            parts = [torch.empty_like(mine[name]) for _ in range(self.tp)] if gets else None
+            if everywhere:
+                dist.all_gather(parts, mine[name], group=self.tp_group)
+            else:
+                dist.gather(mine[name], parts, dst=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+            if gets:
+                for r in range(self.tp):
+                    shards[r][name] = parts[r]
+        return shards if gets else None
 
     # ------------------------------------------------------------------------------------------
     # scoring

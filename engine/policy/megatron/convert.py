@@ -138,8 +138,28 @@ def hf_to_megatron(hf: dict[str, Tensor], d: Dims, tp: int, r: int) -> dict[str,
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor]:
-    """A full Hugging Face state dict from the state dicts of all ``len(shards)`` tensor-parallel ranks."""
+def conversion_parts(d: Dims) -> list[str | int]:
+    """The units of the conversion back to Hugging Face, in order: ``"embedding"``, each layer's index and
+    ``"final"`` (the final norm and an untied output head). Each converts from its own megatron weights alone."""
+    return ["embedding", *range(d.num_layers), "final"]
+
+
+def part_of(name: str) -> str | int | None:
+    """The conversion part (see :func:`conversion_parts`) that reads the megatron weight ``name``; None for a
+    name that no part reads."""
+    if name.startswith("embedding."):
+        return "embedding"
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2])
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return "final"
+    return None
+
+
+def megatron_part_to_hf(shards: list[dict[str, Tensor]], d: Dims, part: str | int) -> dict[str, Tensor]:
+    """The Hugging Face weights of one conversion ``part`` from the state dicts of all ``len(shards)``
+    tensor-parallel ranks (each needs only that part's megatron weights). A tied output head comes with the
+    embedding, as the same tensor."""
     tp = len(shards)
     if tp < 1:
         raise ValueError("shards: need the state dict of at least one tensor-parallel rank")
@@ -151,23 +171,25 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor
     def cat_cols(name: str) -> Tensor:
         return torch.cat([s[name] for s in shards], dim=1)
 
-    out: dict[str, Tensor] = {"model.embed_tokens.weight": cat_rows("embedding.word_embeddings.weight")}
-    for i in range(d.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    out: dict[str, Tensor] = {}
+    if part == "embedding":
+        out["model.embed_tokens.weight"] = cat_rows("embedding.word_embeddings.weight")
+        if d.tied:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    elif part == "final":
+        out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
+        if not d.tied:
+            out["lm_head.weight"] = cat_rows("output_layer.weight")
+    elif isinstance(part, int) and 0 <= part < d.num_layers:
+        p, m = f"model.layers.{part}.", f"decoder.layers.{part}."
         out[p + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"]
         q, k, v = _unpack_qkv(cat_rows(m + "self_attention.linear_qkv.weight"), d)
-        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"], out[p + "self_attn.v_proj.weight"] = (
-            q,
-            k,
-            v,
-        )
+        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
+        out[p + "self_attn.v_proj.weight"] = v
         if d.qkv_bias:
             qb, kb, vb = _unpack_qkv(cat_rows(m + "self_attention.linear_qkv.bias"), d)
-            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"], out[p + "self_attn.v_proj.bias"] = (
-                qb,
-                kb,
-                vb,
-            )
+            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = qb, kb
+            out[p + "self_attn.v_proj.bias"] = vb
         out[p + "self_attn.o_proj.weight"] = cat_cols(m + "self_attention.linear_proj.weight")
         out[p + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"]
         fc1 = [s[m + "mlp.linear_fc1.weight"] for s in shards]
@@ -175,9 +197,17 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor
         out[p + "mlp.gate_proj.weight"] = torch.cat([f[:half] for f in fc1], dim=0)
         out[p + "mlp.up_proj.weight"] = torch.cat([f[half:] for f in fc1], dim=0)
         out[p + "mlp.down_proj.weight"] = cat_cols(m + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = out["model.embed_tokens.weight"] if d.tied else cat_rows("output_layer.weight")
+    else:
+        raise ValueError(f"part: expected 'embedding', 'final' or a layer index below {d.num_layers}, got {part!r}")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor]:
+    """A full Hugging Face state dict from the state dicts of all ``len(shards)`` tensor-parallel ranks."""
+    out: dict[str, Tensor] = {}
+    for part in conversion_parts(d):
+        out.update(megatron_part_to_hf(shards, d, part))
+    return out
 
 
 def check_parallel_layout(hf_config, tp: int, world_size: int) -> None:
