@@ -7,7 +7,8 @@
 # averages before and after, and the table (bench/phase_table.py). Run from anywhere:
 #   bash bench/megatron_phase_table.sh [OUT.md]     (default: $TMPDIR/megatron-tp2-phases-<date>.md)
 # Environment: PYTHON (interpreter; default the repository's .venv), PHASE_DATA (the generated easy games),
-# PHASE_STEPS (default 2), PHASE_WARMUP (default 1).
+# PHASE_STEPS (default 2), PHASE_WARMUP (default 1), PHASE_STEP_TIMEOUT (seconds one environment reset/step may
+# take, default 600: on a loaded machine the quickstart's 60 s fails every episode at reset).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -22,7 +23,7 @@ OUT="${1:-${TMPDIR:-/tmp}/megatron-tp2-phases-${STAMP}.md}"
 [ -d "$DATA" ] || { echo "PHASE_DATA: no such directory: $DATA (generate the easy games first)" >&2; exit 2; }
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/phase-table.XXXXXX")"
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-SETS=(--set model.name=tiny --set "env.data_dir=$DATA")
+SETS=(--set model.name=tiny --set "env.data_dir=$DATA" --set "env.step_timeout_s=${PHASE_STEP_TIMEOUT:-600}")
 PROF=(-m alignopsd.engine profile --config configs/quickstart_cpu.yaml --steps "$STEPS" --warmup "$WARMUP" --no-trace)
 HF_CMD=("$PY" "${PROF[@]}" "${SETS[@]}" --set "output_dir=$WORK/hf" --json "$WORK/hf.json")
 MEG_CMD=("$PY" -m torch.distributed.run --nproc_per_node=2 --master_port="$PORT" "${PROF[@]}" "${SETS[@]}"
