@@ -44,8 +44,9 @@ mkdir -p "$(dirname "$OUT")"
   echo "- load after: ${LOAD1#*load average: }"
   echo
   echo '```'
-  echo "${HF_CMD[*]}" | sed "s#$WORK#\$WORK#g; s#$ROOT/##g"
-  echo "${MEG_CMD[*]}" | sed "s#$WORK#\$WORK#g; s#$ROOT/##g"
+  for c in "${HF_CMD[*]}" "${MEG_CMD[*]}"; do  # no machine paths in the record
+    echo "$c" | sed "s#$WORK#\$WORK#g; s#$ROOT/##g; s#^$PY #python #; s#$HOME/#~/#g; s#--master_port=$PORT#--master_port=PORT#"
+  done
   echo '```'
   echo
   "$PY" -m bench.phase_table "$WORK/hf.json" "$WORK/meg.json" --names "HF,Megatron TP=2"
