@@ -128,23 +128,40 @@ class StepProfiler:
         return {**{f"time/{k}": v for k, v in phases.items()}, "time/step": total}
 
 
-def summarize(history: list[dict[str, float]], step_seconds: list[float], *, skip: int = 0) -> dict:
-    """Mean seconds per step of each phase, the step time and the alignment overhead (profile JSON)."""
+def summarize(
+    history: list[dict[str, float]],
+    step_seconds: list[float],
+    *,
+    skip: int = 0,
+    counts: list[dict[str, float]] | None = None,
+) -> dict:
+    """Mean seconds per step of each phase, the step time and the alignment overhead (profile JSON).
+
+    ``counts``: per-step quantities (rows, token lengths; one dict per step, aligned with ``history``), averaged
+    over the same steps into ``summary["counts"]`` (a key missing in a step is averaged over the steps that have it).
+    """
     hist = history[skip:] or history
     steps = step_seconds[skip:] or step_seconds
     if not hist:
         raise ValueError("history: no profiled step")
+    if counts is not None and len(counts) != len(history):
+        raise ValueError(f"counts: {len(counts)} step(s), history has {len(history)}")
     phases = {k: sum(h.get(k, 0.0) for h in hist) / len(hist) for k in PHASES}
     step = sum(steps) / len(steps)
     align = sum(phases[k] for k in ALIGNMENT_PHASES)
     base = step - align
-    return {
+    out = {
         "phases": phases,
         "step_seconds": step,
         "alignment_seconds": align,
         "overhead_vs_grpo": align / base if base > 0 else float("inf"),
         "steps": len(hist),
     }
+    if counts is not None:
+        kept = counts[skip:] if history[skip:] else counts
+        keys = sorted({k for c in kept for k in c})
+        out["counts"] = {k: sum(c[k] for c in kept if k in c) / sum(k in c for c in kept) for k in keys}
+    return out
 
 
 def format_table(summary: dict, title: str = "") -> str:
@@ -167,33 +184,55 @@ def format_table(summary: dict, title: str = "") -> str:
         f"overhead over GRPO = {100 * summary['overhead_vs_grpo']:.1f}% "
         f"(alignment / (step - alignment), {summary['steps']} step(s))"
     )
+    if summary.get("counts"):
+        lines.append("per step: " + ", ".join(f"{k} {v:g}" for k, v in summary["counts"].items()))
     return "\n".join(lines)
 
 
-def format_side_by_side(summaries: dict[str, dict]) -> str:
-    """One markdown table with one s/step + share column pair per estimator."""
+def _ratio(a: float, b: float) -> str:
+    return f"{b / a:.2f}" if a > 0 else "–"
+
+
+def format_side_by_side(summaries: dict[str, dict], *, ratio: bool = False) -> str:
+    """One markdown table with one s/step + share column pair per run (estimator, backend, ...).
+
+    ``ratio`` (exactly two runs): a last column with the second run's value over the first's. Summaries that
+    carry ``counts`` add one row per count (share cells empty).
+    """
     names = list(summaries)
-    head = "| phase | " + " | ".join(f"{n} s/step | {n} share" for n in names) + " |"
-    sep = "|---|" + "---:|---:|" * len(names)
+    if ratio and len(names) != 2:
+        raise ValueError(f"ratio: needs exactly two runs, got {len(names)} ({', '.join(names)})")
+    end = f" {names[1]} / {names[0]} |" if ratio else ""
+    head = "| phase | " + " | ".join(f"{n} s/step | {n} share" for n in names) + " |" + end
+    sep = "|---|" + "---:|---:|" * len(names) + ("---:|" if ratio else "")
     lines = [head, sep]
+
+    def row(label: str, cells: list[str], vals: list[float]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |" + (f" {_ratio(*vals)} |" if ratio else "")
+
     for k in PHASES:
-        cells = []
+        cells, vals = [], []
         for n in names:
             s = summaries[n]
             v = s["phases"][k]
+            vals.append(v)
             cells.append(f"{v:.3f} | {100 * v / s['step_seconds'] if s['step_seconds'] > 0 else 0:.1f}%")
-        lines.append(f"| {LABELS[k]}{' *' if k in ALIGNMENT_PHASES else ''} | " + " | ".join(cells) + " |")
-    lines.append("| **step** | " + " | ".join(f"**{summaries[n]['step_seconds']:.3f}** | 100%" for n in names) + " |")
-    lines.append(
-        "| alignment overhead vs GRPO | "
-        + " | ".join(f"{100 * summaries[n]['overhead_vs_grpo']:.1f}% | " for n in names)
-        + " |"
-    )
+        lines.append(row(f"{LABELS[k]}{' *' if k in ALIGNMENT_PHASES else ''}", cells, vals))
+    steps = [summaries[n]["step_seconds"] for n in names]
+    lines.append(row("**step**", [f"**{v:.3f}** | 100%" for v in steps], steps))
+    over = [summaries[n]["overhead_vs_grpo"] for n in names]
+    lines.append(row("alignment overhead vs GRPO", [f"{100 * v:.1f}% | " for v in over], over))
+    keys = sorted({k for n in names for k in summaries[n].get("counts", {})})
+    for k in keys:
+        vals = [summaries[n].get("counts", {}).get(k) for n in names]
+        cells = ["– | " if v is None else f"{v:g} | " for v in vals]
+        lines.append(row(k, cells, vals) if None not in vals else row(k, cells, [0.0, 0.0]))
     return "\n".join(lines)
 
 
 def write_json(summary: dict, path: str | Path) -> None:
-    out = {k: summary[k] for k in ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo")}
+    keys = ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo", "counts")
+    out = {k: summary[k] for k in keys if k in summary}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)

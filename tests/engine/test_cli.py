@@ -142,3 +142,9 @@ def test_eval_on_each_benchmark_environment(tmp_path, capsys, env, columns):
     res = json.loads(ej.read_text())
     assert res["env"] == env and res["episodes"] == 2 and list(res["table"]) == columns
     assert res["metrics"]["episode/count"] == 2
+
+
+def test_profile_refuses_a_warmup_that_leaves_no_measured_step(capsys):
+    assert cli.main(["profile", "--config", TINY, "--steps", "2", "--warmup", "1"]) == 2
+    assert "--warmup: 1 leaves no measured step of --steps 2 (the last, traced, step" in capsys.readouterr().err
+    assert cli.main(["profile", "--config", TINY, "--steps", "1", "--warmup", "1", "--no-trace"]) == 2

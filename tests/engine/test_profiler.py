@@ -60,3 +60,47 @@ def test_bad_phase_name_and_empty_history():
         prof.add("nope", 1.0)
     with pytest.raises(ValueError, match="history"):
         summarize([], [])
+
+
+def test_counts_are_averaged_over_the_kept_steps(tmp_path):
+    hist = [{k: 0.0 for k in PHASES} | {"update": v} for v in (5.0, 1.0, 3.0)]
+    counts = [{"batch/rows": 99.0}, {"batch/rows": 10.0, "rollout/response_length_mean": 40.0}, {"batch/rows": 20.0}]
+    s = summarize(hist, [5.0, 1.0, 3.0], skip=1, counts=counts)  # step 0 (the warm-up) is out of both
+    assert s["phases"]["update"] == 2.0 and s["counts"] == {"batch/rows": 15.0, "rollout/response_length_mean": 40.0}
+    write_json(s, tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["counts"] == s["counts"]
+    assert "per step: batch/rows 15" in format_table(s)
+    with pytest.raises(ValueError, match="counts: 2 step"):
+        summarize(hist, [5.0, 1.0, 3.0], counts=counts[:2])
+
+
+def test_side_by_side_ratio_and_count_rows():
+    base = {k: 0.0 for k in PHASES}
+    a = summarize([base | {"update": 1.0, "rollout_generation": 2.0}], [4.0], counts=[{"batch/rows": 8.0}])
+    b = summarize([base | {"update": 3.0}], [5.0], counts=[{"batch/rows": 8.0, "batch/turns": 6.0}])
+    lines = format_side_by_side({"HF": a, "TP2": b}, ratio=True).splitlines()
+    assert lines[0].endswith("| TP2 / HF |")
+    assert lines[1].count("---:") == 5
+    rows = {ln.split(" | ")[0].lstrip("| "): ln for ln in lines[2:]}
+    assert rows["PPO update"].endswith("| 3.00 |") and rows["rollout generation"].endswith("| 0.00 |")
+    assert rows["reference log-prob"].endswith("| – |")  # 0 s on the first run: no ratio
+    assert rows["**step**"].endswith("| 1.25 |")
+    assert rows["batch/rows"].endswith("| 1.00 |") and "| – | " in rows["batch/turns"]
+    assert rows["batch/turns"].endswith("| – |")
+    with pytest.raises(ValueError, match="exactly two runs"):
+        format_side_by_side({"a": a, "b": b, "c": a}, ratio=True)
+
+
+def test_phase_table_formatter(tmp_path, capsys):
+    from bench.phase_table import main
+
+    base = {k: 0.0 for k in PHASES}
+    for name, upd in (("a", 1.0), ("b", 2.0)):
+        write_json(summarize([base | {"update": upd}], [upd], counts=[{"batch/rows": 4.0}]), tmp_path / f"{name}.json")
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--names", "HF,Megatron TP=2"]) == 0
+    out = capsys.readouterr().out
+    assert "| Megatron TP=2 / HF |" in out and "| PPO update | 1.000 | 100.0% | 2.000 | 100.0% | 2.00 |" in out
+    (tmp_path / "bad.json").write_text(json.dumps({"grpo": {}}))
+    with pytest.raises(ValueError, match="bad.json: not a single-estimator profile summary"):
+        main([str(tmp_path / "a.json"), str(tmp_path / "bad.json")])
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--names", "HF"]) == 2

@@ -77,3 +77,33 @@ def test_tensor_parallel_eval_counts_each_episode_once():
     assert cli.main(["eval", "--config", TINY, *sets, "--checkpoint", ck, "--json", str(ej)]) == 0
     res = json.loads(ej.read_text())
     assert res["episodes"] == 2 and res["metrics"]["episode/count"] == 2
+
+
+@pytest.mark.distributed
+def test_profile_under_torchrun_with_megatron_tp2(capsys):
+    """`alignopsd profile` at TP=2: both ranks run the steps, rank 0 alone prints the table and writes the JSON
+    (with the step's counts), each rank writes its own torch.profiler trace, and the process group is closed."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    import json
+
+    import torch.distributed as dist
+    from alignopsd.engine import cli
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    out = Path(tempfile.gettempdir()) / f"alignopsd-tp-profile-{os.environ.get('MASTER_PORT', '0')}"
+    js = out / "prof.json"
+    sets = ["--set", "policy.backend=megatron", "--set", "policy.tensor_parallel_size=2", "--set", "env.max_turns=1",
+            "--set", "generation.max_response_length=8", "--set", "env.teacher_max_response_length=8",
+            "--set", "algorithm.kl_coef=0.0", "--set", f"output_dir={out}"]  # fmt: skip
+    assert cli.main(["profile", "--config", TINY, *sets, "--steps", "2", "--json", str(js)]) == 0
+    assert not dist.is_initialized()  # the command closed its process group
+    printed = capsys.readouterr().out
+    assert ("teacher generation *" in printed) == (rank == 0) and ("(rank 0 of 2)" in printed) == (rank == 0)
+    trace = out / "profile" / ("trace_alignopsd.json" if rank == 0 else "trace_alignopsd.rank1.json")
+    assert trace.is_file() and "phase/teacher_forcing" in trace.read_text()
+    if rank == 0:
+        data = json.loads(js.read_text())
+        assert data["phases"]["update"] > 0 and data["phases"]["teacher_forcing"] > 0
+        assert data["counts"]["batch/rows"] == 8 and data["counts"]["m1/teacher_forcing_token_forwards"] > 0
