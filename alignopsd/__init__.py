@@ -70,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "from_dict": "config",
     "to_dict": "config",
     "apply_overrides": "config",
+    "override_mapping": "config",
     # model-free diagnostics
     "m1_diagnostics": "diagnostics",
     "paired_sign_flips": "diagnostics",

@@ -8,6 +8,7 @@ scalars, never executed). No file I/O here: the engine reads YAML files.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import typing
@@ -33,6 +34,7 @@ __all__ = [
     "apply_overrides",
     "from_dict",
     "get_preset",
+    "override_mapping",
     "to_dict",
 ]
 
@@ -382,6 +384,37 @@ def _parse_value(raw: str) -> Any:
         raise ValueError(f"cannot parse value {raw!r} ({exc})") from exc
 
 
+def override_mapping(data: dict, overrides: list[str], *, what: str = "overrides") -> dict:
+    """A copy of the raw mapping ``data`` with dotted ``key=value`` overrides applied (missing sections are made).
+
+    Values are parsed as YAML scalars/flow collections (safe loader, nothing is executed). ValueError names the
+    key (``what``: how the caller calls its overrides in messages, e.g. ``--set``). The one parser of overrides:
+    :func:`apply_overrides` and the engine's config loading both use it."""
+    out = copy.deepcopy(data)
+    for item in overrides or []:
+        if not isinstance(item, str) or "=" not in item:
+            raise ValueError(f"{what}: expected 'key=value', got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not key or any(not p for p in parts):
+            raise ValueError(f"{what}: empty key in {item!r}")
+        try:
+            value = _parse_value(raw)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ValueError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (in {what} {item!r})")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
 def apply_overrides(obj: Any, overrides: list[str]) -> Any:
     """Return a new config with dotted ``key=value`` overrides applied (``rectify.gamma=0.8``).
 
@@ -390,29 +423,7 @@ def apply_overrides(obj: Any, overrides: list[str]) -> Any:
     """
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         raise ValueError(f"obj: expected a dataclass instance, got {type(obj).__name__}")
-    data = to_dict(obj)
-    for item in overrides:
-        if not isinstance(item, str) or "=" not in item:
-            raise ValueError(f"overrides: expected 'key=value', got {item!r}")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        parts = key.split(".")
-        if not key or any(not p for p in parts):
-            raise ValueError(f"overrides: empty key in {item!r}")
-        try:
-            value = _parse_value(raw)
-        except ValueError as exc:
-            raise ValueError(f"{key}: {exc}") from None
-        node = data
-        for i, p in enumerate(parts[:-1]):
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ValueError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (in {item!r})")
-            node = nxt
-        node[parts[-1]] = value
-    return from_dict(type(obj), data)
+    return from_dict(type(obj), override_mapping(to_dict(obj), overrides))
 
 
 # ---------------------------------------------------------------------------------------------------------- presets

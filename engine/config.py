@@ -34,7 +34,7 @@ from alignopsd.config_values import coerce_value as core_coerce
 from alignopsd.estimators import get_estimator
 
 from .envs.registry import env_names
-from .overrides import ConfigError, apply_overrides, deep_merge, parse_override  # noqa: F401 (re-exported)
+from .overrides import ConfigError, apply_overrides, deep_merge  # noqa: F401 (re-exported)
 from .yamlfile import YamlFileError, read_yaml
 
 MODEL_ALIASES = ("tiny", "smollm2-135m")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import yaml
+from alignopsd.config import override_mapping
 
 
 class ConfigError(ValueError):
@@ -22,33 +20,10 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """'a.b.c=value' -> (['a', 'b', 'c'], YAML-parsed value)."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {item!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{key}: cannot parse value {raw!r} ({exc})") from exc
-    return key.split("."), value
-
-
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply dotted ``key=value`` overrides to a raw config mapping (returns a new mapping)."""
-    out = deep_merge({}, data)
-    for item in overrides or []:
-        keys, value = parse_override(item)
-        node = out
-        for i, k in enumerate(keys[:-1]):
-            nxt = node.get(k)
-            if nxt is None:
-                nxt = node[k] = {}
-            elif not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(keys[: i + 1])}: is a value, not a section (in --set {item!r})")
-            node = nxt
-        node[keys[-1]] = value
-    return out
+    """Apply dotted ``key=value`` overrides to a raw config mapping (returns a new mapping): the algorithm core's
+    parser (``alignopsd.config.override_mapping``), its errors as ConfigError."""
+    try:
+        return override_mapping(data, list(overrides or []), what="--set")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
