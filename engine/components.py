@@ -123,6 +123,15 @@ def scores_itself(policy: PolicyBackend) -> bool:
     return isinstance(policy, ShardScoring)
 
 
+def megatron_layer_spec(cfg: RunConfig) -> str:
+    """The layer spec a Megatron policy is built with: ``policy.layer_spec``, where ``auto`` means ``local`` when
+    teacher forcing packs shared prefixes (only the local spec's attention takes their mask: engine/policy/megatron/
+    scoring.py), so that a machine with Transformer Engine does not fail at the first scoring."""
+    if cfg.policy.layer_spec == "auto" and cfg.trainer.rescoring_mode == "shared_prefix":
+        return "local"
+    return cfg.policy.layer_spec
+
+
 def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> PolicyBackend:
     """Policy backend factory (``policy.backend``): hf | megatron.
 
@@ -172,6 +181,7 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
             warmup_steps=warmup,
             recompute=cfg.policy.recompute if cfg.policy.gradient_checkpointing else "none",
             distributed_optimizer=cfg.policy.distributed_optimizer,
+            layer_spec=megatron_layer_spec(cfg),
         )
         if keep_copy:
             for p in model.parameters():

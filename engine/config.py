@@ -112,11 +112,18 @@ class PolicyConfig:
     attention only)."""
     distributed_optimizer: bool = False
     """megatron: shard the optimizer state (fp32 main params, Adam moments) over data-parallel ranks."""
+    layer_spec: str = "auto"
+    """megatron: the transformer layer implementation, local (plain torch) | te (Transformer Engine, CUDA) | auto
+    (te where Transformer Engine imports on CUDA, else local; local whenever trainer.rescoring_mode is
+    shared_prefix, whose packed rows need an attention that honours an arbitrary mask)."""
 
     def __post_init__(self) -> None:
         _choice("policy.backend", self.backend, POLICY_BACKENDS)
         _positive("policy.tensor_parallel_size", self.tensor_parallel_size)
         _choice("policy.recompute", self.recompute, ("full", "selective"))
+        _choice("policy.layer_spec", self.layer_spec, ("auto", "local", "te"))
+        if self.backend == "hf" and self.layer_spec != "auto":
+            raise ConfigError("policy.layer_spec: only the megatron backend has layer specs (leave it 'auto')")
         if self.backend == "hf" and self.distributed_optimizer:
             raise ConfigError("policy.distributed_optimizer: only the megatron backend shards the optimizer state")
         if self.backend == "hf" and self.tensor_parallel_size != 1:
@@ -443,6 +450,12 @@ class RunConfig:
             self.algorithm
         ):  # the teacher's privileged view would be the student's own
             raise ConfigError("env.student_skills: 'always' (Skill-GRPO) needs an estimator without a teacher pass")
+        if self.policy.layer_spec == "te" and self.trainer.rescoring_mode == "shared_prefix":
+            raise ConfigError(
+                "policy.layer_spec: 'te' (Transformer Engine's causal attention ignores an arbitrary mask) cannot score"
+                " trainer.rescoring_mode='shared_prefix' packed rows; use layer_spec 'local' or 'auto', or "
+                "rescoring_mode 'plain'"
+            )
         if self.trainer.logprob_reuse and self.generation.backend != "hf":
             raise ConfigError(
                 "trainer.logprob_reuse: only valid with generation.backend='hf' (the trainer's own model)"

@@ -56,3 +56,51 @@ def test_config_validates_megatron_fields():
         PolicyConfig(backend="megatron", recompute="some")
     with pytest.raises(ConfigError, match="policy.distributed_optimizer"):
         PolicyConfig(backend="hf", distributed_optimizer=True)
+    with pytest.raises(ConfigError, match="policy.layer_spec"):
+        PolicyConfig(backend="megatron", layer_spec="flash")
+    with pytest.raises(ConfigError, match="policy.layer_spec"):
+        PolicyConfig(backend="hf", layer_spec="local")
+
+
+def _tiny(*overrides):
+    from alignopsd.engine import components
+    from alignopsd.engine.config import load_config
+
+    return load_config(str(components.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
+                       ["policy.backend=megatron", *overrides])  # fmt: skip
+
+
+def test_transformer_engine_with_packed_prefixes_is_refused_at_load():
+    """Transformer Engine's attention cannot score packed shared-prefix rows: the config says so when it loads,
+    not the first teacher-forcing pass of a run."""
+    from alignopsd.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="policy.layer_spec: 'te'.*rescoring_mode='shared_prefix'"):
+        _tiny("policy.layer_spec=te", "trainer.rescoring_mode=shared_prefix")
+    _tiny("policy.layer_spec=te", "trainer.rescoring_mode=plain")  # plain rows are fine with it
+
+
+@pytest.mark.parametrize(
+    ("spec", "mode", "built"),
+    [("auto", "shared_prefix", "local"), ("auto", "plain", "auto"), ("te", "plain", "te"), ("local", "plain", "local")],
+)
+def test_build_policy_passes_the_layer_spec(monkeypatch, spec, mode, built):
+    """build_policy gives MegatronPolicy the configured spec, with ``auto`` resolved to ``local`` where packed
+    shared prefixes need it (on a CUDA machine with Transformer Engine, ``auto`` alone would pick ``te``)."""
+    from alignopsd.engine import components
+    from alignopsd.engine.policy.megatron import backend
+
+    seen = {}
+
+    class Model:
+        config, dtype = None, components.torch.float32
+
+        def state_dict(self):
+            return {}
+
+    monkeypatch.setattr(components, "load_causal_lm", lambda *a, **k: Model())
+    monkeypatch.setattr(backend, "tensor_parallel_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(backend, "MegatronPolicy", lambda *a, **kw: seen.update(kw) or object())
+    cfg = _tiny(f"policy.layer_spec={spec}", f"trainer.rescoring_mode={mode}")
+    components.build_policy(cfg, components.torch.device("cpu"), world_size=1)
+    assert seen["layer_spec"] == built

@@ -205,7 +205,8 @@ class ShardScoring:
         if self.spec != "local":  # Transformer Engine's causal attention ignores the mask
             raise ValueError(
                 "trainer.rescoring_mode: packed shared prefixes need the local layer spec (its attention "
-                "honours an arbitrary mask); use rescoring_mode=plain with the Transformer Engine spec"
+                "honours an arbitrary mask: policy.layer_spec local or auto); use rescoring_mode=plain with the "
+                "Transformer Engine spec"
             )
         r, lr = int(resp_ids_RL.shape[0]), int(resp_ids_RL.shape[1])
         used = row_prompt_R.unique()
