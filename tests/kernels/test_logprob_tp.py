@@ -28,6 +28,7 @@ TEMP = 0.8
 def group():
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+    dist.barrier()  # both ranks here before the new group connects (a rank still in an earlier test's tail refused it)
     g = dist.new_group(ranks=[0, 1], backend="gloo")
     yield g
 
