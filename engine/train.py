@@ -60,7 +60,8 @@ class Dist:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.enabled = self.world_size > 1
-        if self.enabled and not dist.is_initialized():
+        self.owns_group = self.enabled and not dist.is_initialized()  # close() destroys only a group it made
+        if self.owns_group:
             backend = "nccl" if device_kind == "cuda" else "gloo"
             if device_kind == "cuda":
                 import torch
@@ -93,7 +94,8 @@ class Dist:
         return out
 
     def close(self) -> None:
-        if self.enabled and self._dist.is_initialized():
+        """Destroy the default process group if this context made it (a caller's own group is left to it)."""
+        if self.owns_group and self._dist.is_initialized():
             self._dist.destroy_process_group()
 
 
