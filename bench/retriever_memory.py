@@ -1,7 +1,7 @@
 """Retrieval server memory under its largest requests: the server's peak resident size (VmHWM) on loopback.
 
     python -m bench.retriever_memory --clients 3 --requests 2 --queries 16 --topk 1000
-    python -m bench.retriever_memory --clients 16 --requests 2 --queries 16 --topk 1000 --docs 20000
+    python -m bench.retriever_memory --clients 16 --requests 2 --queries 1024 --topk 16 --probe 1024x1000
 
 A synthetic corpus (``--docs`` documents of about 250 characters, every one containing the query words, so
 every query fills its top-k) is written to a temporary folder; the server runs in a child process
@@ -9,7 +9,8 @@ every query fills its top-k) is written to a temporary folder; the server runs i
 ``--requests`` identical requests (``--queries`` queries, ``--topk``, scores returned) one after the other,
 reading each answer to the end (the client keeps only its length). The server's VmRSS before the load
 (after one small warm-up request) and its VmHWM after it are read from ``/proc/<pid>/status``.
-Prints one JSON object: statuses, answer bytes, latencies, RSS before and peak.
+``--probe QxK`` then sends one request of that shape alone (after the peak was read). Prints one JSON object:
+statuses, answer bytes, latencies, RSS before and peak, the probe's status, bytes and time.
 """
 
 from __future__ import annotations
@@ -67,7 +68,21 @@ def _client(host: str, port: int, body: str, n: int, timeout: float, record: lis
     conn.close()
 
 
-def run(clients: int, requests: int, queries: int, topk: int, docs: int, timeout: float) -> dict:
+def _body(queries: int, topk: int) -> str:
+    qs = [f"city river {WORDS[i % len(WORDS)]}" for i in range(queries)]
+    return json.dumps({"queries": qs, "topk": topk, "return_scores": True})
+
+
+def run(
+    clients: int,
+    requests: int,
+    queries: int,
+    topk: int,
+    docs: int,
+    timeout: float,
+    probe: tuple[int, int] | None = None,
+) -> dict:
+    """The load, then (``probe``: queries, topk) one more request of that shape alone: its status and time."""
     from alignopsd.engine.envs.retriever import start_retriever_process
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,8 +96,7 @@ def run(clients: int, requests: int, queries: int, topk: int, docs: int, timeout
             small = json.dumps({"queries": ["city river"], "topk": 3})
             _client(host, int(port), small, 1, timeout, warm, threading.Lock())
             before = proc_status(proc.pid)
-            body = json.dumps({"queries": [f"city river {WORDS[i % len(WORDS)]}" for i in range(queries)],
-                               "topk": topk, "return_scores": True})  # fmt: skip
+            body = _body(queries, topk)
             record: list = []
             lock = threading.Lock()
             threads = [
@@ -96,6 +110,9 @@ def run(clients: int, requests: int, queries: int, topk: int, docs: int, timeout
                 t.join()
             wall = time.perf_counter() - t0
             after = proc_status(proc.pid)
+            probed: list = []
+            if probe is not None:
+                _client(host, int(port), _body(*probe), 1, timeout, probed, lock)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -109,6 +126,8 @@ def run(clients: int, requests: int, queries: int, topk: int, docs: int, timeout
         "wall_s": round(wall, 1), "rss_before_mib": round(before["VmRSS"] / 2**20, 1),
         "hwm_before_mib": round(before["VmHWM"] / 2**20, 1), "hwm_after_mib": round(after["VmHWM"] / 2**20, 1),
         "rss_after_mib": round(after["VmRSS"] / 2**20, 1),
+        "probe": {"shape": f"{probe[0]}x{probe[1]}", "status": probed[0][0], "bytes": probed[0][1],
+                  "s": round(probed[0][2], 2)} if probe else None,
     }  # fmt: skip
 
 
@@ -120,8 +139,10 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=1000)
     ap.add_argument("--docs", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=600.0, help="client socket timeout (s)")
+    ap.add_argument("--probe", default=None, help="QxK: one request of Q queries, topk K after the load")
     a = ap.parse_args()
-    print(json.dumps(run(a.clients, a.requests, a.queries, a.topk, a.docs, a.timeout)))
+    probe = tuple(int(x) for x in a.probe.split("x")) if a.probe else None
+    print(json.dumps(run(a.clients, a.requests, a.queries, a.topk, a.docs, a.timeout, probe)))
 
 
 if __name__ == "__main__":

@@ -164,3 +164,21 @@ def _until(cond, timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_largest_requests_keep_the_server_process_within_its_budgets(monkeypatch, tmp_path):
+    """A server process on a 20,000-document corpus, 3 clients sending the largest legal request at once:
+    all answered (200, or 503 past the admission wait), the peak resident size (VmHWM) within the server's
+    size before the load plus its two budgets (1024 x 1000, which took it to 2.6 GB before, is now a 400)."""
+    from bench.retriever_memory import run
+
+    monkeypatch.setenv("ALIGNOPSD_CACHE", str(tmp_path))  # run() points it at its own folder; restored after
+    d = ServerLimits()
+    assert 16 * 1000 <= d.max_results
+    out = run(clients=3, requests=1, queries=16, topk=1000, docs=20000, timeout=120.0, probe=(1024, 1000))
+    assert set(out["statuses"]) <= {"200", "503"} and out["statuses"].get("200", 0) >= 1, out
+    assert 4_000_000 < out["answer_bytes_max"] <= d.max_response_bytes
+    budgets_mib = (d.body_budget_bytes + (128 << 20)) / 2**20
+    assert out["hwm_after_mib"] < out["rss_before_mib"] + budgets_mib, out
+    assert out["probe"]["status"] == 400 and out["probe"]["s"] < 5.0, out
