@@ -401,8 +401,9 @@ def override_mapping(data: dict, overrides: list[str], *, what: str = "overrides
     """A copy of the raw mapping ``data`` with dotted ``key=value`` overrides applied (missing sections are made).
 
     Values are parsed as YAML scalars/flow collections (safe loader, nothing is executed) within the bounds of
-    alignopsd.config_yaml: an item of at most MAX_VALUE_BYTES, a key of at most MAX_DEPTH parts and a value that
-    keeps the whole mapping within MAX_DEPTH levels and MAX_NODES values. ValueError names the key (``what``: how
+    alignopsd.config_yaml: an item of at most MAX_VALUE_BYTES, a key of at most MAX_DEPTH parts, a value of at
+    most MAX_NODES values nested no deeper than MAX_DEPTH levels counted from the top of the mapping (so a key of
+    n parts leaves MAX_DEPTH - n levels to its value). ValueError names the key (``what``: how
     the caller calls its overrides in messages, e.g. ``--set``). The one parser of overrides:
     :func:`apply_overrides` and the engine's config loading both use it."""
     out = copy.deepcopy(data)
