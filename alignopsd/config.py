@@ -18,6 +18,14 @@ from typing import Any, Literal
 import yaml
 
 from alignopsd.config_values import bool_field, choice_field, coerce_value, int_field, real_field
+from alignopsd.config_yaml import (
+    MAX_DEPTH,
+    MAX_VALUE_BYTES,
+    YamlLimitError,
+    check_size,
+    load_yaml,
+    yaml_error_line,
+)
 from alignopsd.credit_config import CreditConfig
 from alignopsd.estimators import ESTIMATORS
 
@@ -375,41 +383,55 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def _parse_value(raw: str) -> Any:
+def _short(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else f"{text[: n - 3]}..."
+
+
+def _parse_value(raw: str, max_depth: int) -> Any:
+    """An override's value: bounded YAML (alignopsd.config_yaml), at most ``max_depth`` levels of nesting."""
     if not raw.strip():
         return ""
     try:
-        return yaml.safe_load(raw)
+        return load_yaml(raw, max_depth=max_depth)
     except yaml.YAMLError as exc:
-        raise ValueError(f"cannot parse value {raw!r} ({exc})") from exc
+        raise ValueError(f"cannot parse value {_short(raw)!r} ({yaml_error_line(exc)})") from None
 
 
 def override_mapping(data: dict, overrides: list[str], *, what: str = "overrides") -> dict:
     """A copy of the raw mapping ``data`` with dotted ``key=value`` overrides applied (missing sections are made).
 
-    Values are parsed as YAML scalars/flow collections (safe loader, nothing is executed). ValueError names the
-    key (``what``: how the caller calls its overrides in messages, e.g. ``--set``). The one parser of overrides:
+    Values are parsed as YAML scalars/flow collections (safe loader, nothing is executed) within the bounds of
+    alignopsd.config_yaml: an item of at most MAX_VALUE_BYTES, a key of at most MAX_DEPTH parts, a value of at
+    most MAX_NODES values nested no deeper than MAX_DEPTH levels counted from the top of the mapping (so a key of
+    n parts leaves MAX_DEPTH - n levels to its value). ValueError names the key (``what``: how
+    the caller calls its overrides in messages, e.g. ``--set``). The one parser of overrides:
     :func:`apply_overrides` and the engine's config loading both use it."""
     out = copy.deepcopy(data)
     for item in overrides or []:
         if not isinstance(item, str) or "=" not in item:
-            raise ValueError(f"{what}: expected 'key=value', got {item!r}")
+            raise ValueError(f"{what}: expected 'key=value', got {_short(str(item))!r}")
         key, raw = item.split("=", 1)
         key = key.strip()
+        try:
+            check_size(len(item.encode("utf-8", "surrogatepass")), MAX_VALUE_BYTES, f"{what} item")
+        except YamlLimitError as exc:
+            raise ValueError(f"{_short(key)}: {exc.problem}") from None
         parts = key.split(".")
         if not key or any(not p for p in parts):
-            raise ValueError(f"{what}: empty key in {item!r}")
+            raise ValueError(f"{what}: empty key in {_short(item)!r}")
+        if len(parts) > MAX_DEPTH:
+            raise ValueError(f"{_short(key)}: a key of {len(parts)} parts, over the limit of {MAX_DEPTH} levels")
         try:
-            value = _parse_value(raw)
+            value = _parse_value(raw, MAX_DEPTH - len(parts))
         except ValueError as exc:
-            raise ValueError(f"{key}: {exc}") from None
+            raise ValueError(f"{_short(key)}: {exc}") from None
         node = out
         for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
             if nxt is None:
                 nxt = node[p] = {}
             if not isinstance(nxt, dict):
-                raise ValueError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (in {what} {item!r})")
+                raise ValueError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (in {what} {_short(item)!r})")
             node = nxt
         node[parts[-1]] = value
     return out

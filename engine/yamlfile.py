@@ -1,7 +1,9 @@
 """Reading a YAML config file into a mapping, every failure one message with file, line and column.
 
-Only YAML's plain types are constructed (``yaml.safe_load``): a tag such as ``!!python/object`` is refused,
-never executed. Used by engine/config.py, which turns :class:`YamlFileError` into its ConfigError.
+Only YAML's plain types are constructed (the bounded safe loader of ``alignopsd.config_yaml``): a tag such as
+``!!python/object`` is refused, never executed, and a file over that module's bounds (256 KiB, 64 levels of
+nesting, 20,000 values with aliases expanded) is refused before it is read or while it is composed. Used by
+engine/config.py, which turns :class:`YamlFileError` into its ConfigError.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+
+from alignopsd.config_yaml import MAX_FILE_BYTES, YamlLimitError, check_size, load_yaml
 
 
 class YamlFileError(ValueError):
@@ -18,10 +22,20 @@ class YamlFileError(ValueError):
 def read_yaml(path: Path) -> dict:
     """The top-level mapping of a YAML config file; YamlFileError (file, line, column) for everything else: a missing
     or non-UTF-8 file, a syntax error (tabs included), a tag other than YAML's plain types (``!!python/object``
-    and the like are refused, never constructed), an empty file, a top level that is not a mapping."""
+    and the like are refused, never constructed), a file over the bounds of alignopsd.config_yaml (its size is
+    checked before it is read, at most MAX_FILE_BYTES + 1 bytes are ever read), an empty file, a top level that is
+    not a mapping."""
     if not path.is_file():
         raise YamlFileError(f"--config: no such file {str(path)!r}")
-    raw = path.read_bytes()
+    try:
+        check_size(path.stat().st_size, MAX_FILE_BYTES, "the file")
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        check_size(len(raw), MAX_FILE_BYTES, "the file")
+    except YamlLimitError as exc:
+        raise YamlFileError(f"{path}: {exc.problem}") from None
+    except OSError as exc:
+        raise YamlFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -30,7 +44,7 @@ def read_yaml(path: Path) -> dict:
             f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})"
         ) from None
     try:
-        loaded = yaml.safe_load(text)
+        loaded = load_yaml(text)
     except yaml.YAMLError as exc:
         raise YamlFileError(_yaml_message(path, exc)) from None
     if loaded is None:
@@ -44,6 +58,8 @@ def _yaml_message(path: Path, exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
     problem = getattr(exc, "problem", None) or str(exc)
+    if isinstance(exc, YamlLimitError):
+        return f"{where}: {problem}"
     if isinstance(exc, yaml.constructor.ConstructorError):
         return f"{where}: YAML tag refused ({problem}); configs hold plain values only"
     ctx = getattr(exc, "context", None)

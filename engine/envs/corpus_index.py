@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -174,12 +175,16 @@ class CorpusRetriever:
             index = Bm25Index.build([d.contents for d in docs])
         return cls(docs, index)
 
+    @functools.cached_property
+    def max_doc_chars(self) -> int:
+        """Characters of the longest document (id and contents): bounds the size of one answer entry."""
+        return max(len(d.id) + len(d.contents) for d in self.docs)
+
+    def result_item(self, position: int, score: float, return_scores: bool) -> dict[str, Any]:
+        """One entry of a Search-R1 result list: the document, with its score when ``return_scores``."""
+        doc = self.docs[position].as_json()
+        return {"document": doc, "score": score} if return_scores else doc
+
     def retrieve(self, queries: Sequence[str], topk: int, return_scores: bool = True) -> list[list[dict[str, Any]]]:
         hits = self.index.search_batch(queries, topk)
-        result = []
-        for row in hits:
-            if return_scores:
-                result.append([{"document": self.docs[i].as_json(), "score": s} for i, s in row])
-            else:
-                result.append([self.docs[i].as_json() for i, _ in row])
-        return result
+        return [[self.result_item(i, s, return_scores) for i, s in row] for row in hits]

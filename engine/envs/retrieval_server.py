@@ -17,6 +17,17 @@ its previous response) is closed, so stalled clients hold neither a thread nor a
 connections close after ``keep_alive_s``. The listen backlog is ``backlog`` (2048). Loopback (127.0.0.1)
 is the default host.
 
+Memory (:class:`ServerLimits`, defaults in brackets): a request asks for at most ``max_results`` (16,384)
+documents in all (queries x topk, 400 beyond), and its answer may hold at most ``max_response_bytes``
+(16 MiB, 400 "answer: over the limit" beyond: ask for fewer queries or a smaller topk). Each request is
+admitted against two budgets of bytes in flight (engine/envs/memory_budget.py), first come, first served:
+its body, before it is read (``body_budget_bytes``, 64 MiB; charged 16 x the announced length + 64 KiB, the
+most its bytes, text and parsed strings take), and its work, before the search (``work_budget_bytes``; charged
+twice the largest answer it can produce plus 256 bytes per result and a score array per query, see
+:func:`work_charge`). A request that cannot be admitted within ``admission_wait_s`` (5 s) is answered 503 with
+``Retry-After: retry_after_s`` (2); the charges are released when the answer has been sent. So the server holds
+at most the two budgets beyond its corpus and index (measured: bench/results/retriever-memory-2026-12-02.md).
+
 FastAPI and uvicorn are the ``serve`` extra; they are imported only when a server is built.
 """
 
@@ -28,6 +39,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,8 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from .corpus_index import CorpusRetriever
+from .memory_budget import MemoryBudget
 
-__all__ = ["RetrievalServer", "ServerLimits", "build_app", "main", "parse_retrieve_request", "serve_retriever"]
+__all__ = [
+    "AnswerTooLarge", "RetrievalServer", "ServerLimits", "body_charge", "build_app", "main",
+    "parse_retrieve_request", "render_result", "serve_retriever", "work_budget", "work_charge",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,15 +66,61 @@ class ServerLimits:
     request_timeout_s: float = 10.0
     keep_alive_s: int = 5
     backlog: int = 2048
+    max_results: int = 16384
+    max_response_bytes: int = 16 << 20
+    body_budget_bytes: int = 64 << 20
+    work_budget_bytes: int | None = None
+    """None: 128 MiB, or twice the largest request's charge where the corpus makes that larger."""
+    admission_wait_s: float = 5.0
+    retry_after_s: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_queries", "max_topk", "keep_alive_s", "backlog"):
+        ints = ("max_body_bytes", "max_queries", "max_topk", "keep_alive_s", "backlog", "max_results")
+        ints += ("max_response_bytes", "body_budget_bytes", "retry_after_s")
+        for name in ints + (("work_budget_bytes",) if self.work_budget_bytes is not None else ()):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        t = self.request_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
-            raise ValueError(f"request_timeout_s: expected a positive number of seconds, got {t!r}")
+        for name in ("request_timeout_s", "admission_wait_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
+                raise ValueError(f"{name}: expected a positive number of seconds, got {t!r}")
+        if body_charge(self.max_body_bytes) > self.body_budget_bytes:
+            raise ValueError(
+                f"body_budget_bytes: {self.body_budget_bytes} is below the charge of the largest body "
+                f"({body_charge(self.max_body_bytes)} for max_body_bytes={self.max_body_bytes})"
+            )
+
+
+def body_charge(nbytes: int) -> int:
+    """Bytes a body of ``nbytes`` may hold while it is read and parsed: the bytes, the decoded text and the
+    parsed strings (a string of two characters costs about 60 bytes for its five in the JSON)."""
+    return 16 * nbytes + (64 << 10)
+
+
+def work_charge(retriever: CorpusRetriever, n_queries: int, topk: int, limits: ServerLimits) -> int:
+    """Bytes a search of ``n_queries`` x ``topk`` may hold until its answer is sent: the answer twice (its
+    pieces, then joined), 256 bytes per result (hits, the index's arrays, the pieces' headers), a float32 and
+    an int32 per document for the query being scored, and 64 KiB. An answer entry is at most 6 bytes per
+    character of the longest document (JSON's ``\\u00XX`` escapes) plus its keys and score."""
+    n_docs = len(retriever.docs)
+    results = n_queries * min(topk, n_docs)
+    answer = min(limits.max_response_bytes, results * (6 * retriever.max_doc_chars + 96) + 2 * n_queries + 16)
+    return 2 * answer + 256 * results + 8 * n_docs + (64 << 10)
+
+
+def work_budget(retriever: CorpusRetriever, limits: ServerLimits) -> int:
+    """The work budget in bytes: ``limits.work_budget_bytes``, or by default 128 MiB or twice the largest
+    request's charge, whichever is larger. ValueError when a set budget cannot admit the largest request."""
+    largest = work_charge(retriever, limits.max_results, 1, limits)  # max_results queries of topk 1: the most
+    if limits.work_budget_bytes is None:
+        return max(128 << 20, 2 * largest)
+    if limits.work_budget_bytes < largest:
+        raise ValueError(
+            f"work_budget_bytes: {limits.work_budget_bytes} is below the charge of the largest request ({largest});"
+            " raise it, or lower max_results or max_response_bytes"
+        )
+    return limits.work_budget_bytes
 
 
 def _reject_constant(name: str) -> Any:
@@ -90,17 +152,60 @@ def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str]
     return_scores = req.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise ValueError(f"return_scores: expected true or false, got {return_scores!r}")
+    if len(queries) * topk > limits.max_results:
+        raise ValueError(
+            f"queries x topk: {len(queries)} x {topk} = {len(queries) * topk} documents, over the limit of "
+            f"{limits.max_results} per request; send fewer queries or a smaller topk"
+        )
     return queries, topk, return_scores
+
+
+class AnswerTooLarge(ValueError):
+    """The answer of a request would exceed ``max_response_bytes``."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def render_result(
+    retriever: CorpusRetriever, queries: list[str], topk: int, return_scores: bool, max_bytes: int
+) -> bytes:
+    """The ``{"result": [...]}`` answer as JSON bytes, entry by entry (CorpusRetriever.result_item), stopping
+    with AnswerTooLarge as soon as it would pass ``max_bytes``."""
+    hits = retriever.index.search_batch(queries, topk)
+    parts, size = [b'{"result":['], 13  # counted with the closing "]}"
+    for q, row in enumerate(hits):
+        parts.append(b"[" if q == 0 else b",[")
+        size += 3
+        for j, (position, score) in enumerate(row):
+            item = _dumps(retriever.result_item(position, score, return_scores))
+            size += len(item) + 1
+            if size > max_bytes:
+                raise AnswerTooLarge(
+                    f"answer: over the limit of {max_bytes} bytes at query {q + 1} of {len(queries)}; "
+                    "send fewer queries or a smaller topk"
+                )
+            parts.append(b"," + item if j else item)
+        parts.append(b"]")
+    parts.append(b"]}")
+    return b"".join(parts)
+
+
+def _announced_length(request: Any, limits: ServerLimits) -> int | None:
+    """The body's Content-Length (None when chunked); raises ``_Reject`` (400 / 413)."""
+    announced = request.headers.get("content-length")
+    if announced is None:
+        return None
+    if not announced.isdigit():
+        raise _Reject(400, f"Content-Length: not a byte count ({announced[:40]!r})")
+    if int(announced) > limits.max_body_bytes:
+        raise _Reject(413, f"body: {announced} bytes is over the limit of {limits.max_body_bytes}")
+    return int(announced)
 
 
 async def _read_body(request: Any, limits: ServerLimits) -> bytes:
     """The request body, bounded in size and time; raises ``_Reject`` (413 / 408 / 400)."""
-    announced = request.headers.get("content-length")
-    if announced is not None:
-        if not announced.isdigit():
-            raise _Reject(400, f"Content-Length: not a byte count ({announced[:40]!r})")
-        if int(announced) > limits.max_body_bytes:
-            raise _Reject(413, f"body: {announced} bytes is over the limit of {limits.max_body_bytes}")
 
     async def collect() -> bytes:
         chunks, size = [], 0
@@ -117,6 +222,12 @@ async def _read_body(request: Any, limits: ServerLimits) -> bytes:
         raise _Reject(408, f"body: not received within {limits.request_timeout_s:g}s") from None
 
 
+def _release(held: list[tuple[MemoryBudget, int]]) -> None:
+    while held:
+        budget, charge = held.pop()
+        budget.release(charge)
+
+
 class _Reject(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -130,12 +241,35 @@ def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None) ->
     plain routes rather than through FastAPI's parameter models.
     """
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
+    bodies = MemoryBudget(limits.body_budget_bytes, "body_budget_bytes")
+    work = MemoryBudget(work_budget(retriever, limits), "work_budget_bytes")
     app = FastAPI(title="alignopsd retrieval", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.budgets = (bodies, work)
+
+    class Releasing(Response):
+        """An answer that gives its charges back once sent (or once the client has gone)."""
+
+        media_type = "application/json"
+
+        def __init__(self, content: bytes, held: list[tuple[MemoryBudget, int]]) -> None:
+            super().__init__(content)
+            self.held = held
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                _release(self.held)
+
+    def busy(what: str, close: bool) -> Any:
+        headers = {"Retry-After": str(limits.retry_after_s), **({"Connection": "close"} if close else {})}
+        message = f"busy: {what} not admitted within {limits.admission_wait_s:g}s; retry later"
+        return JSONResponse({"error": message}, status_code=503, headers=headers)
 
     async def http_error(request: Any, exc: HTTPException) -> Any:  # 404, 405
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
@@ -144,14 +278,27 @@ def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None) ->
         return JSONResponse({"status": "ok", "documents": len(retriever.docs)})
 
     async def retrieve(request: Any) -> Any:
+        held: list[tuple[MemoryBudget, int]] = []
         try:
+            charge = body_charge(_announced_length(request, limits) or limits.max_body_bytes)
+            if not await bodies.acquire(charge, limits.admission_wait_s):
+                return busy("body", close=True)  # unread: the connection cannot be reused
+            held.append((bodies, charge))
             queries, topk, return_scores = parse_retrieve_request(await _read_body(request, limits), limits)
+            charge = work_charge(retriever, len(queries), topk, limits)
+            if not await work.acquire(charge, limits.admission_wait_s):
+                return busy("search", close=False)
+            held.append((work, charge))
+            args = (retriever, queries, topk, return_scores, limits.max_response_bytes)
+            answer = Releasing(await run_in_threadpool(render_result, *args), held)
+            held = []  # released by the answer once sent
+            return answer
         except _Reject as exc:
             return JSONResponse({"error": str(exc)}, status_code=exc.status, headers={"Connection": "close"})
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        result = await run_in_threadpool(retriever.retrieve, queries, topk, return_scores)
-        return JSONResponse({"result": result})
+        finally:
+            _release(held)
 
     app.add_exception_handler(HTTPException, http_error)
     app.add_route("/health", health, methods=["GET"])
@@ -222,8 +369,9 @@ class RetrievalServer:
         self.retriever = retriever
         self.limits = limits or ServerLimits()
         self.sock = _listening_socket(host, port, self.limits.backlog)
+        self.app = build_app(retriever, self.limits)  # app.state.budgets: (body budget, work budget)
         config = uvicorn.Config(
-            build_app(retriever, self.limits),
+            self.app,
             http=_protocol_class(self.limits.request_timeout_s),
             lifespan="off",
             log_level="warning",
@@ -315,11 +463,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-queries", type=int, default=d.max_queries)
     ap.add_argument("--max-topk", type=int, default=d.max_topk)
     ap.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
+    ap.add_argument("--max-results", type=int, default=d.max_results, help="queries x topk per request")
+    ap.add_argument("--max-response-bytes", type=int, default=d.max_response_bytes)
+    ap.add_argument("--body-budget-bytes", type=int, default=d.body_budget_bytes)
+    ap.add_argument("--work-budget-bytes", type=int, default=d.work_budget_bytes, help="default: see ServerLimits")
+    ap.add_argument("--admission-wait", type=float, default=d.admission_wait_s, help="seconds before a 503")
     args = ap.parse_args(argv)
-    limits = ServerLimits(args.max_body_bytes, args.max_queries, args.max_topk, args.request_timeout)
-    serve_retriever(
-        args.corpus, args.host, args.port, cache_dir=args.cache_dir, parent_pid=args.parent_pid, limits=limits
-    )
+    try:
+        limits = ServerLimits(
+            max_body_bytes=args.max_body_bytes,
+            max_queries=args.max_queries,
+            max_topk=args.max_topk,
+            request_timeout_s=args.request_timeout,
+            max_results=args.max_results,
+            max_response_bytes=args.max_response_bytes,
+            body_budget_bytes=args.body_budget_bytes,
+            work_budget_bytes=args.work_budget_bytes,
+            admission_wait_s=args.admission_wait,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        serve_retriever(
+            args.corpus, args.host, args.port, cache_dir=args.cache_dir, parent_pid=args.parent_pid, limits=limits
+        )
+    except ValueError as exc:  # the corpus, or limits that do not fit it (work_budget)
+        print(f"serve-retriever: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -75,6 +75,7 @@ class RetrieverClient:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             req = urllib.request.Request(self.endpoint, data=body, headers={"Content-Type": "application/json"})
+            wait = self.backoff * (2**attempt)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     payload = json.loads(resp.read().decode("utf-8"))
@@ -83,11 +84,20 @@ class RetrieverClient:
                 last = exc
                 if 400 <= exc.code < 500:  # our request is wrong: retrying will not help
                     break
+                wait = max(wait, _retry_after(exc.headers.get("Retry-After")))  # a busy server says when
             except (urllib.error.URLError, OSError, ValueError, TimeoutError) as exc:
                 last = exc
             if attempt < self.retries:
-                time.sleep(self.backoff * (2**attempt))
+                time.sleep(wait)
         raise RetrieverError(f"retrieval at {self.endpoint} failed after {self.retries + 1} attempt(s): {last}")
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds of a ``Retry-After`` header given in seconds (0 when absent or a date), at most 60."""
+    try:
+        return min(60.0, max(0.0, float(value))) if value else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _parse_result(payload: Any, n_queries: int) -> list[list[tuple[Document, float | None]]]:

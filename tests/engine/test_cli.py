@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,48 @@ def test_config_errors_exit_2_with_one_message(tmp_path, capsys, cmd, text, sets
     assert cli.main([cmd, "--config", str(p), *overrides]) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+def _hostile(tmp_path, case: str) -> tuple[list[str], str]:
+    """The hostile configs of the reliability round: argv after ``train`` and the expected message."""
+    head = "name: hostile\nenv:\n  name: codeword\n  options:\n"
+    p = tmp_path / f"hostile_{case}.yaml"
+    if case == "laughs":  # nested aliases: 10^9 strings once expanded
+        rows = ["    a0: &a0 [" + ", ".join(["lol"] * 10) + "]"]
+        rows += [f"    a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+        p.write_text(head + "\n".join(rows) + "\n")
+        return ["--config", str(p)], "hostile_laughs.yaml:9:14: more than the limit of 20000 values"
+    if case == "wide":  # 10 MB, 600,000 keys
+        p.write_text(head + "".join(f"    key_{i:07d}: 1\n" for i in range(600_000)))
+        assert p.stat().st_size > 10_000_000
+        return ["--config", str(p)], f"is {p.stat().st_size} bytes, over the limit of 262144 bytes"
+    deep = "[" * 5000 + "]" * 5000
+    if case == "deep_file":
+        p.write_text(f"{head}    x: {deep}\n")
+        return ["--config", str(p)], "deep_file.yaml:5:69: lists and mappings nested deeper than the limit of 64"
+    return ["--config", TINY, "--set", f"env.options.x={deep}"], "env.options.x: cannot parse value '[[["
+
+
+@pytest.mark.parametrize("case", ["laughs", "wide", "deep_file", "deep_set"])
+def test_hostile_configs_end_at_once_with_exit_2(tmp_path, capsys, case):
+    """Each ends within 5 s (after the train module's imports) with exit 2 and one message."""
+    import alignopsd.engine.train  # noqa: F401 (the imports are not the config's time)
+
+    argv, match = _hostile(tmp_path, case)
+    start = time.perf_counter()
+    assert cli.main(["train", *argv]) == 2
+    assert time.perf_counter() - start < 5.0
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and match in err and err.count("\n") == 1, err[:500]
+
+
+def test_hostile_config_through_the_console_entry(tmp_path):
+    """The real entry (a fresh interpreter) on the billion laughs: exit 2, one line on stderr (a hang before)."""
+    argv, match = _hostile(tmp_path, "laughs")
+    cmd = [sys.executable, "-m", "alignopsd.engine", "train", *argv]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and match in r.stderr and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert r.stdout == ""
 
 
 def test_train_preflight_exit_2(tmp_path, capsys):
