@@ -360,6 +360,9 @@ def _load_policy_state(policy, model_state: dict, optimizer_state: dict | None) 
     if optimizer_state is not None and "backend_state" in optimizer_state:
         policy.load_optimizer_state(optimizer_state["backend_state"])
         return
+    reseed = getattr(getattr(policy, "optimizer", None), "masters_from_model", None)
+    if optimizer_state is None and callable(reseed):  # weights only: fp32 masters start from them, not stale
+        reseed()
     if optimizer_state is not None and getattr(policy, "optimizer", None) is not None:
         policy.optimizer.load_state_dict(optimizer_state["optimizer"])
         if "scheduler" in optimizer_state and getattr(policy, "scheduler", None) is not None:

@@ -118,6 +118,13 @@ class MasterAdamW(torch.optim.AdamW):
         for p, m in zip(self.model_params, self.masters):
             p.copy_(m)
 
+    @torch.no_grad()
+    def masters_from_model(self) -> None:
+        """Re-seed the masters from the model's current parameters (after weights were loaded into the model
+        without an optimizer state: else the next step would write the old masters back over them)."""
+        for p, m in self._pairs():
+            m.copy_(p)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' and the model's gradients."""
         super().zero_grad(set_to_none=set_to_none)
@@ -138,11 +145,10 @@ class MasterAdamW(torch.optim.AdamW):
         sd = dict(state_dict)
         saved = sd.pop("master_params", None)
         super().load_state_dict(sd)
+        if saved is None:  # saved without masters: start them from the (already loaded) model weights
+            self.masters_from_model()
+            return
         with torch.no_grad():
-            if saved is None:  # saved without masters: start them from the (already loaded) model weights
-                for p, m in zip(self.model_params, self.masters):
-                    m.copy_(p)
-                return
             if len(saved) != len(self.masters):
                 raise ValueError(
                     f"state_dict: master_params has {len(saved)} tensors, the optimizer has {len(self.masters)}"
