@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .metric_reduce import Samples, reduce_over_ranks
+
 REDUCE_OPS = ("sum", "max", "min")
 
 
@@ -23,17 +25,10 @@ def all_reduce(values: list[float], op: str, world_size: int, group=None) -> lis
     return t.cpu().tolist()
 
 
-def reduce_metrics(gathered: list[dict[str, float]]) -> dict[str, float]:
-    """One metric dict from the dicts of the contributing ranks: sums for ``*count*`` keys, maxima for ``*_max``
-    keys, means otherwise; keys a rank lacks (or holds as None) are averaged over the ranks that have them."""
-    keys = sorted({k for g in gathered for k in g})
-    out = {}
-    for k in keys:
-        vals = [g[k] for g in gathered if g.get(k) is not None]
-        if not vals:
-            continue
-        out[k] = sum(vals) if "count" in k else (max(vals) if k.endswith("_max") else sum(vals) / len(vals))
-    return out
+def reduce_metrics(gathered: list[dict[str, float]], samples: Samples | None = None) -> dict[str, float]:
+    """One metric dict from the dicts of the contributing ranks, each key by its declared kind (sum, weighted
+    mean, min, max, percentiles from the gathered ``samples``): see ``engine/metric_reduce.py``."""
+    return reduce_over_ranks(gathered, samples)
 
 
 def all_gather_tensors(t: torch.Tensor, world_size: int, group=None) -> list[torch.Tensor]:

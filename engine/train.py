@@ -37,6 +37,7 @@ from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .episodes import run_validation
 from .manifest import atomic_write_bytes
+from .metric_reduce import Samples, merge_samples
 from .metrics import MetricsLogger
 from .preflight import preflight
 from .report import write_report
@@ -245,7 +246,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 result = run_step(self.parts, self.step)
                 self.step += 1
-                metrics = self.reduce_metrics(result.metrics)
+                metrics = self.reduce_metrics(result.metrics, result.samples)
                 metrics["time/step_wall"] = time.perf_counter() - t0
                 self.span_lengths.extend(int(x) for x in result.span_lengths)
                 last = logger.log(self.step, metrics)
@@ -315,15 +316,17 @@ class Trainer:
             )
         return flat
 
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: sums for '*count*' keys).
+    def reduce_metrics(self, metrics: dict[str, float], samples: Samples | None = None) -> dict[str, float]:
+        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by its declared kind, the
+        percentiles from the ranks' gathered ``samples``).
 
         Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
         contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
         if not self.dist.enabled:
             return metrics
         lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
-        return reduce_metrics([g for g, first in self.dist.gather_objects((metrics, lead)) if first])
+        got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
+        return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
 
 
 def is_sharded(policy) -> bool:
