@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .audit import Auditor, header_of
-from .checkpoint import UnsafeStateError, load_checkpoint, restore_rng_state, save_checkpoint
+from .checkpoint import UnsafeStateError, derived_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from .collectives import reduce_metrics
 from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
@@ -209,7 +209,10 @@ class Trainer:
         if warning:
             self._say(warning)
         # RNG last: nothing after this point may draw random numbers before the next step
-        restore_rng_state(ck["rng_state"])
+        if ck["rng_state"] is None:  # a rank beyond the saving run's world: its own state, not rank 0's copy
+            derived_rng_state(self.cfg.trainer.seed, self.rank, self.step)
+        else:
+            restore_rng_state(ck["rng_state"])
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 
