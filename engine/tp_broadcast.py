@@ -56,18 +56,81 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+class LeadRankError(RuntimeError):
+    """Raised on the other ranks of a tensor-parallel group when its first rank failed in a part it runs for
+    the group (sampling, the weight sync); the message carries the first rank's error."""
+
+
+class _LeadFailure:
+    """What the group's first rank broadcasts instead of a result when it failed (picklable, never the
+    exception object itself, which may not be)."""
+
+    def __init__(self, exc: BaseException, src: int) -> None:
+        self.text = f"{type(exc).__name__}: {exc}"
+        self.src = src
+
+    def error(self) -> LeadRankError:
+        return LeadRankError(
+            f"the first rank (global rank {self.src}) of this tensor-parallel group failed: {self.text}"
+        )
+
+
+def _object_device(group) -> torch.device | None:
+    """The device object collectives of ``group`` stage through: the current CUDA device under NCCL (torch
+    requires ``torch.cuda.set_device`` to have been called; it is, before the process group is made), else the
+    CPU (None: torch's default)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def broadcast_from_lead(policy, make: Callable[[], Any]) -> Any:
     """``make()`` on the group's first rank, its result (tensors on the CPU) on every rank of the group.
 
-    Every rank of the group must call this at the same point; only the first one calls ``make``."""
+    Every rank of the group must call this at the same point; only the first one calls ``make``. If ``make``
+    raises there, the first rank sends the error instead of a result and every rank of the group raises at once
+    (the first rank its own exception, the others :class:`LeadRankError` with its text) instead of waiting in
+    the broadcast until the collective times out."""
     group, src = tp_layout(policy)
     if group is None:
         return make()
     import torch.distributed as dist
 
-    box = [_to_cpu(make()) if is_group_lead(policy) else None]
-    dist.broadcast_object_list(box, src=src, group=group)
+    failure: BaseException | None = None
+    box: list[Any] = [None]
+    if is_group_lead(policy):
+        try:
+            box[0] = _to_cpu(make())
+        except Exception as exc:  # noqa: BLE001 - sent to the group, then raised here too
+            failure, box[0] = exc, _LeadFailure(exc, src)
+    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], _LeadFailure):
+        raise box[0].error()
     return box[0]
+
+
+def share_lead_outcome(policy, error: BaseException | None) -> None:
+    """After a collective part that only the group's first rank can fail in (the weight sync's consumer): every
+    rank learns whether it failed; then the first rank re-raises ``error`` and the others raise
+    :class:`LeadRankError`. Every rank of the group calls it at the same point (all earlier collectives of the
+    part completed); a no-op without tensor parallelism."""
+    group, src = tp_layout(policy)
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    box: list[Any] = [_LeadFailure(error, src) if (is_group_lead(policy) and error is not None) else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    if error is not None:
+        raise error
+    if isinstance(box[0], _LeadFailure):
+        raise box[0].error()
 
 
 def group_rollout(parts, run: Callable[[], tuple]) -> tuple:

@@ -214,16 +214,25 @@ class MegatronPolicy(ShardScoring):
         other ranks send their shard of each part and yield nothing. The first rank holds at most one part's
         gathered pieces and its converted weights at once, never the full model.
 
-        Collective over the tensor-parallel group: every rank must iterate it to the end, in step."""
+        Collective over the tensor-parallel group: every rank must iterate it to the end, in step. A conversion
+        that fails on the first rank does not stop its gathers (the group's other ranks would wait in the next
+        one): it yields nothing more and raises the error after the last gather."""
         lead = self.tp_rank == 0
         local = self._shard_state()
+        failed: Exception | None = None
         for part, names in self._parts(local):
             shards = self._gather(local, names, everywhere=False)
-            if lead:
-                hf = megatron_part_to_hf(shards, self.dims, part)
+            if lead and failed is None:
+                try:
+                    hf = megatron_part_to_hf(shards, self.dims, part)
+                except Exception as exc:  # noqa: BLE001 - raised after the group's last gather
+                    failed = exc
+                    continue
                 del shards
                 yield from hf.items()
                 del hf
+        if failed is not None:
+            raise failed
 
     def _parts(self, local: dict[str, Tensor]) -> list[tuple[str | int, list[str]]]:
         """(conversion part, the names of ``local``, this rank's shard, that it converts from), in conversion
