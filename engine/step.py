@@ -39,7 +39,7 @@ from .episodes import rollout_phase, step_seed, tasks_for_step
 from .metric_reduce import Samples
 from .regions import region_metrics, response_regions
 from .teacher_pass import M1Result, mechanism1, teacher_diagonal
-from .tp_broadcast import group_rollout, group_sampling
+from .tp_broadcast import broadcast_from_lead, group_rollout, group_sampling
 from .update import ppo_update
 from .whole_batch import globalise_spans, whole_batch
 
@@ -188,7 +188,8 @@ def estimate(
     Data parallelism: ``cb`` is this rank's share of the step's batch (whole tasks). Mechanism 2's whole-batch
     statistics (threshold, ln M, block width, trajectory offset) are gathered over the data-parallel ranks
     before the estimator runs, and the span indices made global after it (engine/whole_batch.py), so the
-    spans, budgets and token advantages are exactly those of the whole batch on one rank."""
+    spans, budgets and token advantages are exactly those of the whole batch on one rank. Under tensor
+    parallelism the group's first rank runs the estimator and the others receive its output."""
     m1 = m1 or M1Result()
     dev = parts.device  # the estimator runs where the model is: on CUDA the core reaches the Triton kernels
 
@@ -211,16 +212,22 @@ def estimate(
         copies=on(counts),
         step=step,
     )
-    if phases["alignment"]:
-        with parts.profiler.phase("rectify"):
-            inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
     credit_cfg, dp = parts.cfg.algorithm.credit, (parts.rank, parts.world_size, parts.dp_group)
-    with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
-        if phases["mechanism2"]:
-            inputs.whole_batch = whole_batch(inputs, credit_cfg, *dp)  # None single-process
-        out = parts.estimator(inputs, parts.cfg.algorithm)
-        if phases["mechanism2"]:
-            globalise_spans(out.credit, credit_cfg, *dp)
+
+    def decide() -> EstimatorOutput:
+        if phases["alignment"]:
+            with parts.profiler.phase("rectify"):
+                inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
+        with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
+            if phases["mechanism2"]:  # data-parallel collectives: among the first ranks of the groups only
+                inputs.whole_batch = whole_batch(inputs, credit_cfg, *dp)  # None single-process
+            res = parts.estimator(inputs, parts.cfg.algorithm)
+            if phases["mechanism2"]:
+                globalise_spans(res.credit, credit_cfg, *dp)
+        return res
+
+    # once per tensor-parallel group: M2's spans and the advantages are the first rank's (engine/tp_broadcast.py)
+    out = broadcast_from_lead(parts.policy, decide, device=dev)
     metrics = {k: float(v) for k, v in out.metrics.items() if isinstance(v, (int, float))}
     spans: list[int] = []
     seg = getattr(out.credit, "segment_index", None) if out.credit is not None else None

@@ -29,6 +29,7 @@ from .batch import TurnBatch
 from .envs.parsing import parse_action, parse_thinking
 from .generation.base import SamplingParams
 from .generation.teacher import TeacherOutput, generate_teacher
+from .tp_broadcast import broadcast_from_lead
 
 log = logging.getLogger("alignopsd.teacher_pass")
 
@@ -180,8 +181,10 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
         enc = encode_texts(parts, cb, teacher, action_filter=use_filter)
     metrics["m1/invalid_student_thinking_fraction"] = _invalid_fraction(enc.student_valid)
     metrics["m1/invalid_teacher_thinking_fraction"] = _invalid_fraction(enc.teacher_valid)
-    with prof.phase("m1_selection"):
-        H, B, pairs, sel_metrics = select_pairs(parts, cb, enc)
+    with prof.phase("m1_selection"):  # once per tensor-parallel group (engine/tp_broadcast.py)
+        H, B, pairs, sel_metrics = broadcast_from_lead(
+            parts.policy, lambda: select_pairs(parts, cb, enc), device=enc.student.device
+        )
     metrics.update(sel_metrics)
     with prof.phase("teacher_forcing"):  # diagonal + cross rows in one fused scoring batch (§2.6)
         diag, cross, st = parts.rescorer.teacher_logprobs(cb, pairs)

@@ -9,8 +9,12 @@ tensors, so it works under gloo and NCCL alike):
     rollout (student generation + environments + episode metrics)  -> :func:`group_rollout`
     teacher generation and thinking encoding of the teacher pass     -> :func:`group_sampling`
 
-Everything after that (old log-probs, teacher forcing through the sharded model, the estimator, the update) runs
-on every rank of the group with identical inputs. The other ranks never generate (they hold no generation
+The data-dependent decisions after it are made once per group too, on its first rank, and broadcast: the M1 pair
+selection (similarity matrix, eligibility, pairs: ``teacher_pass.mechanism1``) and the estimator's output (M2's
+spans and the token advantages: ``step.estimate``). On GPUs these use atomics (``index_add_``), so two ranks
+recomputing them could pick different pairs or spans and run different forwards inside one tensor-parallel step.
+Everything else (old log-probs, teacher forcing through the sharded model, the update) runs on every rank of the
+group with identical inputs. The other ranks never generate (they hold no generation
 engine: ``components.build_generator``), never step an environment during training and never load the thinking
 encoder. Without tensor parallelism (no group, or a group of one)
 every function here is the plain call.
@@ -41,19 +45,27 @@ def is_group_lead(policy) -> bool:
     return int(getattr(policy, "tp_rank", 0) or 0) == 0
 
 
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor (also inside dataclass fields, lists, tuples and dicts) moved to the CPU."""
+def move_to(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor (also inside dataclass fields, named tuples, lists, tuples and dicts) on
+    ``device``."""
     if isinstance(obj, Tensor):
-        return obj.cpu()
+        return obj.to(device)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: move_to(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(move_to(v, device) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
+        return type(obj)(move_to(v, device) for v in obj)
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
         import dataclasses
 
-        return dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+        changes = {f.name: move_to(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
     return obj
+
+
+def _to_cpu(obj: Any) -> Any:
+    return move_to(obj, "cpu")
 
 
 class LeadRankError(RuntimeError):
@@ -86,8 +98,9 @@ def _object_device(group) -> torch.device | None:
     return None
 
 
-def broadcast_from_lead(policy, make: Callable[[], Any]) -> Any:
-    """``make()`` on the group's first rank, its result (tensors on the CPU) on every rank of the group.
+def broadcast_from_lead(policy, make: Callable[[], Any], device: torch.device | None = None) -> Any:
+    """``make()`` on the group's first rank, its result (tensors on the CPU, or on ``device`` when given) on every
+    rank of the group, the first included (so every rank holds the same bits).
 
     Every rank of the group must call this at the same point; only the first one calls ``make``. If ``make``
     raises there, the first rank sends the error instead of a result and every rank of the group raises at once
@@ -110,7 +123,7 @@ def broadcast_from_lead(policy, make: Callable[[], Any]) -> Any:
         raise failure
     if isinstance(box[0], _LeadFailure):
         raise box[0].error()
-    return box[0]
+    return box[0] if device is None else move_to(box[0], device)
 
 
 def share_lead_outcome(policy, error: BaseException | None) -> None:
