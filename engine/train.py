@@ -62,13 +62,12 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.enabled = self.world_size > 1
         self.owns_group = self.enabled and not dist.is_initialized()  # close() destroys only a group it made
-        if self.owns_group:
-            backend = "nccl" if device_kind == "cuda" else "gloo"
-            if device_kind == "cuda":
-                import torch
+        if self.enabled and device_kind == "cuda":  # NCCL's object collectives and barrier use the current device
+            import torch
 
-                torch.cuda.set_device(self.local_rank)
-            dist.init_process_group(backend=backend)
+            torch.cuda.set_device(self.local_rank)
+        if self.owns_group:
+            dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
         self._dist = dist
 
     def barrier(self) -> None:
@@ -80,9 +79,8 @@ class Dist:
             return list(values)
         import torch
 
-        t = torch.tensor(values, dtype=torch.float64)
-        if self._dist.get_backend() == "nccl":
-            t = t.cuda()
+        dev = torch.device("cuda", torch.cuda.current_device()) if self._dist.get_backend() == "nccl" else None
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
         red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX, "min": self._dist.ReduceOp.MIN}[op]
         self._dist.all_reduce(t, op=red)
         return t.cpu().tolist()

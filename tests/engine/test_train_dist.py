@@ -111,3 +111,22 @@ def test_profile_under_torchrun_with_megatron_tp2(capsys):
         data = json.loads(js.read_text())
         assert data["phases"]["update"] > 0 and data["phases"]["teacher_forcing"] > 0
         assert data["counts"]["batch/rows"] == 8 and data["counts"]["m1/teacher_forcing_token_forwards"] > 0
+
+
+def test_dist_sets_the_cuda_device_even_in_a_group_it_did_not_make(monkeypatch):
+    """NCCL's object collectives and barrier run on ``torch.cuda.current_device()``: the trainer's Dist selects
+    its local GPU also when the caller made the process group (profile, compare and the suite do), else every
+    rank's all_gather_object would stage on GPU 0."""
+    import torch.distributed as dist
+    from alignopsd.engine.train import Dist
+
+    picked = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    d = Dist("cuda")
+    assert picked == [1] and not d.owns_group
+    Dist("cpu")
+    assert picked == [1]
