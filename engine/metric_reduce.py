@@ -11,13 +11,15 @@ rank holding the whole batch would report. Each key has a kind (:func:`metric_ki
               rank carried samples for is left out (``metrics/unreduced`` counts them) rather than averaged
     std       ``*_std``: from gathered samples when there are some, else pooled from each rank's mean, std and
               count (exact, up to float rounding)
-    mean      everything else: weighted by the key's count — ``<name>_count`` beside ``<name>_mean``, else the
-              count its family declares in :data:`FAMILY_WEIGHTS` (turns for m1/ and m2/, episodes for
-              episode/, ...); a family without one (actor/ losses, which the update already scales to the global
-              token-mean, summed over ranks / world) takes the plain mean over ranks.
+    rms       a root-mean-square reported as ``_std`` (:data:`RMS_KEYS`): sqrt of the count-weighted mean square
+    mean      everything else: the mean of the gathered samples where the family has them, else weighted by the
+              key's count: ``<name>_count`` beside ``<name>_mean``, else the count its family declares in
+              :data:`FAMILY_WEIGHTS` (turns for m1/ and m2/, episodes for episode/, ...); a family without one
+              (actor/ losses, which the update already scales to the global token-mean, summed over ranks /
+              world) takes the plain mean over ranks.
 
-Samples: ``{name: (values, ddof)}`` for the distributions whose percentiles the metrics report (span lengths,
-per-turn weights, token gaps; see ``engine/step.py``); ``ddof`` is the producer's std convention.
+Samples: ``{family: (values, ddof)}``, the values behind a family's percentiles and std (:func:`samples_of`, from
+what the producers recorded during the step: ``alignopsd.samples``); ``ddof`` is the producer's std convention.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -47,8 +50,11 @@ SAME_KEYS = frozenset(
         "update/zero_advantage",
     }
 )
+# root-mean-squares reported under a ``_std`` name, with the count they are taken over: sqrt(weighted mean of squares)
+RMS_KEYS = {"m1/teacher_student_gap_std": "m1/corrected_gap_count"}  # RMS of ℓ̃ - ℓ^old over the policy tokens
 # the count a family's means are taken over, when the key has no ``<name>_count`` beside it
 FAMILY_WEIGHTS: tuple[tuple[str, str], ...] = (
+    ("m1/teacher_student_gap_", "m1/corrected_gap_count"),
     ("episode/trajectory_", "episode/unique_trajectory_count"),
     ("episode/outcome_", "episode/unique_trajectory_count"),
     ("m2/trajectory_advantage_", "episode/unique_trajectory_count"),
@@ -69,7 +75,10 @@ _QUANTILE = re.compile(r"(.*)_p(\d+)$")
 
 
 def metric_kind(key: str) -> str:
-    """The declared reduction of ``key``: same | sum | min | max | quantile | std | mean (module docstring)."""
+    """The declared reduction of ``key``: same | sum | min | max | quantile | std | rms | mean (module
+    docstring)."""
+    if key in RMS_KEYS:
+        return "rms"
     if key in SAME_KEYS or key.startswith("time/"):
         return "max" if key.startswith("time/") else "same"  # the slowest rank sets the step's time
     if "count" in key or key.startswith("batch/") or key.endswith(_SUM_SUFFIXES):
@@ -137,6 +146,46 @@ def _from_samples(key: str, kind: str, samples: Samples) -> float | None:
     return float(v.std(correction=ddof)) if v.numel() > ddof else 0.0
 
 
+def samples_of(metrics: dict[str, float], records: Sequence[tuple[str, Any, int]]) -> Samples:
+    """This rank's samples for its percentile and std metrics, from the distributions the producers recorded
+    (``alignopsd.samples.recording_samples``). A family ``<prefix><name>`` takes the recorded ``name`` (a full
+    prefix from ``Metrics``, a bare name from ``describe``) whose values reproduce the family's reported mean (or
+    median): several producers describe distributions of one bare name under different prefixes."""
+    families = {_family(k) for k in metrics if metric_kind(k) in ("quantile", "std")}
+    by_name: dict[str, list[tuple[Any, int]]] = {}
+    for name, values, ddof in records:
+        by_name.setdefault(name, []).append((values, ddof))
+    out: Samples = {}
+    for fam in sorted(families):
+        cands = by_name.get(fam, []) + [c for n, cs in by_name.items() if fam.endswith("/" + n) for c in cs]
+        for values, ddof in cands:
+            v = torch.as_tensor(values).detach().reshape(-1).to("cpu", torch.float64)
+            v = v[torch.isfinite(v)]
+            if _reproduces(v, fam, metrics):
+                out[fam] = (v.tolist(), ddof)
+                break
+    return out
+
+
+def _family(key: str) -> str:
+    m = _QUANTILE.match(key)
+    return m.group(1) if m else key[: -len("_std")]
+
+
+def _reproduces(v: torch.Tensor, fam: str, metrics: dict[str, float]) -> bool:
+    """Whether ``v`` is the distribution behind ``fam``'s reported statistics."""
+    for stat, fn in (("_count", lambda x: float(x.numel())), ("_mean", lambda x: float(x.mean())),
+                     ("_p50", lambda x: _quantile(x, 0.5)), ("_p95", lambda x: _quantile(x, 0.95))):  # fmt: skip
+        want = metrics.get(fam + stat)
+        if want is None:
+            continue
+        if v.numel() == 0:
+            return want == 0.0
+        if not math.isclose(fn(v), want, rel_tol=1e-9, abs_tol=1e-12):
+            return False
+    return any(fam + stat in metrics for stat in ("_count", "_mean", "_p50", "_p95"))
+
+
 def merge_samples(per_rank: Sequence[Samples | None]) -> Samples:
     """The ranks' samples concatenated in rank order (one multiset per name)."""
     out: Samples = {}
@@ -167,12 +216,18 @@ def reduce_over_ranks(gathered: Sequence[dict[str, float]], samples: Samples | N
                 unreduced += 1
                 continue
             out[k] = got
+        elif kind == "rms" and len(vals) > 1:
+            out[k] = math.sqrt(max(_weighted_mean([(g, v * v) for g, v in vals], RMS_KEYS[k]), 0.0))
         elif kind == "same" or len(vals) == 1:
             out[k] = vals[0][1]
         elif kind == "sum":
             out[k] = sum(v for _, v in vals)
         elif kind in ("min", "max"):
             out[k] = (min if kind == "min" else max)(v for _, v in vals)
+        elif k.endswith("_mean") and k[: -len("_mean")] in samples:  # the values themselves: no weight needed
+            got = torch.tensor(samples[k[: -len("_mean")]][0], dtype=torch.float64)
+            got = got[torch.isfinite(got)]
+            out[k] = float(got.mean()) if got.numel() else 0.0
         else:
             out[k] = _weighted_mean(vals, _weight_key(k, keys))
     if unreduced:

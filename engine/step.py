@@ -31,12 +31,13 @@ from torch import Tensor
 from alignopsd.canonical import canonicalize
 from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec, rectify_inputs
 from alignopsd.losses import rollout_mismatch_metrics
+from alignopsd.samples import recording_samples
 
 from .batch import TurnBatch
 from .collectives import all_reduce
 from .components import Components
 from .episodes import rollout_phase, step_seed, tasks_for_step
-from .metric_reduce import Samples
+from .metric_reduce import Samples, samples_of
 from .regions import region_metrics, response_regions
 from .teacher_pass import M1Result, mechanism1, teacher_diagonal
 from .tp_broadcast import broadcast_from_lead, group_rollout, group_sampling
@@ -53,37 +54,20 @@ class StepOutput:
     samples: Samples | None = None  # the values behind percentiles and stds, for the data-parallel reduction
 
 
-# metric distributions reported by the M2 credit (``Metrics.dists``, std ddof 0): name -> Credit field
-_CREDIT_SAMPLES = {
-    "m2/turn_gap": "turn_gap",
-    "m2/outcome_aligned_score": "score",
-    "m2/raw_density": "raw_density",
-    "m2/projected_density": "density",
-    "m2/turn_weight": "turn_weight",
-}
+def run_step(parts: Components, step: int) -> StepOutput:
+    """One training step (see the module docstring). ``step`` is 0-based.
 
-
-def metric_samples(est_out: EstimatorOutput, old_logp: Tensor, mask: Tensor, span_lengths: list[int]) -> Samples:
-    """The values behind this rank's percentile and std metrics (``engine/metric_reduce.py``): M2's span lengths
-    and per-turn distributions, M1's token gaps (``describe``: std ddof 1). One host copy per distribution."""
-    out: Samples = {"m2/segment_length": ([float(x) for x in span_lengths], 0)} if span_lengths else {}
-    credit = est_out.credit
-    if credit is not None and getattr(credit, "token_weight", None) is None:  # mode "token" reports per token
-        for name, attr in _CREDIT_SAMPLES.items():
-            val = getattr(credit, attr, None)
-            if isinstance(val, Tensor):
-                out[name] = (val.detach().double().reshape(-1).cpu().tolist(), 0)
-    rect = est_out.rectified
-    if rect is not None:
-        m = mask.bool().to(rect.diag.device)
-        old = old_logp.float().to(rect.diag.device)
-        for name, x in (("m1/diagonal_gap", rect.diag), ("m1/corrected_gap", rect.corrected)):
-            out[name] = ((x.float() - old)[m].double().cpu().tolist(), 1)
+    With data-parallel ranks the values behind the step's percentile and std metrics are recorded
+    (``alignopsd.samples``) and returned as ``samples`` for the reduction over ranks (engine/metric_reduce.py)."""
+    if parts.world_size <= 1:
+        return _step(parts, step)
+    with recording_samples() as records:
+        out = _step(parts, step)
+    out.samples = samples_of(out.metrics, records)
     return out
 
 
-def run_step(parts: Components, step: int) -> StepOutput:
-    """One training step (see the module docstring). ``step`` is 0-based."""
+def _step(parts: Components, step: int) -> StepOutput:
     cfg = parts.cfg
     prof = parts.profiler
     prof.start_step()
@@ -154,8 +138,7 @@ def run_step(parts: Components, step: int) -> StepOutput:
         with prof.phase("weight_sync"):
             parts.sync_weights()
     metrics.update(prof.end_step())
-    samples = metric_samples(est_out, old_logp, cb.response_mask, span_lengths) if parts.world_size > 1 else None
-    return StepOutput(metrics=metrics, span_lengths=span_lengths, samples=samples)
+    return StepOutput(metrics=metrics, span_lengths=span_lengths)
 
 
 def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | None, dict[str, float]]:

@@ -1,37 +1,40 @@
 """Data-parallel metric reduction: two ranks holding skewed halves of a batch report what one rank holding the
-whole batch reports, for m1/ gap, m2/ distribution, rate and count keys (engine/metric_reduce.py)."""
+whole batch reports, for m1/ gap (also paired), m2/ distribution, rate, RMS and count keys (engine/metric_reduce.py);
+the percentiles come from the values the producers recorded (alignopsd.samples)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from alignopsd.engine.collectives import reduce_metrics
-from alignopsd.engine.metric_reduce import merge_samples, metric_kind
+from alignopsd.engine.metric_reduce import merge_samples, metric_kind, samples_of
 
 from alignopsd.diagnostics import describe
 from alignopsd.metrics import Metrics
+from alignopsd.samples import recording_samples
 
 
 def _share(gaps, spans, weights, valid, traj_len, traj_adv):
-    """One rank's metrics and samples, computed by the producers the runs use."""
-    out = {f"m1/{k}": v for k, v in describe(gaps, "diagonal_gap").items()}
-    out["m1/valid_match_rate"] = float(valid.double().mean())
-    out["batch/turns"] = float(weights.numel())
-    mx = Metrics("cpu")
-    mx.dist("m2/segment_length", spans.double(), ())
-    mx.put("m2/segment_count", float(spans.numel()))
-    mx.dists({"m2/turn_weight": weights})
-    mx.put("episode/unique_trajectory_count", float(traj_len.numel()))
-    mx.put("episode/trajectory_length_max", traj_len.double().max())
-    mx.put("m2/trajectory_advantage_mean", traj_adv.mean())
-    mx.put("m2/trajectory_advantage_std", traj_adv.std(correction=0))
-    out.update(mx.result())
-    samples = {
-        "m1/diagonal_gap": (gaps.tolist(), 1),
-        "m2/segment_length": (spans.double().tolist(), 0),
-        "m2/turn_weight": (weights.tolist(), 0),
-    }
-    return out, samples
+    """One rank's metrics, computed by the producers the runs use, and the samples the step derives from what
+    they recorded (``samples_of``)."""
+    with recording_samples() as records:
+        out = {f"m1/{k}": v for k, v in describe(gaps, "corrected_gap").items()}
+        out.update({f"m1/paired/response/{k}": v for k, v in describe(gaps[::2], "corrected_gap").items()
+                    if not k.endswith(("_count", "_min", "_max"))})  # fmt: skip
+        out["m1/teacher_student_gap_mean"] = float(gaps.mean())
+        out["m1/teacher_student_gap_std"] = float(torch.sqrt((gaps * gaps).mean()))
+        out["m1/valid_match_rate"] = float(valid.double().mean())
+        out["batch/turns"] = float(weights.numel())
+        mx = Metrics("cpu")
+        mx.dist("m2/segment_length", spans.double(), ())
+        mx.put("m2/segment_count", float(spans.numel()))
+        mx.dists({"m2/turn_weight": weights})
+        mx.put("episode/unique_trajectory_count", float(traj_len.numel()))
+        mx.put("episode/trajectory_length_max", traj_len.double().max())
+        mx.put("m2/trajectory_advantage_mean", traj_adv.mean())
+        mx.put("m2/trajectory_advantage_std", traj_adv.std(correction=0))
+        out.update(mx.result())
+    return out, samples_of(out, records)
 
 
 def test_skewed_halves_reduce_to_the_whole_batch():
@@ -44,7 +47,7 @@ def test_skewed_halves_reduce_to_the_whole_batch():
     traj_len = torch.randint(1, 10, (n_traj,), generator=g)
     traj_adv = torch.randn(n_traj, generator=g, dtype=torch.float64)
     whole, _ = _share(gaps, spans, weights, valid, traj_len, traj_adv)
-    cut = {"tok": 23, "turn": 7, "span": 3, "traj": 2}  # rank 0 holds a small share, rank 1 the rest
+    cut = {"tok": 24, "turn": 7, "span": 3, "traj": 2}  # rank 0 holds a small share, rank 1 the rest
     halves = []
     for lo in (True, False):
 
@@ -59,7 +62,14 @@ def test_skewed_halves_reduce_to_the_whole_batch():
     for k, v in whole.items():
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (k, metric_kind(k), got[k], v)
     # what an unweighted mean over ranks gave: visibly wrong on these keys
-    for k in ("m1/diagonal_gap_p50", "m2/segment_length_min", "m2/turn_weight_std", "m1/valid_match_rate"):
+    for k in (
+        "m1/corrected_gap_p50",
+        "m1/paired/response/corrected_gap_p90",
+        "m2/segment_length_min",
+        "m2/turn_weight_std",
+        "m1/valid_match_rate",
+        "m1/teacher_student_gap_std",
+    ):
         plain = sum(m[k] for m, _ in halves) / 2
         assert plain != pytest.approx(whole[k], rel=1e-6), k
 

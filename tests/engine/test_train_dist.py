@@ -130,3 +130,29 @@ def test_dist_sets_the_cuda_device_even_in_a_group_it_did_not_make(monkeypatch):
     assert picked == [1] and not d.owns_group
     Dist("cpu")
     assert picked == [1]
+
+
+@pytest.mark.distributed
+def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
+    """Each rank carries the values behind its percentiles (span lengths, per-turn weights, token gaps), so the
+    data-parallel reduction recomputes every percentile and std instead of dropping (or averaging) it."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    import torch.distributed as dist
+    from alignopsd.engine.metric_reduce import metric_kind
+    from alignopsd.engine.step import run_step
+
+    torch.set_num_threads(1)
+    out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"
+    ov = [*GUESS, "algorithm.estimator=alignopsd", "trainer.total_steps=1", "trainer.audit=false",
+          f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
+    tr = lh.build_trainer(TINY, ov)
+    res = run_step(tr.parts, 0)
+    assert res.samples and "m2/turn_weight" in res.samples
+    reduced = tr.reduce_metrics(res.metrics, res.samples)
+    assert "metrics/unreduced" not in reduced
+    quantiles = [k for k in reduced if metric_kind(k) == "quantile" and k.startswith("m2/")]
+    assert quantiles and all(k in reduced for k in quantiles)
+    both: list = [None, None]
+    dist.all_gather_object(both, reduced)
+    assert both[0] == both[1]  # every rank logs the same reduction
