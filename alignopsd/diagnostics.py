@@ -18,6 +18,7 @@ from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ndim, check_shape
 from alignopsd.rectify import Rectified, rectify
+from alignopsd.samples import record_samples
 
 __all__ = [
     "action_filter_metrics",
@@ -40,6 +41,7 @@ def describe(values: Tensor, name: str, *, quantiles: Sequence[tuple[str, float]
             v = v[torch.isfinite(v)]
     n = int(v.numel())
     out = {f"{name}_count": float(n)}
+    record_samples(name, v, 1)
     if n == 0:
         out.update({f"{name}_{k}": 0.0 for k in ("mean", "std", "min", "max")})
         out.update({f"{name}_{q}": 0.0 for q, _ in quantiles})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from alignopsd.samples import record_samples
+
 __all__ = ["Metrics"]
 
 
@@ -30,6 +32,7 @@ class Metrics:
     def dist(self, prefix: str, x: Tensor, quantiles: tuple[float, ...] = (0.95,), names: tuple[str, ...] = ()):
         names = names or tuple(f"p{round(q * 100)}" for q in quantiles)
         keys = ["mean", "std", "min", "max", *names]
+        record_samples(prefix, x, 0)
         if x.numel() == 0:
             for k in keys:
                 self.floats[f"{prefix}_{k}"] = 0.0
@@ -43,6 +46,8 @@ class Metrics:
     def dists(self, named: dict[str, Tensor], quantile: float = 0.95) -> None:
         """mean/std/min/max/p95 of several equally long non-empty distributions in one batched pass."""
         keys = list(named)
+        for k in keys:
+            record_samples(k, named[k], 0)
         x = torch.stack([named[k].double() for k in keys])
         q = torch.quantile(x, quantile, dim=1)
         stats = torch.stack([x.mean(1), x.std(1, correction=0), x.amin(1), x.amax(1), q], 1)

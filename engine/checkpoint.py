@@ -92,11 +92,28 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`capture_rng_state`'s states. CUDA: one state per device that is both saved and visible now
+    (a resume may see fewer GPUs than the run that saved; devices beyond the saved ones keep their state)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved = list(state["cuda"])
+        for i in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[i], i)
+
+
+def derived_rng_state(seed: int, rank: int, step: int) -> None:
+    """Seed python, numpy and torch (every visible CUDA device included) from (run seed, rank, step): the
+    generator state of a rank that the checkpoint has none for (a resume on more data-parallel ranks), distinct
+    from every other rank's and from this rank's state at the start of the run."""
+    import hashlib
+
+    h = hashlib.sha256(f"{int(seed)}:rng:{int(rank)}:{int(step)}".encode()).digest()
+    s = int.from_bytes(h[:8], "little")
+    random.seed(s)
+    np.random.seed(s % (2**32))
+    torch.manual_seed(s)  # also seeds every CUDA device
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -365,10 +382,10 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     "path"}.
 
     Every file is checked against the manifest before any is read (ManifestError names a missing, truncated
-    or corrupted file). ``rng_state`` is this rank's generator state (rank 0's when the checkpoint was
-    written by fewer ranks); ``restore_rng`` restores it right away. A sharded checkpoint gives ``shards``
-    (the verified folder, for the backend's sharded load) and ``model_state`` None (its Hugging Face export,
-    if any, is not read); otherwise ``shards`` is None."""
+    or corrupted file). ``rng_state`` is this rank's generator state (None when the checkpoint was written by
+    fewer ranks: the caller derives one, :func:`derived_rng_state`); ``restore_rng`` restores it right away.
+    A sharded checkpoint gives ``shards`` (the verified folder, for the backend's sharded load) and
+    ``model_state`` None (its Hugging Face export, if any, is not read); otherwise ``shards`` is None."""
     path = Path(path)
     if not path.is_dir() or not STEP_RE.match(path.name):
         raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
@@ -381,11 +398,13 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
         raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
     optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
     saved_world = int(trainer_state.get("world_size", 1))
-    name = rng_file(rank if rank < saved_world else 0)
-    if name not in files:
-        raise ManifestError(f"{path}: {name!r} is not listed in the manifest (missing part)")
-    rng_state = load_state(path / name)
-    if restore_rng:
+    rng_state = None  # a rank the checkpoint was not written by: derive its state (derived_rng_state)
+    if rank < saved_world:
+        name = rng_file(rank)
+        if name not in files:
+            raise ManifestError(f"{path}: {name!r} is not listed in the manifest (missing part)")
+        rng_state = load_state(path / name)
+    if restore_rng and rng_state is not None:
         restore_rng_state(rng_state)
     return {
         "model_state": None if sharded else load_weights(path, verify=False),

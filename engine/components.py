@@ -27,7 +27,7 @@ from .policy.base import PolicyBackend
 from .policy.megatron.scoring import ShardScoring
 from .profiler import StepProfiler
 from .rescoring import Rescorer, backend_row_logprobs, backend_scorer
-from .tp_broadcast import is_group_lead, tp_layout
+from .tp_broadcast import is_group_lead, share_lead_outcome, tp_layout
 
 log = logging.getLogger("alignopsd.components")
 
@@ -74,16 +74,28 @@ class Components:
         if gm is not None and gm is self.policy.model:
             return
         weights = self.policy.hf_weights()
-        if self.generator is not None:
-            self.generator.load_weights(weights)
         if tp_layout(self.policy)[0] is None:
+            if self.generator is not None:
+                self.generator.load_weights(weights)
             return
-        left = sum(1 for _ in weights)  # the group's remaining gathers (all of them on a rank without a generator)
-        if left and self.generator is not None:
-            raise RuntimeError(
+        # tensor parallelism: the first rank's loading may fail part-way (out of memory, a bad name); it still
+        # takes part in the group's remaining gathers, then every rank learns the outcome and raises with it
+        error: BaseException | None = None
+        try:
+            if self.generator is not None:
+                self.generator.load_weights(weights)
+        except Exception as exc:  # noqa: BLE001 - shared with the group below, then raised
+            error = exc
+        try:
+            left = sum(1 for _ in weights)  # the group's remaining gathers (all of them on a rank without a generator)
+        except Exception as exc:  # noqa: BLE001 - a conversion failure on the first rank, raised after the gathers
+            error, left = error or exc, 0
+        if error is None and left and self.generator is not None:
+            error = RuntimeError(
                 f"generator: {type(self.generator).__name__}.load_weights left {left} weights of the sync unread "
                 "(a weight sync must load every weight it is given)"
             )
+        share_lead_outcome(self.policy, error)
 
     def release_generation(self) -> None:
         """A generation phase ended, the training phases follow: the generation engine gives back its accelerator

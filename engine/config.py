@@ -389,6 +389,12 @@ class TrainerConfig:
         lower = self.rollout_is_lower
         if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float)) or not 0 <= lower < 1):
             raise ConfigError(f"trainer.rollout_is_lower: expected null or a number in [0, 1), got {lower!r}")
+        if self.logprob_reuse is True and self.rollout_is != "off":  # old log-probs would be the rollout's: ratio 1
+            raise ConfigError(
+                f"trainer.rollout_is: {self.rollout_is!r} with trainer.logprob_reuse=true corrects nothing (the old "
+                "log-probs are the rollout engine's own, so every importance weight is 1); set trainer.logprob_reuse="
+                "false to correct the mismatch, or trainer.rollout_is=off"
+            )
 
 
 def _default_algorithm():

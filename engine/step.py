@@ -31,14 +31,16 @@ from torch import Tensor
 from alignopsd.canonical import canonicalize
 from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec, rectify_inputs
 from alignopsd.losses import rollout_mismatch_metrics
+from alignopsd.samples import recording_samples
 
 from .batch import TurnBatch
 from .collectives import all_reduce
 from .components import Components
 from .episodes import rollout_phase, step_seed, tasks_for_step
+from .metric_reduce import Samples, samples_of
 from .regions import region_metrics, response_regions
 from .teacher_pass import M1Result, mechanism1, teacher_diagonal
-from .tp_broadcast import group_rollout, group_sampling
+from .tp_broadcast import broadcast_from_lead, group_rollout, group_sampling
 from .update import ppo_update
 from .whole_batch import globalise_spans, whole_batch
 
@@ -49,10 +51,23 @@ log = logging.getLogger("alignopsd.step")
 class StepOutput:
     metrics: dict[str, float]
     span_lengths: list[int] = field(default_factory=list)
+    samples: Samples | None = None  # the values behind percentiles and stds, for the data-parallel reduction
 
 
 def run_step(parts: Components, step: int) -> StepOutput:
-    """One training step (see the module docstring). ``step`` is 0-based."""
+    """One training step (see the module docstring). ``step`` is 0-based.
+
+    With data-parallel ranks the values behind the step's percentile and std metrics are recorded
+    (``alignopsd.samples``) and returned as ``samples`` for the reduction over ranks (engine/metric_reduce.py)."""
+    if parts.world_size <= 1:
+        return _step(parts, step)
+    with recording_samples() as records:
+        out = _step(parts, step)
+    out.samples = samples_of(out.metrics, records)
+    return out
+
+
+def _step(parts: Components, step: int) -> StepOutput:
     cfg = parts.cfg
     prof = parts.profiler
     prof.start_step()
@@ -156,7 +171,8 @@ def estimate(
     Data parallelism: ``cb`` is this rank's share of the step's batch (whole tasks). Mechanism 2's whole-batch
     statistics (threshold, ln M, block width, trajectory offset) are gathered over the data-parallel ranks
     before the estimator runs, and the span indices made global after it (engine/whole_batch.py), so the
-    spans, budgets and token advantages are exactly those of the whole batch on one rank."""
+    spans, budgets and token advantages are exactly those of the whole batch on one rank. Under tensor
+    parallelism the group's first rank runs the estimator and the others receive its output."""
     m1 = m1 or M1Result()
     dev = parts.device  # the estimator runs where the model is: on CUDA the core reaches the Triton kernels
 
@@ -179,16 +195,22 @@ def estimate(
         copies=on(counts),
         step=step,
     )
-    if phases["alignment"]:
-        with parts.profiler.phase("rectify"):
-            inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
     credit_cfg, dp = parts.cfg.algorithm.credit, (parts.rank, parts.world_size, parts.dp_group)
-    with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
-        if phases["mechanism2"]:
-            inputs.whole_batch = whole_batch(inputs, credit_cfg, *dp)  # None single-process
-        out = parts.estimator(inputs, parts.cfg.algorithm)
-        if phases["mechanism2"]:
-            globalise_spans(out.credit, credit_cfg, *dp)
+
+    def decide() -> EstimatorOutput:
+        if phases["alignment"]:
+            with parts.profiler.phase("rectify"):
+                inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
+        with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
+            if phases["mechanism2"]:  # data-parallel collectives: among the first ranks of the groups only
+                inputs.whole_batch = whole_batch(inputs, credit_cfg, *dp)  # None single-process
+            res = parts.estimator(inputs, parts.cfg.algorithm)
+            if phases["mechanism2"]:
+                globalise_spans(res.credit, credit_cfg, *dp)
+        return res
+
+    # once per tensor-parallel group: M2's spans and the advantages are the first rank's (engine/tp_broadcast.py)
+    out = broadcast_from_lead(parts.policy, decide, device=dev)
     metrics = {k: float(v) for k, v in out.metrics.items() if isinstance(v, (int, float))}
     spans: list[int] = []
     seg = getattr(out.credit, "segment_index", None) if out.credit is not None else None

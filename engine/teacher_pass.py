@@ -14,6 +14,7 @@ as alignment.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from .batch import TurnBatch
 from .envs.parsing import parse_action, parse_thinking
 from .generation.base import SamplingParams
 from .generation.teacher import TeacherOutput, generate_teacher
+from .tp_broadcast import broadcast_from_lead
 
 log = logging.getLogger("alignopsd.teacher_pass")
 
@@ -60,14 +62,23 @@ class Encoded:
     student_actions: list[str] | None = None
 
 
-def teacher_sampling(cfg) -> SamplingParams:
+def teacher_sampling(cfg, seed: int | None = None) -> SamplingParams:
     """The rollout's sampling settings (§2.1: the teacher samples with exactly these; budget and stop are set by
-    :func:`~alignopsd.engine.generation.teacher.generate_teacher`)."""
+    :func:`~alignopsd.engine.generation.teacher.generate_teacher`), drawn from their own generator seeded with
+    ``seed`` (see :func:`teacher_seed`)."""
     g = cfg.generation
     return SamplingParams(
         max_new_tokens=g.max_response_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-        do_sample=g.do_sample,
+        do_sample=g.do_sample, seed=seed,
     )  # fmt: skip
+
+
+def teacher_seed(run_seed: int, rank: int, prompt_ids: Tensor) -> int:
+    """The teacher's sampling seed: a hash of (run seed, data-parallel rank, the step's teacher prompts), so the
+    teacher's draws never depend on the process's global RNG state (which a resumed rank may not share)."""
+    h = hashlib.sha256(f"{int(run_seed)}:teacher:{int(rank)}:".encode())
+    h.update(prompt_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest()[:4], "little") % (2**31 - 1)
 
 
 def unpadded_prompts(ids_ML: Tensor, mask_ML: Tensor) -> list[list[int]]:
@@ -83,7 +94,7 @@ def teacher_generation(parts, cb: TurnBatch, *, action_filter: bool) -> tuple[Te
     out = generate_teacher(
         parts.generator,
         unpadded_prompts(cb.teacher_prompt_ids, cb.teacher_prompt_mask),
-        teacher_sampling(cfg),
+        teacher_sampling(cfg, teacher_seed(cfg.trainer.seed, parts.rank, cb.teacher_prompt_ids)),
         cfg.teacher_budget,
         action_filter,
         teacher_do_sample=cfg.generation.teacher_do_sample,
@@ -170,8 +181,10 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
         enc = encode_texts(parts, cb, teacher, action_filter=use_filter)
     metrics["m1/invalid_student_thinking_fraction"] = _invalid_fraction(enc.student_valid)
     metrics["m1/invalid_teacher_thinking_fraction"] = _invalid_fraction(enc.teacher_valid)
-    with prof.phase("m1_selection"):
-        H, B, pairs, sel_metrics = select_pairs(parts, cb, enc)
+    with prof.phase("m1_selection"):  # once per tensor-parallel group (engine/tp_broadcast.py)
+        H, B, pairs, sel_metrics = broadcast_from_lead(
+            parts.policy, lambda: select_pairs(parts, cb, enc), device=enc.student.device
+        )
     metrics.update(sel_metrics)
     with prof.phase("teacher_forcing"):  # diagonal + cross rows in one fused scoring batch (§2.6)
         diag, cross, st = parts.rescorer.teacher_logprobs(cb, pairs)

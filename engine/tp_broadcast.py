@@ -9,8 +9,12 @@ tensors, so it works under gloo and NCCL alike):
     rollout (student generation + environments + episode metrics)  -> :func:`group_rollout`
     teacher generation and thinking encoding of the teacher pass     -> :func:`group_sampling`
 
-Everything after that (old log-probs, teacher forcing through the sharded model, the estimator, the update) runs
-on every rank of the group with identical inputs. The other ranks never generate (they hold no generation
+The data-dependent decisions after it are made once per group too, on its first rank, and broadcast: the M1 pair
+selection (similarity matrix, eligibility, pairs: ``teacher_pass.mechanism1``) and the estimator's output (M2's
+spans and the token advantages: ``step.estimate``). On GPUs these use atomics (``index_add_``), so two ranks
+recomputing them could pick different pairs or spans and run different forwards inside one tensor-parallel step.
+Everything else (old log-probs, teacher forcing through the sharded model, the update) runs on every rank of the
+group with identical inputs. The other ranks never generate (they hold no generation
 engine: ``components.build_generator``), never step an environment during training and never load the thinking
 encoder. Without tensor parallelism (no group, or a group of one)
 every function here is the plain call.
@@ -41,33 +45,105 @@ def is_group_lead(policy) -> bool:
     return int(getattr(policy, "tp_rank", 0) or 0) == 0
 
 
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor (also inside dataclass fields, lists, tuples and dicts) moved to the CPU."""
+def move_to(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor (also inside dataclass fields, named tuples, lists, tuples and dicts) on
+    ``device``."""
     if isinstance(obj, Tensor):
-        return obj.cpu()
+        return obj.to(device)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: move_to(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(move_to(v, device) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
+        return type(obj)(move_to(v, device) for v in obj)
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
         import dataclasses
 
-        return dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+        changes = {f.name: move_to(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
     return obj
 
 
-def broadcast_from_lead(policy, make: Callable[[], Any]) -> Any:
-    """``make()`` on the group's first rank, its result (tensors on the CPU) on every rank of the group.
+def _to_cpu(obj: Any) -> Any:
+    return move_to(obj, "cpu")
 
-    Every rank of the group must call this at the same point; only the first one calls ``make``."""
+
+class LeadRankError(RuntimeError):
+    """Raised on the other ranks of a tensor-parallel group when its first rank failed in a part it runs for
+    the group (sampling, the weight sync); the message carries the first rank's error."""
+
+
+class _LeadFailure:
+    """What the group's first rank broadcasts instead of a result when it failed (picklable, never the
+    exception object itself, which may not be)."""
+
+    def __init__(self, exc: BaseException, src: int) -> None:
+        self.text = f"{type(exc).__name__}: {exc}"
+        self.src = src
+
+    def error(self) -> LeadRankError:
+        return LeadRankError(
+            f"the first rank (global rank {self.src}) of this tensor-parallel group failed: {self.text}"
+        )
+
+
+def _object_device(group) -> torch.device | None:
+    """The device object collectives of ``group`` stage through: the current CUDA device under NCCL (torch
+    requires ``torch.cuda.set_device`` to have been called; it is, before the process group is made), else the
+    CPU (None: torch's default)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def broadcast_from_lead(policy, make: Callable[[], Any], device: torch.device | None = None) -> Any:
+    """``make()`` on the group's first rank, its result (tensors on the CPU, or on ``device`` when given) on every
+    rank of the group, the first included (so every rank holds the same bits).
+
+    Every rank of the group must call this at the same point; only the first one calls ``make``. If ``make``
+    raises there, the first rank sends the error instead of a result and every rank of the group raises at once
+    (the first rank its own exception, the others :class:`LeadRankError` with its text) instead of waiting in
+    the broadcast until the collective times out."""
     group, src = tp_layout(policy)
     if group is None:
         return make()
     import torch.distributed as dist
 
-    box = [_to_cpu(make()) if is_group_lead(policy) else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    failure: BaseException | None = None
+    box: list[Any] = [None]
+    if is_group_lead(policy):
+        try:
+            box[0] = _to_cpu(make())
+        except Exception as exc:  # noqa: BLE001 - sent to the group, then raised here too
+            failure, box[0] = exc, _LeadFailure(exc, src)
+    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], _LeadFailure):
+        raise box[0].error()
+    return box[0] if device is None else move_to(box[0], device)
+
+
+def share_lead_outcome(policy, error: BaseException | None) -> None:
+    """After a collective part that only the group's first rank can fail in (the weight sync's consumer): every
+    rank learns whether it failed; then the first rank re-raises ``error`` and the others raise
+    :class:`LeadRankError`. Every rank of the group calls it at the same point (all earlier collectives of the
+    part completed); a no-op without tensor parallelism."""
+    group, src = tp_layout(policy)
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    box: list[Any] = [_LeadFailure(error, src) if (is_group_lead(policy) and error is not None) else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    if error is not None:
+        raise error
+    if isinstance(box[0], _LeadFailure):
+        raise box[0].error()
 
 
 def group_rollout(parts, run: Callable[[], tuple]) -> tuple:

@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from .audit import Auditor, header_of
-from .checkpoint import UnsafeStateError, load_checkpoint, restore_rng_state, save_checkpoint
+from .checkpoint import UnsafeStateError, derived_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from .collectives import reduce_metrics
 from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .episodes import run_validation
 from .manifest import atomic_write_bytes
+from .metric_reduce import Samples, merge_samples
 from .metrics import MetricsLogger
 from .preflight import preflight
 from .report import write_report
@@ -61,13 +62,12 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.enabled = self.world_size > 1
         self.owns_group = self.enabled and not dist.is_initialized()  # close() destroys only a group it made
-        if self.owns_group:
-            backend = "nccl" if device_kind == "cuda" else "gloo"
-            if device_kind == "cuda":
-                import torch
+        if self.enabled and device_kind == "cuda":  # NCCL's object collectives and barrier use the current device
+            import torch
 
-                torch.cuda.set_device(self.local_rank)
-            dist.init_process_group(backend=backend)
+            torch.cuda.set_device(self.local_rank)
+        if self.owns_group:
+            dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
         self._dist = dist
 
     def barrier(self) -> None:
@@ -79,9 +79,8 @@ class Dist:
             return list(values)
         import torch
 
-        t = torch.tensor(values, dtype=torch.float64)
-        if self._dist.get_backend() == "nccl":
-            t = t.cuda()
+        dev = torch.device("cuda", torch.cuda.current_device()) if self._dist.get_backend() == "nccl" else None
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
         red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX, "min": self._dist.ReduceOp.MIN}[op]
         self._dist.all_reduce(t, op=red)
         return t.cpu().tolist()
@@ -208,7 +207,10 @@ class Trainer:
         if warning:
             self._say(warning)
         # RNG last: nothing after this point may draw random numbers before the next step
-        restore_rng_state(ck["rng_state"])
+        if ck["rng_state"] is None:  # a rank beyond the saving run's world: its own state, not rank 0's copy
+            derived_rng_state(self.cfg.trainer.seed, self.rank, self.step)
+        else:
+            restore_rng_state(ck["rng_state"])
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 
@@ -245,7 +247,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 result = run_step(self.parts, self.step)
                 self.step += 1
-                metrics = self.reduce_metrics(result.metrics)
+                metrics = self.reduce_metrics(result.metrics, result.samples)
                 metrics["time/step_wall"] = time.perf_counter() - t0
                 self.span_lengths.extend(int(x) for x in result.span_lengths)
                 last = logger.log(self.step, metrics)
@@ -315,15 +317,17 @@ class Trainer:
             )
         return flat
 
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: sums for '*count*' keys).
+    def reduce_metrics(self, metrics: dict[str, float], samples: Samples | None = None) -> dict[str, float]:
+        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by its declared kind, the
+        percentiles from the ranks' gathered ``samples``).
 
         Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
         contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
         if not self.dist.enabled:
             return metrics
         lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
-        return reduce_metrics([g for g, first in self.dist.gather_objects((metrics, lead)) if first])
+        got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
+        return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
 
 
 def is_sharded(policy) -> bool:
@@ -360,6 +364,9 @@ def _load_policy_state(policy, model_state: dict, optimizer_state: dict | None) 
     if optimizer_state is not None and "backend_state" in optimizer_state:
         policy.load_optimizer_state(optimizer_state["backend_state"])
         return
+    reseed = getattr(getattr(policy, "optimizer", None), "masters_from_model", None)
+    if optimizer_state is None and callable(reseed):  # weights only: fp32 masters start from them, not stale
+        reseed()
     if optimizer_state is not None and getattr(policy, "optimizer", None) is not None:
         policy.optimizer.load_state_dict(optimizer_state["optimizer"])
         if "scheduler" in optimizer_state and getattr(policy, "scheduler", None) is not None:

@@ -11,8 +11,10 @@ it: the last prompt position for ``j = 0``. The last response token is never pus
 no ``[B, T, V]`` logits tensor ever exists. Masked-out response positions get log-prob 0 and entropy 0.
 
 Distributed: when ``torch.distributed`` is initialised (gloo on CPU, NCCL on CUDA) and ``ddp=True``, the
-scoring module (transformer body + head) is wrapped in ``DistributedDataParallel``, so gradients are
-averaged across ranks at each backward; use ``no_sync()`` for all but the last micro-batch of an update.
+scoring module (transformer body + head) of an fp32 model is wrapped in ``DistributedDataParallel``, so
+gradients are averaged across ranks at each backward; use ``no_sync()`` for all but the last micro-batch of an
+update. A bf16/fp16 model is not wrapped: its gradients accumulate in fp32 buffers (``MasterAdamW``) and are
+averaged over ranks in fp32 once per optimizer step (a bf16 all-reduce would round every summand).
 """
 
 from __future__ import annotations
@@ -393,15 +395,18 @@ class HFPolicy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = ResponseScorer(model, impl=impl)
         self.distributed = bool(ddp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-        if self.distributed:
-            dev = next(model.parameters()).device
-            kw: dict[str, Any] = {"device_ids": [dev.index]} if dev.type == "cuda" else {}
-            self.module: nn.Module = nn.parallel.DistributedDataParallel(self.scorer, **kw)
-        else:
-            self.module = self.scorer
         self.params = [p for p in model.parameters() if p.requires_grad]
         adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        if needs_master_weights(self.params):
+        self.master = needs_master_weights(self.params)
+        self.module: nn.Module = self.scorer
+        if self.distributed and self.master:  # fp32 gradient buffers, all-reduced at the optimizer step
+            for t in [*model.parameters(), *model.buffers()]:  # the same start on every rank, as DDP makes it
+                dist.broadcast(t.data, src=0)
+        elif self.distributed:
+            dev = next(model.parameters()).device
+            kw: dict[str, Any] = {"device_ids": [dev.index]} if dev.type == "cuda" else {}
+            self.module = nn.parallel.DistributedDataParallel(self.scorer, **kw)
+        if self.master:
             self.optimizer: torch.optim.AdamW = MasterAdamW(self.params, **adamw)
         else:
             self.optimizer = torch.optim.AdamW(self.params, **adamw)
@@ -469,13 +474,20 @@ class HFPolicy:
         return self.module(*rows, temperature, with_entropy, loss_fn, loss_fill)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """Skip the DDP gradient all-reduce (for all micro-batches but the last of an update)."""
-        if self.distributed:
+        """Skip the DDP gradient all-reduce (for all micro-batches but the last of an update). With fp32 master
+        weights there is nothing to skip: the all-reduce runs once, at the optimizer step."""
+        if self.distributed and not self.master:
             return self.module.no_sync()
         return contextlib.nullcontext()
 
+    def gradients(self) -> list[Tensor]:
+        """The accumulated gradients (the fp32 buffers with master weights, else ``.grad``), None skipped."""
+        if self.master:
+            return self.optimizer.grads_to_masters()
+        return [p.grad for p in self.params if p.grad is not None]
+
     def grad_norm(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = self.gradients()
         if not grads:
             return 0.0
         return float(torch.nn.utils.get_total_norm(grads, 2.0))
@@ -485,11 +497,14 @@ class HFPolicy:
 
         A non-finite gradient norm skips the step (weights and optimizer state unchanged) with a warning.
         Returns {"grad_norm": float (before clipping), "skipped": bool, "lr": float}. With fp32 master
-        weights the gradients are upcast into the masters first; norm, clipping and the step use the masters.
+        weights the fp32 gradient buffers are used (averaged over data-parallel ranks first); norm, clipping and
+        the step use the masters.
         """
-        master = isinstance(self.optimizer, MasterAdamW)
+        master = self.master
         params = self.optimizer.masters if master else self.params
-        grads = self.optimizer.grads_to_masters() if master else [p.grad for p in self.params if p.grad is not None]
+        if master and self.distributed:
+            self.optimizer.all_reduce_grads()
+        grads = self.gradients()
         norm = float(torch.nn.utils.get_total_norm(grads, 2.0)) if grads else 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not math.isfinite(norm):

@@ -8,9 +8,13 @@ kept here for the Hugging Face backend:
 - the model keeps its low-precision parameters (forward and backward in bf16/fp16);
 - :class:`MasterAdamW` holds an fp32 copy (the *master*) of every trainable parameter and runs AdamW on
   those, so its moments are fp32 too;
-- at each optimizer step the model's gradients are upcast into the masters' ``.grad``
-  (:meth:`MasterAdamW.grads_to_masters`), the masters are clipped and stepped, and the model's parameters
-  are refreshed from them (:meth:`MasterAdamW.masters_to_model`, round to nearest).
+- gradients are accumulated in fp32 (as megatron-core's ``main_grad``): after each backward pass (one per
+  micro-batch) a hook on every model parameter adds its low-precision ``.grad`` into the master's fp32
+  ``.grad`` and frees the low-precision one, so the sum over micro-batches is an fp32 sum; under data
+  parallelism the average over ranks is taken on these fp32 buffers (:meth:`MasterAdamW.all_reduce_grads`),
+  never on bf16 gradients;
+- at each optimizer step the masters are clipped and stepped, and the model's parameters are refreshed from
+  them (:meth:`MasterAdamW.masters_to_model`, round to nearest).
 
 Small updates therefore accumulate in the masters until they move the rounded weight. ``state_dict()``
 carries the masters (key ``master_params``) beside AdamW's state so that a resumed run continues from the
@@ -38,8 +42,10 @@ class MasterAdamW(torch.optim.AdamW):
     """AdamW stepping fp32 masters of ``model_params`` (keyword arguments: those of ``torch.optim.AdamW``).
 
     The optimizer's own ``param_groups`` hold the masters, so learning-rate schedulers and
-    ``state_dict``/``load_state_dict`` work as for a plain AdamW. Call :meth:`grads_to_masters` after the
-    backward passes and before clipping (clip ``masters``), then ``step()``, then :meth:`masters_to_model`.
+    ``state_dict``/``load_state_dict`` work as for a plain AdamW. Each backward adds the model's gradients into
+    the masters' fp32 ``.grad`` (a post-accumulate-grad hook per parameter; the model's ``.grad`` stays None).
+    Call :meth:`grads_to_masters` after the backward passes and before clipping (clip ``masters``), then
+    ``step()``, then :meth:`masters_to_model`.
     """
 
     def __init__(self, model_params: Iterable[Tensor], **adamw_kwargs: Any) -> None:
@@ -48,19 +54,76 @@ class MasterAdamW(torch.optim.AdamW):
             raise ValueError("model_params: no trainable parameter")
         self.masters = [p.detach().to(torch.float32, copy=True) for p in self.model_params]
         super().__init__(self.masters, **adamw_kwargs)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(m)) for p, m in self._pairs()]
+
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        return list(zip(self.model_params, self.masters))
+
+    @staticmethod
+    def _accumulate(master: Tensor):
+        """The hook of one parameter: add its fresh low-precision gradient into ``master.grad`` (fp32)."""
+
+        @torch.no_grad()
+        def hook(p: Tensor) -> None:
+            if master.grad is None:
+                master.grad = p.grad.to(torch.float32, copy=True)
+            else:
+                master.grad.add_(p.grad)  # upcast inside the add: the sum is an fp32 sum
+            p.grad = None
+
+        return hook
 
     @torch.no_grad()
     def grads_to_masters(self) -> list[Tensor]:
-        """Upcast each model gradient into its master's ``.grad`` (None stays None); returns the master grads."""
-        for p, m in zip(self.model_params, self.masters):
-            m.grad = None if p.grad is None else p.grad.detach().to(torch.float32, copy=True)
+        """The masters' fp32 gradients (None where no backward reached the parameter). A gradient still in a
+        model parameter's ``.grad`` (one written without a backward pass) is added in first."""
+        for p, m in self._pairs():
+            if p.grad is not None:
+                m.grad = p.grad.to(torch.float32, copy=True) if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
         return [m.grad for m in self.masters if m.grad is not None]
+
+    @torch.no_grad()
+    def all_reduce_grads(self, group=None, bucket_elements: int = 1 << 25) -> None:
+        """Average the masters' fp32 gradients over the ranks of ``group`` (the data-parallel all-reduce).
+
+        Every rank holds a buffer for every master (zeros where no backward reached it), so the collectives
+        line up; the buffers go over the wire in buckets of at most ``bucket_elements`` fp32 values, on the
+        masters' device (the GPU under NCCL)."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        for m in self.masters:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        bucket: list[Tensor] = []
+        for i, m in enumerate(self.masters):
+            bucket.append(m.grad)
+            if (
+                i == len(self.masters) - 1
+                or sum(g.numel() for g in bucket) + self.masters[i + 1].numel() > bucket_elements
+            ):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=group)
+                flat.div_(world)
+                off = 0
+                for g in bucket:
+                    g.copy_(flat[off : off + g.numel()].view_as(g))
+                    off += g.numel()
+                bucket = []
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
         """Refresh the model's low-precision parameters from the masters (round to nearest)."""
         for p, m in zip(self.model_params, self.masters):
             p.copy_(m)
+
+    @torch.no_grad()
+    def masters_from_model(self) -> None:
+        """Re-seed the masters from the model's current parameters (after weights were loaded into the model
+        without an optimizer state: else the next step would write the old masters back over them)."""
+        for p, m in self._pairs():
+            m.copy_(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' and the model's gradients."""
@@ -82,11 +145,10 @@ class MasterAdamW(torch.optim.AdamW):
         sd = dict(state_dict)
         saved = sd.pop("master_params", None)
         super().load_state_dict(sd)
+        if saved is None:  # saved without masters: start them from the (already loaded) model weights
+            self.masters_from_model()
+            return
         with torch.no_grad():
-            if saved is None:  # saved without masters: start them from the (already loaded) model weights
-                for p, m in zip(self.model_params, self.masters):
-                    m.copy_(p)
-                return
             if len(saved) != len(self.masters):
                 raise ValueError(
                     f"state_dict: master_params has {len(saved)} tensors, the optimizer has {len(self.masters)}"

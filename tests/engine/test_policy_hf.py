@@ -203,7 +203,7 @@ def _bf16_step(pol, ids, mask, clip=None):
     """One real update of ``pol`` (forward, backward, optimizer step); returns the model's gradients of it."""
     lp, _ = pol.response_logprobs(ids, mask, 5, grad=True)
     (-(lp * mask[:, 6:]).sum() / mask[:, 6:].sum()).backward()
-    grads = [p.grad.detach().clone() for p in pol.params]
+    grads = [g.detach().clone() for g in pol.gradients()]  # the fp32 buffers (one backward: exact upcasts)
     out = pol.optimizer_step(clip)
     assert out["skipped"] is False
     return grads
@@ -226,7 +226,7 @@ def test_bf16_master_weights_keep_updates_below_bf16_resolution():
     for step in range(30):
         grads = _bf16_step(pol, ids, mask)
         for r, q, g in zip(fp32_ref, pure, grads):
-            r.grad, q.grad = g.float(), g.clone()
+            r.grad, q.grad = g.clone(), g.to(torch.bfloat16)
         ref_opt.step()
         pure_opt.step()
         if step == 0:  # one step: every master with a gradient moved, the pure-bf16 weights barely did
@@ -307,3 +307,76 @@ def test_ddp_gradients_are_averaged():
     assert out["grad_norm"] > 0 and out["grad_norm"] == pytest.approx(ref_out["grad_norm"], rel=1e-5)
     for k, v in pol.hf_state_dict().items():
         assert torch.allclose(v, ref_pol.hf_state_dict()[k], atol=1e-6), k
+
+
+def _micro_grads(pol, seeds):
+    """Per micro-batch bf16 gradients (``autograd.grad``, which accumulates nothing), then the real backward of
+    each micro-batch through the policy (which accumulates into its buffers)."""
+    per_micro = []
+    for s in seeds:
+        ids, mask = rows(s)
+        lp, _ = pol.response_logprobs(ids, mask, 5, grad=True)
+        loss = -(lp * mask[:, 6:]).sum() / mask[:, 6:].sum()
+        per_micro.append(torch.autograd.grad(loss, pol.params, retain_graph=True))
+        loss.backward()
+    return per_micro
+
+
+def test_bf16_gradients_accumulate_in_fp32_over_16_micro_batches():
+    """16 micro-batches on a bf16 model: the policy's gradient buffers equal the fp32 sum of the micro-batches'
+    gradients to fp32 rounding; the same sum taken in bf16 (what ``p.grad`` held) misses that bound."""
+    pol = HFPolicy(tiny_model(11).to(torch.bfloat16), lr=1e-6)
+    per_micro = _micro_grads(pol, range(100, 116))
+    assert all(p.grad is None for p in pol.params)  # nothing accumulates in bf16
+    bufs = pol.gradients()
+    assert len(bufs) == len(pol.params) and all(b.dtype == torch.float32 for b in bufs)
+    bf16_sum = [sum(gs[1:], gs[0].clone()) for gs in zip(*per_micro)]  # bf16 accumulation
+
+    def within_fp32_rounding(got, ref):  # 16 fp32 additions: a few ulp of the largest partial sum
+        tol = 32 * 2.0**-24 * float(ref.abs().max())
+        return float((got.double() - ref).abs().max()) <= tol
+
+    exact, bf16_ok = 0, 0
+    for buf, b16, gs in zip(bufs, bf16_sum, zip(*per_micro)):
+        ref = sum(g.double() for g in gs)
+        exact += within_fp32_rounding(buf, ref)
+        bf16_ok += within_fp32_rounding(b16, ref)
+    assert exact == len(bufs)
+    assert bf16_ok < len(bufs) // 4, (bf16_ok, len(bufs))
+    out = pol.optimizer_step(None)  # the step reads the buffers and clears them
+    ref_norm = torch.cat([sum(g.double() for g in gs).reshape(-1) for gs in zip(*per_micro)]).norm()
+    assert out["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-5)
+    assert all(m.grad is None for m in pol.optimizer.masters)
+
+
+@pytest.mark.distributed
+def test_bf16_gradients_are_averaged_over_ranks_in_fp32():
+    """Two ranks, two bf16 micro-batches each: the all-reduce runs on the fp32 buffers, so every rank's gradient
+    is the fp32 mean of the four micro-batches' gradients (to fp32 rounding) and the replicas stay identical."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # a different start on each rank: the policy must broadcast rank 0's weights
+    model = tiny_model(12 if rank == 0 else 13).to(torch.bfloat16)
+    pol = HFPolicy(model, lr=1e-3, ddp=True)
+    assert pol.distributed and pol.module is pol.scorer
+    ref = HFPolicy(tiny_model(12).to(torch.bfloat16), lr=1e-3, ddp=False)
+    for a, b in zip(pol.params, ref.params):
+        assert torch.equal(a, b)
+    seeds = [200, 201, 202, 203]
+    mine = _micro_grads(pol, seeds[2 * rank : 2 * rank + 2])
+    all_micro = _micro_grads(ref, seeds)
+    assert len(mine) == 2
+    pol.optimizer.all_reduce_grads()  # as optimizer_step does first (averaging equal buffers again changes nothing)
+    expect = [sum(g.double() for g in gs) / 2 for gs in zip(*all_micro)]
+    for buf, e in zip(pol.gradients(), expect):
+        assert buf.dtype == torch.float32
+        assert float((buf.double() - e).abs().max()) <= 16 * 2.0**-24 * float(e.abs().max())
+    out = pol.optimizer_step(None)
+    norm = float(torch.cat([e.reshape(-1) for e in expect]).norm())
+    assert out["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, [p.detach().clone() for p in pol.params])
+    assert all(torch.equal(a, b) for a, b in zip(*gathered))

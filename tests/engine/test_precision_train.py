@@ -42,3 +42,26 @@ def test_bf16_run_keeps_fp32_masters_and_resumes_exactly(tmp_path):
     assert last_a["step"] == last_b["step"] == 3
     for k in ("actor/loss", "actor/grad_norm", "episode/reward_mean"):
         assert last_a[k] == last_b[k], k
+
+
+def test_weights_loaded_without_optimizer_state_reseed_the_masters(tmp_path):
+    """A checkpoint with weights and no optimizer file: the fp32 masters start from the loaded weights, so the
+    first optimizer step moves the loaded weights (not the stale masters written back over them)."""
+    from alignopsd.engine.checkpoint import save_checkpoint
+
+    tr = lh.build_trainer(TINY, _overrides(tmp_path / "run"))
+    policy = tr.parts.policy
+    loaded = {k: (v + 0.25 * torch.ones_like(v)).to(v.dtype) for k, v in policy.model.state_dict().items()}
+    path = save_checkpoint(tmp_path / "ck", 1, model_state=loaded, optimizer_state=None, trainer_state={},
+                           hf_config=policy.model.config)  # fmt: skip
+    tr.load(path)
+    named = dict(policy.model.named_parameters())
+    for m, p in zip(policy.optimizer.masters, policy.params):
+        assert torch.equal(m, p.float())
+    for g in policy.optimizer.param_groups:
+        g["lr"] = 1e-9  # a step far below the 0.25 the loaded weights moved by
+    for p in policy.params:
+        p.grad = torch.ones_like(p)
+    assert policy.optimizer_step(None)["skipped"] is False
+    for name, p in named.items():  # stale masters would put the weights back 0.25 away
+        assert float((p.float() - loaded[name].float()).abs().max()) < 1e-6, name

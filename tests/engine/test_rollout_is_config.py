@@ -3,6 +3,8 @@ and their meaning for alignopsd.losses.rollout_is_weights (``<level>_<mode>``)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from alignopsd.engine.config import ConfigError, load_config
@@ -43,3 +45,21 @@ def test_each_mode_is_a_level_and_mode_of_rollout_is_weights(value):
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [override])
+
+
+def test_logprob_reuse_with_rollout_is_is_refused_naming_both_keys(tmp_path):
+    """With reused log-probs the old log-probs are the rollout's own: every weight would be 1, silently."""
+    sets = ["generation.backend=hf", "trainer.logprob_reuse=true", "trainer.rollout_is=token_truncate"]
+    with pytest.raises(ConfigError, match=r"trainer\.rollout_is.*trainer\.logprob_reuse"):
+        load_config(None, sets)
+    assert load_config(None, sets[:2]).trainer.logprob_reuse  # each alone is accepted
+    assert load_config(None, [sets[0], sets[2]]).trainer.rollout_is == "token_truncate"
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom alignopsd.engine.train import main\nsys.exit(main(sys.argv[1:]))\n"
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+    argv = ["--config", tiny, *[x for s in sets for x in ("--set", s)]]
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "trainer.logprob_reuse" in r.stderr and "trainer.rollout_is" in r.stderr

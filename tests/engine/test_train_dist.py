@@ -111,3 +111,48 @@ def test_profile_under_torchrun_with_megatron_tp2(capsys):
         data = json.loads(js.read_text())
         assert data["phases"]["update"] > 0 and data["phases"]["teacher_forcing"] > 0
         assert data["counts"]["batch/rows"] == 8 and data["counts"]["m1/teacher_forcing_token_forwards"] > 0
+
+
+def test_dist_sets_the_cuda_device_even_in_a_group_it_did_not_make(monkeypatch):
+    """NCCL's object collectives and barrier run on ``torch.cuda.current_device()``: the trainer's Dist selects
+    its local GPU also when the caller made the process group (profile, compare and the suite do), else every
+    rank's all_gather_object would stage on GPU 0."""
+    import torch.distributed as dist
+    from alignopsd.engine.train import Dist
+
+    picked = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    d = Dist("cuda")
+    assert picked == [1] and not d.owns_group
+    Dist("cpu")
+    assert picked == [1]
+
+
+@pytest.mark.distributed
+def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
+    """Each rank carries the values behind its percentiles (span lengths, per-turn weights, token gaps), so the
+    data-parallel reduction recomputes every percentile and std instead of dropping (or averaging) it."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    import torch.distributed as dist
+    from alignopsd.engine.metric_reduce import metric_kind
+    from alignopsd.engine.step import run_step
+
+    torch.set_num_threads(1)
+    out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"
+    ov = [*GUESS, "algorithm.estimator=alignopsd", "trainer.total_steps=1", "trainer.audit=false",
+          f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
+    tr = lh.build_trainer(TINY, ov)
+    res = run_step(tr.parts, 0)
+    assert res.samples and "m2/turn_weight" in res.samples
+    reduced = tr.reduce_metrics(res.metrics, res.samples)
+    assert "metrics/unreduced" not in reduced
+    quantiles = [k for k in reduced if metric_kind(k) == "quantile" and k.startswith("m2/")]
+    assert quantiles and all(k in reduced for k in quantiles)
+    both: list = [None, None]
+    dist.all_gather_object(both, reduced)
+    assert both[0] == both[1]  # every rank logs the same reduction

@@ -46,6 +46,7 @@ from alignopsd.engine.policy.megatron.model import (
     te_names,
 )
 from alignopsd.engine.policy.megatron.scoring import ShardScoring
+from alignopsd.engine.tp_broadcast import move_to
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,10 @@ LAYOUT_FILE = "layout.json"  # of a sharded checkpoint folder: the model and lay
 def init_parallel(tp: int, seed: int = 0) -> None:
     """Initialise torch.distributed (from torchrun's environment) and megatron's parallel state."""
     cpu_shim.apply_if_needed()
+    if torch.cuda.is_available():  # before the group is made: NCCL's object collectives use the current device
+        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
     from megatron.core import parallel_state as ps  # noqa: PLC0415
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
@@ -214,16 +215,25 @@ class MegatronPolicy(ShardScoring):
         other ranks send their shard of each part and yield nothing. The first rank holds at most one part's
         gathered pieces and its converted weights at once, never the full model.
 
-        Collective over the tensor-parallel group: every rank must iterate it to the end, in step."""
+        Collective over the tensor-parallel group: every rank must iterate it to the end, in step. A conversion
+        that fails on the first rank does not stop its gathers (the group's other ranks would wait in the next
+        one): it yields nothing more and raises the error after the last gather."""
         lead = self.tp_rank == 0
         local = self._shard_state()
+        failed: Exception | None = None
         for part, names in self._parts(local):
             shards = self._gather(local, names, everywhere=False)
-            if lead:
-                hf = megatron_part_to_hf(shards, self.dims, part)
+            if lead and failed is None:
+                try:
+                    hf = megatron_part_to_hf(shards, self.dims, part)
+                except Exception as exc:  # noqa: BLE001 - raised after the group's last gather
+                    failed = exc
+                    continue
                 del shards
                 yield from hf.items()
                 del hf
+        if failed is not None:
+            raise failed
 
     def _parts(self, local: dict[str, Tensor]) -> list[tuple[str | int, list[str]]]:
         """(conversion part, the names of ``local``, this rank's shard, that it converts from), in conversion
@@ -457,7 +467,9 @@ class MegatronPolicy(ShardScoring):
         if self.tp == 1:
             states = [local]
         else:
-            dist.all_gather_object(states, local, group=self.tp_group)
+            # on the CPU: a pickled CUDA tensor is rebuilt on the sender's device index, which another rank may
+            # not see (one visible GPU per process) or should not allocate on
+            dist.all_gather_object(states, move_to(local, "cpu"), group=self.tp_group)
         return {"tp": self.tp, "tp_rank_states": states, "steps": self.steps, "skipped_steps": self.skipped_steps,
                 "scheduler_steps": self.scheduler.num_steps}  # fmt: skip
 
