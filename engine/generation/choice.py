@@ -7,8 +7,10 @@ set of well-formed responses instead: for each prompt it reads the admissible ac
 last ``Actions: [...]`` or ``Admissible actions: [...]`` list), builds two candidate responses per action
 (:func:`candidate_texts`, each followed by EOS), scores every candidate under the policy at the sampling
 temperature and samples one with probability proportional to exp(log p(candidate) / temperature) (the scores are
-already tempered). The returned tokens and per-token log-probs are a real sample of the policy restricted to the
-candidate set, so the PPO update on them moves exactly the probabilities this backend samples from.
+already tempered); rows are scored in chunks of at most ``max_batch_tokens`` padded positions (long teacher
+prompts times many candidates would otherwise make one huge padded batch). The returned tokens and per-token
+log-probs are a real sample of the policy restricted to the candidate set, so the PPO update on them moves
+exactly the probabilities this backend samples from.
 
 It samples from the trainer's own module (no weight copy; ``load_weights`` skips shared storage like the Hugging
 Face backend), ignores ``max_new_tokens`` and stop strings (candidates are short and complete), and draws from a
@@ -43,11 +45,26 @@ def candidate_texts(prompt_text: str) -> list[str]:
     return out
 
 
+def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive (lo, hi) row ranges whose padded size (rows x longest row) stays within ``budget`` (a row
+    longer than the budget goes alone)."""
+    out, lo, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and max(longest, n) * (i - lo + 1) > budget:
+            out.append((lo, i))
+            lo, longest = i, 0
+        longest = max(longest, n)
+    if lengths:
+        out.append((lo, len(lengths)))
+    return out
+
+
 class ChoiceGenerator:
     """Samples one candidate response per prompt (see the module docstring); ``model`` is the trained module."""
 
-    def __init__(self, model, tokenizer) -> None:
+    def __init__(self, model, tokenizer, max_batch_tokens: int = 16384) -> None:
         self.model = model
+        self.max_batch_tokens = int(max_batch_tokens)  # rows are scored in chunks of about this many positions
         self.tokenizer = tokenizer
         self.eos_token_ids = {tokenizer.eos_token_id}
 
@@ -67,12 +84,17 @@ class ChoiceGenerator:
             for text in cs:
                 rows_p.append(p)
                 rows_c.append(tok(text, add_special_tokens=False)["input_ids"] + [eos])
-        p_ids, p_mask = left_pad(rows_p, max(len(p) for p in rows_p), eos)
-        c_ids, c_mask = right_pad(rows_c, max(len(c) for c in rows_c), 0)
+        width = max(len(c) for c in rows_c)
         was = self.model.training
         self.model.eval()
-        lp, _, _ = score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)
+        lps = []
+        for lo, hi in _chunks([len(p) + width for p in rows_p], self.max_batch_tokens):
+            p_ids, p_mask = left_pad(rows_p[lo:hi], max(len(p) for p in rows_p[lo:hi]), eos)
+            c_ids, c_mask = right_pad(rows_c[lo:hi], width, 0)
+            lps.append(score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)[0])
         self.model.train(was)
+        lp = torch.cat(lps)
+        c_mask = right_pad(rows_c, width, 0)[1]
         seq = (lp * c_mask).sum(1)
         gen = torch.Generator().manual_seed(int(sampling.seed or 0))
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])

@@ -99,3 +99,23 @@ def test_malformed_task_is_refused():
         CreditEnv().reset(bad, 0)
     with pytest.raises(ValueError, match="not a credit task"):
         decisive_turns(type(task)("x", "credit", "maze", payload={"turns": [1]}))
+
+
+def test_options_of_a_turn_have_equal_token_counts():
+    """Under the tiny model's SmolLM2 vocabulary every action of a turn is as long as the others in each candidate
+    template, so the candidate-choice sampler's random initial policy is not biased towards short options."""
+    from alignopsd.engine.generation.choice import candidate_texts
+    from alignopsd.engine.models import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    for task in load_tasks("train", 30, seed=2):
+        env = CreditEnv()
+        _, info = env.reset(task, 0)
+        while True:
+            texts = candidate_texts("Actions: [" + ", ".join(info["admissible_actions"]) + "]")
+            lens = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+            assert len(set(lens[0::2])) == 1 and len(set(lens[1::2])) == 1, (task.key, env.t, texts, lens)
+            res = env.step(info["admissible_actions"][0])
+            info = res.info
+            if res.done:
+                break

@@ -48,6 +48,9 @@ def test_config_selects_the_backend_and_it_samples_the_policy():
         )
         for ids, lps in zip(a.token_ids, a.logprobs):
             assert ids[-1] == tok.eos_token_id and len(lps) == len(ids) and all(x < 0 for x in lps)
+        # scoring in chunks (here one row at a time) samples the same responses with the same log-probs
+        c = ChoiceGenerator(gen.model, tok, max_batch_tokens=1).generate([prompt] * 3, sp)
+        assert c.texts == a.texts and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(c.logprobs, a.logprobs))
         # the probability of each sampled candidate is the policy's: its log-probs equal a direct scoring
         from alignopsd.engine.policy.hf import score_rows
 
