@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -62,7 +63,12 @@ CASES: dict[str, list[str]] = {
     **{f"alignopsd_{ab}": ["algorithm.estimator=alignopsd", f"algorithm.ablation={ab}"] for ab in "ABCD"},
     "alignopsd": ["algorithm.estimator=alignopsd", "algorithm.ablation=E"],
 }
-DEFAULT_STEPS = 12
+# Sizing (measured with bench.credit.run_one on the shared 2-core machine, CPU seconds per training step of one
+# run, one thread): GRPO ~4, the teacher-forcing estimators (OPSD, GRPO+OPSD, SDAR, RLSD) ~5.5 (estimated),
+# the Mechanism-1 estimators (AlignOPSD, its ablations, alignopsd_m1) ~8.5, plus ~0.5 per run to build it in a
+# warm worker. One step of all 11 cases over 10 seeds is ~770 CPU seconds, so 15 minutes on 2 cores
+# (1800 CPU seconds) hold 2 steps: the default. Learning to 80 % needs tens of steps (--steps 30: ~6.5 CPU hours).
+DEFAULT_STEPS = 2
 DEFAULT_SEEDS = 10
 
 
@@ -183,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     load0, w0, c0 = os.getloadavg(), time.perf_counter(), os.times()
     runs = run_all(cases, list(range(a.seeds)), a.steps, a.env, a.jobs, a.skills_dir)
     c1 = os.times()
+    raw = Path(a.out).with_suffix(".json")  # the runs first: a summary that fails loses no training
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps({"runs": runs}, default=str) + "\n")
     meta = {
         "argv": ["python -m bench.credit", *(argv if argv is not None else sys.argv[1:])],
         "wall_s": time.perf_counter() - w0,
