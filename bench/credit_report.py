@@ -99,7 +99,9 @@ def _commit() -> str:
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        )
     except OSError:
         return "unknown"
     return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
