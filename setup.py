@@ -44,7 +44,7 @@ class OptionalBuildExt(build_ext):
             print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
 
 
-SKILL_DIRS = [f"alignopsd.engine.envs.skills.{env}" for env in ("alfworld", "search", "webshop")]
+SKILL_DIRS = [f"alignopsd.engine.envs.skills.{env}" for env in ("alfworld", "credit", "search", "webshop")]
 
 setup(
     packages=[

@@ -19,8 +19,8 @@ Records (one JSON object per line, ``kind`` first):
   identity order of ALGORITHM.md §1.2, task / rollout / turn ids, task key, rows k), outcome and
   validity; ``regions``: per region (``response`` = all policy tokens, ``thinking``, ``action``,
   ``other`` = policy tokens in neither block; regions as in engine/regions.py, empty when they cannot be
-  found) the token count, the sums of ℓ^old, of the final token advantage and, when computed, of
-  δ^diag = ℓ^diag − ℓ^old, of the cross gap c − ℓ^old and of δ̃ = ℓ̃ − ℓ^old, and the strict sign flips
+  found) the token count, the sums of ℓ^old, of the final token advantage, of its absolute value and,
+  when computed, of δ^diag = ℓ^diag − ℓ^old, of the cross gap c − ℓ^old and of δ̃ = ℓ̃ − ℓ^old, and the strict sign flips
   of the paired diagnostics (δ^diag < 0 < δ̃ is ``neg_to_pos``, δ^diag > 0 > δ̃ is ``pos_to_neg``; the
   ``cross_`` variants compare c − ℓ^old); ``m1`` (estimators with Mechanism 1): matched, ρ, α, thinking
   validity, H[t, t], eligible / threshold candidate counts, and ``sources``: each kept source's
@@ -157,7 +157,7 @@ def turn_records(
     old = old_logp.detach().cpu().double()
     adv = advantage.detach().cpu().double()
     diag = rect.diag if rect is not None else getattr(m1, "diag", None)
-    per_tok: dict[str, Tensor] = {"old_logp": old, "advantage": adv}
+    per_tok: dict[str, Tensor] = {"old_logp": old, "advantage": adv, "abs_advantage": adv.abs()}
     d_gap = c_gap = r_gap = None
     if diag is not None:
         d_gap = diag.detach().cpu().double() - old

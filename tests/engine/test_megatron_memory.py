@@ -17,6 +17,7 @@ import tempfile
 import learn_helpers as lh
 import pytest
 import torch
+from alignopsd.engine.generation.choice import ChoiceGenerator
 from test_megatron_steps import Recorder, Replay
 
 pytestmark = [
@@ -113,7 +114,7 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     rank = int(os.environ["RANK"])
     parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2", *KL]), 2, rank)
     if parts.generator is not None:  # rank 0: the candidate-choice generator on its generator's Hugging Face copy
-        parts.generator = Recorder(lh.ChoiceGenerator(parts.generator.model, parts.tokenizer))
+        parts.generator = Recorder(ChoiceGenerator(parts.generator.model, parts.tokenizer))
     ours: list = []
     parts.ref_scorer = probe(parts.ref_scorer, ours)
     out = run_step(parts, STEP)

@@ -19,6 +19,7 @@ import tempfile
 import learn_helpers as lh
 import pytest
 import torch
+from alignopsd.engine.generation.choice import ChoiceGenerator
 
 pytestmark = [
     pytest.mark.distributed,
@@ -85,7 +86,7 @@ def _megatron_parts(extra: list[str], tp: int):
     cfg = _config(["policy.backend=megatron", f"policy.tensor_parallel_size={tp}"], extra)
     parts = _parts(cfg, 2, int(os.environ["RANK"]))
     if parts.generator is not None:
-        parts.generator = Recorder(lh.ChoiceGenerator(parts.generator.model, parts.tokenizer))
+        parts.generator = Recorder(ChoiceGenerator(parts.generator.model, parts.tokenizer))
     return parts
 
 

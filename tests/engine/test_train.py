@@ -1,9 +1,9 @@
 """Trainer and step: learning, exact resume, golden trace, robustness, data-parallel launch.
 
-The tiny model (random weights) cannot write the tag format on its own, so these runs use
-``learn_helpers.ChoiceGenerator``: a real sample of the policy restricted to well-formed candidate
-responses (see its docstring). Everything else (environment manager, rollout, rescoring, M1, M2, PPO,
-checkpoints, metrics) is the engine's own code.
+The tiny model (random weights) cannot write the tag format on its own, so these runs use the
+candidate-choice generation backend (``generation.backend=choice``, engine/generation/choice.py): a real
+sample of the policy restricted to well-formed candidate responses. Everything else (environment manager,
+rollout, rescoring, M1, M2, PPO, checkpoints, metrics) is the engine's own code.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def golden_trace(recs) -> dict:
             f"trainer.total_steps={LEARN_STEPS}",
             "algorithm.kl_coef=0.01",
         ],  # fmt: skip
-        "generator": "tests/engine/learn_helpers.py:ChoiceGenerator",
+        "generator": "alignopsd.engine.generation.choice:ChoiceGenerator",
         "steps": [{"step": r["step"], "loss": r["actor/loss"], "reward": r["episode/reward_mean"]} for r in recs[:3]],
     }
 

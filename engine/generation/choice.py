@@ -1,0 +1,112 @@
+"""Candidate-choice generation: a generation backend for admissible-action environments (``generation.backend:
+choice``).
+
+A random-weight or very small model cannot yet write the ``<think>...</think><action>...</action>`` format, so
+free sampling would give nothing but malformed turns. This backend samples from the policy restricted to a fixed
+set of well-formed responses instead: for each prompt it reads the admissible actions listed in the prompt (the
+last ``Actions: [...]`` or ``Admissible actions: [...]`` list), builds two candidate responses per action
+(:func:`candidate_texts`, each followed by EOS), scores every candidate under the policy at the sampling
+temperature and samples one with probability proportional to exp(log p(candidate) / temperature) (the scores are
+already tempered); rows are scored in chunks of at most ``max_batch_tokens`` padded positions (long teacher
+prompts times many candidates would otherwise make one huge padded batch). The returned tokens and per-token
+log-probs are a real sample of the policy restricted to the candidate set, so the PPO update on them moves
+exactly the probabilities this backend samples from.
+
+It samples from the trainer's own module (no weight copy; ``load_weights`` skips shared storage like the Hugging
+Face backend), ignores ``max_new_tokens`` and stop strings (candidates are short and complete), and draws from a
+``torch.Generator`` seeded with ``sampling.seed``, so a run is reproducible. It only applies to environments whose
+prompts list their admissible actions (ALFWorld-style and the toy and credit environments, not WebShop or
+Search); a prompt without such a list is an error naming it. Teacher prompts contain the student prompt, so the
+teacher samples over the same candidates.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.generation.hf import HFGenerator
+
+_ACTIONS_RE = re.compile(r"(?:Admissible actions|Actions): \[(.*?)\]")
+
+
+def candidate_texts(prompt_text: str) -> list[str]:
+    """Two responses per admissible action listed in the prompt (its last 'Actions: [...]' list), in list order."""
+    found = _ACTIONS_RE.findall(prompt_text)
+    actions = [a.strip().strip("'\"") for a in found[-1].split(",") if a.strip()] if found else []
+    if not actions:
+        tail = prompt_text[-200:].replace("\n", " ")
+        raise ValueError(f"prompt: no admissible actions listed (expected Actions: [a, ...]); prompt ends {tail!r}")
+    out = []
+    for a in actions:
+        for t in (f"i will {a}", f"{a} looks good"):
+            out.append(f"<think>{t}</think><action>{a}</action>")
+    return out
+
+
+def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive (lo, hi) row ranges whose padded size (rows x longest row) stays within ``budget`` (a row
+    longer than the budget goes alone)."""
+    out, lo, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and max(longest, n) * (i - lo + 1) > budget:
+            out.append((lo, i))
+            lo, longest = i, 0
+        longest = max(longest, n)
+    if lengths:
+        out.append((lo, len(lengths)))
+    return out
+
+
+class ChoiceGenerator:
+    """Samples one candidate response per prompt (see the module docstring); ``model`` is the trained module."""
+
+    def __init__(self, model, tokenizer, max_batch_tokens: int = 16384) -> None:
+        self.model = model
+        self.max_batch_tokens = int(max_batch_tokens)  # rows are scored in chunks of about this many positions
+        self.tokenizer = tokenizer
+        self.eos_token_ids = {tokenizer.eos_token_id}
+
+    # the Hugging Face backend's weight push into ``model`` (a no-op for the trainer's own tensors)
+    load_weights = HFGenerator.load_weights
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        from alignopsd.engine.policy.hf import score_rows
+        from alignopsd.engine.rollout import left_pad, right_pad
+
+        tok = self.tokenizer
+        eos = tok.eos_token_id
+        cands = [candidate_texts(tok.decode(p, skip_special_tokens=False)) for p in prompts]
+        rows_p, rows_c = [], []
+        for p, cs in zip(prompts, cands):
+            for text in cs:
+                rows_p.append(p)
+                rows_c.append(tok(text, add_special_tokens=False)["input_ids"] + [eos])
+        width = max(len(c) for c in rows_c)
+        was = self.model.training
+        self.model.eval()
+        lps = []
+        for lo, hi in _chunks([len(p) + width for p in rows_p], self.max_batch_tokens):
+            p_ids, p_mask = left_pad(rows_p[lo:hi], max(len(p) for p in rows_p[lo:hi]), eos)
+            c_ids, c_mask = right_pad(rows_c[lo:hi], width, 0)
+            lps.append(score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)[0])
+        self.model.train(was)
+        lp = torch.cat(lps)
+        c_mask = right_pad(rows_c, width, 0)[1]
+        seq = (lp * c_mask).sum(1)
+        gen = torch.Generator().manual_seed(int(sampling.seed or 0))
+        out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
+        start = 0
+        for cs in cands:
+            k = len(cs)
+            j = int(torch.multinomial(torch.softmax(seq[start : start + k], 0), 1, generator=gen))
+            r = start + j
+            n = len(rows_c[r])
+            out.token_ids.append(list(rows_c[r]))
+            out.texts.append(cs[j])
+            out.logprobs.append(lp[r, :n].tolist())
+            out.finish_reasons.append("stop")
+            start += k
+        return out
