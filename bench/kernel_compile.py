@@ -227,15 +227,26 @@ def table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
 def _header(argv: list[str]) -> str:
     import triton
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines() if "model name" in ln), "?")
+    bf16 = "avx512_bf16" in _read("/proc/cpuinfo")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (
         "# Triton kernels compiled ahead of time for sm_80 and sm_90a\n\n"
         f"Command: `python -m bench.kernel_compile {' '.join(argv)}`; commit {commit.strip() or 'unknown'}; "
         f"triton {triton.__version__}; host {platform.machine()} (no GPU: triton's compiler and its bundled "
-        f"ptxas / cuobjdump); date {time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
+        f"ptxas / cuobjdump); CPU {cpu} (avx512_bf16: {'yes' if bf16 else 'no'}), load average {load:.1f} (compile "
+        f"times only; the numbers do not depend on it); date {time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
         "Registers and local memory (stack frame: spills) per thread from `cuobjdump --dump-resource-usage`; shared "
         "memory per block from triton's metadata; occupancy = resident warps / 64 from registers, shared memory "
         "and block limits. `engine` = a configuration of `alignopsd.kernels.tuning` (default or autotuned); "
