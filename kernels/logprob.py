@@ -365,6 +365,12 @@ def _triton_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g
         return dh, dw, db
     glp = g_lp.float().contiguous() if g_lp is not None else torch.zeros(N, device=dev)
     dummy = lse
+
+    # unused gradient outputs point at spare buffers of their own: the autotuner zeroes the gradient arguments
+    # between its benchmark runs (RESET_TO_ZERO), which must not reach lse or any other argument
+    def spare() -> Tensor:
+        return torch.zeros(1, dtype=torch.float32, device=dev)
+
     launch_tuned(
         _lp_bwd_kernel,
         lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(V, meta["BLOCK_V"])),
@@ -377,9 +383,9 @@ def _triton_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g
         ent.contiguous(),
         glp,
         g_ent.float().contiguous() if g_ent is not None else dummy,
-        dh if dh is not None else dummy,
-        dw if dw is not None else dummy,
-        db if db is not None else dummy,
+        dh if dh is not None else spare(),
+        dw if dw is not None else spare(),
+        db if db is not None else spare(),
         N,
         V,
         H,

@@ -87,6 +87,7 @@ __all__ = [
     "CONFIGS",
     "GPUS",
     "KernelConfig",
+    "RESET_TO_ZERO",
     "arch_of",
     "autotune_enabled",
     "autotune_results",
@@ -163,7 +164,7 @@ CONFIGS: dict[str, dict[int, list[KernelConfig]]] = {
 
 # autotuning keys (argument names) and buffers the autotuner must zero between its benchmark runs
 _KEYS = {"_lp_fwd_kernel": ["V", "H"], "_lp_bwd_kernel": ["V", "H"], "_sibling_kernel": ["D"]}
-_RESET = {"_lp_bwd_kernel": ["dh_ptr", "dw_ptr", "db_ptr"]}
+RESET_TO_ZERO = {"_lp_bwd_kernel": ["dh_ptr", "dw_ptr", "db_ptr"]}
 
 _TUNERS: dict[tuple[str, int], Any] = {}
 
@@ -211,7 +212,9 @@ def _tuner(fn: Callable, arch: int) -> Any:
             triton.Config(dict(c.meta), num_warps=c.num_warps, num_stages=c.num_stages)
             for c in configs_for(fn.__name__, arch)
         ]
-        tuner = triton.autotune(configs, key=_KEYS.get(fn.__name__, []), reset_to_zero=_RESET.get(fn.__name__))(jit(fn))
+        tuner = triton.autotune(configs, key=_KEYS.get(fn.__name__, []), reset_to_zero=RESET_TO_ZERO.get(fn.__name__))(
+            jit(fn)
+        )
         _TUNERS[key] = tuner
     return tuner
 

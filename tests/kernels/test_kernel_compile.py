@@ -124,3 +124,33 @@ def test_kernel_compile_help_runs():
         [sys.executable, "-m", "bench.kernel_compile", "--help"], cwd=ROOT, capture_output=True, text=True
     )
     assert r.returncode == 0 and "--cache" in r.stdout
+
+
+@pytest.mark.parametrize("need_weight_grad", [False, True])
+def test_autotuner_reset_buffers_alias_no_other_argument(monkeypatch, need_weight_grad):
+    """The autotuner zeroes the backward's gradient arguments between benchmark runs: none of them may share
+    memory with another argument (an unused gradient once pointed at lse)."""
+    import inspect
+
+    import torch
+    from alignopsd.kernels import logprob
+    from alignopsd.kernels.tuning import RESET_TO_ZERO
+
+    lp_mod = importlib.import_module("alignopsd.kernels.logprob")
+    seen = []
+    original = lp_mod.launch_tuned
+
+    def capture(fn, grid, device, *args, **kwargs):
+        seen.append((fn, inspect.signature(fn).bind_partial(*args).arguments))
+        return original(fn, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(lp_mod, "launch_tuned", capture)
+    h = torch.randn(5, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=need_weight_grad)
+    logprob(h, w, torch.randint(0, 40, (5,)), impl="triton", with_entropy=True)[1].sum().backward()
+    fn, bound = next((f, b) for f, b in seen if f.__name__ in RESET_TO_ZERO)
+    tensors = {k: v for k, v in bound.items() if isinstance(v, torch.Tensor)}
+    for name in RESET_TO_ZERO[fn.__name__]:
+        ptr = tensors[name].untyped_storage().data_ptr()
+        others = [k for k, v in tensors.items() if k != name and v.untyped_storage().data_ptr() == ptr]
+        assert not others, f"{name} shares memory with {others}"
