@@ -142,6 +142,23 @@ def jobs():
                     yield spec, dtype, arch, cfg, True
                 for cfg in spec.alternatives:
                     yield spec, dtype, arch, cfg, False
+        for dtype in spec.unaligned:  # comparison rows: sizes that are not multiples of 16 (not the paper's)
+            for arch in ARCHS:
+                for cfg in configs_for(spec.name, arch):
+                    yield spec, f"{dtype} unaligned", arch, cfg, False
+
+
+def _base(dtype: str) -> str:
+    return dtype.split()[0]
+
+
+def _types(spec, dtype: str) -> dict[str, str]:
+    """Argument types of ``spec`` for table dtype ``dtype`` ("bf16", or "bf16 unaligned": integer sizes and
+    strides not divisible by 16; pointers stay 16-byte aligned as torch allocates them)."""
+    types = spec.types(_base(dtype))
+    if dtype.endswith(" unaligned"):
+        types = {k: v if v.startswith("*") else v.rstrip("!") for k, v in types.items()}
+    return types
 
 
 def _compile_job(name: str, dtype: str, arch: int, meta: dict, num_warps: int, num_stages: int) -> dict:
@@ -151,7 +168,7 @@ def _compile_job(name: str, dtype: str, arch: int, meta: dict, num_warps: int, n
     spec = next(s for s in SPECS if s.name == name)
     try:
         regs, local, smem = compile_one(
-            spec.function(), spec.types(dtype), {**spec.flags(dtype), **meta}, arch, num_warps, num_stages
+            spec.function(), _types(spec, dtype), {**spec.flags(_base(dtype)), **meta}, arch, num_warps, num_stages
         )
         return {"regs": regs, "local": local, "smem": smem, "error": ""}
     except Exception as e:  # noqa: BLE001  (a compile error is a result of the check)
@@ -165,7 +182,8 @@ def run_all(cache: dict, log=print, save=None, workers: int = 1) -> list[Record]
 
     rows = []
     for spec, dtype, arch, cfg, engine in jobs():
-        rows.append((_cache_key(spec.function(), dtype, arch, spec.flags(dtype), cfg), spec, dtype, arch, cfg, engine))
+        key = _cache_key(spec.function(), dtype, arch, spec.flags(_base(dtype)), cfg)
+        rows.append((key, spec, dtype, arch, cfg, engine))
     missing = {}
     for key, spec, dtype, arch, cfg, _ in rows:
         if key not in cache:
@@ -203,7 +221,7 @@ def problems(records: list[Record]) -> list[str]:
             continue
         if r.smem_bytes > ARCH_LIMITS[r.arch]["smem_block"]:
             out.append(f"{where}: shared memory {r.smem_bytes} B over the {ARCH_LIMITS[r.arch]['smem_block']} B limit")
-        if r.engine and r.dtype in ("bf16", "fp16") and r.local_bytes > 0:
+        if r.engine and _base(r.dtype) in ("bf16", "fp16") and r.local_bytes > 0:
             out.append(f"{where}: {r.local_bytes} B of local memory per thread (register spills)")
     return out
 
@@ -250,8 +268,10 @@ def _header(argv: list[str]) -> str:
         "Registers and local memory (stack frame: spills) per thread from `cuobjdump --dump-resource-usage`; shared "
         "memory per block from triton's metadata; occupancy = resident warps / 64 from registers, shared memory "
         "and block limits. `engine` = a configuration of `alignopsd.kernels.tuning` (default or autotuned); "
-        "`no` rows are comparisons (the former single configuration, larger tiles). Argument alignment as the "
-        "paper's shapes give it (16-byte pointers; hidden, vocabulary, strides divisible by 16).\n\n"
+        "`no` rows are comparisons (the former single configuration, larger tiles, and `unaligned`: the engine's "
+        "configurations with hidden size, vocabulary and strides not multiples of 16, which the paper's and the "
+        "quickstart's models do not have). Otherwise argument alignment as the paper's shapes give it (16-byte "
+        "pointers; hidden, vocabulary, strides divisible by 16).\n\n"
     )
 
 
@@ -273,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_path.write_text(json.dumps(dict(sorted(c.items())), indent=0) + "\n")
 
     records = run_all(cache, log=lambda s: print(s, file=sys.stderr, flush=True), save=save, workers=args.jobs)
-    used = {_cache_key(s.function(), d, a, s.flags(d), c) for s, d, a, c, _ in jobs()}
+    used = {_cache_key(s.function(), d, a, s.flags(_base(d)), c) for s, d, a, c, _ in jobs()}
     kept = {k: v for k, v in cache.items() if k in used}  # drop entries of changed sources
     if len(kept) != n_before or args.no_cache or not cache_path.exists():
         save(kept)

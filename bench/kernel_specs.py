@@ -102,6 +102,7 @@ class KernelSpec:
     flags: Callable[[str], dict[str, object]]  # operand dtype -> constexpr flags of the CUDA launch
     dtypes: tuple[str, ...] = DTYPES  # operand dtypes the engine passes (fp32 only: the kernel upcasts before)
     alternatives: list[KernelConfig] = field(default_factory=list)  # shown in the table, not used by the engine
+    unaligned: tuple[str, ...] = ()  # dtypes also compiled with sizes not divisible by 16 (comparison rows)
 
     def function(self) -> Callable:
         return getattr(importlib.import_module(self.module), self.name)
@@ -121,6 +122,7 @@ SPECS = [
             _old(4, 3, BLOCK_N=64, BLOCK_V=128, BLOCK_H=64),  # the former single configuration
             _old(8, 3, BLOCK_N=64, BLOCK_V=256, BLOCK_H=64),
         ],
+        unaligned=("bf16",),
     ),
     KernelSpec(
         "_lp_bwd_kernel",
@@ -139,6 +141,7 @@ SPECS = [
             _old(4, 3, BLOCK_N=64, BLOCK_V=128, BLOCK_H=64),  # the former single configuration
             _old(8, 3, BLOCK_N=64, BLOCK_V=256, BLOCK_H=32),
         ],
+        unaligned=("bf16",),
     ),
     KernelSpec(
         "_sibling_kernel",

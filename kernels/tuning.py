@@ -36,6 +36,11 @@ operands held in registers) spill in the log-prob kernels with every configurati
 thread in the forward, 16-4,592 in the backward (the table has each). The engine trains in bf16 on GPUs; fp32
 runs on CUDA are correct but slower than the bound by more than the spills.
 
+With a hidden size, vocabulary or row stride that is not a multiple of 16 (none of the Qwen2.5 or SmolLM2 heads),
+triton cannot vectorize the loads and registers rise: the forward default then spills 16 bytes per thread on
+sm_80 (none on sm_90), the backward default none; the other configurations spill up to 1,024 bytes (the table's
+``unaligned`` rows, which the check reports without failing).
+
 The former single configuration of the log-prob kernels (N64 V128 H64, 4 warps, 3 stages) spills in bf16: 255
 registers and 8 bytes of local memory per thread in the forward on sm_90, 255 registers and 680 bytes in the
 backward on sm_80 (with 16-byte aligned shapes; with unaligned ones 168 registers and 1,304 bytes in the
