@@ -23,7 +23,6 @@ from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real, check_shape
 from alignopsd._kernels import use_kernels
-from alignopsd.kernels.blocks import task_blocks
 from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity
 
 __all__ = [
@@ -150,7 +149,8 @@ def select_sources(
     task, rollout, turn: [M] integer ids. Returns, for every target (in input order), the kept source
     indices best first: candidates with B and H >= gamma, the best source of each sibling rollout
     (ties: smaller identity), then the first ``top_k`` by (-H, identity).
-    On CUDA tensors (with triton importable) the selection runs in ``alignopsd.kernels.sibling_topk``.
+    The rule is implemented once, in ``alignopsd.kernels.sibling_topk`` (any device); its test oracle is
+    ``tests/selection_oracle.py``.
     """
     task, rollout, turn = check_ids(task, rollout, turn)
     M = task.numel()
@@ -160,42 +160,13 @@ def select_sources(
     top_k = _check_top_k(top_k)
     if M == 0:
         return []
-    if use_kernels(H_ST, B_ST):
-        # CUDA: the batched block selection of alignopsd.kernels.sibling_topk (equal, ties included)
-        res = sibling_topk_from_similarity(
-            H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False, impl="triton"
-        )
-        return res.selected_lists()
-    blocks = task_blocks(task, rollout, turn)  # identity-sorted task blocks (duplicate identities: ValueError)
-    idx_TN, member_TN, lroll_TN = blocks.idx_TN, blocks.member_TN, blocks.lroll_TN
-    T, N = idx_TN.shape
-    dev = H_ST.device
-    # blocks [T, target, source]; sources in identity order along the last axis
-    src_idx = idx_TN[:, None, :].expand(T, N, N)
-    tgt_idx = idx_TN[:, :, None].expand(T, N, N)
-    Hb = H_ST[src_idx, tgt_idx]
-    Bb = B_ST[src_idx, tgt_idx] & member_TN[:, None, :] & member_TN[:, :, None]
-    if int(torch.count_nonzero(Bb)) != int(torch.count_nonzero(B_ST)):
-        raise ValueError("eligible: marks a (source, target) pair of different tasks; eligibility is within a task")
-    cand = Bb & (Hb >= gamma)
-    key = torch.where(cand, Hb, torch.full((), -math.inf, device=dev))
-    _, order = torch.sort(key, dim=2, descending=True, stable=True)
-    cand_sorted = cand.gather(2, order)
-    roll_sorted = lroll_TN[:, None, :].expand(T, N, N).gather(2, order)
-    pos = torch.arange(N, device=dev).expand(T, N, N)
-    G = int(lroll_TN.max()) + 1
-    first = torch.full((T, N, G), N, dtype=torch.long, device=dev)
-    first.scatter_reduce_(2, roll_sorted, torch.where(cand_sorted, pos, N), reduce="amin", include_self=True)
-    keep = cand_sorted & (first.gather(2, roll_sorted) == pos)
-    keep &= torch.cumsum(keep.long(), dim=2) <= top_k
-    chosen = idx_TN[:, None, :].expand(T, N, N).gather(2, order)  # source turn index per slot
-    flat = chosen[keep].tolist()
-    out: list[list[int]] = [[] for _ in range(M)]
-    start = 0
-    for t_index, n in zip(idx_TN[member_TN].tolist(), keep.sum(2)[member_TN].tolist()):
-        out[t_index] = flat[start : start + n]
-        start += n
-    return out
+    # one implementation of the rule on every device: the batched block selection of the kernels package
+    # (torch ops; its Triton kernels compute H and the profiles, not the selection)
+    res = sibling_topk_from_similarity(
+        H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False,
+        impl="triton" if use_kernels(H_ST, B_ST) else "torch",
+    )  # fmt: skip
+    return res.selected_lists()
 
 
 def pairs_from_selection(selected: Sequence[Sequence[int]], *, device=None) -> Tensor:

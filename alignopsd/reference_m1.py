@@ -2,7 +2,8 @@
 
 Legend: M = canonical turns, L = response length, P = pairs. These follow the spec's wording
 line by line, with Python loops and float64 scalars; tests check the vectorised functions of
-:mod:`alignopsd.rectify` against them. Not for production use.
+:mod:`alignopsd.rectify` against them. Not for production use. The source selection's (§2.4) oracle is in the
+tests (``tests/selection_oracle.py``), its only copy.
 """
 
 from __future__ import annotations
@@ -28,24 +29,6 @@ def eligibility_ref(task, rollout, source_valid, target_valid) -> Tensor:
                 and bool(source_valid[s])
                 and bool(target_valid[t])
             )
-    return out
-
-
-def select_sources_ref(H, eligible, task, rollout, turn, *, gamma: float, top_k: int) -> list[list[int]]:
-    """Per target: candidates, best per rollout (ties by identity), then top-K by (-H, identity)."""
-    M = len(task)
-    ident = [(int(task[i]), int(rollout[i]), int(turn[i])) for i in range(M)]
-    out: list[list[int]] = []
-    for t in range(M):
-        cands = [s for s in range(M) if bool(eligible[s, t]) and float(H[s, t]) >= gamma]
-        best: dict[tuple[int, int], int] = {}
-        for s in cands:
-            key = (ident[s][0], ident[s][1])
-            cur = best.get(key)
-            if cur is None or (-float(H[s, t]), ident[s]) < (-float(H[cur, t]), ident[cur]):
-                best[key] = s
-        winners = sorted(best.values(), key=lambda s: (-float(H[s, t]), ident[s]))
-        out.append(winners[:top_k])
     return out
 
 

@@ -3,8 +3,9 @@
 Run through ``bench/gpu_check.sh`` on a CUDA machine (no installs; the image's torch, triton and transformers;
 the project need not be installed: the source folders are mapped as ``alignopsd.kernels`` / ``alignopsd.engine``).
 ``--dry-run`` runs the same code on CPU under the Triton interpreter with tiny shapes (this is how it is tested
-without a GPU); timings are then wall-clock and meaningless. Four parts, in this order (``--part`` runs one;
-the shell script runs each in its own process under its own timeout): ``kernels`` (the checks below),
+without a GPU); timings are then wall-clock and meaningless. Five parts, in this order (``--part`` runs one;
+the shell script runs each in its own process under its own timeout): ``configs`` (autotuning and time against
+the roofline bound, see below), ``kernels`` (the checks below),
 ``engine`` and ``scale`` (bench/gpu_engine_check.py: 2 tiny training steps per estimator / ablation, one
 quickstart-like AlignOPSD step, each with its per-phase table), ``timing`` (the table below, within
 ``--budget``). Every line is appended to ``--out`` as soon as it is known.
@@ -23,7 +24,10 @@ Kernel checks (GPU shapes; dry-run shapes in brackets):
 Timing: ``triton.testing.do_bench`` medians (ms) of ours vs plain torch; for log-prob also the FLOP
 floor (2 N H V per matmul; forward 1 matmul, backward 3 in ours, 2 minimum) and the byte floor
 (weights + hidden read once), with the achieved fraction of the device peak (``--peak-tflops``,
-``--peak-gbps``; defaults for known GPUs). Also a small sweep of the log-prob block sizes.
+``--peak-gbps``; defaults for known GPUs).
+Before these, the ``configs`` part (bench/gpu_configs.py) launches every kernel once with autotuning on, so the
+compile table's configurations (bench/kernel_compile.py) run on the GPU, and prints each kernel's time beside
+its roofline bound (alignopsd.kernels.tuning).
 """
 
 from __future__ import annotations
@@ -244,20 +248,6 @@ def _time_logprob(tag, h, w, t, device, dry, peak, dtype, lp_mod) -> None:
             f"{fl / to / 1e9:.0f} TFLOP/s achieved ({nmm} matmuls), floor {floor:.3f} ms "
             f"({min_fl / 1e12:.2f} TFLOP min, {bytes_ / 2**20:.0f} MiB read once)",
         )
-    if (
-        dtype == torch.bfloat16 and not dry and not past_deadline(f"{tag} block sweep")
-    ):  # block-size sweep of the forward kernel
-        best = None
-        for blocks in ((64, 128, 64), (128, 128, 64), (64, 256, 64), (128, 64, 64), (64, 128, 128)):
-            try:
-                ms = bench_ms(lambda b=blocks: lp_mod._triton_partials(hd, wd, None, t, 1.0, 0, b), device)
-            except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory)
-                emit(f"  sweep {blocks}: failed ({type(exc).__name__})")
-                continue
-            emit(f"  sweep fwd BLOCK_N/V/H={blocks}: {ms:.3f} ms")
-            best = min(best or (ms, blocks), (ms, blocks))
-        if best:
-            emit(f"  best forward blocks for {tag}: {best[1]} ({best[0]:.3f} ms)")
 
 
 def _turn_batch(tasks: int, rollouts: int, turns: int, D: int, *, seed: int):
@@ -414,7 +404,7 @@ def check_core_dispatch(device: str, dry: bool) -> None:
     record(f"{tag} allocate_credit", same and err <= 1e-5 and abs(credit.threshold - ref.threshold) <= 1e-6, detail)
 
 
-PARTS = ("kernels", "engine", "scale", "timing")
+PARTS = ("configs", "kernels", "engine", "scale", "timing")
 
 
 def _parse(argv):
@@ -434,6 +424,12 @@ def _run_part(part: str, device: str, args, peak: tuple[float, float]) -> None:
     global CHECKS, TIMING, DEADLINE
     budget = args.budget if args.budget is not None else math.inf
     DEADLINE = time.perf_counter() + budget
+    if part == "configs":
+        from bench.gpu_configs import run_configs
+
+        for name, ok, detail in run_configs(device, args.dry_run, emit, bench_ms, past_deadline):
+            record(name, ok, detail)
+        return
     if part in ("kernels", "timing"):
         CHECKS, TIMING = part == "kernels", part == "timing"
         if TIMING:

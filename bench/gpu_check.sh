@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check in one command, at most ~4 minutes on one GPU: the Triton kernels' correctness, 2 training steps of
+# GPU check in one command, at most ~4 minutes on one GPU: the kernels' configurations autotuned and timed against
+# their roofline bounds, the Triton kernels' correctness, 2 training steps of
 # the tiny run for every estimator / ablation on CUDA, one quickstart-like AlignOPSD step, then the kernel timings.
 # Each part runs in its own process under its own timeout (one slow part cannot eat the others' time) and
 # appends its lines to the results file as they are known, so a run that is cut off keeps what it finished.
@@ -16,19 +17,19 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # bench/ and, if not inst
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 STAMP="$(date -u +%Y-%m-%d)"
 if [[ " $* " == *" --dry-run "* ]]; then
-  # part budgets (s): kernels, engine, scale, timing -- a loaded 2-core CPU
-  BUDGETS=(120 240 90 60); TOTAL="${GPU_CHECK_TOTAL_S:-480}"
+  # part budgets (s): configs, kernels, engine, scale, timing -- a loaded 2-core CPU
+  BUDGETS=(60 120 240 90 60); TOTAL="${GPU_CHECK_TOTAL_S:-540}"
   OUT="${GPU_CHECK_OUT:-${TMPDIR:-/tmp}/gpu_check-dryrun-$(uname -m)-${STAMP}.md}"
 else
-  BUDGETS=(65 105 40 60); TOTAL="${GPU_CHECK_TOTAL_S:-235}"
+  BUDGETS=(40 55 80 30 30); TOTAL="${GPU_CHECK_TOTAL_S:-235}"
   GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z ' 'a-z_')"
   OUT="${GPU_CHECK_OUT:-bench/results/gpu_check-$(uname -m)-${GPU:-nogpu}-${STAMP}.md}"
 fi
 mkdir -p "$(dirname "$OUT")"
 echo "# GPU check run $(date -u +%Y-%m-%dT%H:%M:%SZ) (budget ${TOTAL} s; args: $*)" | tee -a "$OUT"
 RC=0
-PARTS=(kernels engine scale timing)
-for i in 0 1 2 3; do
+PARTS=(configs kernels engine scale timing)
+for i in 0 1 2 3 4; do
   part="${PARTS[$i]}"
   left=$((TOTAL - SECONDS))
   t=$(( BUDGETS[i] < left ? BUDGETS[i] : left ))

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from alignopsd.kernels import core_uses_kernels, sibling_topk
 from torch import Tensor
 
 from alignopsd import action_filter, eligibility, select_sources
@@ -135,9 +136,19 @@ def select_pairs(parts, cb: TurnBatch, enc: Encoded) -> tuple[Tensor, Tensor, Te
     rc = cfg.algorithm.rectify
     dev = enc.student.device
     task, roll, turn = cb.task.to(dev), cb.rollout.to(dev), cb.turn.to(dev)
-    H = similarity_matrix(enc.teacher, enc.student, task)
-    B = eligibility(task, roll, enc.teacher_valid, enc.student_valid)
-    selected = select_sources(H, B, task, roll, turn, gamma=float(rc.gamma), top_k=int(rc.top_k))
+    gamma, top_k = float(rc.gamma), int(rc.top_k)
+    if core_uses_kernels(enc.student):
+        # CUDA: the fused kernel entry (H, eligibility and top-K in one pass over the embeddings), the one the
+        # kernel benchmark and the GPU check measure; H is 0 on cells with an invalid side (never eligible)
+        res = sibling_topk(
+            enc.teacher, enc.student, task, roll, turn, enc.teacher_valid, enc.student_valid, gamma=gamma,
+            top_k=top_k, impl="triton",
+        )  # fmt: skip
+        H, B, selected = res.H, res.eligible, res.selected_lists()
+    else:
+        H = similarity_matrix(enc.teacher, enc.student, task)
+        B = eligibility(task, roll, enc.teacher_valid, enc.student_valid)
+        selected = select_sources(H, B, task, roll, turn, gamma=gamma, top_k=top_k)
     metrics: dict[str, float] = {}
     if enc.action_sim is not None:
         before = selected

@@ -22,7 +22,6 @@ from .sibling_topk import (
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
-    sibling_topk_ref,
 )
 
 __all__ = [
@@ -50,5 +49,4 @@ __all__ = [
     "selection_lists",
     "sibling_topk",
     "sibling_topk_from_similarity",
-    "sibling_topk_ref",
 ]

@@ -44,8 +44,9 @@ import math
 import torch
 from torch import Tensor
 
-from ._dispatch import HAS_TRITON, launch, resolve_impl
+from ._dispatch import HAS_TRITON, resolve_impl
 from .blocks import CHUNK_CELLS, Blocks, all_finite, check_id_vectors, gather_blocks, packed_rows, task_blocks
+from .tuning import launch_tuned
 
 if HAS_TRITON:
     import triton
@@ -65,7 +66,6 @@ __all__ = [
 DISTANCES = ("jsd", "entropy", "cosine")
 _LN2 = math.log(2.0)
 _TINY = float(torch.finfo(torch.float32).tiny)
-_BLOCK = 128
 _COMPACT_BELOW = 0.9  # torch path of dense blocks: the valid rows are copied out when fewer than this share of rows
 
 
@@ -195,9 +195,10 @@ def _pair_stats_triton(P_BTS: Tensor, E_BTS: Tensor, rowp: Tensor, rowq: Tensor)
     K = rowp.numel()
     out = torch.zeros(7, K, dtype=torch.float32, device=P_BTS.device)
     if K:
-        launch(
+        launch_tuned(
             _pair_kernel,
-            (K,),
+            lambda meta: (K,),
+            P_BTS.device,
             P_BTS.float().contiguous(),
             E_BTS.to(torch.int8).contiguous(),
             rowp.contiguous(),
@@ -205,7 +206,6 @@ def _pair_stats_triton(P_BTS: Tensor, E_BTS: Tensor, rowp: Tensor, rowq: Tensor)
             out,
             K,
             N,
-            BLOCK=_BLOCK,
         )
     return out
 

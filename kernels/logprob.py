@@ -42,9 +42,8 @@ Tuning constants. Torch path: tiles of up to 512 rows and clamp(N V / 32, 2^18, 
 elements (1-8 MiB), see ``lse_partials._vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v]
 ran at 8-15 GFLOP/s for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
 gained nothing measurable and cost memory, smaller ones lost up to 2x.
-Triton: BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, 4 warps are starting values taken from
-fused cross-entropy kernels of the same shape (no GPU was available to tune them here);
-``bench/gpu_check.sh`` times a small sweep so they can be re-chosen on hardware.
+Triton: the configurations per GPU architecture, their autotuning and their roofline bounds are in
+``tuning.py``; ``python -m bench.kernel_compile`` checks that none spills registers on sm_80 / sm_90.
 
 Vocab-parallel (tensor parallel over the vocabulary, Megatron's
 ``vocab_parallel_cross_entropy`` convention): see :func:`logprob_vocab_parallel`.
@@ -58,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._dispatch import HAS_TRITON, dot_precision, launch, resolve_impl, upcast_dots
+from ._dispatch import HAS_TRITON, dot_precision, resolve_impl, upcast_dots
 from .lse_partials import (
     all_reduce_partials,
     check_lm_head_inputs,
@@ -68,6 +67,7 @@ from .lse_partials import (
     torch_backward,
     torch_partials,
 )
+from .tuning import arch_of, default_config, launch_tuned, max_meta
 
 if HAS_TRITON:
     import triton
@@ -82,12 +82,6 @@ __all__ = [
     "logprob_rescore",
     "logprob_vocab_parallel",
 ]
-
-# Triton launch constants (see the module docstring).
-_BLOCK_N = 64
-_BLOCK_V = 128
-_BLOCK_H = 64
-_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------
@@ -313,25 +307,27 @@ def _num_splits(n_row_tiles: int, V: int, device: torch.device) -> int:
         want = max(1, math.ceil(2 * sms / max(1, n_row_tiles)))
     else:  # interpreter: a couple of splits, so the split-combine path is exercised
         want = 2
-    return max(1, min(want, triton.cdiv(V, _BLOCK_V)))
+    return max(1, min(want, triton.cdiv(V, max_meta("_lp_fwd_kernel", "BLOCK_V"))))
 
 
-def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
-    BN, BV, BH = blocks or (_BLOCK_N, _BLOCK_V, _BLOCK_H)
+def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start):
     N, H = h_NH.shape
     V = w_VH.shape[0]
     if N == 0 or V == 0:  # nothing to launch
         return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
     h_NH = h_NH.contiguous()
     w_VH = w_VH.contiguous()
-    n_tiles = triton.cdiv(N, BN)
-    S = _num_splits(n_tiles, V, h_NH.device)
+    # the vocabulary splits are fixed before the configuration is: a multiple of every configuration's BLOCK_V
+    BV = max_meta("_lp_fwd_kernel", "BLOCK_V")
+    row_tiles = triton.cdiv(N, default_config("_lp_fwd_kernel", arch_of(h_NH.device)).meta["BLOCK_N"])
+    S = _num_splits(row_tiles, V, h_NH.device)
     v_per_split = triton.cdiv(triton.cdiv(V, S), BV) * BV
     S = triton.cdiv(V, v_per_split)
     parts = torch.empty(4, S, N, dtype=torch.float32, device=h_NH.device)
-    launch(
+    launch_tuned(
         _lp_fwd_kernel,
-        (n_tiles, S),
+        lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), S),
+        h_NH.device,
         h_NH,
         w_VH,
         b_V if b_V is not None else h_NH,
@@ -351,19 +347,12 @@ def _triton_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, blocks=None):
         HAS_BIAS=b_V is not None,
         UPCAST=upcast_dots(h_NH),
         DOT_PREC=dot_precision(h_NH.dtype),
-        BLOCK_N=BN,
-        BLOCK_V=BV,
-        BLOCK_H=BH,
-        num_warps=_NUM_WARPS,
     )
     m, s, u = combine_splits(parts[0], parts[1], parts[2])
     return m, s, u, parts[3].sum(0)
 
 
-def _triton_backward(
-    h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_ent, need_h, need_w, need_b, blocks=None
-):
-    BN, BV, BH = blocks or (_BLOCK_N, _BLOCK_V, _BLOCK_H)
+def _triton_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_ent, need_h, need_w, need_b):
     N, H = h_NH.shape
     V = w_VH.shape[0]
     dev = h_NH.device
@@ -376,9 +365,16 @@ def _triton_backward(
         return dh, dw, db
     glp = g_lp.float().contiguous() if g_lp is not None else torch.zeros(N, device=dev)
     dummy = lse
-    launch(
+
+    # unused gradient outputs point at spare buffers of their own: the autotuner zeroes the gradient arguments
+    # between its benchmark runs (RESET_TO_ZERO), which must not reach lse or any other argument
+    def spare() -> Tensor:
+        return torch.zeros(1, dtype=torch.float32, device=dev)
+
+    launch_tuned(
         _lp_bwd_kernel,
-        (triton.cdiv(N, BN), triton.cdiv(V, BV)),
+        lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(V, meta["BLOCK_V"])),
+        dev,
         h_NH,
         w_VH,
         b_V if b_V is not None else h_NH,
@@ -387,9 +383,9 @@ def _triton_backward(
         ent.contiguous(),
         glp,
         g_ent.float().contiguous() if g_ent is not None else dummy,
-        dh if dh is not None else dummy,
-        dw if dw is not None else dummy,
-        db if db is not None else dummy,
+        dh if dh is not None else spare(),
+        dw if dw is not None else spare(),
+        db if db is not None else spare(),
         N,
         V,
         H,
@@ -404,10 +400,6 @@ def _triton_backward(
         NEED_B=need_b,
         UPCAST=upcast_dots(h_NH),
         DOT_PREC=dot_precision(h_NH.dtype),
-        BLOCK_N=BN,
-        BLOCK_V=BV,
-        BLOCK_H=BH,
-        num_warps=_NUM_WARPS,
     )
     return dh, dw, db
 

@@ -31,8 +31,9 @@ Paths: the Triton kernel (one program per (block, target tile) computes the H ti
 writes H, B and P) followed by the shared torch selection; the torch path, a group of
 blocks (~512 KiB of cells) at a time: gather the group's embedding rows, batched matmul
 into H, then X, the rollout maxima and the softmax on cache-resident temporaries (B is a
-uint8 outer product of the validity masks minus the own-rollout cells); ``sibling_topk_ref``,
-a loop over tasks and targets written straight from the spec (the oracle of the tests).
+uint8 outer product of the validity masks minus the own-rollout cells). Both share the selection
+(``_select_blocks`` / ``_masked_group``), the one implementation of §2.4 that ``alignopsd.select_sources`` also
+calls; the loop written straight from the spec that the tests compare with is ``tests/selection_oracle.py``.
 
 From a precomputed H (the algorithm core's inputs: dense H[source, target] and any
 within-task eligibility B), ``sibling_topk_from_similarity`` gathers the task blocks and runs
@@ -40,9 +41,7 @@ the same selection; ``profiles.py`` has the profile entries (the Triton profile 
 kernel above without the dot product: it reads the H and B tiles). ``alignopsd.select_sources``
 calls these on CUDA tensors.
 
-Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 are interpreter-friendly starting values
-(no GPU was available to tune them); blocks are a few hundred turns, so one program per
-32 targets already fills a GPU for 16 tasks x 400 turns.
+Launch configurations per GPU architecture, autotuning and roofline bounds: ``tuning.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ __all__ = [
     "selection_lists",
     "sibling_topk",
     "sibling_topk_from_similarity",
-    "sibling_topk_ref",
 ]
 
 _PAD_MAX = 2.0  # selection: padded per-rollout view while G x (longest rollout) <= _PAD_MAX x N
@@ -465,59 +463,3 @@ def sibling_topk_from_similarity(
         valid_b = _profile_valid(rowmax, float(gamma))
     selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b, H=Hf, eligible=eligible)
-
-
-# --------------------------------------------------------------------------------------
-# reference: loop over tasks and targets, straight from the spec
-# --------------------------------------------------------------------------------------
-@torch.no_grad()
-def sibling_topk_ref(
-    teacher_emb: Tensor,
-    student_emb: Tensor,
-    task: Tensor,
-    rollout: Tensor,
-    turn: Tensor,
-    source_valid: Tensor,
-    target_valid: Tensor,
-    *,
-    gamma: float,
-    top_k: int,
-    profile_temperature: float = 0.1,
-) -> SiblingTopK:
-    """Slow reference of :func:`sibling_topk`: fp32 torch per task, Python per target."""
-    task, rollout, turn, sv, tv = _check(
-        teacher_emb, student_emb, task, rollout, turn, source_valid, target_valid, gamma, top_k, profile_temperature
-    )
-    M = teacher_emb.shape[0]
-    dev = teacher_emb.device
-    te, st = teacher_emb.float(), student_emb.float()
-    H = torch.zeros(M, M, device=dev)
-    B = torch.zeros(M, M, dtype=torch.bool, device=dev)
-    P = torch.zeros(M, M, device=dev)
-    valid = torch.zeros(M, dtype=torch.bool, device=dev)
-    selected = torch.full((M, top_k), -1, dtype=torch.long, device=dev)
-    ident = list(zip(task.tolist(), rollout.tolist(), turn.tolist()))
-    for tk in torch.unique(task).tolist():
-        idx = (task == tk).nonzero().flatten()
-        blk = (te[idx] @ st[idx].T).clamp(-1.0, 1.0)
-        blk = blk * (sv[idx][:, None] & tv[idx][None, :])
-        H[idx[:, None], idx[None, :]] = blk
-        eb = sv[idx][:, None] & tv[idx][None, :] & (rollout[idx][:, None] != rollout[idx][None, :])
-        B[idx[:, None], idx[None, :]] = eb
-        for j, t in enumerate(idx.tolist()):
-            srcs = [(float(blk[i, j]), ident[s], s) for i, s in enumerate(idx.tolist()) if bool(eb[i, j])]
-            if srcs:
-                hs = torch.tensor([h for h, _, _ in srcs], device=dev)
-                cols = torch.tensor([s for _, _, s in srcs], device=dev)
-                P[t, cols] = torch.softmax(hs / profile_temperature, 0)
-                valid[t] = bool(hs.max() >= gamma)
-            best: dict[int, tuple[float, tuple, int]] = {}
-            for h, idt, s in srcs:
-                if h >= gamma:
-                    r = idt[1]
-                    if r not in best or (-h, idt) < (-best[r][0], best[r][1]):
-                        best[r] = (h, idt, s)
-            ranked = sorted(best.values(), key=lambda x: (-x[0], x[1]))[:top_k]
-            for k, (_, _, s) in enumerate(ranked):
-                selected[t, k] = s
-    return SiblingTopK(selected, valid, H=H, eligible=B, P=P)

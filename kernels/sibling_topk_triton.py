@@ -3,7 +3,7 @@ block kernel (H, B, P and validity from embeddings) and the profile kernel (P an
 H and B), with their launchers.
 
 Legend: T = tasks, N = slots of the largest task block, D = embedding size. Block tensors are target-major
-x_BTS[b, t, s]. Tuning: BLOCK_T = BLOCK_S = 32, BLOCK_D = 64 (see ``sibling_topk.py``).
+x_BTS[b, t, s]. Launch configurations per GPU architecture, autotuning and roofline bounds: ``tuning.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import HAS_TRITON, dot_precision, launch, upcast_dots
+from ._dispatch import HAS_TRITON, dot_precision, upcast_dots
+from .tuning import launch_tuned
 
 if HAS_TRITON:
     import triton
@@ -21,10 +22,6 @@ else:  # pragma: no cover
     tl = None
 
 __all__ = ["blocks_triton", "profiles_triton"]
-
-_BLOCK_T = 32
-_BLOCK_S = 32
-_BLOCK_D = 64
 
 
 def _sibling_kernel(
@@ -112,9 +109,10 @@ def blocks_triton(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
     P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
     valid = torch.empty(T, N, dtype=torch.int8, device=dev)
     if T and N:
-        launch(
+        launch_tuned(
             _sibling_kernel,
-            (T, triton.cdiv(N, _BLOCK_T)),
+            lambda meta: (T, triton.cdiv(N, meta["BLOCK_T"])),
+            dev,
             Tb.contiguous(),
             Sb.contiguous(),
             src_ok.to(torch.int8).contiguous(),
@@ -130,9 +128,6 @@ def blocks_triton(Tb, Sb, src_ok, tgt_ok, lroll, gamma, temperature):
             float(gamma),
             UPCAST=upcast_dots(Tb),
             DOT_PREC=dot_precision(Tb.dtype),
-            BLOCK_T=_BLOCK_T,
-            BLOCK_S=_BLOCK_S,
-            BLOCK_D=_BLOCK_D,
         )
     return H, E.bool(), P, valid.bool()
 
@@ -188,9 +183,10 @@ def profiles_triton(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: flo
     P = torch.empty(T, N, N, dtype=torch.float32, device=dev)
     valid = torch.empty(T, N, dtype=torch.int8, device=dev)
     if T and N:
-        launch(
+        launch_tuned(
             _profiles_kernel,
-            (T, triton.cdiv(N, _BLOCK_T)),
+            lambda meta: (T, triton.cdiv(N, meta["BLOCK_T"])),
+            dev,
             H_BTS.float().contiguous(),
             E_BTS.to(torch.int8).contiguous(),
             P,
@@ -198,7 +194,5 @@ def profiles_triton(H_BTS: Tensor, E_BTS: Tensor, gamma: float, temperature: flo
             N,
             1.0 / temperature,
             float(gamma),
-            BLOCK_T=_BLOCK_T,
-            BLOCK_S=_BLOCK_S,
         )
     return P, valid.bool()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from selection_oracle import select_sources_ref
 
 from alignopsd.rectify import (
     action_filter,
@@ -21,7 +22,7 @@ from alignopsd.rectify import (
     similarity_matrix,
     webshop_rule_applies,
 )
-from alignopsd.reference_m1 import action_filter_ref, eligibility_ref, rectify_ref, select_sources_ref
+from alignopsd.reference_m1 import action_filter_ref, eligibility_ref, rectify_ref
 
 # ------------------------------------------------------------------------------------------------ case 7, 8
 

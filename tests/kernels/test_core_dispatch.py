@@ -35,13 +35,13 @@ def launches(monkeypatch):
     """Counter of Triton kernel launches (by kernel function name) in the two alignment-kernel modules."""
     seen: Counter[str] = Counter()
     for mod in (STK_TRITON, JSD):
-        original = mod.launch
+        original = mod.launch_tuned
 
-        def counting(fn, grid, *args, _original=original, **kwargs):
+        def counting(fn, grid, device, *args, _original=original, **kwargs):
             seen[fn.__name__] += 1
-            return _original(fn, grid, *args, **kwargs)
+            return _original(fn, grid, device, *args, **kwargs)
 
-        monkeypatch.setattr(mod, "launch", counting)
+        monkeypatch.setattr(mod, "launch_tuned", counting)
     return seen
 
 

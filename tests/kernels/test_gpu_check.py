@@ -80,3 +80,30 @@ def test_gpu_check_script_is_valid_bash():
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "--dry-run" in r.stdout and "--part" in r.stdout
+
+
+def test_gpu_check_configs_part_dry_run(gpu_check, tmp_path, capsys):
+    """The configs part on CPU: every kernel entry runs with its default configuration (no autotuning in the
+    interpreter) and its time is printed beside the roofline bound of an A800."""
+    from alignopsd.kernels.tuning import default_config
+
+    out = tmp_path / "results.md"
+    rc = gpu_check.main(["--dry-run", "--part", "configs", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    written = out.read_text()
+    assert "autotune off (default configuration)" in written and "roofline peaks of the A800" in written
+    for kernel in ("_lp_fwd_kernel", "_lp_bwd_kernel", "_sibling_kernel", "_pair_kernel"):
+        row = next(ln for ln in written.splitlines() if ln.startswith(f"| {kernel} |"))
+        assert default_config(kernel, 80).label() in row
+        assert float(row.split("|")[5]) > 0  # the bound
+        assert f"[PASS] configs {kernel}:" in written
+    assert "configs: 4/4 checks passed" in written
+
+
+def test_gpu_key_maps_names_and_architectures():
+    from bench.gpu_configs import gpu_key
+
+    assert gpu_key("NVIDIA A800-SXM4-80GB", 8) == "a800"
+    assert gpu_key("NVIDIA H200", 9) == "h200"
+    assert gpu_key("NVIDIA L40S", 8) == "a800" and gpu_key("NVIDIA GH100 unknown", 9) == "h200"

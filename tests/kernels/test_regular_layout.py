@@ -19,9 +19,9 @@ from alignopsd.kernels import (
     selection_lists,
     sibling_topk,
     sibling_topk_from_similarity,
-    sibling_topk_ref,
 )
 from alignopsd.kernels import blocks as layout
+from selection_oracle import sibling_topk_ref
 from test_sibling_topk import make_batch
 
 import alignopsd
