@@ -44,13 +44,13 @@ def is_triton_kernel(node: ast.AST) -> bool:
 
 def jitted_names(tree: ast.AST) -> set[str]:
     """Functions compiled by a ``triton.jit(f)`` call instead of the decorator, or handed to the kernels'
-    ``launch(f, grid, ...)`` (which jits them)."""
+    ``launch(f, grid, ...)`` or ``launch_tuned(f, ...)`` (which jit them)."""
     out = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Name):
             continue
         name = ast.unparse(node.func)
-        if name in ("triton.jit", "jit") or name.split(".")[-1] == "launch":
+        if name in ("triton.jit", "jit") or name.split(".")[-1] in ("launch", "launch_tuned"):
             out.add(node.args[0].id)
     return out
 
