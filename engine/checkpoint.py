@@ -21,8 +21,12 @@ Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, fl
 manifest, and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
 on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
 one, never a half-written directory under a final name; stale ``.tmp-*`` folders are ignored by
-:func:`latest_checkpoint` and removed by the next save. Only the newest ``keep_last`` complete checkpoints are
-kept.
+:func:`latest_checkpoint` and ``--resume auto`` and removed when the next save starts
+(:func:`remove_unfinished`). Only the newest ``keep_last`` complete checkpoints are kept.
+
+Write failures: a full disk, a file size limit or an I/O error while saving raises
+:class:`~alignopsd.engine.writes.WriteFailure` naming the file and the cause (the entry points exit with status 1);
+the unfinished folder is removed and the complete checkpoints stay as they were.
 
 Trust: :func:`load_checkpoint` verifies the manifest (sizes and checksums) before reading any file and refuses
 a checkpoint that is incomplete, corrupted or missing a part, naming the file; ``--resume auto`` falls back to
@@ -54,6 +58,7 @@ from .manifest import (
     write_manifest,
 )
 from .statefile import load_state, save_state
+from .writes import WriteFailure, writing
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "trainer_state.json"
@@ -111,6 +116,42 @@ def _require_weights(path: Path, files: dict[str, Any]) -> None:
         )
 
 
+# trainer_state.json: field -> (accepted types, lowest value or None, required)
+_STATE_FIELDS: dict[str, tuple[tuple[type, ...], int | None, bool]] = {
+    "step": ((int,), 0, True),
+    "world_size": ((int,), 1, False),
+    "span_lengths_count": ((int,), 0, False),
+    "sharded": ((bool,), None, False),
+    "complete": ((bool,), None, False),
+    "config_name": ((str,), None, False),
+    "run_config": ((dict,), None, False),
+    "data_position": ((dict,), None, False),
+}
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """``trainer_state.json`` of checkpoint ``path``, its fields checked (types, ranges); ManifestError naming the
+    file and the first bad field otherwise. The caller has verified the file against the manifest."""
+    where = Path(path) / STATE_FILE
+    try:
+        state = json.loads(where.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{where}: unreadable ({exc})") from None
+    if not isinstance(state, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(state).__name__}")
+    for key, (types, low, required) in _STATE_FIELDS.items():
+        if key not in state:
+            if required:
+                raise ManifestError(f"{where}: {key!r} is missing")
+            continue
+        value = state[key]
+        ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
+        if not ok or (low is not None and value < low):
+            want = "/".join(t.__name__ for t in types) + ("" if low is None else f" >= {low}")
+            raise ManifestError(f"{where}: {key!r} must be {want}, got {str(json.dumps(value))[:80]}")
+    return state
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """A checkpoint directory under its final name whose manifest lists the weights and the trainer state and
     whose files have the listed sizes (cheap: no checksums; :func:`verify_checkpoint` checks those)."""
@@ -149,6 +190,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
         return files
     _VERIFIED.pop(key, None)
     files = verify_manifest(path, require=(STATE_FILE,))
+    read_trainer_state(path)
     if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
         _VERIFIED[key] = before
     return files
@@ -217,9 +259,13 @@ def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], h
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(_plain_state_dict(state_dict), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    if hf_config is not None:
+    with writing(path):
+        path.mkdir(parents=True, exist_ok=True)
+    with writing(path / WEIGHTS_FILE):
+        save_file(_plain_state_dict(state_dict), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    if hf_config is None:
+        return
+    with writing(path / "config.json"):
         if hasattr(hf_config, "save_pretrained"):
             hf_config.save_pretrained(str(path))
         elif isinstance(hf_config, dict):
@@ -301,32 +347,60 @@ def save_checkpoint(
     sync = barrier or (lambda: None)
 
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        with writing(ckpt_dir):
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(ckpt_dir)
+            tmp.mkdir()
     sync()
-    save_state(tmp / rng_file(rank), capture_rng_state())
-    mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
-    entries: dict[str, dict[str, Any]] = {}
-    if gather is not None:
-        for part in gather(mine):
-            entries.update(part)
-    else:
-        sync()
-    if shards is not None:
-        shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and the folder's manifest are written
+    try:
+        save_state(tmp / rng_file(rank), capture_rng_state())
+        mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
+        entries: dict[str, dict[str, Any]] = {}
+        if gather is not None:
+            for part in gather(mine):
+                entries.update(part)
+        else:
+            sync()
+        if shards is not None:
+            with writing(tmp / SHARDS_DIR):
+                shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and its manifest are written
+            if rank == 0:
+                entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
         if rank == 0:
-            entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
+            _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
+                               world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
+            write_manifest(tmp, entries)  # flushes every file, then the manifest, last
+    except WriteFailure as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the complete checkpoints stay as they are
+        last = latest_checkpoint(ckpt_dir)
+        where = f"the last complete checkpoint {last} is untouched" if last else "there is no complete checkpoint"
+        raise exc.with_note(f"checkpoint of step {step} not saved; {where}") from None
     if rank == 0:
-        _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
-                           world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
-        write_manifest(tmp, entries)  # flushes every file, then the manifest, last
         _install(tmp, final, ckpt_dir)
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     sync()
     return final
+
+
+def remove_unfinished(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted saves left in ``ckpt_dir``: ``.tmp-step_*`` folders, and the ``.old-step_*`` copy
+    of a re-saved step (put back under its name when a kill between the two renames of :func:`_install` left the
+    step without one). Returns the removed paths; called when a save starts."""
+    ckpt_dir = Path(ckpt_dir)
+    gone = []
+    for p in sorted(ckpt_dir.iterdir()):
+        if p.name.startswith(".old-step_") and not (ckpt_dir / p.name[len(".old-") :]).exists():
+            os.replace(p, ckpt_dir / p.name[len(".old-") :])
+        elif p.name.startswith((".tmp-step_", ".old-step_")):
+            gone.append(p)
+    for p in gone:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return gone
 
 
 def _write_rank0_files(
@@ -352,10 +426,12 @@ def _write_rank0_files(
     if fail_after == OPTIMIZER_FILE:
         raise RuntimeError("simulated crash after writing the optimizer")
     for name, blob in (extra_files or {}).items():
-        (tmp / name).write_bytes(blob)
+        with writing(tmp / name):
+            (tmp / name).write_bytes(blob)
     state = dict(trainer_state)
     state.update(step=step, world_size=world_size, sharded=sharded, complete=True)
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+    with writing(tmp / STATE_FILE):
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
     if fail_after == STATE_FILE:
         raise RuntimeError("simulated crash before the manifest")
 
@@ -373,14 +449,14 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     if not path.is_dir() or not STEP_RE.match(path.name):
         raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
     files = verify_checkpoint(path)
-    trainer_state = json.loads((path / STATE_FILE).read_text())
+    trainer_state = read_trainer_state(path)
     sharded = bool(trainer_state.get("sharded", False))
     if sharded and SHARDS_METADATA not in files:
         raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")
     if not sharded and WEIGHTS_FILE not in files:
         raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
     optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
-    saved_world = int(trainer_state.get("world_size", 1))
+    saved_world = trainer_state.get("world_size", 1)
     name = rng_file(rank if rank < saved_world else 0)
     if name not in files:
         raise ManifestError(f"{path}: {name!r} is not listed in the manifest (missing part)")

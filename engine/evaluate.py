@@ -19,12 +19,14 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import load_weights
+from .checkpoint import STATE_FILE, WEIGHTS_FILE, load_weights, read_trainer_state
 from .config import ConfigError, load_config
 from .episodes import run_validation
 from .manifest import ManifestError, verify_manifest
 from .preflight import preflight
 from .train import Trainer, add_run_args
+from .writes import WriteFailure, ignore_file_size_signal, writing
+from .writes import report as report_write_failure
 
 ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
                     ("pick2", "Pick2"))  # fmt: skip
@@ -112,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the config's initial model)")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
+    ignore_file_size_signal()
     try:
         cfg = load_config(args.config, args.overrides)
         preflight(cfg)
         if args.checkpoint:
-            verify_manifest(Path(args.checkpoint), require=("model.safetensors",))
+            files = verify_manifest(Path(args.checkpoint), require=(WEIGHTS_FILE,))
+            if STATE_FILE in files:  # a trainer's checkpoint: its state is checked like a resume checks it
+                read_trainer_state(args.checkpoint)
     except (ConfigError, ManifestError) as exc:
         print(f"{'config' if isinstance(exc, ConfigError) else '--checkpoint'} error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.env.name} ({cfg.env.val_split}, {res['episodes']} episodes)")
     print(format_table(cfg.env.name, res["table"], row=name))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        try:
+            with writing(args.json):
+                Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        except WriteFailure as exc:
+            return report_write_failure(exc, "alignopsd eval")
     return 0
 
 

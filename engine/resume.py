@@ -30,8 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import STATE_FILE, resolve_resume
+from .checkpoint import read_trainer_state, resolve_resume
 from .config import ConfigError, RunConfig, config_to_dict
+from .manifest import ManifestError
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
@@ -109,10 +110,10 @@ def check_resume(
     ``allow_changes``, where they are returned too, marked as overridden)."""
     path = Path(path)
     try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ResumeConfigError(f"--resume: cannot read {path / STATE_FILE} ({exc})") from None
-    step = int(state.get("step", 0))
+        state = read_trainer_state(path)
+    except ManifestError as exc:
+        raise ResumeConfigError(f"--resume: {exc}") from None
+    step = state["step"]
     if cfg.trainer.total_steps < step:
         raise ResumeConfigError(
             f"trainer.total_steps: {cfg.trainer.total_steps} is below the checkpoint's step {step}; nothing would "
@@ -127,7 +128,7 @@ def check_resume(
             "to resume anyway"
         )
     blocking, neutral = config_changes(
-        saved, stored_config(cfg), step=step, saved_world=int(state.get("world_size", 1)), world=world_size
+        saved, stored_config(cfg), step=step, saved_world=state.get("world_size", 1), world=world_size
     )
     fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
     if state.get("sharded") and fixed:
