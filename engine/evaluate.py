@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from .arch_check import check_architecture
 from .checkpoint import STATE_FILE, WEIGHTS_FILE, load_weights, read_trainer_state
 from .config import ConfigError, load_config
 from .episodes import run_validation
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             files = verify_manifest(Path(args.checkpoint), require=(WEIGHTS_FILE,))
             if STATE_FILE in files:  # a trainer's checkpoint: its state is checked like a resume checks it
                 read_trainer_state(args.checkpoint)
+            check_architecture(args.checkpoint, cfg.model.name, what="--checkpoint")  # before any model is built
     except (ConfigError, ManifestError) as exc:
         print(f"{'config' if isinstance(exc, ConfigError) else '--checkpoint'} error: {exc}", file=sys.stderr)
         return 2
