@@ -15,6 +15,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine import checkpoint as ck
+from alignopsd.engine.writes import WriteFailure
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -131,6 +132,24 @@ save_warm_start(model, None, d, base="tiny", meta={})
     )
     assert r.returncode == 3, r.stderr
     assert r.stdout.strip().startswith(f"cannot write {tmp_path}/sft: File too large (EFBIG)"), r.stdout
+
+
+def test_a_full_disk_names_the_file(tmp_path):
+    """A 2 MiB tmpfs (ENOSPC); mounting one needs root, the test is skipped without it."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("no permission to mount a tmpfs")
+    try:
+        first = ck.save_checkpoint(mnt, 1, model_state={"w": torch.zeros(8)}, optimizer_state=None, trainer_state={})
+        with pytest.raises(WriteFailure) as err:
+            ck.save_checkpoint(mnt, 2, model_state={"w": torch.zeros(1 << 20)}, optimizer_state=None, trainer_state={})
+        assert str(err.value).startswith(f"cannot write {mnt}/.tmp-step_000002/model.safetensors: No space left on "
+                                         "device (ENOSPC); checkpoint of step 2 not saved")  # fmt: skip
+        assert sorted(p.name for p in mnt.iterdir()) == ["step_000001"]
+        ck.verify_checkpoint(first)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 def test_unfinished_folders_are_removed_by_the_next_save_and_never_resumed(tmp_path):
