@@ -29,7 +29,9 @@ Write failures: a full disk, a file size limit or an I/O error while saving rais
 the unfinished folder is removed and the complete checkpoints stay as they were.
 
 Trust: :func:`load_checkpoint` verifies the manifest (sizes and checksums) before reading any file and refuses
-a checkpoint that is incomplete, corrupted or missing a part, naming the file; ``--resume auto`` falls back to
+a checkpoint that is incomplete, corrupted or missing a part, naming the file, whose trainer state has a field of
+the wrong type or range, or whose sharded index (DCP's pickled ``.metadata``) names anything but DCP's metadata
+types or a listed shard file (engine/safe_dcp.py: nothing in it is called); ``--resume auto`` falls back to
 the newest checkpoint that verifies (:func:`resolve_resume`) and refuses to start over in a folder whose
 checkpoints all fail. Weights that are not finite are never written (:class:`UnsafeStateError`).
 """
@@ -191,6 +193,11 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     _VERIFIED.pop(key, None)
     files = verify_manifest(path, require=(STATE_FILE,))
     read_trainer_state(path)
+    if SHARDS_METADATA in files:  # DCP's pickled index, through the restricted unpickler (engine/safe_dcp.py)
+        from .safe_dcp import read_metadata
+
+        prefix = f"{SHARDS_DIR}/"
+        read_metadata(path / SHARDS_DIR, {k[len(prefix) :] for k in files if k.startswith(prefix)})
     if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
         _VERIFIED[key] = before
     return files

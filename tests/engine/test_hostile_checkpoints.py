@@ -145,3 +145,90 @@ def test_commands_refuse_hostile_checkpoints_with_exit_2(tmp_path, command):
         assert match in res["stderr"] and "Traceback" not in res["stderr"], (kind, res)
         assert len(res["stderr"].strip().splitlines()) == 1, (kind, res)
         assert res["seconds"] < 5.0, (kind, res)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a forged torch.distributed.checkpoint index (the Megatron backend's sharded checkpoints)
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _dcp_shards(folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0), "steps": 3, "hp": {"lr": 0.1, "betas": (0.9, 0.99)}}, checkpoint_id=str(folder),
+             no_dist=True)  # fmt: skip
+    write_manifest(folder)
+
+
+def _sharded_checkpoint(out: Path) -> Path:
+    cfg = load_config(TINY, [f"output_dir={out}"])
+    return ck.save_checkpoint(out / "checkpoints", 2, model_state=None, optimizer_state=None,
+                              trainer_state={"run_config": stored_config(cfg)}, shards=_dcp_shards,
+                              shard_state={"w": torch.zeros(2)})  # fmt: skip
+
+
+def _forge(path: Path, payload: bytes) -> None:
+    """Replace the index and recompute both manifests, as a forger would."""
+    (path / "shards" / ".metadata").write_bytes(payload)
+    write_manifest(path / "shards")
+    write_manifest(path)
+
+
+def test_sharded_index_round_trip_through_the_restricted_reader(tmp_path):
+    from alignopsd.engine import safe_dcp
+
+    path = _sharded_checkpoint(tmp_path)
+    ck.verify_checkpoint(path)
+    state = {"w": torch.zeros(6), "steps": 0, "hp": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    safe_dcp.load(state, path / "shards", {"__0_0.distcp"})
+    assert torch.equal(state["w"], torch.arange(6.0)) and state["steps"] == 3 and state["hp"]["betas"] == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("forgery", ["reduce", "outside"])
+def test_forged_sharded_index_runs_nothing(tmp_path, forgery):
+    import pickle
+
+    from alignopsd.engine import safe_dcp
+
+    path = _sharded_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    if forgery == "reduce":
+        _forge(path, pickle.dumps(_Evil(marker)))
+        match = "names posix.system, which is not a torch.distributed.checkpoint metadata type"
+    else:  # genuine types, but a shard entry naming a file outside the folder
+        md = safe_dcp.read_metadata(path / "shards")
+        for info in md.storage_data.values():
+            info.relative_path = "../../trainer_state.json"
+        _forge(path, pickle.dumps(md))
+        match = "names '../../trainer_state.json', not a listed shard file"
+    with pytest.raises(safe_dcp.UnsafeCheckpointError, match=match):
+        ck.verify_checkpoint(path)
+    with pytest.raises(safe_dcp.UnsafeCheckpointError, match=match):  # the backend's load path
+        safe_dcp.load({"w": torch.zeros(6)}, path / "shards", {"__0_0.distcp"})
+    r = subprocess.run([sys.executable, "-c", _DRIVER.format(module="train"),
+                        json.dumps([["--config", TINY, "--set", f"output_dir={tmp_path}", "--resume", "auto"]])],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = json.loads(r.stdout.splitlines()[-1])[0]
+    assert res["rc"] == 2 and match in res["stderr"] and "Traceback" not in res["stderr"], res
+    assert not marker.exists()
+
+
+def test_non_tensor_values_of_shards_are_read_without_code(tmp_path):
+    """The stock planner reads a shard's non-tensor values with torch.load(weights_only=False); ours refuses code."""
+    import io
+    import pickle
+
+    from alignopsd.engine import safe_dcp
+
+    marker = tmp_path / "pwned"
+    planner = safe_dcp.safe_load_planner()
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, io.BytesIO(pickle.dumps(_Evil(marker))))
+    assert not marker.exists()
