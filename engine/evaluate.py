@@ -26,7 +26,7 @@ from .episodes import run_validation
 from .manifest import ManifestError, verify_manifest
 from .preflight import preflight
 from .train import Trainer, add_run_args
-from .writes import WriteFailure, ignore_file_size_signal, writing
+from .writes import WriteFailure, writing
 from .writes import report as report_write_failure
 
 ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the config's initial model)")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
-    ignore_file_size_signal()
     try:
         cfg = load_config(args.config, args.overrides)
         preflight(cfg)

@@ -439,14 +439,13 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError, load_config
     from .train import add_run_args
-    from .writes import WriteFailure, ignore_file_size_signal
+    from .writes import WriteFailure
     from .writes import report as report_write_failure
 
     p = argparse.ArgumentParser(prog="alignopsd sft", description="Supervised warm start on expert walkthroughs.")
     add_run_args(p)
     add_sft_args(p)
     args = p.parse_args(argv)
-    ignore_file_size_signal()
     if args.steps < 1 or args.batch_size < 1 or args.lr <= 0:
         p.error("--steps and --batch-size must be >= 1 and --lr > 0")
     overrides = list(args.overrides or [])

@@ -42,7 +42,7 @@ from .preflight import preflight
 from .report import write_report
 from .resume import prepare_resume, read_span_lengths, stored_config
 from .step import run_step
-from .writes import WriteFailure, ignore_file_size_signal, writing
+from .writes import WriteFailure, writing
 from .writes import report as report_write_failure
 
 log = logging.getLogger("alignopsd.train")
@@ -403,7 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    ignore_file_size_signal()  # past a file size limit a write fails with EFBIG (one message), not SIGXFSZ
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")

@@ -6,9 +6,8 @@ a safetensors error carrying one) whose errno is in :data:`WRITE_ERRNOS` into :c
 file and the cause. The command-line entry points (``alignopsd train``, ``eval``, ``sft``) print its message and
 exit with status 1 (:func:`report`), no traceback. Every other error passes through unchanged.
 
-A file size limit (``ulimit -f``) makes the kernel send SIGXFSZ, whose default action kills the process with a
-core dump before any message can be written; :func:`ignore_file_size_signal` (called by the entry points) makes
-such a write fail with EFBIG instead, so it ends like a full disk.
+A file size limit (``ulimit -f``) fails a write with EFBIG: the Python interpreter ignores SIGXFSZ from its start,
+so the kernel's signal does not kill the process first.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,15 +64,6 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         if code is None:
             raise
         raise WriteFailure(path, code) from None
-
-
-def ignore_file_size_signal() -> None:
-    """Writes past a file size limit fail with EFBIG instead of killing the process (SIGXFSZ)."""
-    if hasattr(signal, "SIGXFSZ"):
-        try:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        except ValueError:  # not the main thread: the caller's setting stays
-            pass
 
 
 def report(exc: WriteFailure, prog: str) -> int:

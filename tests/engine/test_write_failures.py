@@ -23,8 +23,7 @@ RUNNER = str(Path(__file__).with_name("sharded_run.py"))  # the train command li
 
 _LIMITED = """
 import resource, sys
-from alignopsd.engine.writes import WriteFailure, ignore_file_size_signal
-ignore_file_size_signal()
+from alignopsd.engine.writes import WriteFailure
 def limit(n):
     resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 d = sys.argv[1]
@@ -168,7 +167,7 @@ def test_unfinished_folders_are_removed_by_the_next_save_and_never_resumed(tmp_p
 
 
 def _no_sigxfsz_ignored():
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # the command itself must keep SIGXFSZ from killing it
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # as a shell leaves it: the interpreter ignores it at start
     resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
