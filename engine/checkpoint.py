@@ -60,10 +60,10 @@ from .manifest import (
     write_manifest,
 )
 from .statefile import load_state, save_state
+from .trainer_state import STATE_FILE, read_trainer_state
 from .writes import WriteFailure, writing
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
-STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 SHARDS_DIR = "shards"
@@ -116,42 +116,6 @@ def _require_weights(path: Path, files: dict[str, Any]) -> None:
         raise ManifestError(
             f"{path}: neither {WEIGHTS_FILE!r} nor {SHARDS_METADATA!r} is listed in {MANIFEST} (missing part)"
         )
-
-
-# trainer_state.json: field -> (accepted types, lowest value or None, required)
-_STATE_FIELDS: dict[str, tuple[tuple[type, ...], int | None, bool]] = {
-    "step": ((int,), 0, True),
-    "world_size": ((int,), 1, False),
-    "span_lengths_count": ((int,), 0, False),
-    "sharded": ((bool,), None, False),
-    "complete": ((bool,), None, False),
-    "config_name": ((str,), None, False),
-    "run_config": ((dict,), None, False),
-    "data_position": ((dict,), None, False),
-}
-
-
-def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """``trainer_state.json`` of checkpoint ``path``, its fields checked (types, ranges); ManifestError naming the
-    file and the first bad field otherwise. The caller has verified the file against the manifest."""
-    where = Path(path) / STATE_FILE
-    try:
-        state = json.loads(where.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"{where}: unreadable ({exc})") from None
-    if not isinstance(state, dict):
-        raise ManifestError(f"{where}: expected a JSON object, got {type(state).__name__}")
-    for key, (types, low, required) in _STATE_FIELDS.items():
-        if key not in state:
-            if required:
-                raise ManifestError(f"{where}: {key!r} is missing")
-            continue
-        value = state[key]
-        ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
-        if not ok or (low is not None and value < low):
-            want = "/".join(t.__name__ for t in types) + ("" if low is None else f" >= {low}")
-            raise ManifestError(f"{where}: {key!r} must be {want}, got {str(json.dumps(value))[:80]}")
-    return state
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -378,17 +342,23 @@ def save_checkpoint(
                                world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
             write_manifest(tmp, entries)  # flushes every file, then the manifest, last
     except WriteFailure as exc:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the complete checkpoints stay as they are
-        last = latest_checkpoint(ckpt_dir)
-        where = f"the last complete checkpoint {last} is untouched" if last else "there is no complete checkpoint"
-        raise exc.with_note(f"checkpoint of step {step} not saved; {where}") from None
+        raise _abandoned(exc, tmp if rank == 0 else None, ckpt_dir, step) from None
     if rank == 0:
         _install(tmp, final, ckpt_dir)
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     sync()
     return final
+
+
+def _abandoned(exc: WriteFailure, tmp: Path | None, ckpt_dir: Path, step: int) -> WriteFailure:
+    """A save that could not be written: its folder removed (``tmp``: on the rank that made it), the failure told
+    with the newest complete checkpoint, which stays as it is."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # gives the space back
+    last = latest_checkpoint(ckpt_dir)
+    where = f"the last complete checkpoint {last} is untouched" if last else "there is no complete checkpoint"
+    return exc.with_note(f"checkpoint of step {step} not saved; {where}")
 
 
 def remove_unfinished(ckpt_dir: str | os.PathLike) -> list[Path]:

@@ -20,12 +20,13 @@ import sys
 from pathlib import Path
 
 from .arch_check import check_architecture
-from .checkpoint import STATE_FILE, WEIGHTS_FILE, load_weights, read_trainer_state
+from .checkpoint import WEIGHTS_FILE, load_weights
 from .config import ConfigError, load_config
 from .episodes import run_validation
 from .manifest import ManifestError, verify_manifest
 from .preflight import preflight
 from .train import Trainer, add_run_args
+from .trainer_state import STATE_FILE, read_trainer_state
 from .writes import WriteFailure, writing
 from .writes import report as report_write_failure
 

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from .arch_check import check_architecture
-from .checkpoint import read_trainer_state, resolve_resume
+from .checkpoint import resolve_resume
 from .config import ConfigError, RunConfig, config_to_dict
 from .manifest import ManifestError
+from .trainer_state import read_trainer_state
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
