@@ -1,4 +1,5 @@
-"""Audit records of a run (ALGORITHM.md §4.3 "Audit"): local JSONL per step, never W&B, never fatal.
+"""Audit records of a run (ALGORITHM.md §4.3 "Audit"): local JSONL per step, never W&B, never fatal, except that
+a full disk or a file size limit ends the run as it does for every write (engine/writes.py).
 
 Legend: M = canonical turns of this rank's batch, L = response length, P = kept (source, target) pairs.
 
@@ -70,6 +71,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .writes import WriteFailure, writing
 
 log = logging.getLogger("alignopsd.audit")
 
@@ -540,12 +543,18 @@ class Auditor:
                 return 0
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
+            try:
+                with writing(path), open(tmp, "wb") as f:
+                    f.write(data)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             os.replace(tmp, path)
             self.bytes += len(data) - old
             return len(records)
-        except Exception as exc:  # noqa: BLE001 - the audit never stops a run
+        except WriteFailure:  # a full disk or a size limit stops the run like any other write of it
+            raise
+        except Exception as exc:  # noqa: BLE001 - otherwise the audit never stops a run
             self._error(f"cannot write the records of step {step}", exc)
             return 0
 
@@ -584,6 +593,8 @@ class Auditor:
             head = self._head(step, skipped=False, **info, m2_threshold=None if tau is None else _num(tau))
             n = self.write(step, [head, *recs, *snaps])
             return self.metrics(n, len(snaps) if n else 0, time.perf_counter() - t0)
+        except WriteFailure:
+            raise
         except Exception as exc:  # noqa: BLE001 - the audit never stops a run
             self._error(f"cannot build the records of step {step}", exc)
             return self.metrics(0, 0, time.perf_counter() - t0)

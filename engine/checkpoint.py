@@ -21,11 +21,17 @@ Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, fl
 manifest, and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
 on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
 one, never a half-written directory under a final name; stale ``.tmp-*`` folders are ignored by
-:func:`latest_checkpoint` and removed by the next save. Only the newest ``keep_last`` complete checkpoints are
-kept.
+:func:`latest_checkpoint` and ``--resume auto`` and removed when the next save starts
+(:func:`remove_unfinished`). Only the newest ``keep_last`` complete checkpoints are kept.
+
+Write failures: a full disk, a file size limit or an I/O error while saving raises
+:class:`~alignopsd.engine.writes.WriteFailure` naming the file and the cause (the entry points exit with status 1);
+the unfinished folder is removed and the complete checkpoints stay as they were.
 
 Trust: :func:`load_checkpoint` verifies the manifest (sizes and checksums) before reading any file and refuses
-a checkpoint that is incomplete, corrupted or missing a part, naming the file; ``--resume auto`` falls back to
+a checkpoint that is incomplete, corrupted or missing a part, naming the file, whose trainer state has a field of
+the wrong type or range, or whose sharded index (DCP's pickled ``.metadata``) names anything but DCP's metadata
+types or a listed shard file (engine/safe_dcp.py: nothing in it is called); ``--resume auto`` falls back to
 the newest checkpoint that verifies (:func:`resolve_resume`) and refuses to start over in a folder whose
 checkpoints all fail. Weights that are not finite are never written (:class:`UnsafeStateError`).
 """
@@ -54,9 +60,10 @@ from .manifest import (
     write_manifest,
 )
 from .statefile import load_state, save_state
+from .trainer_state import STATE_FILE, read_trainer_state
+from .writes import WriteFailure, writing
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
-STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 SHARDS_DIR = "shards"
@@ -166,6 +173,12 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
         return files
     _VERIFIED.pop(key, None)
     files = verify_manifest(path, require=(STATE_FILE,))
+    read_trainer_state(path)
+    if SHARDS_METADATA in files:  # DCP's pickled index, through the restricted unpickler (engine/safe_dcp.py)
+        from .safe_dcp import read_metadata
+
+        prefix = f"{SHARDS_DIR}/"
+        read_metadata(path / SHARDS_DIR, {k[len(prefix) :] for k in files if k.startswith(prefix)})
     if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
         _VERIFIED[key] = before
     return files
@@ -234,9 +247,13 @@ def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], h
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(_plain_state_dict(state_dict), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    if hf_config is not None:
+    with writing(path):
+        path.mkdir(parents=True, exist_ok=True)
+    with writing(path / WEIGHTS_FILE):
+        save_file(_plain_state_dict(state_dict), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    if hf_config is None:
+        return
+    with writing(path / "config.json"):
         if hasattr(hf_config, "save_pretrained"):
             hf_config.save_pretrained(str(path))
         elif isinstance(hf_config, dict):
@@ -318,32 +335,66 @@ def save_checkpoint(
     sync = barrier or (lambda: None)
 
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        with writing(ckpt_dir):
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(ckpt_dir)
+            tmp.mkdir()
     sync()
-    save_state(tmp / rng_file(rank), capture_rng_state())
-    mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
-    entries: dict[str, dict[str, Any]] = {}
-    if gather is not None:
-        for part in gather(mine):
-            entries.update(part)
-    else:
-        sync()
-    if shards is not None:
-        shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and the folder's manifest are written
+    try:
+        save_state(tmp / rng_file(rank), capture_rng_state())
+        mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
+        entries: dict[str, dict[str, Any]] = {}
+        if gather is not None:
+            for part in gather(mine):
+                entries.update(part)
+        else:
+            sync()
+        if shards is not None:
+            with writing(tmp / SHARDS_DIR):
+                shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and its manifest are written
+            if rank == 0:
+                entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
         if rank == 0:
-            entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
+            _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
+                               world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
+            write_manifest(tmp, entries)  # flushes every file, then the manifest, last
+    except WriteFailure as exc:
+        raise _abandoned(exc, tmp if rank == 0 else None, ckpt_dir, step) from None
     if rank == 0:
-        _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
-                           world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
-        write_manifest(tmp, entries)  # flushes every file, then the manifest, last
         _install(tmp, final, ckpt_dir)
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     sync()
     return final
+
+
+def _abandoned(exc: WriteFailure, tmp: Path | None, ckpt_dir: Path, step: int) -> WriteFailure:
+    """A save that could not be written: its folder removed (``tmp``: on the rank that made it), the failure told
+    with the newest complete checkpoint, which stays as it is."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # gives the space back
+    last = latest_checkpoint(ckpt_dir)
+    where = f"the last complete checkpoint {last} is untouched" if last else "there is no complete checkpoint"
+    return exc.with_note(f"checkpoint of step {step} not saved; {where}")
+
+
+def remove_unfinished(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted saves left in ``ckpt_dir``: ``.tmp-step_*`` folders, and the ``.old-step_*`` copy
+    of a re-saved step (put back under its name when a kill between the two renames of :func:`_install` left the
+    step without one). Returns the removed paths; called when a save starts."""
+    ckpt_dir = Path(ckpt_dir)
+    gone = []
+    for p in sorted(ckpt_dir.iterdir()):
+        if p.name.startswith(".old-step_") and not (ckpt_dir / p.name[len(".old-") :]).exists():
+            os.replace(p, ckpt_dir / p.name[len(".old-") :])
+        elif p.name.startswith((".tmp-step_", ".old-step_")):
+            gone.append(p)
+    for p in gone:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return gone
 
 
 def _write_rank0_files(
@@ -369,10 +420,12 @@ def _write_rank0_files(
     if fail_after == OPTIMIZER_FILE:
         raise RuntimeError("simulated crash after writing the optimizer")
     for name, blob in (extra_files or {}).items():
-        (tmp / name).write_bytes(blob)
+        with writing(tmp / name):
+            (tmp / name).write_bytes(blob)
     state = dict(trainer_state)
     state.update(step=step, world_size=world_size, sharded=sharded, complete=True)
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+    with writing(tmp / STATE_FILE):
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
     if fail_after == STATE_FILE:
         raise RuntimeError("simulated crash before the manifest")
 
@@ -390,7 +443,7 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     if not path.is_dir() or not STEP_RE.match(path.name):
         raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
     files = verify_checkpoint(path)
-    trainer_state = json.loads((path / STATE_FILE).read_text())
+    trainer_state = read_trainer_state(path)
     sharded = bool(trainer_state.get("sharded", False))
     if sharded and SHARDS_METADATA not in files:
         raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")

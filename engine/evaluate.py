@@ -19,12 +19,16 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import load_weights
+from .arch_check import check_architecture
+from .checkpoint import WEIGHTS_FILE, load_weights
 from .config import ConfigError, load_config
 from .episodes import run_validation
 from .manifest import ManifestError, verify_manifest
 from .preflight import preflight
 from .train import Trainer, add_run_args
+from .trainer_state import STATE_FILE, read_trainer_state
+from .writes import WriteFailure, writing
+from .writes import report as report_write_failure
 
 ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
                     ("pick2", "Pick2"))  # fmt: skip
@@ -116,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         preflight(cfg)
         if args.checkpoint:
-            verify_manifest(Path(args.checkpoint), require=("model.safetensors",))
+            files = verify_manifest(Path(args.checkpoint), require=(WEIGHTS_FILE,))
+            if STATE_FILE in files:  # a trainer's checkpoint: its state is checked like a resume checks it
+                read_trainer_state(args.checkpoint)
+            check_architecture(args.checkpoint, cfg.model.name, what="--checkpoint")  # before any model is built
     except (ConfigError, ManifestError) as exc:
         print(f"{'config' if isinstance(exc, ConfigError) else '--checkpoint'} error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.env.name} ({cfg.env.val_split}, {res['episodes']} episodes)")
     print(format_table(cfg.env.name, res["table"], row=name))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        try:
+            with writing(args.json):
+                Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        except WriteFailure as exc:
+            return report_write_failure(exc, "alignopsd eval")
     return 0
 
 

@@ -4,8 +4,10 @@ A checkpoint (the trainer's, or a ``torch.distributed.checkpoint`` folder) is tr
 manifest: :func:`verify_manifest` checks that every listed file exists with the listed size and checksum
 before any of them is read, so an incomplete, truncated or corrupted folder (a missing part, flipped bytes,
 a half-copied file) is refused with a message naming the file before any reader sees it (safetensors, JSON,
-or a library that unpickles its own metadata, like a sharded checkpoint's ``.metadata``). The checksum
-catches damage, not forgery (whoever can rewrite a file can rewrite the manifest): safety against crafted
+or a library that unpickles its own metadata, like a sharded checkpoint's ``.metadata``). Every listed path must
+be a plain relative path of a regular file inside the folder, checked with ``lstat`` before anything is opened
+(a symlink, FIFO, device, ``..`` or absolute path is refused), and checksums read no more than the listed size.
+The checksum catches damage, not forgery (whoever can rewrite a file can rewrite the manifest): safety against crafted
 files comes from the readers, and nothing in the trainer's checkpoints is unpickled.
 
 ``manifest.json``::
@@ -25,9 +27,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
+
+from .writes import writing
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -39,13 +44,63 @@ class ManifestError(ValueError):
     """A folder does not match its manifest (the message names the folder and the file)."""
 
 
-def file_crc32(path: str | os.PathLike) -> str:
-    """CRC-32 of a file's bytes as 8 hex digits."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+def file_crc32(path: str | os.PathLike, size: int | None = None) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits. ``size``: the bytes the file must hold; it is opened without
+    following a symlink or waiting on a FIFO, must be a regular file of that size, and no more than ``size`` bytes
+    are read (ManifestError otherwise)."""
+    if size is None:
+        with open(path, "rb") as f:
+            return _crc_of(f, None)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise ManifestError(f"{path}: changed while it was verified (not a regular file of {size} bytes)")
+        return _crc_of(f, size)
+
+
+def _crc_of(f, size: int | None) -> str:
+    crc, left = 0, size
+    while chunk := f.read(_CHUNK if left is None else min(_CHUNK, left + 1)):
+        if left is not None:
+            left -= len(chunk)
+            if left < 0:
+                raise ManifestError(f"{f.name}: holds more than the {size} bytes it had when it was checked")
+        crc = zlib.crc32(chunk, crc)
     return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))  # fmt: skip
+    for test, name in kinds:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def member_size(folder: Path, rel: str) -> int:
+    """Size of the file ``rel`` of ``folder``, checked with ``lstat`` (nothing is opened): it must be a regular file
+    reached through real directories inside the folder (no symlink, FIFO, device or socket on the way)."""
+    here = folder
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        here = here / part
+        try:
+            st = os.lstat(here)
+        except OSError:
+            raise ManifestError(f"{folder}: {rel!r} is missing") from None
+        last = i == len(parts) - 1
+        if (last and not stat.S_ISREG(st.st_mode)) or (not last and not stat.S_ISDIR(st.st_mode)):
+            what = "/".join(parts[: i + 1])
+            raise ManifestError(
+                f"{folder}: {what!r} is {_kind(st.st_mode)}, not a {'regular file' if last else 'directory'} of "
+                "the checkpoint folder; refused"
+            )
+    return st.st_size
 
 
 def file_entry(path: str | os.PathLike) -> dict[str, Any]:
@@ -85,10 +140,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with writing(path), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -113,7 +172,8 @@ def write_manifest(
     files = {}
     for rel in present:
         if fsync:
-            fsync_file(folder / rel)
+            with writing(folder / rel):  # EIO of a write the kernel had buffered shows here
+                fsync_file(folder / rel)
         files[rel] = given[rel] if rel in given else file_entry(folder / rel)
     body = {"format": FORMAT, "checksum": CHECKSUM, "files": files}
     atomic_write_bytes(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
@@ -136,10 +196,19 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     if not isinstance(files, dict) or not files:
         raise ManifestError(f"{folder}: {MANIFEST} lists no files")
     for rel, entry in files.items():
-        bad_path = rel.startswith("/") or ".." in Path(rel).parts
-        if bad_path or not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        if not _plain_relative(rel):
+            raise ManifestError(f"{folder}: {MANIFEST} lists {rel!r}, which is not a plain path inside the folder")
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ManifestError(f"{folder}: {MANIFEST} has a malformed entry for {rel!r}")
     return files
+
+
+def _plain_relative(rel: str) -> bool:
+    """A relative POSIX path of plain names: not absolute, no '..', '.', empty part, backslash or NUL."""
+    if not rel or "\\" in rel or "\0" in rel:
+        return False
+    return not rel.startswith("/") and all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
 def verify_manifest(
@@ -152,14 +221,12 @@ def verify_manifest(
     for rel in require:
         if rel not in files:
             raise ManifestError(f"{folder}: {rel!r} is not listed in {MANIFEST} (missing part)")
-    for rel, entry in files.items():
-        p = folder / rel
-        try:
-            size = os.path.getsize(p)
-        except OSError:
-            raise ManifestError(f"{folder}: {rel!r} is missing") from None
+    for rel, entry in files.items():  # lstat every file first: nothing is opened before all of them are checked
+        size = member_size(folder, rel)
         if size != entry["size"]:
             raise ManifestError(f"{folder}: {rel!r} has {size} bytes, the manifest says {entry['size']} (truncated?)")
-        if checksums and file_crc32(p) != entry.get(CHECKSUM):
-            raise ManifestError(f"{folder}: {rel!r} is corrupted ({CHECKSUM} does not match the manifest)")
+    if checksums:
+        for rel, entry in files.items():
+            if file_crc32(folder / rel, entry["size"]) != entry.get(CHECKSUM):
+                raise ManifestError(f"{folder}: {rel!r} is corrupted ({CHECKSUM} does not match the manifest)")
     return files

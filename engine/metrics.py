@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .writes import writing
+
 # the keys of the progress line, in order: (metric name, label, format)
 PROGRESS_KEYS = (
     ("episode/reward_mean", "reward", "{:.3f}"),
@@ -107,14 +109,15 @@ class MetricsLogger:
                 continue  # a line cut by a kill
             if rec.get("kind", "train") != "train" or int(rec.get("step", 0)) <= step:
                 keep.append(line)
-        self.path.write_text("".join(x + "\n" for x in keep))
+        with writing(self.path):
+            self.path.write_text("".join(x + "\n" for x in keep))
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train", echo: bool = True) -> dict:
         flat = flatten(metrics)
         if self.rank != 0:
             return flat
         rec = {"kind": kind, "step": int(step), "wall_time": time.time(), **flat}
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(rec, allow_nan=False) + "\n")
         if self._tb is not None:
             prefix = "" if kind == "train" else f"{kind}/"

@@ -13,6 +13,9 @@ section included). Resuming compares it key by key with the config of the new ru
   rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
   ``--allow-config-change``;
 * ``total_steps`` below the checkpoint's step is refused in any case (there is nothing to run);
+* with changes let through by ``--allow-config-change``, the checkpoint's weights must still fit the configured
+  model: names and shapes from the safetensors header against the model built on the ``meta`` device, before
+  anything loads (engine/arch_check.py), else the first mismatching parameter is named with both shapes;
 * a sharded checkpoint (Megatron, torch.distributed.checkpoint) loads only into the model, dtype, backend,
   tensor-parallel size and optimizer sharding it was written with (it reshards over data-parallel ranks only):
   a change of these is refused in any case, ``--allow-config-change`` included (:data:`SHARDED_LAYOUT`); the
@@ -30,8 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import STATE_FILE, resolve_resume
+from .arch_check import check_architecture
+from .checkpoint import resolve_resume
 from .config import ConfigError, RunConfig, config_to_dict
+from .manifest import ManifestError
+from .trainer_state import read_trainer_state
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
@@ -109,10 +115,10 @@ def check_resume(
     ``allow_changes``, where they are returned too, marked as overridden)."""
     path = Path(path)
     try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ResumeConfigError(f"--resume: cannot read {path / STATE_FILE} ({exc})") from None
-    step = int(state.get("step", 0))
+        state = read_trainer_state(path)
+    except ManifestError as exc:
+        raise ResumeConfigError(f"--resume: {exc}") from None
+    step = state["step"]
     if cfg.trainer.total_steps < step:
         raise ResumeConfigError(
             f"trainer.total_steps: {cfg.trainer.total_steps} is below the checkpoint's step {step}; nothing would "
@@ -121,13 +127,14 @@ def check_resume(
     saved = state.get("run_config")
     if not isinstance(saved, dict):
         if allow_changes:
+            _check_weights_fit(path, cfg, state)
             return [f"{path}: stores no run config; not compared (--allow-config-change)"]
         raise ResumeConfigError(
             f"--resume: {path} stores no run config, so the config cannot be compared; pass --allow-config-change "
             "to resume anyway"
         )
     blocking, neutral = config_changes(
-        saved, stored_config(cfg), step=step, saved_world=int(state.get("world_size", 1)), world=world_size
+        saved, stored_config(cfg), step=step, saved_world=state.get("world_size", 1), world=world_size
     )
     fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
     if state.get("sharded") and fixed:
@@ -145,7 +152,17 @@ def check_resume(
             f"training:\n  {listed}\nrestore these settings, start a new run (another output_dir), or pass "
             "--allow-config-change to resume with them anyway"
         )
+    if blocking:
+        _check_weights_fit(path, cfg, state)
     return [f"{line} (overridden: --allow-config-change)" for line in blocking] + neutral
+
+
+def _check_weights_fit(path: Path, cfg: RunConfig, state: dict[str, Any]) -> None:
+    """A resume whose config changes (--allow-config-change): the checkpoint's weights must fit the configured
+    model, checked from the safetensors header before any model is built (engine/arch_check.py). A sharded
+    checkpoint's layout is checked above and by its backend (layout.json)."""
+    if not state.get("sharded"):
+        check_architecture(path, cfg.model.name, what="--resume: checkpoint")
 
 
 def prepare_resume(

@@ -253,11 +253,16 @@ def sft_train(
 
 def save_warm_start(model, tokenizer, out_dir: str | Path, *, base: str, meta: dict) -> Path:
     """Write the fine-tuned model as a Hugging Face folder (fp32 safetensors + tokenizer + a marker)."""
+    from .writes import writing
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / SFT_MARKER).write_text(json.dumps({"base": base, **meta}, indent=1))
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    with writing(out / "tokenizer.json"):  # and the tokenizer's other files
+        tokenizer.save_pretrained(out)
+    with writing(out / SFT_MARKER):
+        (out / SFT_MARKER).write_text(json.dumps({"base": base, **meta}, indent=1))
     return out
 
 
@@ -434,6 +439,8 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError, load_config
     from .train import add_run_args
+    from .writes import WriteFailure
+    from .writes import report as report_write_failure
 
     p = argparse.ArgumentParser(prog="alignopsd sft", description="Supervised warm start on expert walkthroughs.")
     add_run_args(p)
@@ -459,11 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         times["games"] = time.perf_counter() - t0
         cfg = load_config(args.config, overrides)
     out = Path(args.out) if args.out else cfg.out_dir / "sft"
-    if not args.pipeline:
-        run_sft(cfg, out, steps=args.steps, lr=args.lr, batch_size=args.batch_size)
-        print(f"[sft] checkpoint: {out}")
-        return 0
-    run_pipeline(args.config, overrides, args, out, times=times)
+    try:
+        if not args.pipeline:
+            run_sft(cfg, out, steps=args.steps, lr=args.lr, batch_size=args.batch_size)
+            print(f"[sft] checkpoint: {out}")
+            return 0
+        run_pipeline(args.config, overrides, args, out, times=times)
+    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/writes.py)
+        return report_write_failure(exc, "alignopsd sft")
     return 0
 
 

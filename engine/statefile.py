@@ -100,9 +100,12 @@ def save_state(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` (nested dicts/lists/tuples of tensors, numpy arrays and plain values) to ``path``."""
     from safetensors.torch import save_file
 
+    from .writes import writing
+
     skeleton, tensors = flatten_state(obj)
     meta = {"format": FORMAT, "skeleton": json.dumps(skeleton)}
-    save_file(tensors, str(path), metadata=meta)
+    with writing(path):
+        save_file(tensors, str(path), metadata=meta)
 
 
 def load_state(path: str | os.PathLike) -> Any:

@@ -43,6 +43,8 @@ from .preflight import preflight
 from .report import write_report
 from .resume import prepare_resume, read_span_lengths, stored_config
 from .step import run_step
+from .writes import WriteFailure, writing
+from .writes import report as report_write_failure
 
 log = logging.getLogger("alignopsd.train")
 
@@ -272,7 +274,8 @@ class Trainer:
             logger.close()
         self._write_spans()
         if self.rank == 0 and cfg.trainer.report:
-            report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
+            with writing(self.out_dir / "report.md"):  # and its plots beside it
+                report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
             print(f"[train] report: {report}", file=self.stream, flush=True)
         self.parts.close()
         return last
@@ -432,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     except UnsafeStateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/writes.py)
+        return report_write_failure(exc, "alignopsd train")
     finally:
         trainer.dist.close()
     return 0

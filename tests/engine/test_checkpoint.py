@@ -261,7 +261,7 @@ def test_a_resume_hashes_each_checkpoint_once(tmp_path, monkeypatch):
     path = _save(tmp_path, 1, model)
     hashed = []
     real = manifest.file_crc32
-    monkeypatch.setattr(manifest, "file_crc32", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(manifest, "file_crc32", lambda p, size=None: hashed.append(p) or real(p, size))
     assert ck.resolve_resume("auto", tmp_path) == path
     n = len(hashed)
     assert n == len(ck.verify_checkpoint(path))

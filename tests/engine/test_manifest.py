@@ -73,7 +73,12 @@ def test_manifest_absent_malformed_and_required(tmp_path):
     body = json.loads((d / mf.MANIFEST).read_text())
     body["files"]["../escape"] = {"size": 1, "crc32": "00000000"}
     (d / mf.MANIFEST).write_text(json.dumps(body))
-    with pytest.raises(mf.ManifestError, match="malformed entry"):
+    with pytest.raises(mf.ManifestError, match="'../escape', which is not a plain path inside the folder"):
+        mf.verify_manifest(d)
+    del body["files"]["../escape"]
+    body["files"]["w.bin"] = {"size": True, "crc32": "00000000"}
+    (d / mf.MANIFEST).write_text(json.dumps(body))
+    with pytest.raises(mf.ManifestError, match="malformed entry for 'w.bin'"):
         mf.verify_manifest(d)
 
 

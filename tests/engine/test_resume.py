@@ -11,6 +11,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine import checkpoint as ck
+from alignopsd.engine.arch_check import ArchitectureMismatchError
 from alignopsd.engine.config import load_config
 from alignopsd.engine.resume import ResumeConfigError, check_resume, read_span_lengths, stored_config
 
@@ -18,12 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
-def _checkpoint(out: Path, cfg, step: int = 2, world_size: int = 1) -> Path:
-    """A checkpoint of ``cfg``'s run as the trainer writes it (tiny weights; the config is what matters here)."""
+def _tiny_state() -> dict[str, torch.Tensor]:
+    """Zero weights of the shapes of configs/tiny.yaml's model (the tied output layer left out)."""
+    from alignopsd.engine.models import tiny_config
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(tiny_config()).state_dict().items() if k != "lm_head.weight"}
+    return {k: torch.zeros(s) for k, s in shapes.items()}
+
+
+def _checkpoint(out: Path, cfg, step: int = 2, world_size: int = 1, model_state=None) -> Path:
+    """A checkpoint of ``cfg``'s run as the trainer writes it (stand-in weights unless given; the config is what
+    matters here)."""
     return ck.save_checkpoint(
         out / "checkpoints",
         step,
-        model_state={"w": torch.zeros(2)},
+        model_state=model_state or {"w": torch.zeros(2)},
         optimizer_state=None,
         trainer_state={"run_config": stored_config(cfg)},
         world_size=world_size,
@@ -44,7 +56,10 @@ def test_changes_that_alter_training_are_refused_with_the_list(tmp_path):
                  "env.group_n: 4 -> 8", "env.name: 'codeword' -> 'alfworld'", "model.name: 'tiny' -> 'smollm2-135m'",
                  "algorithm.rectify.gamma: 0.3 -> 0.5", "--allow-config-change"):  # fmt: skip
         assert line in msg, line
-    lines = check_resume(path, changed, allow_changes=True)
+    with pytest.raises(ArchitectureMismatchError, match="'model.embed_tokens.weight' .* is missing"):
+        check_resume(path, changed, allow_changes=True)  # let through, but the weights must fit the model
+    fits = _checkpoint(tmp_path / "fits", load_config(TINY), model_state=_tiny_state())
+    lines = check_resume(fits, load_config(TINY, ["trainer.lr=0.01", "algorithm.estimator=grpo"]), allow_changes=True)
     assert any(line.startswith("trainer.lr: 0.0001 -> 0.01 (overridden") for line in lines)
 
 
@@ -71,7 +86,7 @@ def test_total_steps_rules(tmp_path):
 
 
 def test_a_checkpoint_without_its_config_needs_the_override(tmp_path):
-    path = ck.save_checkpoint(tmp_path, 1, model_state={"w": torch.zeros(2)}, optimizer_state=None, trainer_state={})
+    path = ck.save_checkpoint(tmp_path, 1, model_state=_tiny_state(), optimizer_state=None, trainer_state={})
     with pytest.raises(ResumeConfigError, match="stores no run config"):
         check_resume(path, load_config(TINY))
     assert "not compared" in check_resume(path, load_config(TINY), allow_changes=True)[0]

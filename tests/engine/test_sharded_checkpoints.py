@@ -33,10 +33,10 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _fake_shards(folder: Path) -> None:
-    """Stands in for the backend's sharded save: a DCP-like folder with its own manifest."""
-    folder.mkdir()
-    (folder / "__0_0.distcp").write_bytes(b"shard" * 10)
-    (folder / ".metadata").write_bytes(b"meta")
+    """Stands in for the backend's sharded save: a one-process DCP folder with its own manifest."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(50.0), "steps": 3}, checkpoint_id=str(folder), no_dist=True)
     write_manifest(folder)
 
 
@@ -64,7 +64,9 @@ def test_sharded_checkpoint_layout_discovery_and_load(tmp_path):
     assert got["shards"] == two / "shards" and got["model_state"] is None and got["trainer_state"]["sharded"]
     # a damaged shard is named, and --resume auto falls back past it
     shard = two / "shards" / "__0_0.distcp"
-    shard.write_bytes(b"SHARD" * 10)
+    raw = bytearray(shard.read_bytes())
+    raw[-8:] = b"SHARDSSS"
+    shard.write_bytes(bytes(raw))
     with pytest.raises(ManifestError, match=r"shards/__0_0\.distcp' is corrupted"):
         ck.load_checkpoint(two)
     said: list[str] = []

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from alignopsd.engine.manifest import file_entry, verify_manifest, write_manifest
+from alignopsd.engine import safe_dcp
+from alignopsd.engine.manifest import file_entry, read_manifest, verify_manifest, write_manifest
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import (
@@ -428,15 +429,14 @@ class MegatronPolicy(ShardScoring):
         """Sharded load; the folder's manifest is verified first (``verify=False``: the caller has just verified
         it, the trainer's checkpoint manifest lists these files too), so no file (DCP's pickled ``.metadata``
         included) is read unless it is the one that was written; then its layout is checked against this model
-        before any shard is read."""
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
+        before any shard is read. DCP's pickles are read through engine/safe_dcp.py (a restricted unpickler for
+        ``.metadata``, ``weights_only`` for non-tensor values): a forged file is refused, never run."""
         if verify:
             verify_manifest(path, require=(".metadata", LAYOUT_FILE))
         self.check_checkpoint_layout(path)
         self._materialize_optimizer_state()
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=path)
+        safe_dcp.load(state, path, set(read_manifest(path)))  # DCP's pickles through a restricted unpickler
         prefix = f"tp{self.tp_rank}of{self.tp}"
         self.model.load_state_dict(state[f"{prefix}/model"], strict=False)
         self.optimizer.load_state_dict(state[f"{prefix}/optimizer"])
