@@ -73,6 +73,14 @@ LABELS = {
 }
 
 
+_PHASE: list[str] = []  # the phases being timed, innermost last
+
+
+def current_phase() -> str | None:
+    """The innermost phase being timed now (None outside every phase): where host syncs are booked."""
+    return _PHASE[-1] if _PHASE else None
+
+
 def synchronize() -> None:
     """Wait for queued CUDA work (no-op without an initialised CUDA context)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -100,10 +108,12 @@ class StepProfiler:
             raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
         synchronize()
         t = time.perf_counter()
+        _PHASE.append(name)
         with torch.profiler.record_function(f"phase/{name}"):
             try:
                 yield
             finally:
+                _PHASE.pop()
                 synchronize()
                 self._current[name] += time.perf_counter() - t
 

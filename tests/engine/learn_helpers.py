@@ -110,6 +110,7 @@ class ChoiceGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        from alignopsd.engine import devices
         from alignopsd.engine.policy.hf import score_rows
         from alignopsd.engine.rollout import left_pad, right_pad
 
@@ -126,7 +127,10 @@ class ChoiceGenerator:
         c_ids, c_mask = right_pad(rows_c, max(len(c) for c in rows_c), 0)
         was = self.model.training
         self.model.eval()
-        lp, _, _ = score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)
+        dev = devices.module_device(self.model)
+        moved = [devices.to_device(t, dev) for t in (p_ids, p_mask, c_ids, c_mask)]
+        lp, _, _ = score_rows(self.model, *moved, temperature=sampling.temperature)
+        lp = lp.cpu()  # the generation backend hands host lists back
         self.model.train(was)
         seq = (lp * c_mask).sum(1)
         gen = torch.Generator().manual_seed(int(sampling.seed or 0))
