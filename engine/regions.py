@@ -198,10 +198,11 @@ def region_metrics(regions: Regions | None, policy_mask: Tensor, old_logp: Tenso
         out.update({f"regions/{k}": float(v) for k, v in regions.counts.items()})
         for k, v in region_token_counts(regions, policy_mask).items():
             out[f"regions/{k}_token_count"] = float(v)
-        if rect is not None:
-            old = old_logp.float()
+        if rect is not None:  # on the rectification's device (the policy's); the batch's tensors live on the host
+            dev = rect.diag.device
+            old = old_logp.float().to(dev)
             gaps = (rect.diag - old, rect.cross_score - old, rect.corrected - old)
-            out.update(paired_region_stats(*gaps, policy_mask, regions, rect.matched))
+            out.update(paired_region_stats(*gaps, policy_mask.to(dev), regions, rect.matched.to(dev)))
     except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step (outside strict mode)
         reraise_if_strict(exc)
         log.warning("region diagnostics failed: %s", exc)
