@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from alignopsd.kernels import torch_paths_only
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import profiler
@@ -282,6 +283,20 @@ class _FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _DispatchMode(TorchDispatchMode):
+    """aten ops asked for a CUDA device (factories, ``_to_copy``) below the Python API: inside a Python-level torch
+    function that the function mode let through (an autograd backward, a functional's body), CUDA factories reach
+    the dispatcher directly. They run on the CPU and come back as fake CUDA tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            _check_ordinal(kwargs["device"])
+            out = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            return tree_map_only(torch.Tensor, _as_fake, out)
+        return func(*args, **kwargs)
+
+
 class _GeneratorMeta(type):
     """``torch.Generator`` under the mode: ``device="cuda"`` gives a CPU generator; isinstance still works."""
 
@@ -317,7 +332,7 @@ class FakeCuda:
         self._rng.manual_seed(0)
 
     def note_sync(self, kind: str) -> None:
-        self.syncs[(profiler.current_phase() or "(outside a phase)", kind)] += 1
+        self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
 
     def total_syncs(self) -> int:
         return sum(self.syncs.values())
@@ -393,14 +408,16 @@ class FakeCuda:
         torch.__future__.set_overwrite_module_params_on_conversion(True)
         self._paths = torch_paths_only()
         self._paths.__enter__()
-        self._modes = [_FunctionMode()]
+        self._modes = [_FunctionMode(), _DispatchMode()]
         for m in self._modes:
             m.__enter__()
         _ACTIVE.append(self)
+        profiler.register_sync_counter(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _ACTIVE.remove(self)
+        profiler.unregister_sync_counter(self)
         for m in reversed(self._modes):
             m.__exit__(*exc)
         self._paths.__exit__(*exc)
