@@ -103,10 +103,22 @@ def _trim_left(mask: Tensor) -> int:
     return int(cols.min()) if cols.numel() else int(mask.shape[1])
 
 
-def _used_right(mask: Tensor) -> int:
-    """Number of leading columns attended by some row (right-padded masks)."""
-    cols = mask.bool().any(0).nonzero()
-    return int(cols.max()) + 1 if cols.numel() else 0
+def _left_starts(mask: Tensor) -> list[int]:
+    """Per row, its first attended column (the width for an empty row), in one host transfer: the row loops
+    below take minima of these instead of a device sync per row."""
+    m = mask.bool()
+    if m.shape[1] == 0:
+        return [0] * int(m.shape[0])
+    cols = torch.arange(m.shape[1], device=m.device)
+    return torch.where(m, cols, m.shape[1]).amin(1).tolist()
+
+
+def _right_extents(mask: Tensor) -> list[int]:
+    """Per row, 1 + its last attended column (0 for an empty row), in one host transfer."""
+    m = mask.bool()
+    if m.shape[1] == 0:
+        return [0] * int(m.shape[0])
+    return (m * torch.arange(1, m.shape[1] + 1, device=m.device)).amax(1).tolist()
 
 
 def score_plain(
@@ -133,13 +145,16 @@ def score_plain(
     r, lr = response_ids_RL.shape
     out = torch.zeros(r, lr, dtype=torch.float32, device=response_ids_RL.device)
     ent = torch.zeros_like(out) if with_entropy else None
+    lp_cols = int(prompt_mask_SP.shape[1])
+    rp, right = row_prompt_R.tolist(), _right_extents(response_mask_RL)
+    starts = _left_starts(prompt_mask_SP)
+    left = [starts[s] for s in rp]  # per row: its prompt's first attended column
     i = 0
     while i < r:
-        j = i + 1
+        j, lo, hi = i + 1, left[i], right[i]
         while j < r:
-            sub_p = prompt_mask_SP[row_prompt_R[i : j + 1]]
-            width = (sub_p.shape[1] - _trim_left(sub_p)) + _used_right(response_mask_RL[i : j + 1])
-            if (j + 1 - i) * width > max_tokens:
+            lo, hi = min(lo, left[j]), max(hi, right[j])
+            if (j + 1 - i) * ((lp_cols - lo) + hi) > max_tokens:
                 break
             j += 1
         src = row_prompt_R[i:j]
@@ -156,7 +171,7 @@ def score_plain(
         out[i:j] = lp
         if with_entropy:
             ent[i:j] = en
-        p_cols = prompt_mask_SP.shape[1] - _trim_left(prompt_mask_SP[src])
+        p_cols = lp_cols - min(left[i:j])
         stats["prompt_tokens"] += (j - i) * p_cols
         stats["response_tokens"] += pushed - (j - i) * p_cols
         stats["token_forwards"] += pushed
@@ -254,11 +269,12 @@ def score_shared_prefix(
 def _prompt_groups(used: list[int], prompt_mask_SP: Tensor, prefix_budget: int) -> list[list[int]]:
     """Consecutive groups of prompts whose padded cache (g prompts x trimmed width) fits ``prefix_budget``."""
     lp_full = prompt_mask_SP.shape[1]
+    left = _left_starts(prompt_mask_SP)
     groups: list[list[int]] = []
     cur: list[int] = []
     for s in used:
         cand = cur + [s]
-        w = lp_full - _trim_left(prompt_mask_SP[cand])
+        w = lp_full - min(left[c] for c in cand)
         if cur and len(cand) * w > prefix_budget:
             groups.append(cur)
             cand = [s]
@@ -290,16 +306,17 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     stats["forwards"] += 1
     local = {s: i for i, s in enumerate(grp)}
     n_rows = int(rows_g.numel())
+    right, rp = _right_extents(rmask[rows_g]), row_prompt_R[rows_g].tolist()  # one host transfer each
     i = 0
     while i < n_rows:
         j = i + 1
-        while j < n_rows and (j + 1 - i) * (lt + _used_right(rmask[rows_g[i : j + 1]])) <= max_tokens:
+        while j < n_rows and (j + 1 - i) * (lt + max(right[i : j + 1])) <= max_tokens:
             j += 1
         sub = rows_g[i:j]
+        loc = torch.tensor([local[s] for s in rp[i:j]], dtype=torch.long, device=dev)
+        l_used = max(right[i:j])
         i = j
-        loc = torch.tensor([local[int(s)] for s in row_prompt_R[sub].tolist()], dtype=torch.long, device=dev)
         sel = rmask[sub]
-        l_used = _used_right(sel)
         if l_used == 0:
             continue
         h_rows = [last_GD.index_select(0, loc)[:, None]]

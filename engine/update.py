@@ -86,6 +86,7 @@ def plan_update(mask_ML: Tensor, mini_size: int, micro_size: int, world: int, gr
     ``mini_size``: rows per mini-batch on this rank; ``micro_size``: rows per micro-batch. A mini-batch with no
     policy token on any rank is left out (empty list)."""
     m = int(mask_ML.shape[0])
+    row_tok = mask_ML.sum(1).tolist()  # one host transfer, not one per micro-batch
     minis = _split(m, max(1, mini_size))
     n_mini = int(all_reduce([float(len(minis))], "max", world, group)[0])
     plan: list[list[MicroBatch]] = []
@@ -93,7 +94,7 @@ def plan_update(mask_ML: Tensor, mini_size: int, micro_size: int, world: int, gr
         rows = minis[i] if i < len(minis) else []
         micros = [[rows[k] for k in mc] for mc in _split(len(rows), max(1, micro_size))]
         n_micro = int(all_reduce([float(len(micros))], "max", world, group)[0])
-        w_tok = [float(mask_ML[mc].sum()) for mc in micros]
+        w_tok = [float(sum(row_tok[r] for r in mc)) for mc in micros]
         global_tok = all_reduce([sum(w_tok)], "sum", world, group)[0]
         if global_tok <= 0:
             plan.append([])
