@@ -35,6 +35,7 @@ def _fit(out, extra=()):
     torch.set_num_threads(1)
     tr = lh.build_trainer(TINY, [*BASE, f"output_dir={out}", *extra])
     tr.fit()
+    assert all(lh.no_region_errors(r) for r in read_metrics(out / "metrics.jsonl"))
     state = {k: v.detach().clone() for k, v in tr.parts.policy.model.state_dict().items()}
     rng = (torch.random.get_rng_state(), random.getstate())
     return {"out": out, "metrics": read_metrics(out / "metrics.jsonl"), "weights": state, "rng": rng}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from alignopsd.engine.fake_cuda import FakeCuda, FakeCudaTensor
 from alignopsd.engine.profiler import StepProfiler
-from alignopsd.kernels import resolve_impl
+from alignopsd.kernels import core_uses_kernels, resolve_impl
 
 MIXED = "Expected all tensors to be on the same device"
 
@@ -115,3 +115,49 @@ def test_torch_cuda_answers_and_kernel_dispatch():
         assert fc.syncs[("(outside a phase)", "synchronize")] == 1
         # Triton kernels cannot launch on the fake device: the torch paths run
         assert resolve_impl("auto", torch.zeros(2, device="cuda")) == "torch"
+        assert not core_uses_kernels(torch.zeros(2, device="cuda"))
+
+
+def test_factories_inside_a_backward_are_placed_on_the_fake_device():
+    """A custom autograd backward (run by the C++ engine, below the Python API) that allocates on ``grad.device``."""
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            out = torch.zeros(g.shape, device=g.device)
+            assert out.is_cuda
+            return out + 2 * g
+
+    with FakeCuda():
+        x = torch.ones(3, device="cuda").requires_grad_(True)
+        Twice.apply(x).sum().backward()
+        assert x.grad.is_cuda and torch.equal(x.grad.cpu(), torch.full((3,), 2.0))
+
+
+def test_profiler_books_host_syncs_to_phases():
+    from alignopsd.engine.profiler import format_table, summarize
+
+    prof = StepProfiler()
+    with FakeCuda():
+        x = torch.randn(4, device="cuda")
+        for _ in range(2):
+            prof.start_step()
+            with prof.phase("update"):
+                x.sum().item()
+                x.tolist()
+            with prof.phase("m2"):
+                x.cpu()
+            x.max().item()  # outside every phase
+            m = prof.end_step()
+    assert m["host_syncs/update"] == 2 and m["host_syncs/m2"] == 1 and m["host_syncs/other"] == 1
+    assert m["host_syncs/step"] == 4 and m["host_syncs/rectify"] == 0
+    s = summarize(prof.history, prof.step_seconds, syncs=prof.sync_history)
+    assert s["host_syncs"] == {"update": 2, "m2": 1, "(outside a phase)": 1} and s["host_syncs_total"] == 4
+    assert "host syncs per step" in format_table(s)
+    plain = StepProfiler()  # without a counter (a real run without the mode): no sync metrics
+    plain.start_step()
+    assert not any(k.startswith("host_syncs/") for k in plain.end_step())

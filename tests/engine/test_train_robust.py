@@ -142,6 +142,7 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
     tr.parts.train_tasks = faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1)
     out = run_step(tr.parts, 0)
     m = out.metrics
+    assert m.get("regions/errors", 0.0) == 0.0
     assert m["env/failed_episodes"] == 4  # the 4 siblings of the raising task
     assert m["episode/valid_action_rate"] == 0.0 and m["env/invalid_actions"] > 0  # malformed responses
     assert m["update/skipped"] == 1.0 and m["update/zero_advantage"] == 1.0  # no learnable signal: skipped
