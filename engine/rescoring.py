@@ -97,28 +97,16 @@ def _new_stats() -> dict:
     return {"prompt_tokens": 0, "response_tokens": 0, "token_forwards": 0, "forwards": 0, "rows": 0}
 
 
-def _trim_left(mask: Tensor) -> int:
-    """First column attended by some row (left-padded masks)."""
-    cols = mask.bool().any(0).nonzero()
-    return int(cols.min()) if cols.numel() else int(mask.shape[1])
-
-
 def _left_starts(mask: Tensor) -> list[int]:
-    """Per row, its first attended column (the width for an empty row), in one host transfer: the row loops
-    below take minima of these instead of a device sync per row."""
-    m = mask.bool()
-    if m.shape[1] == 0:
-        return [0] * int(m.shape[0])
-    cols = torch.arange(m.shape[1], device=m.device)
-    return torch.where(m, cols, m.shape[1]).amin(1).tolist()
+    """Per row: its first attended column (the width if none), in one host transfer (row loops take minima)."""
+    m, n = mask.bool(), int(mask.shape[1])
+    return torch.where(m, torch.arange(n, device=m.device), n).amin(1).tolist() if n else [0] * int(m.shape[0])
 
 
 def _right_extents(mask: Tensor) -> list[int]:
-    """Per row, 1 + its last attended column (0 for an empty row), in one host transfer."""
-    m = mask.bool()
-    if m.shape[1] == 0:
-        return [0] * int(m.shape[0])
-    return (m * torch.arange(1, m.shape[1] + 1, device=m.device)).amax(1).tolist()
+    """Per row: 1 + its last attended column (0 if none), in one host transfer (row loops take maxima)."""
+    m, n = mask.bool(), int(mask.shape[1])
+    return (m * torch.arange(1, n + 1, device=m.device)).amax(1).tolist() if n else [0] * int(m.shape[0])
 
 
 def score_plain(
@@ -145,10 +133,8 @@ def score_plain(
     r, lr = response_ids_RL.shape
     out = torch.zeros(r, lr, dtype=torch.float32, device=response_ids_RL.device)
     ent = torch.zeros_like(out) if with_entropy else None
-    lp_cols = int(prompt_mask_SP.shape[1])
-    rp, right = row_prompt_R.tolist(), _right_extents(response_mask_RL)
-    starts = _left_starts(prompt_mask_SP)
-    left = [starts[s] for s in rp]  # per row: its prompt's first attended column
+    lp_cols, right = int(prompt_mask_SP.shape[1]), _right_extents(response_mask_RL)
+    left = _left_starts(prompt_mask_SP[row_prompt_R])  # per row: its prompt's first attended column
     i = 0
     while i < r:
         j, lo, hi = i + 1, left[i], right[i]
@@ -268,8 +254,7 @@ def score_shared_prefix(
 
 def _prompt_groups(used: list[int], prompt_mask_SP: Tensor, prefix_budget: int) -> list[list[int]]:
     """Consecutive groups of prompts whose padded cache (g prompts x trimmed width) fits ``prefix_budget``."""
-    lp_full = prompt_mask_SP.shape[1]
-    left = _left_starts(prompt_mask_SP)
+    lp_full, left = prompt_mask_SP.shape[1], _left_starts(prompt_mask_SP)
     groups: list[list[int]] = []
     cur: list[int] = []
     for s in used:
@@ -294,7 +279,7 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     lr = response_ids_RL.shape[1]
     rmask = response_mask_RL.bool()
     g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
-    start = _trim_left(prompt_mask_SP[g_idx])
+    start = min(_left_starts(prompt_mask_SP[g_idx]))
     p_ids = prompt_ids_SP[g_idx, start:]
     p_mask = prompt_mask_SP[g_idx, start:].long()
     lt = int(p_ids.shape[1])
@@ -314,8 +299,7 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
             j += 1
         sub = rows_g[i:j]
         loc = torch.tensor([local[s] for s in rp[i:j]], dtype=torch.long, device=dev)
-        l_used = max(right[i:j])
-        i = j
+        l_used, i = max(right[i:j]), j
         sel = rmask[sub]
         if l_used == 0:
             continue
