@@ -183,7 +183,10 @@ class EstimatorSpec:
     encoder, selection and cross scoring (Mechanism 1); mechanism2: Mechanism 2 credit; aux: it adds
     auxiliary loss terms; outcome_scaled: its token advantage is the outcome advantage A (plus the invalid
     residual) times non-negative weights, so a task whose outcomes (and, with the penalty on, validity flags)
-    are all equal gets exactly zero advantage. ``teacher_diag`` and ``aux`` may depend on the config.
+    are all equal gets exactly zero advantage; loss_separable: the actor loss it makes (PPO on its token
+    advantage, plus its auxiliary terms) is a sum of per-token terms of the log-probs and entropies, which the
+    fused head loss requires (a loss with a sequence-level ratio, or a normaliser computed from log-probs, is
+    not, and trains through autograd instead). ``teacher_diag`` and ``aux`` may depend on the config.
     """
 
     name: str
@@ -194,6 +197,7 @@ class EstimatorSpec:
     aux: Need
     outcome_scaled: bool
     description: str
+    loss_separable: bool = True
 
     def needs_teacher_diag(self, config: Any) -> bool:
         """Diagonal teacher log-probs are needed (always with alignment)."""
@@ -232,6 +236,7 @@ def register_estimator(
     aux: Need = False,
     outcome_scaled: bool = False,
     description: str = "",
+    loss_separable: bool = True,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an estimator under ``name`` with its declared needs (see :class:`EstimatorSpec`);
     a duplicate name raises ValueError."""
@@ -244,6 +249,7 @@ def register_estimator(
         ("needs_alignment", needs_alignment),
         ("uses_mechanism2", uses_mechanism2),
         ("outcome_scaled", outcome_scaled),
+        ("loss_separable", loss_separable),
     ):
         if not isinstance(value, bool):
             raise ValueError(f"{flag}: expected true or false, got {value!r}")
@@ -260,6 +266,7 @@ def register_estimator(
             aux=aux,
             outcome_scaled=outcome_scaled,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
+            loss_separable=loss_separable,
         )
         return fn
 

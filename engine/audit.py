@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .strict import reraise_if_strict
 from .writes import WriteFailure, writing
 
 log = logging.getLogger("alignopsd.audit")
@@ -406,7 +407,8 @@ def _piece(tokenizer, tid: int) -> str | None:
         return None
     try:
         return tokenizer.decode([tid], skip_special_tokens=False)
-    except Exception:  # noqa: BLE001 - a text piece is optional
+    except Exception as exc:  # noqa: BLE001 - a text piece is optional (outside strict mode)
+        reraise_if_strict(exc)
         return None
 
 
@@ -504,6 +506,7 @@ class Auditor:
             self._cap(0)
 
     def _error(self, what: str, exc: BaseException) -> None:
+        reraise_if_strict(exc)
         self.errors += 1
         log.warning(
             "audit: %s (%s: %s); training goes on (%d audit errors so far)", what, type(exc).__name__, exc, self.errors

@@ -27,6 +27,7 @@ from .policy.base import PolicyBackend
 from .policy.megatron.scoring import ShardScoring
 from .profiler import StepProfiler
 from .rescoring import Rescorer, backend_row_logprobs, backend_scorer
+from .strict import reraise_if_strict
 from .tp_broadcast import is_group_lead, share_lead_outcome, tp_layout
 
 log = logging.getLogger("alignopsd.components")
@@ -112,6 +113,7 @@ class Components:
                 try:
                     close()
                 except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
+                    reraise_if_strict(exc)
                     log.warning("close %s: %s", type(obj).__name__, exc)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from .config import ConfigError, load_config
 from .preflight import preflight
-from .profiler import format_side_by_side, format_table, summarize, write_json
+from .profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from .step import run_step
 from .train import Dist, Trainer, add_run_args, pick_device
 
@@ -70,10 +70,10 @@ def profile_run(
     finally:
         parts.close()
     p = parts.profiler
-    hist, secs = p.history, p.step_seconds
+    hist, secs, syncs = p.history, p.step_seconds, p.sync_history
     if trace_path is not None and steps >= 2:  # the traced step carries the profiler's own overhead
-        hist, secs, counts = hist[:-1], secs[:-1], counts[:-1]
-    return summarize(hist, secs, skip=min(warmup, len(hist) - 1), counts=counts)
+        hist, secs, counts, syncs = hist[:-1], secs[:-1], counts[:-1], syncs[:-1]
+    return summarize(hist, secs, skip=min(warmup, len(hist) - 1), counts=counts, syncs=syncs or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,9 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         if len(summaries) == 1:
             write_json(next(iter(summaries.values())), args.json)
         else:
-            out = {
-                k: {f: v[f] for f in ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo", "counts")}
-                for k, v in summaries.items()
-            }
+            out = {k: {f: v[f] for f in SUMMARY_KEYS if f in v} for k, v in summaries.items()}
             Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

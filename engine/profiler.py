@@ -25,6 +25,12 @@ update                 PPO forward/backward and optimiser steps                 
 weight_sync            pushing updated weights to the generation engine           yes
 =====================  =========================================================  ===========
 
+Host synchronisations (the host waiting for the device: ``.item()``, ``.tolist()``, copies to the host,
+data-dependent output sizes) are counted per phase when a sync counter is registered
+(:func:`register_sync_counter`; the fake-CUDA test mode of engine/fake_cuda.py is one): each step's counts come
+back as ``host_syncs/<phase>`` metrics and the profile summary reports their mean per step. The profiler's own
+synchronisations at the phase edges are not counted.
+
 ``overhead_vs_grpo = alignment_seconds / (step_seconds - alignment_seconds)``, where the
 alignment phases are those a GRPO step does not run. The ``alignopsd profile`` command that prints these
 tables lives in engine/profile_command.py.
@@ -73,6 +79,29 @@ LABELS = {
 }
 
 
+_PHASE: list[str] = []  # the phases being timed, innermost last
+_SYNC_COUNTERS: list = []  # objects with ``syncs_by_phase(exclude) -> {phase: count}`` (running totals)
+OUTSIDE = "(outside a phase)"  # where a sync made outside every phase is booked
+
+
+def register_sync_counter(counter) -> None:
+    """Count host syncs per phase with ``counter`` (``counter.syncs_by_phase(exclude=...)``: running totals)."""
+    _SYNC_COUNTERS.append(counter)
+
+
+def unregister_sync_counter(counter) -> None:
+    _SYNC_COUNTERS.remove(counter)
+
+
+def _sync_totals() -> dict[str, int] | None:
+    return _SYNC_COUNTERS[-1].syncs_by_phase(exclude=("synchronize",)) if _SYNC_COUNTERS else None
+
+
+def current_phase() -> str | None:
+    """The innermost phase being timed now (None outside every phase): where host syncs are booked."""
+    return _PHASE[-1] if _PHASE else None
+
+
 def synchronize() -> None:
     """Wait for queued CUDA work (no-op without an initialised CUDA context)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -85,12 +114,15 @@ class StepProfiler:
     def __init__(self) -> None:
         self.history: list[dict[str, float]] = []
         self.step_seconds: list[float] = []
+        self.sync_history: list[dict[str, int]] = []  # host syncs per phase of each step (with a sync counter)
         self._current: dict[str, float] = defaultdict(float)
         self._t0: float | None = None
+        self._sync0: dict[str, int] | None = None
 
     def start_step(self) -> None:
         self._current = defaultdict(float)
         self._t0 = time.perf_counter()
+        self._sync0 = _sync_totals()
 
     @contextmanager
     def phase(self, name: str):
@@ -100,10 +132,12 @@ class StepProfiler:
             raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
         synchronize()
         t = time.perf_counter()
+        _PHASE.append(name)
         with torch.profiler.record_function(f"phase/{name}"):
             try:
                 yield
             finally:
+                _PHASE.pop()
                 synchronize()
                 self._current[name] += time.perf_counter() - t
 
@@ -125,7 +159,14 @@ class StepProfiler:
         self.history.append(phases)
         self.step_seconds.append(total)
         self._t0 = None
-        return {**{f"time/{k}": v for k, v in phases.items()}, "time/step": total}
+        out = {**{f"time/{k}": v for k, v in phases.items()}, "time/step": total}
+        now = _sync_totals()
+        if self._sync0 is not None and now is not None:
+            syncs = {k: now.get(k, 0) - self._sync0.get(k, 0) for k in (*PHASES, OUTSIDE)}
+            self.sync_history.append(syncs)
+            out.update({f"host_syncs/{k if k != OUTSIDE else 'other'}": float(v) for k, v in syncs.items()})
+            out["host_syncs/step"] = float(sum(syncs.values()))
+        return out
 
 
 def summarize(
@@ -134,11 +175,14 @@ def summarize(
     *,
     skip: int = 0,
     counts: list[dict[str, float]] | None = None,
+    syncs: list[dict[str, int]] | None = None,
 ) -> dict:
     """Mean seconds per step of each phase, the step time and the alignment overhead (profile JSON).
 
     ``counts``: per-step quantities (rows, token lengths; one dict per step, aligned with ``history``), averaged
     over the same steps into ``summary["counts"]`` (a key missing in a step is averaged over the steps that have it).
+    ``syncs``: host syncs per phase of each step (``StepProfiler.sync_history``, aligned with ``history``),
+    averaged into ``summary["host_syncs"]`` (phases with none left out) and ``summary["host_syncs_total"]``.
     """
     hist = history[skip:] or history
     steps = step_seconds[skip:] or step_seconds
@@ -161,6 +205,13 @@ def summarize(
         kept = counts[skip:] if history[skip:] else counts
         keys = sorted({k for c in kept for k in c})
         out["counts"] = {k: sum(c[k] for c in kept if k in c) / sum(k in c for c in kept) for k in keys}
+    if syncs:
+        if len(syncs) != len(history):
+            raise ValueError(f"syncs: {len(syncs)} step(s), history has {len(history)}")
+        kept_s = syncs[skip:] if history[skip:] else syncs
+        mean = {k: sum(s.get(k, 0) for s in kept_s) / len(kept_s) for k in (*PHASES, OUTSIDE)}
+        out["host_syncs"] = {k: v for k, v in mean.items() if v}
+        out["host_syncs_total"] = sum(mean.values())
     return out
 
 
@@ -186,6 +237,9 @@ def format_table(summary: dict, title: str = "") -> str:
     )
     if summary.get("counts"):
         lines.append("per step: " + ", ".join(f"{k} {v:g}" for k, v in summary["counts"].items()))
+    if "host_syncs_total" in summary:
+        per = ", ".join(f"{LABELS.get(k, k)} {v:g}" for k, v in summary["host_syncs"].items())
+        lines.append(f"host syncs per step (host waits for the device): {summary['host_syncs_total']:g} ({per})")
     return "\n".join(lines)
 
 
@@ -230,9 +284,12 @@ def format_side_by_side(summaries: dict[str, dict], *, ratio: bool = False) -> s
     return "\n".join(lines)
 
 
+SUMMARY_KEYS = ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo", "counts", "host_syncs",
+                "host_syncs_total")  # fmt: skip
+
+
 def write_json(summary: dict, path: str | Path) -> None:
-    keys = ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo", "counts")
-    out = {k: summary[k] for k in keys if k in summary}
+    out = {k: summary[k] for k in SUMMARY_KEYS if k in summary}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .envs.parsing import ACTION_TAGS
+from .strict import reraise_if_strict
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,8 @@ def response_regions(response_ids: Tensor, response_mask: Tensor, tokenizer) -> 
     """The step's thinking/action regions of the canonical responses; None (logged) when finding them fails."""
     try:
         return token_regions(response_ids, response_mask, tokenizer)
-    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step
+    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step (outside strict mode)
+        reraise_if_strict(exc)
         log.warning("token regions failed: %s", exc)
         return None
 
@@ -196,11 +198,13 @@ def region_metrics(regions: Regions | None, policy_mask: Tensor, old_logp: Tenso
         out.update({f"regions/{k}": float(v) for k, v in regions.counts.items()})
         for k, v in region_token_counts(regions, policy_mask).items():
             out[f"regions/{k}_token_count"] = float(v)
-        if rect is not None:
-            old = old_logp.float()
+        if rect is not None:  # on the rectification's device (the policy's); the batch's tensors live on the host
+            dev = rect.diag.device
+            old = old_logp.float().to(dev)
             gaps = (rect.diag - old, rect.cross_score - old, rect.corrected - old)
-            out.update(paired_region_stats(*gaps, policy_mask, regions, rect.matched))
-    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step
+            out.update(paired_region_stats(*gaps, policy_mask.to(dev), regions, rect.matched.to(dev)))
+    except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step (outside strict mode)
+        reraise_if_strict(exc)
         log.warning("region diagnostics failed: %s", exc)
         out["regions/errors"] = 1.0
     return out

@@ -97,16 +97,16 @@ def _new_stats() -> dict:
     return {"prompt_tokens": 0, "response_tokens": 0, "token_forwards": 0, "forwards": 0, "rows": 0}
 
 
-def _trim_left(mask: Tensor) -> int:
-    """First column attended by some row (left-padded masks)."""
-    cols = mask.bool().any(0).nonzero()
-    return int(cols.min()) if cols.numel() else int(mask.shape[1])
+def _left_starts(mask: Tensor) -> list[int]:
+    """Per row: its first attended column (the width if none), in one host transfer (row loops take minima)."""
+    m, n = mask.bool(), int(mask.shape[1])
+    return torch.where(m, torch.arange(n, device=m.device), n).amin(1).tolist() if n else [0] * int(m.shape[0])
 
 
-def _used_right(mask: Tensor) -> int:
-    """Number of leading columns attended by some row (right-padded masks)."""
-    cols = mask.bool().any(0).nonzero()
-    return int(cols.max()) + 1 if cols.numel() else 0
+def _right_extents(mask: Tensor) -> list[int]:
+    """Per row: 1 + its last attended column (0 if none), in one host transfer (row loops take maxima)."""
+    m, n = mask.bool(), int(mask.shape[1])
+    return (m * torch.arange(1, n + 1, device=m.device)).amax(1).tolist() if n else [0] * int(m.shape[0])
 
 
 def score_plain(
@@ -133,13 +133,14 @@ def score_plain(
     r, lr = response_ids_RL.shape
     out = torch.zeros(r, lr, dtype=torch.float32, device=response_ids_RL.device)
     ent = torch.zeros_like(out) if with_entropy else None
+    lp_cols, right = int(prompt_mask_SP.shape[1]), _right_extents(response_mask_RL)
+    left = _left_starts(prompt_mask_SP[row_prompt_R])  # per row: its prompt's first attended column
     i = 0
     while i < r:
-        j = i + 1
+        j, lo, hi = i + 1, left[i], right[i]
         while j < r:
-            sub_p = prompt_mask_SP[row_prompt_R[i : j + 1]]
-            width = (sub_p.shape[1] - _trim_left(sub_p)) + _used_right(response_mask_RL[i : j + 1])
-            if (j + 1 - i) * width > max_tokens:
+            lo, hi = min(lo, left[j]), max(hi, right[j])
+            if (j + 1 - i) * ((lp_cols - lo) + hi) > max_tokens:
                 break
             j += 1
         src = row_prompt_R[i:j]
@@ -156,7 +157,7 @@ def score_plain(
         out[i:j] = lp
         if with_entropy:
             ent[i:j] = en
-        p_cols = prompt_mask_SP.shape[1] - _trim_left(prompt_mask_SP[src])
+        p_cols = lp_cols - min(left[i:j])
         stats["prompt_tokens"] += (j - i) * p_cols
         stats["response_tokens"] += pushed - (j - i) * p_cols
         stats["token_forwards"] += pushed
@@ -253,12 +254,12 @@ def score_shared_prefix(
 
 def _prompt_groups(used: list[int], prompt_mask_SP: Tensor, prefix_budget: int) -> list[list[int]]:
     """Consecutive groups of prompts whose padded cache (g prompts x trimmed width) fits ``prefix_budget``."""
-    lp_full = prompt_mask_SP.shape[1]
+    lp_full, left = prompt_mask_SP.shape[1], _left_starts(prompt_mask_SP)
     groups: list[list[int]] = []
     cur: list[int] = []
     for s in used:
         cand = cur + [s]
-        w = lp_full - _trim_left(prompt_mask_SP[cand])
+        w = lp_full - min(left[c] for c in cand)
         if cur and len(cand) * w > prefix_budget:
             groups.append(cur)
             cand = [s]
@@ -278,7 +279,7 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     lr = response_ids_RL.shape[1]
     rmask = response_mask_RL.bool()
     g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
-    start = _trim_left(prompt_mask_SP[g_idx])
+    start = min(_left_starts(prompt_mask_SP[g_idx]))
     p_ids = prompt_ids_SP[g_idx, start:]
     p_mask = prompt_mask_SP[g_idx, start:].long()
     lt = int(p_ids.shape[1])
@@ -290,16 +291,16 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     stats["forwards"] += 1
     local = {s: i for i, s in enumerate(grp)}
     n_rows = int(rows_g.numel())
+    right, rp = _right_extents(rmask[rows_g]), row_prompt_R[rows_g].tolist()  # one host transfer each
     i = 0
     while i < n_rows:
         j = i + 1
-        while j < n_rows and (j + 1 - i) * (lt + _used_right(rmask[rows_g[i : j + 1]])) <= max_tokens:
+        while j < n_rows and (j + 1 - i) * (lt + max(right[i : j + 1])) <= max_tokens:
             j += 1
         sub = rows_g[i:j]
-        i = j
-        loc = torch.tensor([local[int(s)] for s in row_prompt_R[sub].tolist()], dtype=torch.long, device=dev)
+        loc = torch.tensor([local[s] for s in rp[i:j]], dtype=torch.long, device=dev)
+        l_used, i = max(right[i:j]), j
         sel = rmask[sub]
-        l_used = _used_right(sel)
         if l_used == 0:
             continue
         h_rows = [last_GD.index_select(0, loc)[:, None]]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -334,7 +335,10 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     turns, examples = build_examples(cfg, tokenizer)
     n_tok = sum(len(p) + len(r) for p, r in examples)
     print(f"[sft] {len(turns)} expert turns, {n_tok} tokens ({time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
+    from .train import pick_device
+
     model = load_causal_lm(cfg.model.name, dtype="float32", attn_implementation=cfg.model.attn_implementation)
+    model.to(pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))))  # trainer.device, as the RL run's
     compute = parse_dtype(cfg.model.dtype)
     torch.manual_seed(cfg.trainer.seed)
     losses = sft_train(

@@ -5,7 +5,8 @@ Legend: M = canonical turns of this rank, L = response length, b = rows of one m
 The loss of every micro-batch is :func:`alignopsd.losses.actor_loss` (PPO with dual clip, entropy bonus, k3 KL to
 the reference, the estimator's auxiliary terms), the function the core's tests check; both training heads call it:
 the fused head loss (``policy.response_loss``: the head's gradients are formed with the log-probs) and autograd
-through ``policy.response_logprobs(grad=True)``.
+through ``policy.response_logprobs(grad=True)``. The fused head needs a loss that is a sum of per-token terms;
+each estimator declares whether its loss is (``EstimatorSpec.loss_separable``).
 
 Exact global token-mean: each rank splits its M rows into the same number of mini-batches (the maximum over
 ranks) and each mini-batch into the same number of micro-batches, adding zero-scale dummy micro-batches, so
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from alignopsd.estimators import get_estimator
 from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_weights
 
 from . import devices
@@ -84,6 +86,7 @@ def plan_update(mask_ML: Tensor, mini_size: int, micro_size: int, world: int, gr
     ``mini_size``: rows per mini-batch on this rank; ``micro_size``: rows per micro-batch. A mini-batch with no
     policy token on any rank is left out (empty list)."""
     m = int(mask_ML.shape[0])
+    row_tok = mask_ML.sum(1).tolist()  # one host transfer, not one per micro-batch
     minis = _split(m, max(1, mini_size))
     n_mini = int(all_reduce([float(len(minis))], "max", world, group)[0])
     plan: list[list[MicroBatch]] = []
@@ -91,7 +94,7 @@ def plan_update(mask_ML: Tensor, mini_size: int, micro_size: int, world: int, gr
         rows = minis[i] if i < len(minis) else []
         micros = [[rows[k] for k in mc] for mc in _split(len(rows), max(1, micro_size))]
         n_micro = int(all_reduce([float(len(micros))], "max", world, group)[0])
-        w_tok = [float(mask_ML[mc].sum()) for mc in micros]
+        w_tok = [float(sum(row_tok[r] for r in mc)) for mc in micros]
         global_tok = all_reduce([sum(w_tok)], "sum", world, group)[0]
         if global_tok <= 0:
             plan.append([])
@@ -188,11 +191,16 @@ def ppo_update(
         return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
 
     fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
+    if fused and not get_estimator(cfg.algorithm.estimator).loss_separable:  # declared by the estimator
+        log.warning(
+            "the policy loss of estimator %r couples tokens (not a sum of per-token terms): the update uses "
+            "autograd through the log-prob head instead of the fused head loss",
+            cfg.algorithm.estimator,
+        )
+        fused = False
     plan = plan_update(
         inp.mask, cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group
     )
-    if fused and any(plan):  # probed on the first micro-batch (a dummy row 0 on a rank without rows there)
-        fused = _fused_allowed(cfg, inp, next(mbs[0] for mbs in plan if mbs), world, group)
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
@@ -245,54 +253,3 @@ def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float
     inp.adv = inp.adv * inp.mask
     inp.is_weight = w_ML
     return stats
-
-
-def _fused_allowed(cfg, inp: UpdateInputs, mb: MicroBatch, world: int, group) -> bool:
-    """Once per update, on every rank: the fused head needs a loss that is a sum of per-token terms."""
-    ix = torch.tensor(mb.rows, dtype=torch.long, device=inp.mask.device)
-    loss_fn = _loss_fn(cfg, inp, ix)
-    sep = loss_is_separable(lambda lp, en: loss_fn(lp, en)[0], inp.old_logp[ix], inp.mask[ix],
-                            cfg.algorithm.entropy_coef > 0)  # fmt: skip
-    if all_reduce([0.0 if sep else 1.0], "max", world, group)[0] > 0:
-        log.warning(
-            "the policy loss couples tokens (not a sum of per-token terms): this update uses autograd "
-            "through the log-prob head instead of the fused head loss"
-        )
-        return False
-    return True
-
-
-def loss_is_separable(loss_fn, fill_BL: Tensor, mask_BL: Tensor, with_entropy: bool) -> bool:
-    """Whether ``loss_fn(logp_BL, ent_BL) -> scalar`` behaves as a sum of per-token terms around ``fill_BL``.
-
-    A deterministic probe (no random numbers): the gradient at every other masked token must not move when the
-    remaining masked tokens' log-probs (and entropies) move. A token-mean of per-token terms passes; a loss with a
-    sequence-level ratio or a normaliser computed from log-probs fails. It is a probe, not a proof: a coupling
-    that the shift does not reach goes unseen.
-    """
-    flat = mask_BL.bool().reshape(-1)
-    idx = flat.nonzero().squeeze(1)
-    if idx.numel() < 2:
-        return True
-    probe = torch.zeros_like(flat)
-    probe[idx[0::2]] = True
-    other = torch.zeros_like(flat)
-    other[idx[1::2]] = True
-    shift = 0.37 * torch.cos(torch.arange(flat.numel(), dtype=torch.float32)) * other
-    base = fill_BL.detach().float().reshape(-1).cpu()
-
-    def probe_grads(lp_flat: Tensor, ent_flat: Tensor) -> list[Tensor]:
-        lp = lp_flat.reshape(fill_BL.shape).clone().requires_grad_(True)
-        leaves = [lp]
-        en = None
-        if with_entropy:
-            en = ent_flat.reshape(fill_BL.shape).clone().requires_grad_(True)
-            leaves.append(en)
-        with torch.enable_grad():
-            grads = torch.autograd.grad(loss_fn(lp, en), leaves, allow_unused=True)
-        return [(g if g is not None else torch.zeros_like(x)).reshape(-1)[probe] for g, x in zip(grads, leaves)]
-
-    zeros = torch.zeros_like(base)
-    before = probe_grads(base, zeros)
-    after = probe_grads(base + shift, zeros + shift.abs())
-    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(before, after))

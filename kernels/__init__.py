@@ -6,7 +6,7 @@ The algorithm core calls these kernels itself for CUDA inputs; ``force_kernels()
 for CPU inputs under the Triton interpreter (tests).
 """
 
-from ._dispatch import HAS_TRITON, core_uses_kernels, force_kernels, interpret_mode, resolve_impl
+from ._dispatch import HAS_TRITON, core_uses_kernels, force_kernels, interpret_mode, resolve_impl, torch_paths_only
 from .fused_loss import FusedTokenLoss, fused_token_loss, logprob_loss_and_grad
 from .jsd_boundary import (
     DISTANCES,
@@ -49,4 +49,5 @@ __all__ = [
     "selection_lists",
     "sibling_topk",
     "sibling_topk_from_similarity",
+    "torch_paths_only",
 ]

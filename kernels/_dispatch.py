@@ -43,6 +43,7 @@ IMPLS = ("auto", "triton", "torch")
 
 _JIT_CACHE: dict[tuple[Callable, bool], Any] = {}
 _FORCED = 0  # nesting depth of force_kernels()
+_TORCH_ONLY = 0  # nesting depth of torch_paths_only()
 
 
 def interpret_mode() -> bool:
@@ -58,6 +59,8 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl: unknown value {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
     on_cuda = any(t.is_cuda for t in tensors if t is not None)
+    if impl == "auto" and _TORCH_ONLY > 0:
+        return "torch"
     if impl == "auto":
         return "triton" if (on_cuda and HAS_TRITON) else "torch"
     if impl == "triton":
@@ -91,6 +94,21 @@ def force_kernels() -> Iterator[None]:
         _FORCED -= 1
 
 
+@contextmanager
+def torch_paths_only() -> Iterator[None]:
+    """Within the block, ``impl="auto"`` and the core's kernel routing pick the torch paths even for CUDA tensors.
+
+    For a CUDA device that cannot launch kernels (the engine's fake-CUDA test mode: CUDA metadata over CPU
+    memory). Nests; process-wide, not thread-local.
+    """
+    global _TORCH_ONLY
+    _TORCH_ONLY += 1
+    try:
+        yield
+    finally:
+        _TORCH_ONLY -= 1
+
+
 def kernels_forced() -> bool:
     """Whether a :func:`force_kernels` block is active."""
     return _FORCED > 0
@@ -102,7 +120,7 @@ def core_uses_kernels(*tensors: torch.Tensor | None) -> bool:
     True when triton is importable and some tensor is on CUDA, or inside :func:`force_kernels`.
     The core then calls the kernel entries with ``impl="triton"``.
     """
-    if not HAS_TRITON:
+    if not HAS_TRITON or _TORCH_ONLY > 0:
         return False
     return _FORCED > 0 or any(t is not None and t.is_cuda for t in tensors)
 

@@ -148,10 +148,9 @@ def torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
             n1 = min(N, n0 + _TORCH_ROWS)
             z = _tile_logits(h_NH[n0:n1], w_c, b_c, inv_t)
             lt = local_t[n0:n1]
-            hit = (lt >= v0) & (lt < v1)
-            if bool(hit.any()):
-                rows = hit.nonzero().squeeze(1)
-                tz[n0 + rows] = z[rows, lt[rows] - v0]
+            hit = (lt >= v0) & (lt < v1)  # rows whose target lies in this vocabulary chunk (no host sync)
+            picked = z.gather(1, (lt - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+            tz[n0:n1] = torch.where(hit, picked, tz[n0:n1])
             m_t = z.amax(dim=1)
             z.sub_(m_t.unsqueeze(1))  # z - max: keeps u free of the |z| * ulp(lse) error
             e = torch.exp(z)

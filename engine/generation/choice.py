@@ -73,6 +73,7 @@ class ChoiceGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        from alignopsd.engine import devices
         from alignopsd.engine.policy.hf import score_rows
         from alignopsd.engine.rollout import left_pad, right_pad
 
@@ -87,13 +88,15 @@ class ChoiceGenerator:
         width = max(len(c) for c in rows_c)
         was = self.model.training
         self.model.eval()
+        dev = devices.module_device(self.model)
         lps = []
         for lo, hi in _chunks([len(p) + width for p in rows_p], self.max_batch_tokens):
             p_ids, p_mask = left_pad(rows_p[lo:hi], max(len(p) for p in rows_p[lo:hi]), eos)
             c_ids, c_mask = right_pad(rows_c[lo:hi], width, 0)
-            lps.append(score_rows(self.model, p_ids, p_mask, c_ids, c_mask, temperature=sampling.temperature)[0])
+            rows = [devices.to_device(t, dev) for t in (p_ids, p_mask, c_ids, c_mask)]
+            lps.append(score_rows(self.model, *rows, temperature=sampling.temperature)[0])
         self.model.train(was)
-        lp = torch.cat(lps)
+        lp = torch.cat(lps).cpu()  # the generation backend hands host lists back
         c_mask = right_pad(rows_c, width, 0)[1]
         seq = (lp * c_mask).sum(1)
         gen = torch.Generator().manual_seed(int(sampling.seed or 0))

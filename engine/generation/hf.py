@@ -185,7 +185,6 @@ class HFGenerator:
         lps: list[list[float]] = [[] for _ in range(B)]
         reasons = ["length"] * B
         active = list(range(B))  # chunk row index of each live batch row
-        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
 
         for step in range(sp.max_new_tokens):
             scaled_bV = logits_bV / temperature
@@ -196,8 +195,10 @@ class HFGenerator:
             else:
                 tok_b = scaled_bV.argmax(-1)
             lp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
-            is_eos_b = torch.isin(tok_b, eos) if eos.numel() else torch.zeros_like(tok_b, dtype=torch.bool)
-            tok_l, lp_l, eos_l = tok_b.tolist(), lp_b.tolist(), is_eos_b.tolist()
+            # one host transfer per generated token (ids are exact in float64); end of sequence is read on the host
+            tok_f, lp_l = torch.stack((tok_b.double(), lp_b.double())).tolist()
+            tok_l = [int(t) for t in tok_f]
+            eos_l = [t in self.eos_token_ids for t in tok_l]
             keep: list[int] = []
             for j, row in enumerate(active):
                 toks[row].append(tok_l[j])

@@ -131,6 +131,11 @@ ESTIMATOR_CASES: list[tuple[str, list[str]]] = [
 TINY_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
+def no_region_errors(metrics: dict) -> bool:
+    """A step's metrics report no failed region diagnostic (strict mode raises instead; this catches a count)."""
+    return metrics.get("regions/errors", 0.0) == 0.0
+
+
 def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = None):
     """Train tiny.yaml (guess env, choice generator) for ``steps`` steps; (trainer, metric records)."""
     from pathlib import Path
@@ -142,7 +147,9 @@ def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = Non
     ov = [*GUESS_OVERRIDES, *overrides, f"trainer.total_steps={steps}", f"output_dir={out_dir}"]
     tr = build_trainer(cfg, ov)
     tr.fit()
-    return tr, read_metrics(Path(out_dir) / "metrics.jsonl")
+    recs = read_metrics(Path(out_dir) / "metrics.jsonl")
+    assert all(no_region_errors(r) for r in recs)
+    return tr, recs
 
 
 GOLDEN_KEYS = (

@@ -35,6 +35,7 @@ def _fit(out, extra=()):
     torch.set_num_threads(1)
     tr = lh.build_trainer(TINY, [*BASE, f"output_dir={out}", *extra])
     tr.fit()
+    assert all(lh.no_region_errors(r) for r in read_metrics(out / "metrics.jsonl"))
     state = {k: v.detach().clone() for k, v in tr.parts.policy.model.state_dict().items()}
     rng = (torch.random.get_rng_state(), random.getstate())
     return {"out": out, "metrics": read_metrics(out / "metrics.jsonl"), "weights": state, "rng": rng}
@@ -181,8 +182,14 @@ def test_training_identical_with_audit_on_and_off(runs):
     assert torch.equal(on["rng"][0], off["rng"][0]) and on["rng"][1] == off["rng"][1]  # no training RNG drawn
 
 
-def test_unwritable_audit_dir_does_not_stop_training(tmp_path, runs):
+def test_unwritable_audit_dir_does_not_stop_training(tmp_path, runs, monkeypatch):
+    """Outside strict mode an audit failure is counted and training goes on; in strict mode (the suite's) it raises."""
+    from alignopsd.engine.strict import STRICT_ENV
+
     (tmp_path / "audit").write_text("a file where the audit directory should be")
+    with pytest.raises(OSError):
+        _fit(tmp_path, ["trainer.total_steps=1"])
+    monkeypatch.delenv(STRICT_ENV)
     got = _fit(tmp_path, ["trainer.total_steps=1"])["metrics"]
     assert [r["step"] for r in got] == [1]
     assert got[0]["audit/error_count"] == 1 and got[0]["audit/record_count"] == 0

@@ -85,6 +85,7 @@ def test_every_model_input_crosses_the_boundary(case, mode, tmp_path, monkeypatc
     w = _watch(tr, monkeypatch)
     out = run_step(tr.parts, 0)
     tr.parts.close()
+    assert lh.no_region_errors(out.metrics)
     assert w.checked > 0 and not w.bad, w.bad[:5]
     assert out.metrics["update/optimizer_steps"] >= 1
 

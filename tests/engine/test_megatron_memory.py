@@ -118,6 +118,7 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     ours: list = []
     parts.ref_scorer = probe(parts.ref_scorer, ours)
     out = run_step(parts, STEP)
+    assert out.metrics.get("regions/errors", 0.0) == 0.0
     calls = [parts.generator.calls if parts.generator is not None else None]
     dist.broadcast_object_list(calls, src=0)
 
@@ -126,6 +127,7 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     theirs: list = []
     hf.ref_scorer = probe(hf.ref_scorer, theirs)
     ref_out = run_step(hf, STEP)
+    assert ref_out.metrics.get("regions/errors", 0.0) == 0.0
     assert len(ours) == len(theirs) == 1
     (cb, mine), (_, ref_logp) = ours[0], theirs[0]
     mask = cb.response_mask.bool()

@@ -97,6 +97,7 @@ def _hf_reference(extra: list[str], calls, world_size: int, rank: int):
     parts = _parts(_config([], extra), world_size, rank)
     parts.generator = Replay(calls)
     out = run_step(parts, STEP)
+    assert out.metrics.get("regions/errors", 0.0) == 0.0
     assert not parts.generator.calls, "the reference made fewer generation calls"
     return out.metrics, parts.policy.hf_state_dict()
 
@@ -150,6 +151,7 @@ def test_tp_group_trains_on_its_first_ranks_batch():
     probe = BatchProbe(parts.rescorer)
     parts.rescorer = probe
     out = run_step(parts, 0)
+    assert out.metrics.get("regions/errors", 0.0) == 0.0
     calls = len(parts.generator.calls) if parts.generator is not None else None
     seen: list = [None, None]
     dist.all_gather_object(seen, (probe.seen, out.metrics["episode/reward_mean"], calls))
@@ -177,6 +179,7 @@ def test_tp2_step_equals_hf_backend(estimator):
     parts = _megatron_parts(extra, tp=2)
     start = parts.policy.hf_state_dict()
     out = run_step(parts, STEP)
+    assert out.metrics.get("regions/errors", 0.0) == 0.0
     ours = parts.policy.hf_state_dict()
     calls = [parts.generator.calls if parts.generator is not None else None]  # rank 0 generated for the group
     dist.broadcast_object_list(calls, src=0)
@@ -278,6 +281,7 @@ def test_dp2_step_equals_hf_ddp(distributed_optimizer):
         assert all(type(o).__name__ == kind for o in pol.optimizers())
         start = pol.hf_state_dict()
         out = run_step(parts, STEP)
+        assert out.metrics.get("regions/errors", 0.0) == 0.0
         ours = pol.hf_state_dict()
         ref_metrics, ref = _hf_reference(["algorithm.estimator=grpo"], parts.generator.calls, 2, rank)
         assert abs(out.metrics["actor/loss"] - ref_metrics["actor/loss"]) <= 1e-4 * max(

@@ -170,3 +170,28 @@ def test_paired_stats_reject_bad_eps_and_empty_scope():
             paired_region_stats(z, z, z, mask, reg, torch.tensor([True]), eps=eps)
     out = paired_region_stats(z, z, z, mask, reg, torch.tensor([False]))
     assert out["paired/response/token_count"] == 0 and out["paired/response/strict/neg_to_pos_rate"] == 0.0
+
+
+def test_region_metrics_on_the_device_with_host_old_logprobs():
+    """The step hands region_metrics the host's old log-probs and mask and the rectification on the policy's device
+    (cuda): the paired statistics are those of an all-host call, with no region error (strict mode would raise)."""
+    import dataclasses
+
+    from alignopsd.engine.fake_cuda import FakeCuda
+    from alignopsd.engine.regions import region_metrics
+
+    from alignopsd import rectify
+
+    tok = PieceTokenizer()
+    ids, _ = char_row(tok, "<think>abc</think><action>xy</action>")
+    reg, _, mask = run(tok, [ids, ids])
+    old = torch.full(tuple(mask.shape), -2.0)
+    rect = rectify(torch.full(old.shape, -2.1), torch.full((1, old.shape[1]), -1.8), torch.tensor([[1, 0]]),
+                   torch.ones(2, 2), gamma=0.7, alpha_max=0.2)  # fmt: skip
+    host = region_metrics(reg, mask, old, rect)
+    with FakeCuda():
+        moved = {f.name: getattr(rect, f.name) for f in dataclasses.fields(rect)}
+        moved = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+        on_device = region_metrics(reg, mask, old, dataclasses.replace(rect, **moved))
+    assert "regions/errors" not in on_device and on_device["paired/response/token_count"] > 0
+    assert on_device == host

@@ -142,6 +142,7 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
     tr.parts.train_tasks = faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1)
     out = run_step(tr.parts, 0)
     m = out.metrics
+    assert m.get("regions/errors", 0.0) == 0.0
     assert m["env/failed_episodes"] == 4  # the 4 siblings of the raising task
     assert m["episode/valid_action_rate"] == 0.0 and m["env/invalid_actions"] > 0  # malformed responses
     assert m["update/skipped"] == 1.0 and m["update/zero_advantage"] == 1.0  # no learnable signal: skipped
@@ -163,55 +164,82 @@ def test_tasks_for_step_is_deterministic_and_split_by_rank():
         tasks_for_step([], 0, 4, 0)
 
 
-def test_separability_probe():
-    """The fused head loss needs a sum of per-token terms: token-mean PPO passes, a sequence-level ratio fails."""
-    from alignopsd.engine.update import loss_is_separable
+def _separable(loss_fn, fill: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``loss_fn(logp, ent)`` acts as a sum of per-token terms: the gradient at every other masked token
+    does not move when the remaining masked tokens' log-probs and entropies move."""
+    flat = mask.bool().reshape(-1)
+    idx = flat.nonzero().squeeze(1)
+    probe, other = torch.zeros_like(flat), torch.zeros_like(flat)
+    probe[idx[0::2]], other[idx[1::2]] = True, True
+    shift = 0.37 * torch.cos(torch.arange(flat.numel(), dtype=torch.float32)) * other
 
-    from alignopsd.losses import entropy_bonus, ppo_loss
+    def grads(lp_flat, ent_flat):
+        leaves = [x.reshape(fill.shape).clone().requires_grad_(True) for x in (lp_flat, ent_flat)]
+        gs = torch.autograd.grad(loss_fn(*leaves), leaves, allow_unused=True)
+        return [(g if g is not None else torch.zeros_like(x)).reshape(-1)[probe] for g, x in zip(gs, leaves)]
 
+    base = fill.reshape(-1)
+    before, after = grads(base, torch.zeros_like(base)), grads(base + shift, shift.abs())
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-8) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("is_weight", [False, True])
+@pytest.mark.parametrize("aux_kind", [None, "alignment", "sdar"])
+def test_declared_separable_losses_are_separable(aux_kind, is_weight):
+    """Every registered estimator declares its loss per-token separable, and the actor loss it can make (PPO with
+    the KL, entropy, rollout IS weights and each auxiliary kind) is; the probe catches a sequence-level ratio."""
+    from alignopsd.estimators import ESTIMATORS
+    from alignopsd.losses import AuxTerm, actor_loss
+
+    assert all(spec.loss_separable for spec in ESTIMATORS.values())
     g = torch.Generator().manual_seed(0)
     old, adv = torch.randn(3, 5, generator=g) - 2.0, torch.randn(3, 5, generator=g)
+    ref, teacher, gap = (torch.randn(3, 5, generator=g) - 2.0 for _ in range(3))
     mask = torch.ones(3, 5)
     mask[1, 3:] = 0
+    aux = [] if aux_kind is None else [AuxTerm(aux_kind, teacher, coef=0.1, beta=5.0, gate_gap_ML=gap)]
+    w = torch.rand(3, 5, generator=g) + 0.5 if is_weight else None
 
-    def token_mean_ppo(lp, ent):
-        loss, _ = ppo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
-        return loss + entropy_bonus(ent, mask, coef=0.01)
+    def loss(lp, ent):
+        return actor_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, ref_logp=ref, kl_coef=0.1, aux=aux,
+                          is_weight=w)[0]  # fmt: skip
 
     def sequence_ratio(lp, ent):  # GSPO-like: one ratio per row from the mean log-ratio over its tokens
-        r = torch.exp(((lp - old) * mask).sum(1) / mask.sum(1))
-        return -(r * adv[:, 0]).mean()
+        return -(torch.exp(((lp - old) * mask).sum(1) / mask.sum(1)) * adv[:, 0]).mean()
 
-    assert loss_is_separable(token_mean_ppo, old, mask, with_entropy=True)
-    assert not loss_is_separable(sequence_ratio, old, mask, with_entropy=False)
+    assert _separable(loss, old, mask)
+    assert not _separable(sequence_ratio, old, mask)
 
 
 def test_coupled_loss_falls_back_to_autograd(tiny_policy, monkeypatch, caplog):
-    """ppo_update probes the loss once per update; a coupled loss runs through autograd (and says so)."""
-    import alignopsd.losses as losses
+    """An estimator that declares a coupled loss trains through autograd (and says so), not the fused head."""
+    import dataclasses
+
+    import alignopsd.estimators as estimators
 
     cb = _batch()
     old = _old_logp(tiny_policy, cb)
     adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
-    real = losses.ppo_loss
-
-    def coupled(logp, old_lp, adv_, mask, **kw):  # the PPO loss times a factor computed from all log-probs
-        loss, st = real(logp, old_lp, adv_, mask, **kw)
-        return loss * (1.0 + 0.1 * torch.tanh((logp - old_lp).mean())), st
-
-    monkeypatch.setattr(losses, "ppo_loss", coupled)
+    parts = _parts(tiny_policy)
+    name = parts.cfg.algorithm.estimator
+    spec = dataclasses.replace(estimators.ESTIMATORS[name], loss_separable=False)
+    monkeypatch.setitem(estimators.ESTIMATORS, name, spec)
     calls = []
     orig = tiny_policy.response_loss
     monkeypatch.setattr(tiny_policy, "response_loss", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    step = tiny_policy.optimizer_step
     monkeypatch.setattr(tiny_policy, "optimizer_step", lambda max_norm: {"grad_norm": 1.0, "skipped": False})
     try:
-        out = ppo_update(_parts(tiny_policy), cb, old, None, adv, [])
+        out = ppo_update(parts, cb, old, None, adv, [])
     finally:
-        tiny_policy.optimizer_step = step
         tiny_policy.zero_grad()
     assert not calls and out["update/fused_head_loss"] == 0.0
     assert "couples tokens" in caplog.text
+    monkeypatch.setitem(estimators.ESTIMATORS, name, dataclasses.replace(spec, loss_separable=True))
+    try:
+        out = ppo_update(parts, cb, old, None, adv, [])
+    finally:
+        tiny_policy.zero_grad()
+    assert calls and out["update/fused_head_loss"] == 1.0
 
 
 def test_backend_scorer_equals_the_rescorer(tiny_policy):
