@@ -27,20 +27,28 @@ import os
 import random
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 from .audit import Auditor, header_of
-from .checkpoint import UnsafeStateError, load_checkpoint, restore_rng_state, save_checkpoint
+from .checkpoint import (
+    UnsafeStateError,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from .collectives import reduce_metrics
 from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .episodes import run_validation
+from .history import set_aside
 from .manifest import atomic_write_bytes
 from .metrics import MetricsLogger
 from .preflight import preflight
 from .report import write_report
 from .resume import prepare_resume, read_span_lengths, stored_config
+from .runlock import claim_output_dir
 from .step import run_step
 
 log = logging.getLogger("alignopsd.train")
@@ -128,9 +136,10 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Builds the components of a run and drives steps, validation, checkpoints, metrics and the report."""
 
-    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None) -> None:
-        import torch
-
+    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None, lock_output: bool = True) -> None:
+        """``lock_output``: take the output folder's exclusive lock (engine/runlock.py) before anything is built;
+        a run whose folder another live run holds is refused with OutputLockedError (exit code 2). Commands that
+        only read a run's folder (``eval``, ``profile``) pass False."""
         self.cfg = cfg
         self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist or Dist(self.device.type)
@@ -143,6 +152,28 @@ class Trainer:
                 f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the data-parallel size "
                 f"{self.world_size // cfg.policy.tensor_parallel_size}"
             )
+        self.lock = None
+        if lock_output:
+            self.lock = claim_output_dir(
+                self.out_dir, rank=self.rank, gather=self.dist.gather_objects if self.dist.enabled else None,
+                say=self._say,
+            )  # fmt: skip
+            if self.lock is not None:
+                weakref.finalize(self, self.lock.release)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.release_output()
+            raise
+
+    def release_output(self) -> None:
+        """Release the output folder's lock (idempotent; the end of :meth:`fit` does it)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _build(self, cfg: RunConfig) -> None:
+        import torch
+
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         if cfg.trainer.deterministic and self.device.type == "cpu":
@@ -213,69 +244,88 @@ class Trainer:
     # -- loop ----------------------------------------------------------------------------------------------------------
 
     def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
-
+        """Train to ``trainer.total_steps`` (from the checkpoint ``resume`` names, if any); returns the last step's
+        metrics. The output folder's lock is released when it returns or raises."""
         cfg = self.cfg
-        path, changes = prepare_resume(
-            cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
-        )
-        for line in changes:
-            self._say(f"[resume] config change: {line}")
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-
-            atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
-        if path is not None:
-            self.load(path)
-            if self.rank == 0:
-                print(f"[train] resumed from {path} at step {self.step}", file=self.stream, flush=True)
-        logger = MetricsLogger(
-            self.out_dir,
-            total_steps=cfg.trainer.total_steps,
-            tensorboard=cfg.trainer.tensorboard,
-            rank=self.rank,
-            stream=self.stream,
-            resume_step=self.step if path is not None else None,
-        )
-        self.parts.audit = self._auditor(self.step if path is not None else None)
-        last: dict = {}
         try:
-            if cfg.trainer.val_before_train and self.step == 0:
-                self._validate(logger)
-            while self.step < cfg.trainer.total_steps:
-                t0 = time.perf_counter()
-                result = run_step(self.parts, self.step)
-                self.step += 1
-                metrics = self.reduce_metrics(result.metrics)
-                metrics["time/step_wall"] = time.perf_counter() - t0
-                self.span_lengths.extend(int(x) for x in result.span_lengths)
-                last = logger.log(self.step, metrics)
-                if (
-                    cfg.trainer.test_freq > 0
-                    and self.step % cfg.trainer.test_freq == 0
-                    and self.step >= cfg.trainer.val_start_step
-                ):
-                    self._validate(logger)
-                if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
-                    self.step == cfg.trainer.total_steps
-                ):
-                    self._write_spans()
-                    self.save()
-            if cfg.trainer.val_after_train and not (
+            path, changes = prepare_resume(
+                cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
+            )
+            for line in changes:
+                self._say(f"[resume] config change: {line}")
+            if self.rank == 0:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
+            if True:
+                if path is not None:
+                    self.load(path)
+                    self._say(f"[train] resumed from {path} at step {self.step}")
+                self._set_history_aside(self.step if path is not None else None)
+                logger = MetricsLogger(
+                    self.out_dir,
+                    total_steps=cfg.trainer.total_steps,
+                    tensorboard=cfg.trainer.tensorboard,
+                    rank=self.rank,
+                    stream=self.stream,
+                )
+                self.parts.audit = self._auditor()
+                try:
+                    last = self._train(logger)
+                finally:
+                    logger.close()
+            self._write_spans()
+            if self.rank == 0 and cfg.trainer.report:
+                report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
+                print(f"[train] report: {report}", file=self.stream, flush=True)
+            self.parts.close()
+            return last
+        finally:
+            self.release_output()
+
+    def _train(self, logger: MetricsLogger) -> dict:
+        """The steps, validation passes and saves."""
+        cfg = self.cfg
+        last: dict = {}
+        if cfg.trainer.val_before_train and self.step == 0:
+            self._validate(logger)
+        while self.step < cfg.trainer.total_steps:
+            t0 = time.perf_counter()
+            result = run_step(self.parts, self.step)
+            self.step += 1
+            metrics = self.reduce_metrics(result.metrics)
+            metrics["time/step_wall"] = time.perf_counter() - t0
+            self.span_lengths.extend(int(x) for x in result.span_lengths)
+            last = logger.log(self.step, metrics)
+            if (
                 cfg.trainer.test_freq > 0
-                and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
-                and cfg.trainer.total_steps >= cfg.trainer.val_start_step
+                and self.step % cfg.trainer.test_freq == 0
+                and self.step >= cfg.trainer.val_start_step
             ):
                 self._validate(logger)
-        finally:
-            logger.close()
-        self._write_spans()
-        if self.rank == 0 and cfg.trainer.report:
-            report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
-            print(f"[train] report: {report}", file=self.stream, flush=True)
-        self.parts.close()
+            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
+                self.step == cfg.trainer.total_steps
+            ):
+                self._write_spans()
+                self.save()
+        if cfg.trainer.val_after_train and not (
+            cfg.trainer.test_freq > 0
+            and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
+            and cfg.trainer.total_steps >= cfg.trainer.val_start_step
+        ):
+            self._validate(logger)
         return last
 
-    def _auditor(self, resume_step: int | None):
+    def _set_history_aside(self, resume_step: int | None) -> None:
+        """Rank 0 moves the records of an earlier run, or of steps after the checkpoint, aside (engine/history.py)
+        before any rank writes."""
+        if self.rank == 0:
+            where, moved = set_aside(self.out_dir, resume_step)
+            if where is not None:
+                after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
+                self._say(f"[history] moved the records {after} aside to {where}: {', '.join(moved)}")
+        self.dist.barrier()
+
+    def _auditor(self):
         """The audit writer of this process (engine/audit.py); None when the audit is off or another rank of
         this process's tensor-parallel group writes the same batch."""
         cfg = self.cfg
@@ -289,7 +339,6 @@ class Trainer:
             max_bytes=cfg.trainer.audit_max_bytes,
             tokenizer=self.parts.tokenizer,
             header=header_of(cfg),
-            resume_step=resume_step,
         )
 
     def _write_spans(self) -> None:
@@ -419,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as exc:  # the output folder's lock, the data-parallel split, the device
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     try:
         trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
     except UnsafeStateError as exc:
