@@ -34,9 +34,11 @@ from typing import Any
 from .audit import Auditor, header_of
 from .checkpoint import (
     UnsafeStateError,
+    is_complete,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    step_dir_name,
 )
 from .collectives import reduce_metrics
 from .components import build_components
@@ -45,6 +47,7 @@ from .episodes import run_validation
 from .history import set_aside
 from .manifest import atomic_write_bytes
 from .metrics import MetricsLogger
+from .preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 from .preflight import preflight
 from .report import write_report
 from .resume import prepare_resume, read_span_lengths, stored_config
@@ -245,7 +248,8 @@ class Trainer:
 
     def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
         """Train to ``trainer.total_steps`` (from the checkpoint ``resume`` names, if any); returns the last step's
-        metrics. The output folder's lock is released when it returns or raises."""
+        metrics. Raises :class:`Preempted` after writing the checkpoint of the step a SIGTERM or SIGUSR1 ended
+        (engine/preemption.py). The output folder's lock is released when it returns or raises."""
         cfg = self.cfg
         try:
             path, changes = prepare_resume(
@@ -256,7 +260,8 @@ class Trainer:
             if self.rank == 0:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
-            if True:
+            watch = PreemptionWatch(cfg.trainer.preempt_grace_s).install()
+            try:
                 if path is not None:
                     self.load(path)
                     self._say(f"[train] resumed from {path} at step {self.step}")
@@ -270,9 +275,14 @@ class Trainer:
                 )
                 self.parts.audit = self._auditor()
                 try:
-                    last = self._train(logger)
+                    last = self._train(logger, watch)
+                except Preempted:
+                    self.parts.close()  # environment workers and the generation engine end with the run
+                    raise
                 finally:
                     logger.close()
+            finally:
+                watch.close()
             self._write_spans()
             if self.rank == 0 and cfg.trainer.report:
                 report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
@@ -282,8 +292,8 @@ class Trainer:
         finally:
             self.release_output()
 
-    def _train(self, logger: MetricsLogger) -> dict:
-        """The steps, validation passes and saves."""
+    def _train(self, logger: MetricsLogger, watch: PreemptionWatch) -> dict:
+        """The steps, validation passes and saves; a preemption request ends it after the current step."""
         cfg = self.cfg
         last: dict = {}
         if cfg.trainer.val_before_train and self.step == 0:
@@ -307,6 +317,7 @@ class Trainer:
             ):
                 self._write_spans()
                 self.save()
+            self._stop_if_preempted(watch)
         if cfg.trainer.val_after_train and not (
             cfg.trainer.test_freq > 0
             and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
@@ -314,6 +325,26 @@ class Trainer:
         ):
             self._validate(logger)
         return last
+
+    def _stop_if_preempted(self, watch: PreemptionWatch) -> None:
+        """At a step boundary: when any rank was asked to stop, every rank writes this step's checkpoint (unless
+        it was just written) and raises Preempted (engine/preemption.py)."""
+        flag = 1.0 if watch.requested else 0.0
+        if self.dist.enabled:
+            flag = self.dist.all_reduce([flag], "max")[0]
+        if flag == 0.0:
+            return
+        watch.agree("another rank was signalled")
+        path = self.ckpt_dir / step_dir_name(self.step)
+        done = 1.0 if is_complete(path) else 0.0  # this step's checkpoint was just written: not again
+        if self.dist.enabled:
+            done = self.dist.all_reduce([done], "min")[0]
+        if done == 0.0:
+            self._write_spans()
+            path = self.save()
+        self.dist.barrier()
+        watch.mark_saved()
+        raise Preempted(self.step, path, watch.cause or "signal")
 
     def _set_history_aside(self, resume_step: int | None) -> None:
         """Rank 0 moves the records of an earlier run, or of steps after the checkpoint, aside (engine/history.py)
@@ -478,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     except UnsafeStateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Preempted as exc:
+        if trainer.rank == 0:
+            print(f"[train] {exc}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     finally:
         trainer.dist.close()
     return 0
