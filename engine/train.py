@@ -16,6 +16,18 @@ checkpoints store; so ``--resume auto`` continues with exactly the steps an unin
 Resuming reads verified checkpoints only and refuses a config that changes training
 (engine/resume.py; ``--allow-config-change`` overrides); config errors, including the pre-flight checks
 of engine/preflight.py, end the command with exit code 2 before anything heavy loads.
+
+Output folder: a run holds the folder's exclusive lock (``run.lock``, engine/runlock.py) from before its model
+is built until it ends; a second run on the folder exits with code 2 naming the holder. A resumed run first moves
+the records of steps after its checkpoint (metrics and validation rows, audit files of every rank, TensorBoard
+events, later checkpoints) aside into ``abandoned/<UTC time>/`` (engine/history.py); a fresh run so moves an
+earlier run's records.
+
+Exit status of ``train``: 0 done; 1 the weights became non-finite (nothing saved); 2 a config error (including
+the output folder's lock); 143 preempted: SIGTERM or SIGUSR1 arrived, every rank finished the current step and the
+run wrote its checkpoint (resume with ``--resume auto``); 124 the grace ``trainer.preempt_grace_s`` ran out or the
+signal came again before that checkpoint was complete: exited at once, the previous checkpoint is intact
+(engine/preemption.py).
 """
 
 from __future__ import annotations
