@@ -8,6 +8,8 @@ checkpoint of that step together (the trainer's ordinary, verified, atomic save;
 checkpoint was just written) and the run ends with :class:`Preempted`, which the ``train`` command turns into
 exit status :data:`EXIT_PREEMPTED` (143). ``--resume auto`` continues from that checkpoint exactly as an
 uninterrupted run would have gone on (the checkpoint holds every rank's generator state at the step boundary).
+The process ends within the grace: should its shutdown after the checkpoint still be running when the clock runs
+out, it exits with 143 then.
 
 When the clock runs out first, or when the signal comes again (more than :data:`REPEAT_AFTER_S` after the first:
 a scheduler that signals every process of a job and a ``torchrun`` agent that forwards the same signal make one
@@ -128,7 +130,9 @@ class PreemptionWatch:
 
     def _expire(self) -> None:
         with self._lock:
-            if not self.saved:
+            if self.saved:  # the run's own shutdown (closing workers, the process group) outlasted the grace
+                self._stop(EXIT_PREEMPTED, f"grace of {self.grace_s:g} s is over; the checkpoint is complete")
+            else:
                 self._stop(
                     EXIT_FORCED,
                     f"grace of {self.grace_s:g} s ran out before the checkpoint was complete: exiting at once; "
@@ -140,18 +144,18 @@ class PreemptionWatch:
         self._exit(code)
 
     def mark_saved(self) -> None:
-        """The preemption checkpoint is complete: the clock stops; a further signal exits with EXIT_PREEMPTED."""
+        """The preemption checkpoint is complete: from now on a further signal, or the end of the grace, exits with
+        EXIT_PREEMPTED (the process ends within the grace even when its shutdown is slow)."""
         with self._lock:
             self.saved = True
-            if self._timer is not None:
-                self._timer.cancel()
 
     def close(self) -> None:
-        """Restore the previous signal handling (the pending clock, if any, is cancelled); after a preemption
-        checkpoint, SIGTERM and SIGUSR1 end the process with EXIT_PREEMPTED instead (a torchrun agent signals the
-        workers still shutting down when the first one exits)."""
+        """Restore the previous signal handling and cancel the clock; after a preemption checkpoint the clock keeps
+        running (the process exits with EXIT_PREEMPTED at the end of the grace at the latest) and SIGTERM and
+        SIGUSR1 end the process with EXIT_PREEMPTED (a torchrun agent signals the workers still shutting down when
+        the first one exits)."""
         with self._lock:
-            if self._timer is not None:
+            if self._timer is not None and not self.saved:
                 self._timer.cancel()
         if self._pipe is None:
             return
