@@ -253,6 +253,14 @@ def test_dp2_preemption_under_torchrun_resumes_exactly(tmp_path, dp2_straight, t
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     _same_run(dp2_straight, out, 3)
+    if target == "agent":  # the DP=2 history resumed at DP=1 from step k: no rank-1 file of a later step stays
+        proc = _launch(out, 3, "--resume", str(out / "checkpoints" / ck.step_dir_name(k)))
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        names = sorted(p.name for p in (out / "audit").iterdir())
+        assert names == [f"step_{s:06d}.rank{r}.jsonl" for s in range(1, k + 1) for r in (0, 1)] + [
+            f"step_{s:06d}.rank0.jsonl" for s in range(k + 1, 4)]  # fmt: skip
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
 
 
 @pytest.mark.slow
