@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,9 +112,10 @@ def _args(out: Path, steps: int, *extra: str) -> list[str]:
 def _launch(out: Path, steps: int, *extra: str, nproc: int = 0, prelude: str = "") -> subprocess.Popen:
     """The train command line (nproc 0: plain python; else torchrun) as a subprocess."""
     if nproc:
-        from test_sharded_checkpoints import _free_port
-
-        cmd = [TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", RUNNER]
+        with socket.socket() as sock:  # a free port for torchrun's store
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={port}", RUNNER]
     else:
         code = f"import sys, sharded_run\n{prelude}\nsys.exit(sharded_run.main(sys.argv[1:]))"
         cmd = [sys.executable, "-c", code]
