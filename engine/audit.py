@@ -7,9 +7,10 @@ Files. ``<output_dir>/audit/step_<step:06d>.rank<r>.jsonl``, one file per traini
 ``step`` of ``metrics.jsonl``) and data-parallel rank ``r``. Every data-parallel rank writes the turns of
 its own batch (its tasks differ from the other ranks'); under tensor parallelism only the first rank of
 each tensor-parallel group writes, since the group's ranks hold the same batch. A file is written
-whole to a temporary name and renamed, so a killed run leaves no half-written step. A fresh run removes
-this rank's files of an earlier run in the same directory; a resumed run removes those of steps after
-the checkpoint (they are written again).
+whole to a temporary name and renamed, so a killed run leaves no half-written step. Before the writers
+start, the trainer moves the files of an earlier run, or of steps after the checkpoint it resumes from (of
+every rank), aside (engine/history.py); the files a writer finds are its rank's history and count
+towards its budget.
 
 Records (one JSON object per line, ``kind`` first):
 
@@ -468,7 +469,6 @@ class Auditor:
         max_bytes: int = 1 << 30,
         tokenizer=None,
         header: dict | None = None,
-        resume_step: int | None = None,
     ) -> None:
         self.dir = Path(out_dir) / "audit"
         self.rank = int(rank)
@@ -481,7 +481,9 @@ class Auditor:
         self.errors = 0
         self.bytes = 0  # bytes of this rank's audit files on disk
         try:
-            self._prune(resume_step)
+            self.bytes = sum(p.stat().st_size for _, p in self._own_files())
+            if self.bytes > self.max_bytes:
+                self._cap(0)
         except Exception as exc:  # noqa: BLE001 - the audit never stops a run
             self._error("cannot read the audit directory", exc)
 
@@ -494,16 +496,6 @@ class Auditor:
             if mt and int(mt.group(2)) == self.rank:
                 out.append((int(mt.group(1)), p))
         return sorted(out)
-
-    def _prune(self, resume_step: int | None) -> None:
-        """Fresh run: remove this rank's earlier files; resumed run: those after the checkpoint's step."""
-        for s, p in self._own_files():
-            if resume_step is None or s > resume_step:
-                p.unlink()
-            else:
-                self.bytes += p.stat().st_size
-        if self.bytes > self.max_bytes:
-            self._cap(0)
 
     def _error(self, what: str, exc: BaseException) -> None:
         reraise_if_strict(exc)

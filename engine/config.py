@@ -346,6 +346,9 @@ class TrainerConfig:
     """Upper bound of the importance ratio (the truncation cap, or the mask's upper bound); > 1."""
     rollout_is_lower: float | None = None
     """Lower bound of the mask's accepted ratio range; None: 1 / rollout_is_threshold. In [0, 1)."""
+    preempt_grace_s: float = 20.0
+    """Seconds a run has, after SIGTERM or SIGUSR1, to finish its step and write a checkpoint before it exits at once
+    (engine/preemption.py); keep it below the scheduler's grace and torchrun's --shutdown_timeout (30 s)."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
@@ -388,6 +391,9 @@ class TrainerConfig:
             raise ConfigError(f"trainer.rollout_is_threshold: expected a number > 1, got {self.rollout_is_threshold!r}")
         if not self.rollout_is_threshold > 1:
             raise ConfigError(f"trainer.rollout_is_threshold: must be > 1, got {self.rollout_is_threshold!r}")
+        g = self.preempt_grace_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and 0 < g <= 3600):
+            raise ConfigError(f"trainer.preempt_grace_s: expected a number of seconds in (0, 3600], got {g!r}")
         lower = self.rollout_is_lower
         if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float)) or not 0 <= lower < 1):
             raise ConfigError(f"trainer.rollout_is_lower: expected null or a number in [0, 1), got {lower!r}")

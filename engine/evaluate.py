@@ -82,7 +82,7 @@ def format_table(env: str, values: dict[str, float | None], row: str = "policy")
 
 def evaluate(cfg, checkpoint: str | None = None) -> dict:
     """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, lock_output=False)  # reads a run, may run beside its training
     parts = trainer.parts
     if checkpoint:
         state = load_weights(checkpoint)

@@ -3,7 +3,9 @@
 Every step logs one flat ``{name: float}`` mapping. Names use ``/`` as a namespace separator
 (``m1/valid_match_rate``, ``m2/segment_length_mean``, ``time/rollout_generation``, ...), which
 TensorBoard groups into panels. Non-numeric and non-finite values are dropped from TensorBoard
-(they are kept in the JSONL as ``null``). Only rank 0 writes.
+(they are kept in the JSONL as ``null``). Only rank 0 writes. The logger appends to the run's files: the
+trainer first moves the records of an earlier run, or of steps after the checkpoint it resumes from, aside
+(engine/history.py).
 """
 
 from __future__ import annotations
@@ -74,7 +76,6 @@ class MetricsLogger:
         tensorboard: bool = True,
         rank: int = 0,
         stream=None,
-        resume_step: int | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.total_steps = int(total_steps)
@@ -85,32 +86,13 @@ class MetricsLogger:
         if rank != 0:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            self._truncate_after(resume_step)
-        elif self.path.exists():
-            self.path.unlink()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(self.out_dir / "tb"), purge_step=resume_step)
+                self._tb = SummaryWriter(log_dir=str(self.out_dir / "tb"))
             except ImportError as exc:  # pragma: no cover - tensorboard is an engine dependency
                 print(f"[metrics] TensorBoard disabled: {exc}", file=sys.stderr)
-
-    def _truncate_after(self, step: int) -> None:
-        """On resume keep only the records of steps <= ``step`` (the run continues from there)."""
-        if not self.path.exists():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill
-            if rec.get("kind", "train") != "train" or int(rec.get("step", 0)) <= step:
-                keep.append(line)
-        with writing(self.path):
-            self.path.write_text("".join(x + "\n" for x in keep))
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train", echo: bool = True) -> dict:
         flat = flatten(metrics)

@@ -48,7 +48,7 @@ def profile_run(
     """
     if steps < 1:
         raise ValueError(f"steps: must be >= 1, got {steps}")
-    trainer = Trainer(cfg, dist=dist)
+    trainer = Trainer(cfg, dist=dist, lock_output=False)  # writes only its own trace files
     parts = trainer.parts
     if trace_path is not None and trainer.rank > 0:
         trace_path = Path(trace_path).with_suffix(f".rank{trainer.rank}{Path(trace_path).suffix}")

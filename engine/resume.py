@@ -53,6 +53,7 @@ TRAJECTORY_NEUTRAL = frozenset(
         "trainer.audit_max_bytes",
         "trainer.val_before_train",
         "trainer.val_after_train",
+        "trainer.preempt_grace_s",
         "env.workers",
         "env.step_timeout_s",
     }

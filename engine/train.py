@@ -16,6 +16,18 @@ checkpoints store; so ``--resume auto`` continues with exactly the steps an unin
 Resuming reads verified checkpoints only and refuses a config that changes training
 (engine/resume.py; ``--allow-config-change`` overrides); config errors, including the pre-flight checks
 of engine/preflight.py, end the command with exit code 2 before anything heavy loads.
+
+Output folder: a run holds the folder's exclusive lock (``run.lock``, engine/runlock.py) from before its model
+is built until it ends; a second run on the folder exits with code 2 naming the holder. A resumed run first moves
+the records of steps after its checkpoint (metrics and validation rows, audit files of every rank, TensorBoard
+events, later checkpoints) aside into ``abandoned/<UTC time>/`` (engine/history.py); a fresh run so moves an
+earlier run's records.
+
+Exit status of ``train``: 0 done; 1 the weights became non-finite (nothing saved); 2 a config error (including
+the output folder's lock); 143 preempted: SIGTERM or SIGUSR1 arrived, every rank finished the current step and the
+run wrote its checkpoint (resume with ``--resume auto``); 124 the grace ``trainer.preempt_grace_s`` ran out or the
+signal came again before that checkpoint was complete: exited at once, the previous checkpoint is intact
+(engine/preemption.py).
 """
 
 from __future__ import annotations
@@ -27,21 +39,33 @@ import os
 import random
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 from .audit import Auditor, header_of
-from .checkpoint import UnsafeStateError, derived_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from .checkpoint import (
+    UnsafeStateError,
+    derived_rng_state,
+    is_complete,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    step_dir_name,
+)
 from .collectives import reduce_metrics
 from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .episodes import run_validation
+from .history import set_aside
 from .manifest import atomic_write_bytes
 from .metric_reduce import Samples, merge_samples
 from .metrics import MetricsLogger
+from .preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 from .preflight import preflight
 from .report import write_report
 from .resume import prepare_resume, read_span_lengths, stored_config
+from .runlock import claim_output_dir
 from .step import run_step
 from .writes import WriteFailure, writing
 from .writes import report as report_write_failure
@@ -129,9 +153,10 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Builds the components of a run and drives steps, validation, checkpoints, metrics and the report."""
 
-    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None) -> None:
-        import torch
-
+    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None, lock_output: bool = True) -> None:
+        """``lock_output``: take the output folder's exclusive lock (engine/runlock.py) before anything is built;
+        a run whose folder another live run holds is refused with OutputLockedError (exit code 2). Commands that
+        only read a run's folder (``eval``, ``profile``) pass False."""
         self.cfg = cfg
         self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist or Dist(self.device.type)
@@ -144,6 +169,28 @@ class Trainer:
                 f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the data-parallel size "
                 f"{self.world_size // cfg.policy.tensor_parallel_size}"
             )
+        self.lock = None
+        if lock_output:
+            self.lock = claim_output_dir(
+                self.out_dir, rank=self.rank, gather=self.dist.gather_objects if self.dist.enabled else None,
+                say=self._say,
+            )  # fmt: skip
+            if self.lock is not None:
+                weakref.finalize(self, self.lock.release)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.release_output()
+            raise
+
+    def release_output(self) -> None:
+        """Release the output folder's lock (idempotent; the end of :meth:`fit` does it)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _build(self, cfg: RunConfig) -> None:
+        import torch
+
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         if cfg.trainer.deterministic and self.device.type == "cpu":
@@ -217,70 +264,117 @@ class Trainer:
     # -- loop ----------------------------------------------------------------------------------------------------------
 
     def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
-
+        """Train to ``trainer.total_steps`` (from the checkpoint ``resume`` names, if any); returns the last step's
+        metrics. Raises :class:`Preempted` after writing the checkpoint of the step a SIGTERM or SIGUSR1 ended
+        (engine/preemption.py). The output folder's lock is released when it returns or raises."""
         cfg = self.cfg
-        path, changes = prepare_resume(
-            cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
-        )
-        for line in changes:
-            self._say(f"[resume] config change: {line}")
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-
-            atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
-        if path is not None:
-            self.load(path)
-            if self.rank == 0:
-                print(f"[train] resumed from {path} at step {self.step}", file=self.stream, flush=True)
-        logger = MetricsLogger(
-            self.out_dir,
-            total_steps=cfg.trainer.total_steps,
-            tensorboard=cfg.trainer.tensorboard,
-            rank=self.rank,
-            stream=self.stream,
-            resume_step=self.step if path is not None else None,
-        )
-        self.parts.audit = self._auditor(self.step if path is not None else None)
-        last: dict = {}
         try:
-            if cfg.trainer.val_before_train and self.step == 0:
-                self._validate(logger)
-            while self.step < cfg.trainer.total_steps:
-                t0 = time.perf_counter()
-                result = run_step(self.parts, self.step)
-                self.step += 1
-                metrics = self.reduce_metrics(result.metrics, result.samples)
-                metrics["time/step_wall"] = time.perf_counter() - t0
-                self.span_lengths.extend(int(x) for x in result.span_lengths)
-                last = logger.log(self.step, metrics)
-                if (
-                    cfg.trainer.test_freq > 0
-                    and self.step % cfg.trainer.test_freq == 0
-                    and self.step >= cfg.trainer.val_start_step
-                ):
-                    self._validate(logger)
-                if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
-                    self.step == cfg.trainer.total_steps
-                ):
-                    self._write_spans()
-                    self.save()
-            if cfg.trainer.val_after_train and not (
+            path, changes = prepare_resume(
+                cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
+            )
+            for line in changes:
+                self._say(f"[resume] config change: {line}")
+            if self.rank == 0:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
+            watch = PreemptionWatch(cfg.trainer.preempt_grace_s).install()
+            try:
+                if path is not None:
+                    self.load(path)
+                    self._say(f"[train] resumed from {path} at step {self.step}")
+                self._set_history_aside(self.step if path is not None else None)
+                logger = MetricsLogger(
+                    self.out_dir,
+                    total_steps=cfg.trainer.total_steps,
+                    tensorboard=cfg.trainer.tensorboard,
+                    rank=self.rank,
+                    stream=self.stream,
+                )
+                self.parts.audit = self._auditor()
+                try:
+                    last = self._train(logger, watch)
+                except Preempted:
+                    self.parts.close()  # environment workers and the generation engine end with the run
+                    raise
+                finally:
+                    logger.close()
+            finally:
+                watch.close()
+            self._write_spans()
+            if self.rank == 0 and cfg.trainer.report:
+                with writing(self.out_dir / "report.md"):  # and its plots beside it
+                    report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
+                print(f"[train] report: {report}", file=self.stream, flush=True)
+            self.parts.close()
+            return last
+        finally:
+            self.release_output()
+
+    def _train(self, logger: MetricsLogger, watch: PreemptionWatch) -> dict:
+        """The steps, validation passes and saves; a preemption request ends it after the current step."""
+        cfg = self.cfg
+        last: dict = {}
+        if cfg.trainer.val_before_train and self.step == 0:
+            self._validate(logger)
+        while self.step < cfg.trainer.total_steps:
+            t0 = time.perf_counter()
+            result = run_step(self.parts, self.step)
+            self.step += 1
+            metrics = self.reduce_metrics(result.metrics, result.samples)
+            metrics["time/step_wall"] = time.perf_counter() - t0
+            self.span_lengths.extend(int(x) for x in result.span_lengths)
+            last = logger.log(self.step, metrics)
+            if (
                 cfg.trainer.test_freq > 0
-                and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
-                and cfg.trainer.total_steps >= cfg.trainer.val_start_step
+                and self.step % cfg.trainer.test_freq == 0
+                and self.step >= cfg.trainer.val_start_step
             ):
                 self._validate(logger)
-        finally:
-            logger.close()
-        self._write_spans()
-        if self.rank == 0 and cfg.trainer.report:
-            with writing(self.out_dir / "report.md"):  # and its plots beside it
-                report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
-            print(f"[train] report: {report}", file=self.stream, flush=True)
-        self.parts.close()
+            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
+                self.step == cfg.trainer.total_steps
+            ):
+                self._write_spans()
+                self.save()
+            self._stop_if_preempted(watch)
+        if cfg.trainer.val_after_train and not (
+            cfg.trainer.test_freq > 0
+            and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
+            and cfg.trainer.total_steps >= cfg.trainer.val_start_step
+        ):
+            self._validate(logger)
         return last
 
-    def _auditor(self, resume_step: int | None):
+    def _stop_if_preempted(self, watch: PreemptionWatch) -> None:
+        """At a step boundary: when any rank was asked to stop, every rank writes this step's checkpoint (unless
+        it was just written) and raises Preempted (engine/preemption.py)."""
+        flag = 1.0 if watch.requested else 0.0
+        if self.dist.enabled:
+            flag = self.dist.all_reduce([flag], "max")[0]
+        if flag == 0.0:
+            return
+        watch.agree("another rank was signalled")
+        path = self.ckpt_dir / step_dir_name(self.step)
+        done = 1.0 if is_complete(path) else 0.0  # this step's checkpoint was just written: not again
+        if self.dist.enabled:
+            done = self.dist.all_reduce([done], "min")[0]
+        if done == 0.0:
+            self._write_spans()
+            path = self.save()
+        self.dist.barrier()
+        watch.mark_saved()
+        raise Preempted(self.step, path, watch.cause or "signal")
+
+    def _set_history_aside(self, resume_step: int | None) -> None:
+        """Rank 0 moves the records of an earlier run, or of steps after the checkpoint, aside (engine/history.py)
+        before any rank writes."""
+        if self.rank == 0:
+            where, moved = set_aside(self.out_dir, resume_step)
+            if where is not None:
+                after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
+                self._say(f"[history] moved the records {after} aside to {where}: {', '.join(moved)}")
+        self.dist.barrier()
+
+    def _auditor(self):
         """The audit writer of this process (engine/audit.py); None when the audit is off or another rank of
         this process's tensor-parallel group writes the same batch."""
         cfg = self.cfg
@@ -294,7 +388,6 @@ class Trainer:
             max_bytes=cfg.trainer.audit_max_bytes,
             tokenizer=self.parts.tokenizer,
             header=header_of(cfg),
-            resume_step=resume_step,
         )
 
     def _write_spans(self) -> None:
@@ -429,7 +522,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as exc:  # the output folder's lock, the data-parallel split, the device
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     try:
         trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
     except UnsafeStateError as exc:
@@ -437,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/writes.py)
         return report_write_failure(exc, "alignopsd train")
+    except Preempted as exc:
+        if trainer.rank == 0:
+            print(f"[train] {exc}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     finally:
         trainer.dist.close()
     return 0
