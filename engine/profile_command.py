@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(cfgs[0].dtype_line(), flush=True)
     dist = Dist(device.type)  # one process group for every estimator's run (torchrun); no-op single-process
     summaries: dict[str, dict] = {}
     try:
