@@ -31,6 +31,10 @@ COUNT_METRICS = (
     "rollout/response_length_mean",
     "m1/teacher_forcing_row_count",
     "m1/teacher_forcing_token_forwards",
+    "rollout/prefill_token_forwards",
+    "rollout/prefill_token_forwards_unshared",
+    "m1/teacher_prefill_token_forwards",
+    "m1/teacher_prefill_token_forwards_unshared",
 )
 
 
