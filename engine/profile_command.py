@@ -58,6 +58,8 @@ def profile_run(
         trace_path = Path(trace_path).with_suffix(f".rank{trainer.rank}{Path(trace_path).suffix}")
     counts: list[dict[str, float]] = []
     try:
+        if parts.encoder_factory is not None:
+            parts.get_encoder()  # loaded once per run, not a cost of the step that first encodes
         for s in range(steps):
             if trace_path is not None and s == steps - 1:
                 acts = [torch.profiler.ProfilerActivity.CPU]
