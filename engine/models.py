@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_root
+from .hardware import choose_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -311,26 +312,10 @@ def model_attn_support(path: str) -> tuple[bool, bool]:
     return bool(getattr(cls, "_supports_sdpa", True)), bool(getattr(cls, "_supports_flash_attn", True))
 
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-
-
 def parse_dtype(dtype: torch.dtype | str | None, device: torch.device | str = "cpu") -> torch.dtype:
-    """A torch dtype from a dtype or a name; ``"auto"``/None = bf16 on CUDA with bf16 support, else fp32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        dev = torch.device(device)
-        return torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"dtype: expected a torch dtype, 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    """A torch dtype from a dtype or a name; ``"auto"``/None by the hardware (engine/hardware.py: bf16 on CUDA and
+    on CPUs with native bf16 arithmetic, else fp32)."""
+    return choose_dtype(dtype, device).dtype
 
 
 def load_causal_lm(

@@ -31,6 +31,10 @@ COUNT_METRICS = (
     "rollout/response_length_mean",
     "m1/teacher_forcing_row_count",
     "m1/teacher_forcing_token_forwards",
+    "rollout/prefill_token_forwards",
+    "rollout/prefill_token_forwards_unshared",
+    "m1/teacher_prefill_token_forwards",
+    "m1/teacher_prefill_token_forwards_unshared",
 )
 
 
@@ -54,6 +58,8 @@ def profile_run(
         trace_path = Path(trace_path).with_suffix(f".rank{trainer.rank}{Path(trace_path).suffix}")
     counts: list[dict[str, float]] = []
     try:
+        if parts.encoder_factory is not None:
+            parts.get_encoder()  # loaded once per run, not a cost of the step that first encodes
         for s in range(steps):
             if trace_path is not None and s == steps - 1:
                 acts = [torch.profiler.ProfilerActivity.CPU]
@@ -104,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(cfgs[0].dtype_line(), flush=True)
     dist = Dist(device.type)  # one process group for every estimator's run (torchrun); no-op single-process
     summaries: dict[str, dict] = {}
     try:

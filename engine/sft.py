@@ -460,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"alignopsd sft: {exc}", file=sys.stderr)
         return 2
+    print(cfg.dtype_line(), flush=True)
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `alignopsd train`

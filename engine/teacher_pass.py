@@ -28,7 +28,7 @@ from alignopsd.rectify import pairs_from_selection, similarity_matrix
 
 from .batch import TurnBatch
 from .envs.parsing import parse_action, parse_thinking
-from .generation.base import SamplingParams
+from .generation.base import SamplingParams, prefill_counts, prefill_delta
 from .generation.teacher import TeacherOutput, generate_teacher
 from .tp_broadcast import broadcast_from_lead
 
@@ -92,6 +92,7 @@ def teacher_generation(parts, cb: TurnBatch, *, action_filter: bool) -> tuple[Te
     cfg = parts.cfg
     if cb.teacher_prompt_ids is None or cb.teacher_prompt_mask is None:
         raise ValueError("batch: the rollout produced no teacher prompts (teacher_prompt_ids is None)")
+    before = prefill_counts(parts.generator)
     out = generate_teacher(
         parts.generator,
         unpadded_prompts(cb.teacher_prompt_ids, cb.teacher_prompt_mask),
@@ -101,7 +102,7 @@ def teacher_generation(parts, cb: TurnBatch, *, action_filter: bool) -> tuple[Te
         teacher_do_sample=cfg.generation.teacher_do_sample,
         max_model_len=cfg.generation.max_model_len,
     )
-    return out, out.metrics()
+    return out, {**out.metrics(), **prefill_delta(before, prefill_counts(parts.generator), "m1/teacher_")}
 
 
 def encode_texts(parts, cb: TurnBatch, teacher: TeacherOutput, *, action_filter: bool) -> Encoded:

@@ -57,6 +57,7 @@ from .collectives import reduce_metrics
 from .components import build_components
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .episodes import run_validation
+from .hardware import device_type
 from .history import set_aside
 from .manifest import atomic_write_bytes
 from .metric_reduce import Samples, merge_samples
@@ -131,9 +132,7 @@ class Dist:
 def pick_device(cfg: RunConfig, local_rank: int = 0):
     import torch
 
-    kind = cfg.trainer.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device_type(cfg.trainer.device)
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device: 'cuda' requested but CUDA is not available")
@@ -521,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if rank0:
+        print(cfg.dtype_line(), flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         trainer = Trainer(cfg)

@@ -43,3 +43,19 @@ class GenerationBackend(Protocol):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput: ...
 
     def load_weights(self, state_dict) -> None: ...
+
+
+def prefill_counts(backend) -> dict[str, int]:
+    """Running prefill counts of a backend that keeps them (the Hugging Face generator: prompt positions pushed,
+    and what one padded batch per chunk would have pushed without shared prefixes); empty for the others."""
+    if backend is None or not hasattr(backend, "prefill_token_forwards"):
+        return {}
+    return {
+        "prefill_token_forwards": int(backend.prefill_token_forwards),
+        "prefill_token_forwards_unshared": int(backend.prefill_token_forwards_unshared),
+    }
+
+
+def prefill_delta(before: dict[str, int], after: dict[str, int], prefix: str) -> dict[str, float]:
+    """Step metrics ``<prefix><count>`` of the prefills between two :func:`prefill_counts` readings."""
+    return {f"{prefix}{k}": float(v - before.get(k, 0)) for k, v in after.items()}

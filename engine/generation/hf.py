@@ -3,8 +3,11 @@
 Legend: B = prompts in the current chunk, Lp = padded prompt length, V = vocabulary, b = rows still generating.
 
 Why our own loop instead of ``model.generate``: per-row stop strings are checked on the decoded continuation
-after every token, finished rows leave the batch (their KV cache rows are dropped), and the log-prob of each
-sampled token is returned without a second pass.
+after every token, finished rows leave the batch (their KV cache rows are dropped), the log-prob of each
+sampled token is returned without a second pass, and a prompt prefix shared by several rows (the G siblings'
+common prompt, the privileged block of the teacher prompts) is encoded once and its KV cache copied to the rows
+(engine/generation/prefix.py). ``prefill_token_forwards`` counts the prompt positions the prefills pushed,
+``prefill_token_forwards_unshared`` what one padded batch per chunk would have pushed.
 
 Sampling semantics (same as the vLLM backend):
 
@@ -27,6 +30,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.generation.prefix import plan_prefixes
 from torch import Tensor
 
 
@@ -98,6 +102,9 @@ class HFGenerator:
             pad = min(self.eos_token_ids) if self.eos_token_ids else 0
         self.pad_token_id = int(pad)
         self.tokens_generated = 0  # running count, for throughput metrics
+        self.share_prefixes = True  # push a prefix shared by several rows once (engine/generation/prefix.py)
+        self.prefill_token_forwards = 0  # running count of prompt positions pushed by prefills, padding included
+        self.prefill_token_forwards_unshared = 0  # what the same prefills push without sharing (one padded batch)
 
     @property
     def device(self) -> torch.device:
@@ -162,21 +169,52 @@ class HFGenerator:
         )
         return res.logits[:, -1, :].float(), res.past_key_values
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, gen) -> GenerationOutput:
+    def _left_pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """([n, L] token ids, [n, L] long mask) of ``rows`` left-padded to the longest, on the model's device."""
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            if p:
+                ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+                mask[i, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, object, Tensor, Tensor]:
+        """(last logits [B, V] fp32, KV cache, attention mask [B, T], next position [B]) after the prompts.
+
+        With shared prefixes (:func:`plan_prefixes`) and fewer positions to push than one padded batch, the
+        prefixes go through one forward, its cache rows are copied to the rows that share them, and the rows'
+        suffixes follow in a second forward over that cache (mask ``[prefix mask | suffix mask]``, positions
+        continuing from each row's prefix); otherwise one forward of the padded prompts."""
         from transformers import DynamicCache
 
+        lengths = [len(p) for p in prompts]
+        plain = len(prompts) * max(lengths)
+        plan = plan_prefixes(prompts) if self.share_prefixes else None
+        self.prefill_token_forwards_unshared += plain
+        if plan is None or not plan.length or plan.token_forwards(lengths) >= plain:
+            ids_BL, mask_BL = self._left_pad(prompts)
+            pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
+            logits_bV, cache = self._forward(ids_BL, mask_BL, pos_BL, DynamicCache())
+            self.prefill_token_forwards += plain
+            return logits_bV, cache, mask_BL, pos_BL[:, -1] + 1
+        pre_ids, pre_mask = self._left_pad([prompts[r][:n] for r, n in zip(plan.source, plan.length)])
+        _, cache = self._forward(pre_ids, pre_mask, (pre_mask.cumsum(-1) - 1).clamp_min(0), DynamicCache())
+        shared = torch.tensor([r >= 0 for r in plan.group], dtype=torch.long, device=self.device)
+        row_prefix = torch.tensor([max(g, 0) for g in plan.group], dtype=torch.long, device=self.device)
+        cache.batch_select_indices(row_prefix)  # each row gets a copy of its prefix's keys and values
+        suf_ids, suf_mask = self._left_pad([p[plan.prefix_of(r) :] for r, p in enumerate(prompts)])
+        mask_BL = torch.cat([pre_mask[row_prefix] * shared[:, None], suf_mask], dim=1)  # a row without: all masked
+        pos_BS = (mask_BL.cumsum(-1) - 1).clamp_min(0)[:, pre_mask.shape[1] :]
+        logits_bV, cache = self._forward(suf_ids, mask_BL, pos_BS, cache)
+        self.prefill_token_forwards += int(pre_ids.numel() + suf_ids.numel())
+        return logits_bV, cache, mask_BL, pos_BS[:, -1] + 1
+
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, gen) -> GenerationOutput:
         dev = self.device
         B = len(prompts)
-        Lp = max(len(p) for p in prompts)
-        ids_BL = torch.full((B, Lp), self.pad_token_id, dtype=torch.long)
-        mask_BL = torch.zeros((B, Lp), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids_BL[i, Lp - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-            mask_BL[i, Lp - len(p) :] = 1
-        ids_BL, mask_BL = ids_BL.to(dev), mask_BL.to(dev)
-        pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
-        logits_bV, cache = self._forward(ids_BL, mask_BL, pos_BL, DynamicCache())
-        next_pos_b = pos_BL[:, -1] + 1
+        logits_bV, cache, mask_BL, next_pos_b = self._prefill(prompts)
 
         stops = tuple(s for s in sp.stop if s)
         window = max((len(s) for s in stops), default=0) + 2  # tokens enough to contain any stop string

@@ -371,7 +371,10 @@ class VLLMBackend(VLLMGenerator):
         from alignopsd.engine.models import resolve_model_path
 
         g = cfg.generation
-        dtype = getattr(cfg.model, "dtype", "auto") or "auto"
+        from alignopsd.engine.hardware import choose_dtype
+
+        # vLLM's own "auto" is the checkpoint's dtype (bf16 for SmolLM2), slow on a CPU without native bf16
+        dtype = choose_dtype(getattr(cfg.model, "dtype", "auto"), "cuda" if torch.cuda.is_available() else "cpu").name
         return cls(
             resolve_model_path(cfg.model.name),
             tokenizer,

@@ -146,6 +146,10 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     g, a = data["grpo"], data["alignopsd (ablation E)"]
     assert g["alignment_seconds"] == 0 and a["alignment_seconds"] > 0
     assert a["phases"]["teacher_generation"] > 0 and a["phases"]["encoding"] > 0
+    c = a["counts"]  # G=4 siblings share their prompt, the teacher prompts their privileged block
+    assert 0 < c["rollout/prefill_token_forwards"] < c["rollout/prefill_token_forwards_unshared"]
+    assert 0 < c["m1/teacher_prefill_token_forwards"] < c["m1/teacher_prefill_token_forwards_unshared"]
+    assert "m1/teacher_prefill_token_forwards" not in g["counts"]
     assert a["overhead_vs_grpo"] == pytest.approx(a["alignment_seconds"] / (a["step_seconds"] - a["alignment_seconds"]))
     trace = tmp_path / "profile" / "trace_alignopsd.json"
     assert trace.is_file() and "phase/teacher_generation" in trace.read_text()

@@ -154,3 +154,64 @@ def test_training_flag_restored(tiny, prompts):
     model = load_causal_lm("tiny").train()
     HFGenerator(model, tok).generate(prompts[:1], SamplingParams(max_new_tokens=2))
     assert model.training
+
+
+# ---------------------------------------------------------------------------------------------- shared prefixes
+
+
+def _sibling_and_teacher_prompts(tok) -> list[list[int]]:
+    """Rows as a step has them: G=3 siblings of two tasks (identical prompts, then diverging histories), and
+    teacher prompts that open with one privileged block before the student's own prompt."""
+
+    def chat(text: str) -> list[int]:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+
+    task_a = "You are in the kitchen. Your task is to put a clean apple in the fridge. " * 2
+    task_b = "You are in the bedroom. Your task is to find the key and open the chest. " * 2
+    skills = "Skills: look before acting; open a receptacle before taking from it; carry one object. " * 3
+    rows = [chat(task_a)] * 3 + [chat(task_b + "You went north.")] + [chat(task_b + "You took the key.")] * 2
+    rows += [chat(skills + "Student: go north"), chat(skills + "Student: take apple"), chat("look")]
+    return rows
+
+
+def test_prefix_plan_groups_siblings_and_teacher_blocks(tiny):
+    from alignopsd.engine.generation.prefix import common_prefix, plan_prefixes
+
+    prompts = _sibling_and_teacher_prompts(tiny[1])
+    plan = plan_prefixes(prompts)
+    g = plan.group
+    assert g[0] == g[1] == g[2] >= 0 and g[3] == g[4] == g[5] >= 0 and g[6] == g[7] >= 0 and g[8] == -1
+    assert len({g[0], g[3], g[6]}) == 3
+    assert plan.prefix_of(0) == len(prompts[0]) - 1  # identical prompts: all but the last token
+    assert plan.prefix_of(3) == common_prefix(prompts[3], prompts[4]) and plan.prefix_of(6) == common_prefix(
+        prompts[6], prompts[7]
+    )
+    lengths = [len(p) for p in prompts]
+    assert plan.token_forwards(lengths) < len(prompts) * max(lengths)
+    assert plan_prefixes([[1, 2, 3], [1, 2, 4]]).length == []  # below min_shared: nothing shared
+    assert plan_prefixes([[5] * 20, [5] * 20]).length == [19]  # a row keeps its last token for its own logits
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, do_sample):
+    model, tok = tiny
+    assert next(model.parameters()).dtype is torch.float32
+    prompts = _sibling_and_teacher_prompts(tok)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.8, do_sample=do_sample, seed=11, stop=("look",))
+    shared, plain = HFGenerator(model, tok), HFGenerator(model, tok)
+    plain.share_prefixes = False
+    a, b = shared.generate(prompts, sp), plain.generate(prompts, sp)
+    assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons and a.texts == b.texts
+    torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=1e-4, rtol=0)
+    lengths = [len(p) for p in prompts]
+    assert plain.prefill_token_forwards == plain.prefill_token_forwards_unshared == len(prompts) * max(lengths)
+    assert shared.prefill_token_forwards_unshared == plain.prefill_token_forwards
+    assert shared.prefill_token_forwards < 0.7 * plain.prefill_token_forwards  # the prefixes were pushed once
+
+
+def test_shared_prefix_logprobs_match_teacher_forcing(tiny):
+    model, tok = tiny
+    prompts = _sibling_and_teacher_prompts(tok)[3:8]
+    out = HFGenerator(model, tok).generate(prompts, SamplingParams(max_new_tokens=6, seed=2))
+    for p, r, lp in zip(prompts, out.token_ids, out.logprobs):
+        torch.testing.assert_close(torch.tensor(lp), teacher_forced_logprobs(model, p, r, 1.0), atol=2e-4, rtol=0)

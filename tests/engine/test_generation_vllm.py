@@ -189,6 +189,9 @@ def test_from_config_maps_run_config(monkeypatch):
     assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
     assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
     assert seen["sleep_mode"] is cfg.generation.vllm_sleep is None  # auto unless the run says otherwise
+    monkeypatch.setattr(vb.torch.cuda, "is_available", lambda: False)
+    vb.VLLMBackend.from_config(load_config(None, ["model.dtype=auto"]), tokenizer="TOK")
+    assert seen["dtype"] == "float32"  # auto resolved by the run's rule (the suite: a CPU without native bf16)
 
 
 def test_weights_for_an_engine_in_its_own_process_go_one_layer_a_file(tmp_path):
