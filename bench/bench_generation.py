@@ -59,7 +59,7 @@ def build_prompts(tok, batch: int, prompt_tokens: int) -> list[list[int]]:
 def run_provider(name: str, batch: int, prompt_tokens: int, new_tokens: int, rounds: int, threads: int) -> dict:
     import torch
     from alignopsd.engine.generation.base import SamplingParams
-    from alignopsd.engine.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     torch.set_num_threads(threads)
     tok = load_tokenizer("smollm2-135m")
@@ -140,7 +140,7 @@ def measure_gap(batch: int, prompt_tokens: int, new_tokens: int, threads: int) -
     import torch
     from alignopsd.engine.generation.base import SamplingParams
     from alignopsd.engine.generation.vllm_backend import VLLMGenerator, logprob_gap, pad_logprobs
-    from alignopsd.engine.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     torch.set_num_threads(threads)
     tok = load_tokenizer("smollm2-135m")

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import torch
-from alignopsd.engine.batch import TurnBatch
-from alignopsd.engine.rescoring import Rescorer
+from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.rescoring import Rescorer
 
 from bench.measure import profile_peak_mb
 
@@ -122,7 +122,7 @@ class _PeakMemory:
 
 
 def _load_model(device: torch.device, spec: str):
-    from alignopsd.engine.models import load_causal_lm
+    from alignopsd.engine.models.loading import load_causal_lm
 
     return load_causal_lm(spec, dtype="auto", device=device)
 
@@ -234,7 +234,7 @@ def megatron_token_counts(size: str = "full") -> dict:
     torchrun world size (the counts depend only on the lengths), with the max |delta| between the two and each
     mode's wall time (a toy model: attention dominates its cost, the worst case for packing)."""
     from alignopsd.engine.policy.megatron.backend import MegatronPolicy
-    from alignopsd.engine.rescoring import backend_scorer
+    from alignopsd.engine.step.rescoring import backend_scorer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = SIZES[size]

@@ -41,7 +41,7 @@ def _rows(vocab: int, b: int, lp: int, lr: int, seed: int = 0):
 
 
 def run(size: str = "quick", model_name: str = "smollm2-135m", reps: int = 3) -> dict:
-    from alignopsd.engine.models import load_causal_lm
+    from alignopsd.engine.models.loading import load_causal_lm
     from alignopsd.engine.policy.hf import HFPolicy
 
     from alignopsd.losses import entropy_bonus, ppo_loss

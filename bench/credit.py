@@ -78,7 +78,7 @@ class Refused(ValueError):
 
 def refusal(case: str, env: str, skills_dir: str | None = None) -> str | None:
     """Why ``case`` does not apply to ``env`` (None: it applies)."""
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
     from alignopsd.engine.envs.skills import skill_lookup
 
@@ -110,11 +110,11 @@ def check_cases(cases: list[str], env: str, skills_dir: str | None = None) -> No
 def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir: str | None = None) -> dict:
     """Train one (case, seed) run; its success curve, mechanism tallies, CPU and wall seconds."""
     import torch
-    from alignopsd.engine.audit import read_audit
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
-    from alignopsd.engine.metrics import read_metrics
-    from alignopsd.engine.train import Trainer
+    from alignopsd.engine.run.audit_read import read_audit
+    from alignopsd.engine.run.metrics import read_metrics
+    from alignopsd.engine.run.trainer import Trainer
 
     from bench.credit_metrics import mechanism_tallies
 

@@ -6,18 +6,25 @@ The algorithm core calls these kernels itself for CUDA inputs; ``force_kernels()
 for CPU inputs under the Triton interpreter (tests).
 """
 
-from ._dispatch import HAS_TRITON, core_uses_kernels, force_kernels, interpret_mode, resolve_impl, torch_paths_only
-from .fused_loss import FusedTokenLoss, fused_token_loss, logprob_loss_and_grad
-from .jsd_boundary import (
+from alignopsd.kernels._dispatch import (
+    HAS_TRITON,
+    core_uses_kernels,
+    force_kernels,
+    interpret_mode,
+    resolve_impl,
+    torch_paths_only,
+)
+from alignopsd.kernels.fused_loss import FusedTokenLoss, fused_token_loss, logprob_loss_and_grad
+from alignopsd.kernels.jsd_boundary import (
     DISTANCES,
     batch_threshold,
     boundary_scores,
     boundary_scores_blocks,
     boundary_scores_rows,
 )
-from .logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
-from .profiles import ProfileRows, profile_rows, profiles_blocks
-from .sibling_topk import (
+from alignopsd.kernels.logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
+from alignopsd.kernels.profiles import ProfileRows, profile_rows, profiles_blocks
+from alignopsd.kernels.sibling_topk import (
     SiblingTopK,
     selection_lists,
     sibling_topk,

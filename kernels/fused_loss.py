@@ -50,9 +50,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from alignopsd.kernels.lse_partials import all_reduce_partials, check_lm_head_inputs, check_target_range
 from torch import Tensor
-
-from .lse_partials import all_reduce_partials, check_lm_head_inputs, check_target_range
 
 __all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]
 

@@ -42,11 +42,18 @@ from __future__ import annotations
 import math
 
 import torch
+from alignopsd.kernels._dispatch import HAS_TRITON, resolve_impl
+from alignopsd.kernels.blocks import (
+    CHUNK_CELLS,
+    Blocks,
+    all_finite,
+    check_id_vectors,
+    gather_blocks,
+    packed_rows,
+    task_blocks,
+)
+from alignopsd.kernels.tuning import launch_tuned
 from torch import Tensor
-
-from ._dispatch import HAS_TRITON, resolve_impl
-from .blocks import CHUNK_CELLS, Blocks, all_finite, check_id_vectors, gather_blocks, packed_rows, task_blocks
-from .tuning import launch_tuned
 
 if HAS_TRITON:
     import triton

@@ -55,10 +55,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
-from ._dispatch import HAS_TRITON, dot_precision, resolve_impl, upcast_dots
-from .lse_partials import (
+from alignopsd.kernels._dispatch import HAS_TRITON, dot_precision, resolve_impl, upcast_dots
+from alignopsd.kernels.lse_partials import (
     all_reduce_partials,
     check_lm_head_inputs,
     check_target_range,
@@ -67,7 +65,8 @@ from .lse_partials import (
     torch_backward,
     torch_partials,
 )
-from .tuning import arch_of, default_config, launch_tuned, max_meta
+from alignopsd.kernels.tuning import arch_of, default_config, launch_tuned, max_meta
+from torch import Tensor
 
 if HAS_TRITON:
     import triton

@@ -16,11 +16,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from alignopsd.kernels._dispatch import resolve_impl
+from alignopsd.kernels.blocks import (
+    MASKED_LOGIT,
+    all_finite,
+    block_groups,
+    check_eligible_finite,
+    check_params,
+    packed_rows,
+)
+from alignopsd.kernels.sibling_topk_triton import profiles_triton
 from torch import Tensor
-
-from ._dispatch import resolve_impl
-from .blocks import MASKED_LOGIT, all_finite, block_groups, check_eligible_finite, check_params, packed_rows
-from .sibling_topk_triton import profiles_triton
 
 __all__ = ["ProfileRows", "profile_rows", "profiles_blocks"]
 

@@ -50,10 +50,8 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
-
-from ._dispatch import resolve_impl
-from .blocks import (
+from alignopsd.kernels._dispatch import resolve_impl
+from alignopsd.kernels.blocks import (
     MASKED_LOGIT,
     Blocks,
     all_finite,
@@ -66,7 +64,8 @@ from .blocks import (
     task_blocks,
     to_blocks,
 )
-from .sibling_topk_triton import blocks_triton, profiles_triton
+from alignopsd.kernels.sibling_topk_triton import blocks_triton, profiles_triton
+from torch import Tensor
 
 __all__ = [
     "SiblingTopK",

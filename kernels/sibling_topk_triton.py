@@ -9,10 +9,9 @@ x_BTS[b, t, s]. Launch configurations per GPU architecture, autotuning and roofl
 from __future__ import annotations
 
 import torch
+from alignopsd.kernels._dispatch import HAS_TRITON, dot_precision, upcast_dots
+from alignopsd.kernels.tuning import launch_tuned
 from torch import Tensor
-
-from ._dispatch import HAS_TRITON, dot_precision, upcast_dots
-from .tuning import launch_tuned
 
 if HAS_TRITON:
     import triton

@@ -84,8 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from ._dispatch import HAS_TRITON, interpret_mode, jit, launch
+from alignopsd.kernels._dispatch import HAS_TRITON, interpret_mode, jit, launch
 
 __all__ = [
     "ARCHS",

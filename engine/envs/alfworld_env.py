@@ -28,9 +28,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .alfworld_gen import CATEGORY, TASK_TYPES, generate_games
-from .alfworld_textworld import make_textworld_env
-from .base import StepResult, TaskSpec
+from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, generate_games
+from alignopsd.engine.envs.alfworld_textworld import make_textworld_env
+from alignopsd.engine.envs.base import StepResult, TaskSpec
 
 GEN_VERSION = "1"  # bump when the generator's output changes; part of the cache key
 SPLITS = ("train", "valid_seen", "valid_unseen")

@@ -27,8 +27,8 @@ import hashlib
 import random
 from typing import Any
 
-from .base import StepResult, TaskSpec
-from .prompts import PromptBuilder
+from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.prompts import PromptBuilder
 
 HORIZON = 8
 KINDS: tuple[str, ...] = ("code", "key", "agree")

@@ -47,11 +47,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import TaskSpec
-from .parsing import parse_response
-from .prompts import PromptContext
-from .registry import get_entry, load_tasks, make_prompt
-from .workers import EnvHost, WorkerPool
+from alignopsd.engine.envs.base import TaskSpec
+from alignopsd.engine.envs.parsing import parse_response
+from alignopsd.engine.envs.prompts import PromptContext
+from alignopsd.engine.envs.registry import get_entry, load_tasks, make_prompt
+from alignopsd.engine.envs.workers import EnvHost, WorkerPool
 
 __all__ = ["EnvManager", "derive_seed", "load_tasks"]
 

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .corpus_index import CorpusRetriever
-from .memory_budget import MemoryBudget
+from alignopsd.engine.envs.corpus_index import CorpusRetriever
+from alignopsd.engine.envs.memory_budget import MemoryBudget
 
 __all__ = [
     "AnswerTooLarge", "RetrievalServer", "ServerLimits", "body_charge", "build_app", "main",

@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cache import cache_root
-from .corpus_index import Document
-from .retrieval_server import main
-from .search_data import default_corpus_path
+from alignopsd.engine.envs.corpus_index import Document
+from alignopsd.engine.envs.retrieval_server import main
+from alignopsd.engine.envs.search_data import default_corpus_path
+from alignopsd.engine.run.cache import cache_root
 
 __all__ = [
     "URL_ENV_VAR", "RetrieverClient", "RetrieverError", "ensure_retriever", "format_passages", "main",

@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any
 
-from .base import StepResult, TaskSpec
+from alignopsd.engine.envs.base import StepResult, TaskSpec
 
 WORDS: tuple[str, ...] = (
     "apple", "river", "candle", "falcon", "marble", "violet", "copper", "lantern",

@@ -32,8 +32,8 @@ from collections import deque
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Protocol
 
-from .base import TaskSpec
-from .registry import resolve
+from alignopsd.engine.envs.base import TaskSpec
+from alignopsd.engine.envs.registry import resolve
 
 __all__ = ["EnvHost", "WorkerPool", "WorkerProcess", "op_budget"]
 

@@ -73,9 +73,9 @@ class ChoiceGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        from alignopsd.engine import devices
+        from alignopsd.engine.parallel import devices
         from alignopsd.engine.policy.hf import score_rows
-        from alignopsd.engine.rollout import left_pad, right_pad
+        from alignopsd.engine.step.rollout import left_pad, right_pad
 
         tok = self.tokenizer
         eos = tok.eos_token_id

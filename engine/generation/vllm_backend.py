@@ -368,10 +368,10 @@ class VLLMBackend(VLLMGenerator):
     def from_config(cls, cfg, *, tokenizer=None) -> VLLMBackend:
         """Engine on ``cfg.model.name`` with ``cfg.generation``'s limits, started from the weights on disk (the
         trainer pushes the policy's own once it is built: ``Components.sync_weights``)."""
-        from alignopsd.engine.models import resolve_model_path
+        from alignopsd.engine.models.loading import resolve_model_path
 
         g = cfg.generation
-        from alignopsd.engine.hardware import choose_dtype
+        from alignopsd.engine.parallel.hardware import choose_dtype
 
         # vLLM's own "auto" is the checkpoint's dtype (bf16 for SmolLM2), slow on a CPU without native bf16
         dtype = choose_dtype(getattr(cfg.model, "dtype", "auto"), "cuda" if torch.cuda.is_available() else "cpu").name

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from alignopsd.engine import devices
-from alignopsd.engine.batch import position_ids
+from alignopsd.engine.parallel import devices
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
+from alignopsd.engine.step.batch import position_ids
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 

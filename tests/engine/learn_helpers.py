@@ -79,8 +79,8 @@ def register_guess_env() -> None:
 
 def build_trainer(config: str, overrides: list[str]):
     """A Trainer generating with the candidate-choice backend on the trainer's own model (guess env registered)."""
-    from alignopsd.engine.config import load_config
-    from alignopsd.engine.train import Trainer
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.run.trainer import Trainer
 
     register_guess_env()
     return Trainer(load_config(config, ["generation.backend=choice", *overrides]))
@@ -140,7 +140,7 @@ def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = Non
     """Train tiny.yaml (guess env, choice generator) for ``steps`` steps; (trainer, metric records)."""
     from pathlib import Path
 
-    from alignopsd.engine.metrics import read_metrics
+    from alignopsd.engine.run.metrics import read_metrics
 
     torch.set_num_threads(1)
     cfg = config or str(TINY_CONFIG)

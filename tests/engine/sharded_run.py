@@ -2,12 +2,13 @@
 
 ``torchrun --nproc_per_node=N tests/engine/sharded_run.py [--stop-after K] [--dump-save F] [--dump-load F] ARGS``
 registers the guess environment and the candidate-choice generator (learn_helpers: a random tiny model cannot
-write the tag format, so the steps would carry no learning signal), then runs ``alignopsd.engine.train.main(ARGS)``:
+write the tag format, so the steps would carry no learning signal), then runs
+``alignopsd.engine.run.trainer.main(ARGS)``:
 the real command line (pre-flight, resume checks, Trainer, saves and loads).
 
 ``--stop-after K``: every rank exits at once (``os._exit``, no clean-up, like a kill) right after step K's
 checkpoint is written. ``--dump-save F`` / ``--dump-load F``: rank 0 writes the policy's gathered weights and
-optimizer state (engine/statefile.py) right after the last save / right after a resume loaded the checkpoint.
+optimizer state (engine/run/statefile.py) right after the last save / right after a resume loaded the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 
 def dump(policy, path: str) -> None:
     """Gathered weights and optimizer state of every tensor-parallel rank (collective; rank 0 writes ``path``)."""
-    from alignopsd.engine.statefile import save_state
+    from alignopsd.engine.run.statefile import save_state
 
     state = {"weights": policy.hf_state_dict(), "optimizer": policy.optimizer_state()}
     if int(os.environ.get("RANK", "0")) == 0:
@@ -35,8 +36,9 @@ def main(argv: list[str]) -> int:
 
     import learn_helpers as lh
     import torch
-    from alignopsd.engine import components, train
     from alignopsd.engine.generation.choice import ChoiceGenerator
+    from alignopsd.engine.run import components
+    from alignopsd.engine.run import trainer as train
 
     torch.set_num_threads(1)
     lh.register_guess_env()

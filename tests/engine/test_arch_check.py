@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine import checkpoint as ck
-from alignopsd.engine.arch_check import (
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.run.arch_check import (
     ArchitectureMismatchError,
     check_architecture,
     first_mismatch,
     safetensors_shapes,
 )
-from alignopsd.engine.config import load_config
-from alignopsd.engine.resume import stored_config
+from alignopsd.engine.run.resume import stored_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -27,7 +27,7 @@ GATE = "model.layers.0.mlp.gate_proj.weight"
 
 def _tiny_shapes(intermediate: int = 128) -> dict[str, tuple[int, ...]]:
     """State-dict shapes of the tiny model (configs/tiny.yaml's model.name) with another MLP width when asked."""
-    from alignopsd.engine.models import tiny_config
+    from alignopsd.engine.models.loading import tiny_config
     from transformers import LlamaForCausalLM
 
     cfg = tiny_config()
@@ -65,7 +65,7 @@ def test_shapes_come_from_the_header_and_the_first_difference_is_named(tmp_path)
 
 _DRIVER = """
 import contextlib, io, json, sys
-from alignopsd.engine import train
+from alignopsd.engine.run import trainer as train
 from alignopsd.engine.{module} import main
 built = []
 def no_build(self, *a, **k):

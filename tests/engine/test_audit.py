@@ -1,4 +1,4 @@
-"""Audit records (ALGORITHM.md §4.3, engine/audit.py): fields, snapshot schedule and selection, determinism,
+"""Audit records (ALGORITHM.md §4.3, engine/run/audit.py): fields, snapshot schedule and selection, determinism,
 size cap, write failures, off-turn match weight, and training identical with the audit on and off."""
 
 from __future__ import annotations
@@ -11,20 +11,19 @@ from types import SimpleNamespace
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.audit import (
+from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.run.audit import (
     Auditor,
     audit_file,
     identity_hash,
     is_snapshot_step,
-    off_turn_match_weight_from_records,
-    read_audit,
     select_snapshot,
     snapshot_records,
     turn_records,
 )
-from alignopsd.engine.batch import TurnBatch
-from alignopsd.engine.config import ConfigError, load_config
-from alignopsd.engine.metrics import read_metrics
+from alignopsd.engine.run.audit_read import off_turn_match_weight_from_records, read_audit
+from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.step.batch import TurnBatch
 from test_train import GUESS, TINY
 
 STEPS = 3
@@ -184,7 +183,7 @@ def test_training_identical_with_audit_on_and_off(runs):
 
 def test_unwritable_audit_dir_does_not_stop_training(tmp_path, runs, monkeypatch):
     """Outside strict mode an audit failure is counted and training goes on; in strict mode (the suite's) it raises."""
-    from alignopsd.engine.strict import STRICT_ENV
+    from alignopsd.engine.run.strict import STRICT_ENV
 
     (tmp_path / "audit").write_text("a file where the audit directory should be")
     with pytest.raises(OSError):
@@ -227,7 +226,7 @@ def test_size_cap(tmp_path, caplog):
         "step_000002.rank0.jsonl",
     ]
     assert au.metrics()["audit/capped"] == 1.0
-    # a writer counts the files of its rank it finds (the trainer has set later steps aside: engine/history.py)
+    # a writer counts the files of its rank it finds (the trainer has set later steps aside: engine/run/history.py)
     assert Auditor(tmp_path, total_steps=10, max_bytes=4 * size).bytes == 3 * size
     assert Auditor(tmp_path, total_steps=10, max_bytes=2 * size).capped  # already past this budget
     assert Auditor(tmp_path, total_steps=10, rank=1).bytes == 0  # another rank's files are not its own

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from alignopsd.engine import cli
-from alignopsd.engine.evaluate import format_table, table_values
+from alignopsd.engine.commands import cli
+from alignopsd.engine.commands.evaluate import format_table, table_values
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -74,7 +74,7 @@ def _hostile(tmp_path, case: str) -> tuple[list[str], str]:
 @pytest.mark.parametrize("case", ["laughs", "wide", "deep_file", "deep_set"])
 def test_hostile_configs_end_at_once_with_exit_2(tmp_path, capsys, case):
     """Each ends within 5 s (after the train module's imports) with exit 2 and one message."""
-    import alignopsd.engine.train  # noqa: F401 (the imports are not the config's time)
+    import alignopsd.engine.run.trainer  # noqa: F401 (the imports are not the config's time)
 
     argv, match = _hostile(tmp_path, case)
     start = time.perf_counter()
@@ -154,8 +154,8 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     trace = tmp_path / "profile" / "trace_alignopsd.json"
     assert trace.is_file() and "phase/teacher_generation" in trace.read_text()
     # eval of a checkpoint in the trainer's layout (the tiny model's weights)
-    from alignopsd.engine.checkpoint import save_checkpoint
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.models.loading import build_tiny_model
+    from alignopsd.engine.run.checkpoint import save_checkpoint
 
     model = build_tiny_model()
     ck = save_checkpoint(tmp_path / "checkpoints", 1, model_state=model.state_dict(), optimizer_state=None,

@@ -16,10 +16,10 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine import cli, compare
-from alignopsd.engine.components import build_env
-from alignopsd.engine.config import ConfigError, load_config
-from alignopsd.engine.metrics import read_metrics
+from alignopsd.engine.commands import cli, compare
+from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.run.components import build_env
+from alignopsd.engine.run.metrics import read_metrics
 
 TINY = str(lh.TINY_CONFIG)
 # the guess task at its smallest: 2 tasks x 2 siblings x 2 turns per step

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from alignopsd.engine.config import ConfigError, RunConfig, config_to_dict, dump_config, load_config
+from alignopsd.engine.config.dump import config_to_dict, dump_config
+from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER = ["alfworld_3b", "alfworld_7b", "webshop_3b", "webshop_7b", "search_3b", "search_7b"]
@@ -59,7 +60,7 @@ def test_paper_profiles_match_section5(name):
     assert (tr.test_freq, tr.val_start_step) == {"search_3b": (5, 70), "search_7b": (150, 0)}.get(
         name, (tr.test_freq, 0)
     )
-    from alignopsd.engine.episodes import sampling_params as _sampling
+    from alignopsd.engine.step.episodes import sampling_params as _sampling
 
     assert _sampling(cfg, validation=True).do_sample == (not search) and _sampling(cfg, validation=False).do_sample
 
@@ -143,7 +144,7 @@ def test_cli_rejects_before_loading_anything(tmp_path, capsys):
 
     code = (
         "import sys\n"
-        "from alignopsd.engine.train import main\n"
+        "from alignopsd.engine.run.trainer import main\n"
         "rc = main(['--config', sys.argv[1], '--set', 'trainer.bogus=1'])\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
         "sys.exit(rc)\n"
@@ -159,7 +160,7 @@ def test_defaults_are_valid():
 
 
 def test_dumped_config_reloads_with_overrides(tmp_path):
-    from alignopsd.engine.config import dump_config
+    from alignopsd.engine.config.dump import dump_config
 
     cfg = load_config(CONFIGS / "quickstart_cpu.yaml")
     path = tmp_path / "dumped.yaml"
@@ -227,7 +228,7 @@ def test_non_utf8_file(tmp_path):
 def test_student_skills_baselines():
     """Skill-Prompt (validation) and Skill-GRPO (always, with an estimator without a teacher pass) load; 'always'
     with a teacher estimator is refused (the privileged view would be the student's own)."""
-    from alignopsd.engine.config import ConfigError, load_config
+    from alignopsd.engine.config.schema import ConfigError, load_config
 
     tiny = CONFIGS / "tiny.yaml"
     assert load_config(tiny, ["env.student_skills=validation"]).env.student_skills == "validation"

@@ -1,4 +1,5 @@
-"""Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/fake_cuda.py) with ``trainer.device=cuda``.
+"""Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/parallel/fake_cuda.py) with
+``trainer.device=cuda``.
 
 Two training steps of every registered estimator and AlignOPSD ablation (tiny config, Hugging Face backend), both
 rescoring modes, the fused head loss on and off, rollout correction on and the reference KL on; then ``eval``,
@@ -19,12 +20,12 @@ import json
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine import cli
-from alignopsd.engine.components import hf_model_of
-from alignopsd.engine.config import load_config
-from alignopsd.engine.fake_cuda import FakeCuda
-from alignopsd.engine.profiler import StepProfiler
-from alignopsd.engine.rescoring import Rescorer
+from alignopsd.engine.commands import cli
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.parallel.fake_cuda import FakeCuda
+from alignopsd.engine.run.components import hf_model_of
+from alignopsd.engine.run.profiler import StepProfiler
+from alignopsd.engine.step.rescoring import Rescorer
 
 from alignopsd.estimators import ESTIMATORS, get_estimator
 
@@ -68,7 +69,7 @@ def test_the_cases_cover_every_registered_estimator():
 
 @pytest.mark.parametrize("case", [c for c, _ in CASES])
 def test_two_training_steps_on_cuda(case, trainer, fake, tmp_path):
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     cfg = load_config(TINY, [*lh.GUESS_OVERRIDES, *SMALL, *dict(CASES)[case], f"output_dir={tmp_path}"])
     base = trainer.parts

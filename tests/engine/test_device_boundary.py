@@ -1,4 +1,5 @@
-"""Every tensor that reaches a model crosses the device boundary (``engine/devices.py``), on every estimator's path.
+"""Every tensor that reaches a model crosses the device boundary (``engine/parallel/devices.py``), on every
+estimator's path.
 
 On a CPU-only machine every device is "cpu", so a forgotten move cannot fail by itself. The test therefore makes
 the crossing visible: ``devices.to_device`` is wrapped to return a ``Crossed`` tensor (a subclass that ops
@@ -13,7 +14,7 @@ from __future__ import annotations
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine import devices
+from alignopsd.engine.parallel import devices
 from alignopsd.engine.policy.hf import transformer_body
 
 
@@ -79,7 +80,7 @@ def _trainer(tmp_path, overrides):
 @pytest.mark.parametrize("mode", ["shared_prefix", "plain"])
 @pytest.mark.parametrize("case", [c for c, _ in lh.ESTIMATOR_CASES])
 def test_every_model_input_crosses_the_boundary(case, mode, tmp_path, monkeypatch):
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     tr = _trainer(tmp_path, [*dict(lh.ESTIMATOR_CASES)[case], f"trainer.rescoring_mode={mode}"])
     w = _watch(tr, monkeypatch)
@@ -92,7 +93,7 @@ def test_every_model_input_crosses_the_boundary(case, mode, tmp_path, monkeypatc
 
 def test_the_watch_sees_a_bypassed_boundary(tmp_path, monkeypatch):
     """Negative control: a scorer that hands the batch to the model without the boundary is caught."""
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     tr = _trainer(tmp_path, ["algorithm.estimator=grpo"])
     w = _watch(tr, monkeypatch)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.encoder import ThinkingEncoder, last_token_pool, preprocess
-from alignopsd.engine.models import resolve_model_path
+from alignopsd.engine.models.encoder import ThinkingEncoder, last_token_pool, preprocess
+from alignopsd.engine.models.loading import resolve_model_path
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -105,7 +105,7 @@ def test_options_of_a_turn_have_equal_token_counts():
     """Under the tiny model's SmolLM2 vocabulary every action of a turn is as long as the others in each candidate
     template, so the candidate-choice sampler's random initial policy is not biased towards short options."""
     from alignopsd.engine.generation.choice import candidate_texts
-    from alignopsd.engine.models import load_tokenizer
+    from alignopsd.engine.models.loading import load_tokenizer
 
     tok = load_tokenizer("tiny")
     for task in load_tasks("train", 30, seed=2):

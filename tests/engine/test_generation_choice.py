@@ -29,9 +29,9 @@ def test_prompt_without_action_list_is_refused():
 
 
 def test_config_selects_the_backend_and_it_samples_the_policy():
-    from alignopsd.engine.components import build_components
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs.prompts import chat_text
+    from alignopsd.engine.run.components import build_components
 
     torch.set_num_threads(1)
     cfg = load_config(str(TINY), ["generation.backend=choice", "env.name=credit", "algorithm.estimator=grpo"])

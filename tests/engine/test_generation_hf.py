@@ -6,7 +6,7 @@ import pytest
 import torch
 from alignopsd.engine.generation.base import SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator, filter_logits
-from alignopsd.engine.models import load_causal_lm, load_tokenizer
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,7 +13,7 @@ import torch
 from alignopsd.engine.generation.base import SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator
 from alignopsd.engine.generation.vllm_backend import logprob_gap, pad_logprobs
-from alignopsd.engine.models import load_causal_lm, load_tokenizer, resolve_model_path
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
 MAX_LEN = 384
 
@@ -173,7 +173,7 @@ def test_seeded_batch_larger_than_one_prefill_step(engine, tiny):
 def test_from_config_maps_run_config(monkeypatch):
     """The trainer builds the engine with ``VLLMBackend.from_config(cfg, tokenizer=...)`` (it pushes the policy's
     weights itself, from every rank of a tensor-parallel group: ``Components.sync_weights``)."""
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.generation import vllm_backend as vb
 
     seen = {}

@@ -41,7 +41,7 @@ def test_golden_estimator_trace(case, tmp_path):
 def _check_trained_through_the_step(tr, recs) -> None:
     """Every phase the estimator declares ran on every updated step, optimizer steps were taken and the policy's
     weights moved away from the tiny model's initial weights."""
-    from alignopsd.engine.models import load_causal_lm
+    from alignopsd.engine.models.loading import load_causal_lm
 
     phases = tr.parts.estimator.phases(tr.cfg.algorithm)
     declared = ["rollout_generation", "old_logprob", "update"]

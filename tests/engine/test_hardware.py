@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine import hardware as hw
-from alignopsd.engine.config import ConfigError, load_config
-from alignopsd.engine.models import parse_dtype
+from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.models.loading import parse_dtype
+from alignopsd.engine.parallel import hardware as hw
 
 EPYC_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
 ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\nflags\t\t: fpu\n"
@@ -97,7 +97,7 @@ def test_config_refuses_bf16_on_a_gpu_without_it(monkeypatch):
 
 
 def test_cli_exits_2_and_first_line_says_the_choice(monkeypatch, capsys):
-    from alignopsd.engine import cli
+    from alignopsd.engine.commands import cli
     from test_cli import TINY
 
     monkeypatch.setenv(hw.CPU_FLAGS_ENV, "avx2")

@@ -31,7 +31,7 @@ KL = ["algorithm.estimator=grpo", "algorithm.kl_coef=0.05", "trainer.ppo_mini_ba
 
 
 def config(overrides: list[str]):
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
 
     lh.register_guess_env()
     out = os.path.join(tempfile.gettempdir(), f"alignopsd-megmem-{os.environ.get('MASTER_PORT', '0')}")
@@ -41,7 +41,7 @@ def config(overrides: list[str]):
 
 def build(cfg, world_size: int, rank: int):
     import torch.distributed as dist
-    from alignopsd.engine.components import build_components
+    from alignopsd.engine.run.components import build_components
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -68,9 +68,9 @@ def test_rank_holds_shards_and_a_hf_copy_only_for_hf_generation(generation):
     generates), the policy and the reference are
     shards of S parameters each (``engine.memory.shard_params``: the report's arithmetic on the live objects),
     the reference's storage is its own, frozen and equal to the policy's initial shard."""
-    from alignopsd.engine.components import build_policy, build_reference, hf_model_of
-    from alignopsd.engine.memory import full_params, shard_params
     from alignopsd.engine.policy.megatron.convert import Dims
+    from alignopsd.engine.policy.megatron.memory import full_params, shard_params
+    from alignopsd.engine.run.components import build_policy, build_reference, hf_model_of
 
     cfg = config(["policy.backend=megatron", "policy.tensor_parallel_size=2", f"generation.backend={generation}", *KL])
     before = live_hf_params()
@@ -109,7 +109,7 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     match (1e-4 relative), and after the update the reference still scores the initial weights while the policy has
     moved."""
     import torch.distributed as dist
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     rank = int(os.environ["RANK"])
     parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2", *KL]), 2, rank)
@@ -159,8 +159,8 @@ def test_only_the_groups_first_rank_builds_a_generator(generation, monkeypatch):
     and holds no Hugging Face parameters."""
     from alignopsd.engine.generation import vllm_backend as vb
     from alignopsd.engine.generation.hf import HFGenerator
-    from alignopsd.engine.memory import full_params
     from alignopsd.engine.policy.megatron.convert import Dims
+    from alignopsd.engine.policy.megatron.memory import full_params
 
     monkeypatch.setattr(vb.VLLMBackend, "from_config", classmethod(lambda cls, cfg, tokenizer=None: EngineStub()))
     rank = int(os.environ["RANK"])

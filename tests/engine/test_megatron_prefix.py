@@ -11,9 +11,9 @@ import os
 
 import pytest
 import torch
-from alignopsd.engine.batch import TurnBatch
 from alignopsd.engine.policy.megatron.scoring import ShardScoring, pack_layout, plan_forwards, plan_packs
-from alignopsd.engine.rescoring import Rescorer, backend_prefix_logprobs, backend_scorer
+from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.rescoring import Rescorer, backend_prefix_logprobs, backend_scorer
 
 two_ranks = pytest.mark.skipif(os.environ.get("WORLD_SIZE") != "2", reason="needs torchrun --nproc_per_node=2")
 
@@ -91,7 +91,7 @@ def _qwen2_tiny():
 
 
 def _llama_tiny():
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.models.loading import build_tiny_model
 
     return build_tiny_model().float().eval()
 

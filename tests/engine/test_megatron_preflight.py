@@ -32,8 +32,8 @@ def test_layout_errors_name_the_culprit(kw, tp, world, culprit):
 
 
 def test_build_policy_fails_before_loading_weights(monkeypatch):
-    from alignopsd.engine import components
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.run import components
 
     def no_load(*a, **k):
         raise AssertionError("weights loaded before the pre-flight")
@@ -50,7 +50,7 @@ def test_build_policy_fails_before_loading_weights(monkeypatch):
 
 
 def test_config_validates_megatron_fields():
-    from alignopsd.engine.config import ConfigError, PolicyConfig
+    from alignopsd.engine.config.schema import ConfigError, PolicyConfig
 
     with pytest.raises(ConfigError, match="policy.recompute"):
         PolicyConfig(backend="megatron", recompute="some")
@@ -63,8 +63,8 @@ def test_config_validates_megatron_fields():
 
 
 def _tiny(*overrides):
-    from alignopsd.engine import components
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.run import components
 
     return load_config(str(components.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
                        ["policy.backend=megatron", *overrides])  # fmt: skip
@@ -73,7 +73,7 @@ def _tiny(*overrides):
 def test_transformer_engine_with_packed_prefixes_is_refused_at_load():
     """Transformer Engine's attention cannot score packed shared-prefix rows: the config says so when it loads,
     not the first teacher-forcing pass of a run."""
-    from alignopsd.engine.config import ConfigError
+    from alignopsd.engine.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="policy.layer_spec: 'te'.*rescoring_mode='shared_prefix'"):
         _tiny("policy.layer_spec=te", "trainer.rescoring_mode=shared_prefix")
@@ -87,8 +87,8 @@ def test_transformer_engine_with_packed_prefixes_is_refused_at_load():
 def test_build_policy_passes_the_layer_spec(monkeypatch, spec, mode, built):
     """build_policy gives MegatronPolicy the configured spec, with ``auto`` resolved to ``local`` where packed
     shared prefixes need it (on a CUDA machine with Transformer Engine, ``auto`` alone would pick ``te``)."""
-    from alignopsd.engine import components
     from alignopsd.engine.policy.megatron import backend
+    from alignopsd.engine.run import components
 
     seen = {}
 

@@ -62,7 +62,7 @@ class Replay:
 
 
 def _config(backend_overrides: list[str], extra: list[str] = ()):
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
 
     lh.register_guess_env()
     out = os.path.join(tempfile.gettempdir(), f"alignopsd-mega-{os.environ.get('MASTER_PORT', '0')}")
@@ -72,7 +72,7 @@ def _config(backend_overrides: list[str], extra: list[str] = ()):
 
 def _parts(cfg, world_size: int, rank: int):
     import torch.distributed as dist
-    from alignopsd.engine.components import build_components
+    from alignopsd.engine.run.components import build_components
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -92,7 +92,7 @@ def _megatron_parts(extra: list[str], tp: int):
 
 def _hf_reference(extra: list[str], calls, world_size: int, rank: int):
     """One step of the Hugging Face backend replaying ``calls``: (step metrics, weights after the step)."""
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     parts = _parts(_config([], extra), world_size, rank)
     parts.generator = Replay(calls)
@@ -142,7 +142,7 @@ def test_tp_group_trains_on_its_first_ranks_batch():
     """Only the group's first rank has a generator (rank 1 holds none, and no Hugging Face copy), yet both ranks
     of the group score and train on one batch (rank 0's), and both end with the same replicated weights."""
     import torch.distributed as dist
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     rank = int(os.environ["RANK"])
     parts = _megatron_parts(["algorithm.estimator=alignopsd"], tp=2)
@@ -173,7 +173,7 @@ def test_tp2_step_equals_hf_backend(estimator):
     the Hugging Face backend on the same batch; the weight sync refreshes rank 0's generator with exactly the
     gathered shards."""
     import torch.distributed as dist
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     extra = [f"algorithm.estimator={estimator}"]
     parts = _megatron_parts(extra, tp=2)
@@ -214,7 +214,7 @@ def test_warmup_schedule_follows_hf_backend_and_resumes():
     lrs += [step(pol) for _ in range(3)]
     expected = [1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3]
     assert lrs == pytest.approx(expected, rel=1e-9)
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.models.loading import build_tiny_model
     from alignopsd.engine.policy.hf import HFPolicy
 
     hf = HFPolicy(build_tiny_model(), lr=1e-3, warmup_steps=3, ddp=False)
@@ -233,7 +233,7 @@ def test_warmup_schedule_follows_hf_backend_and_resumes():
 def test_recomputation_recomputes_and_keeps_gradients(mode):
     """policy.gradient_checkpointing with policy.recompute: the recomputed module runs its forward twice per
     training step (once more in the backward pass) and the gradients equal those without recomputation."""
-    from alignopsd.engine.components import build_policy
+    from alignopsd.engine.run.components import build_policy
 
     ids = torch.randint(3, 200, (3, 14), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -268,7 +268,7 @@ def test_dp2_step_equals_hf_ddp(distributed_optimizer):
     """TP=1 x DP=2 (with the distributed optimizer: each rank keeps half of the Adam state): one full grpo step
     gives the weights of the Hugging Face backend under DDP on the same batches, and the replicas agree."""
     import torch.distributed as dist
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     _reset_parallel_state()
     try:

@@ -38,7 +38,7 @@ def _qwen2_tiny():
 
 
 def _llama_tiny():
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.models.loading import build_tiny_model
 
     return build_tiny_model().float().eval()
 
@@ -216,8 +216,8 @@ def test_backend_scorer_equals_hf_rescoring():
     (backend_row_logprobs, row chunks); the results equal the Hugging Face copy's shared-prefix rescoring."""
     import functools
 
-    from alignopsd.engine.batch import TurnBatch
-    from alignopsd.engine.rescoring import Rescorer, backend_row_logprobs
+    from alignopsd.engine.step.batch import TurnBatch
+    from alignopsd.engine.step.rescoring import Rescorer, backend_row_logprobs
 
     model = _llama_tiny()
     g = torch.Generator().manual_seed(5)

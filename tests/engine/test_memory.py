@@ -1,12 +1,20 @@
-"""The per-rank memory report (engine/memory.py): its arithmetic on a small shape worked out by hand, the shard
+"""The per-rank memory report (engine/policy/megatron/memory.py): its arithmetic on a small shape worked out by
+hand, the shard
 size against the weight converter, and the command on the test config."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.memory import Layout, format_table, full_params, layout_from_config, main, shard_params
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron
+from alignopsd.engine.policy.megatron.memory import (
+    Layout,
+    format_table,
+    full_params,
+    layout_from_config,
+    main,
+    shard_params,
+)
 
 # 2 layers, hidden 8, MLP 16, 4 query heads and 2 key/value heads of dim 2, vocabulary 32, untied, q/k/v biases
 SMALL = Dims(num_layers=2, hidden=8, ffn=16, heads=4, groups=2, head_dim=2, vocab=32, tied=False, qkv_bias=True)
@@ -75,8 +83,8 @@ def test_rows_before_and_after_by_hand():
 
 def test_sync_part_is_the_largest_conversion_part():
     """Q counts the largest unit that the weight sync converts at once, as the converter cuts them."""
-    from alignopsd.engine.memory import sync_part_params
     from alignopsd.engine.policy.megatron.convert import conversion_parts, megatron_part_to_hf
+    from alignopsd.engine.policy.megatron.memory import sync_part_params
 
     for d in (SMALL, Dims(**{**SMALL.__dict__, "tied": True, "vocab": 160})):
         shard = hf_to_megatron(_hf_state(d), d, 1, 0)
@@ -89,7 +97,7 @@ def test_sync_part_is_the_largest_conversion_part():
 
 def test_command_on_the_test_config(capsys):
     """``alignopsd memory`` reads the tiny model's config.json and prints the table; errors name the culprit."""
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
 
     over = ["policy.backend=megatron", "policy.tensor_parallel_size=2", "generation.backend=vllm"]
     assert main(["--config", "configs/tiny.yaml", *[a for o in over for a in ("--set", o)], "--world-size", "4"]) == 0
@@ -131,7 +139,7 @@ def test_step_puts_the_engine_to_sleep_after_each_generation_phase(tmp_path):
     """A training step releases the generation engine when the rollout ends and when the teacher generation ends,
     so old log-probs, teacher forcing and the update run with it asleep; the weight sync then wakes it."""
     import learn_helpers as lh
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.step.recipe import run_step
 
     torch.set_num_threads(1)
     ov = [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", "trainer.skip_no_signal=false", f"output_dir={tmp_path}",

@@ -1,13 +1,14 @@
 """Data-parallel metric reduction: two ranks holding skewed halves of a batch report what one rank holding the
-whole batch reports, for m1/ gap (also paired), m2/ distribution, rate, RMS and count keys (engine/metric_reduce.py);
+whole batch reports, for m1/ gap (also paired), m2/ distribution, rate, RMS and count keys
+(engine/parallel/metric_reduce.py);
 the percentiles come from the values the producers recorded (alignopsd.samples)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.collectives import reduce_metrics
-from alignopsd.engine.metric_reduce import merge_samples, metric_kind, samples_of
+from alignopsd.engine.parallel.collectives import reduce_metrics
+from alignopsd.engine.parallel.metric_reduce import merge_samples, metric_kind, samples_of
 
 from alignopsd.diagnostics import describe
 from alignopsd.metrics import Metrics

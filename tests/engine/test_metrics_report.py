@@ -6,8 +6,8 @@ import io
 import json
 import math
 
-from alignopsd.engine.metrics import MetricsLogger, flatten, progress_line, read_metrics
-from alignopsd.engine.report import write_report
+from alignopsd.engine.run.metrics import MetricsLogger, flatten, progress_line, read_metrics
+from alignopsd.engine.run.report import write_report
 
 
 def _fake_step(s: int) -> dict:
@@ -51,7 +51,7 @@ def test_logger_jsonl_tensorboard_and_resume(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl", "val")[0]["episode/success_rate"] == 0.5
     assert len(out.getvalue().strip().splitlines()) == 3
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
-    # the logger appends (the trainer sets an earlier run's records aside first: engine/history.py)
+    # the logger appends (the trainer sets an earlier run's records aside first: engine/run/history.py)
     lg2 = MetricsLogger(tmp_path, total_steps=4, stream=io.StringIO(), tensorboard=False)
     lg2.log(4, _fake_step(4))
     lg2.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine import models as M
+from alignopsd.engine.models import loading as M
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -120,7 +120,7 @@ def test_auto_attention_reads_the_model_class(monkeypatch):
 
 
 def test_config_accepts_auto_attention_by_default():
-    from alignopsd.engine.config import ConfigError, ModelConfig
+    from alignopsd.engine.config.schema import ConfigError, ModelConfig
 
     assert ModelConfig().attn_implementation == "auto"  # = sdpa on CPU, today's choice
     assert ModelConfig(attn_implementation="flash_attention_2").attn_implementation == "flash_attention_2"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine import models as M
+from alignopsd.engine.models import loading as M
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,8 +47,8 @@ def test_tiny_bpe_model_matches_its_tokenizer(cache, monkeypatch):
 
 
 def test_tiny_encoder_through_the_run_config(cache):
-    from alignopsd.engine.components import build_encoder
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.run.components import build_encoder
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["encoder.name=tiny-encoder"])
     enc = build_encoder(cfg, torch.device("cpu"))

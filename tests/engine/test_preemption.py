@@ -1,4 +1,4 @@
-"""Graceful preemption (engine/preemption.py): SIGTERM / SIGUSR1 end a run after the current step with a complete
+"""Graceful preemption (engine/run/preemption.py): SIGTERM / SIGUSR1 end a run after the current step with a complete
 checkpoint and exit status 143; a second signal or the end of the grace exits at once (124) leaving the previous
 checkpoint; ``--resume auto`` continues bit-identically.
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine import checkpoint as ck
-from alignopsd.engine.metrics import read_metrics
-from alignopsd.engine.preemption import EXIT_FORCED, EXIT_PREEMPTED, REPEAT_AFTER_S, PreemptionWatch
+from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.run.preemption import EXIT_FORCED, EXIT_PREEMPTED, REPEAT_AFTER_S, PreemptionWatch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -149,7 +149,7 @@ def _preempted_at(out: Path) -> int:
 def test_sigterm_saves_exits_143_and_resume_is_exact(tmp_path, capsys):
     """3 steps straight == SIGTERM during the run (exit 143 with the checkpoint of the step it ended) + --resume
     auto; meanwhile a second run on the folder is refused with exit code 2 naming the holder."""
-    from alignopsd.engine.train import main
+    from alignopsd.engine.run.trainer import main
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     torch.set_num_threads(1)
@@ -174,7 +174,7 @@ def test_sigterm_saves_exits_143_and_resume_is_exact(tmp_path, capsys):
 
 SLOW_STEP = """
 import pathlib, time
-from alignopsd.engine import train
+from alignopsd.engine.run import trainer as train
 _step = train.run_step
 def _slow(parts, step):
     if step == 1:

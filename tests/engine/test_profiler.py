@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from alignopsd.engine.profiler import (
+from alignopsd.engine.run.profiler import (
     ALIGNMENT_PHASES,
     PHASES,
     StepProfiler,

@@ -114,7 +114,7 @@ def test_search_style_rules(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok():
-    from alignopsd.engine.models import load_tokenizer
+    from alignopsd.engine.models.loading import load_tokenizer
 
     return load_tokenizer("tiny")
 
@@ -151,7 +151,7 @@ def test_teacher_prompts(tok):
 
 def test_skills_dir_config_resolves_and_validates(tmp_path):
     """env.skills_dir: relative to the config file, checked at load time (the culprit named)."""
-    from alignopsd.engine.config import ConfigError, load_config
+    from alignopsd.engine.config.schema import ConfigError, load_config
 
     cfg = load_config("configs/quickstart_cpu.yaml")
     bank = load_skill_bank("alfworld", cfg.env.skills_dir)
@@ -165,7 +165,7 @@ def test_skills_dir_config_resolves_and_validates(tmp_path):
 
 def test_skills_dir_reaches_the_teacher_prompts_of_a_training_rollout(tmp_path):
     """The configured bank is the one the rollout phase of a real run puts in the privileged prompts."""
-    from alignopsd.engine.episodes import rollout_phase
+    from alignopsd.engine.step.episodes import rollout_phase
     from learn_helpers import GUESS_OVERRIDES, TINY_CONFIG, build_trainer
 
     (tmp_path / "guess").mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.regions import paired_region_stats, region_token_counts, token_regions
+from alignopsd.engine.step.regions import paired_region_stats, region_token_counts, token_regions
 
 EOS = "<|eos|>"
 
@@ -177,8 +177,8 @@ def test_region_metrics_on_the_device_with_host_old_logprobs():
     (cuda): the paired statistics are those of an all-host call, with no region error (strict mode would raise)."""
     import dataclasses
 
-    from alignopsd.engine.fake_cuda import FakeCuda
-    from alignopsd.engine.regions import region_metrics
+    from alignopsd.engine.parallel.fake_cuda import FakeCuda
+    from alignopsd.engine.step.regions import region_metrics
 
     from alignopsd import rectify
 

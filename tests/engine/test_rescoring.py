@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.batch import TurnBatch
 from alignopsd.engine.policy.hf import score_rows
-from alignopsd.engine.rescoring import (
+from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.rescoring import (
     Rescorer,
     can_reuse_rollout_logprobs,
     logprob_mismatch,

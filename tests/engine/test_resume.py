@@ -10,10 +10,10 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine import checkpoint as ck
-from alignopsd.engine.arch_check import ArchitectureMismatchError
-from alignopsd.engine.config import load_config
-from alignopsd.engine.resume import ResumeConfigError, check_resume, read_span_lengths, stored_config
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.run.arch_check import ArchitectureMismatchError
+from alignopsd.engine.run.resume import ResumeConfigError, check_resume, read_span_lengths, stored_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -21,7 +21,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def _tiny_state() -> dict[str, torch.Tensor]:
     """Zero weights of the shapes of configs/tiny.yaml's model (the tied output layer left out)."""
-    from alignopsd.engine.models import tiny_config
+    from alignopsd.engine.models.loading import tiny_config
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
@@ -106,7 +106,7 @@ def test_span_lengths_side_file(tmp_path):
 
 _MAIN = (
     "import sys\n"
-    "from alignopsd.engine.train import main\n"
+    "from alignopsd.engine.run.trainer import main\n"
     "rc = main(sys.argv[1:])\n"
     "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     "sys.exit(rc)\n"
@@ -140,7 +140,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_never_saves_nan(tmp_pa
     step 2, ends at step 4; then a NaN in the weights stops the save with a message naming the last good checkpoint."""
     import io
 
-    from alignopsd.engine.metrics import read_metrics
+    from alignopsd.engine.run.metrics import read_metrics
 
     torch.set_num_threads(1)
     ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=alignopsd", "trainer.save_freq=1", "trainer.keep_last=3",

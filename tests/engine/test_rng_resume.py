@@ -7,8 +7,8 @@ from pathlib import Path
 
 import learn_helpers as lh
 import torch
-from alignopsd.engine import checkpoint as ck
-from alignopsd.engine.teacher_pass import teacher_sampling, teacher_seed
+from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.step.teacher_pass import teacher_sampling, teacher_seed
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
@@ -51,7 +51,7 @@ def test_cuda_rng_restored_only_for_visible_devices(monkeypatch):
 
 
 def test_teacher_sampling_has_its_own_seed():
-    from alignopsd.engine.config import load_config
+    from alignopsd.engine.config.schema import load_config
 
     cfg = load_config(TINY)
     ids = torch.arange(12).reshape(3, 4)

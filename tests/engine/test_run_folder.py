@@ -1,4 +1,4 @@
-"""One writer per output folder (engine/runlock.py) and the history a resume rewrites (engine/history.py)."""
+"""One writer per output folder (engine/run/runlock.py) and the history a resume rewrites (engine/run/history.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.history import set_aside
-from alignopsd.engine.metrics import read_metrics
-from alignopsd.engine.runlock import LOCK_FILE, OutputLock, OutputLockedError, claim_output_dir
+from alignopsd.engine.run.history import set_aside
+from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.run.runlock import LOCK_FILE, OutputLock, OutputLockedError, claim_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -26,7 +26,7 @@ def _holder(out: Path, *, fork_child: bool = False) -> subprocess.Popen:
     """A process that takes the folder's lock (and optionally forks a child that outlives it), then waits."""
     code = textwrap.dedent(f"""
         import os, sys, time
-        from alignopsd.engine.runlock import OutputLock
+        from alignopsd.engine.run.runlock import OutputLock
         lock = OutputLock({str(out)!r}).acquire()
         child = os.fork() if {fork_child!r} else None
         if child == 0:
@@ -41,7 +41,7 @@ def _holder(out: Path, *, fork_child: bool = False) -> subprocess.Popen:
 
 
 def test_second_run_is_refused_with_exit_2_naming_the_holder(tmp_path, capsys):
-    from alignopsd.engine.train import main
+    from alignopsd.engine.run.trainer import main
 
     holder = _holder(tmp_path)
     try:

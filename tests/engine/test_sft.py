@@ -9,22 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine.config import load_config
-from alignopsd.engine.envs.alfworld_env import collect_games
-from alignopsd.engine.envs.alfworld_gen import game_facts, generate_games
-from alignopsd.engine.envs.manager import EnvManager
-from alignopsd.engine.generation.base import GenerationOutput
-from alignopsd.engine.models import load_causal_lm, load_tokenizer
-from alignopsd.engine.rollout import collect_rollouts
-from alignopsd.engine.sft import (
+from alignopsd.engine.commands.sft import (
     SFT_MARKER,
     check_warm_start,
     encode_turn,
-    expert_turns,
     response_loss,
     save_warm_start,
     sft_train,
 )
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.envs.alfworld_env import collect_games
+from alignopsd.engine.envs.alfworld_expert import expert_turns
+from alignopsd.engine.envs.alfworld_gen import game_facts, generate_games
+from alignopsd.engine.envs.manager import EnvManager
+from alignopsd.engine.generation.base import GenerationOutput
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
+from alignopsd.engine.step.rollout import collect_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ def test_sft_lowers_the_loss_and_writes_a_checkpoint_the_trainer_loads(expert, t
     assert json.loads((out / SFT_MARKER).read_text())["base"] == "tiny"
     assert check_warm_start(out, "tiny") == out
 
-    from alignopsd.engine.train import Trainer
+    from alignopsd.engine.run.trainer import Trainer
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"model.name={out}", f"output_dir={tmp_path / 'run'}"])
     trainer = Trainer(cfg)
@@ -188,10 +188,10 @@ def test_bad_warm_start_fails_clearly(tmp_path):
 
 
 def test_cli_rejects_a_missing_warm_start_before_loading(tmp_path, capsys, monkeypatch):
-    import alignopsd.engine.sft as sft
+    import alignopsd.engine.commands.sft as sft
 
     monkeypatch.setattr(sft, "run_pipeline", lambda *a, **k: pytest.fail("pipeline started"))
-    from alignopsd.engine.cli import main
+    from alignopsd.engine.commands.cli import main
 
     rc = main(["sft", "--config", str(ROOT / "configs" / "tiny.yaml"), "--pipeline", "--warm-start",
                str(tmp_path / "nope")])  # fmt: skip

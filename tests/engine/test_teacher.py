@@ -7,7 +7,7 @@ import torch
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator
 from alignopsd.engine.generation.teacher import ACTION_STOPS, THINK_STOP, generate_teacher
-from alignopsd.engine.models import load_causal_lm, load_tokenizer
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="module")

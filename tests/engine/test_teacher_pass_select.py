@@ -9,7 +9,7 @@ import pytest
 import torch
 from alignopsd.kernels import HAS_TRITON, force_kernels
 
-TP = importlib.import_module("alignopsd.engine.teacher_pass")
+TP = importlib.import_module("alignopsd.engine.step.teacher_pass")
 
 
 def _inputs(seed=0, tasks=3, rollouts=4, turns=5, D=24):

@@ -21,10 +21,10 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 def test_rank1_with_perturbed_H_trains_on_rank0_pairs_and_spans(monkeypatch):
     import torch.distributed as dist
-    from alignopsd.engine import step as step_mod
-    from alignopsd.engine import teacher_pass
-    from alignopsd.engine.config import load_config
-    from alignopsd.engine.train import Trainer
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.run.trainer import Trainer
+    from alignopsd.engine.step import recipe as step_mod
+    from alignopsd.engine.step import teacher_pass
 
     faulthandler.dump_traceback_later(180, exit=True)  # diverging forwards would hang the group
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def policy():
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.models.loading import build_tiny_model
     from alignopsd.engine.policy.megatron.backend import MegatronPolicy
 
     model = build_tiny_model().float().eval()
@@ -36,7 +36,7 @@ def watchdog():
 
 
 def test_failing_lead_rollout_raises_on_every_rank(policy):
-    from alignopsd.engine.tp_broadcast import LeadRankError, group_rollout
+    from alignopsd.engine.parallel.tp_broadcast import LeadRankError, group_rollout
 
     calls = []
 
@@ -69,8 +69,8 @@ class _Engine:
 
 
 def test_failing_lead_weight_sync_raises_on_every_rank(policy):
-    from alignopsd.engine.components import Components
-    from alignopsd.engine.tp_broadcast import LeadRankError
+    from alignopsd.engine.parallel.tp_broadcast import LeadRankError
+    from alignopsd.engine.run.components import Components
 
     lead = policy.tp_rank == 0
     parts = SimpleNamespace(policy=policy, generator=_Engine(fail_after=3) if lead else None)

@@ -19,7 +19,7 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.metrics import read_metrics
+from alignopsd.engine.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -90,7 +90,7 @@ def _cli(out, steps, resume=None):
 @pytest.mark.slow
 def test_resume_after_kill_is_exact(tmp_path):
     """4 steps straight == 2 steps + SIGKILL during step 3 + --resume auto: same losses, same weights."""
-    from alignopsd.engine.checkpoint import is_complete, load_weights
+    from alignopsd.engine.run.checkpoint import is_complete, load_weights
 
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     torch.set_num_threads(1)
@@ -153,7 +153,7 @@ def test_golden_trace(alignopsd_run):
 
 def test_validation_schedule_and_greedy_decoding(tmp_path, monkeypatch):
     """test_freq from val_start_step on, no duplicate pass at the end; val_do_sample=false decodes greedily."""
-    import alignopsd.engine.episodes as episodes
+    import alignopsd.engine.step.episodes as episodes
 
     seen = []
     orig = episodes.sampling_params

@@ -33,12 +33,13 @@ def test_two_rank_training_keeps_replicas_identical():
     dist.all_gather_object(got, sums)
     assert got[0] == got[1]  # DDP kept both replicas identical
     assert last["update/optimizer_steps"] >= 1
-    from alignopsd.engine.checkpoint import latest_checkpoint, verify_checkpoint
+    from alignopsd.engine.run.checkpoint import latest_checkpoint, verify_checkpoint
 
     ck = latest_checkpoint(out / "checkpoints")
     assert ck is not None and {"rng_rank0.safetensors", "rng_rank1.safetensors"} <= set(verify_checkpoint(ck))
     # each data-parallel rank writes the audit records of its own batch, its rank in the file name
-    from alignopsd.engine.audit import audit_file, read_audit
+    from alignopsd.engine.run.audit import audit_file
+    from alignopsd.engine.run.audit_read import read_audit
 
     rank = dist.get_rank()
     assert all(audit_file(out / "audit", s, rank).is_file() for s in (1, 2))
@@ -56,9 +57,9 @@ def test_tensor_parallel_eval_counts_each_episode_once():
     import json
 
     import torch.distributed as dist
-    from alignopsd.engine import cli
-    from alignopsd.engine.checkpoint import save_checkpoint
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.commands import cli
+    from alignopsd.engine.models.loading import build_tiny_model
+    from alignopsd.engine.run.checkpoint import save_checkpoint
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -90,7 +91,7 @@ def test_profile_under_torchrun_with_megatron_tp2(capsys):
     import json
 
     import torch.distributed as dist
-    from alignopsd.engine import cli
+    from alignopsd.engine.commands import cli
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -118,7 +119,7 @@ def test_dist_sets_the_cuda_device_even_in_a_group_it_did_not_make(monkeypatch):
     its local GPU also when the caller made the process group (profile, compare and the suite do), else every
     rank's all_gather_object would stage on GPU 0."""
     import torch.distributed as dist
-    from alignopsd.engine.train import Dist
+    from alignopsd.engine.run.trainer import Dist
 
     picked = []
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -139,8 +140,8 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
     if os.environ.get("WORLD_SIZE") != "2":
         pytest.skip("run under torchrun --nproc_per_node=2")
     import torch.distributed as dist
-    from alignopsd.engine.metric_reduce import metric_kind
-    from alignopsd.engine.step import run_step
+    from alignopsd.engine.parallel.metric_reduce import metric_kind
+    from alignopsd.engine.step.recipe import run_step
 
     torch.set_num_threads(1)
     out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"

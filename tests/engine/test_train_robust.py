@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from alignopsd.engine.batch import TurnBatch
-from alignopsd.engine.config import load_config
-from alignopsd.engine.episodes import tasks_for_step
-from alignopsd.engine.update import ppo_update
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.episodes import tasks_for_step
+from alignopsd.engine.step.update import ppo_update
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -19,7 +19,7 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 @pytest.fixture(scope="module")
 def tiny_policy():
-    from alignopsd.engine.models import build_tiny_model
+    from alignopsd.engine.models.loading import build_tiny_model
     from alignopsd.engine.policy.hf import HFPolicy
 
     return HFPolicy(build_tiny_model(), lr=1e-3, weight_decay=0.0)
@@ -132,8 +132,8 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
 def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
     """A raising environment and the random model's malformed responses: counted, the step completes."""
     from alignopsd.engine.envs.toy import faulty_tasks
-    from alignopsd.engine.step import run_step
-    from alignopsd.engine.train import Trainer
+    from alignopsd.engine.run.trainer import Trainer
+    from alignopsd.engine.step.recipe import run_step
 
     ov = ["env.name=codeword_faulty", "algorithm.estimator=grpo", "algorithm.kl_coef=0.0", "env.max_turns=2",
           "generation.max_response_length=8", "trainer.skip_no_signal=true", f"output_dir={tmp_path}"]  # fmt: skip
@@ -247,7 +247,7 @@ def test_backend_scorer_equals_the_rescorer(tiny_policy):
     and the teacher rows (diagonal and cross pairs), in row chunks, and agrees with the Hugging Face scoring paths."""
     import functools
 
-    from alignopsd.engine.rescoring import Rescorer, backend_row_logprobs
+    from alignopsd.engine.step.rescoring import Rescorer, backend_row_logprobs
 
     cb = _batch()
     cb.response_mask[2, 3:] = 0

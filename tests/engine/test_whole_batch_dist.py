@@ -22,8 +22,8 @@ L, D = 6, 6
 def _whole_batch(seed: int = 0):
     """A canonical batch in identity order (TurnBatch), its old log-probs and its Mechanism 1 result, built with
     the core's own M1 functions from drifting per-trajectory thinking embeddings."""
-    from alignopsd.engine.batch import TurnBatch
-    from alignopsd.engine.teacher_pass import M1Result
+    from alignopsd.engine.step.batch import TurnBatch
+    from alignopsd.engine.step.teacher_pass import M1Result
 
     from alignopsd.rectify import eligibility, pairs_from_selection, select_sources, similarity_matrix
 
@@ -65,7 +65,7 @@ def _whole_batch(seed: int = 0):
 def _share(cb, old, m1, tasks: list[int]):
     """The rows of ``tasks`` (a rank's share), with its M1 result: the same turns' similarities, eligibility and
     teacher scores, pairs renumbered (sources and targets are always of one task)."""
-    from alignopsd.engine.teacher_pass import M1Result
+    from alignopsd.engine.step.teacher_pass import M1Result
 
     idx = torch.nonzero(torch.isin(cb.task, torch.tensor(tasks))).flatten()
     pos = torch.full((cb.size,), -1, dtype=torch.long)
@@ -78,7 +78,7 @@ def _share(cb, old, m1, tasks: list[int]):
 
 def _parts(cfg, rank: int, world_size: int):
     """What the step's estimator phase reads of the run's components (no model: the phase runs none)."""
-    from alignopsd.engine.components import Components
+    from alignopsd.engine.run.components import Components
 
     from alignopsd.estimators import get_estimator
 
@@ -94,8 +94,8 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
     if os.environ.get("WORLD_SIZE") != "2":
         pytest.skip("run under torchrun --nproc_per_node=2")
     import torch.distributed as dist
-    from alignopsd.engine.config import load_config
-    from alignopsd.engine.step import estimate
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.step.recipe import estimate
 
     from alignopsd.credit import allocate_credit
 

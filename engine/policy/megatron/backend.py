@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from alignopsd.engine import safe_dcp
-from alignopsd.engine.manifest import file_entry, read_manifest, verify_manifest, write_manifest
+from alignopsd.engine.parallel.tp_broadcast import move_to
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import (
@@ -47,7 +46,8 @@ from alignopsd.engine.policy.megatron.model import (
     te_names,
 )
 from alignopsd.engine.policy.megatron.scoring import ShardScoring
-from alignopsd.engine.tp_broadcast import move_to
+from alignopsd.engine.run import safe_dcp
+from alignopsd.engine.run.manifest import file_entry, read_manifest, verify_manifest, write_manifest
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -381,7 +381,7 @@ class MegatronPolicy(ShardScoring):
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded save (torch.distributed.checkpoint) and ``layout.json``, then the folder's manifest
-        (engine/manifest.py), written last by the first rank once every rank has written (and checksummed) its
+        (engine/run/manifest.py), written last by the first rank once every rank has written (and checksummed) its
         files. Collective: every rank calls it with the same path."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
@@ -429,7 +429,7 @@ class MegatronPolicy(ShardScoring):
         """Sharded load; the folder's manifest is verified first (``verify=False``: the caller has just verified
         it, the trainer's checkpoint manifest lists these files too), so no file (DCP's pickled ``.metadata``
         included) is read unless it is the one that was written; then its layout is checked against this model
-        before any shard is read. DCP's pickles are read through engine/safe_dcp.py (a restricted unpickler for
+        before any shard is read. DCP's pickles are read through engine/run/safe_dcp.py (a restricted unpickler for
         ``.metadata``, ``weights_only`` for non-tensor values): a forged file is refused, never run."""
         if verify:
             verify_manifest(path, require=(".metadata", LAYOUT_FILE))

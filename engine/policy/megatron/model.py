@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from alignopsd.engine.batch import position_ids
 from alignopsd.engine.policy.megatron.convert import Dims
+from alignopsd.engine.step.batch import position_ids
 from torch import Tensor
 
 

@@ -26,8 +26,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from alignopsd.engine import devices
-from alignopsd.engine.devices import module_device
+from alignopsd.engine.parallel import devices
+from alignopsd.engine.parallel.devices import module_device
 from alignopsd.engine.policy.base import prompt_width
 from alignopsd.engine.policy.megatron.model import build_gpt_model, forward_hidden, forward_layout, output_weight
 from torch import Tensor

@@ -1,0 +1,1 @@
+"""The ``alignopsd`` command line: train, eval, sft and the quickstart pipeline, compare, profile."""

@@ -1,0 +1,145 @@
+"""Held-out evaluation: ``alignopsd eval --config FILE [--checkpoint DIR] [--set k=v ...]``.
+
+Plays the config's held-out split (``env.val_split``, ``env.val_tasks`` tasks, one episode each, at the
+validation temperature) with the policy weights of a checkpoint (or the config's initial model), and prints
+the result laid out like the paper's Table 1:
+
+* ALFWorld: success per task category (Pick, Look, Clean, Heat, Cool, Pick2) and their average (All);
+* WebShop: Score (mean task score x 100) and Acc (fraction of fully successful purchases x 100);
+* Search-QA: exact-match accuracy per data source (NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, Musique, Bamboogle)
+  and the average.
+
+``--json FILE`` also writes ``{"env", "checkpoint", "episodes", "table": {column: value}, "metrics"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from alignopsd.engine.config.preflight import preflight
+from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.run.arch_check import check_architecture
+from alignopsd.engine.run.checkpoint import WEIGHTS_FILE, load_weights
+from alignopsd.engine.run.manifest import ManifestError, verify_manifest
+from alignopsd.engine.run.trainer import Trainer, add_run_args
+from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.run.writes import WriteFailure, writing
+from alignopsd.engine.run.writes import report as report_write_failure
+from alignopsd.engine.step.episodes import run_validation
+
+ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
+                    ("pick2", "Pick2"))  # fmt: skip
+SEARCH_COLUMNS = (("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA"), ("hotpotqa", "HotpotQA"),
+                  ("2wikimultihopqa", "2Wiki"), ("musique", "Musique"), ("bamboogle", "Bamboogle"))  # fmt: skip
+
+
+def table_values(env: str, metrics: dict[str, float]) -> dict[str, float | None]:
+    """The Table-1 columns of ``env`` (percentages) from validation metrics."""
+    out: dict[str, float | None] = {}
+    if env == "alfworld":
+        for key, label in ALFWORLD_COLUMNS:
+            v = metrics.get(f"episode/success/{key}")
+            out[label] = None if v is None else 100.0 * v
+        sr = metrics.get("episode/success_rate")
+        out["All"] = None if sr is None else 100.0 * sr
+    elif env == "webshop":
+        sc = metrics.get("episode/task_score_mean")
+        sr = metrics.get("episode/success_rate")
+        out["Score"] = None if sc is None else 100.0 * sc
+        out["Acc"] = None if sr is None else 100.0 * sr
+    elif env == "search":
+        present = []
+        for key, label in SEARCH_COLUMNS:
+            v = metrics.get(f"episode/accuracy/{key}")
+            out[label] = None if v is None else 100.0 * v
+            if v is not None:
+                present.append(100.0 * v)
+        extra = sorted(k.split("/")[-1] for k in metrics if k.startswith("episode/accuracy/"))
+        for src in extra:
+            if src not in dict(SEARCH_COLUMNS):
+                out[src] = 100.0 * metrics[f"episode/accuracy/{src}"]
+                present.append(out[src])
+        out["Avg"] = sum(present) / len(present) if present else None
+    else:
+        sr = metrics.get("episode/success_rate")
+        out["Success"] = None if sr is None else 100.0 * sr
+        for k in sorted(metrics):
+            if k.startswith("episode/success/"):
+                out[k.split("/")[-1]] = 100.0 * metrics[k]
+    return out
+
+
+def format_table(env: str, values: dict[str, float | None], row: str = "policy") -> str:
+    cols = list(values)
+    head = "| Method | " + " | ".join(cols) + " |"
+    sep = "|---|" + "---:|" * len(cols)
+    cells = " | ".join("–" if values[c] is None else f"{values[c]:.1f}" for c in cols)
+    return "\n".join([head, sep, f"| {row} | {cells} |"])
+
+
+def evaluate(cfg, checkpoint: str | None = None) -> dict:
+    """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}."""
+    trainer = Trainer(cfg, lock_output=False)  # reads a run, may run beside its training
+    parts = trainer.parts
+    if checkpoint:
+        state = load_weights(checkpoint)
+        if hasattr(parts.policy, "load_hf_state_dict"):  # Megatron: Hugging Face weights onto the shards
+            parts.policy.load_hf_state_dict(state)
+        else:
+            missing, unexpected = parts.policy.model.load_state_dict(state, strict=False)
+            bad = [k for k in missing if "lm_head" not in k]
+            if bad or unexpected:
+                raise ValueError(
+                    f"--checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
+                )
+        parts.sync_weights()
+    try:
+        metrics = trainer.reduce_metrics(run_validation(parts, 0))
+    finally:
+        parts.close()
+    return {
+        "env": cfg.env.name,
+        "checkpoint": checkpoint,
+        "episodes": int(metrics.get("episode/count", 0)),
+        "table": table_values(cfg.env.name, metrics),
+        "metrics": metrics,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+
+    p = argparse.ArgumentParser(prog="alignopsd eval", description="Evaluate a checkpoint on held-out tasks.")
+    add_run_args(p)
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the config's initial model)")
+    p.add_argument("--json", default=None, help="also write the result as JSON here")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        preflight(cfg)
+        if args.checkpoint:
+            files = verify_manifest(Path(args.checkpoint), require=(WEIGHTS_FILE,))
+            if STATE_FILE in files:  # a trainer's checkpoint: its state is checked like a resume checks it
+                read_trainer_state(args.checkpoint)
+            check_architecture(args.checkpoint, cfg.model.name, what="--checkpoint")  # before any model is built
+    except (ConfigError, ManifestError) as exc:
+        print(f"{'config' if isinstance(exc, ConfigError) else '--checkpoint'} error: {exc}", file=sys.stderr)
+        return 2
+    print(cfg.dtype_line(), flush=True)
+    res = evaluate(cfg, args.checkpoint)
+    name = Path(args.checkpoint).name if args.checkpoint else cfg.model.name
+    print(f"{cfg.env.name} ({cfg.env.val_split}, {res['episodes']} episodes)")
+    print(format_table(cfg.env.name, res["table"], row=name))
+    if args.json:
+        try:
+            with writing(args.json):
+                Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        except WriteFailure as exc:
+            return report_write_failure(exc, "alignopsd eval")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""A strict fake CUDA device for tests: the whole engine runs on the CPU as if ``cuda:0`` existed.
+
+Inside ``with FakeCuda() as fc:``
+
+* tensors placed on "cuda" (``.to("cuda")``, ``.cuda()``, factories with ``device="cuda"``, ``Module.to``) are
+  :class:`FakeCudaTensor`: a ``__torch_dispatch__`` wrapper whose ``device`` is ``cuda:0`` (``is_cuda`` is true)
+  and whose payload is a CPU tensor. Every aten op on them unwraps, runs on the payload and wraps the result, and
+  every op first checks its tensor arguments the way the CUDA backend does: a CUDA tensor beside a CPU tensor of
+  one or more dimensions raises ``RuntimeError("Expected all tensors to be on the same device ...")``; 0-dim CPU
+  tensors are allowed (as CUDA allows CPU scalars), and so are CPU index tensors of ``cuda[idx]`` and copies
+  across devices. The check comes from the ops themselves, so no call site has to be listed.
+* host synchronisations are counted: ``.item()`` (and ``float()``/``bool()``/``int()`` of a tensor), ``.tolist()``,
+  copies to the host (``.cpu()``, ``.to("cpu")``, ``cpu.copy_(cuda)``), ops whose output size depends on the data
+  (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) and ``torch.cuda.synchronize``. Counts are
+  kept per kind and per profiler phase (:func:`alignopsd.engine.run.profiler.current_phase`); ``.numpy()`` of a CUDA
+  tensor raises, as on a GPU.
+* the ``torch.cuda`` calls the engine makes answer as one visible device would: ``is_available``, ``device_count``
+  (1), ``current_device``/``set_device`` (0 only), ``synchronize``, ``empty_cache``, memory statistics (the
+  payload bytes alive are not tracked: 0), ``get_device_properties``/``get_device_name``, ``is_bf16_supported``
+  (true), RNG state get/set and seeding (a CPU generator stands for the device's). ``torch.Generator(device=
+  "cuda")`` gives a CPU generator.
+* Triton: the kernels' torch paths run (``alignopsd.kernels.torch_paths_only``); ``impl="auto"`` and the core's
+  kernel routing pick the torch reference implementations, never a launch on the fake device (a forced
+  ``impl="triton"`` on a fake tensor fails, as a launch would need real device memory).
+
+The mode patches process-wide state (``torch.cuda`` functions, ``torch.Generator``) for its duration and is not
+thread-safe; it exists for the test suite.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from alignopsd.engine.run import profiler
+from alignopsd.kernels import torch_paths_only
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+aten = torch.ops.aten
+CUDA = torch.device("cuda", 0)
+_ACTIVE: list[FakeCuda] = []
+
+# ops whose output size depends on the data: the host waits for the device to know it
+_DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.equal.default,
+}
+_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True  # an int device is a CUDA ordinal, as in torch
+    return torch.device(device).type == "cuda"
+
+
+def _check_ordinal(device: Any) -> None:
+    index = device if isinstance(device, int) else torch.device(device).index
+    if index not in (None, 0):
+        raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; one fake device is visible)")
+
+
+def _note_sync(kind: str) -> None:
+    for fc in _ACTIVE:
+        fc.note_sync(kind)
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A tensor on the fake ``cuda:0``: CPU memory, CUDA identity (see the module docstring).
+
+    The tensor itself is a CPU tensor (so autograd, optimisers and the CPU kernels run it unchanged); Python sees
+    ``device == cuda:0`` and ``is_cuda``, and every torch call with it passes :func:`_check_devices` first;
+    every aten op on it wraps its outputs as fake CUDA tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return CUDA
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+    def get_device(self) -> int:  # type: ignore[override]
+        return 0
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
+        return f"FakeCudaTensor({plain(self)!r}, device='cuda:0')"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DATA_DEPENDENT or (func in _INDEX_OPS and _bool_index(args)):
+            _note_sync("data_dependent")
+        elif func is aten._local_scalar_dense.default:
+            _note_sync("item")
+        elif func is aten.copy_.default and not isinstance(args[0], FakeCudaTensor):
+            _note_sync("to_host")
+        with torch._C._DisableTorchDispatch():
+            out = func(*args, **kwargs)
+            if func is aten.copy_.default and not isinstance(args[0], FakeCudaTensor):
+                return out  # a copy into host memory stays on the host
+            return tree_map_only(torch.Tensor, _as_fake, out)
+
+
+def _as_fake(t: torch.Tensor) -> FakeCudaTensor:
+    """``t`` (a CPU tensor) as a fake CUDA tensor sharing its memory (itself when it already is one)."""
+    if isinstance(t, FakeCudaTensor):
+        return t
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        return t.as_subclass(FakeCudaTensor)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor behind a fake CUDA tensor (sharing its memory; no sync is counted)."""
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        return t.as_subclass(torch.Tensor)
+
+
+def _bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(t is not None and t.dtype == torch.bool for t in indices)
+
+
+# cross-device by definition, or metadata only (moves are handled apart)
+_NO_CHECK = {torch.Tensor.copy_, torch.Tensor.type_as, torch._has_compatible_shallow_copy_type, torch.is_same_size}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put}
+
+
+def _check_devices(func, args: tuple, kwargs: dict) -> None:
+    """Raise as the CUDA backend does when ``func`` mixes a fake CUDA tensor with a CPU tensor of >= 1 dims.
+
+    Checked where a call enters torch (every torch function and tensor method), so internal tensors that torch's
+    own composite kernels make on the CPU are not mistaken for the caller's. ``cuda[cpu_index]`` is allowed (CUDA
+    moves the index); ``cpu[cuda_index]`` is not."""
+    if func in _NO_CHECK:
+        return
+    if func in _INDEXING and len(args) > 1:
+        index = [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)]
+        if not isinstance(args[0], FakeCudaTensor) and args[0].dim() > 0 and any(_fake(t) for t in index):
+            raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+        args = (args[0], *args[2:])
+    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if len(flat) < 2 or not any(_fake(t) for t in flat):
+        return
+    for t in flat:
+        if not _fake(t) and t.dim() > 0 and t.device.type == "cpu":
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
+                f"(in {name}: a CPU tensor of shape {tuple(t.shape)} beside a CUDA tensor)"
+            )
+
+
+def _fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeCudaTensor)
+
+
+class _HostToDevice(torch.autograd.Function):
+    """A CPU tensor copied to the fake device (differentiable, like ``.to("cuda")``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> FakeCudaTensor:  # noqa: ARG004
+        return _as_fake(plain(x).clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return plain(grad).clone()
+
+
+class _DeviceToHost(torch.autograd.Function):
+    """A fake CUDA tensor copied to the host (differentiable, like ``.cpu()``); a host synchronisation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        _note_sync("to_host")
+        return plain(x).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return _as_fake(grad.clone())
+
+
+def to_fake(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied to the fake ``cuda:0`` (itself when it is already there)."""
+    if isinstance(x, FakeCudaTensor):
+        return x
+    if x.device.type != "cpu":
+        raise RuntimeError(f"to_fake: expected a CPU tensor, got one on {x.device}")
+    if x.requires_grad:
+        return _HostToDevice.apply(x)
+    return _as_fake(x.detach().clone())
+
+
+def to_host(x: FakeCudaTensor) -> torch.Tensor:
+    """A fake CUDA tensor copied to the host (a counted synchronisation)."""
+    if x.requires_grad:
+        return _DeviceToHost.apply(x)
+    _note_sync("to_host")
+    return plain(x).detach().clone()
+
+
+_NEW_METHODS = {
+    torch.Tensor.new_tensor,
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_full,
+}
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Device moves, factories with ``device="cuda"`` and the tensor methods that read memory directly."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
+            return self._to(func, args, kwargs)
+        _check_devices(func, args, kwargs)
+        self_t = args[0] if args else None
+        if isinstance(self_t, FakeCudaTensor):
+            if func is torch.Tensor.tolist:
+                _note_sync("tolist")
+                return plain(self_t).tolist()
+            if func in (torch.Tensor.numpy, torch.Tensor.__array__):
+                raise TypeError(
+                    "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                    "host memory first."
+                )
+            if func in _NEW_METHODS:
+                device = kwargs.pop("device", None)
+                out = func(plain(self_t), *args[1:], **kwargs)
+                return out.to(device) if device is not None and not _is_cuda_device(device) else to_fake(out)
+        if _is_cuda_device(kwargs.get("device")) and func not in _NEW_METHODS:
+            _check_ordinal(kwargs["device"])
+            kwargs["device"] = "cpu"
+            grad = kwargs.pop("requires_grad", False)
+            out = func(*args, **kwargs)
+            fresh = func not in (torch.as_tensor, torch.asarray)  # these may alias their input
+            res = _as_fake(out if fresh else out.clone())
+            return res.requires_grad_(True) if grad else res
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _to(func, args: tuple, kwargs: dict) -> torch.Tensor:
+        x, rest = args[0], args[1:]
+        dtype, copy = None, False
+        if func is torch.Tensor.cpu:
+            device = "cpu"
+        elif func is torch.Tensor.cuda:
+            device = rest[0] if rest else kwargs.get("device", 0)
+            device = CUDA if device is None else device
+        elif rest and isinstance(rest[0], torch.Tensor):  # x.to(other): other's device and dtype
+            device, dtype = rest[0].device, rest[0].dtype
+        else:
+            device, dtype, _, _ = torch._C._nn._parse_to(*rest, **kwargs)
+            copy = bool(kwargs.get("copy", False))
+        if device is None:
+            return func(*args, **kwargs)
+        if _is_cuda_device(device):
+            _check_ordinal(device)
+            if isinstance(x, FakeCudaTensor):
+                return x.to(dtype=dtype, copy=copy) if (dtype is not None or copy) else x
+            return to_fake(x.to(dtype=dtype) if dtype is not None else x)
+        if isinstance(x, FakeCudaTensor):
+            host = to_host(x)
+            return host.to(dtype=dtype) if dtype is not None else host
+        return func(*args, **kwargs)
+
+
+class _DispatchMode(TorchDispatchMode):
+    """aten ops asked for a CUDA device (factories, ``_to_copy``) below the Python API: inside a Python-level torch
+    function that the function mode let through (an autograd backward, a functional's body), CUDA factories reach
+    the dispatcher directly. They run on the CPU and come back as fake CUDA tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            _check_ordinal(kwargs["device"])
+            out = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            return tree_map_only(torch.Tensor, _as_fake, out)
+        return func(*args, **kwargs)
+
+
+class _GeneratorMeta(type):
+    """``torch.Generator`` under the mode: ``device="cuda"`` gives a CPU generator; isinstance still works."""
+
+    def __call__(cls, device: Any = "cpu"):
+        if _is_cuda_device(device):
+            _check_ordinal(device)
+            return torch._C.Generator("cpu")
+        return torch._C.Generator(device)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch._C.Generator)
+
+
+class _Generator(metaclass=_GeneratorMeta):
+    pass
+
+
+class _Props:
+    name = "FakeCuda (CPU payload)"
+    major, minor = 9, 0
+    multi_processor_count = 1
+    total_memory = 80 * 2**30
+
+
+class FakeCuda:
+    """The fake-CUDA context (see the module docstring). ``syncs``: Counter of (phase, kind) -> host syncs."""
+
+    def __init__(self) -> None:
+        self.syncs: Counter = Counter()
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._modes: list[Any] = []
+        self._rng = torch.Generator("cpu")
+        self._rng.manual_seed(0)
+
+    def note_sync(self, kind: str) -> None:
+        self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
+
+    def total_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    def syncs_by_phase(self, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+        """Host syncs per phase, leaving out the kinds in ``exclude`` (e.g. the profiler's own "synchronize")."""
+        out: Counter = Counter()
+        for (phase, kind), n in self.syncs.items():
+            if kind not in exclude:
+                out[phase] += n
+        return dict(out)
+
+    # ------------------------------------------------------------------ torch.cuda
+    def _cuda_api(self) -> dict[str, Any]:
+        def set_device(device: Any) -> None:
+            _check_ordinal(device)
+
+        def synchronize(device: Any = None) -> None:  # noqa: ARG001
+            _note_sync("synchronize")
+
+        def get_rng_state(device: Any = "cuda") -> torch.Tensor:  # noqa: ARG001
+            return self._rng.get_state()
+
+        def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:  # noqa: ARG001
+            self._rng.set_state(state.cpu() if isinstance(state, FakeCudaTensor) else state)
+
+        def set_rng_state_all(states: list) -> None:
+            if len(states) > 1:
+                raise RuntimeError(f"set_rng_state_all: {len(states)} states for 1 visible device")
+            for s in states:
+                set_rng_state(s)
+
+        zero = lambda *a, **k: 0  # noqa: E731
+        return {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": set_device,
+            "synchronize": synchronize,
+            "empty_cache": lambda: None,
+            "memory_allocated": zero,
+            "max_memory_allocated": zero,
+            "memory_reserved": zero,
+            "max_memory_reserved": zero,
+            "reset_peak_memory_stats": lambda *a, **k: None,
+            "mem_get_info": lambda *a, **k: (_Props.total_memory, _Props.total_memory),
+            "get_device_properties": lambda *a, **k: _Props(),
+            "get_device_name": lambda *a, **k: _Props.name,
+            "get_device_capability": lambda *a, **k: (_Props.major, _Props.minor),
+            "is_bf16_supported": lambda *a, **k: True,
+            "get_rng_state": get_rng_state,
+            "set_rng_state": set_rng_state,
+            "get_rng_state_all": lambda: [get_rng_state()],
+            "set_rng_state_all": set_rng_state_all,
+            "manual_seed": lambda seed: self._rng.manual_seed(int(seed)) and None,
+            "manual_seed_all": lambda seed: self._rng.manual_seed(int(seed)) and None,
+            "seed": lambda: self._rng.seed() and None,
+        }
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        self._saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def __enter__(self) -> FakeCuda:
+        for name, fn in self._cuda_api().items():
+            self._patch(torch.cuda, name, fn)
+        for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
+            self._patch(torch.cuda.random, name, getattr(torch.cuda, name))
+        self._patch(torch, "Generator", _Generator)
+        # Module.to: new Parameter objects around the fake tensors (``param.data = fake`` would keep a CPU impl)
+        self._overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        self._paths = torch_paths_only()
+        self._paths.__enter__()
+        self._modes = [_FunctionMode(), _DispatchMode()]
+        for m in self._modes:
+            m.__enter__()
+        _ACTIVE.append(self)
+        profiler.register_sync_counter(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        profiler.unregister_sync_counter(self)
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        self._paths.__exit__(*exc)
+        torch.__future__.set_overwrite_module_params_on_conversion(self._overwrite)
+        for obj, name, value in reversed(self._saved):
+            setattr(obj, name, value)
+        self._saved.clear()

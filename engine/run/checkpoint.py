@@ -1,0 +1,507 @@
+"""Atomic, verified, resumable checkpoints; nothing in them is unpickled.
+
+Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
+
+    model.safetensors          policy weights in Hugging Face layout (``transformers`` loads the folder)
+    config.json                the model's Hugging Face config (when the policy has one)
+    optimizer.safetensors      optimizer (and LR scheduler) state of rank 0, tensors + JSON (engine/run/statefile.py)
+    rng_rank<r>.safetensors    python / numpy / torch (/ cuda) RNG state of every rank, tensors + JSON
+    trainer_state.json         step, data position, the resolved run config, metrics summary
+    manifest.json              every file above with its size and CRC-32 (engine/run/manifest.py), written last
+
+A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
+optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
+state, written by every rank; see the backend's ``save_checkpoint``), listed in the same manifest as every
+other file; ``trainer_state.json`` says ``"sharded": true``. Its ``model.safetensors`` (+ ``config.json``) is a
+Hugging Face export of the gathered weights, written only on the steps the caller asks for (the trainer: every
+``trainer.export_hf_freq`` steps and at the end of the run), for evaluation and serving; it is never read back
+to resume.
+
+Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, flushed to disk, listed in the
+manifest, and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
+on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
+one, never a half-written directory under a final name; stale ``.tmp-*`` folders are ignored by
+:func:`latest_checkpoint` and ``--resume auto`` and removed when the next save starts
+(:func:`remove_unfinished`). Only the newest ``keep_last`` complete checkpoints are kept.
+
+Write failures: a full disk, a file size limit or an I/O error while saving raises
+:class:`~alignopsd.engine.run.writes.WriteFailure` naming the file and the cause (the entry points exit with status 1);
+the unfinished folder is removed and the complete checkpoints stay as they were.
+
+Trust: :func:`load_checkpoint` verifies the manifest (sizes and checksums) before reading any file and refuses
+a checkpoint that is incomplete, corrupted or missing a part, naming the file, whose trainer state has a field of
+the wrong type or range, or whose sharded index (DCP's pickled ``.metadata``) names anything but DCP's metadata
+types or a listed shard file (engine/run/safe_dcp.py: nothing in it is called); ``--resume auto`` falls back to
+the newest checkpoint that verifies (:func:`resolve_resume`) and refuses to start over in a folder whose
+checkpoints all fail. Weights that are not finite are never written (:class:`UnsafeStateError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from alignopsd.engine.run.manifest import (
+    MANIFEST,
+    ManifestError,
+    file_entry,
+    fsync_dir,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
+from alignopsd.engine.run.statefile import load_state, save_state
+from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.run.writes import WriteFailure, writing
+
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+SHARDS_DIR = "shards"
+SHARDS_METADATA = f"{SHARDS_DIR}/.metadata"  # written last by torch.distributed.checkpoint: the shards are all there
+
+
+class UnsafeStateError(RuntimeError):
+    """The state to be saved is not finite; nothing was written (the message names the last good checkpoint)."""
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy and torch (CPU and CUDA when present) generator states."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`capture_rng_state`'s states. CUDA: one state per device that is both saved and visible now
+    (a resume may see fewer GPUs than the run that saved; devices beyond the saved ones keep their state)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = list(state["cuda"])
+        for i in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[i], i)
+
+
+def derived_rng_state(seed: int, rank: int, step: int) -> None:
+    """Seed python, numpy and torch (every visible CUDA device included) from (run seed, rank, step): the
+    generator state of a rank that the checkpoint has none for (a resume on more data-parallel ranks), distinct
+    from every other rank's and from this rank's state at the start of the run."""
+    import hashlib
+
+    h = hashlib.sha256(f"{int(seed)}:rng:{int(rank)}:{int(step)}".encode()).digest()
+    s = int.from_bytes(h[:8], "little")
+    random.seed(s)
+    np.random.seed(s % (2**32))
+    torch.manual_seed(s)  # also seeds every CUDA device
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# discovery
+
+
+def _require_weights(path: Path, files: dict[str, Any]) -> None:
+    """A checkpoint holds its weights: the Hugging Face weights file or a sharded folder."""
+    if WEIGHTS_FILE not in files and SHARDS_METADATA not in files:
+        raise ManifestError(
+            f"{path}: neither {WEIGHTS_FILE!r} nor {SHARDS_METADATA!r} is listed in {MANIFEST} (missing part)"
+        )
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A checkpoint directory under its final name whose manifest lists the weights and the trainer state and
+    whose files have the listed sizes (cheap: no checksums; :func:`verify_checkpoint` checks those)."""
+    path = Path(path)
+    if not path.is_dir() or not STEP_RE.match(path.name):
+        return False
+    try:
+        _require_weights(path, verify_manifest(path, checksums=False, require=(STATE_FILE,)))
+    except ManifestError:
+        return False
+    return True
+
+
+# checkpoints this process has verified, with the (size, mtime_ns) of each file then: a resume verifies the same
+# checkpoint when choosing it, when checking its config and when loading it, and hashes it only once
+_VERIFIED: dict[str, tuple] = {}
+
+
+def _stat_key(path: Path, names: list[str]) -> tuple | None:
+    try:
+        stats = [(rel, os.stat(path / rel)) for rel in [MANIFEST, *names]]
+    except OSError:
+        return None
+    return tuple((rel, st.st_size, st.st_mtime_ns, st.st_ino) for rel, st in stats)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Verify every file of a checkpoint against its manifest; ManifestError names the bad file. Checksums are
+    computed once per process while no file of the checkpoint changes (size, modification time, inode)."""
+    path = Path(path)
+    key = str(path.resolve())
+    files = verify_manifest(path, checksums=False, require=(STATE_FILE,))
+    _require_weights(path, files)
+    before = _stat_key(path, sorted(files))
+    if before is not None and _VERIFIED.get(key) == before:
+        return files
+    _VERIFIED.pop(key, None)
+    files = verify_manifest(path, require=(STATE_FILE,))
+    read_trainer_state(path)
+    if SHARDS_METADATA in files:  # DCP's pickled index, through the restricted unpickler (engine/run/safe_dcp.py)
+        from alignopsd.engine.run.safe_dcp import read_metadata
+
+        prefix = f"{SHARDS_DIR}/"
+        read_metadata(path / SHARDS_DIR, {k[len(prefix) :] for k in files if k.startswith(prefix)})
+    if before is not None and _stat_key(path, sorted(files)) == before:  # unchanged while it was hashed
+        _VERIFIED[key] = before
+    return files
+
+
+def _step_dirs(ckpt_dir: Path) -> list[Path]:
+    """Every directory under a final checkpoint name, oldest first (complete or not)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    return [p for p in _step_dirs(Path(ckpt_dir)) if is_complete(p)]
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    cks = list_checkpoints(ckpt_dir)
+    return cks[-1] if cks else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# save / load
+
+
+def _plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies; tensors sharing storage (tied embeddings) become separate tensors."""
+    out = {}
+    for k, v in state_dict.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"state_dict[{k!r}]: expected a tensor, got {type(v).__name__}")
+        out[k] = v.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def check_finite(
+    state_dict: dict[str, torch.Tensor],
+    *,
+    step: int,
+    ckpt_dir: str | os.PathLike,
+    gather: Callable[[Any], list[Any]] | None = None,
+) -> None:
+    """Raise UnsafeStateError when a floating-point tensor holds NaN or inf (names the tensor and the newest
+    complete checkpoint, from which the run can be resumed). ``gather`` (all-gather of a Python object): every
+    rank checks its own part (shards) and all raise when any part is bad."""
+    bad = next(
+        (k for k, v in state_dict.items()
+         if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())),
+        None,
+    )  # fmt: skip
+    if gather is not None:
+        bad = next((b for b in gather(bad) if b is not None), None)
+    if bad is not None:
+        last = latest_checkpoint(ckpt_dir)
+        where = f"the last good checkpoint is {last}" if last else "there is no earlier checkpoint"
+        raise UnsafeStateError(
+            f"weights at step {step} are not finite ({bad!r} holds NaN or inf); nothing was saved and the run "
+            f"stops; {where}"
+        )
+
+
+def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: Any = None) -> None:
+    """Weights as ``model.safetensors`` (+ ``config.json``) in a folder transformers can load."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    with writing(path):
+        path.mkdir(parents=True, exist_ok=True)
+    with writing(path / WEIGHTS_FILE):
+        save_file(_plain_state_dict(state_dict), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    if hf_config is None:
+        return
+    with writing(path / "config.json"):
+        if hasattr(hf_config, "save_pretrained"):
+            hf_config.save_pretrained(str(path))
+        elif isinstance(hf_config, dict):
+            with open(path / "config.json", "w") as f:
+                json.dump(hf_config, f, indent=2)
+        else:
+            raise ValueError(f"hf_config: expected a transformers config or a dict, got {type(hf_config).__name__}")
+
+
+def load_weights(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint, after verifying the checkpoint against its manifest (``verify=False``: the
+    caller has just verified it)."""
+    from safetensors.torch import load_file
+
+    if verify:
+        verify_manifest(path, require=(WEIGHTS_FILE,))
+    return load_file(str(Path(path) / WEIGHTS_FILE))
+
+
+def _install(tmp: Path, final: Path, ckpt_dir: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``final`` (replacing an older copy of the same step atomically)."""
+    if final.exists():  # re-saving the same step (e.g. after a resume)
+        old = ckpt_dir / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(ckpt_dir)
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor] | None,
+    optimizer_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    hf_config: Any = None,
+    extra_files: dict[str, bytes] | None = None,
+    keep_last: int = 2,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    gather: Callable[[Any], list[Any]] | None = None,
+    shards: Callable[[Path], None] | None = None,
+    shard_state: dict[str, torch.Tensor] | None = None,
+    _fail_after: str | None = None,
+) -> Path:
+    """Write checkpoint ``step`` atomically; returns its final path.
+
+    Every rank calls this (each stores its RNG state and checksums it); rank 0 writes the weights, optimizer
+    and trainer state, the manifest, and performs the rename. ``barrier`` synchronises ranks and ``gather``
+    (all-gather of a Python object) brings each rank's manifest entry to rank 0; both None when
+    single-process (without ``gather`` rank 0 checksums the other ranks' files itself). Non-finite weights
+    raise UnsafeStateError on every rank before anything is written. ``_fail_after`` (tests only) raises
+    after the named file is written to simulate a crash.
+
+    Sharded: ``shards(folder)`` is called on every rank (collectively) to write the backend's sharded state into
+    ``<tmp>/shards`` together with that folder's own manifest, whose entries the checkpoint's manifest takes
+    over; ``shard_state`` is this rank's part of the weights (checked for NaN/inf on every rank) and
+    ``model_state`` the optional Hugging Face export (None: no ``model.safetensors``).
+    """
+    if step < 0:
+        raise ValueError(f"step: must be >= 0, got {step}")
+    if keep_last < 1:
+        raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
+    if model_state is None and shards is None:
+        raise ValueError("model_state: required unless the checkpoint is sharded (shards=...)")
+    ckpt_dir = Path(ckpt_dir)
+    if shards is not None:
+        check_finite(shard_state or {}, step=step, ckpt_dir=ckpt_dir, gather=gather)
+    if model_state is not None:
+        check_finite(model_state, step=step, ckpt_dir=ckpt_dir)
+    final = ckpt_dir / step_dir_name(step)
+    tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
+    sync = barrier or (lambda: None)
+
+    if rank == 0:
+        with writing(ckpt_dir):
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(ckpt_dir)
+            tmp.mkdir()
+    sync()
+    try:
+        save_state(tmp / rng_file(rank), capture_rng_state())
+        mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
+        entries: dict[str, dict[str, Any]] = {}
+        if gather is not None:
+            for part in gather(mine):
+                entries.update(part)
+        else:
+            sync()
+        if shards is not None:
+            with writing(tmp / SHARDS_DIR):
+                shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and its manifest are written
+            if rank == 0:
+                entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
+        if rank == 0:
+            _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
+                               world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
+            write_manifest(tmp, entries)  # flushes every file, then the manifest, last
+    except WriteFailure as exc:
+        raise _abandoned(exc, tmp if rank == 0 else None, ckpt_dir, step) from None
+    if rank == 0:
+        _install(tmp, final, ckpt_dir)
+        for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
+    sync()
+    return final
+
+
+def _abandoned(exc: WriteFailure, tmp: Path | None, ckpt_dir: Path, step: int) -> WriteFailure:
+    """A save that could not be written: its folder removed (``tmp``: on the rank that made it), the failure told
+    with the newest complete checkpoint, which stays as it is."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # gives the space back
+    last = latest_checkpoint(ckpt_dir)
+    where = f"the last complete checkpoint {last} is untouched" if last else "there is no complete checkpoint"
+    return exc.with_note(f"checkpoint of step {step} not saved; {where}")
+
+
+def remove_unfinished(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted saves left in ``ckpt_dir``: ``.tmp-step_*`` folders, and the ``.old-step_*`` copy
+    of a re-saved step (put back under its name when a kill between the two renames of :func:`_install` left the
+    step without one). Returns the removed paths; called when a save starts."""
+    ckpt_dir = Path(ckpt_dir)
+    gone = []
+    for p in sorted(ckpt_dir.iterdir()):
+        if p.name.startswith(".old-step_") and not (ckpt_dir / p.name[len(".old-") :]).exists():
+            os.replace(p, ckpt_dir / p.name[len(".old-") :])
+        elif p.name.startswith((".tmp-step_", ".old-step_")):
+            gone.append(p)
+    for p in gone:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return gone
+
+
+def _write_rank0_files(
+    tmp: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor] | None,
+    optimizer_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    hf_config: Any,
+    extra_files: dict[str, bytes] | None,
+    *,
+    world_size: int,
+    sharded: bool,
+    fail_after: str | None,
+) -> None:
+    """The files rank 0 writes into the unfinished checkpoint folder (everything but the manifest)."""
+    if model_state is not None:
+        save_weights(tmp, model_state, hf_config)
+    if fail_after == WEIGHTS_FILE:
+        raise RuntimeError("simulated crash after writing the weights")
+    if optimizer_state is not None:
+        save_state(tmp / OPTIMIZER_FILE, optimizer_state)
+    if fail_after == OPTIMIZER_FILE:
+        raise RuntimeError("simulated crash after writing the optimizer")
+    for name, blob in (extra_files or {}).items():
+        with writing(tmp / name):
+            (tmp / name).write_bytes(blob)
+    state = dict(trainer_state)
+    state.update(step=step, world_size=world_size, sharded=sharded, complete=True)
+    with writing(tmp / STATE_FILE):
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+    if fail_after == STATE_FILE:
+        raise RuntimeError("simulated crash before the manifest")
+
+
+def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool = True) -> dict[str, Any]:
+    """Verify, then read a checkpoint: {"model_state", "optimizer_state", "trainer_state", "rng_state", "shards",
+    "path"}.
+
+    Every file is checked against the manifest before any is read (ManifestError names a missing, truncated
+    or corrupted file). ``rng_state`` is this rank's generator state (None when the checkpoint was written by
+    fewer ranks: the caller derives one, :func:`derived_rng_state`); ``restore_rng`` restores it right away.
+    A sharded checkpoint gives ``shards`` (the verified folder, for the backend's sharded load) and
+    ``model_state`` None (its Hugging Face export, if any, is not read); otherwise ``shards`` is None."""
+    path = Path(path)
+    if not path.is_dir() or not STEP_RE.match(path.name):
+        raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
+    files = verify_checkpoint(path)
+    trainer_state = read_trainer_state(path)
+    sharded = bool(trainer_state.get("sharded", False))
+    if sharded and SHARDS_METADATA not in files:
+        raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")
+    if not sharded and WEIGHTS_FILE not in files:
+        raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
+    optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
+    saved_world = int(trainer_state.get("world_size", 1))
+    rng_state = None  # a rank the checkpoint was not written by: derive its state (derived_rng_state)
+    if rank < saved_world:
+        name = rng_file(rank)
+        if name not in files:
+            raise ManifestError(f"{path}: {name!r} is not listed in the manifest (missing part)")
+        rng_state = load_state(path / name)
+    if restore_rng and rng_state is not None:
+        restore_rng_state(rng_state)
+    return {
+        "model_state": None if sharded else load_weights(path, verify=False),
+        "optimizer_state": optimizer_state,
+        "trainer_state": trainer_state,
+        "rng_state": rng_state,
+        "shards": path / SHARDS_DIR if sharded else None,
+        "path": path,
+    }
+
+
+def resolve_resume(
+    resume: str | None, ckpt_dir: str | os.PathLike, *, say: Callable[[str], None] | None = None
+) -> Path | None:
+    """``--resume``: None/'none' -> None; a path -> that checkpoint (it must verify); 'auto' -> the newest
+    checkpoint that verifies (sizes and checksums), falling back past bad ones with a message through ``say``.
+
+    'auto' returns None only when no directory under a checkpoint name exists; when some exist and none
+    verifies it raises ManifestError listing why (a run never silently starts over on top of checkpoints)."""
+    if resume is None or resume == "none":
+        return None
+    if resume != "auto":
+        p = Path(resume)
+        if not p.is_dir() or not STEP_RE.match(p.name):
+            raise ValueError(f"--resume: {resume!r} is not a checkpoint directory (step_NNNNNN)")
+        try:
+            verify_checkpoint(p)
+        except ManifestError as exc:
+            raise ValueError(f"--resume: {resume!r} is not a complete, intact checkpoint: {exc}") from None
+        return p
+    rejected: list[str] = []
+    for cand in reversed(_step_dirs(Path(ckpt_dir))):
+        try:
+            verify_checkpoint(cand)
+        except ManifestError as exc:
+            rejected.append(str(exc))
+            continue
+        if rejected and say is not None:
+            say(f"[resume] skipped {len(rejected)} checkpoint(s) that failed verification: {'; '.join(rejected)}")
+            say(f"[resume] falling back to {cand}")
+        return cand
+    if rejected:
+        raise ManifestError(
+            f"--resume auto: no checkpoint under {ckpt_dir} verifies ({'; '.join(rejected)}); refusing to start "
+            "over on top of them: resume from a checkpoint path, repair or move the folder, or choose another "
+            "output_dir"
+        )
+    return None

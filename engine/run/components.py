@@ -1,0 +1,338 @@
+"""The composition root: build a run's parts (policy, generator, environments, encoder, scorers) from its config.
+
+Every backend sits behind its protocol (``PolicyBackend``, ``GenerationBackend``); the step only ever sees a
+:class:`Components`. Nothing here runs a phase of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from alignopsd.engine.config.schema import RunConfig
+from alignopsd.engine.envs.manager import EnvManager
+from alignopsd.engine.envs.skills import skill_lookup
+from alignopsd.engine.generation.base import GenerationBackend
+from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
+from alignopsd.engine.parallel.tp_broadcast import is_group_lead, share_lead_outcome, tp_layout
+from alignopsd.engine.policy.base import PolicyBackend
+from alignopsd.engine.policy.megatron.scoring import ShardScoring
+from alignopsd.engine.run.profiler import StepProfiler
+from alignopsd.engine.run.strict import reraise_if_strict
+from alignopsd.engine.step.rescoring import Rescorer, backend_row_logprobs, backend_scorer
+from torch import nn
+
+from alignopsd.estimators import EstimatorSpec, get_estimator
+
+log = logging.getLogger("alignopsd.components")
+
+
+@dataclass
+class Components:
+    """Everything a step needs, built once per run by :func:`build_components`."""
+
+    cfg: RunConfig
+    device: torch.device
+    rank: int  # data-parallel rank (the ranks of one tensor-parallel group share it)
+    world_size: int  # data-parallel size
+    tokenizer: object  # a Hugging Face tokenizer
+    policy: PolicyBackend
+    generator: GenerationBackend | None  # None on tensor-parallel ranks other than their group's first
+    env: EnvManager
+    train_tasks: list
+    val_tasks: list
+    estimator: EstimatorSpec
+    rescorer: Rescorer | None = None
+    ref_scorer: Rescorer | None = None
+    encoder: ThinkingEncoder | None = None
+    profiler: StepProfiler = field(default_factory=StepProfiler)
+    dp_group: object = None  # data-parallel process group (None: the default group)
+    audit: object = None  # engine.audit.Auditor of the run (set by the trainer; None: no audit records)
+    encoder_factory: Callable[[], ThinkingEncoder] | None = None
+    skill_lookup: Callable[[dict], str] | None = None  # env.skills_dir's bank (None: the packaged bank)
+
+    def get_encoder(self) -> ThinkingEncoder:
+        """The thinking encoder, loaded on first use (estimators without alignment never load it)."""
+        if self.encoder is None and self.encoder_factory is not None:
+            self.encoder = self.encoder_factory()
+        if self.encoder is None:
+            raise ValueError("encoder: this run's estimator declares no alignment phase, so no encoder was built")
+        return self.encoder
+
+    def sync_weights(self) -> None:
+        """Push the policy's weights into the generation engine (no-op when it samples from the trained module).
+
+        Under tensor parallelism every rank of the group calls it: the weights are gathered one conversion part at
+        a time to the group's first rank, the only one with a generator (``policy.hf_weights``), and the other
+        ranks only send their shards."""
+        gm = getattr(self.generator, "model", None)
+        if gm is not None and gm is self.policy.model:
+            return
+        weights = self.policy.hf_weights()
+        if tp_layout(self.policy)[0] is None:
+            if self.generator is not None:
+                self.generator.load_weights(weights)
+            return
+        # tensor parallelism: the first rank's loading may fail part-way (out of memory, a bad name); it still
+        # takes part in the group's remaining gathers, then every rank learns the outcome and raises with it
+        error: BaseException | None = None
+        try:
+            if self.generator is not None:
+                self.generator.load_weights(weights)
+        except Exception as exc:  # noqa: BLE001 - shared with the group below, then raised
+            error = exc
+        try:
+            left = sum(1 for _ in weights)  # the group's remaining gathers (all of them on a rank without a generator)
+        except Exception as exc:  # noqa: BLE001 - a conversion failure on the first rank, raised after the gathers
+            error, left = error or exc, 0
+        if error is None and left and self.generator is not None:
+            error = RuntimeError(
+                f"generator: {type(self.generator).__name__}.load_weights left {left} weights of the sync unread "
+                "(a weight sync must load every weight it is given)"
+            )
+        share_lead_outcome(self.policy, error)
+
+    def release_generation(self) -> None:
+        """A generation phase ended, the training phases follow: the generation engine gives back its accelerator
+        memory (weights and KV cache) until it generates or receives weights again (vLLM's sleep mode; a no-op for
+        an engine without one)."""
+        sleep = getattr(self.generator, "sleep", None)
+        if callable(sleep):
+            sleep()
+
+    def close(self) -> None:
+        for obj in (self.env, self.generator):
+            close = getattr(obj, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
+                    reraise_if_strict(exc)
+                    log.warning("close %s: %s", type(obj).__name__, exc)
+
+
+def hf_model_of(policy: PolicyBackend) -> nn.Module:
+    """The module that Hugging Face generation samples from: the Hugging Face policy's own, or the Megatron
+    policy's Hugging Face copy where it keeps one (:func:`needs_hf_copy`: the first rank of each tensor-parallel
+    group); else the Megatron policy's shard (which scores itself and generates nothing)."""
+    return getattr(policy, "hf_model", None) or policy.model
+
+
+def needs_hf_copy(cfg: RunConfig) -> bool:
+    """A Megatron-trained policy keeps a full Hugging Face copy of its weights only for Hugging Face generation
+    (student and teacher rollouts sample from it), and then only on the first rank of each tensor-parallel group,
+    which samples for the group (engine/parallel/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
+    and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
+    return cfg.generation.backend in ("hf", "choice")
+
+
+def scores_itself(policy: PolicyBackend) -> bool:
+    """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself."""
+    return isinstance(policy, ShardScoring)
+
+
+def megatron_layer_spec(cfg: RunConfig) -> str:
+    """The layer spec a Megatron policy is built with: ``policy.layer_spec``, where ``auto`` means ``local`` when
+    teacher forcing packs shared prefixes (only the local spec's attention takes their mask: engine/policy/megatron/
+    scoring.py), so that a machine with Transformer Engine does not fail at the first scoring."""
+    if cfg.policy.layer_spec == "auto" and cfg.trainer.rescoring_mode == "shared_prefix":
+        return "local"
+    return cfg.policy.layer_spec
+
+
+def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> PolicyBackend:
+    """Policy backend factory (``policy.backend``): hf | megatron.
+
+    Every optimisation setting reaches the backend: lr, weight decay, betas, the warm-up
+    (``trainer.warmup_ratio`` of ``trainer.total_steps``), gradient checkpointing (megatron: activation
+    recomputation as ``policy.recompute`` says) and, for megatron, the distributed optimizer. A tensor-parallel
+    layout that does not fit the model (heads, key/value heads, MLP width, vocabulary) or the world size
+    (``world_size``: all processes) fails before the weights load.
+
+    The Megatron backend trains a megatron-core GPTModel with tensor parallelism and scores old log-probs and
+    teacher forcing with it (``backend_scorer``: plain rows, or packed shared prefixes). Only Hugging Face
+    generation keeps a Hugging Face copy of the same weights (``policy.hf_model``, refreshed after every update by
+    :meth:`Components.sync_weights`), on the first rank of each tensor-parallel group only; elsewhere, and with
+    vLLM everywhere, the full model read from disk is loaded on the CPU and dropped once the rank holds its shard.
+    """
+    warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+    load_on, keep_copy = device, False
+    if cfg.policy.backend == "megatron":  # pre-flight: the layout must fit before any weight loads
+        from alignopsd.engine.policy.megatron.backend import tensor_parallel_rank
+        from alignopsd.engine.policy.megatron.convert import check_parallel_layout
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name), local_files_only=True)
+        check_parallel_layout(hf_config, cfg.policy.tensor_parallel_size, world_size)
+        keep_copy = needs_hf_copy(cfg) and tensor_parallel_rank(cfg.policy.tensor_parallel_size, cfg.trainer.seed) == 0
+        if not keep_copy:
+            load_on = torch.device("cpu")  # only the source of the shards: never on the accelerator
+    model = load_causal_lm(
+        cfg.model.name,
+        dtype=parse_dtype(cfg.model.dtype, device),
+        attn_implementation=cfg.model.attn_implementation,
+        device=load_on,
+    )
+    if cfg.policy.backend == "megatron":
+        from alignopsd.engine.policy.megatron.backend import (
+            MegatronPolicy,  # megatron-core is imported only when asked for
+        )
+
+        policy = MegatronPolicy(
+            model.config,
+            model.state_dict(),
+            tp=cfg.policy.tensor_parallel_size,
+            lr=cfg.trainer.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            betas=cfg.trainer.betas,
+            params_dtype=model.dtype,
+            seed=cfg.trainer.seed,
+            warmup_steps=warmup,
+            recompute=cfg.policy.recompute if cfg.policy.gradient_checkpointing else "none",
+            distributed_optimizer=cfg.policy.distributed_optimizer,
+            layer_spec=megatron_layer_spec(cfg),
+        )
+        if keep_copy:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            policy.hf_model = model
+        return policy
+    from alignopsd.engine.policy.hf import HFPolicy
+
+    return HFPolicy(
+        model,
+        lr=cfg.trainer.lr,
+        weight_decay=cfg.trainer.weight_decay,
+        betas=cfg.trainer.betas,
+        warmup_steps=warmup,
+        gradient_checkpointing=cfg.policy.gradient_checkpointing,
+    )
+
+
+def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device) -> Rescorer:
+    """The scorer of the reference model of the KL term (the initial weights; student rows, plain mode).
+
+    A Megatron-trained policy's reference is a frozen snapshot of its own shard (``FrozenShard``: sharded like the
+    policy, no gradients or optimizer state), taken here, before any update, and scored by the same backend code
+    as the old log-probs. The Hugging Face policy's reference is a second Hugging Face model read from disk."""
+    temperature = cfg.generation.temperature
+    if scores_itself(policy):
+        from alignopsd.engine.policy.megatron.scoring import FrozenShard
+
+        ref = FrozenShard(policy)
+        scorer = functools.partial(backend_row_logprobs, ref, temperature=temperature, device=device)
+        return Rescorer(ref.model, mode="plain", temperature=temperature, scorer=scorer)
+    ref_model = load_causal_lm(
+        cfg.model.name, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, device=device
+    )
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    return Rescorer(ref_model, mode="plain", temperature=temperature)
+
+
+def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
+    """Generation backend factory (``generation.backend``): hf | vllm | choice. Under tensor parallelism only the
+    first rank of each group generates (engine/parallel/tp_broadcast.py), so only it builds an engine: None on the
+    group's
+    other ranks.
+    A vLLM engine starts from the weights on disk; :func:`build_components` pushes the policy's into it."""
+    if not is_group_lead(policy):
+        return None
+    if cfg.generation.backend == "vllm":
+        from alignopsd.engine.generation.vllm_backend import VLLMBackend  # vllm is imported only when asked for
+
+        return VLLMBackend.from_config(cfg, tokenizer=tokenizer)
+    if cfg.generation.backend == "choice":
+        from alignopsd.engine.generation.choice import ChoiceGenerator
+
+        return ChoiceGenerator(hf_model_of(policy), tokenizer)
+    from alignopsd.engine.generation.hf import HFGenerator
+
+    return HFGenerator(hf_model_of(policy), tokenizer)
+
+
+def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:
+    """(environment manager, training tasks, validation tasks) of the config's environment."""
+    env = EnvManager(
+        cfg.env.name,
+        num_workers=cfg.env.workers,
+        step_timeout=cfg.env.step_timeout_s,
+        history_length=cfg.env.history_length,
+        max_steps=cfg.env.max_turns,
+        **({"data_dir": cfg.env.data_dir} if cfg.env.data_dir else {}),
+        **cfg.env.options,
+    )
+    seed = cfg.trainer.seed
+    pool = {"pool_size": cfg.env.num_games} if (cfg.env.name == "alfworld" and not cfg.env.data_dir) else {}
+    train_tasks = env.task_source(cfg.env.split, n=cfg.env.num_games, seed=seed, **pool)
+    val_pool = {"pool_size": cfg.env.val_tasks} if pool else {}
+    val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed, **val_pool)
+    return env, train_tasks, val_tasks
+
+
+def build_encoder(cfg: RunConfig, device: torch.device) -> ThinkingEncoder:
+    """The frozen thinking encoder (§1.6): ``minilm`` (the embedded default), a local folder or a cached id."""
+    name = cfg.encoder.name
+    if name.lower() in ("minilm", MINILM):
+        name = MINILM
+    elif not Path(name).expanduser().is_dir():
+        name = resolve_model_path(name)  # a Hugging Face id already in the local cache
+    return ThinkingEncoder(name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device)
+
+
+def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, world_size: int = 1) -> Components:
+    """Every part of a run, from its config (heavy: loads the models)."""
+    est = get_estimator(cfg.algorithm.estimator)
+    phases = est.phases(cfg.algorithm)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    policy = build_policy(cfg, device, world_size)
+    generator = build_generator(cfg, policy, tokenizer, device)
+    env, train_tasks, val_tasks = build_env(cfg)
+    rescorer = Rescorer(
+        policy.model if scores_itself(policy) else hf_model_of(policy),
+        mode=cfg.trainer.rescoring_mode,
+        temperature=cfg.generation.temperature,
+        reuse_rollout_logp=cfg.trainer.logprob_reuse,
+        # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
+        # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
+        # (teacher minus student) compares two forwards of one implementation; in the same rescoring mode
+        # (shared_prefix: each prompt's rows packed behind one copy of it)
+        scorer=(
+            backend_scorer(policy, cfg.trainer.rescoring_mode, temperature=cfg.generation.temperature, device=device)
+            if scores_itself(policy)
+            else None
+        ),
+    )
+    ref_scorer = build_reference(cfg, policy, device) if phases["ref"] else None
+
+    dp_group = getattr(policy, "dp_group", None)
+    if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    parts = Components(
+        dp_group=dp_group,
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        tokenizer=tokenizer,
+        policy=policy,
+        generator=generator,
+        env=env,
+        train_tasks=train_tasks,
+        val_tasks=val_tasks,
+        estimator=est,
+        rescorer=rescorer,
+        ref_scorer=ref_scorer,
+        encoder_factory=functools.partial(build_encoder, cfg, device) if phases["alignment"] else None,
+        skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
+    )
+    if cfg.generation.backend == "vllm":  # the policy's weights into the engine (collective under tensor parallelism)
+        parts.sync_weights()
+    return parts

@@ -1,0 +1,202 @@
+"""Resume checks: the run's config against the config stored with the checkpoint.
+
+Every checkpoint stores the resolved config of its run (``trainer_state.json`` → ``run_config``, the algorithm
+section included). Resuming compares it key by key with the config of the new run:
+
+* changes that do not alter the trajectory of training are allowed and listed: the run's name and output
+  directory, save cadence and retention, logging and report switches, validation before/after training,
+  environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and the
+  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one
+  keys its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same
+  tensor-parallel size);
+* every other change (model, estimator or any algorithm setting, seed, group size, environment, learning
+  rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
+  ``--allow-config-change``;
+* ``total_steps`` below the checkpoint's step is refused in any case (there is nothing to run);
+* with changes let through by ``--allow-config-change``, the checkpoint's weights must still fit the configured
+  model: names and shapes from the safetensors header against the model built on the ``meta`` device, before
+  anything loads (engine/run/arch_check.py), else the first mismatching parameter is named with both shapes;
+* a sharded checkpoint (Megatron, torch.distributed.checkpoint) loads only into the model, dtype, backend,
+  tensor-parallel size and optimizer sharding it was written with (it reshards over data-parallel ranks only):
+  a change of these is refused in any case, ``--allow-config-change`` included (:data:`SHARDED_LAYOUT`); the
+  backend checks the model's shapes against the folder's ``layout.json`` again before it reads a shard.
+
+The run's side file ``span_lengths.json`` (the M2 span lengths of every step so far, for the report) is cut back
+to the count the checkpoint records (:func:`read_span_lengths`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from alignopsd.engine.config.dump import config_to_dict
+from alignopsd.engine.config.schema import ConfigError, RunConfig
+from alignopsd.engine.run.arch_check import check_architecture
+from alignopsd.engine.run.checkpoint import resolve_resume
+from alignopsd.engine.run.manifest import ManifestError
+from alignopsd.engine.run.trainer_state import read_trainer_state
+
+# dotted keys whose change leaves the training trajectory as it is
+TRAJECTORY_NEUTRAL = frozenset(
+    {
+        "name",
+        "output_dir",
+        "trainer.save_freq",
+        "trainer.keep_last",
+        "trainer.export_hf_freq",
+        "trainer.tensorboard",
+        "trainer.report",
+        "trainer.audit",
+        "trainer.audit_max_bytes",
+        "trainer.val_before_train",
+        "trainer.val_after_train",
+        "trainer.preempt_grace_s",
+        "env.workers",
+        "env.step_timeout_s",
+    }
+)
+WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
+# dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
+SHARDED_LAYOUT = frozenset(
+    {"model.name", "model.dtype", "policy.backend", "policy.tensor_parallel_size", "policy.distributed_optimizer"}
+)
+
+
+class ResumeConfigError(ConfigError):
+    """The config of a resumed run differs from the checkpoint's in a way that alters training."""
+
+
+def stored_config(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as stored with a checkpoint (JSON values)."""
+    return json.loads(json.dumps(config_to_dict(cfg), default=str))
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data:
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: data}
+
+
+def config_changes(
+    saved: dict[str, Any], current: dict[str, Any], *, step: int, saved_world: int = 1, world: int = 1
+) -> tuple[list[str], list[str]]:
+    """(changes that alter training, changes that do not), each as ``"key: old -> new"`` lines."""
+    old, new = _flatten(saved), _flatten(current)
+    blocking: list[str] = []
+    neutral: list[str] = []
+    missing = object()
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, missing), new.get(key, missing)
+        if a == b:
+            continue
+        line = f"{key}: {'(absent)' if a is missing else repr(a)} -> {'(absent)' if b is missing else repr(b)}"
+        if key == "trainer.total_steps" and isinstance(a, int) and isinstance(b, int):
+            warm = float(new.get("trainer.warmup_ratio", 0.0) or 0.0)
+            if b >= step and (warm == 0.0 or round(warm * a) == round(warm * b)):
+                neutral.append(line)
+                continue
+            line += " (changes the warm-up length)"
+        (neutral if key in TRAJECTORY_NEUTRAL else blocking).append(line)
+    if saved_world != world:
+        neutral.append(f"{WORLD_SIZE_KEY}: {saved_world} -> {world}")
+    return blocking, neutral
+
+
+def check_resume(
+    path: str | os.PathLike, cfg: RunConfig, *, world_size: int = 1, allow_changes: bool = False
+) -> list[str]:
+    """Compare ``cfg`` with the config stored in checkpoint ``path``; returns the lines describing the allowed
+    changes (to be shown), raises ResumeConfigError listing those that alter training (unless
+    ``allow_changes``, where they are returned too, marked as overridden)."""
+    path = Path(path)
+    try:
+        state = read_trainer_state(path)
+    except ManifestError as exc:
+        raise ResumeConfigError(f"--resume: {exc}") from None
+    step = state["step"]
+    if cfg.trainer.total_steps < step:
+        raise ResumeConfigError(
+            f"trainer.total_steps: {cfg.trainer.total_steps} is below the checkpoint's step {step}; nothing would "
+            f"be trained (set trainer.total_steps >= {step})"
+        )
+    saved = state.get("run_config")
+    if not isinstance(saved, dict):
+        if allow_changes:
+            _check_weights_fit(path, cfg, state)
+            return [f"{path}: stores no run config; not compared (--allow-config-change)"]
+        raise ResumeConfigError(
+            f"--resume: {path} stores no run config, so the config cannot be compared; pass --allow-config-change "
+            "to resume anyway"
+        )
+    blocking, neutral = config_changes(
+        saved, stored_config(cfg), step=step, saved_world=state.get("world_size", 1), world=world_size
+    )
+    fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
+    if state.get("sharded") and fixed:
+        listed = "\n  ".join(fixed)
+        raise ResumeConfigError(
+            f"--resume: {path} is a sharded checkpoint; it loads only into the model and parallel layout it was "
+            f"written with (at any data-parallel size), and this run changes:\n  {listed}\nrestore these settings "
+            "(--allow-config-change cannot override them), or start a new run from the checkpoint's Hugging Face "
+            "export (model.safetensors)"
+        )
+    if blocking and not allow_changes:
+        listed = "\n  ".join(blocking)
+        raise ResumeConfigError(
+            f"--resume: the config differs from the one checkpoint {path} was trained with, in ways that change "
+            f"training:\n  {listed}\nrestore these settings, start a new run (another output_dir), or pass "
+            "--allow-config-change to resume with them anyway"
+        )
+    if blocking:
+        _check_weights_fit(path, cfg, state)
+    return [f"{line} (overridden: --allow-config-change)" for line in blocking] + neutral
+
+
+def _check_weights_fit(path: Path, cfg: RunConfig, state: dict[str, Any]) -> None:
+    """A resume whose config changes (--allow-config-change): the checkpoint's weights must fit the configured
+    model, checked from the safetensors header before any model is built (engine/run/arch_check.py). A sharded
+    checkpoint's layout is checked above and by its backend (layout.json)."""
+    if not state.get("sharded"):
+        check_architecture(path, cfg.model.name, what="--resume: checkpoint")
+
+
+def prepare_resume(
+    cfg: RunConfig,
+    resume: str | None,
+    *,
+    world_size: int = 1,
+    allow_changes: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> tuple[Path | None, list[str]]:
+    """Resolve ``--resume`` (verified checkpoints only, with fallback) and check the config against it:
+    (checkpoint path or None, lines describing the config changes that are let through)."""
+    try:
+        path = resolve_resume(resume, cfg.out_dir / "checkpoints", say=say)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if path is None:
+        return None, []
+    return path, check_resume(path, cfg, world_size=world_size, allow_changes=allow_changes)
+
+
+def read_span_lengths(path: Path, n: int) -> tuple[list[int], str | None]:
+    """The first ``n`` span lengths of ``path`` and None, or ([], a warning) when the file is unreadable or short:
+    the lengths feed the report only, so a damaged file costs the report's histogram, never the resume."""
+    if n == 0:
+        return [], None
+    try:
+        out = [int(x) for x in json.loads(path.read_text())][:n]
+    except (OSError, ValueError, TypeError) as exc:
+        why = f"unreadable ({exc})"
+    else:
+        if len(out) == n:
+            return out, None
+        why = f"holds {len(out)} of the {n} span lengths the checkpoint counts"
+    return [], f"[resume] warning: {path} {why}; the report's span histogram starts over"

@@ -1,0 +1,549 @@
+"""Training entry point: ``python -m alignopsd.engine train --config FILE [--set k=v ...] [--resume auto]``.
+
+Also runs under ``torchrun --nproc_per_node=N`` (data parallel: gloo on CPU, NCCL on CUDA). Each rank
+plays ``tasks_per_step / N`` tasks per step (a task's sibling group stays on one rank, so group
+advantages are local); gradients are averaged across ranks and the loss is the exact global weighted
+token-mean of ALGORITHM.md §3.12.
+
+A run writes under ``runs/<config name>/`` (or ``output_dir``): ``config.yaml``, ``checkpoints/``,
+``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots, and (``trainer.audit``)
+``audit/step_<step>.rank<r>.jsonl``: the per-turn audit records of every step and the token snapshots of
+ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/run/audit.py).
+
+Determinism: every random draw of a step (task sampling, environment seeds, sampling) derives from
+``trainer.seed``, the step index and the rank, plus the torch/python/numpy generator states, which
+checkpoints store; so ``--resume auto`` continues with exactly the steps an uninterrupted run takes.
+Resuming reads verified checkpoints only and refuses a config that changes training
+(engine/run/resume.py; ``--allow-config-change`` overrides); config errors, including the pre-flight checks
+of engine/config/preflight.py, end the command with exit code 2 before anything heavy loads.
+
+Output folder: a run holds the folder's exclusive lock (``run.lock``, engine/run/runlock.py) from before its model
+is built until it ends; a second run on the folder exits with code 2 naming the holder. A resumed run first moves
+the records of steps after its checkpoint (metrics and validation rows, audit files of every rank, TensorBoard
+events, later checkpoints) aside into ``abandoned/<UTC time>/`` (engine/run/history.py); a fresh run so moves an
+earlier run's records.
+
+Exit status of ``train``: 0 done; 1 the weights became non-finite (nothing saved); 2 a config error (including
+the output folder's lock); 143 preempted: SIGTERM or SIGUSR1 arrived, every rank finished the current step and the
+run wrote its checkpoint (resume with ``--resume auto``); 124 the grace ``trainer.preempt_grace_s`` ran out or the
+signal came again before that checkpoint was complete: exited at once, the previous checkpoint is intact
+(engine/run/preemption.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from alignopsd.engine.config.dump import dump_config
+from alignopsd.engine.config.preflight import preflight
+from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
+from alignopsd.engine.parallel.collectives import reduce_metrics
+from alignopsd.engine.parallel.hardware import device_type
+from alignopsd.engine.parallel.metric_reduce import Samples, merge_samples
+from alignopsd.engine.run.audit import Auditor, header_of
+from alignopsd.engine.run.checkpoint import (
+    UnsafeStateError,
+    derived_rng_state,
+    is_complete,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    step_dir_name,
+)
+from alignopsd.engine.run.components import build_components
+from alignopsd.engine.run.history import set_aside
+from alignopsd.engine.run.manifest import atomic_write_bytes
+from alignopsd.engine.run.metrics import MetricsLogger
+from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
+from alignopsd.engine.run.report import write_report
+from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
+from alignopsd.engine.run.runlock import claim_output_dir
+from alignopsd.engine.run.writes import WriteFailure, writing
+from alignopsd.engine.run.writes import report as report_write_failure
+from alignopsd.engine.step.episodes import run_validation
+from alignopsd.engine.step.recipe import run_step
+
+log = logging.getLogger("alignopsd.train")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# distributed
+
+
+class Dist:
+    """Rank, world size and the collectives the trainer needs (no-ops when single-process)."""
+
+    def __init__(self, device_kind: str) -> None:
+        import torch.distributed as dist
+
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world_size > 1
+        self.owns_group = self.enabled and not dist.is_initialized()  # close() destroys only a group it made
+        if self.enabled and device_kind == "cuda":  # NCCL's object collectives and barrier use the current device
+            import torch
+
+            torch.cuda.set_device(self.local_rank)
+        if self.owns_group:
+            dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+        self._dist = dist
+
+    def barrier(self) -> None:
+        if self.enabled:
+            self._dist.barrier()
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if not self.enabled:
+            return list(values)
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if self._dist.get_backend() == "nccl" else None
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX, "min": self._dist.ReduceOp.MIN}[op]
+        self._dist.all_reduce(t, op=red)
+        return t.cpu().tolist()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        """Destroy the default process group if this context made it (a caller's own group is left to it)."""
+        if self.owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the trainer
+
+
+def pick_device(cfg: RunConfig, local_rank: int = 0):
+    import torch
+
+    kind = device_type(cfg.trainer.device)
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device: 'cuda' requested but CUDA is not available")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Builds the components of a run and drives steps, validation, checkpoints, metrics and the report."""
+
+    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None, lock_output: bool = True) -> None:
+        """``lock_output``: take the output folder's exclusive lock (engine/run/runlock.py) before anything is built;
+        a run whose folder another live run holds is refused with OutputLockedError (exit code 2). Commands that
+        only read a run's folder (``eval``, ``profile``) pass False."""
+        self.cfg = cfg
+        self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+        self.dist = dist or Dist(self.device.type)
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        self.out_dir = cfg.out_dir
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.stream = stream if stream is not None else sys.stdout
+        if cfg.env.tasks_per_step % max(1, self.world_size // cfg.policy.tensor_parallel_size):
+            raise ConfigError(
+                f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the data-parallel size "
+                f"{self.world_size // cfg.policy.tensor_parallel_size}"
+            )
+        self.lock = None
+        if lock_output:
+            self.lock = claim_output_dir(
+                self.out_dir, rank=self.rank, gather=self.dist.gather_objects if self.dist.enabled else None,
+                say=self._say,
+            )  # fmt: skip
+            if self.lock is not None:
+                weakref.finalize(self, self.lock.release)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.release_output()
+            raise
+
+    def release_output(self) -> None:
+        """Release the output folder's lock (idempotent; the end of :meth:`fit` does it)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _build(self, cfg: RunConfig) -> None:
+        import torch
+
+        if cfg.trainer.torch_threads:
+            torch.set_num_threads(cfg.trainer.torch_threads)
+        if cfg.trainer.deterministic and self.device.type == "cpu":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(cfg.trainer.seed + 1000 * self.rank)
+        self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
+        self.step = 0
+        self.span_lengths: list[int] = []
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        """Checkpoint the current step. A backend with a sharded save (Megatron) writes its shards from every rank
+        (torch.distributed.checkpoint) and a gathered Hugging Face export only when :meth:`export_due`; the
+        others write the gathered weights and optimizer state (engine/run/checkpoint.py)."""
+        policy = self.parts.policy
+        sharded = is_sharded(policy)
+        hf_config = getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None)
+        return save_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            model_state=policy.hf_state_dict() if not sharded or self.export_due() else None,
+            optimizer_state=None if sharded else _optimizer_state(policy),
+            trainer_state={
+                "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
+                "config_name": self.cfg.name,
+                "run_config": stored_config(self.cfg),
+                "span_lengths_count": len(self.span_lengths),
+            },
+            hf_config=hf_config,
+            keep_last=self.cfg.trainer.keep_last,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self.dist.barrier,
+            gather=self.dist.gather_objects if self.dist.enabled else None,
+            shards=(lambda folder: policy.save_checkpoint(str(folder))) if sharded else None,
+            shard_state=policy.model.state_dict() if sharded else None,  # this rank's weights, checked for NaN/inf
+        )
+
+    def export_due(self) -> bool:
+        """A sharded checkpoint carries a Hugging Face export every ``trainer.export_hf_freq`` steps and at the
+        end of the run."""
+        freq = self.cfg.trainer.export_hf_freq
+        return self.step == self.cfg.trainer.total_steps or (freq > 0 and self.step % freq == 0)
+
+    def load(self, path: Path) -> None:
+
+        ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
+        policy = self.parts.policy
+        if ck["shards"] is not None:
+            if not is_sharded(policy):
+                raise ConfigError(
+                    f"--resume: {path} is a sharded checkpoint; policy.backend={self.cfg.policy.backend!r} cannot "
+                    "load it (resume with the backend that wrote it, or start a new run from its model.safetensors)"
+                )
+            policy.load_checkpoint(str(ck["shards"]), verify=False)  # verified with the checkpoint
+        else:
+            _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
+        self.parts.sync_weights()
+        self.step = int(ck["trainer_state"]["step"])
+        n = int(ck["trainer_state"].get("span_lengths_count", 0))
+        self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
+        if warning:
+            self._say(warning)
+        # RNG last: nothing after this point may draw random numbers before the next step
+        if ck["rng_state"] is None:  # a rank beyond the saving run's world: its own state, not rank 0's copy
+            derived_rng_state(self.cfg.trainer.seed, self.rank, self.step)
+        else:
+            restore_rng_state(ck["rng_state"])
+
+    # -- loop ----------------------------------------------------------------------------------------------------------
+
+    def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
+        """Train to ``trainer.total_steps`` (from the checkpoint ``resume`` names, if any); returns the last step's
+        metrics. Raises :class:`Preempted` after writing the checkpoint of the step a SIGTERM or SIGUSR1 ended
+        (engine/run/preemption.py). The output folder's lock is released when it returns or raises."""
+        cfg = self.cfg
+        try:
+            path, changes = prepare_resume(
+                cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
+            )
+            for line in changes:
+                self._say(f"[resume] config change: {line}")
+            if self.rank == 0:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())
+            watch = PreemptionWatch(cfg.trainer.preempt_grace_s).install()
+            try:
+                if path is not None:
+                    self.load(path)
+                    self._say(f"[train] resumed from {path} at step {self.step}")
+                self._set_history_aside(self.step if path is not None else None)
+                logger = MetricsLogger(
+                    self.out_dir,
+                    total_steps=cfg.trainer.total_steps,
+                    tensorboard=cfg.trainer.tensorboard,
+                    rank=self.rank,
+                    stream=self.stream,
+                )
+                self.parts.audit = self._auditor()
+                try:
+                    last = self._train(logger, watch)
+                except Preempted:
+                    self.parts.close()  # environment workers and the generation engine end with the run
+                    raise
+                finally:
+                    logger.close()
+            finally:
+                watch.close()
+            self._write_spans()
+            if self.rank == 0 and cfg.trainer.report:
+                with writing(self.out_dir / "report.md"):  # and its plots beside it
+                    report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
+                print(f"[train] report: {report}", file=self.stream, flush=True)
+            self.parts.close()
+            return last
+        finally:
+            self.release_output()
+
+    def _train(self, logger: MetricsLogger, watch: PreemptionWatch) -> dict:
+        """The steps, validation passes and saves; a preemption request ends it after the current step."""
+        cfg = self.cfg
+        last: dict = {}
+        if cfg.trainer.val_before_train and self.step == 0:
+            self._validate(logger)
+        while self.step < cfg.trainer.total_steps:
+            t0 = time.perf_counter()
+            result = run_step(self.parts, self.step)
+            self.step += 1
+            metrics = self.reduce_metrics(result.metrics, result.samples)
+            metrics["time/step_wall"] = time.perf_counter() - t0
+            self.span_lengths.extend(int(x) for x in result.span_lengths)
+            last = logger.log(self.step, metrics)
+            if (
+                cfg.trainer.test_freq > 0
+                and self.step % cfg.trainer.test_freq == 0
+                and self.step >= cfg.trainer.val_start_step
+            ):
+                self._validate(logger)
+            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
+                self.step == cfg.trainer.total_steps
+            ):
+                self._write_spans()
+                self.save()
+            self._stop_if_preempted(watch)
+        if cfg.trainer.val_after_train and not (
+            cfg.trainer.test_freq > 0
+            and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
+            and cfg.trainer.total_steps >= cfg.trainer.val_start_step
+        ):
+            self._validate(logger)
+        return last
+
+    def _stop_if_preempted(self, watch: PreemptionWatch) -> None:
+        """At a step boundary: when any rank was asked to stop, every rank writes this step's checkpoint (unless
+        it was just written) and raises Preempted (engine/run/preemption.py)."""
+        flag = 1.0 if watch.requested else 0.0
+        if self.dist.enabled:
+            flag = self.dist.all_reduce([flag], "max")[0]
+        if flag == 0.0:
+            return
+        watch.agree("another rank was signalled")
+        path = self.ckpt_dir / step_dir_name(self.step)
+        done = 1.0 if is_complete(path) else 0.0  # this step's checkpoint was just written: not again
+        if self.dist.enabled:
+            done = self.dist.all_reduce([done], "min")[0]
+        if done == 0.0:
+            self._write_spans()
+            path = self.save()
+        self.dist.barrier()
+        watch.mark_saved()
+        raise Preempted(self.step, path, watch.cause or "signal")
+
+    def _set_history_aside(self, resume_step: int | None) -> None:
+        """Rank 0 moves the records of an earlier run, or of steps after the checkpoint, aside (engine/run/history.py)
+        before any rank writes."""
+        if self.rank == 0:
+            where, moved = set_aside(self.out_dir, resume_step)
+            if where is not None:
+                after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
+                self._say(f"[history] moved the records {after} aside to {where}: {', '.join(moved)}")
+        self.dist.barrier()
+
+    def _auditor(self):
+        """The audit writer of this process (engine/run/audit.py); None when the audit is off or another rank of
+        this process's tensor-parallel group writes the same batch."""
+        cfg = self.cfg
+        if not cfg.trainer.audit or int(getattr(self.parts.policy, "tp_rank", 0) or 0) != 0:
+            return None
+        return Auditor(
+            self.out_dir,
+            rank=self.parts.rank,
+            world_size=self.parts.world_size,
+            total_steps=cfg.trainer.total_steps,
+            max_bytes=cfg.trainer.audit_max_bytes,
+            tokenizer=self.parts.tokenizer,
+            header=header_of(cfg),
+        )
+
+    def _write_spans(self) -> None:
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.out_dir / "span_lengths.json", json.dumps(self.span_lengths).encode())
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, file=self.stream, flush=True)
+
+    def _validate(self, logger) -> dict:
+        metrics = self.reduce_metrics(run_validation(self.parts, self.step))
+        flat = logger.log(self.step, metrics, kind="val", echo=False)
+        if self.rank == 0:
+            sr = flat.get("episode/success_rate")
+            rw = flat.get("episode/reward_mean")
+            print(
+                f"[val] step {self.step}: success {sr:.3f} | reward {rw:.3f} | "
+                f"episodes {int(flat.get('episode/count', 0))}",
+                file=self.stream,
+                flush=True,
+            )
+        return flat
+
+    def reduce_metrics(self, metrics: dict[str, float], samples: Samples | None = None) -> dict[str, float]:
+        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by its declared kind, the
+        percentiles from the ranks' gathered ``samples``).
+
+        Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
+        contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
+        if not self.dist.enabled:
+            return metrics
+        lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
+        got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
+        return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
+
+
+def is_sharded(policy) -> bool:
+    """Whether the policy backend saves and loads sharded checkpoints itself (torch.distributed.checkpoint)."""
+    return callable(getattr(policy, "save_checkpoint", None)) and callable(getattr(policy, "load_checkpoint", None))
+
+
+def _optimizer_state(policy) -> dict | None:
+    if hasattr(policy, "optimizer_state"):  # tensor-parallel backends gather their shards' states
+        return {"backend_state": policy.optimizer_state()}
+    opt = getattr(policy, "optimizer", None)
+    if opt is None:
+        return None
+    state = {"optimizer": opt.state_dict()}
+    sch = getattr(policy, "scheduler", None)
+    if sch is not None:
+        state["scheduler"] = sch.state_dict()
+    for k in ("steps", "skipped_steps"):
+        if hasattr(policy, k):
+            state[k] = getattr(policy, k)
+    return state
+
+
+def _load_policy_state(policy, model_state: dict, optimizer_state: dict | None) -> None:
+    if hasattr(policy, "load_hf_state_dict"):
+        policy.load_hf_state_dict(model_state)
+    else:
+        missing, unexpected = policy.model.load_state_dict(model_state, strict=False)
+        bad = [k for k in missing if "lm_head" not in k]
+        if bad or unexpected:
+            raise ValueError(
+                f"checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
+            )
+    if optimizer_state is not None and "backend_state" in optimizer_state:
+        policy.load_optimizer_state(optimizer_state["backend_state"])
+        return
+    reseed = getattr(getattr(policy, "optimizer", None), "masters_from_model", None)
+    if optimizer_state is None and callable(reseed):  # weights only: fp32 masters start from them, not stale
+        reseed()
+    if optimizer_state is not None and getattr(policy, "optimizer", None) is not None:
+        policy.optimizer.load_state_dict(optimizer_state["optimizer"])
+        if "scheduler" in optimizer_state and getattr(policy, "scheduler", None) is not None:
+            policy.scheduler.load_state_dict(optimizer_state["scheduler"])
+        for k in ("steps", "skipped_steps"):
+            if k in optimizer_state and hasattr(policy, k):
+                setattr(policy, k, optimizer_state[k])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML run config (configs/*.yaml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set algorithm.estimator=grpo (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="alignopsd train", description="Train a policy with AlignOPSD or a baseline.")
+    add_run_args(p)
+    p.add_argument("--resume", default=None, help="'auto' (newest verified checkpoint), a checkpoint path, or none")
+    p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though the config differs from the checkpoint's in settings that change training",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:  # every config error before anything heavy loads: the config, the machine, the checkpoint to resume
+        cfg = load_config(args.config, overrides)
+        preflight(cfg)
+        resume, _ = prepare_resume(
+            cfg,
+            args.resume,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            allow_changes=args.allow_config_change,
+            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None,
+        )
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if rank0:
+        print(cfg.dtype_line(), flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as exc:  # the output folder's lock, the data-parallel split, the device
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
+    except UnsafeStateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/run/writes.py)
+        return report_write_failure(exc, "alignopsd train")
+    except Preempted as exc:
+        if trainer.rank == 0:
+            print(f"[train] {exc}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    finally:
+        trainer.dist.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

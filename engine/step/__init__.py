@@ -1,0 +1,2 @@
+"""One training step (ALGORITHM.md §4): the recipe (rollout, old log-probs, teacher pass, estimator, update),
+the turn batch, Mechanism 1's engine side, rescoring, the PPO update, whole-batch statistics, region diagnostics."""

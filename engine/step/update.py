@@ -1,0 +1,254 @@
+"""The PPO update (ALGORITHM.md §3.12): the micro-batch plan, one micro step, the non-finite guard.
+
+Legend: M = canonical turns of this rank, L = response length, b = rows of one micro-batch.
+
+The loss of every micro-batch is :func:`alignopsd.losses.actor_loss` (PPO with dual clip, entropy bonus, k3 KL to
+the reference, the estimator's auxiliary terms), the function the core's tests check; both training heads call it:
+the fused head loss (``policy.response_loss``: the head's gradients are formed with the log-probs) and autograd
+through ``policy.response_logprobs(grad=True)``. The fused head needs a loss that is a sum of per-token terms;
+each estimator declares whether its loss is (``EstimatorSpec.loss_separable``).
+
+Exact global token-mean: each rank splits its M rows into the same number of mini-batches (the maximum over
+ranks) and each mini-batch into the same number of micro-batches, adding zero-scale dummy micro-batches, so
+data-parallel gradient averaging stays in lock-step; each micro-batch's token-mean is scaled by
+:func:`alignopsd.losses.microbatch_scales` (its tokens / (all ranks' tokens of the mini-batch / world size)).
+The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
+
+Rollout correction (``trainer.rollout_is``, off by default as in the authors' runs): truncated or masked
+importance sampling of π_trainer / π_rollout at token or sequence level (:func:`rollout_correction`).
+
+Non-finite guard: a non-finite log-prob (autograd path or inside the fused head) or loss turns that mini-batch's
+gradients into NaN, so the backend skips the optimiser step (weights and optimiser state unchanged) on every
+rank, and ``update/nonfinite_loss`` counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from alignopsd.engine.parallel import devices
+from alignopsd.engine.parallel.collectives import all_reduce
+from alignopsd.engine.step.batch import TurnBatch
+from torch import Tensor
+
+from alignopsd.estimators import get_estimator
+from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_weights
+
+log = logging.getLogger("alignopsd.update")
+
+# |advantage| below this everywhere (and no auxiliary term) means "no learnable signal": the update is skipped.
+# Outcome normalisation of an all-equal group yields exact zeros, but the invalid-action residual of an
+# all-invalid group leaves float32 noise of ~1e-8.
+ZERO_ADVANTAGE_TOL = 1e-6
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of one micro-batch and the scale of its token-mean (0 for a lock-step dummy on row 0)."""
+
+    rows: list[int]
+    scale: float
+    dummy: bool = False
+
+
+@dataclass
+class UpdateInputs:
+    """The frozen tensors of one update, [M, L] on the policy's device (mask as float)."""
+
+    cb: TurnBatch
+    old_logp: Tensor
+    ref_logp: Tensor | None
+    adv: Tensor
+    mask: Tensor
+    aux: list
+    is_weight: Tensor | None = None  # [M, L] rollout importance weights (trainer.rollout_is), None: off
+
+
+def aux_to(term: AuxTerm, device: torch.device) -> AuxTerm:
+    """The auxiliary term with its frozen tensors on ``device`` (where the micro-batch loss is computed)."""
+    gap = term.gate_gap_ML.to(device) if term.gate_gap_ML is not None else None
+    return dataclasses.replace(term, teacher_ML=term.teacher_ML.to(device), gate_gap_ML=gap)
+
+
+def _split(n: int, size: int) -> list[list[int]]:
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
+def plan_update(mask_ML: Tensor, mini_size: int, micro_size: int, world: int, group=None) -> list[list[MicroBatch]]:
+    """Mini-batches of micro-batches with their token-mean scales, equal in count on every data-parallel rank.
+
+    ``mini_size``: rows per mini-batch on this rank; ``micro_size``: rows per micro-batch. A mini-batch with no
+    policy token on any rank is left out (empty list)."""
+    m = int(mask_ML.shape[0])
+    row_tok = mask_ML.sum(1).tolist()  # one host transfer, not one per micro-batch
+    minis = _split(m, max(1, mini_size))
+    n_mini = int(all_reduce([float(len(minis))], "max", world, group)[0])
+    plan: list[list[MicroBatch]] = []
+    for i in range(n_mini):
+        rows = minis[i] if i < len(minis) else []
+        micros = [[rows[k] for k in mc] for mc in _split(len(rows), max(1, micro_size))]
+        n_micro = int(all_reduce([float(len(micros))], "max", world, group)[0])
+        w_tok = [float(sum(row_tok[r] for r in mc)) for mc in micros]
+        global_tok = all_reduce([sum(w_tok)], "sum", world, group)[0]
+        if global_tok <= 0:
+            plan.append([])
+            continue
+        scales = microbatch_scales(w_tok, global_weighted_tokens=global_tok, world_size=world)
+        mbs = [MicroBatch(mc, s) for mc, s in zip(micros, scales)]
+        mbs += [MicroBatch([0], 0.0, dummy=True) for _ in range(n_micro - len(micros))]
+        plan.append(mbs)
+    return plan
+
+
+def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
+    """The micro-batch objective ``(logp_bL, ent_bL) -> (loss, stats)`` of rows ``ix`` (actor_loss of §3.12).
+
+    A non-finite log-prob on a policy token gives a NaN loss (so the step is skipped) instead of an error: inside
+    the fused head the log-probs only exist within this call."""
+    a = cfg.algorithm
+    mk = inp.mask[ix]
+    old, adv = inp.old_logp[ix], inp.adv[ix]
+    ref = inp.ref_logp[ix] if inp.ref_logp is not None else None
+    sel = mk.bool()
+
+    def loss_fn(logp_bL: Tensor, ent_bL: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+        logp_bL = logp_bL.float()
+        if not bool(torch.isfinite(logp_bL[sel]).all()):
+            return logp_bL.nan_to_num(0.0).sum() * float("nan"), {}
+        return actor_loss(
+            logp_bL, old, adv, mk,
+            entropy=ent_bL.float() if (ent_bL is not None and a.entropy_coef > 0) else None,
+            entropy_coef=float(a.entropy_coef),
+            ref_logp=ref, kl_coef=float(a.kl_coef) if ref is not None else 0.0,
+            aux=inp.aux, rows=ix, is_weight=inp.is_weight[ix] if inp.is_weight is not None else None,
+            clip_low=float(a.clip_low), clip_high=float(a.clip_high), dual_clip=float(a.dual_clip),
+        )  # fmt: skip
+
+    return loss_fn
+
+
+def micro_step(parts, inp: UpdateInputs, mb: MicroBatch, fused: bool, input_ids: Tensor, attn: Tensor):
+    """Forward + backward of one micro-batch. Returns (stats, loss or None when non-finite)."""
+    cfg = parts.cfg
+    ix = torch.tensor(mb.rows, dtype=torch.long, device=inp.mask.device)
+    loss_fn = _loss_fn(cfg, inp, ix)
+    with_ent = cfg.algorithm.entropy_coef > 0
+    length = inp.cb.response_length
+    temp = cfg.generation.temperature
+    if fused:  # the head's gradients are formed with the log-probs (three matmuls instead of four)
+        logp, ent, carrier = parts.policy.response_loss(
+            input_ids[ix], attn[ix], length, lambda lp, en: loss_fn(lp, en)[0],
+            loss_fill=inp.old_logp[ix], temperature=temp, with_entropy=with_ent,
+        )  # fmt: skip
+        with torch.no_grad():
+            loss, stats = loss_fn(logp, ent)
+        backward_of = carrier
+    else:
+        logp, ent = parts.policy.response_logprobs(
+            input_ids[ix], attn[ix], length, temperature=temp, with_entropy=with_ent, grad=True
+        )
+        loss, stats = loss_fn(logp, ent)
+        backward_of = loss
+    finite = bool(torch.isfinite(loss))
+    if not finite:  # NaN gradients make the optimiser step skip (on every rank, through the all-reduce)
+        log.warning("non-finite loss (%s) in a micro-batch: the optimiser step will be skipped", float(loss.detach()))
+        backward_of = backward_of * float("nan")
+    (backward_of * mb.scale).backward()
+    return stats, (float(loss.detach()) if finite else None)
+
+
+def ppo_update(
+    parts, cb: TurnBatch, old_logp: Tensor, ref_logp: Tensor | None, adv_ML: Tensor, aux_terms: list
+) -> dict[str, float]:
+    """PPO over mini- and micro-batches with the exact global token-mean of §3.12 (see the module docstring)."""
+    cfg = parts.cfg
+    policy = parts.policy
+    world, group = parts.world_size, parts.dp_group
+    dev = parts.device
+    mask = cb.response_mask.float().to(dev)
+    inp = UpdateInputs(
+        cb,
+        old_logp.float().to(dev),
+        ref_logp.float().to(dev) if ref_logp is not None else None,
+        adv_ML.float().to(dev) * mask,
+        mask,
+        [aux_to(term, dev) for term in aux_terms],
+    )
+
+    out: dict[str, float] = rollout_correction(cfg, cb, inp)
+
+    # nothing to learn: zero advantages and no auxiliary term (checked on all ranks)
+    signal = float(inp.adv.abs().max()) if inp.adv.numel() else 0.0
+    signal = max(signal, max((float(a.coef) for a in aux_terms), default=0.0))
+    if cfg.trainer.skip_no_signal and all_reduce([signal], "max", world, group)[0] <= ZERO_ADVANTAGE_TOL:
+        log.info("step skipped: all advantages are zero and no auxiliary term is active")
+        return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
+
+    fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
+    if fused and not get_estimator(cfg.algorithm.estimator).loss_separable:  # declared by the estimator
+        log.warning(
+            "the policy loss of estimator %r couples tokens (not a sum of per-token terms): the update uses "
+            "autograd through the log-prob head instead of the fused head loss",
+            cfg.algorithm.estimator,
+        )
+        fused = False
+    plan = plan_update(
+        inp.mask, cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group
+    )
+    input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
+    totals: dict[str, float] = {}
+    n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
+    for i, mbs in enumerate(plan):
+        if not mbs:
+            continue
+        log.info("update: mini-batch %d/%d (%d micro-batches)", i + 1, n_mini, len(mbs))
+        for j, mb in enumerate(mbs):
+            last = j == len(mbs) - 1
+            ctx = policy.no_sync() if (hasattr(policy, "no_sync") and not last) else contextlib.nullcontext()
+            with ctx:
+                stats, loss = micro_step(parts, inp, mb, fused, input_ids, attn)
+            if loss is None:
+                out["update/nonfinite_loss"] = out.get("update/nonfinite_loss", 0.0) + 1.0
+            elif not mb.dummy:
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v * mb.scale / n_mini
+        res = policy.optimizer_step(cfg.trainer.grad_clip)
+        n_opt += 1
+        skipped += int(bool(res.get("skipped")))
+        grad_norms.append(float(res.get("grad_norm", 0.0)))
+        out["actor/lr"] = float(res.get("lr", cfg.trainer.lr))
+    out.update(totals)
+    finite = [g for g in grad_norms if math.isfinite(g)]
+    out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+    out["update/fused_head_loss"] = 1.0 if fused else 0.0
+    out["update/optimizer_steps"] = float(n_opt)
+    out["update/skipped_optimizer_steps"] = float(skipped)
+    out["update/skipped"] = 1.0 if n_opt and skipped == n_opt else 0.0
+    return out
+
+
+def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:
+    """Rollout-trainer mismatch correction (``trainer.rollout_is``): importance weights π_trainer / π_rollout of
+    the sampled tokens (truncated, or masked outside the accepted range at token or sequence level). Rejected
+    tokens leave the policy mask, so every loss term and the global token-mean denominator skip them. Updates
+    ``inp`` in place; returns the correction's metrics (none when off)."""
+    mode = cfg.trainer.rollout_is
+    if mode == "off":
+        return {}
+    if cb.rollout_logp is None:
+        log.warning("trainer.rollout_is: the batch carries no rollout log-probs; no correction this step")
+        return {"rollout_is/unavailable": 1.0}
+    level, kind = mode.split("_")
+    w_ML, keep_ML, stats = rollout_is_weights(
+        cb.rollout_logp.float().to(inp.mask.device), inp.old_logp, inp.mask.bool(), level=level, mode=kind,
+        threshold=float(cfg.trainer.rollout_is_threshold), lower=cfg.trainer.rollout_is_lower,
+    )  # fmt: skip
+    inp.mask = inp.mask * keep_ML.float()
+    inp.adv = inp.adv * inp.mask
+    inp.is_weight = w_ML
+    return stats
