@@ -51,6 +51,8 @@ from alignopsd.engine.envs.base import StepResult, TaskSpec
 from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.envs.webshop_data import Catalogue, get_catalogue, normalise_source
 
+from alignopsd.rectify import parse_webshop_action
+
 SUCCESS_REWARD = 10.0
 RESULTS_PER_PAGE = 10
 SEARCH_TOPK = 50
@@ -190,18 +192,19 @@ def webshop_metrics(task_scores: Sequence[float]) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------ environment
 
-_ACTION_RE = re.compile(r"^\s*(search|click)\s*\[(.*)\]\s*$", re.IGNORECASE | re.DOTALL)
 
+def read_action(action: str) -> tuple[str | None, str | None]:
+    """``search[x]`` / ``click[x]`` -> (verb, lower-cased argument with whitespace runs collapsed), else (None, None).
 
-def parse_webshop_action(action: str) -> tuple[str | None, str | None]:
-    """``search[x]`` / ``click[x]`` -> (verb, stripped lower-cased argument); anything else -> (None, None)."""
-    if not isinstance(action, str):
+    One grammar for the environment and the action filter (ALGORITHM.md §2.5): the action is read by the core's
+    :func:`alignopsd.rectify.parse_webshop_action`. The environment is case-insensitive (its catalogue text is
+    lower-cased), so it lower-cases the action first; the filter reads the raw text, case-sensitively (§6 case 18).
+    """
+    parsed = parse_webshop_action(action.lower()) if isinstance(action, str) else None
+    if parsed is None:
         return None, None
-    m = _ACTION_RE.match(action)
-    if m is None:
-        return None, None
-    arg = " ".join(m.group(2).split()).lower()
-    return m.group(1).lower(), arg
+    verb, arg = parsed
+    return verb, " ".join(arg.split())
 
 
 class WebShopEnv:
@@ -344,7 +347,7 @@ class WebShopEnv:
         if self.task is None or self.done:
             raise RuntimeError("step() called on a finished or unstarted episode")
         self.steps += 1
-        verb, arg = parse_webshop_action(action)
+        verb, arg = read_action(action)
         _, clicks, has_search = self._page_parts()
         valid = False
         reward, score, detail = 0.0, 0.0, None

@@ -13,7 +13,7 @@ from alignopsd.engine.envs.webshop import (
     get_reward,
     load_tasks,
     normalize_color,
-    parse_webshop_action,
+    read_action,
     token_set_ratio,
     webshop_metrics,
     webshop_prompt,
@@ -227,9 +227,11 @@ def test_max_steps_truncates():
 
 
 def test_parse_action_forms():
-    assert parse_webshop_action("  click[ Buy  Now ] ") == ("click", "buy now")
-    assert parse_webshop_action("Search[Red Shoes]") == ("search", "red shoes")
-    assert parse_webshop_action("buy now") == (None, None)
+    assert read_action("  click[ Buy  Now ] ") == ("click", "buy now")
+    assert read_action("Search[Red Shoes]") == ("search", "red shoes")
+    assert read_action("buy now") == (None, None)
+    assert read_action("click [a]") == (None, None)  # the action filter's grammar: no space before the bracket
+    assert read_action("search[   ]") == (None, None)  # an empty argument is no action
 
 
 def test_tasks_are_seeded_and_split():
