@@ -74,7 +74,7 @@ class ChoiceGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         from alignopsd.engine.parallel import devices
-        from alignopsd.engine.policy.hf import score_rows
+        from alignopsd.engine.policy.lm_head import score_rows
         from alignopsd.engine.step.rollout import left_pad, right_pad
 
         tok = self.tokenizer

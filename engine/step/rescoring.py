@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
-from alignopsd.engine.policy.hf import output_head, score_rows, token_logprobs, transformer_body
+from alignopsd.engine.policy.lm_head import output_head, scatter_response, score_rows, token_logprobs, transformer_body
 from alignopsd.engine.step.batch import TurnBatch, position_ids
 from torch import Tensor, nn
 
@@ -274,9 +274,14 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     """One prompt forward of group ``grp`` (cache kept), then its rows ``rows_g`` attached to that cache; writes
     the rows' log-probs (and entropies) into ``out`` / ``ent``."""
     body, weight, bias = head
+
+    def head_fn(h_ND: Tensor, t_N: Tensor) -> tuple[Tensor, Tensor | None]:
+        return token_logprobs(
+            h_ND, weight, t_N, temperature=temperature, with_entropy=with_entropy, bias_V=bias, impl=impl
+        )
+
     row_prompt_R, response_ids_RL, response_mask_RL = rows
     dev = response_ids_RL.device
-    lr = response_ids_RL.shape[1]
     rmask = response_mask_RL.bool()
     g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
     start = min(_left_starts(prompt_mask_SP[g_idx]))
@@ -317,14 +322,10 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
             stats["token_forwards"] += int(r_ids.numel())
             stats["forwards"] += 1
         h_rLD = torch.cat(h_rows, dim=1)
-        sel_used = sel[:, :l_used]
-        lp_N, en_N = token_logprobs(
-            h_rLD[sel_used], weight, response_ids_RL[sub, :l_used][sel_used],
-            temperature=temperature, with_entropy=with_entropy, bias_V=bias, impl=impl,
-        )  # fmt: skip
-        out[sub] = torch.zeros(len(sub), lr, dtype=torch.float32, device=dev).masked_scatter(sel, lp_N)
+        lp_rL, en_rL = scatter_response(h_rLD, response_ids_RL[sub], sel, head_fn)
+        out[sub] = lp_rL
         if with_entropy:
-            ent[sub] = torch.zeros(len(sub), lr, dtype=torch.float32, device=dev).masked_scatter(sel, en_N)
+            ent[sub] = en_rL
     del cache, res
 
 

@@ -15,7 +15,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.policy.hf import transformer_body
+from alignopsd.engine.policy.lm_head import transformer_body
 
 
 class Crossed(torch.Tensor):

@@ -52,7 +52,7 @@ def test_config_selects_the_backend_and_it_samples_the_policy():
         c = ChoiceGenerator(gen.model, tok, max_batch_tokens=1).generate([prompt] * 3, sp)
         assert c.texts == a.texts and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(c.logprobs, a.logprobs))
         # the probability of each sampled candidate is the policy's: its log-probs equal a direct scoring
-        from alignopsd.engine.policy.hf import score_rows
+        from alignopsd.engine.policy.lm_head import score_rows
 
         ids = torch.tensor([a.token_ids[0]])
         lp, _, _ = score_rows(gen.model, torch.tensor([prompt]), torch.ones(1, len(prompt)), ids, torch.ones_like(ids))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.policy.hf import score_rows
+from alignopsd.engine.policy.lm_head import score_rows
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.rescoring import (
     Rescorer,

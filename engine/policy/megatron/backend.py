@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel.tp_broadcast import move_to
 from alignopsd.engine.policy.base import check_loss_fn, prompt_width
+from alignopsd.engine.policy.lm_head import fused_head_loss, scatter_response
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import (
     Dims,
@@ -288,8 +289,6 @@ class MegatronPolicy(ShardScoring):
         ``HFPolicy.response_loss``: ([B, L] log-probs, [B, L] entropy or None, zero-valued gradient carrier).
         ``loss_fn`` must be a sum of per-token terms; every rank of the tensor-parallel group passes the same
         rows and loss."""
-        from alignopsd.engine.policy.hf import fused_head_loss  # noqa: PLC0415
-
         lp = prompt_width(input_ids, attention_mask, response_length)
         check_loss_fn(loss_fn)
         input_ids, attention_mask = self._to_device(input_ids, attention_mask)
@@ -299,17 +298,15 @@ class MegatronPolicy(ShardScoring):
         h_BLD = hidden_BTD[:, lp - 1 :]
         weight = output_weight(self.model)
         tp = self.tp > 1
-        carrier, logp_N, ent_N = fused_head_loss(
-            h_BLD[rmask_BL], weight, None, input_ids[:, lp:][rmask_BL], rmask_BL, loss_fn, loss_fill,
-            temperature=temperature, with_entropy=with_entropy, group=self.tp_group if tp else None,
-            vocab_start=self.tp_rank * int(weight.shape[0]) if tp else 0,
-        )  # fmt: skip
-        logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
-        logp_BL = logp_BL.masked_scatter(rmask_BL, logp_N.float())
-        ent_BL = None
-        if with_entropy:
-            ent_BL = torch.zeros_like(logp_BL).masked_scatter(rmask_BL, ent_N.float())
-        return logp_BL, ent_BL, carrier
+
+        def head(h_ND: Tensor, t_N: Tensor):
+            return fused_head_loss(
+                h_ND, weight, None, t_N, rmask_BL, loss_fn, loss_fill,
+                temperature=temperature, with_entropy=with_entropy, group=self.tp_group if tp else None,
+                vocab_start=self.tp_rank * int(weight.shape[0]) if tp else 0,
+            )  # fmt: skip
+
+        return scatter_response(h_BLD, input_ids[:, lp:], rmask_BL, head)
 
     # ------------------------------------------------------------------------------------------
     # optimisation

@@ -29,6 +29,7 @@ import torch
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
 from alignopsd.engine.policy.base import prompt_width
+from alignopsd.engine.policy.lm_head import scatter_response
 from alignopsd.engine.policy.megatron.model import build_gpt_model, forward_hidden, forward_layout, output_weight
 from torch import Tensor
 
@@ -169,12 +170,9 @@ class ShardScoring:
         with ctx:
             hidden_BTD = forward_hidden(self.model, input_ids[:, :-1], attention_mask[:, :-1], self.padding_idx)
             h_BLD = hidden_BTD[:, lp - 1 :]
-            logp_N, ent_N = self._logprob(h_BLD[rmask_BL], input_ids[:, lp:][rmask_BL], temperature, with_entropy)
-            logp_BL = torch.zeros(rmask_BL.shape, dtype=torch.float32, device=input_ids.device)
-            logp_BL = logp_BL.masked_scatter(rmask_BL, logp_N.float())
-            ent_BL = None
-            if with_entropy:
-                ent_BL = torch.zeros_like(logp_BL).masked_scatter(rmask_BL, ent_N.float())
+            logp_BL, ent_BL = scatter_response(
+                h_BLD, input_ids[:, lp:], rmask_BL, lambda h, t: self._logprob(h, t, temperature, with_entropy)
+            )
         return logp_BL, ent_BL
 
     @torch.no_grad()
