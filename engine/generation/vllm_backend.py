@@ -47,25 +47,6 @@ from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
 from torch import Tensor
 
 
-def logprob_gap(rollout_logp_ML: Tensor, trainer_logp_ML: Tensor, mask_ML: Tensor) -> dict[str, float]:
-    """Backend-vs-trainer log-prob gap over response tokens: {"max_abs", "mean_abs", "tokens"}.
-
-    ``rollout_logp_ML``: [M, L] log-probs reported by the generation engine; ``trainer_logp_ML``: [M, L] the
-    trainer's recomputation; ``mask_ML``: [M, L] 1 on response tokens. Padding positions are ignored.
-    """
-    if rollout_logp_ML.shape != trainer_logp_ML.shape or rollout_logp_ML.shape != mask_ML.shape:
-        raise ValueError(
-            f"mask_ML: shapes differ: rollout {tuple(rollout_logp_ML.shape)}, trainer "
-            f"{tuple(trainer_logp_ML.shape)}, mask {tuple(mask_ML.shape)}"
-        )
-    m = mask_ML.bool()
-    n = int(m.sum())
-    if n == 0:
-        return {"max_abs": 0.0, "mean_abs": 0.0, "tokens": 0}
-    d = (rollout_logp_ML.float() - trainer_logp_ML.float()).abs()[m]
-    return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "tokens": n}
-
-
 def pad_logprobs(logprobs: list[list[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
     """Right-pad per-row log-prob lists: ([M, L] fp32 log-probs, [M, L] bool mask)."""
     L = length if length is not None else max((len(r) for r in logprobs), default=0)

@@ -148,10 +148,9 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
         out = parts.rescorer(cb, student=True, teacher=False, with_entropy=True)
         if out.entropy is not None:
             metrics["actor/entropy_old"] = _masked_mean(out.entropy, cb.response_mask)
-        for k, v in out.stats.items():
-            if isinstance(v, (int, float)) and "diff" in k:
-                metrics[f"rollout/{k.split('/')[-1]}"] = float(v)
-    if cb.rollout_logp is not None and not out.stats.get("student/reused"):  # the sampler's vs the trainer's
+    # the sampler's vs the trainer's log-probs: measured here, or by the rescorer when it reused the sampler's
+    metrics.update({k: float(v) for k, v in out.stats.items() if k.startswith("mismatch/")})
+    if cb.rollout_logp is not None and not out.stats.get("student/reused"):
         metrics.update(rollout_mismatch_metrics(cb.rollout_logp, out.old_logp, cb.response_mask))
     ref_logp = None
     if parts.ref_scorer is not None:

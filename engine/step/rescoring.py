@@ -45,6 +45,8 @@ from alignopsd.engine.policy.lm_head import output_head, scatter_response, score
 from alignopsd.engine.step.batch import TurnBatch, position_ids
 from torch import Tensor, nn
 
+from alignopsd.losses import rollout_mismatch_metrics
+
 log = logging.getLogger(__name__)
 
 RESCORING_MODES = ("shared_prefix", "plain")
@@ -424,15 +426,6 @@ class RescoreOutput:
     stats: dict = field(default_factory=dict)
 
 
-def logprob_mismatch(a_ML: Tensor, b_ML: Tensor, mask_ML: Tensor) -> dict[str, float]:
-    """max and mean |a - b| over the masked-in tokens (0.0 when the mask is empty)."""
-    sel = mask_ML.bool()
-    if not bool(sel.any()):
-        return {"max": 0.0, "mean": 0.0}
-    d = (a_ML.float() - b_ML.float()).abs()[sel]
-    return {"max": float(d.max()), "mean": float(d.mean())}
-
-
 def can_reuse_rollout_logprobs(generator, model: nn.Module) -> bool:
     """True when the generation backend samples from ``model`` itself (the Hugging Face backend on the trainer's
     own module), so its per-token log-probs are the trainer's old log-probs up to kernel differences."""
@@ -565,19 +558,12 @@ class Rescorer:
             if reuse:
                 old = batch.rollout_logp.float() * batch.response_mask.float()
                 stats["student/reused"] = True
-                if self.check_reuse:
+                if self.check_reuse:  # the reused log-probs against the trainer's own (the step logs the rest)
                     ref, _, st = self.student_logprobs(batch)
-                    mm = logprob_mismatch(old, ref, batch.response_mask)
-                    stats["student/rollout_logp_abs_diff_max"] = mm["max"]
-                    stats["student/rollout_logp_abs_diff_mean"] = mm["mean"]
-                    log.info("rollout vs trainer old log-prob |delta|: max %.3g mean %.3g", mm["max"], mm["mean"])
+                    stats.update(rollout_mismatch_metrics(batch.rollout_logp, ref, batch.response_mask))
             else:
                 old, ent, st = self.student_logprobs(batch, with_entropy=with_entropy)
                 stats.update({f"student/{k}": v for k, v in st.items()})
-                if batch.rollout_logp is not None:
-                    mm = logprob_mismatch(batch.rollout_logp, old, batch.response_mask)
-                    stats["student/rollout_logp_abs_diff_max"] = mm["max"]
-                    stats["student/rollout_logp_abs_diff_mean"] = mm["mean"]
         diag = cross = None
         if teacher:
             diag, cross, st = self.teacher_logprobs(batch, pairs)

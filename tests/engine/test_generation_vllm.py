@@ -12,8 +12,10 @@ import pytest
 import torch
 from alignopsd.engine.generation.base import SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator
-from alignopsd.engine.generation.vllm_backend import logprob_gap, pad_logprobs
+from alignopsd.engine.generation.vllm_backend import pad_logprobs
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+
+from alignopsd.losses import rollout_mismatch_metrics as gap_of
 
 MAX_LEN = 384
 
@@ -30,12 +32,11 @@ def test_logprob_gap_and_padding():
     lp, mask = pad_logprobs([[-1.0, -2.0], [-0.5]])
     assert lp.shape == (2, 2) and mask.tolist() == [[True, True], [True, False]]
     trainer = torch.tensor([[-1.1, -2.0], [-0.2, 99.0]])  # the padded position is ignored
-    gap = logprob_gap(lp, trainer, mask)
-    assert gap["tokens"] == 3
-    assert gap["max_abs"] == pytest.approx(0.3) and gap["mean_abs"] == pytest.approx(0.4 / 3)
-    assert logprob_gap(lp, trainer, torch.zeros_like(mask)) == {"max_abs": 0.0, "mean_abs": 0.0, "tokens": 0}
-    with pytest.raises(ValueError, match="mask_ML"):
-        logprob_gap(lp, trainer[:, :1], mask)
+    gap = gap_of(lp, trainer, mask)
+    assert gap["mismatch/tokens"] == 3
+    assert gap["mismatch/abs_diff_max"] == pytest.approx(0.3) and gap["mismatch/abs_diff_mean"] == pytest.approx(
+        0.4 / 3
+    )
     with pytest.raises(ValueError, match="length"):
         pad_logprobs([[0.0, 0.0, 0.0]], length=2)
 
@@ -87,8 +88,8 @@ def test_logprobs_match_trainer(engine, tiny, prompts, temperature):
     out = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=temperature, seed=5))
     assert all(len(t) == len(lp) == 12 for t, lp in zip(out.token_ids, out.logprobs))
     ref, mask = teacher_forced(model, prompts, out.token_ids, temperature)
-    gap = logprob_gap(pad_logprobs(out.logprobs)[0], ref, mask)
-    assert gap["tokens"] == 36 and gap["max_abs"] < 1e-4, gap
+    gap = gap_of(pad_logprobs(out.logprobs)[0], ref, mask)
+    assert gap["mismatch/tokens"] == 36 and gap["mismatch/abs_diff_max"] < 1e-4, gap
 
 
 @pytest.mark.slow
@@ -136,13 +137,13 @@ def test_weight_sync_engine_logprobs_follow(engine, tiny, prompts):
         engine_lp = pad_logprobs(out.logprobs)[0]
         after, mask = teacher_forced(new_model, prompts, out.token_ids, 1.0)
         before, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
-        assert logprob_gap(engine_lp, after, mask)["max_abs"] < 1e-4  # follows the new weights
-        assert logprob_gap(engine_lp, before, mask)["mean_abs"] > 0.1  # and not the old ones
+        assert gap_of(engine_lp, after, mask)["mismatch/abs_diff_max"] < 1e-4  # follows the new weights
+        assert gap_of(engine_lp, before, mask)["mismatch/abs_diff_mean"] > 0.1  # and not the old ones
     finally:
         engine.load_weights(original)
     out = engine.generate(prompts, sp)
     ref, mask = teacher_forced(model, prompts, out.token_ids, 1.0)
-    assert logprob_gap(pad_logprobs(out.logprobs)[0], ref, mask)["max_abs"] < 1e-4
+    assert gap_of(pad_logprobs(out.logprobs)[0], ref, mask)["mismatch/abs_diff_max"] < 1e-4
     with pytest.raises(ValueError, match="state_dict"):
         engine.load_weights([("model.norm.weight", [1.0])])
 
@@ -248,7 +249,10 @@ def test_weight_sync_to_engine_in_its_own_process(tiny, prompts):
         ref, mask = teacher_forced(new_model, prompts, out.token_ids, 1.0)
         old, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
         lp = pad_logprobs(out.logprobs)[0]
-        assert logprob_gap(lp, ref, mask)["max_abs"] < 1e-4 and logprob_gap(lp, old, mask)["mean_abs"] > 0.1
+        assert (
+            gap_of(lp, ref, mask)["mismatch/abs_diff_max"] < 1e-4
+            and gap_of(lp, old, mask)["mismatch/abs_diff_mean"] > 0.1
+        )
     finally:
         gen.close()
 

@@ -9,7 +9,6 @@ from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.rescoring import (
     Rescorer,
     can_reuse_rollout_logprobs,
-    logprob_mismatch,
     score_plain,
     score_shared_prefix,
 )
@@ -218,11 +217,11 @@ def test_rollout_logp_reuse_and_mismatch(caplog):
     out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False, with_entropy=True)
     assert out.stats["student/reused"] is True and out.entropy is None
     assert torch.equal(out.old_logp, noisy)
-    assert out.stats["student/rollout_logp_abs_diff_max"] == pytest.approx(0.01, abs=1e-5)
-    computed = Rescorer(model)(b, None, teacher=False)
+    assert out.stats["mismatch/abs_diff_max"] == pytest.approx(0.01, abs=1e-5)
+    assert out.stats["mismatch/abs_diff_mean"] == pytest.approx(0.01, abs=1e-5)
+    computed = Rescorer(model)(b, None, teacher=False)  # not reused: the step measures the mismatch itself
     assert (computed.old_logp - exact).abs().max() <= 1e-6
-    assert computed.stats["student/rollout_logp_abs_diff_mean"] == pytest.approx(0.01, abs=1e-5)
-    assert logprob_mismatch(exact, exact, torch.zeros_like(b.response_mask)) == {"max": 0.0, "mean": 0.0}
+    assert not any(k.startswith("mismatch/") for k in computed.stats)
 
     class Gen:
         pass

@@ -232,7 +232,7 @@ def test_tiny_model_hf_backend_codeword(tok):
     assert can_reuse_rollout_logprobs(gen, model)
     out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False)
     assert out.stats["student/reused"] and torch.equal(out.old_logp, b.rollout_logp)
-    assert out.stats["student/rollout_logp_abs_diff_max"] < 1e-4
+    assert out.stats["mismatch/abs_diff_max"] < 1e-4
 
 
 def _check_turn_batch(b, group_n):
