@@ -7,18 +7,10 @@ from pathlib import Path
 import pytest
 from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.prompts import PromptContext
-from alignopsd.engine.envs.webshop import (
-    WebShopEnv,
-    find_original_files,
-    get_reward,
-    load_tasks,
-    normalize_color,
-    read_action,
-    token_set_ratio,
-    webshop_metrics,
-    webshop_prompt,
-)
-from alignopsd.engine.envs.webshop_data import generate_catalogue, get_catalogue
+from alignopsd.engine.envs.webshop import WebShopEnv, find_original_files, load_tasks, read_action, webshop_prompt
+from alignopsd.engine.envs.webshop_data import get_catalogue
+from alignopsd.engine.envs.webshop_generate import generate_catalogue
+from alignopsd.engine.envs.webshop_reward import get_reward, normalize_color, token_set_ratio, webshop_metrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "assets" / "webshop_fixture"
 SMALL = {"kind": "generated", "seed": 3, "n_products": 200, "n_goals": 40}
