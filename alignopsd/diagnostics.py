@@ -118,6 +118,32 @@ def _similarity_metrics(
     return out
 
 
+def _coverage_metrics(
+    rect: Rectified, B: Tensor, thr: Tensor, cand_per_target: Tensor, top_k: int, validity: dict
+) -> dict[str, float]:
+    """Coverage (§4.3): match and fallback rates, teachers per target, eligibility densities, invalid fractions."""
+    M = int(B.shape[0])
+    dev = rect.corrected.device
+    out: dict[str, float] = {}
+    n_src = torch.bincount(rect.pairs[:, 1], minlength=M) if rect.pairs.numel() else torch.zeros(M, device=dev)
+    valid_rate = float(rect.matched.sum()) / max(M, 1)
+    out["valid_match_rate"] = valid_rate
+    out["fallback_turn_fraction"] = 1.0 - valid_rate if M else 0.0
+    out["mean_matched_teachers"] = float(n_src.double().mean()) if M else 0.0
+    out["top_k_saturation_rate"] = float((n_src >= top_k).double().mean()) if M else 0.0
+    out["cross_pair_count"] = float(rect.pairs.shape[0])
+    out["structural_eligibility_density"] = int(torch.count_nonzero(B)) / (M * M) if M else 0.0
+    out["threshold_eligibility_density"] = int(torch.count_nonzero(thr)) / (M * M) if M else 0.0
+    out["threshold_candidate_zero_rate"] = float((cand_per_target == 0).double().mean()) if M else 0.0
+    out["correction_active_rate"] = float((rect.alpha > 0).double().mean()) if M else 0.0
+    for name, v in validity.items():
+        if v is not None:
+            vt = as_tensor(v, name).bool()
+            check_shape(vt, name, (M,))
+            out[name] = float((~vt).double().mean()) if M else 0.0
+    return out
+
+
 def m1_diagnostics(
     rect: Rectified,
     old_logp: Tensor,
@@ -162,31 +188,15 @@ def m1_diagnostics(
         for k, v in d.items():
             out[prefix + k] = v
 
-    n_src = torch.bincount(rect.pairs[:, 1], minlength=M) if rect.pairs.numel() else torch.zeros(M, device=dev)
-    matched = rect.matched
-    denom = max(M, 1)
-    valid_rate = float(matched.sum()) / denom
-    put("valid_match_rate", valid_rate)
-    put("fallback_turn_fraction", 1.0 - valid_rate if M else 0.0)
-    put("mean_matched_teachers", float(n_src.double().mean()) if M else 0.0)
-    put("top_k_saturation_rate", float((n_src >= top_k).double().mean()) if M else 0.0)
-    put("cross_pair_count", float(rect.pairs.shape[0]))
     thr = B & (H_ST >= gamma)
-    put("structural_eligibility_density", int(torch.count_nonzero(B)) / (M * M) if M else 0.0)
-    put("threshold_eligibility_density", int(torch.count_nonzero(thr)) / (M * M) if M else 0.0)
     cand_per_target = torch.count_nonzero(thr, dim=0)
-    put("threshold_candidate_zero_rate", float((cand_per_target == 0).double().mean()) if M else 0.0)
-    put("correction_active_rate", float((rect.alpha > 0).double().mean()) if M else 0.0)
-    for name, v in (
-        ("invalid_student_thinking_fraction", student_thinking_valid),
-        ("invalid_teacher_thinking_fraction", teacher_thinking_valid),
-        ("invalid_student_action_fraction", student_action_valid),
-        ("invalid_teacher_action_fraction", teacher_action_valid),
-    ):
-        if v is not None:
-            vt = as_tensor(v, name).bool()
-            check_shape(vt, name, (M,))
-            put(name, float((~vt).double().mean()) if M else 0.0)
+    validity = {
+        "invalid_student_thinking_fraction": student_thinking_valid,
+        "invalid_teacher_thinking_fraction": teacher_thinking_valid,
+        "invalid_student_action_fraction": student_action_valid,
+        "invalid_teacher_action_fraction": teacher_action_valid,
+    }
+    put_all(_coverage_metrics(rect, B, thr, cand_per_target, top_k, validity))
 
     # gaps before / after
     d_corr = rect.corrected - old
