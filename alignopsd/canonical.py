@@ -106,6 +106,34 @@ def _equal_rows(a: Tensor, b: Tensor) -> Tensor:
     return eq.reshape(eq.shape[0], -1).all(dim=1) if eq.dim() > 1 else eq
 
 
+def _check_copies(fields: Mapping[str, Any], rep: Tensor, keys: list) -> None:
+    """Every row's fields equal those of its turn's representative row ``rep`` [R]; ValueError names the field."""
+    R = len(keys)
+    for name, values in fields.items():
+        if isinstance(values, Tensor):
+            if values.dim() == 0 or values.shape[0] != R:
+                raise ValueError(f"{name}: expected leading dimension {R} (rows), got {tuple(values.shape)}")
+            same = _equal_rows(values, values[rep.to(values.device)])
+            if not bool(same.all()):
+                bad = int(torch.nonzero(~same)[0])
+                raise ValueError(f"{name}: copies of turn {keys[bad]} differ (row {bad} vs row {int(rep[bad])})")
+            continue
+        vals = _to_list(values, name)
+        if len(vals) != R:
+            raise ValueError(f"{name}: expected {R} entries (rows), got {len(vals)}")
+        for r, rr in enumerate(rep.tolist()):
+            a, b = vals[r], vals[rr]
+            if a is b:
+                continue
+            if isinstance(a, Tensor) or isinstance(b, Tensor):
+                ok = isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
+                ok = ok and bool(_equal_rows(a.reshape(1, -1), b.reshape(1, -1)).all())
+            else:
+                ok = a == b or (a != a and b != b)
+            if not ok:
+                raise ValueError(f"{name}: copies of turn {keys[r]} differ (row {r} vs row {rr})")
+
+
 def canonicalize(
     task_ids: Sequence[Any],
     rollout_ids: Sequence[Any],
@@ -155,30 +183,7 @@ def canonicalize(
     turn = torch.tensor([u for _, _, u in identities], dtype=torch.long)
 
     if fields:
-        rep = first_row[row_to_canonical]  # [R] the representative row of each row's turn
-        for name, values in fields.items():
-            if isinstance(values, Tensor):
-                if values.dim() == 0 or values.shape[0] != R:
-                    raise ValueError(f"{name}: expected leading dimension {R} (rows), got {tuple(values.shape)}")
-                same = _equal_rows(values, values[rep.to(values.device)])
-                if not bool(same.all()):
-                    bad = int(torch.nonzero(~same)[0])
-                    raise ValueError(f"{name}: copies of turn {keys[bad]} differ (row {bad} vs row {int(rep[bad])})")
-            else:
-                vals = _to_list(values, name)
-                if len(vals) != R:
-                    raise ValueError(f"{name}: expected {R} entries (rows), got {len(vals)}")
-                for r, rr in enumerate(rep.tolist()):
-                    a, b = vals[r], vals[rr]
-                    if a is b:
-                        continue
-                    if isinstance(a, Tensor) or isinstance(b, Tensor):
-                        ok = isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
-                        ok = ok and bool(_equal_rows(a.reshape(1, -1), b.reshape(1, -1)).all())
-                    else:
-                        ok = a == b or (a != a and b != b)
-                    if not ok:
-                        raise ValueError(f"{name}: copies of turn {keys[r]} differ (row {r} vs row {rr})")
+        _check_copies(fields, first_row[row_to_canonical], keys)
     return Canonical(
         identities=identities,
         row_to_canonical=row_to_canonical,
