@@ -16,7 +16,7 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.commands import cli, compare
+from alignopsd.engine.commands import cli, compare, compare_plan
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.run.components import build_env
 from alignopsd.engine.run.metrics import read_metrics
@@ -177,9 +177,9 @@ def test_compare_rejects_bad_options_before_training(args, message, tmp_path, ca
 
 
 def test_eval_schedule():
-    assert compare.eval_schedule(10, 3) == [0, 3, 6, 9, 10]
-    assert compare.eval_schedule(4, 2) == [0, 2, 4]
-    assert compare.eval_schedule(5, 0) == [0, 5]
+    assert compare_plan.eval_schedule(10, 3) == [0, 3, 6, 9, 10]
+    assert compare_plan.eval_schedule(4, 2) == [0, 2, 4]
+    assert compare_plan.eval_schedule(5, 0) == [0, 5]
 
 
 @pytest.mark.slow
