@@ -32,17 +32,17 @@ from torch import Tensor
 
 def tp_layout(policy) -> tuple[Any, int]:
     """(tensor-parallel process group, global rank of its first rank), or (None, 0) without tensor parallelism."""
-    group = getattr(policy, "tp_group", None)
-    if group is None or int(getattr(policy, "tp", 1)) <= 1:
+    layout = policy.layout
+    if not layout.tensor_parallel:
         return None, 0
     import torch.distributed as dist
 
-    return group, dist.get_global_rank(group, 0)
+    return layout.tp_group, dist.get_global_rank(layout.tp_group, 0)
 
 
 def is_group_lead(policy) -> bool:
     """True on the rank that samples for its tensor-parallel group (and always without tensor parallelism)."""
-    return int(getattr(policy, "tp_rank", 0) or 0) == 0
+    return policy.layout.is_group_lead
 
 
 def move_to(obj: Any, device: torch.device | str) -> Any:

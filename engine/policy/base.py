@@ -9,7 +9,8 @@ log-prob head (no [B, T, V] logits).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -29,7 +30,34 @@ def check_loss_fn(loss_fn) -> None:
         raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where a backend's process sits: its tensor- and data-parallel rank, size and process group.
+
+    ``tp_group`` is None without tensor parallelism; ``dp_group`` None means the default (world) group.
+    The first rank of a tensor-parallel group is its lead: it generates, writes the audit and the metrics.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp_size > 1 and self.tp_group is not None
+
+    @property
+    def is_group_lead(self) -> bool:
+        return self.tp_rank == 0
+
+
 class PolicyBackend(Protocol):
+    layout: ParallelLayout
+    """This process's place in the tensor- and data-parallel layout."""
+
     def response_logprobs(
         self,
         input_ids: Tensor,  # [B, T]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.policy.base import check_loss_fn, prompt_width
+from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, prompt_width
 from alignopsd.engine.policy.lm_head import LossFn, score_rows
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
 from torch import Tensor, nn
@@ -127,6 +127,11 @@ class HFPolicy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = ResponseScorer(model, impl=impl)
         self.distributed = bool(ddp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        self.layout = (
+            ParallelLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+            if self.distributed
+            else ParallelLayout()
+        )
         self.params = [p for p in model.parameters() if p.requires_grad]
         adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         self.master = needs_master_weights(self.params)

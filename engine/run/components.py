@@ -310,11 +310,9 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     )
     ref_scorer = build_reference(cfg, policy, device) if phases["ref"] else None
 
-    dp_group = getattr(policy, "dp_group", None)
+    dp_group = policy.layout.dp_group
     if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks
-        import torch.distributed as dist
-
-        rank, world_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        rank, world_size = policy.layout.dp_rank, policy.layout.dp_size
     parts = Components(
         dp_group=dp_group,
         cfg=cfg,

@@ -378,7 +378,7 @@ class Trainer:
         """The audit writer of this process (engine/run/audit.py); None when the audit is off or another rank of
         this process's tensor-parallel group writes the same batch."""
         cfg = self.cfg
-        if not cfg.trainer.audit or int(getattr(self.parts.policy, "tp_rank", 0) or 0) != 0:
+        if not cfg.trainer.audit or not self.parts.policy.layout.is_group_lead:
             return None
         return Auditor(
             self.out_dir,
@@ -421,7 +421,7 @@ class Trainer:
         contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
         if not self.dist.enabled:
             return metrics
-        lead = int(getattr(self.parts.policy, "tp_rank", 0)) == 0
+        lead = self.parts.policy.layout.is_group_lead
         got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
         return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel.tp_broadcast import move_to
-from alignopsd.engine.policy.base import check_loss_fn, prompt_width
+from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, prompt_width
 from alignopsd.engine.policy.lm_head import fused_head_loss, scatter_response
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.convert import (
@@ -139,6 +139,10 @@ class MegatronPolicy(ShardScoring):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
+        self.layout = ParallelLayout(
+            tp_rank=self.tp_rank, tp_size=tp, tp_group=self.tp_group,
+            dp_rank=dist.get_rank(self.dp_group), dp_size=dist.get_world_size(self.dp_group), dp_group=self.dp_group,
+        )  # fmt: skip
         self.distributed_optimizer = distributed_optimizer
         self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec, recompute)
         self.load_hf_state_dict(hf_state_dict)
