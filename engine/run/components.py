@@ -24,7 +24,8 @@ from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.megatron.scoring import ShardScoring
 from alignopsd.engine.run.profiler import StepProfiler
 from alignopsd.engine.run.strict import reraise_if_strict
-from alignopsd.engine.step.rescoring import Rescorer, backend_row_logprobs, backend_scorer
+from alignopsd.engine.step.rescoring import Rescorer
+from alignopsd.engine.step.row_scoring import backend_row_logprobs, backend_scorer
 from torch import nn
 
 from alignopsd.estimators import EstimatorSpec, get_estimator

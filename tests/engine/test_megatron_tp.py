@@ -217,7 +217,8 @@ def test_backend_scorer_equals_hf_rescoring():
     import functools
 
     from alignopsd.engine.step.batch import TurnBatch
-    from alignopsd.engine.step.rescoring import Rescorer, backend_row_logprobs
+    from alignopsd.engine.step.rescoring import Rescorer
+    from alignopsd.engine.step.row_scoring import backend_row_logprobs
 
     model = _llama_tiny()
     g = torch.Generator().manual_seed(5)
