@@ -267,7 +267,8 @@ class _FunctionMode(TorchFunctionMode):
         elif rest and isinstance(rest[0], torch.Tensor):  # x.to(other): other's device and dtype
             device, dtype = rest[0].device, rest[0].dtype
         else:
-            device, dtype, _, _ = torch._C._nn._parse_to(*rest, **kwargs)
+            parse_kw = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to does not take ``copy``
+            device, dtype, _, _ = torch._C._nn._parse_to(*rest, **parse_kw)
             copy = bool(kwargs.get("copy", False))
         if device is None:
             return func(*args, **kwargs)
