@@ -25,6 +25,7 @@ TINY = str(lh.TINY_CONFIG)
 # the guess task at its smallest: 2 tasks x 2 siblings x 2 turns per step
 FAST = [
     *lh.GUESS_OVERRIDES,
+    "generation.backend=choice",  # what build_trainer sets, so the stored config of a run is this comparison's
     "env.tasks_per_step=2",
     "env.group_n=2",
     "trainer.ppo_mini_batch_size=8",

@@ -91,7 +91,7 @@ def test_nonfinite_shard_is_never_saved(tmp_path):
     ("change", "key"),
     [
         ("policy.tensor_parallel_size=2", "policy.tensor_parallel_size: 1 -> 2"),
-        ("model.dtype=bfloat16", "model.dtype: 'float32' -> 'bfloat16'"),
+        ("model.dtype=bfloat16", "model.dtype: 'auto' -> 'bfloat16'"),
         ("policy.backend=hf", "policy.backend: 'megatron' -> 'hf'"),
     ],
 )
