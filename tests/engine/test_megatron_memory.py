@@ -18,6 +18,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine.generation.choice import ChoiceGenerator
+from alignopsd.engine.parallel.tp_broadcast import LeadRankError
 from test_megatron_steps import Recorder, Replay
 
 pytestmark = [
@@ -230,9 +231,8 @@ def test_weight_sync_gathers_one_part_at_a_time_to_rank_0():
         assert watcher.names == list(gathered) and watcher.stale == 0
         assert watcher.sums == {k: float(v.double().sum()) for k, v in gathered.items()}
     parts.generator = PartWatcher(tied, stop_after=3) if rank == 0 else None
-    if rank == 0:
-        with pytest.raises(RuntimeError, match="left .* weights of the sync unread"):
-            parts.sync_weights()
-    else:
+    # the first rank raises its error; the group's other rank learns it and raises too (no rank is left waiting)
+    expected = RuntimeError if rank == 0 else LeadRankError
+    with pytest.raises(expected, match="left .* weights of the sync unread"):
         parts.sync_weights()
     dist.barrier()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,12 +79,14 @@ def _share(cb, old, m1, tasks: list[int]):
 
 def _parts(cfg, rank: int, world_size: int):
     """What the step's estimator phase reads of the run's components (no model: the phase runs none)."""
+    from alignopsd.engine.policy.base import ParallelLayout
     from alignopsd.engine.run.components import Components
 
     from alignopsd.estimators import get_estimator
 
     return Components(
-        cfg=cfg, device=torch.device("cpu"), rank=rank, world_size=world_size, tokenizer=None, policy=None,
+        cfg=cfg, device=torch.device("cpu"), rank=rank, world_size=world_size, tokenizer=None,
+        policy=SimpleNamespace(layout=ParallelLayout(dp_rank=rank, dp_size=world_size)),  # data parallel only
         generator=None, env=None, train_tasks=[], val_tasks=[], estimator=get_estimator(cfg.algorithm.estimator),
     )  # fmt: skip
 
