@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from alignopsd.engine.envs.alfworld_expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
+from alignopsd.engine.run.progress import time_left
 from alignopsd.engine.step.rollout import truncate_left
 
 SFT_MARKER = "alignopsd_sft.json"
@@ -122,7 +123,7 @@ def sft_train(
             dt = time.perf_counter() - t0
             print(
                 f"[sft] step {step:4d}/{steps} | loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f} | "
-                f"{tokens / dt:.0f} tok/s | {dt:.0f}s",
+                f"{tokens / dt:.0f} tok/s | {dt:.0f}s" + (f" | {left}" if (left := time_left(dt, step, steps)) else ""),
                 file=stream,
                 flush=True,
             )

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from alignopsd.engine.run.progress import time_left
 from alignopsd.engine.run.writes import writing
 
 # the keys of the progress line, in order: (metric name, label, format)
@@ -54,7 +55,8 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float | None
     return out
 
 
-def progress_line(step: int, total: int, metrics: dict[str, float | None]) -> str:
+def progress_line(step: int, total: int, metrics: dict[str, float | None], left: str = "") -> str:
+    """``step k/N | reward ... | time ...s`` and, when given, the estimate of the time left (``~4m10s left``)."""
     parts = [f"step {step:>4d}/{total}"]
     for key, label, fmt in PROGRESS_KEYS:
         v = metrics.get(key)
@@ -62,6 +64,8 @@ def progress_line(step: int, total: int, metrics: dict[str, float | None]) -> st
             parts.append(f"{label} {fmt.format(v)}")
     if metrics.get("update/skipped"):
         parts.append("(update skipped)")
+    if left:
+        parts.append(left)
     return " | ".join(parts)
 
 
@@ -83,6 +87,8 @@ class MetricsLogger:
         self.stream = stream if stream is not None else sys.stdout
         self._tb = None
         self.path = self.out_dir / "metrics.jsonl"
+        self._t0 = time.perf_counter()  # the time-left estimate counts the steps this process ran
+        self._first_step: int | None = None
         if rank != 0:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +114,11 @@ class MetricsLogger:
                     self._tb.add_scalar(prefix + k, v, global_step=step)
             self._tb.flush()
         if echo and kind == "train":
-            print(progress_line(step, self.total_steps, flat), file=self.stream, flush=True)
+            if self._first_step is None:
+                self._first_step = int(step) - 1
+            done, total = int(step) - self._first_step, self.total_steps - self._first_step
+            left = time_left(time.perf_counter() - self._t0, done, total)
+            print(progress_line(step, self.total_steps, flat, left), file=self.stream, flush=True)
         return flat
 
     def close(self) -> None:

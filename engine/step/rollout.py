@@ -51,6 +51,7 @@ from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.envs.skills import build_teacher_prompts, teacher_prompt_text
 from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
+from alignopsd.engine.run.progress import time_left
 from alignopsd.engine.step.batch import TurnBatch
 
 log = logging.getLogger(__name__)
@@ -299,8 +300,10 @@ def _play(env_manager, generator, tokenizer, tasks: Sequence, st: _Settings) -> 
         _record_turn(ep, st, turn, act, prompts, out, infos, new_infos, rewards, dones, active)
         obs, infos = new_obs, new_infos
         turn += 1
-        log.info("rollout turn %d/%d: %d active, %d won, %.0fs", turn, limit, sum(active), sum(ep.won),
-                 time.perf_counter() - t0)  # fmt: skip
+        dt = time.perf_counter() - t0
+        left = time_left(dt, turn, limit, bound=True) if any(active) else ""
+        log.info("rollout turn %d/%d: %d active, %d won, %.0fs%s", turn, limit, sum(active), sum(ep.won), dt,
+                 f", {left}" if left else "")  # fmt: skip
     return ep
 
 
