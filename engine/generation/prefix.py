@@ -8,10 +8,9 @@ before the student's own prompt. :func:`plan_prefixes` groups rows by a common t
 (engine/generation/hf.py) pushes each prefix through the model once and gives every row of the group a copy of its
 keys and values, then pushes only the rows' suffixes.
 
-Grouping works on the unpadded token lists: rows are sorted (rows sharing long prefixes become neighbours) and
-walked in that order; a row joins the current group when its common prefix with the group is at least
-``min_shared`` tokens, no shorter than the one it shares with the next row (else it opens a group with that row),
-and the group's saving does not shrink ((n+1) rows x the shortened prefix >= n x the old one). A prefix always
+Grouping works on the unpadded token lists and picks, among the groupings of sorted neighbours at each common-prefix
+threshold, the one that pushes the fewest positions (:func:`plan_prefixes`): for a step's teacher prompts that is
+usually one group sharing the privileged block, not many small groups of identical sibling prompts. A prefix always
 leaves each row at least its last token, whose forward gives the row's first logits.
 """
 
@@ -56,34 +55,47 @@ class PrefixPlan:
 
 
 def plan_prefixes(prompts: Sequence[Sequence[int]], min_shared: int = MIN_SHARED) -> PrefixPlan:
-    """Group ``prompts`` (unpadded token lists) by shared prefixes (see the module doc)."""
+    """Group ``prompts`` (unpadded token lists) by shared prefixes: the plan with the fewest prefill positions.
+
+    Rows are sorted, so rows sharing long prefixes are neighbours and the common prefix of a run of neighbours is
+    the smallest common prefix of adjacent pairs in it. Every distinct adjacent common prefix ``t >= min_shared``
+    is tried as a threshold: runs whose adjacent pairs share at least ``t`` tokens become groups (a run of one
+    row has no prefix), and each group length is tried as a cap on all prefixes. Prefixes and suffixes are pushed
+    as two padded batches, so a plan costs ``groups x longest prefix + rows x longest suffix``
+    (:meth:`PrefixPlan.token_forwards`); the cheapest plan wins, and none (an empty plan) when no plan is cheaper
+    than one padded batch. The planning costs milliseconds beside a forward."""
     if min_shared < 1:
         raise ValueError(f"min_shared: must be >= 1, got {min_shared}")
+    empty = PrefixPlan(group=[-1] * len(prompts), length=[], source=[])
+    if len(prompts) < 2:
+        return empty
+    lengths = [len(p) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda r: tuple(prompts[r]))
+    # common prefix of sorted neighbours, capped to leave both rows their last token (its forward gives the logits)
+    adj = [min(common_prefix(prompts[a], prompts[b]), lengths[a] - 1, lengths[b] - 1) for a, b in zip(order, order[1:])]
+    best, best_cost = empty, len(prompts) * max(lengths)
+    for t in sorted({a for a in adj if a >= min_shared}):
+        plan = _plan_at(order, adj, t, len(prompts))
+        for cap in sorted(set(plan.length)):  # shorter prefixes can pay: the prefix batch pads to the longest
+            capped = PrefixPlan(plan.group, [min(n, cap) for n in plan.length], plan.source)
+            cost = capped.token_forwards(lengths)
+            if cost < best_cost:
+                best, best_cost = capped, cost
+    return best
 
-    def shared(a: int, b: int) -> int:  # common prefix, capped to leave both rows their last token
-        return min(common_prefix(prompts[a], prompts[b]), len(prompts[a]) - 1, len(prompts[b]) - 1)
 
-    groups: list[tuple[list[int], int]] = []  # (rows, their common prefix length)
-    for k, r in enumerate(order):
-        if groups:
-            rows, p = groups[-1]
-            lcp = min(p, shared(rows[0], r))
-            n = len(rows)
-            ahead = shared(r, order[k + 1]) if k + 1 < len(order) else 0  # r shares more with the next row
-            if lcp >= min_shared and ahead <= lcp and (n == 1 or (n + 1) * lcp >= n * p):
-                rows.append(r)
-                groups[-1] = (rows, lcp)
-                continue
-        groups.append(([r], len(prompts[r]) - 1))
-    group = [-1] * len(prompts)
-    length: list[int] = []
-    source: list[int] = []
-    for rows, p in groups:
-        if len(rows) < 2:
-            continue
-        for r in rows:
-            group[r] = len(length)
-        length.append(p)
-        source.append(rows[0])
+def _plan_at(order: list[int], adj: list[int], threshold: int, n_rows: int) -> PrefixPlan:
+    """The plan whose groups are the runs of sorted rows with adjacent common prefixes >= ``threshold``."""
+    group, length, source = [-1] * n_rows, [], []
+    k = 0
+    while k < len(order):
+        end = k
+        while end < len(adj) and adj[end] >= threshold:
+            end += 1
+        if end > k:  # rows order[k..end] form a group; their prefix is the smallest adjacent common prefix
+            for r in order[k : end + 1]:
+                group[r] = len(length)
+            length.append(min(adj[k:end]))
+            source.append(order[k])
+        k = end + 1
     return PrefixPlan(group=group, length=length, source=source)

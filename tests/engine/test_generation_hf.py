@@ -174,22 +174,53 @@ def _sibling_and_teacher_prompts(tok) -> list[list[int]]:
     return rows
 
 
+def _check_plan(plan, prompts) -> None:
+    """Every group's prefix is common to its rows and leaves each row at least its last token."""
+    for r, g in enumerate(plan.group):
+        if g >= 0:
+            n = plan.length[g]
+            assert 0 < n < len(prompts[r]) and prompts[r][:n] == prompts[plan.source[g]][:n]
+
+
 def test_prefix_plan_groups_siblings_and_teacher_blocks(tiny):
-    from alignopsd.engine.generation.prefix import common_prefix, plan_prefixes
+    from alignopsd.engine.generation.prefix import plan_prefixes
 
     prompts = _sibling_and_teacher_prompts(tiny[1])
     plan = plan_prefixes(prompts)
+    _check_plan(plan, prompts)
     g = plan.group
-    assert g[0] == g[1] == g[2] >= 0 and g[3] == g[4] == g[5] >= 0 and g[6] == g[7] >= 0 and g[8] == -1
-    assert len({g[0], g[3], g[6]}) == 3
-    assert plan.prefix_of(0) == len(prompts[0]) - 1  # identical prompts: all but the last token
-    assert plan.prefix_of(3) == common_prefix(prompts[3], prompts[4]) and plan.prefix_of(6) == common_prefix(
-        prompts[6], prompts[7]
-    )
+    assert g[0] == g[1] == g[2] >= 0 and g[3] == g[4] == g[5] >= 0 and g[6] == g[7] >= 0  # siblings; teachers
     lengths = [len(p) for p in prompts]
-    assert plan.token_forwards(lengths) < len(prompts) * max(lengths)
+    assert plan.token_forwards(lengths) < 0.7 * len(prompts) * max(lengths)
     assert plan_prefixes([[1, 2, 3], [1, 2, 4]]).length == []  # below min_shared: nothing shared
     assert plan_prefixes([[5] * 20, [5] * 20]).length == [19]  # a row keeps its last token for its own logits
+
+
+def test_prefix_plan_is_the_cheapest_grouping_of_a_step():
+    """A step's teacher prompts: one privileged block, then per turn G=4 siblings whose prompts share the task
+    (identical at turn 0). Many small groups of identical prompts lose to groups that share the block."""
+    import random
+
+    from alignopsd.engine.generation.prefix import PrefixPlan, plan_prefixes
+
+    rng = random.Random(0)
+    block = [rng.randrange(1000) for _ in range(250)]
+    rows = []
+    for turn in range(8):
+        task = [rng.randrange(1000) for _ in range(200)]
+        hist = [[rng.randrange(1000) for _ in range(150)] for _ in range(4)]
+        rows += [block + task + hist[0 if turn == 0 else g] for g in range(4)]
+    lengths = [len(r) for r in rows]
+    plan = plan_prefixes(rows)
+    _check_plan(plan, rows)
+    cost = plan.token_forwards(lengths)
+    assert all(g >= 0 for g in plan.group)  # every row reads a shared prefix
+    one_block = PrefixPlan(group=[0] * len(rows), length=[250], source=[0])
+    per_turn = PrefixPlan(group=[r // 4 for r in range(32)], length=[449] + [450] * 7, source=list(range(0, 32, 4)))
+    identical_only = PrefixPlan(group=[0, 0, 0, 0] + [-1] * 28, length=[599], source=[0])
+    for other in (one_block, per_turn, identical_only):
+        assert cost <= other.token_forwards(lengths)
+    assert cost < 0.5 * len(rows) * max(lengths)
 
 
 @pytest.mark.parametrize("do_sample", [True, False])
