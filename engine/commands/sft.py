@@ -183,14 +183,12 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
 
     Each game is played with :data:`SEARCH_DETOURS` searched receptacles before the walkthrough; its step limit
     is raised by the turns they may take, so every game gets them (the prompts are the rollout's otherwise)."""
-    import dataclasses
-
     from alignopsd.engine.run.components import build_env
 
     if cfg.env.name != "alfworld":
         raise ValueError(f"env.name: the warm start needs expert walkthroughs (alfworld), got {cfg.env.name!r}")
     limit = cfg.env.max_turns + 2 * SEARCH_DETOURS
-    manager, train_tasks, _ = build_env(dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_turns=limit)))
+    manager, train_tasks, _ = build_env(cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_turns": limit})}))
     try:
         seen, tasks = set(), []
         for t in train_tasks:  # the task pool may repeat games; one walkthrough each
