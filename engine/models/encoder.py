@@ -132,6 +132,7 @@ class ThinkingEncoder:
         self.batch_size = int(batch_size)
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.texts_encoded = 0
+        self.distinct_encoded = 0  # of them, the distinct texts the model encoded (repeats reuse a vector)
         self.seconds = 0.0
         self.last_texts_per_s = 0.0
 
@@ -165,10 +166,12 @@ class ThinkingEncoder:
 
     @property
     def stats(self) -> dict[str, float]:
-        """Throughput metrics: texts encoded, seconds spent, texts/s overall and of the last call."""
+        """Throughput metrics: texts encoded (and the distinct ones the model saw), seconds spent, texts/s overall
+        and of the last call."""
         rate = self.texts_encoded / self.seconds if self.seconds > 0 else 0.0
         return {
             "texts": float(self.texts_encoded),
+            "distinct_texts": float(self.distinct_encoded),
             "seconds": self.seconds,
             "texts_per_s": rate,
             "last_texts_per_s": self.last_texts_per_s,
@@ -185,14 +188,20 @@ class ThinkingEncoder:
         todo = [i for i, t in enumerate(clean) if t]
         if not todo:
             return emb, valid
+        # each distinct text is encoded once (siblings often think and act alike; actions repeat across rows)
+        first: dict[str, int] = {}
+        for i in todo:
+            first.setdefault(clean[i], len(first))
+        distinct = list(first)
         t0 = time.perf_counter()
         moved = self.device.type != "cpu"
         if moved:
             self.model.to(self.device)
         try:
             with torch.inference_mode():
-                vecs = self._encode_valid([clean[i] for i in todo])
+                vecs = self._encode_valid(distinct)
             vecs = torch.nn.functional.normalize(vecs.float().to(self.device), p=2, dim=-1)
+            vecs = vecs[torch.tensor([first[clean[i]] for i in todo], device=self.device)]
         finally:
             if moved:
                 self.model.to("cpu")
@@ -201,6 +210,7 @@ class ThinkingEncoder:
         emb[torch.tensor(todo, device=self.device)] = vecs
         dt = time.perf_counter() - t0
         self.texts_encoded += len(todo)
+        self.distinct_encoded += len(distinct)
         self.seconds += dt
         self.last_texts_per_s = len(todo) / dt if dt > 0 else 0.0
         return emb, valid
