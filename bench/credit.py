@@ -5,17 +5,17 @@
 Trains the tiny random model (configs/tiny.yaml's run with the benchmark's model, bench/credit_model.py: the
 engine's tiny Llama shape with a vocabulary of the environments' words, so every option of a turn has the same
 number of tokens and the random initial policy is near-uniform over a turn's actions) with the candidate-choice
-generation backend
-(``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit.py) for every estimator case
-and seed, each run a real ``Trainer.fit`` with the audit on, and writes the results file and its plot (same stem,
-``.png``): learning curves, steps to 80 % success, areas under the curve, the mechanisms against the ground truth
-(bench/credit_metrics.py) and a paired comparison of each estimator with GRPO on the same seeds.
+generation backend (``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit.py) for
+every estimator case and seed, each run a real ``Trainer.fit`` with the audit on, and writes the results file and
+its plot (same stem, ``.png``): learning curves, steps to 80 % success, areas under the curve, the mechanisms
+against the ground truth (bench/credit_metrics.py) and a paired comparison of each estimator with GRPO on the
+same seeds.
 
 Run setup (fixed before the first comparison; ``BASE``): 3 tasks per seed (one of each kind, drawn by the seed),
 all 3 in every step, G = 4 rollouts each, 8 turns, whole history in the prompt, lr 1e-3, one PPO epoch, no KL
 term; the thinking encoder is all-MiniLM-L6-v2 (tiny.yaml's), whose similarities follow the meaning of the
-thinking texts. The seed is the trainer's seed: it draws the tasks and the sampling; the model's initial weights are the
-same for every seed, so the comparison of two estimators on one seed is paired.
+thinking texts. The seed is the trainer's seed: it draws the tasks and the sampling; the model's initial weights
+are the same for every seed, so the comparison of two estimators on one seed is paired.
 
 Refusals. A case that does not apply to an environment is refused before anything runs, with its reason (exit
 code 2): an environment without ground truth (``decisive_turns``/``true_boundaries``) or without listed
