@@ -71,11 +71,11 @@ def plot(summary: dict[str, dict], path: Path) -> None:
         xs = list(range(1, len(ps) + 1))
         m = [p[0] for p in ps]
         h = [0.0 if math.isnan(p[1]) else p[1] for p in ps]
-        style = "-" if c in ("grpo", "alignopsd") else ":"
-        width = 2.5 if c in ("grpo", "alignopsd") else 1.0
-        ax.plot(xs, m, style, lw=width, label=c)
-        if c in ("grpo", "alignopsd"):
-            ax.fill_between(xs, [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)], alpha=0.2)
+        main = {"grpo": "black", "alignopsd": "tab:red"}.get(c)  # the two compared lines never share a colour
+        ax.plot(xs, m, "-" if main else ":", lw=2.5 if main else 1.0, label=c, **({"color": main} if main else {}))
+        if main:
+            lo, hi = [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)]
+            ax.fill_between(xs, lo, hi, alpha=0.15, color=main)
     ax.axhline(TARGET, color="grey", lw=0.5)
     ax.set_xlabel("training step")
     ax.set_ylabel("success rate of the step's rollouts")
