@@ -2,18 +2,20 @@
 
     python -m bench.credit --out bench/results/credit-<date>.md [--seeds 10] [--steps N] [--estimators a,b,...]
 
-Trains the tiny random model (configs/tiny.yaml, SmolLM2 vocabulary: every option of a turn has the same number
-of tokens, so the random initial policy is near-uniform over a turn's actions; with a byte-level vocabulary the
-shortest option would take nearly all the probability) with the candidate-choice generation backend
-(``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit.py) for every estimator case
-and seed, each run a real ``Trainer.fit`` with the audit on, and writes the results file and its plot (same stem,
-``.png``): learning curves, steps to 80 % success, areas under the curve, the mechanisms against the ground truth
-(bench/credit_metrics.py) and a paired comparison of each estimator with GRPO on the same seeds.
+Trains the tiny random model (configs/tiny.yaml's run with the benchmark's model, bench/credit_model.py: the
+engine's tiny Llama shape with a vocabulary of the environments' words, so every option of a turn has the same
+number of tokens and the random initial policy is near-uniform over a turn's actions) with the candidate-choice
+generation backend (``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit.py) for
+every estimator case and seed, each run a real ``Trainer.fit`` with the audit on, and writes the results file and
+its plot (same stem, ``.png``): learning curves, steps to 80 % success, areas under the curve, the mechanisms
+against the ground truth (bench/credit_metrics.py) and a paired comparison of each estimator with GRPO on the
+same seeds.
 
 Run setup (fixed before the first comparison; ``BASE``): 3 tasks per seed (one of each kind, drawn by the seed),
-all 3 in every step, G = 4 rollouts each, 8 turns, whole history in the prompt, lr 1e-4, one PPO epoch, no KL
-term. The seed is the trainer's seed: it draws the tasks and the sampling; the model's initial weights are the
-same for every seed, so the comparison of two estimators on one seed is paired.
+all 3 in every step, G = 4 rollouts each, 8 turns, whole history in the prompt, lr 1e-3, one PPO epoch, no KL
+term; the thinking encoder is all-MiniLM-L6-v2 (tiny.yaml's), whose similarities follow the meaning of the
+thinking texts. The seed is the trainer's seed: it draws the tasks and the sampling; the model's initial weights
+are the same for every seed, so the comparison of two estimators on one seed is paired.
 
 Refusals. A case that does not apply to an environment is refused before anything runs, with its reason (exit
 code 2): an environment without ground truth (``decisive_turns``/``true_boundaries``) or without listed
@@ -44,13 +46,14 @@ BASE = [
     "env.tasks_per_step=3",
     "env.num_games=3",
     "algorithm.kl_coef=0.0",
-    "trainer.lr=1e-4",
+    "trainer.lr=1e-3",
     "trainer.ppo_mini_batch_size=48",
     "trainer.ppo_micro_batch_size=48",
     "trainer.audit=true",
     "trainer.report=false",
     "trainer.save_freq=-1",
     "generation.backend=choice",
+    "encoder.batch_size=256",
 ]
 
 CASES: dict[str, list[str]] = {
@@ -63,12 +66,25 @@ CASES: dict[str, list[str]] = {
     **{f"alignopsd_{ab}": ["algorithm.estimator=alignopsd", f"algorithm.ablation={ab}"] for ab in "ABCD"},
     "alignopsd": ["algorithm.estimator=alignopsd", "algorithm.ablation=E"],
 }
-# Sizing (measured with bench.credit.run_one on the shared 2-core machine, CPU seconds per training step of one
-# run, one thread): GRPO ~4, the teacher-forcing estimators (OPSD, GRPO+OPSD, SDAR, RLSD) ~5.5 (estimated),
-# the Mechanism-1 estimators (AlignOPSD, its ablations, alignopsd_m1) ~8.5, plus ~0.5 per run to build it in a
-# warm worker. One step of all 11 cases over 10 seeds is ~770 CPU seconds, so 15 minutes on 2 cores
-# (1800 CPU seconds) hold 2 steps: the default. Learning to 80 % needs tens of steps (--steps 30: ~6.5 CPU hours).
-DEFAULT_STEPS = 2
+# Sizing (CPU seconds per training step of one run, one thread, measured with bench.credit.run_one under nice on
+# the shared 2-core machine at a load average of 5-8, so upper bounds): GRPO ~0.7, AlignOPSD ~1.5 (its encoder
+# call ~0.5 of it), the teacher-forcing estimators (OPSD, GRPO+OPSD, SDAR, RLSD) assumed ~1.0 (between the two;
+# not measured), plus ~0.5 per run to build it. One step of all 11 cases over 10 seeds is then ~137 CPU seconds,
+# and 15 minutes on 2 cores (1800 CPU seconds) less ~75 s of run and worker start-up hold ~12.6 steps: the
+# default is 12. GRPO alone at lr 1e-3 (seeds 0-2, 15 steps) first reached 80 % at steps 7, 10 and 10.
+DEFAULT_STEPS = 12
+SIZING = (
+    "Fixed in a commit before the first comparison of estimators (the commit line above): the environments, the "
+    "metrics, the run setup and the step budget. The setup was sized with GRPO alone and timing-only runs: the "
+    "benchmark's model (the engine's tiny Llama shape with a vocabulary of the environments' words, bench/"
+    "credit_model.py) replaced the SmolLM2-vocabulary model, whose output layer took >90 % of a step; the "
+    "candidate-choice backend scores each prompt once and its candidates on the prompt's key/value cache. CPU "
+    "seconds per step of one run, one thread, measured under nice on the shared 2-core machine (load average "
+    "5-8; upper bounds): GRPO ~0.7, AlignOPSD ~1.5, teacher-forcing estimators assumed ~1.0. All 11 cases x 10 "
+    "seeds cost ~137 CPU s per step plus ~75 s of start-up, so 1800 CPU s (15 min on 2 cores) hold 12 steps. "
+    "lr 1e-3 was chosen on GRPO alone (seeds 0-2, 15 steps: 80 % first reached at steps 7, 10, 10; lr 3e-3 "
+    "was less stable)."
+)
 DEFAULT_SEEDS = 10
 
 
@@ -108,7 +124,8 @@ def check_cases(cases: list[str], env: str, skills_dir: str | None = None) -> No
 
 
 def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir: str | None = None) -> dict:
-    """Train one (case, seed) run; its success curve, mechanism tallies, CPU and wall seconds."""
+    """Train one (case, seed) run; its success curve, mechanism tallies, CPU and wall seconds. The benchmark's
+    model is read from (or first written to) ``workdir``."""
     import torch
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
@@ -117,11 +134,13 @@ def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir
     from alignopsd.engine.run.trainer import Trainer
 
     from bench.credit_metrics import mechanism_tallies
+    from bench.credit_model import ensure_model
 
     torch.set_num_threads(1)
     c0, w0 = time.process_time(), time.perf_counter()
     out = Path(workdir) / f"{case}-s{seed}"
-    ov = [*BASE, f"env.name={env}", *CASES[case], f"trainer.seed={seed}", f"trainer.total_steps={steps}"]
+    ov = [*BASE, f"model.name={ensure_model(workdir)}", f"env.name={env}", *CASES[case]]
+    ov += [f"trainer.seed={seed}", f"trainer.total_steps={steps}"]
     ov += [f"output_dir={out}", *([f"env.skills_dir={skills_dir}"] if skills_dir else [])]
     tr = Trainer(load_config(str(TINY), ov), stream=open(os.devnull, "w"))  # noqa: SIM115 - closed with the run
     tasks = {t.key: t for t in tr.parts.train_tasks}
@@ -152,8 +171,11 @@ def _init_worker() -> None:
 
 def run_all(cases: list[str], seeds: list[int], steps: int, env: str, jobs: int, skills_dir: str | None = None):
     """Every (case, seed) run, ``jobs`` at a time in spawned worker processes (1 thread each)."""
+    from bench.credit_model import ensure_model
+
     work = [(c, s) for s in seeds for c in cases]
     with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd:
+        ensure_model(wd)  # once, before the workers read it
         if jobs <= 1:
             _init_worker()
             return [run_one(c, s, steps, env, wd, skills_dir) for c, s in work]
@@ -203,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": a.steps,
         "seeds": a.seeds,
         "env": a.env,
+        "sizing": SIZING,
     }
     summary = summarise(runs, cases)
     out = write_results(Path(a.out), summary, runs, meta)

@@ -71,11 +71,11 @@ def plot(summary: dict[str, dict], path: Path) -> None:
         xs = list(range(1, len(ps) + 1))
         m = [p[0] for p in ps]
         h = [0.0 if math.isnan(p[1]) else p[1] for p in ps]
-        style = "-" if c in ("grpo", "alignopsd") else ":"
-        width = 2.5 if c in ("grpo", "alignopsd") else 1.0
-        ax.plot(xs, m, style, lw=width, label=c)
-        if c in ("grpo", "alignopsd"):
-            ax.fill_between(xs, [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)], alpha=0.2)
+        main = {"grpo": "black", "alignopsd": "tab:red"}.get(c)  # the two compared lines never share a colour
+        ax.plot(xs, m, "-" if main else ":", lw=2.5 if main else 1.0, label=c, **({"color": main} if main else {}))
+        if main:
+            lo, hi = [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)]
+            ax.fill_between(xs, lo, hi, alpha=0.15, color=main)
     ax.axhline(TARGET, color="grey", lw=0.5)
     ax.set_xlabel("training step")
     ax.set_ylabel("success rate of the step's rollouts")
@@ -173,6 +173,21 @@ def _not_better(summary: dict[str, dict]) -> list[str]:
     return out
 
 
+def _mechanism_reading(summary: dict[str, dict]) -> list[str]:
+    """AlignOPSD's mechanism metrics next to GRPO's, as a reading of where its update went (computed)."""
+    if "alignopsd" not in summary or "grpo" not in summary:
+        return []
+    a, g = summary["alignopsd"]["mech"], summary["grpo"]["mech"]
+    return [
+        f"- share of |advantage| on decisive turns: {_ci(a['decisive_share'])} (AlignOPSD) vs "
+        f"{_ci(g['decisive_share'])} (GRPO); decisive turns hold {_ci(g['decisive_token_share'])} of the tokens.",
+        f"- Mechanism 2's span boundaries against the true ones: precision {_ci(a['m2_precision'])}, recall "
+        f"{_ci(a['m2_recall'])} (within one turn: {_ci(a['m2_precision_tol1'])}, {_ci(a['m2_recall_tol1'])}).",
+        f"- Mechanism 1's rectified gap per token: {_ci(a['gap_decisive'])} on decisive turns, "
+        f"{_ci(a['gap_other'])} on the other turns.",
+    ]
+
+
 def write_results(path: Path, summary: dict[str, dict], runs: list[dict], meta: dict) -> Path:
     """The results markdown, its plot (``path`` with ``.png``) and the raw runs and summary (``.json``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +216,10 @@ def write_results(path: Path, summary: dict[str, dict], runs: list[dict], meta: 
     worse = _not_better(summary)
     tail = ["", "## Where AlignOPSD does not beat GRPO (computed)", ""]
     tail += worse or ["- nowhere on AUC, steps to 80 % and final-step success."]
+    tail += ["", "AlignOPSD's mechanisms in these runs (computed; mean ± 95 % CI over seeds):", ""]
+    tail += _mechanism_reading(summary)
+    if meta.get("sizing"):
+        tail += ["", "## How the run was sized", "", meta["sizing"]]
     path.write_text("\n".join(head + body + tail) + "\n")
     raw = {"meta": meta, "runs": runs, "summary": summary}
     path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str) + "\n")

@@ -7,8 +7,10 @@ set of well-formed responses instead: for each prompt it reads the admissible ac
 last ``Actions: [...]`` or ``Admissible actions: [...]`` list), builds two candidate responses per action
 (:func:`candidate_texts`, each followed by EOS), scores every candidate under the policy at the sampling
 temperature and samples one with probability proportional to exp(log p(candidate) / temperature) (the scores are
-already tempered); rows are scored in chunks of at most ``max_batch_tokens`` padded positions (long teacher
-prompts times many candidates would otherwise make one huge padded batch). The returned tokens and per-token
+already tempered). Scoring shares each prompt among its candidates (the rescoring engine's shared-prefix scorer,
+engine/step/row_scoring.py: every distinct prompt is pushed through the model once and its key/value cache
+serves all of its candidates; forwards of at most ``max_batch_tokens`` context tokens), so a turn costs about
+one prompt forward plus its short candidates, not one full forward per candidate. The returned tokens and per-token
 log-probs are a real sample of the policy restricted to the candidate set, so the PPO update on them moves
 exactly the probabilities this backend samples from.
 
@@ -45,26 +47,12 @@ def candidate_texts(prompt_text: str) -> list[str]:
     return out
 
 
-def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
-    """Consecutive (lo, hi) row ranges whose padded size (rows x longest row) stays within ``budget`` (a row
-    longer than the budget goes alone)."""
-    out, lo, longest = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > lo and max(longest, n) * (i - lo + 1) > budget:
-            out.append((lo, i))
-            lo, longest = i, 0
-        longest = max(longest, n)
-    if lengths:
-        out.append((lo, len(lengths)))
-    return out
-
-
 class ChoiceGenerator:
     """Samples one candidate response per prompt (see the module docstring); ``model`` is the trained module."""
 
     def __init__(self, model, tokenizer, max_batch_tokens: int = 16384) -> None:
         self.model = model
-        self.max_batch_tokens = int(max_batch_tokens)  # rows are scored in chunks of about this many positions
+        self.max_batch_tokens = int(max_batch_tokens)  # context tokens per forward (bounds the peak memory)
         self.tokenizer = tokenizer
         self.eos_token_ids = {tokenizer.eos_token_id}
 
@@ -74,30 +62,27 @@ class ChoiceGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         from alignopsd.engine.parallel import devices
-        from alignopsd.engine.policy.lm_head import score_rows
         from alignopsd.engine.step.rollout import left_pad, right_pad
+        from alignopsd.engine.step.row_scoring import score_shared_prefix
 
         tok = self.tokenizer
         eos = tok.eos_token_id
         cands = [candidate_texts(tok.decode(p, skip_special_tokens=False)) for p in prompts]
-        rows_p, rows_c = [], []
-        for p, cs in zip(prompts, cands):
-            for text in cs:
-                rows_p.append(p)
-                rows_c.append(tok(text, add_special_tokens=False)["input_ids"] + [eos])
+        texts = sorted({t for cs in cands for t in cs})
+        ids = dict(zip(texts, tok(texts, add_special_tokens=False)["input_ids"]))  # one batched call
+        rows_c = [ids[t] + [eos] for cs in cands for t in cs]
+        row_prompt = torch.tensor([i for i, cs in enumerate(cands) for _ in cs], dtype=torch.long)
         width = max(len(c) for c in rows_c)
         was = self.model.training
         self.model.eval()
         dev = devices.module_device(self.model)
-        lps = []
-        for lo, hi in _chunks([len(p) + width for p in rows_p], self.max_batch_tokens):
-            p_ids, p_mask = left_pad(rows_p[lo:hi], max(len(p) for p in rows_p[lo:hi]), eos)
-            c_ids, c_mask = right_pad(rows_c[lo:hi], width, 0)
-            rows = [devices.to_device(t, dev) for t in (p_ids, p_mask, c_ids, c_mask)]
-            lps.append(score_rows(self.model, *rows, temperature=sampling.temperature)[0])
+        p_ids, p_mask = left_pad(prompts, max(len(p) for p in prompts), eos)
+        c_ids, c_mask = right_pad(rows_c, width, 0)
+        rows = [devices.to_device(t, dev) for t in (p_ids, p_mask, row_prompt, c_ids, c_mask)]
+        lp = score_shared_prefix(self.model, *rows, temperature=sampling.temperature, max_tokens=self.max_batch_tokens)[
+            0
+        ].cpu()  # the generation backend hands host lists back
         self.model.train(was)
-        lp = torch.cat(lps).cpu()  # the generation backend hands host lists back
-        c_mask = right_pad(rows_c, width, 0)[1]
         seq = (lp * c_mask).sum(1)
         gen = torch.Generator().manual_seed(int(sampling.seed or 0))
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
