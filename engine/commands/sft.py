@@ -213,7 +213,7 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     turns, examples = build_examples(cfg, tokenizer)
     n_tok = sum(len(p) + len(r) for p, r in examples)
     print(f"[sft] {len(turns)} expert turns, {n_tok} tokens ({time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
-    from alignopsd.engine.run.trainer import pick_device
+    from alignopsd.engine.run.process import pick_device
 
     model = load_causal_lm(cfg.model.name, dtype="float32", attn_implementation=cfg.model.attn_implementation)
     model.to(pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))))  # trainer.device, as the RL run's

@@ -41,12 +41,6 @@ from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_
 
 log = logging.getLogger("alignopsd.update")
 
-# |advantage| below this everywhere (and no auxiliary term) means "no learnable signal": the update is skipped.
-# Outcome normalisation of an all-equal group yields exact zeros, but the invalid-action residual of an
-# all-invalid group leaves float32 noise of ~1e-8.
-ZERO_ADVANTAGE_TOL = 1e-6
-
-
 @dataclass(frozen=True)
 class MicroBatch:
     """Rows of one micro-batch and the scale of its token-mean (0 for a lock-step dummy on row 0)."""
@@ -182,14 +176,7 @@ def ppo_update(
 
     out: dict[str, float] = rollout_correction(cfg, cb, inp)
 
-    # nothing to learn: zero advantages and no auxiliary term (checked on all ranks)
-    signal = float(inp.adv.abs().max()) if inp.adv.numel() else 0.0
-    signal = max(signal, max((float(a.coef) for a in aux_terms), default=0.0))
-    if cfg.trainer.skip_no_signal and all_reduce([signal], "max", world, group)[0] <= ZERO_ADVANTAGE_TOL:
-        log.info("step skipped: all advantages are zero and no auxiliary term is active")
-        return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
-
-    fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
+    fused = bool(cfg.trainer.fused_head_loss and policy.supports_fused_loss)
     if fused and not get_estimator(cfg.algorithm.estimator).loss_separable:  # declared by the estimator
         log.warning(
             "the policy loss of estimator %r couples tokens (not a sum of per-token terms): the update uses "
@@ -209,7 +196,7 @@ def ppo_update(
         log.info("update: mini-batch %d/%d (%d micro-batches)", i + 1, n_mini, len(mbs))
         for j, mb in enumerate(mbs):
             last = j == len(mbs) - 1
-            ctx = policy.no_sync() if (hasattr(policy, "no_sync") and not last) else contextlib.nullcontext()
+            ctx = contextlib.nullcontext() if last else policy.no_sync()
             with ctx:
                 stats, loss = micro_step(parts, inp, mb, fused, input_ids, attn)
             if loss is None:
