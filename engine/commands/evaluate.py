@@ -22,10 +22,10 @@ from pathlib import Path
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.run.arch_check import check_architecture
-from alignopsd.engine.run.checkpoint import WEIGHTS_FILE, load_weights
 from alignopsd.engine.run.manifest import ManifestError, verify_manifest
 from alignopsd.engine.run.trainer import Trainer, add_run_args
 from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.run.weights import WEIGHTS_FILE, load_weights
 from alignopsd.engine.run.writes import WriteFailure, writing
 from alignopsd.engine.run.writes import report as report_write_failure
 from alignopsd.engine.step.episodes import run_validation
