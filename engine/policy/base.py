@@ -106,6 +106,10 @@ class PolicyBackend(Protocol):
     hf_config: Any
     """The model's Hugging Face config (written beside exported weights as ``config.json``)."""
 
+    hf_model: Any
+    """The Hugging Face module holding the full weights (the one Hugging Face generation samples from): the Hugging
+    Face backend's own model; for a sharded backend a full copy where the run keeps one, else None."""
+
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Full weights in Hugging Face layout, on every rank (for checkpoints and exports)."""
         ...

@@ -124,6 +124,7 @@ class HFPolicy:
             raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
         self.model = model
         self.hf_config = getattr(model, "config", None)
+        self.hf_model = model
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = ResponseScorer(model, impl=impl)

@@ -171,9 +171,12 @@ class Trainer:
                 )
             policy.load_checkpoint(ck["shards"], verify=False)  # verified with the checkpoint
         else:
-            policy.load_hf_state_dict(ck["model_state"])
-            if ck["optimizer_state"] is not None:
-                policy.load_optimizer_state(ck["optimizer_state"])
+            try:
+                policy.load_hf_state_dict(ck["model_state"])
+                if ck["optimizer_state"] is not None:
+                    policy.load_optimizer_state(ck["optimizer_state"])
+            except ValueError as exc:
+                raise ValueError(f"checkpoint {path}: {exc}") from None
         self.parts.sync_weights()
         self.step = int(ck["trainer_state"]["step"])
         n = int(ck["trainer_state"].get("span_lengths_count", 0))

@@ -124,6 +124,7 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
 
         self.hf_config = hf_config
+        self.hf_model = None  # a full Hugging Face copy for generation, set by the run where it keeps one
         self.dims = Dims.from_hf_config(hf_config)
         pad = getattr(hf_config, "pad_token_id", None)
         self.padding_idx = int(pad) if pad is not None else None  # HF's embedding padding_idx (no lookup grad)
@@ -333,7 +334,7 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
             self.skipped_steps += 1
             self.zero_grad()
             return {"grad_norm": norm, "skipped": True, "lr": lr}
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in self.optimizers():
             opt.config.clip_grad = float(max_grad_norm) if max_grad_norm and max_grad_norm > 0 else 0.0
         ok, _, _ = self.optimizer.step()
         if ok:

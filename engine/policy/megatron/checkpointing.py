@@ -99,7 +99,7 @@ class ShardCheckpoints:
 
     def _materialize_optimizer_state(self) -> None:
         """Give every parameter its Adam state (zeros) so that a checkpoint can be loaded into it in place."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in self.optimizers():
             inner = getattr(opt, "optimizer", None)
             if inner is None:
                 continue
