@@ -26,7 +26,6 @@ from torch import Tensor
 from alignopsd._checks import (
     as_tensor,
     check_bool_vector,
-    check_choice,
     check_finite,
     check_ids,
     check_ndim,
@@ -35,7 +34,7 @@ from alignopsd._checks import (
 )
 from alignopsd._kernels import use_kernels
 from alignopsd.advantage import TurnIndex, build_turn_index
-from alignopsd.credit_config import DISTANCES, CreditConfig, WholeBatch
+from alignopsd.credit_config import CreditConfig, WholeBatch
 from alignopsd.kernels import batch_threshold, boundary_scores_rows, profile_rows, profiles_blocks
 from alignopsd.kernels import boundary_scores as kernel_boundary_scores
 from alignopsd.kernels.blocks import blocks_from_order, packed_rows
@@ -122,15 +121,10 @@ def boundary_scores(
         boundary_valid [M] bool: both profiles valid and the eligible source columns equal. The first
         turn of a trajectory is never a boundary.
     """
-    check_choice(distance, "distance", DISTANCES)
-    task_t, roll_t, turn_t = check_ids(task, rollout, turn)
-    m = int(task_t.shape[0])
-    Pf = check_square(P, "P", m, floating=True).detach()
-    check_finite(Pf, "P")
-    valid = check_bool_vector(profile_valid, "profile_valid", m)
-    E = check_square(eligible, "eligible", m, floating=False)
-    # the kernels' adjacent-distance path (Triton on CUDA, else their torch path) on the task blocks of P
-    return kernel_boundary_scores(Pf, valid, E, task_t, roll_t, turn_t, distance=distance, impl=_impl(Pf))
+    # one implementation: the kernels' entry validates the inputs (ValueError naming the culprit) and computes the
+    # distances (Triton on CUDA, or under ``force_kernels``; else its torch path); the core picks the path only
+    P = P.detach() if isinstance(P, Tensor) else P
+    return kernel_boundary_scores(P, profile_valid, eligible, task, rollout, turn, distance=distance, impl=_impl(P))
 
 
 def segmentation_threshold(

@@ -22,10 +22,10 @@ from pathlib import Path
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.run.arch_check import check_architecture
-from alignopsd.engine.run.checkpoint import WEIGHTS_FILE, load_weights
 from alignopsd.engine.run.manifest import ManifestError, verify_manifest
 from alignopsd.engine.run.trainer import Trainer, add_run_args
 from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.run.weights import WEIGHTS_FILE, load_weights
 from alignopsd.engine.run.writes import WriteFailure, writing
 from alignopsd.engine.run.writes import report as report_write_failure
 from alignopsd.engine.step.episodes import run_validation
@@ -85,16 +85,10 @@ def evaluate(cfg, checkpoint: str | None = None) -> dict:
     trainer = Trainer(cfg, lock_output=False)  # reads a run, may run beside its training
     parts = trainer.parts
     if checkpoint:
-        state = load_weights(checkpoint)
-        if hasattr(parts.policy, "load_hf_state_dict"):  # Megatron: Hugging Face weights onto the shards
-            parts.policy.load_hf_state_dict(state)
-        else:
-            missing, unexpected = parts.policy.model.load_state_dict(state, strict=False)
-            bad = [k for k in missing if "lm_head" not in k]
-            if bad or unexpected:
-                raise ValueError(
-                    f"--checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
-                )
+        try:
+            parts.policy.load_hf_state_dict(load_weights(checkpoint))
+        except ValueError as exc:
+            raise ValueError(f"--checkpoint: {exc}") from None
         parts.sync_weights()
     try:
         metrics = trainer.reduce_metrics(run_validation(parts, 0))

@@ -132,18 +132,22 @@ def sft_train(
 
 
 def save_warm_start(model, tokenizer, out_dir: str | Path, *, base: str, meta: dict) -> Path:
-    """Write the fine-tuned model as a Hugging Face folder (fp32 safetensors + tokenizer + a marker)."""
+    """Write the fine-tuned model as a Hugging Face folder (fp32 safetensors + tokenizer + a marker) through the
+    engine's one weight writer (engine/run/weights.py): built beside ``out_dir``, listed in its manifest, then
+    renamed into place (an earlier folder there is replaced whole)."""
+    from alignopsd.engine.run.weights import publish_folder, save_model_files
     from alignopsd.engine.run.writes import writing
 
-    out = Path(out_dir)
-    with writing(out):
-        out.mkdir(parents=True, exist_ok=True)
-        model.to(torch.float32).save_pretrained(out, safe_serialization=True)
-    with writing(out / "tokenizer.json"):  # and the tokenizer's other files
-        tokenizer.save_pretrained(out)
-    with writing(out / SFT_MARKER):
-        (out / SFT_MARKER).write_text(json.dumps({"base": base, **meta}, indent=1))
-    return out
+    model.to(torch.float32)
+
+    def fill(tmp: Path) -> None:
+        save_model_files(tmp, model)
+        with writing(tmp / "tokenizer.json"):  # and the tokenizer's other files
+            tokenizer.save_pretrained(tmp)
+        with writing(tmp / SFT_MARKER):
+            (tmp / SFT_MARKER).write_text(json.dumps({"base": base, **meta}, indent=1))
+
+    return publish_folder(Path(out_dir), fill)
 
 
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -212,7 +216,7 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     turns, examples = build_examples(cfg, tokenizer)
     n_tok = sum(len(p) + len(r) for p, r in examples)
     print(f"[sft] {len(turns)} expert turns, {n_tok} tokens ({time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
-    from alignopsd.engine.run.trainer import pick_device
+    from alignopsd.engine.run.process import pick_device
 
     model = load_causal_lm(cfg.model.name, dtype="float32", attn_implementation=cfg.model.attn_implementation)
     model.to(pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))))  # trainer.device, as the RL run's

@@ -16,8 +16,8 @@ A model *spec* is one of:
   ever downloaded: loads run with ``local_files_only=True``.
 
 The cache root is ``$ALIGNOPSD_CACHE/models`` (default ``~/.cache/alignopsd/models``). Cache directories are
-written atomically (a temporary sibling directory, then ``rename``), so concurrent first loads are safe and a
-crashed conversion leaves nothing half-written behind.
+written atomically (engine/run/weights.py: a temporary sibling directory, its manifest, then ``rename``), so
+concurrent first loads are safe and a crashed conversion leaves nothing half-written behind.
 
 Chat template note: the SmolLM2 template inserts a default system message ("You are a helpful AI assistant
 named SmolLM, trained by Hugging Face") when the first message is not a system message; a student prompt
@@ -29,13 +29,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from alignopsd.engine.parallel.hardware import choose_dtype
 from alignopsd.engine.run.cache import cache_root
+from alignopsd.engine.run.weights import publish_folder, save_model_files
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -115,24 +114,15 @@ def _is_valid_cache(path: Path) -> bool:
 
 
 def _atomic_build(final: Path, build, meta: dict) -> Path:
-    """Run ``build(tmp_dir)`` in a temporary sibling of ``final`` and rename it into place."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    """Run ``build(tmp_dir)`` and write the cache marker through the engine's one folder writer
+    (engine/run/weights.py: a temporary sibling, the manifest, a rename that keeps a valid folder another process
+    finished first)."""
+
+    def fill(tmp: Path) -> None:
         build(tmp)
-        tmp.chmod(0o755)  # mkdtemp creates 0700
         (tmp / _MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, **meta}, indent=1))
-        if final.exists() and not _is_valid_cache(final):
-            shutil.rmtree(final, ignore_errors=True)  # stale or half-written by old code
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_valid_cache(final):  # somebody else won the race with a valid dir: keep theirs
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return publish_folder(final, fill, keep_existing=_is_valid_cache)
 
 
 def _load_gguf_tokenizer():
@@ -159,7 +149,7 @@ def _ensure_smollm2() -> Path:
             del model.config.quantization_config
         model.hf_quantizer = None
         model.config._name_or_path = "SmolLM2-135M-Instruct"
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        save_model_files(tmp, model)
         tok.save_pretrained(str(tmp))
 
     return _atomic_build(final, build, {"source": gguf.name})
@@ -204,7 +194,7 @@ def _ensure_tiny(seed: int = TINY_SEED) -> Path:
 
         model = build_tiny_model(seed)
         model.generation_config.pad_token_id = 2
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        save_model_files(tmp, model)
         AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(tmp))
 
     return _atomic_build(final, build, {"seed": seed, **TINY_CONFIG})
@@ -415,7 +405,7 @@ def ensure_self_contained(name: str, seed: int = TINY_SEED) -> Path:
                 model.generation_config.pad_token_id = tok.pad_token_id
             else:
                 model = BertModel(tiny_encoder_config(len(tok)))
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        save_model_files(tmp, model)
         tok.save_pretrained(str(tmp))
 
     return _atomic_build(final, build, {"seed": seed, "max_vocab_size": BPE_VOCAB_SIZE})

@@ -8,6 +8,8 @@ log-prob head (no [B, T, V] logits).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,8 +97,53 @@ class PolicyBackend(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Skip the data-parallel gradient reduction (every micro-batch of an update but the last)."""
+        ...
+
+    # -- weights and checkpoints: everything the trainer, evaluation and the checkpoint call ----------------------
+
+    hf_config: Any
+    """The model's Hugging Face config (written beside exported weights as ``config.json``)."""
+
+    hf_model: Any
+    """The Hugging Face module holding the full weights (the one Hugging Face generation samples from): the Hugging
+    Face backend's own model; for a sharded backend a full copy where the run keeps one, else None."""
+
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full weights in Hugging Face layout, on every rank (for checkpoints)."""
+        """Full weights in Hugging Face layout, on every rank (for checkpoints and exports)."""
+        ...
+
+    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load full Hugging Face weights in place (each rank keeps its shard); fp32 master weights follow them.
+        ValueError names the weights that do not match the model."""
+        ...
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer, learning-rate schedule and step counters for a plain checkpoint (gathered over the
+        tensor-parallel group; identical on every rank). Tensors and JSON values only (engine/run/statefile.py)."""
+        ...
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`optimizer_state`'s state (after :meth:`load_hf_state_dict`); ValueError when it was
+        written by another backend or layout."""
+        ...
+
+    sharded_checkpoint: bool
+    """True: checkpoints hold this backend's own sharded state (:meth:`save_checkpoint` / :meth:`load_checkpoint`,
+    with a Hugging Face export only when asked); False: the gathered weights and :meth:`optimizer_state`."""
+
+    def local_state(self) -> dict[str, Tensor]:
+        """This rank's own weights (its shards), checked for NaN/inf before a sharded save."""
+        ...
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Sharded save into the folder ``path`` with its own manifest; collective (every rank, the same path).
+        Only when :attr:`sharded_checkpoint`."""
+        ...
+
+    def load_checkpoint(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+        """Load a folder :meth:`save_checkpoint` wrote (``verify=False``: its manifest was just verified)."""
         ...
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -123,6 +123,8 @@ class HFPolicy:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
         self.model = model
+        self.hf_config = getattr(model, "config", None)
+        self.hf_model = model
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = ResponseScorer(model, impl=impl)
@@ -273,23 +275,47 @@ class HFPolicy:
         """(name, tensor) pairs of :meth:`hf_state_dict` for the generation engine (no copy is made)."""
         return iter(self.hf_state_dict().items())
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and schedule state for a checkpoint."""
+    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load full Hugging Face weights into the model (a tied ``lm_head`` may be absent); fp32 master weights
+        are re-seeded from them (else the next step would write the old masters back over them)."""
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        bad = [k for k in missing if "lm_head" not in k]
+        if bad or unexpected:
+            raise ValueError(f"weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})")
+        if self.master:
+            self.optimizer.masters_from_model()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """AdamW (with the fp32 masters when there are any), schedule and step counters."""
         return {
-            "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("model", "optimizer"):
-            if key not in state:
-                raise ValueError(f"state: missing {key!r}")
-        self.model.load_state_dict(state["model"])
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`optimizer_state`'s state; a state without masters (an fp32 run's) seeds them from the
+        loaded weights."""
+        if "optimizer" not in state:
+            raise ValueError(f"optimizer state: no 'optimizer' entry (keys {sorted(state)[:5]}; another backend's?)")
         self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state.get("steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    sharded_checkpoint = False
+    """Checkpoints hold the full weights and :meth:`optimizer_state` (every rank holds the whole model)."""
+
+    def local_state(self) -> dict[str, Tensor]:
+        return self.hf_state_dict()
+
+    def save_checkpoint(self, path) -> None:
+        raise TypeError(f"{type(self).__name__} has no sharded checkpoint (sharded_checkpoint is False): {path}")
+
+    def load_checkpoint(self, path, *, verify: bool = True) -> None:
+        raise TypeError(
+            f"{path} is a sharded checkpoint; the Hugging Face backend cannot load it (resume with the backend that "
+            "wrote it, or start a new run from its model.safetensors)"
+        )

@@ -17,8 +17,9 @@ Hugging Face export of the gathered weights, written only on the steps the calle
 ``trainer.export_hf_freq`` steps and at the end of the run), for evaluation and serving; it is never read back
 to resume.
 
-Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first, flushed to disk, listed in the
-manifest, and only then renamed to its final name with ``os.replace`` (a rename within one directory, atomic
+Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first (the weights by the engine's one weight
+writer, engine/run/weights.py), flushed to disk, listed in the manifest, and only then renamed to its final name with
+``os.replace`` (``install_folder``) (a rename within one directory, atomic
 on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
 one, never a half-written directory under a final name; stale ``.tmp-*`` folders are ignored by
 :func:`latest_checkpoint` and ``--resume auto`` and removed when the next save starts
@@ -53,17 +54,16 @@ from alignopsd.engine.run.manifest import (
     MANIFEST,
     ManifestError,
     file_entry,
-    fsync_dir,
     read_manifest,
     verify_manifest,
     write_manifest,
 )
 from alignopsd.engine.run.statefile import load_state, save_state
 from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.run.weights import WEIGHTS_FILE, install_folder, load_weights, save_weights
 from alignopsd.engine.run.writes import WriteFailure, writing
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
-WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 SHARDS_DIR = "shards"
 SHARDS_METADATA = f"{SHARDS_DIR}/.metadata"  # written last by torch.distributed.checkpoint: the shards are all there
@@ -205,16 +205,6 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 # save / load
 
 
-def _plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies; tensors sharing storage (tied embeddings) become separate tensors."""
-    out = {}
-    for k, v in state_dict.items():
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"state_dict[{k!r}]: expected a tensor, got {type(v).__name__}")
-        out[k] = v.detach().to("cpu").contiguous().clone()
-    return out
-
-
 def check_finite(
     state_dict: dict[str, torch.Tensor],
     *,
@@ -239,51 +229,6 @@ def check_finite(
             f"weights at step {step} are not finite ({bad!r} holds NaN or inf); nothing was saved and the run "
             f"stops; {where}"
         )
-
-
-def save_weights(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: Any = None) -> None:
-    """Weights as ``model.safetensors`` (+ ``config.json``) in a folder transformers can load."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    with writing(path):
-        path.mkdir(parents=True, exist_ok=True)
-    with writing(path / WEIGHTS_FILE):
-        save_file(_plain_state_dict(state_dict), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    if hf_config is None:
-        return
-    with writing(path / "config.json"):
-        if hasattr(hf_config, "save_pretrained"):
-            hf_config.save_pretrained(str(path))
-        elif isinstance(hf_config, dict):
-            with open(path / "config.json", "w") as f:
-                json.dump(hf_config, f, indent=2)
-        else:
-            raise ValueError(f"hf_config: expected a transformers config or a dict, got {type(hf_config).__name__}")
-
-
-def load_weights(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The weights of a checkpoint, after verifying the checkpoint against its manifest (``verify=False``: the
-    caller has just verified it)."""
-    from safetensors.torch import load_file
-
-    if verify:
-        verify_manifest(path, require=(WEIGHTS_FILE,))
-    return load_file(str(Path(path) / WEIGHTS_FILE))
-
-
-def _install(tmp: Path, final: Path, ckpt_dir: Path) -> None:
-    """Rename the finished ``tmp`` folder to ``final`` (replacing an older copy of the same step atomically)."""
-    if final.exists():  # re-saving the same step (e.g. after a resume)
-        old = ckpt_dir / f".old-{final.name}"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(ckpt_dir)
 
 
 def save_checkpoint(
@@ -360,7 +305,7 @@ def save_checkpoint(
     except WriteFailure as exc:
         raise _abandoned(exc, tmp if rank == 0 else None, ckpt_dir, step) from None
     if rank == 0:
-        _install(tmp, final, ckpt_dir)
+        install_folder(tmp, final)
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     sync()
@@ -379,7 +324,7 @@ def _abandoned(exc: WriteFailure, tmp: Path | None, ckpt_dir: Path, step: int) -
 
 def remove_unfinished(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Remove what interrupted saves left in ``ckpt_dir``: ``.tmp-step_*`` folders, and the ``.old-step_*`` copy
-    of a re-saved step (put back under its name when a kill between the two renames of :func:`_install` left the
+    of a re-saved step (put back under its name when a kill between the two renames of ``install_folder`` left the
     step without one). Returns the removed paths; called when a save starts."""
     ckpt_dir = Path(ckpt_dir)
     gone = []

@@ -121,7 +121,7 @@ def hf_model_of(policy: PolicyBackend) -> nn.Module:
     """The module that Hugging Face generation samples from: the Hugging Face policy's own, or the Megatron
     policy's Hugging Face copy where it keeps one (:func:`needs_hf_copy`: the first rank of each tensor-parallel
     group); else the Megatron policy's shard (which scores itself and generates nothing)."""
-    return getattr(policy, "hf_model", None) or policy.model
+    return policy.model if policy.hf_model is None else policy.hf_model
 
 
 def needs_hf_copy(cfg: RunConfig) -> bool:

@@ -36,18 +36,15 @@ import argparse
 import json
 import logging
 import os
-import random
 import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any
 
 from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 from alignopsd.engine.parallel.collectives import reduce_metrics
-from alignopsd.engine.parallel.hardware import device_type
 from alignopsd.engine.parallel.metric_reduce import Samples, merge_samples
 from alignopsd.engine.run.audit import Auditor, header_of
 from alignopsd.engine.run.checkpoint import (
@@ -64,6 +61,7 @@ from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.manifest import atomic_write_bytes
 from alignopsd.engine.run.metrics import MetricsLogger
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
+from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.report import write_report
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import claim_output_dir
@@ -73,81 +71,6 @@ from alignopsd.engine.step.episodes import run_validation
 from alignopsd.engine.step.recipe import run_step
 
 log = logging.getLogger("alignopsd.train")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# distributed
-
-
-class Dist:
-    """Rank, world size and the collectives the trainer needs (no-ops when single-process)."""
-
-    def __init__(self, device_kind: str) -> None:
-        import torch.distributed as dist
-
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.enabled = self.world_size > 1
-        self.owns_group = self.enabled and not dist.is_initialized()  # close() destroys only a group it made
-        if self.enabled and device_kind == "cuda":  # NCCL's object collectives and barrier use the current device
-            import torch
-
-            torch.cuda.set_device(self.local_rank)
-        if self.owns_group:
-            dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
-        self._dist = dist
-
-    def barrier(self) -> None:
-        if self.enabled:
-            self._dist.barrier()
-
-    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        if not self.enabled:
-            return list(values)
-        import torch
-
-        dev = torch.device("cuda", torch.cuda.current_device()) if self._dist.get_backend() == "nccl" else None
-        t = torch.tensor(values, dtype=torch.float64, device=dev)
-        red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX, "min": self._dist.ReduceOp.MIN}[op]
-        self._dist.all_reduce(t, op=red)
-        return t.cpu().tolist()
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        """Destroy the default process group if this context made it (a caller's own group is left to it)."""
-        if self.owns_group and self._dist.is_initialized():
-            self._dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the trainer
-
-
-def pick_device(cfg: RunConfig, local_rank: int = 0):
-    import torch
-
-    kind = device_type(cfg.trainer.device)
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device: 'cuda' requested but CUDA is not available")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -207,27 +130,26 @@ class Trainer:
         (torch.distributed.checkpoint) and a gathered Hugging Face export only when :meth:`export_due`; the
         others write the gathered weights and optimizer state (engine/run/checkpoint.py)."""
         policy = self.parts.policy
-        sharded = is_sharded(policy)
-        hf_config = getattr(policy, "hf_config", None) or getattr(getattr(policy, "model", None), "config", None)
+        sharded = policy.sharded_checkpoint
         return save_checkpoint(
             self.ckpt_dir,
             self.step,
             model_state=policy.hf_state_dict() if not sharded or self.export_due() else None,
-            optimizer_state=None if sharded else _optimizer_state(policy),
+            optimizer_state=None if sharded else policy.optimizer_state(),
             trainer_state={
                 "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
                 "config_name": self.cfg.name,
                 "run_config": stored_config(self.cfg),
                 "span_lengths_count": len(self.span_lengths),
             },
-            hf_config=hf_config,
+            hf_config=policy.hf_config,
             keep_last=self.cfg.trainer.keep_last,
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.dist.barrier,
             gather=self.dist.gather_objects if self.dist.enabled else None,
-            shards=(lambda folder: policy.save_checkpoint(str(folder))) if sharded else None,
-            shard_state=policy.model.state_dict() if sharded else None,  # this rank's weights, checked for NaN/inf
+            shards=policy.save_checkpoint if sharded else None,
+            shard_state=policy.local_state() if sharded else None,  # this rank's weights, checked for NaN/inf
         )
 
     def export_due(self) -> bool:
@@ -237,18 +159,24 @@ class Trainer:
         return self.step == self.cfg.trainer.total_steps or (freq > 0 and self.step % freq == 0)
 
     def load(self, path: Path) -> None:
-
+        """Restore the policy (through its ``PolicyBackend`` checkpoint methods), the step, the span lengths and
+        this rank's generator state from the checkpoint at ``path``."""
         ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
         policy = self.parts.policy
         if ck["shards"] is not None:
-            if not is_sharded(policy):
+            if not policy.sharded_checkpoint:
                 raise ConfigError(
                     f"--resume: {path} is a sharded checkpoint; policy.backend={self.cfg.policy.backend!r} cannot "
                     "load it (resume with the backend that wrote it, or start a new run from its model.safetensors)"
                 )
-            policy.load_checkpoint(str(ck["shards"]), verify=False)  # verified with the checkpoint
+            policy.load_checkpoint(ck["shards"], verify=False)  # verified with the checkpoint
         else:
-            _load_policy_state(policy, ck["model_state"], ck["optimizer_state"])
+            try:
+                policy.load_hf_state_dict(ck["model_state"])
+                if ck["optimizer_state"] is not None:
+                    policy.load_optimizer_state(ck["optimizer_state"])
+            except ValueError as exc:
+                raise ValueError(f"checkpoint {path}: {exc}") from None
         self.parts.sync_weights()
         self.step = int(ck["trainer_state"]["step"])
         n = int(ck["trainer_state"].get("span_lengths_count", 0))
@@ -424,52 +352,6 @@ class Trainer:
         lead = self.parts.policy.layout.is_group_lead
         got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
         return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
-
-
-def is_sharded(policy) -> bool:
-    """Whether the policy backend saves and loads sharded checkpoints itself (torch.distributed.checkpoint)."""
-    return callable(getattr(policy, "save_checkpoint", None)) and callable(getattr(policy, "load_checkpoint", None))
-
-
-def _optimizer_state(policy) -> dict | None:
-    if hasattr(policy, "optimizer_state"):  # tensor-parallel backends gather their shards' states
-        return {"backend_state": policy.optimizer_state()}
-    opt = getattr(policy, "optimizer", None)
-    if opt is None:
-        return None
-    state = {"optimizer": opt.state_dict()}
-    sch = getattr(policy, "scheduler", None)
-    if sch is not None:
-        state["scheduler"] = sch.state_dict()
-    for k in ("steps", "skipped_steps"):
-        if hasattr(policy, k):
-            state[k] = getattr(policy, k)
-    return state
-
-
-def _load_policy_state(policy, model_state: dict, optimizer_state: dict | None) -> None:
-    if hasattr(policy, "load_hf_state_dict"):
-        policy.load_hf_state_dict(model_state)
-    else:
-        missing, unexpected = policy.model.load_state_dict(model_state, strict=False)
-        bad = [k for k in missing if "lm_head" not in k]
-        if bad or unexpected:
-            raise ValueError(
-                f"checkpoint: weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})"
-            )
-    if optimizer_state is not None and "backend_state" in optimizer_state:
-        policy.load_optimizer_state(optimizer_state["backend_state"])
-        return
-    reseed = getattr(getattr(policy, "optimizer", None), "masters_from_model", None)
-    if optimizer_state is None and callable(reseed):  # weights only: fp32 masters start from them, not stale
-        reseed()
-    if optimizer_state is not None and getattr(policy, "optimizer", None) is not None:
-        policy.optimizer.load_state_dict(optimizer_state["optimizer"])
-        if "scheduler" in optimizer_state and getattr(policy, "scheduler", None) is not None:
-            policy.scheduler.load_state_dict(optimizer_state["scheduler"])
-        for k in ("steps", "skipped_steps"):
-            if k in optimizer_state and hasattr(policy, k):
-                setattr(policy, k, optimizer_state[k])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

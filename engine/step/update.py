@@ -41,11 +41,6 @@ from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_
 
 log = logging.getLogger("alignopsd.update")
 
-# |advantage| below this everywhere (and no auxiliary term) means "no learnable signal": the update is skipped.
-# Outcome normalisation of an all-equal group yields exact zeros, but the invalid-action residual of an
-# all-invalid group leaves float32 noise of ~1e-8.
-ZERO_ADVANTAGE_TOL = 1e-6
-
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -67,6 +62,11 @@ class UpdateInputs:
     mask: Tensor
     aux: list
     is_weight: Tensor | None = None  # [M, L] rollout importance weights (trainer.rollout_is), None: off
+    is_keep: Tensor | None = None  # [M, L] bool, the tokens the rollout correction accepts, None: off
+
+    def policy_mask(self) -> Tensor:
+        """[M, L] float: the tokens every loss term and the global token-mean count (``mask`` and ``is_keep``)."""
+        return self.mask if self.is_keep is None else self.mask * self.is_keep
 
 
 def aux_to(term: AuxTerm, device: torch.device) -> AuxTerm:
@@ -112,9 +112,10 @@ def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
     the fused head the log-probs only exist within this call."""
     a = cfg.algorithm
     mk = inp.mask[ix]
+    keep = inp.is_keep[ix] if inp.is_keep is not None else None
     old, adv = inp.old_logp[ix], inp.adv[ix]
     ref = inp.ref_logp[ix] if inp.ref_logp is not None else None
-    sel = mk.bool()
+    sel = inp.policy_mask()[ix].bool()
 
     def loss_fn(logp_bL: Tensor, ent_bL: Tensor | None) -> tuple[Tensor, dict[str, float]]:
         logp_bL = logp_bL.float()
@@ -125,7 +126,7 @@ def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
             entropy=ent_bL.float() if (ent_bL is not None and a.entropy_coef > 0) else None,
             entropy_coef=float(a.entropy_coef),
             ref_logp=ref, kl_coef=float(a.kl_coef) if ref is not None else 0.0,
-            aux=inp.aux, rows=ix, is_weight=inp.is_weight[ix] if inp.is_weight is not None else None,
+            aux=inp.aux, rows=ix, is_weight=inp.is_weight[ix] if inp.is_weight is not None else None, is_keep=keep,
             clip_low=float(a.clip_low), clip_high=float(a.clip_high), dual_clip=float(a.dual_clip),
         )  # fmt: skip
 
@@ -182,14 +183,7 @@ def ppo_update(
 
     out: dict[str, float] = rollout_correction(cfg, cb, inp)
 
-    # nothing to learn: zero advantages and no auxiliary term (checked on all ranks)
-    signal = float(inp.adv.abs().max()) if inp.adv.numel() else 0.0
-    signal = max(signal, max((float(a.coef) for a in aux_terms), default=0.0))
-    if cfg.trainer.skip_no_signal and all_reduce([signal], "max", world, group)[0] <= ZERO_ADVANTAGE_TOL:
-        log.info("step skipped: all advantages are zero and no auxiliary term is active")
-        return {"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0}
-
-    fused = bool(cfg.trainer.fused_head_loss and getattr(policy, "supports_fused_loss", False))
+    fused = bool(cfg.trainer.fused_head_loss and policy.supports_fused_loss)
     if fused and not get_estimator(cfg.algorithm.estimator).loss_separable:  # declared by the estimator
         log.warning(
             "the policy loss of estimator %r couples tokens (not a sum of per-token terms): the update uses "
@@ -198,7 +192,7 @@ def ppo_update(
         )
         fused = False
     plan = plan_update(
-        inp.mask, cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group
+        inp.policy_mask(), cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group
     )
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     totals: dict[str, float] = {}
@@ -209,7 +203,7 @@ def ppo_update(
         log.info("update: mini-batch %d/%d (%d micro-batches)", i + 1, n_mini, len(mbs))
         for j, mb in enumerate(mbs):
             last = j == len(mbs) - 1
-            ctx = policy.no_sync() if (hasattr(policy, "no_sync") and not last) else contextlib.nullcontext()
+            ctx = contextlib.nullcontext() if last else policy.no_sync()
             with ctx:
                 stats, loss = micro_step(parts, inp, mb, fused, input_ids, attn)
             if loss is None:
@@ -235,8 +229,9 @@ def ppo_update(
 def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:
     """Rollout-trainer mismatch correction (``trainer.rollout_is``): importance weights π_trainer / π_rollout of
     the sampled tokens (truncated, or masked outside the accepted range at token or sequence level). Rejected
-    tokens leave the policy mask, so every loss term and the global token-mean denominator skip them. Updates
-    ``inp`` in place; returns the correction's metrics (none when off)."""
+    tokens are left out through ``actor_loss(is_keep=...)``, so every loss term and the global token-mean denominator
+    (:meth:`UpdateInputs.policy_mask`) skip them. Updates ``inp`` in place; returns the correction's metrics (none
+    when off)."""
     mode = cfg.trainer.rollout_is
     if mode == "off":
         return {}
@@ -248,7 +243,6 @@ def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float
         cb.rollout_logp.float().to(inp.mask.device), inp.old_logp, inp.mask.bool(), level=level, mode=kind,
         threshold=float(cfg.trainer.rollout_is_threshold), lower=cfg.trainer.rollout_is_lower,
     )  # fmt: skip
-    inp.mask = inp.mask * keep_ML.float()
-    inp.adv = inp.adv * inp.mask
+    inp.is_keep = keep_ML.to(inp.mask.device)
     inp.is_weight = w_ML
     return stats

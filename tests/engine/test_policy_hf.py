@@ -170,9 +170,11 @@ def test_grad_step_clip_and_checkpoint(tmp_path, impl):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     # checkpoint round trip: a second policy continues identically
     path = tmp_path / "ckpt.pt"
-    torch.save(pol.state_dict(), path)
+    torch.save({"weights": pol.hf_state_dict(), "optimizer": pol.optimizer_state()}, path)
     pol2 = HFPolicy(tiny_model(9), lr=1e-2, weight_decay=0.0)
-    pol2.load_state_dict(torch.load(path, weights_only=False))
+    saved = torch.load(path, weights_only=False)
+    pol2.load_hf_state_dict(saved["weights"])
+    pol2.load_optimizer_state(saved["optimizer"])
     for p in (pol, pol2):
         lp, _ = p.response_logprobs(ids, mask, 5, grad=True)
         lp.sum().backward()
@@ -180,7 +182,12 @@ def test_grad_step_clip_and_checkpoint(tmp_path, impl):
     for k, v in pol.hf_state_dict().items():
         assert torch.equal(v, pol2.hf_state_dict()[k]), k
     with pytest.raises(ValueError, match="optimizer"):
-        pol2.load_state_dict({"model": {}})
+        pol2.load_optimizer_state({"tp": 1, "tp_rank_states": []})  # another backend's state
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        pol2.load_hf_state_dict({k: v for k, v in saved["weights"].items() if k != "model.norm.weight"})
+    with pytest.raises(TypeError, match="cannot load it"):
+        pol2.load_checkpoint(tmp_path)
+    assert pol2.sharded_checkpoint is False
 
 
 def test_non_finite_gradient_skips_step(caplog):
@@ -246,11 +253,13 @@ def test_bf16_master_weights_checkpoint_resumes_exactly(tmp_path):
     pol = HFPolicy(tiny_model(6).to(torch.bfloat16), lr=1e-6, weight_decay=0.01)
     ids, mask = rows(6)
     _bf16_step(pol, ids, mask, clip=1.0)
-    torch.save(pol.state_dict(), tmp_path / "ckpt.pt")
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    torch.save({"weights": pol.hf_state_dict(), "optimizer": pol.optimizer_state()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    state = saved["optimizer"]
     assert all(torch.equal(a, b) for a, b in zip(state["optimizer"]["master_params"], pol.optimizer.masters))
     pol2 = HFPolicy(tiny_model(7).to(torch.bfloat16), lr=1e-6, weight_decay=0.01)
-    pol2.load_state_dict(state)
+    pol2.load_hf_state_dict(saved["weights"])
+    pol2.load_optimizer_state(state)
     for a, b in zip(pol.optimizer.masters, pol2.optimizer.masters):
         assert torch.equal(a, b)
     # the masters hold more than their bf16 rounding (so resuming from the bf16 weights alone would differ)
@@ -260,13 +269,14 @@ def test_bf16_master_weights_checkpoint_resumes_exactly(tmp_path):
     for a, b in zip(pol.optimizer.masters, pol2.optimizer.masters):
         assert torch.equal(a, b)
     # a state saved without masters (an fp32 run) seeds them from the loaded weights
-    fp32_state = HFPolicy(tiny_model(8), lr=1e-6).state_dict()
-    pol2.load_state_dict(fp32_state)
+    fp32 = HFPolicy(tiny_model(8), lr=1e-6)
+    pol2.load_hf_state_dict(fp32.hf_state_dict())
+    pol2.load_optimizer_state(fp32.optimizer_state())
     for m, p in zip(pol2.optimizer.masters, pol2.params):
         assert torch.equal(m, p.float())
     bad = dict(state, optimizer={**state["optimizer"], "master_params": state["optimizer"]["master_params"][:-1]})
     with pytest.raises(ValueError, match="master_params"):
-        pol2.load_state_dict(bad)
+        pol2.load_optimizer_state(bad)
 
 
 def test_fp32_model_keeps_plain_adamw():

@@ -110,7 +110,8 @@ def test_sharded_checkpoint_refuses_another_layout_even_when_overridden(tmp_path
 
 def test_backend_checks_the_folder_layout_before_reading_shards(tmp_path):
     """Another model under the same name: the backend names every difference from layout.json."""
-    from alignopsd.engine.policy.megatron.backend import LAYOUT_FILE, MegatronPolicy
+    from alignopsd.engine.policy.megatron.backend import MegatronPolicy
+    from alignopsd.engine.policy.megatron.checkpointing import LAYOUT_FILE
 
     mine = {"tensor_parallel_size": 1, "dims": {"hidden": 64, "vocab": 512}, "params_dtype": "torch.float32"}
     (tmp_path / LAYOUT_FILE).write_text(json.dumps({**mine, "dims": {"hidden": 32, "vocab": 512}}))

@@ -119,7 +119,7 @@ def test_dist_sets_the_cuda_device_even_in_a_group_it_did_not_make(monkeypatch):
     its local GPU also when the caller made the process group (profile, compare and the suite do), else every
     rank's all_gather_object would stage on GPU 0."""
     import torch.distributed as dist
-    from alignopsd.engine.run.trainer import Dist
+    from alignopsd.engine.run.process import Dist
 
     picked = []
     monkeypatch.setenv("WORLD_SIZE", "2")

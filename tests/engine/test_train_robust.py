@@ -3,6 +3,7 @@ failing environments and malformed outputs are counted and never abort a step; d
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -69,13 +70,58 @@ def _old_logp(policy, cb):
     return policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0]
 
 
-def test_zero_advantage_skips_without_forward(tiny_policy, monkeypatch):
+def _groups(outcome, valid):
+    """A TurnBatch of two tasks of three rollouts with the given outcomes and validity flags."""
+    return dataclasses.replace(
+        _batch(), outcome=torch.tensor(outcome, dtype=torch.float32), action_valid=torch.tensor(valid)
+    )
+
+
+def _core_advantage(cb, cfg):
+    """GRPO's token advantage from the core's formulas (outcome advantage plus the invalid residual)."""
+    from alignopsd.advantage import grpo_advantage, invalid_action_residual
+
+    a = cfg.algorithm
+    A = grpo_advantage(cb.outcome, cb.task, cb.rollout, scope=a.grpo_scope, norm_by_std=a.norm_by_std)
+    return A + invalid_action_residual(
+        cb.outcome, ~cb.action_valid, cb.task, penalty=a.invalid_penalty, norm_by_std=a.norm_by_std
+    )
+
+
+def test_no_signal_is_decided_once_before_any_model_pass_and_exactly():
+    """``trainer.skip_no_signal`` is decided by the step (engine/step/recipe.py) from the rollout alone; it skips
+    exactly the batches whose advantages the core makes zero, the all-invalid group's residual included (once the
+    reason for a second, tolerance-based check inside the update)."""
+    from alignopsd.engine.step.recipe import no_signal
+
+    from alignopsd.estimators import get_estimator
+
+    cfg = load_config(TINY, ["algorithm.estimator=grpo", "algorithm.use_invalid_penalty=true"])
+    grpo = get_estimator("grpo")
+    same = _groups([0, 0, 0, 1, 1, 1], [False, False, False, True, True, True])  # task 0 all invalid
+    assert no_signal(cfg, grpo, same)
+    # zero up to rounding: the residual of the all-invalid group is float noise, which a check of the advantages
+    # the update sees could only tell from a signal with a tolerance; decided from the rollout it is exact
+    assert float(_core_advantage(same, cfg).abs().max()) < 1e-9
+    for outcome, valid in (
+        ([0, 0, 1, 1, 1, 1], [True] * 6),
+        ([0, 0, 0, 1, 1, 1], [False, True, True, True, True, True]),
+    ):
+        cb = _groups(outcome, valid)  # a task whose outcomes, or validity, differ: a signal, not skipped
+        assert not no_signal(cfg, grpo, cb)
+        assert float(_core_advantage(cb, cfg).abs().max()) > 0.1
+    # an auxiliary term, or an advantage that is not the outcome advantage scaled, moves weights: never skipped
+    assert not no_signal(cfg, get_estimator("sdar"), same) and not no_signal(cfg, get_estimator("opsd"), same)
+
+
+def test_update_trains_on_what_it_is_given(tiny_policy):
+    """The update makes no skip decision of its own: zero advantages still step the optimizer (the entropy term
+    moves the weights), whatever ``trainer.skip_no_signal`` says."""
     cb = _batch()
-    calls = []
-    monkeypatch.setattr(tiny_policy, "response_logprobs", lambda *a, **k: calls.append(1))
-    parts = _parts(tiny_policy, **{"trainer.skip_no_signal": "true"})
-    out = ppo_update(parts, cb, torch.zeros(6, 4), None, torch.full((6, 4), 1e-9), [])
-    assert out["update/skipped"] == 1.0 and out["update/zero_advantage"] == 1.0 and not calls
+    parts = _parts(tiny_policy, **{"trainer.skip_no_signal": "true", "algorithm.entropy_coef": "0.5"})
+    out, grads = _update_grads(tiny_policy, parts, cb, _old_logp(tiny_policy, cb), torch.zeros(6, 4))
+    assert out["update/optimizer_steps"] == 1.0 and out["update/skipped"] == 0.0
+    assert max(float(g.abs().max()) for g in grads) > 0.0
 
 
 @pytest.mark.parametrize("fused", [True, False])
