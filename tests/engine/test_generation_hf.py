@@ -192,21 +192,89 @@ def test_prefix_plan_groups_siblings_and_teacher_blocks(tiny):
     assert plan_prefixes([[5] * 20, [5] * 20]).length == [19]  # a row keeps its last token for its own logits
 
 
+@pytest.fixture(scope="module")
+def tiny_gqa(tiny):
+    """The tiny Llama with grouped-query attention (6 query heads over 2 key/value heads, width 96), random fp32
+    weights."""
+    from alignopsd.engine.models.loading import TINY_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(TINY_CONFIG, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, **cfg))
+    return model.eval(), tiny[1]
+
+
+@pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("do_sample", [True, False])
-def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, do_sample):
-    model, tok = tiny
+def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, tiny_gqa, do_sample, gqa, monkeypatch):
+    """Shared prefixes kept once and the grouped-matmul decoding (engine/generation/decode_cache.py) against
+    plain generation (one padded prefill, the model's own SDPA over a DynamicCache): same tokens, same log-probs.
+    A third of the vocabulary ends a row, so rows leave the batch at different steps."""
+    from alignopsd.engine.generation.decode_cache import SharedPrefixKV
+
+    model, tok = tiny_gqa if gqa else tiny
     assert next(model.parameters()).dtype is torch.float32
     prompts = _sibling_and_teacher_prompts(tok)
     sp = SamplingParams(max_new_tokens=10, temperature=0.8, do_sample=do_sample, seed=11, stop=("look",))
-    shared, plain = HFGenerator(model, tok), HFGenerator(model, tok)
-    plain.share_prefixes = False
-    a, b = shared.generate(prompts, sp), plain.generate(prompts, sp)
+    eos = set(range(3, 49152, 3))
+    shared, plain = HFGenerator(model, tok, eos_token_ids=eos), HFGenerator(model, tok, eos_token_ids=eos)
+    plain.share_prefixes = plain.fast_decode = False
+    calls = {"decode": 0, "prefill": 0}
+    attend = SharedPrefixKV.attend
+
+    def counted(self, layer, q, scaling):
+        calls["decode" if q.shape[2] == 1 else "prefill"] += 1
+        return attend(self, layer, q, scaling)
+
+    monkeypatch.setattr(SharedPrefixKV, "attend", counted)
+    b = plain.generate(prompts, sp)
+    assert calls == {"decode": 0, "prefill": 0}  # plain: the model's own attention
+    a = shared.generate(prompts, sp)
+    assert calls["decode"] > 0 and calls["prefill"] == 2 * model.config.num_hidden_layers  # prefixes, suffixes
+    assert model.config._attn_implementation == "sdpa"  # the training forward's attention is back
     assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons and a.texts == b.texts
+    assert len({len(t) for t in a.token_ids}) > 1  # rows finished at different steps
     torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=1e-4, rtol=0)
     lengths = [len(p) for p in prompts]
     assert plain.prefill_token_forwards == plain.prefill_token_forwards_unshared == len(prompts) * max(lengths)
     assert shared.prefill_token_forwards_unshared == plain.prefill_token_forwards
     assert shared.prefill_token_forwards < 0.7 * plain.prefill_token_forwards  # the prefixes were pushed once
+
+
+def test_fast_decode_without_shared_prefixes_and_the_attention_restored_on_error(tiny_gqa, prompts, monkeypatch):
+    from alignopsd.engine.generation import decode_cache
+
+    model, tok = tiny_gqa
+    sp = SamplingParams(max_new_tokens=6, seed=4)
+    fast, plain = HFGenerator(model, tok), HFGenerator(model, tok)
+    fast.share_prefixes = plain.share_prefixes = plain.fast_decode = False
+    a, b = fast.generate(prompts, sp), plain.generate(prompts, sp)
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=1e-4, rtol=0)
+
+    def broken(self, layer, q, scaling):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(decode_cache.SharedPrefixKV, "attend", broken)
+    with pytest.raises(RuntimeError, match="attention failed"):
+        fast.generate(prompts, sp)
+    assert model.config._attn_implementation == "sdpa" and not model.training
+
+
+def test_shared_prefix_attention_refuses_what_it_does_not_serve(tiny_gqa):
+    from alignopsd.engine.generation.decode_cache import shared_prefix_attention, shared_prefix_supported
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model, _ = tiny_gqa
+    assert shared_prefix_supported(model)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64)
+    assert not shared_prefix_supported(Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, **small)))
+    assert shared_prefix_supported(Qwen2ForCausalLM(Qwen2Config(**small)))
+    q = torch.zeros(1, 6, 1, 16)
+    with pytest.raises(ValueError, match="without its cache"):
+        shared_prefix_attention(model.model.layers[0].self_attn, q, q, q, None)
 
 
 def test_shared_prefix_logprobs_match_teacher_forcing(tiny):
