@@ -102,7 +102,7 @@ class SharedPrefixKV:
         self.groups: list[tuple[int, Tensor | None, int]] = []  # (prefix, its rows or None for all rows, row count)
         self.length = 0  # own positions filled
         self.start = 0  # first own position of the current push
-        self.bias: Tensor | None = None  # [B, P + n] fp32: 0 where a row may attend, -inf elsewhere
+        self.bias: Tensor | None = None  # [B, 1, S, P + n] fp32: 0 where a query may attend, -inf elsewhere
 
     def push(self, valid_BS: Tensor) -> None:
         valid = valid_BS.bool()
@@ -113,10 +113,15 @@ class SharedPrefixKV:
             raise ValueError(f"push: {S} positions exceed the cache capacity {self.valid.shape[1]} at {self.length}")
         self.start, self.length = self.length, self.length + S
         self.valid[:, self.start : self.length] = valid
-        mask = self.valid[:, : self.length]
+        mask = self.valid[:, None, : self.length].expand(-1, S, -1)  # [B, S, n]
+        if S > 1:
+            qpos = torch.arange(self.start, self.length, device=valid.device)[:, None]
+            kpos = torch.arange(self.length, device=valid.device)[None, :]
+            mask = (mask & (kpos <= qpos)) | (kpos == qpos)  # causal; a padding query attends to itself
         if self.prefix_valid is not None:
-            mask = torch.cat([self.prefix_valid, mask], dim=1)
-        self.bias = torch.zeros(mask.shape, dtype=torch.float32, device=valid.device).masked_fill_(~mask, float("-inf"))
+            mask = torch.cat([self.prefix_valid[:, None, :].expand(-1, S, -1), mask], dim=2)
+        self.bias = torch.zeros((B, 1, *mask.shape[1:]), dtype=torch.float32, device=valid.device)
+        self.bias.masked_fill_(~mask[:, None], float("-inf"))  # one additive mask for every layer of this push
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
         """Called by the model's attention layers: store this push's keys/values (``[B, K, S, D]``)."""
@@ -182,20 +187,12 @@ class SharedPrefixKV:
         return out.to(query_BHSD.dtype)
 
     def _prefill(self, layer: int, q: Tensor, scaling: float) -> Tensor:
-        S, n = q.shape[2], self.length
-        k, v = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
-        own = self.valid[:, None, :n].expand(-1, S, -1).clone()  # [B, S, n]
-        qpos = torch.arange(self.start, n, device=q.device)[:, None]
-        kpos = torch.arange(n, device=q.device)[None, :]
-        own &= kpos <= qpos  # causal
-        own |= kpos == qpos  # a padding query attends to itself (no empty softmax rows)
-        mask = own
+        k, v = self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
         if self.prefix_valid is not None:
             idx = self._row_prefix_index()
             k = torch.cat([self.pk[layer][idx], k], dim=2)
             v = torch.cat([self.pv[layer][idx], v], dim=2)
-            mask = torch.cat([self.prefix_valid[:, None, :].expand(-1, S, -1), own], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
 
     def _row_prefix_index(self) -> Tensor:
@@ -216,7 +213,7 @@ class SharedPrefixKV:
         q = q.reshape(B, K, R, D)
         own = torch.matmul(q, k.transpose(-1, -2))  # [B, K, R, n]
         if self.prefix_valid is None:
-            probs = torch.softmax(own.mul_(scaling).add_(self.bias[:, None, None, :]), dim=-1)
+            probs = torch.softmax(own.mul_(scaling).add_(self.bias), dim=-1)
             return torch.matmul(probs, v).reshape(B, 1, H, D)
         P = self.prefix_valid.shape[1]
         scores = q.new_empty((B, K, R, P + own.shape[-1]))
@@ -230,7 +227,7 @@ class SharedPrefixKV:
                 scores[..., :P] = sg
             else:
                 scores[rows, :, :, :P] = sg
-        probs = torch.softmax(scores.mul_(scaling).add_(self.bias[:, None, None, :]), dim=-1)
+        probs = torch.softmax(scores.mul_(scaling).add_(self.bias), dim=-1)
         out = torch.matmul(probs[..., P:], v)  # [B, K, R, D]
         for g, rows, m in self.groups:
             pg = (probs if rows is None else probs[rows])[..., :P].transpose(0, 1).reshape(K, m * R, P)
