@@ -13,6 +13,11 @@ walked in that order; a row joins the current group when its common prefix with 
 ``min_shared`` tokens, no shorter than the one it shares with the next row (else it opens a group with that row),
 and the group's saving does not shrink ((n+1) rows x the shortened prefix >= n x the old one). A prefix always
 leaves each row at least its last token, whose forward gives the row's first logits.
+
+The suffixes go through one padded forward, so a single row left without a long prefix makes every row's suffix
+as wide as its whole prompt. The plan is therefore the cheaper (:meth:`PrefixPlan.token_forwards`) of those groups
+and one group of all rows sharing their common prefix (the teacher prompts of a step: the privileged block and the
+task text before the histories diverge).
 """
 
 from __future__ import annotations
@@ -86,4 +91,12 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], min_shared: int = MIN_SHARED
             group[r] = len(length)
         length.append(p)
         source.append(rows[0])
-    return PrefixPlan(group=group, length=length, source=source)
+    plan = PrefixPlan(group=group, length=length, source=source)
+    if len(prompts) < 2:
+        return plan
+    common = min(common_prefix(prompts[order[0]], prompts[order[-1]]), min(len(p) for p in prompts) - 1)
+    if common < min_shared:  # sorted rows: the first and the last share the least
+        return plan
+    one = PrefixPlan(group=[0] * len(prompts), length=[common], source=[order[0]])
+    lengths = [len(p) for p in prompts]
+    return one if one.token_forwards(lengths) < plan.token_forwards(lengths) else plan

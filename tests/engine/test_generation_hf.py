@@ -192,6 +192,20 @@ def test_prefix_plan_groups_siblings_and_teacher_blocks(tiny):
     assert plan_prefixes([[5] * 20, [5] * 20]).length == [19]  # a row keeps its last token for its own logits
 
 
+def test_prefix_plan_takes_one_group_of_all_rows_when_a_row_would_stay_alone():
+    """Teacher prompts as a step has them: one privileged block, then pairs of rows with long common tails and a
+    row of its own. Pairs would leave that row's whole prompt in the padded suffix batch; one group of all rows
+    over the block pushes fewer positions."""
+    from alignopsd.engine.generation.prefix import plan_prefixes
+
+    block = list(range(100, 140))
+    prompts = [block + [1] * 30, block + [1] * 30, block + [2] * 30, block + [2] * 30, block + [3] * 30]
+    plan = plan_prefixes(prompts)
+    assert plan.group == [0] * 5 and plan.length == [40] and plan.token_forwards([70] * 5) == 40 + 5 * 30
+    assert plan_prefixes(prompts[:4]).length == [69, 69]  # no row alone: the pairs' longer prefixes stay cheaper
+    assert plan_prefixes([block + [1] * 30, block[:20]]).length == [19]  # the shorter row keeps its last token
+
+
 @pytest.fixture(scope="module")
 def tiny_gqa(tiny):
     """The tiny Llama with grouped-query attention (6 query heads over 2 key/value heads, width 96), random fp32
