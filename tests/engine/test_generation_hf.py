@@ -220,17 +220,32 @@ def tiny_gqa(tiny):
     return model.eval(), tiny[1]
 
 
+def _teacher_prompts(tok) -> list[list[int]]:
+    """Teacher prompts of one task: the privileged block, then students' prompts that diverge early and alone."""
+    skills = "Skills: look before acting; open a receptacle before taking from it; carry one object. " * 3
+    students = ["go north", "take the apple from the table", "open the fridge and look inside", "look"]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": skills + s}], add_generation_prompt=True)["input_ids"]
+        for s in students
+    ]
+
+
+@pytest.mark.parametrize("layout", ["groups", "one_group"])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("do_sample", [True, False])
-def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, tiny_gqa, do_sample, gqa, monkeypatch):
+def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, tiny_gqa, do_sample, gqa, layout, monkeypatch):
     """Shared prefixes kept once and the grouped-matmul decoding (engine/generation/decode_cache.py) against
     plain generation (one padded prefill, the model's own SDPA over a DynamicCache): same tokens, same log-probs.
-    A third of the vocabulary ends a row, so rows leave the batch at different steps."""
+    Layouts: sibling groups beside a row of its own, and one prefix for all rows. A third of the vocabulary ends
+    a row, so rows leave the batch at different steps."""
     from alignopsd.engine.generation.decode_cache import SharedPrefixKV
+    from alignopsd.engine.generation.prefix import plan_prefixes
 
     model, tok = tiny_gqa if gqa else tiny
     assert next(model.parameters()).dtype is torch.float32
-    prompts = _sibling_and_teacher_prompts(tok)
+    prompts = _sibling_and_teacher_prompts(tok) if layout == "groups" else _teacher_prompts(tok)
+    plan = plan_prefixes(prompts)
+    assert (plan.group == [0] * len(prompts)) == (layout == "one_group") and len(plan.length) >= 1
     sp = SamplingParams(max_new_tokens=10, temperature=0.8, do_sample=do_sample, seed=11, stop=("look",))
     eos = set(range(3, 49152, 3))
     shared, plain = HFGenerator(model, tok, eos_token_ids=eos), HFGenerator(model, tok, eos_token_ids=eos)
