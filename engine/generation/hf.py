@@ -5,9 +5,12 @@ Legend: B = prompts in the current chunk, Lp = padded prompt length, V = vocabul
 Why our own loop instead of ``model.generate``: per-row stop strings are checked on the decoded continuation
 after every token, finished rows leave the batch (their KV cache rows are dropped), the log-prob of each
 sampled token is returned without a second pass, and a prompt prefix shared by several rows (the G siblings'
-common prompt, the privileged block of the teacher prompts) is encoded once and its KV cache copied to the rows
-(engine/generation/prefix.py). ``prefill_token_forwards`` counts the prompt positions the prefills pushed,
-``prefill_token_forwards_unshared`` what one padded batch per chunk would have pushed.
+common prompt, the privileged block of the teacher prompts) is encoded once (engine/generation/prefix.py).
+On the CPU the key/value cache keeps each shared prefix once, preallocates the rows' own positions and decodes
+with grouped matmuls instead of the model's SDPA (``fast_decode``, engine/generation/decode_cache.py); elsewhere
+the prefix's keys and values are copied to its rows in transformers' dynamic cache.
+``prefill_token_forwards`` counts the prompt positions the prefills pushed, ``prefill_token_forwards_unshared``
+what one padded batch per chunk would have pushed.
 
 Sampling semantics (same as the vLLM backend):
 
@@ -26,10 +29,17 @@ Sampling semantics (same as the vLLM backend):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 
 import torch
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.generation.decode_cache import (
+    ModelKV,
+    SharedPrefixKV,
+    shared_prefix_attention_on,
+    shared_prefix_supported,
+)
 from alignopsd.engine.generation.prefix import plan_prefixes
 from torch import Tensor
 
@@ -103,6 +113,7 @@ class HFGenerator:
         self.pad_token_id = int(pad)
         self.tokens_generated = 0  # running count, for throughput metrics
         self.share_prefixes = True  # push a prefix shared by several rows once (engine/generation/prefix.py)
+        self.fast_decode = True  # keep shared prefixes once, decode by grouped matmuls where supported (the CPU)
         self.prefill_token_forwards = 0  # running count of prompt positions pushed by prefills, padding included
         self.prefill_token_forwards_unshared = 0  # what the same prefills push without sharing (one padded batch)
 
@@ -147,7 +158,7 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._attention():
                 for start in range(0, len(prompts), chunk):
                     part = self._generate_chunk(prompts[start : start + chunk], sampling, gen)
                     out.token_ids += part.token_ids
@@ -158,16 +169,24 @@ class HFGenerator:
             self.model.train(was_training)
         return out
 
-    def _forward(self, input_ids: Tensor, mask: Tensor, pos: Tensor, cache) -> tuple[Tensor, object]:
-        res = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return res.logits[:, -1, :].float(), res.past_key_values
+    def _attention(self):
+        """The model's attention during generation: :func:`shared_prefix_attention_on` with the shared-prefix
+        cache, else unchanged."""
+        if self.fast_decode and shared_prefix_supported(self.model):
+            return shared_prefix_attention_on(self.model)
+        return contextlib.nullcontext()
+
+    def _forward(self, input_ids: Tensor, pos: Tensor, kv) -> Tensor:
+        """Last-position logits [b, V] fp32 of one forward over the cache ``kv`` (already pushed)."""
+        res = self.model(input_ids=input_ids, position_ids=pos, use_cache=True, logits_to_keep=1, **kv.forward_kwargs())
+        return res.logits[:, -1, :].float()
+
+    def _new_kv(self, budget: int):
+        """The chunk's key/value cache (engine/generation/decode_cache.py): shared prefixes kept once and decoding
+        by grouped matmuls where the model supports it (the CPU), else the model's own attention."""
+        if self.fast_decode and shared_prefix_supported(self.model):
+            return SharedPrefixKV(self.model.config.num_hidden_layers, budget)
+        return ModelKV()
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
         """([n, L] token ids, [n, L] long mask) of ``rows`` left-padded to the longest, on the model's device."""
@@ -180,15 +199,13 @@ class HFGenerator:
                 mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, object, Tensor, Tensor]:
-        """(last logits [B, V] fp32, KV cache, attention mask [B, T], next position [B]) after the prompts.
+    def _prefill(self, prompts: list[list[int]], kv) -> tuple[Tensor, Tensor]:
+        """(last logits [B, V] fp32, next position [B]) after pushing the prompts into the cache ``kv``.
 
         With shared prefixes (:func:`plan_prefixes`) and fewer positions to push than one padded batch, the
-        prefixes go through one forward, its cache rows are copied to the rows that share them, and the rows'
-        suffixes follow in a second forward over that cache (mask ``[prefix mask | suffix mask]``, positions
-        continuing from each row's prefix); otherwise one forward of the padded prompts."""
-        from transformers import DynamicCache
-
+        prefixes go through one forward and become the cache's shared prefixes, and the rows' suffixes follow in
+        a second forward over them (positions continuing from each row's prefix); otherwise one forward of the
+        padded prompts."""
         lengths = [len(p) for p in prompts]
         plain = len(prompts) * max(lengths)
         plan = plan_prefixes(prompts) if self.share_prefixes else None
@@ -196,25 +213,26 @@ class HFGenerator:
         if plan is None or not plan.length or plan.token_forwards(lengths) >= plain:
             ids_BL, mask_BL = self._left_pad(prompts)
             pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
-            logits_bV, cache = self._forward(ids_BL, mask_BL, pos_BL, DynamicCache())
+            kv.push(mask_BL)
             self.prefill_token_forwards += plain
-            return logits_bV, cache, mask_BL, pos_BL[:, -1] + 1
+            return self._forward(ids_BL, pos_BL, kv), pos_BL[:, -1] + 1
         pre_ids, pre_mask = self._left_pad([prompts[r][:n] for r, n in zip(plan.source, plan.length)])
-        _, cache = self._forward(pre_ids, pre_mask, (pre_mask.cumsum(-1) - 1).clamp_min(0), DynamicCache())
+        kv.push(pre_mask)
+        self._forward(pre_ids, (pre_mask.cumsum(-1) - 1).clamp_min(0), kv)
         shared = torch.tensor([r >= 0 for r in plan.group], dtype=torch.long, device=self.device)
         row_prefix = torch.tensor([max(g, 0) for g in plan.group], dtype=torch.long, device=self.device)
-        cache.batch_select_indices(row_prefix)  # each row gets a copy of its prefix's keys and values
+        kv.share(row_prefix, shared)
         suf_ids, suf_mask = self._left_pad([p[plan.prefix_of(r) :] for r, p in enumerate(prompts)])
-        mask_BL = torch.cat([pre_mask[row_prefix] * shared[:, None], suf_mask], dim=1)  # a row without: all masked
-        pos_BS = (mask_BL.cumsum(-1) - 1).clamp_min(0)[:, pre_mask.shape[1] :]
-        logits_bV, cache = self._forward(suf_ids, mask_BL, pos_BS, cache)
+        pos_BS = pre_mask.sum(-1)[row_prefix][:, None] * shared[:, None] + (suf_mask.cumsum(-1) - 1).clamp_min(0)
+        kv.push(suf_mask)
         self.prefill_token_forwards += int(pre_ids.numel() + suf_ids.numel())
-        return logits_bV, cache, mask_BL, pos_BS[:, -1] + 1
+        return self._forward(suf_ids, pos_BS, kv), pos_BS[:, -1] + 1
 
     def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, gen) -> GenerationOutput:
         dev = self.device
         B = len(prompts)
-        logits_bV, cache, mask_BL, next_pos_b = self._prefill(prompts)
+        kv = self._new_kv(sp.max_new_tokens)
+        logits_bV, next_pos_b = self._prefill(prompts, kv)
 
         stops = tuple(s for s in sp.stop if s)
         window = max((len(s) for s in stops), default=0) + 2  # tokens enough to contain any stop string
@@ -255,11 +273,11 @@ class HFGenerator:
                 break
             if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
                 sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                cache.batch_select_indices(sel)
-                tok_b, mask_BL, next_pos_b = tok_b[sel], mask_BL[sel], next_pos_b[sel]
+                kv.select(sel)
+                tok_b, next_pos_b = tok_b[sel], next_pos_b[sel]
                 active = [active[j] for j in keep]
-            mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(active), 1))], dim=1)
-            logits_bV, cache = self._forward(tok_b[:, None], mask_BL, next_pos_b[:, None], cache)
+            kv.push(torch.ones((len(active), 1), dtype=torch.long, device=dev))
+            logits_bV = self._forward(tok_b[:, None], next_pos_b[:, None], kv)
             next_pos_b = next_pos_b + 1
 
         texts = [self._text(t, stops) for t in toks]

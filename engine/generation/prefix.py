@@ -12,6 +12,10 @@ Grouping works on the unpadded token lists and picks, among the groupings of sor
 threshold, the one that pushes the fewest positions (:func:`plan_prefixes`): for a step's teacher prompts that is
 usually one group sharing the privileged block, not many small groups of identical sibling prompts. A prefix always
 leaves each row at least its last token, whose forward gives the row's first logits.
+
+The suffixes go through one padded forward, so a single row left without a long prefix makes every row's suffix
+as wide as its whole prompt; the lowest threshold (one group of all rows over their common prefix: the privileged
+block and the task text before the histories diverge) is among the plans compared.
 """
 
 from __future__ import annotations

@@ -223,21 +223,118 @@ def test_prefix_plan_is_the_cheapest_grouping_of_a_step():
     assert cost < 0.5 * len(rows) * max(lengths)
 
 
+def test_prefix_plan_takes_one_group_of_all_rows_when_a_row_would_stay_alone():
+    """Teacher prompts as a step has them: one privileged block, then pairs of rows with long common tails and a
+    row of its own. Pairs would leave that row's whole prompt in the padded suffix batch; one group of all rows
+    over the block pushes fewer positions."""
+    from alignopsd.engine.generation.prefix import plan_prefixes
+
+    block = list(range(100, 140))
+    prompts = [block + [1] * 30, block + [1] * 30, block + [2] * 30, block + [2] * 30, block + [3] * 30]
+    plan = plan_prefixes(prompts)
+    assert plan.group == [0] * 5 and plan.length == [40] and plan.token_forwards([70] * 5) == 40 + 5 * 30
+    assert plan_prefixes(prompts[:4]).length == [69, 69]  # no row alone: the pairs' longer prefixes stay cheaper
+    assert plan_prefixes([block + [1] * 30, block[:20]]).length == [19]  # the shorter row keeps its last token
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tiny):
+    """The tiny Llama with grouped-query attention (6 query heads over 2 key/value heads, width 96), random fp32
+    weights."""
+    from alignopsd.engine.models.loading import TINY_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(TINY_CONFIG, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, **cfg))
+    return model.eval(), tiny[1]
+
+
+def _teacher_prompts(tok) -> list[list[int]]:
+    """Teacher prompts of one task: the privileged block, then students' prompts that diverge early and alone."""
+    skills = "Skills: look before acting; open a receptacle before taking from it; carry one object. " * 3
+    students = ["go north", "take the apple from the table", "open the fridge and look inside", "look"]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": skills + s}], add_generation_prompt=True)["input_ids"]
+        for s in students
+    ]
+
+
+@pytest.mark.parametrize("layout", ["groups", "one_group"])
+@pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("do_sample", [True, False])
-def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, do_sample):
-    model, tok = tiny
+def test_shared_prefixes_give_the_plain_tokens_in_fp32(tiny, tiny_gqa, do_sample, gqa, layout, monkeypatch):
+    """Shared prefixes kept once and the grouped-matmul decoding (engine/generation/decode_cache.py) against
+    plain generation (one padded prefill, the model's own SDPA over a DynamicCache): same tokens, same log-probs.
+    Layouts: sibling groups beside a row of its own, and one prefix for all rows. A third of the vocabulary ends
+    a row, so rows leave the batch at different steps."""
+    from alignopsd.engine.generation.decode_cache import SharedPrefixKV
+    from alignopsd.engine.generation.prefix import plan_prefixes
+
+    model, tok = tiny_gqa if gqa else tiny
     assert next(model.parameters()).dtype is torch.float32
-    prompts = _sibling_and_teacher_prompts(tok)
+    prompts = _sibling_and_teacher_prompts(tok) if layout == "groups" else _teacher_prompts(tok)
+    plan = plan_prefixes(prompts)
+    assert (plan.group == [0] * len(prompts)) == (layout == "one_group") and len(plan.length) >= 1
     sp = SamplingParams(max_new_tokens=10, temperature=0.8, do_sample=do_sample, seed=11, stop=("look",))
-    shared, plain = HFGenerator(model, tok), HFGenerator(model, tok)
-    plain.share_prefixes = False
-    a, b = shared.generate(prompts, sp), plain.generate(prompts, sp)
+    eos = set(range(3, 49152, 3))
+    shared, plain = HFGenerator(model, tok, eos_token_ids=eos), HFGenerator(model, tok, eos_token_ids=eos)
+    plain.share_prefixes = plain.fast_decode = False
+    calls = {"decode": 0, "prefill": 0}
+    attend = SharedPrefixKV.attend
+
+    def counted(self, layer, q, scaling):
+        calls["decode" if q.shape[2] == 1 else "prefill"] += 1
+        return attend(self, layer, q, scaling)
+
+    monkeypatch.setattr(SharedPrefixKV, "attend", counted)
+    b = plain.generate(prompts, sp)
+    assert calls == {"decode": 0, "prefill": 0}  # plain: the model's own attention
+    a = shared.generate(prompts, sp)
+    assert calls["decode"] > 0 and calls["prefill"] == 2 * model.config.num_hidden_layers  # prefixes, suffixes
+    assert model.config._attn_implementation == "sdpa"  # the training forward's attention is back
     assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons and a.texts == b.texts
+    assert len({len(t) for t in a.token_ids}) > 1  # rows finished at different steps
     torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=1e-4, rtol=0)
     lengths = [len(p) for p in prompts]
     assert plain.prefill_token_forwards == plain.prefill_token_forwards_unshared == len(prompts) * max(lengths)
     assert shared.prefill_token_forwards_unshared == plain.prefill_token_forwards
     assert shared.prefill_token_forwards < 0.7 * plain.prefill_token_forwards  # the prefixes were pushed once
+
+
+def test_fast_decode_without_shared_prefixes_and_the_attention_restored_on_error(tiny_gqa, prompts, monkeypatch):
+    from alignopsd.engine.generation import decode_cache
+
+    model, tok = tiny_gqa
+    sp = SamplingParams(max_new_tokens=6, seed=4)
+    fast, plain = HFGenerator(model, tok), HFGenerator(model, tok)
+    fast.share_prefixes = plain.share_prefixes = plain.fast_decode = False
+    a, b = fast.generate(prompts, sp), plain.generate(prompts, sp)
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=1e-4, rtol=0)
+
+    def broken(self, layer, q, scaling):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(decode_cache.SharedPrefixKV, "attend", broken)
+    with pytest.raises(RuntimeError, match="attention failed"):
+        fast.generate(prompts, sp)
+    assert model.config._attn_implementation == "sdpa" and not model.training
+
+
+def test_shared_prefix_attention_refuses_what_it_does_not_serve(tiny_gqa):
+    from alignopsd.engine.generation.decode_cache import shared_prefix_attention, shared_prefix_supported
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model, _ = tiny_gqa
+    assert shared_prefix_supported(model)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64)
+    assert not shared_prefix_supported(Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, **small)))
+    assert shared_prefix_supported(Qwen2ForCausalLM(Qwen2Config(**small)))
+    q = torch.zeros(1, 6, 1, 16)
+    with pytest.raises(ValueError, match="without its cache"):
+        shared_prefix_attention(model.model.layers[0].self_attn, q, q, q, None)
 
 
 def test_shared_prefix_logprobs_match_teacher_forcing(tiny):
