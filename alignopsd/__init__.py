@@ -16,13 +16,13 @@ _EXPORTS: dict[str, str] = {
     "grpo_advantage": "advantage",
     "invalid_action_residual": "advantage",
     # mechanism 1
-    "eligibility": "rectify",
-    "select_sources": "rectify",
-    "action_filter": "rectify",
+    "eligibility": "selection",
+    "select_sources": "selection",
+    "action_filter": "actions",
     "rectify": "rectify",
     "Rectified": "rectify",
-    "similarity_matrix": "rectify",
-    "pairs_from_selection": "rectify",
+    "similarity_matrix": "selection",
+    "pairs_from_selection": "selection",
     "cross_inputs": "rectify",
     "policy_mask": "rectify",
     # mechanism 2

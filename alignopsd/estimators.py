@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from alignopsd._checks import as_tensor, check_ids, check_ndim, check_real, check_shape
+from alignopsd._checks import as_tensor, check_finite_fast, check_ids, check_ndim, check_real, check_shape
 from alignopsd.advantage import grpo_advantage, invalid_action_residual
 from alignopsd.credit import WholeBatch, allocate_credit
 from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified, check_finite_fast, rectify
+from alignopsd.rectify import Rectified, rectify
 
 __all__ = [
     "ESTIMATORS",
