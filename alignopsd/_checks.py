@@ -171,3 +171,14 @@ def check_pairs(pairs, m: int) -> Tensor:
     if int(p.min()) < 0 or int(p.max()) >= m:
         raise ValueError(f"pairs: indices must lie in [0, {m})")
     return p
+
+
+def check_tokens(x, name: str, shape: tuple[int, ...] | None = None, *, finite: bool = True) -> Tensor:
+    """A 2-D token tensor [R, L] (of ``shape`` when given), finite unless ``finite=False``."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, 2)
+    if shape is not None:
+        check_shape(t, name, shape)
+    if finite:
+        check_finite(t, name)
+    return t
