@@ -258,21 +258,9 @@ def _grad_buffers(N, V, H, dev, has_bias, need_hidden_grad, need_weight_grad, gr
 
 
 def _chunk_loss_and_logits_grad(
-    z: Tensor,
-    h_c: Tensor,
-    t_n: Tensor,
-    w: Tensor,
-    b32: Tensor | None,
-    vb: int,
-    blk: int,
-    token_loss: TokenLoss,
-    index: Tensor,
-    *,
-    inv_t: float,
-    vocab_start: int,
-    group,
-    with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    z: Tensor, h_c: Tensor, t_n: Tensor, w: Tensor, b32: Tensor | None, vb: int, blk: int, token_loss: TokenLoss,
+    index: Tensor, *, inv_t: float, vocab_start: int, group, with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:  # fmt: skip
     """One chunk of :func:`logprob_loss_and_grad`: its logits, log-probs, loss and logits gradient.
 
     z: [V, n] fp32 buffer, overwritten (it ends as the logits gradient gz, which is returned). h_c: [n, H] fp32
@@ -302,21 +290,10 @@ def _chunk_loss_and_logits_grad(
 
 
 def _sweep_chunks(
-    h_NH: Tensor,
-    t_N: Tensor,
-    w: Tensor,
-    bias: Tensor | None,
-    token_loss: TokenLoss,
-    dH: Tensor | None,
-    dW: Tensor | None,
-    dB: Tensor | None,
-    *,
-    inv_t: float,
-    vocab_start: int,
-    group,
-    with_entropy: bool,
-    tile_bytes: int | None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
+    h_NH: Tensor, t_N: Tensor, w: Tensor, bias: Tensor | None, token_loss: TokenLoss,
+    dH: Tensor | None, dW: Tensor | None, dB: Tensor | None,
+    *, inv_t: float, vocab_start: int, group, with_entropy: bool, tile_bytes: int | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:  # fmt: skip
     """The chunk loop of :func:`logprob_loss_and_grad`: (logp [N], entropy [N] or None, loss) of all tokens, with
     dH [N, H] written and dW [V, H] / dB [V] accumulated in place (each None when not wanted)."""
     N, H = h_NH.shape
