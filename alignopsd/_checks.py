@@ -112,3 +112,73 @@ def check_offsets(offsets: Tensor, k: int) -> None:
     o = offsets.tolist()
     if not o or o[0] != 0 or o[-1] != k or any(o[i] > o[i + 1] for i in range(len(o) - 1)):
         raise ValueError(f"offsets: must be non-decreasing from 0 to {k}, got {o}")
+
+
+def check_finite_fast(t: Tensor, name: str) -> None:
+    """ValueError naming ``name`` if ``t`` has NaN/inf; one aminmax pass (NaN propagates), exact message on failure."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t.detach())
+    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        check_finite(t, name)
+
+
+def check_turn_matrix(x, name: str, m: int, *, dtype=None) -> Tensor:
+    """An [m, m] matrix over turns: bool (``dtype=torch.bool``), else floating and finite (returned as float32)."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, 2)
+    check_shape(t, name, (m, m))
+    if dtype is torch.bool:
+        if t.dtype != torch.bool:
+            raise ValueError(f"{name}: expected a bool tensor, got {t.dtype}")
+        return t
+    if not t.is_floating_point():
+        raise ValueError(f"{name}: expected a floating tensor, got {t.dtype}")
+    check_finite_fast(t, name)
+    return t.float()
+
+
+def check_turn_vector(x, name: str, m: int, *, dtype=None) -> Tensor:
+    """A tensor of shape [m] (bool when ``dtype=torch.bool``)."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, 1)
+    check_shape(t, name, (m,))
+    if dtype is torch.bool:
+        if t.dtype != torch.bool:
+            raise ValueError(f"{name}: expected a bool tensor, got {t.dtype}")
+    return t
+
+
+def check_gamma(gamma) -> float:
+    """The similarity threshold γ of Mechanism 1: a real number in [-1, 1)."""
+    g = check_real(gamma, "gamma", lo=-1.0)
+    if g >= 1.0:
+        raise ValueError(f"gamma: must be < 1 (confidence divides by 1 - gamma), got {g}")
+    return g
+
+
+def check_pairs(pairs, m: int) -> Tensor:
+    """(source, target) pairs [P, 2] of turn indices in [0, m), as long (an empty input gives [0, 2])."""
+    p = as_tensor(pairs, "pairs")
+    if p.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.long, device=p.device)
+    check_ndim(p, "pairs", 2)
+    if p.shape[1] != 2:
+        raise ValueError(f"pairs: expected shape [P, 2], got {tuple(p.shape)}")
+    if p.is_floating_point() or p.dtype == torch.bool:
+        raise ValueError(f"pairs: expected an integer tensor, got {p.dtype}")
+    p = p.long()
+    if int(p.min()) < 0 or int(p.max()) >= m:
+        raise ValueError(f"pairs: indices must lie in [0, {m})")
+    return p
+
+
+def check_tokens(x, name: str, shape: tuple[int, ...] | None = None, *, finite: bool = True) -> Tensor:
+    """A 2-D token tensor [R, L] (of ``shape`` when given), finite unless ``finite=False``."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, 2)
+    if shape is not None:
+        check_shape(t, name, shape)
+    if finite:
+        check_finite(t, name)
+    return t

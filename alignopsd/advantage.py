@@ -1,4 +1,5 @@
-"""Outcome advantage per unique trajectory and the invalid-action residual (ALGORITHM.md §3.1, §3.10).
+"""Outcome advantage per unique trajectory and the invalid-action residual (ALGORITHM.md §3.1, §3.10), and the
+row-wise GRPO advantage of the M1-only estimator (§2.9).
 
 Legend: M = canonical turns, T = trajectories (unique (task, rollout) pairs), G = tasks.
 
@@ -14,9 +15,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from alignopsd._checks import as_tensor, check_choice, check_finite, check_ids, check_ndim, check_real
+from alignopsd._checks import (
+    as_tensor,
+    check_choice,
+    check_finite,
+    check_finite_fast,
+    check_ids,
+    check_ndim,
+    check_real,
+    check_shape,
+)
 
-__all__ = ["grpo_advantage", "invalid_action_residual", "TurnIndex", "build_turn_index"]
+__all__ = ["grpo_advantage", "invalid_action_residual", "rowwise_grpo_advantage", "TurnIndex", "build_turn_index"]
 
 _SCOPES = ("trajectory", "turn")
 
@@ -265,3 +275,45 @@ def invalid_action_residual(
     if not isinstance(norm_by_std, bool):
         raise ValueError(f"norm_by_std: expected a bool, got {type(norm_by_std).__name__}")
     return residual_from_index(r, inv.to(r.device), task_idx, g, penalty, norm_by_std).float()
+
+
+def rowwise_grpo_advantage(
+    score: Tensor, task: Tensor, copies: Tensor | None = None, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """verl-agent GRPO over all rows: per task, mean and unbiased std (+eps) of the row scores.
+
+    score: [M] per canonical turn; copies: [M] rows per turn (each turn's score is counted k times,
+    as verl-agent does on the padded batch). A task with a single row uses mean 0 and std 1.
+    Returns [M] float32.
+    """
+    s = as_tensor(score, "score")
+    check_ndim(s, "score", 1)
+    check_finite_fast(s, "score")
+    s = s.double()
+    M = s.numel()
+    t, _, _ = check_ids(task, task)
+    check_shape(t, "task", (M,))
+    t = t.to(s.device)
+    if copies is None:
+        k = torch.ones(M, dtype=torch.float64, device=s.device)
+    else:
+        kc = as_tensor(copies, "copies")
+        check_shape(kc, "copies", (M,))
+        if kc.is_floating_point() or kc.dtype == torch.bool or bool((kc < 1).any()):
+            raise ValueError("copies: expected integer row counts >= 1")
+        k = kc.double().to(s.device)
+    eps = check_real(eps, "eps", lo=0.0)
+    if M == 0:
+        return torch.zeros(0, dtype=torch.float32, device=s.device)
+    _, tid = torch.unique(t, return_inverse=True)
+    G = int(tid.max()) + 1 if M else 0
+    n = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, tid, k)
+    mean = torch.zeros_like(n).index_add_(0, tid, k * s) / n
+    dev = s - mean[tid]
+    var = torch.zeros_like(n).index_add_(0, tid, k * dev * dev) / (n - 1.0).clamp_min(1.0)
+    single = n <= 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(var), var.sqrt())
+    centred = s - mean[tid]
+    out = centred / (std[tid] + eps) if norm_by_std else centred
+    return out.float()

@@ -5,10 +5,11 @@ Legend: M = canonical turns, L = response length, P = kept M1 pairs.
 Each estimator maps :class:`EstimatorInputs` (the step's tensors on canonical turns) and an
 ``AlgorithmConfig`` to :class:`EstimatorOutput`: token advantages [M, L] (exactly 0 outside the
 policy mask), the auxiliary loss terms the actor must add (:class:`alignopsd.losses.AuxTerm`, with
-frozen tensors), and metrics. Its :class:`EstimatorSpec` declares which model phases the step must
-run (``needs_teacher_diag``: diagonal teacher forcing; ``needs_alignment``: teacher generation +
-encoder + cross scoring; ``needs_ref``: reference log-probs, i.e. ``kl_coef > 0``), so that the
-trainer runs only what an estimator uses (GRPO runs no teacher pass).
+frozen tensors), and metrics; both types live in :mod:`alignopsd.estimator_io` and are re-exported here.
+Its :class:`EstimatorSpec` declares which model phases the step must run (``needs_teacher_diag``: diagonal
+teacher forcing; ``needs_alignment``: teacher generation + encoder + cross scoring; ``needs_ref``: reference
+log-probs, i.e. ``kl_coef > 0``), so that the trainer runs only what an estimator uses (GRPO runs no teacher
+pass).
 
 Registered: ``grpo``, ``opsd``, ``grpo_opsd``, ``sdar``, ``rlsd``, ``alignopsd`` (ablations A–E),
 ``alignopsd_m1``. Outcome-based estimators share the outcome advantage of ALGORITHM.md §3.1 plus the
@@ -20,18 +21,19 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from alignopsd._checks import as_tensor, check_ids, check_ndim, check_real, check_shape
-from alignopsd.advantage import grpo_advantage, invalid_action_residual
-from alignopsd.credit import WholeBatch, allocate_credit
+from alignopsd._checks import check_real
+from alignopsd.advantage import grpo_advantage, invalid_action_residual, rowwise_grpo_advantage
+from alignopsd.credit import allocate_credit
 from alignopsd.diagnostics import m1_diagnostics
+from alignopsd.estimator_io import EstimatorInputs, EstimatorOutput
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified, check_finite_fast, rectify
+from alignopsd.rectify import Rectified, rectify
 
 __all__ = [
     "ESTIMATORS",
@@ -57,105 +59,6 @@ class EstimatorName(str, enum.Enum):
     RLSD = "rlsd"
     ALIGNOPSD = "alignopsd"
     ALIGNOPSD_M1 = "alignopsd_m1"
-
-
-@dataclass
-class EstimatorInputs:
-    """The step tensors an estimator reads, on the M canonical turns (all detached).
-
-    old_logp: [M, L] ℓ^old, student log-probs at rollout. mask: [M, L] policy-loss mask (bool or 0/1).
-    outcome: [M] episode reward R (equal across a trajectory). task, rollout, turn: [M] integer ids.
-    invalid: [M] bool, the turn's action was invalid (None: all valid).
-    diag: [M, L] ℓ^diag, teacher log-probs of each turn's response under its own privileged prompt.
-    cross: [P, L] cross-scored log-probs of ``pairs``; pairs: [P, 2] (source, target) grouped by target.
-    H: [M, M] H[source, target]; eligible: [M, M] bool B[source, target].
-    copies: [M] long, rows per canonical turn (k; None: 1), used by alignopsd_m1's all-row statistics.
-    step: the training step (0-based), for schedules (RLSD λ).
-    rectification: a precomputed :func:`rectify_inputs` result (the engine computes it first, to time it as its
-    own phase); None: the estimator computes it.
-    whole_batch: the turns are one data-parallel share of the step's batch (whole tasks) and these are the whole
-    batch's statistics, gathered over the ranks by the engine (:class:`alignopsd.credit_config.WholeBatch`;
-    Mechanism 2's threshold, ln M, block width, trajectory offset); None: the turns are the whole batch. Every
-    other estimator statistic is per task, trajectory or turn, so only Mechanism 2 reads it.
-    """
-
-    old_logp: Tensor
-    mask: Tensor
-    outcome: Tensor
-    task: Tensor
-    rollout: Tensor
-    turn: Tensor
-    invalid: Tensor | None = None
-    diag: Tensor | None = None
-    cross: Tensor | None = None
-    pairs: Tensor | None = None
-    H: Tensor | None = None
-    eligible: Tensor | None = None
-    copies: Tensor | None = None
-    step: int = 0
-    rectification: tuple[Rectified, Tensor, dict[str, float]] | None = None
-    whole_batch: WholeBatch | None = None
-
-    def __post_init__(self) -> None:
-        self.task, self.rollout, self.turn = check_ids(self.task, self.rollout, self.turn)
-        M = self.task.numel()
-        old = as_tensor(self.old_logp, "old_logp")
-        check_ndim(old, "old_logp", 2)
-        if old.shape[0] != M:
-            raise ValueError(f"old_logp: expected {M} rows like task, got {tuple(old.shape)}")
-        check_finite_fast(old, "old_logp")
-        self.old_logp = old.detach().float()
-        L = old.shape[1]
-        mask = as_tensor(self.mask, "mask")
-        check_shape(mask, "mask", (M, L))
-        self.mask = mask
-        out = as_tensor(self.outcome, "outcome")
-        check_shape(out, "outcome", (M,))
-        check_finite_fast(out, "outcome")
-        self.outcome = out
-        if self.invalid is not None:
-            inv = as_tensor(self.invalid, "invalid")
-            check_shape(inv, "invalid", (M,))
-            if inv.dtype != torch.bool:
-                raise ValueError(f"invalid: expected a bool tensor, got {inv.dtype}")
-            self.invalid = inv
-        if self.diag is not None:
-            d = as_tensor(self.diag, "diag")
-            check_shape(d, "diag", (M, L))
-            check_finite_fast(d, "diag")
-            self.diag = d.detach().float()
-        if self.copies is not None:
-            k = as_tensor(self.copies, "copies")
-            check_shape(k, "copies", (M,))
-            if k.is_floating_point() or bool((k < 1).any()):
-                raise ValueError("copies: expected integer counts >= 1")
-            self.copies = k.long()
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ValueError(f"step: expected an integer >= 0, got {self.step!r}")
-        if bool((self.mask.float().sum(1) <= 0).any()):
-            bad = int(torch.nonzero(self.mask.float().sum(1) <= 0)[0])
-            raise ValueError(f"mask: turn {bad} has no policy token (every canonical turn needs at least one)")
-
-    @property
-    def mask_f(self) -> Tensor:
-        return self.mask.to(torch.float32)
-
-    def require(self, *names: str) -> None:
-        missing = [n for n in names if getattr(self, n) is None]
-        if missing:
-            raise ValueError(f"{missing[0]}: required by this estimator but not given")
-
-
-@dataclass
-class EstimatorOutput:
-    """token_advantage: [M, L] float32 (0 outside the mask); aux: auxiliary loss terms to add;
-    metrics: flat dict of floats; rectified / credit: the M1 / M2 results when computed."""
-
-    token_advantage: Tensor
-    aux: list[AuxTerm] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-    rectified: Rectified | None = None
-    credit: Any = None
 
 
 EstimatorFn = Callable[[EstimatorInputs, Any], EstimatorOutput]
@@ -310,48 +213,6 @@ def _finish(token_adv: Tensor, inp: EstimatorInputs) -> Tensor:
 def _teacher_gap(inp: EstimatorInputs) -> Tensor:
     inp.require("diag")
     return inp.diag - inp.old_logp  # type: ignore[operator]
-
-
-def rowwise_grpo_advantage(
-    score: Tensor, task: Tensor, copies: Tensor | None = None, *, norm_by_std: bool = True, eps: float = 1e-6
-) -> Tensor:
-    """verl-agent GRPO over all rows: per task, mean and unbiased std (+eps) of the row scores.
-
-    score: [M] per canonical turn; copies: [M] rows per turn (each turn's score is counted k times,
-    as verl-agent does on the padded batch). A task with a single row uses mean 0 and std 1.
-    Returns [M] float32.
-    """
-    s = as_tensor(score, "score")
-    check_ndim(s, "score", 1)
-    check_finite_fast(s, "score")
-    s = s.double()
-    M = s.numel()
-    t, _, _ = check_ids(task, task)
-    check_shape(t, "task", (M,))
-    t = t.to(s.device)
-    if copies is None:
-        k = torch.ones(M, dtype=torch.float64, device=s.device)
-    else:
-        kc = as_tensor(copies, "copies")
-        check_shape(kc, "copies", (M,))
-        if kc.is_floating_point() or kc.dtype == torch.bool or bool((kc < 1).any()):
-            raise ValueError("copies: expected integer row counts >= 1")
-        k = kc.double().to(s.device)
-    eps = check_real(eps, "eps", lo=0.0)
-    if M == 0:
-        return torch.zeros(0, dtype=torch.float32, device=s.device)
-    _, tid = torch.unique(t, return_inverse=True)
-    G = int(tid.max()) + 1 if M else 0
-    n = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, tid, k)
-    mean = torch.zeros_like(n).index_add_(0, tid, k * s) / n
-    dev = s - mean[tid]
-    var = torch.zeros_like(n).index_add_(0, tid, k * dev * dev) / (n - 1.0).clamp_min(1.0)
-    single = n <= 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(var), var.sqrt())
-    centred = s - mean[tid]
-    out = centred / (std[tid] + eps) if norm_by_std else centred
-    return out.float()
 
 
 def rlsd_lambda(step: int, *, lambda_init: float, decay_steps: int) -> float:

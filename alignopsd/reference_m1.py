@@ -2,8 +2,9 @@
 
 Legend: M = canonical turns, L = response length, P = pairs. These follow the spec's wording
 line by line, with Python loops and float64 scalars; tests check the vectorised functions of
-:mod:`alignopsd.rectify` against them. Not for production use. The source selection's (§2.4) oracle is in the
-tests (``tests/selection_oracle.py``), its only copy.
+:mod:`alignopsd.selection`, :mod:`alignopsd.actions` and :mod:`alignopsd.rectify` against them. Not for
+production use. The source selection's (§2.4) oracle is in the tests (``tests/selection_oracle.py``), its only
+copy.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from alignopsd.rectify import parse_webshop_action
+from alignopsd.actions import parse_webshop_action
 
 
 def eligibility_ref(task, rollout, source_valid, target_valid) -> Tensor:

@@ -79,82 +79,105 @@ def _logprob_inputs(model: str, quick: bool, device: str) -> tuple[torch.Tensor,
     return h, w, t
 
 
+def _logprob_fwd(h, w, t):
+    """(ours, base, check) of the no-grad forward (rescoring)."""
+
+    def ours():
+        with torch.no_grad():
+            return logprob(h, w, t)
+
+    def base():
+        with torch.no_grad():
+            return _plain_logprob(h, w, t)
+
+    def check(a, b):
+        return f"max|dlogp|={float((a - b).abs().max()):.1e}"
+
+    return ours, base, check
+
+
+def _logprob_fwdbwd(h, w, t, device: str):
+    """(ours, base, check) of a training step's LM head.
+
+    PPO-clip token-mean loss over the log-probs, gradients to hidden and weight, the weight gradient added into a
+    preallocated fp32 buffer (a data-parallel main_grad, or .grad after the first micro-batch). Ours:
+    logprob_loss_and_grad (three matmuls, accumulates in place). Plain torch: autograd through the full logits,
+    then buffer += weight.grad.
+    """
+    N, H = h.shape
+    V = w.shape[0]
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(N, generator=g) - math.log(V)
+    adv = torch.randn(N, generator=g)
+    h.requires_grad_()
+    w.requires_grad_()
+    buf_o = torch.zeros(V, H, device=device)
+    buf_b = torch.zeros(V, H, device=device)
+
+    def token_loss(lp, _ent, idx):
+        return ppo_token_loss(lp, old[idx], adv[idx]) / N
+
+    def ours():
+        buf_o.zero_()
+        r = logprob_loss_and_grad(h, w, t, token_loss, grad_weight=buf_o)
+        return r.grad_hidden, buf_o, r.loss
+
+    def base():
+        buf_b.zero_()
+        h.grad = None
+        w.grad = None
+        loss = token_loss(_plain_logprob(h, w, t), None, torch.arange(N, device=device)).sum()
+        loss.backward()
+        buf_b.add_(w.grad)
+        w.grad = None
+        return h.grad, buf_b, loss.detach()
+
+    def check(a, b):
+        return (
+            f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e} "
+            f"|dloss|={float((a[2] - b[2]).abs()):.1e}"
+        )
+
+    return ours, base, check
+
+
+def _logprob_fwdbwd_autograd(h, w, t):
+    """(ours, base, check) of the autograd function (logprob) under sum(logp).backward().
+
+    Its backward recomputes each logits tile, four matmuls against plain autograd's three; the weight gradient is
+    a fresh [V, H] on both sides, so at the 7B head it dominates both peaks.
+    """
+    h.requires_grad_()
+    w.requires_grad_()
+
+    def _run(fn):
+        h.grad = None
+        w.grad = None
+        fn(h, w, t).sum().backward()
+        return h.grad, w.grad
+
+    def ours():
+        return _run(logprob)
+
+    def base():
+        return _run(_plain_logprob)
+
+    def check(a, b):
+        return f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e}"
+
+    return ours, base, check
+
+
 def logprob_case(model: str, mode: str, quick: bool, device: str = "cpu") -> Case:
     H, V, n_full, n_quick = LOGPROB_SHAPES[model]
     N = n_quick if quick else n_full
     h, w, t = (x.detach() for x in _logprob_inputs(model, quick, device))  # fresh leaves over cached storage
-    g = torch.Generator().manual_seed(1)
     if mode == "fwd":
-
-        def ours():
-            with torch.no_grad():
-                return logprob(h, w, t)
-
-        def base():
-            with torch.no_grad():
-                return _plain_logprob(h, w, t)
-
-        def check(a, b):
-            return f"max|dlogp|={float((a - b).abs().max()):.1e}"
-
+        ours, base, check = _logprob_fwd(h, w, t)
     elif mode == "fwdbwd":
-        # A training step's LM head: PPO-clip token-mean loss over the log-probs, gradients to hidden and
-        # weight, the weight gradient added into a preallocated fp32 buffer (a data-parallel main_grad, or
-        # .grad after the first micro-batch). Ours: logprob_loss_and_grad (three matmuls, accumulates in
-        # place). Plain torch: autograd through the full logits, then buffer += weight.grad.
-        old = torch.randn(N, generator=g) - math.log(V)
-        adv = torch.randn(N, generator=g)
-        h.requires_grad_()
-        w.requires_grad_()
-        buf_o = torch.zeros(V, H, device=device)
-        buf_b = torch.zeros(V, H, device=device)
-
-        def token_loss(lp, _ent, idx):
-            return ppo_token_loss(lp, old[idx], adv[idx]) / N
-
-        def ours():
-            buf_o.zero_()
-            r = logprob_loss_and_grad(h, w, t, token_loss, grad_weight=buf_o)
-            return r.grad_hidden, buf_o, r.loss
-
-        def base():
-            buf_b.zero_()
-            h.grad = None
-            w.grad = None
-            loss = token_loss(_plain_logprob(h, w, t), None, torch.arange(N, device=device)).sum()
-            loss.backward()
-            buf_b.add_(w.grad)
-            w.grad = None
-            return h.grad, buf_b, loss.detach()
-
-        def check(a, b):
-            return (
-                f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e} "
-                f"|dloss|={float((a[2] - b[2]).abs()):.1e}"
-            )
-
+        ours, base, check = _logprob_fwdbwd(h, w, t, device)
     elif mode == "fwdbwd_autograd":
-        # The autograd function (logprob) under sum(logp).backward(): its backward recomputes each logits
-        # tile, four matmuls against plain autograd's three; the weight gradient is a fresh [V, H] on
-        # both sides, so at the 7B head it dominates both peaks.
-        h.requires_grad_()
-        w.requires_grad_()
-
-        def _run(fn):
-            h.grad = None
-            w.grad = None
-            fn(h, w, t).sum().backward()
-            return h.grad, w.grad
-
-        def ours():
-            return _run(logprob)
-
-        def base():
-            return _run(_plain_logprob)
-
-        def check(a, b):
-            return f"max|dh|={float((a[0] - b[0]).abs().max()):.1e} max|dW|={float((a[1] - b[1]).abs().max()):.1e}"
-
+        ours, base, check = _logprob_fwdbwd_autograd(h, w, t)
     else:
         raise ValueError(f"mode: expected 'fwd', 'fwdbwd' or 'fwdbwd_autograd', got {mode!r}")
 

@@ -257,6 +257,74 @@ def _grad_buffers(N, V, H, dev, has_bias, need_hidden_grad, need_weight_grad, gr
     return dH, dW, dB
 
 
+def _chunk_loss_and_logits_grad(
+    z: Tensor, h_c: Tensor, t_n: Tensor, w: Tensor, b32: Tensor | None, vb: int, blk: int, token_loss: TokenLoss,
+    index: Tensor, *, inv_t: float, vocab_start: int, group, with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:  # fmt: skip
+    """One chunk of :func:`logprob_loss_and_grad`: its logits, log-probs, loss and logits gradient.
+
+    z: [V, n] fp32 buffer, overwritten (it ends as the logits gradient gz, which is returned). h_c: [n, H] fp32
+    hidden states; t_n: [n] global target ids; index: [n] their positions in ``targets.reshape(-1)``.
+    Returns (loss of the chunk, logp [n], entropy [n] or None, gz [V, n]).
+    """
+    n = z.shape[1]
+    V = w.shape[0]
+    hs_T = (h_c * inv_t if inv_t != 1.0 else h_c).T  # [H, n]
+    _fill_logits(z, w, hs_T, b32, vb)
+    cols = torch.arange(n, device=z.device)
+    lt = t_n - vocab_start  # local target row; outside [0, V) on other ranks' shards
+    hit = (lt >= 0) & (lt < V)
+    lt_in = lt.clamp(0, max(V - 1, 0))
+    tz = torch.where(hit, z[lt_in, cols], 0.0)
+    m = z.amax(dim=0)
+    s, u = _exp_sums(z, m, blk, with_entropy)
+    lse, c, ent_c, tz_g = _combine(m, s, u, tz, hit, group, with_entropy)
+    lp_c = tz_g - lse
+    loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, index)
+    gz = _logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t, blk)  # plus g_lp / T at the target:
+    if group is None:
+        gz[lt_in, cols] += g_lp * inv_t
+    else:
+        gz[lt_in[hit], cols[hit]] += g_lp[hit] * inv_t
+    return loss_c, lp_c, ent_c, gz
+
+
+def _sweep_chunks(
+    h_NH: Tensor, t_N: Tensor, w: Tensor, bias: Tensor | None, token_loss: TokenLoss,
+    dH: Tensor | None, dW: Tensor | None, dB: Tensor | None,
+    *, inv_t: float, vocab_start: int, group, with_entropy: bool, tile_bytes: int | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:  # fmt: skip
+    """The chunk loop of :func:`logprob_loss_and_grad`: (logp [N], entropy [N] or None, loss) of all tokens, with
+    dH [N, H] written and dW [V, H] / dB [V] accumulated in place (each None when not wanted)."""
+    N, H = h_NH.shape
+    V = w.shape[0]
+    dev = h_NH.device
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    ent = torch.empty(N, dtype=torch.float32, device=dev) if with_entropy else None
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    vb = V if w.dtype == torch.float32 else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
+    b32 = bias.detach().float() * inv_t if bias is not None else None
+    on_cuda = dev.type == "cuda"
+    rows = _chunk_rows(N, H, V, tile_bytes, on_cuda)
+    z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        h_c = h_NH[n0:n1].float()
+        z = z_buf[: V * (n1 - n0)].view(V, n1 - n0)  # z[v, i]: logits of token i, vocabulary entry v
+        # elementwise work in vocabulary blocks that stay in cache (one block on CUDA)
+        blk = V if on_cuda else max(64, _BLOCK_BYTES // (4 * (n1 - n0)))
+        loss_c, lp_c, ent_c, gz = _chunk_loss_and_logits_grad(
+            z, h_c, t_N[n0:n1], w, b32, vb, blk, token_loss, torch.arange(n0, n1, device=dev),
+            inv_t=inv_t, vocab_start=vocab_start, group=group, with_entropy=with_entropy,
+        )  # fmt: skip
+        logp[n0:n1] = lp_c
+        if with_entropy:
+            ent[n0:n1] = ent_c
+        loss += loss_c
+        _accumulate_grads(gz, w, h_c, vb, dH[n0:n1] if dH is not None else None, dW, dB)
+    return logp, ent, loss
+
+
 def logprob_loss_and_grad(
     hidden: Tensor,
     weight: Tensor,
@@ -307,46 +375,10 @@ def logprob_loss_and_grad(
     dH, dW, dB = _grad_buffers(
         N, V, H, dev, bias is not None, need_hidden_grad, need_weight_grad, grad_weight, grad_bias
     )
-    logp = torch.empty(N, dtype=torch.float32, device=dev)
-    ent = torch.empty(N, dtype=torch.float32, device=dev) if with_entropy else None
-    loss = torch.zeros((), dtype=torch.float32, device=dev)
-
-    w = weight.detach()
-    vb = V if w.dtype == torch.float32 else max(1, min(V, _UPCAST_BYTES // (4 * max(1, H))))
-    b32 = bias.detach().float() * inv_t if bias is not None else None
-    on_cuda = dev.type == "cuda"
-    rows = _chunk_rows(N, H, V, tile_bytes, on_cuda)
-    z_buf = torch.empty(V * min(rows, max(N, 1)), dtype=torch.float32, device=dev)
-
-    for n0 in range(0, N, rows):
-        n1 = min(N, n0 + rows)
-        n = n1 - n0
-        h_c = h_NH[n0:n1].float()
-        hs_T = (h_c * inv_t if inv_t != 1.0 else h_c).T  # [H, n]
-        z = z_buf[: V * n].view(V, n)  # z[v, i]: logits of token i, vocabulary entry v
-        _fill_logits(z, w, hs_T, b32, vb)
-        cols = torch.arange(n, device=dev)
-        lt = t_N[n0:n1] - vocab_start  # local target row; outside [0, V) on other ranks' shards
-        hit = (lt >= 0) & (lt < V)
-        lt_in = lt.clamp(0, max(V - 1, 0))
-        tz = torch.where(hit, z[lt_in, cols], 0.0)
-        m = z.amax(dim=0)
-        # elementwise work in vocabulary blocks that stay in cache (one block on CUDA)
-        blk = V if on_cuda else max(64, _BLOCK_BYTES // (4 * n))
-        s, u = _exp_sums(z, m, blk, with_entropy)
-        lse, c, ent_c, tz_g = _combine(m, s, u, tz, hit, group, with_entropy)
-        if with_entropy:
-            ent[n0:n1] = ent_c
-        lp_c = tz_g - lse
-        logp[n0:n1] = lp_c
-        loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, torch.arange(n0, n1, device=dev))
-        loss += loss_c
-        gz = _logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t, blk)  # plus g_lp / T at the target:
-        if group is None:
-            gz[lt_in, cols] += g_lp * inv_t
-        else:
-            gz[lt_in[hit], cols[hit]] += g_lp[hit] * inv_t
-        _accumulate_grads(gz, w, h_c, vb, dH[n0:n1] if dH is not None else None, dW, dB)
+    logp, ent, loss = _sweep_chunks(
+        h_NH, t_N, weight.detach(), bias, token_loss, dH, dW, dB,
+        inv_t=inv_t, vocab_start=vocab_start, group=group, with_entropy=with_entropy, tile_bytes=tile_bytes,
+    )  # fmt: skip
     if dH is not None and group is not None and reduce_grad_hidden:
         dist.all_reduce(dH, op=dist.ReduceOp.SUM, group=group)
     return FusedTokenLoss(

@@ -81,7 +81,7 @@ def test_select_sources_routes_through_sibling_topk_with_ties(monkeypatch, top_k
         calls.append(kwargs["impl"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(importlib.import_module("alignopsd.rectify"), "sibling_topk_from_similarity", counting)
+    monkeypatch.setattr(importlib.import_module("alignopsd.selection"), "sibling_topk_from_similarity", counting)
     with force_kernels():
         got = alignopsd.select_sources(H, B, task, roll, turn, gamma=0.2, top_k=top_k)
     assert calls == ["triton"]

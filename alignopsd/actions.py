@@ -1,0 +1,122 @@
+"""Mechanism 1's action-consistency filter (ALGORITHM.md §2.5): a selected (source, target) pair is kept only when
+the teacher's action of the source agrees with the student's action of the target, by embedding similarity and,
+for WebShop, by the search/click rule on the action strings.
+
+Legend: M = canonical turns, P = selected (source, target) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from alignopsd._checks import as_tensor, check_ndim, check_shape, check_turn_vector
+from alignopsd.selection import pairs_from_selection
+
+__all__ = ["action_filter", "parse_webshop_action", "validate_action_threshold", "webshop_rule_applies"]
+
+_WEBSHOP_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
+
+
+def validate_action_threshold(threshold) -> float:
+    """The action-consistency threshold: a real number (not bool or str) in [-1, 1]."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise ValueError(f"threshold: expected a real number in [-1, 1], got {type(threshold).__name__} {threshold!r}")
+    v = float(threshold)
+    if not math.isfinite(v) or v < -1.0 or v > 1.0:
+        raise ValueError(f"threshold: expected a finite number in [-1, 1], got {v}")
+    return v
+
+
+def webshop_rule_applies(env_name: str) -> bool:
+    """The WebShop search/click rule is on iff the environment name, lower-cased, is exactly "webshop"."""
+    return isinstance(env_name, str) and env_name.lower() == "webshop"
+
+
+def parse_webshop_action(action: str | None) -> tuple[str, str] | None:
+    """(verb, stripped argument) of a WebShop action ``search[...]`` / ``click[...]``, or None if it does not parse.
+
+    Case-sensitive: only lower-case verbs parse. The stripped argument must be non-empty.
+    """
+    if not isinstance(action, str):
+        return None
+    m = _WEBSHOP_RE.fullmatch(action)
+    if m is None:
+        return None
+    arg = m.group(2).strip()
+    if not arg:
+        return None
+    return m.group(1), arg
+
+
+def _action_valid(actions: Sequence[str | None] | None, valid: Tensor, name: str) -> Tensor:
+    if actions is None:
+        return valid
+    if len(actions) != valid.numel():
+        raise ValueError(f"{name}: expected {valid.numel()} action strings, got {len(actions)}")
+    nonempty = torch.tensor([isinstance(a, str) and bool(a.strip()) for a in actions], dtype=torch.bool)
+    return valid & nonempty.to(valid.device)
+
+
+def action_filter(
+    selected: Sequence[Sequence[int]],
+    action_sim: Tensor,
+    source_action_valid: Tensor,
+    target_action_valid: Tensor,
+    *,
+    threshold: float = 0.8,
+    source_actions: Sequence[str | None] | None = None,
+    target_actions: Sequence[str | None] | None = None,
+    webshop: bool = False,
+) -> list[list[int]]:
+    """Action-consistency filter (§2.5): removes pairs, never adds; keeps rank order.
+
+    selected: per target, source indices (as from :func:`select_sources`), len M.
+    action_sim: [M, M] cosine of teacher action of the source vs student action of the target.
+    source_action_valid / target_action_valid: [M] bool. A pair is kept iff both actions are valid,
+    action_sim is finite and >= threshold, and (``webshop=True``) the search/click rule holds:
+    both parse, verbs equal, and two clicks have exactly equal stripped arguments.
+    source_actions / target_actions: the action strings (required for ``webshop=True``); a
+    whitespace-only string counts as invalid.
+    """
+    thr = validate_action_threshold(threshold)
+    if not isinstance(webshop, bool):
+        raise ValueError(f"webshop: expected a bool, got {webshop!r}")
+    M = len(selected)
+    A = as_tensor(action_sim, "action_sim")
+    check_ndim(A, "action_sim", 2)
+    check_shape(A, "action_sim", (M, M))
+    if not A.is_floating_point():
+        raise ValueError(f"action_sim: expected a floating tensor, got {A.dtype}")
+    sv = check_turn_vector(source_action_valid, "source_action_valid", M, dtype=torch.bool)
+    tv = check_turn_vector(target_action_valid, "target_action_valid", M, dtype=torch.bool)
+    sv = _action_valid(source_actions, sv.cpu(), "source_actions")
+    tv = _action_valid(target_actions, tv.cpu(), "target_actions")
+    if webshop and (source_actions is None or target_actions is None):
+        raise ValueError("source_actions: the WebShop rule needs source_actions and target_actions")
+    pairs = pairs_from_selection(selected)
+    if pairs.numel() == 0:
+        return [[] for _ in range(M)]
+    if int(pairs.min()) < 0 or int(pairs.max()) >= M:
+        raise ValueError(f"selected: source indices must lie in [0, {M})")
+    s, t = pairs[:, 0], pairs[:, 1]
+    sim = A.detach().float().cpu()[s, t]
+    keep = sv[s] & tv[t] & torch.isfinite(sim) & (sim >= thr)
+    if webshop:
+        parsed_src = [parse_webshop_action(a) for a in source_actions]  # type: ignore[union-attr]
+        parsed_tgt = [parse_webshop_action(a) for a in target_actions]  # type: ignore[union-attr]
+        rule = []
+        for si, ti in pairs.tolist():
+            a, b = parsed_src[si], parsed_tgt[ti]
+            ok = a is not None and b is not None and a[0] == b[0] and (a[0] != "click" or a[1] == b[1])
+            rule.append(ok)
+        keep &= torch.tensor(rule, dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in range(M)]
+    for (si, ti), k in zip(pairs.tolist(), keep.tolist()):
+        if k:
+            out[ti].append(si)
+    return out
