@@ -29,6 +29,7 @@ from torch import Tensor
 
 from alignopsd._checks import check_real
 from alignopsd.advantage import grpo_advantage, invalid_action_residual, rowwise_grpo_advantage
+from alignopsd.algorithm_sections import EstimatorConfig
 from alignopsd.credit import allocate_credit
 from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.estimator_io import EstimatorInputs, EstimatorOutput
@@ -61,14 +62,14 @@ class EstimatorName(str, enum.Enum):
     ALIGNOPSD_M1 = "alignopsd_m1"
 
 
-EstimatorFn = Callable[[EstimatorInputs, Any], EstimatorOutput]
+EstimatorFn = Callable[[EstimatorInputs, EstimatorConfig], EstimatorOutput]
 """``fn(inputs, config)``: config is the run's ``alignopsd.config.AlgorithmConfig``."""
 
-Need = bool | Callable[[Any], bool]
+Need = bool | Callable[[EstimatorConfig], bool]
 """A declared need: a fixed answer, or a function of the AlgorithmConfig (e.g. ``lambda cfg: cfg.sdar.enabled``)."""
 
 
-def _answer(need: Need, config: Any) -> bool:
+def _answer(need: Need, config: EstimatorConfig) -> bool:
     return bool(need(config)) if callable(need) else need
 
 
@@ -102,19 +103,19 @@ class EstimatorSpec:
     description: str
     loss_separable: bool = True
 
-    def needs_teacher_diag(self, config: Any) -> bool:
+    def needs_teacher_diag(self, config: EstimatorConfig) -> bool:
         """Diagonal teacher log-probs are needed (always with alignment)."""
         return self.alignment or _answer(self.teacher_diag, config)
 
-    def has_aux(self, config: Any) -> bool:
+    def has_aux(self, config: EstimatorConfig) -> bool:
         """The estimator adds auxiliary loss terms under ``config``."""
         return _answer(self.aux, config)
 
-    def needs_ref(self, config: Any) -> bool:
+    def needs_ref(self, config: EstimatorConfig) -> bool:
         """Reference log-probs are needed iff the KL term is on."""
         return float(config.kl_coef) > 0.0
 
-    def phases(self, config: Any) -> dict[str, bool]:
+    def phases(self, config: EstimatorConfig) -> dict[str, bool]:
         """{'teacher_diag', 'alignment', 'ref', 'mechanism2'}: the step phases to run."""
         return {
             "teacher_diag": self.needs_teacher_diag(config),
@@ -123,7 +124,7 @@ class EstimatorSpec:
             "mechanism2": self.mechanism2,
         }
 
-    def __call__(self, inputs: EstimatorInputs, config: Any) -> EstimatorOutput:
+    def __call__(self, inputs: EstimatorInputs, config: EstimatorConfig) -> EstimatorOutput:
         return self.fn(inputs, config)
 
 
@@ -187,7 +188,7 @@ def get_estimator(name: str | EstimatorName) -> EstimatorSpec:
 # --------------------------------------------------------------------------------------------------- shared pieces
 
 
-def _outcome_advantage(inp: EstimatorInputs, cfg: Any) -> tuple[Tensor, Tensor, dict[str, float]]:
+def _outcome_advantage(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
     """(A [M] per-turn GRPO advantage (§3.1), r [M] invalid residual (§3.10) or zeros, metrics)."""
     A = grpo_advantage(inp.outcome, inp.task, inp.rollout, scope=cfg.grpo_scope, norm_by_std=cfg.norm_by_std)
     A = A.to(inp.old_logp.device)
@@ -229,14 +230,14 @@ def rlsd_lambda(step: int, *, lambda_init: float, decay_steps: int) -> float:
 
 
 @register_estimator(EstimatorName.GRPO, outcome_scaled=True)
-def _grpo(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _grpo(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """GRPO: Â = mask · (A + r), the outcome advantage plus the invalid residual; no teacher pass."""
     A, r, metrics = _outcome_advantage(inp, cfg)
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), metrics=metrics)
 
 
 @register_estimator(EstimatorName.SDAR, needs_teacher_diag=True, aux=True, outcome_scaled=True)
-def _sdar(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _sdar(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """SDAR: GRPO plus the §2.10 auxiliary (diagonal teacher, gate from the current policy)."""
     inp.require("diag")
     A, r, metrics = _outcome_advantage(inp, cfg)
@@ -247,7 +248,7 @@ def _sdar(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
 
 
 @register_estimator(EstimatorName.OPSD, needs_teacher_diag=True, aux=True)
-def _opsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """OPSD: gated distillation only (the SDAR-form term with the diagonal teacher); no outcome advantage."""
     inp.require("diag")
     aux = [AuxTerm("sdar", inp.diag, coef=cfg.opsd.coef, beta=cfg.opsd.beta)]  # type: ignore[arg-type]
@@ -257,7 +258,7 @@ def _opsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
 
 
 @register_estimator(EstimatorName.GRPO_OPSD, needs_teacher_diag=True, outcome_scaled=True)
-def _grpo_opsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """GRPO + dense OPSD shaping, StepOPSD-style (sign-preserving, per-step credit budget).
 
     Per token m = clip(exp(sign(A)·δ), 1 − α_clip, 1 + α_clip) with δ = ℓ^diag − ℓ^old; each turn (agent
@@ -279,7 +280,7 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
 
 
 @register_estimator(EstimatorName.RLSD, needs_teacher_diag=True, outcome_scaled=True)
-def _rlsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _rlsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """RLSD: Â = mask · (A·((1−λ) + λ·clip(exp(sign(A)·Δ), lo, hi)) + r), Δ = ℓ^diag − ℓ^old, λ decayed to 0."""
     A, r, metrics = _outcome_advantage(inp, cfg)
     delta = _teacher_gap(inp)
@@ -292,7 +293,7 @@ def _rlsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
-def rectify_inputs(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str, float]]:
+def rectify_inputs(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Rectified, Tensor, dict[str, float]]:
     """Rectify (§2.7) with the config's α_max (0 under ablation A); returns (rect, δ̃ [M, L], m1 metrics)."""
     inp.require("diag", "H", "eligible")
     M, L = inp.old_logp.shape
@@ -313,20 +314,20 @@ def rectify_inputs(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, d
     return rect, gap, metrics
 
 
-def _rectification(inp: EstimatorInputs, cfg: Any) -> tuple[Rectified, Tensor, dict[str, float]]:
+def _rectification(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Rectified, Tensor, dict[str, float]]:
     """The inputs' precomputed rectification, else :func:`rectify_inputs` (metrics copied: callers add to them)."""
     rect, gap, metrics = inp.rectification if inp.rectification is not None else rectify_inputs(inp, cfg)
     return rect, gap, dict(metrics)
 
 
-def _sdar_enabled(cfg: Any) -> bool:
+def _sdar_enabled(cfg: EstimatorConfig) -> bool:
     return bool(cfg.sdar.enabled)
 
 
 @register_estimator(
     EstimatorName.ALIGNOPSD, needs_alignment=True, uses_mechanism2=True, aux=_sdar_enabled, outcome_scaled=True
 )
-def _alignopsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _alignopsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """AlignOPSD: M1 rectification, then M2 credit (ablation A–E) on δ̃, plus the invalid residual;
     the SDAR auxiliary when ``cfg.sdar.enabled``. M2 adds no alignment loss term."""
     rect, gap, metrics = _rectification(inp, cfg)
@@ -353,7 +354,7 @@ def _alignopsd(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
 
 
 @register_estimator(EstimatorName.ALIGNOPSD_M1, needs_alignment=True, aux=True, outcome_scaled=True)
-def _alignopsd_m1(inp: EstimatorInputs, cfg: Any) -> EstimatorOutput:
+def _alignopsd_m1(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """M1-only (§2.9): verl-agent GRPO over all rows on R − c·invalid, plus coef · L_align with the
     rollout-frozen δ̃ gate."""
     rect, gap, metrics = _rectification(inp, cfg)

@@ -118,13 +118,12 @@ def test_field_validation():
         AlgorithmConfig(dual_clip=1.0)
     # every field has a docstring in the source
     import inspect
+    import sys
 
-    import alignopsd.config as mod
-
-    src = inspect.getsource(mod)
     for cls in (RectifyConfig, AlignmentLossConfig, SdarConfig, RlsdConfig, AlgorithmConfig):
+        src = inspect.getsource(sys.modules[cls.__module__])
         for f in dataclasses.fields(cls):
-            assert f"{f.name}:" in src
+            assert f"    {f.name}:" in src and '"""' in src.split(f"    {f.name}:", 1)[1].split("\n", 2)[1], f.name
 
 
 def test_strict_loader_messages():
