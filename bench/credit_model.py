@@ -25,11 +25,6 @@ MODEL_SEED = 0
 # close to uniform over a turn's candidates, so learning starts from chance
 INIT_RANGE = 0.02
 VOCAB_LIMIT = 2048  # an upper bound: the corpus runs out of merges first
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 TEACHER_HEADER = "[Privileged Skill Information]"  # ALGORITHM.md §1.4
 
 
@@ -67,31 +62,17 @@ def corpus(episodes_per_kind: int = 8) -> list[str]:
 
 
 def build_tokenizer():
-    """The byte-level BPE tokenizer trained on :func:`corpus` (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The engine's byte-level BPE tokenizer (ChatML template) trained on :func:`corpus` (deterministic)."""
+    from alignopsd.engine.models.loading import build_bpe_tokenizer
 
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_LIMIT,
-        special_tokens=list(SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(corpus(), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=SPECIALS[1], eos_token=SPECIALS[2], pad_token=SPECIALS[2]
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return build_bpe_tokenizer(corpus(), vocab_size=VOCAB_LIMIT)
 
 
 def ensure_model(root: str | Path) -> Path:
     """The model directory under ``root`` (written on first use; the same files every time)."""
     import torch
     from alignopsd.engine.models.loading import tiny_config
+    from alignopsd.engine.run.weights import publish_folder, save_model_files
     from transformers import LlamaForCausalLM
 
     out = Path(root) / "credit-tiny"
@@ -105,8 +86,9 @@ def ensure_model(root: str | Path) -> Path:
         torch.manual_seed(MODEL_SEED)
         model = LlamaForCausalLM(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(str(tmp))
-    tmp.rename(out)
-    return out
+
+    def fill(tmp: Path) -> None:
+        save_model_files(tmp, model)
+        tok.save_pretrained(str(tmp))
+
+    return publish_folder(out, fill)  # the engine's model writer: atomic, with a manifest

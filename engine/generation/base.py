@@ -59,3 +59,19 @@ def prefill_counts(backend) -> dict[str, int]:
 def prefill_delta(before: dict[str, int], after: dict[str, int], prefix: str) -> dict[str, float]:
     """Step metrics ``<prefix><count>`` of the prefills between two :func:`prefill_counts` readings."""
     return {f"{prefix}{k}": float(v - before.get(k, 0)) for k, v in after.items()}
+
+
+def check_prompts(prompts, max_new_tokens: int, max_model_len: int) -> None:
+    """A generation call's prompts: a list of non-empty token-id lists whose longest, plus the budget, fits the
+    engine's ``max_model_len`` (ValueError naming what is wrong)."""
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or len(p) == 0:
+            raise ValueError(f"prompts: row {i} must be a non-empty list of token ids")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"sampling.max_new_tokens: prompt length {longest} + budget {max_new_tokens} exceeds "
+            f"max_model_len {max_model_len}"
+        )

@@ -33,7 +33,7 @@ import contextlib
 from collections.abc import Iterable, Mapping
 
 import torch
-from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams, check_prompts
 from alignopsd.engine.generation.decode_cache import (
     ModelKV,
     SharedPrefixKV,
@@ -42,14 +42,6 @@ from alignopsd.engine.generation.decode_cache import (
 )
 from alignopsd.engine.generation.prefix import plan_prefixes
 from torch import Tensor
-
-
-def _validate_prompts(prompts: list[list[int]]) -> None:
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or len(p) == 0:
-            raise ValueError(f"prompts: row {i} must be a non-empty list of token ids")
 
 
 def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -140,13 +132,7 @@ class HFGenerator:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        _validate_prompts(prompts)
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"sampling.max_new_tokens: prompt length {longest} + budget {sampling.max_new_tokens} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
+        check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
         if not prompts:
             return out

@@ -43,7 +43,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
-from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams, check_prompts
 from torch import Tensor
 
 
@@ -310,17 +310,7 @@ class VLLMGenerator:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         from vllm.inputs import TokensPrompt
 
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
-        for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)) or len(p) == 0:
-                raise ValueError(f"prompts: row {i} must be a non-empty list of token ids")
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"sampling.max_new_tokens: prompt length {longest} + budget {sampling.max_new_tokens} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
+        check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
         if not prompts:
             return out

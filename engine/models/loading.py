@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -352,9 +353,9 @@ ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz 0123456789 .,;:!?'"()[]{}<
 """
 
 
-def build_bpe_tokenizer():
-    """A byte-level BPE tokenizer (``BPE_VOCAB_SIZE`` entries, ChatML template), trained on a built-in text;
-    identical on every call (a fast tokenizer; every byte is encodable)."""
+def build_bpe_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = BPE_VOCAB_SIZE):
+    """A byte-level BPE tokenizer (at most ``vocab_size`` entries, ChatML template) trained on ``texts`` (default: a
+    built-in text); identical on every call with the same texts (a fast tokenizer; every byte is encodable)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -362,12 +363,12 @@ def build_bpe_tokenizer():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(BPE_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(_BPE_CORPUS.splitlines() * 4, trainer=trainer)
+    core.train_from_iterator(_BPE_CORPUS.splitlines() * 4 if texts is None else texts, trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token=BPE_SPECIALS[1], eos_token=BPE_SPECIALS[2], pad_token=BPE_SPECIALS[2]
     )
