@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 from alignopsd.engine.config.schema import ConfigError, RunConfig
+from alignopsd.engine.parallel.collectives import all_reduce
 from alignopsd.engine.parallel.hardware import device_type
 
 
@@ -34,15 +35,8 @@ class Dist:
             self._dist.barrier()
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        if not self.enabled:
-            return list(values)
-        import torch
-
-        dev = torch.device("cuda", torch.cuda.current_device()) if self._dist.get_backend() == "nccl" else None
-        t = torch.tensor(values, dtype=torch.float64, device=dev)
-        red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX, "min": self._dist.ReduceOp.MIN}[op]
-        self._dist.all_reduce(t, op=red)
-        return t.cpu().tolist()
+        """A few floats reduced over every rank of the run (the one collective: parallel/collectives.py)."""
+        return all_reduce(values, op, self.world_size)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         if not self.enabled:
