@@ -32,9 +32,11 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
+
+from alignopsd.engine.run.progress import time_left
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -174,14 +176,26 @@ def run_all(cases: list[str], seeds: list[int], steps: int, env: str, jobs: int,
     from bench.credit_model import ensure_model
 
     work = [(c, s) for s in seeds for c in cases]
+    t0 = time.perf_counter()
+
+    def report(k: int, run: dict) -> dict:  # a line a finished run, with the time left of the whole benchmark
+        left = time_left(time.perf_counter() - t0, k, len(work))
+        line = f"bench.credit: run {k}/{len(work)}: {run['case']} seed {run['seed']}: final success "
+        line += f"{run['success'][-1]:.2f}, {run['wall_s']:.0f}s" + (f", {left}" if left else "")
+        print(line, flush=True)
+        return run
+
     with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd:
         ensure_model(wd)  # once, before the workers read it
         if jobs <= 1:
             _init_worker()
-            return [run_one(c, s, steps, env, wd, skills_dir) for c, s in work]
+            return [report(k + 1, run_one(c, s, steps, env, wd, skills_dir)) for k, (c, s) in enumerate(work)]
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_init_worker) as ex:
-            futs = [ex.submit(run_one, c, s, steps, env, wd, skills_dir) for c, s in work]
-            return [f.result() for f in futs]
+            futs = {ex.submit(run_one, c, s, steps, env, wd, skills_dir): i for i, (c, s) in enumerate(work)}
+            runs: list[dict | None] = [None] * len(work)
+            for k, f in enumerate(as_completed(futs)):
+                runs[futs[f]] = report(k + 1, f.result())
+            return runs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -188,6 +188,15 @@ def _mechanism_reading(summary: dict[str, dict]) -> list[str]:
     ]
 
 
+def _load_reading(before, after) -> str:
+    """Whether the wall time is this machine's (nothing else ran: 1-minute load average at most the 2 cores the
+    runs use, plus half a core of slack) or an upper bound (other work shared the cores)."""
+    peak = max(before[0], after[0])
+    if peak <= 2.5:
+        return f"The machine was otherwise idle (1-minute load average at most {peak:.2f}): the wall time is its own."
+    return f"Other work shared the cores (1-minute load average up to {peak:.2f}): the wall time is an upper bound."
+
+
 def write_results(path: Path, summary: dict[str, dict], runs: list[dict], meta: dict) -> Path:
     """The results markdown, its plot (``path`` with ``.png``) and the raw runs and summary (``.json``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,8 +215,7 @@ def write_results(path: Path, summary: dict[str, dict], runs: list[dict], meta: 
         f"{la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}",
         f"- wall time: {meta['wall_s'] / 60:.1f} min for {len(runs)} runs ({meta['seeds']} seeds × "
         f"{len(summary)} estimators × {meta['steps']} steps); CPU time of all runs: {meta['cpu_s'] / 60:.1f} min, "
-        f"i.e. {meta['cpu_s'] / 60 / 2:.1f} min of wall time on 2 otherwise idle cores. Measured on a shared, "
-        "loaded machine: the wall time is an upper bound.",
+        f"i.e. {meta['cpu_s'] / 60 / 2:.1f} min of wall time on 2 otherwise idle cores. {_load_reading(lb, la)}",
         "",
         f"![success per step]({png.name})",
         "",

@@ -31,11 +31,15 @@ def test_estimator_that_needs_skills_the_env_lacks_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_short_benchmark_writes_results(tmp_path):
+def test_short_benchmark_writes_results(tmp_path, capsys):
     out = tmp_path / "credit.md"
     argv = ["--out", str(out), "--seeds", "3", "--steps", "2", "--estimators", "grpo,alignopsd", "--jobs", "1"]
     assert credit.main(argv) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("bench.credit: run ")]
+    assert [x.split(":")[1] for x in lines] == [f" run {k}/6" for k in range(1, 7)]  # a line a finished run
+    assert all(x.endswith(" left") for x in lines[:-1]) and "left" not in lines[-1]
     text = out.read_text()
+    assert ("The machine was otherwise idle" in text) != ("the wall time is an upper bound" in text)  # read vs load
     assert out.with_suffix(".png").stat().st_size > 1000 and "![success per step](credit.png)" in text
     assert "| grpo |" in text and "| alignopsd |" in text and "load average" in text
     raw = json.loads(out.with_suffix(".json").read_text())
