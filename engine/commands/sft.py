@@ -192,7 +192,8 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
     if cfg.env.name != "alfworld":
         raise ValueError(f"env.name: the warm start needs expert walkthroughs (alfworld), got {cfg.env.name!r}")
     limit = cfg.env.max_turns + 2 * SEARCH_DETOURS
-    manager, train_tasks, _ = build_env(cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_turns": limit})}))
+    derived = cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_turns": limit})})
+    manager, train_tasks, _ = build_env(derived.validate())  # a copy is not validated: check it as loading would
     try:
         seen, tasks = set(), []
         for t in train_tasks:  # the task pool may repeat games; one walkthrough each
