@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from alignopsd.engine.generation.prompt_cache import PromptKV
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,6 +37,9 @@ class GenerationOutput:
     texts: list[str]
     logprobs: list[list[float]]
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
+    prompt_cache: PromptKV | None = (
+        None  # the prompts' keys and values when asked and kept (engine/generation/prompt_cache.py)
+    )
 
 
 class GenerationBackend(Protocol):

@@ -99,6 +99,8 @@ class SharedPrefixKV:
         self.pv: list[Tensor | None] = [None] * num_layers
         self.valid: Tensor | None = None  # [B, C] bool: own positions that are not padding
         self.prefix_valid: Tensor | None = None  # [B, P] bool: the prefix positions each row reads
+        self.prefix_valid_GP: Tensor | None = None  # [G, P] bool: each prefix's non-padding positions
+        self.row_prefix: Tensor | None = None  # [B] long: the prefix each row reads, -1 for none
         self.groups: list[tuple[int, Tensor | None, int]] = []  # (prefix, its rows or None for all rows, row count)
         self.length = 0  # own positions filled
         self.start = 0  # first own position of the current push
@@ -138,41 +140,66 @@ class SharedPrefixKV:
         """The rows pushed so far become the shared prefixes; the next push starts the rows that read them."""
         if self.prefix_valid is not None:
             raise ValueError("share: the cache already holds shared prefixes")
-        self.pk = [k[:, :, : self.length].contiguous() for k in self.k]
-        self.pv = [v[:, :, : self.length].contiguous() for v in self.v]
-        self.prefix_valid = self.valid[prefix_of_row, : self.length] & shared[:, None].bool()
-        self.groups = []
-        for g in range(self.pk[0].shape[0]):
-            rows = torch.nonzero(prefix_of_row.eq(g) & shared.bool()).flatten()
-            self.groups.append((g, rows, int(rows.numel())))
-        self._all_rows_in_one_group()
+        pk = [k[:, :, : self.length].contiguous() for k in self.k]
+        pv = [v[:, :, : self.length].contiguous() for v in self.v]
+        self._set_prefixes(pk, pv, self.valid[:, : self.length], torch.where(shared.bool(), prefix_of_row, -1))
+
+    @classmethod
+    def reading(
+        cls, pk: list[Tensor], pv: list[Tensor], valid_GP: Tensor, prefix_of_row: Tensor, budget: int = 0
+    ) -> SharedPrefixKV:
+        """A cache whose rows read the given prefixes (``pk``/``pv``: per layer ``[G, K, P, D]``, ``valid_GP`` their
+        non-padding positions, ``prefix_of_row`` ``[B]``, -1 for none) before their own positions: rows scored
+        behind prompts whose keys and values were kept (engine/generation/prompt_cache.py)."""
+        kv = cls(len(pk), budget)
+        kv._set_prefixes(pk, pv, valid_GP.bool(), prefix_of_row.long())
+        return kv
+
+    def _set_prefixes(self, pk: list[Tensor], pv: list[Tensor], valid_GP: Tensor, row_prefix: Tensor) -> None:
+        self.pk, self.pv = pk, pv
+        self.prefix_valid_GP = valid_GP
+        self.row_prefix = row_prefix
+        self._regroup()
         self.k = [None] * self.num_layers
         self.v = [None] * self.num_layers
         self.valid, self.length, self.start = None, 0, 0
 
+    def _regroup(self) -> None:
+        """Prefix validity per row and the groups of rows reading each prefix (None: every row reads it)."""
+        rp = self.row_prefix
+        self.prefix_valid = self.prefix_valid_GP[rp.clamp_min(0)] & rp.ge(0)[:, None]
+        self.groups = []
+        for g in rp[rp >= 0].unique().tolist():
+            rows = torch.nonzero(rp.eq(g)).flatten()
+            n = int(rows.numel())
+            self.groups.append((g, None if n == rp.numel() else rows, n))
+
     def select(self, rows: Tensor) -> None:
-        """Keep ``rows`` (in that order); the other rows' own keys and values are dropped."""
+        """Keep ``rows`` (in that order; a row may be repeated, which copies its keys and values)."""
         n, m, before = self.length, int(rows.numel()), int(self.valid.shape[0])
         for buf in (self.k, self.v):
             for i, t in enumerate(buf):
+                if m > before:  # more rows than the buffer holds: a new buffer of the same capacity
+                    buf[i] = t[rows]
+                    continue
                 t[:m, :, :n] = t[rows, :, :n]  # the right side is gathered into a new tensor first
                 buf[i] = t[:m]
         self.valid = self.valid[rows]
         if self.prefix_valid is not None:
-            self.prefix_valid = self.prefix_valid[rows]
-            where = torch.full((before,), -1, dtype=torch.long, device=rows.device)
-            where[rows] = torch.arange(m, device=rows.device)  # old row -> new row
-            kept = []
-            for g, old, _ in self.groups:
-                new = where[old] if old is not None else where
-                new = new[new >= 0]
-                kept.append((g, new, int(new.numel())))
-            self.groups = kept
-            self._all_rows_in_one_group()
+            self.row_prefix = self.row_prefix[rows]
+            self._regroup()
 
-    def _all_rows_in_one_group(self) -> None:
-        B = self.prefix_valid.shape[0]
-        self.groups = [(g, None if n == B else rows, n) for g, rows, n in self.groups if n > 0]
+    def prompts_snapshot(self, rows: Tensor) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """(keys, values: per layer ``[U, K, P + n, D]``, valid ``[U, P + n]``) of ``rows``: their prefix followed
+        by the own positions pushed so far, copied (decoding and :meth:`select` then leave them unchanged)."""
+        n = self.length
+        valid = self.valid[rows, :n]
+        if self.prefix_valid is None:
+            return [k[rows, :, :n] for k in self.k], [v[rows, :, :n] for v in self.v], valid
+        g = self.row_prefix[rows].clamp_min(0)
+        ks = [torch.cat([pk[g], k[rows, :, :n]], dim=2) for pk, k in zip(self.pk, self.k)]
+        vs = [torch.cat([pv[g], v[rows, :, :n]], dim=2) for pv, v in zip(self.pv, self.v)]
+        return ks, vs, torch.cat([self.prefix_valid[rows], valid], dim=1)
 
     def forward_kwargs(self) -> dict:
         return {"attention_mask": None, "past_key_values": self, "prefix_kv": self}
@@ -196,14 +223,7 @@ class SharedPrefixKV:
         return out.transpose(1, 2)
 
     def _row_prefix_index(self) -> Tensor:
-        B = self.prefix_valid.shape[0]
-        idx = torch.zeros(B, dtype=torch.long, device=self.prefix_valid.device)
-        for g, rows, _ in self.groups:
-            if rows is None:
-                idx.fill_(g)
-            else:
-                idx[rows] = g
-        return idx
+        return self.row_prefix.clamp_min(0)  # a row without a prefix reads prefix 0, all masked
 
     def _decode(self, layer: int, q: Tensor, scaling: float) -> Tensor:
         B, H, _, D = q.shape

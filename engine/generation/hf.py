@@ -41,6 +41,8 @@ from alignopsd.engine.generation.decode_cache import (
     shared_prefix_supported,
 )
 from alignopsd.engine.generation.prefix import plan_prefixes
+from alignopsd.engine.generation.prompt_cache import PromptChunk, PromptKV, distinct_prompts
+from alignopsd.engine.policy.lm_head import transformer_body
 from torch import Tensor
 
 
@@ -63,6 +65,22 @@ def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
+
+
+def sample_rows(probs_BV: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """[B] one draw per row of the categorical distributions ``probs_BV`` (non-negative, rows need not sum to 1).
+
+    The inverse of each row's cumulative distribution (float64) at one uniform number: the distribution of
+    ``torch.multinomial(probs, 1)``, which draws an exponential number per vocabulary entry instead (on the CPU
+    that was ~15 ms a token for 32 rows of a 49k vocabulary, more than the rest of the sampling). A draw never
+    lands on a token of zero mass.
+    """
+    cdf = probs_BV.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device, dtype=torch.float64)
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    last = (cdf < total).sum(-1, keepdim=True)  # the last token with positive mass
+    return torch.minimum(idx, last).squeeze(-1)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -131,11 +149,23 @@ class HFGenerator:
             dst.data.copy_(value.to(device=dst.device, dtype=dst.dtype))
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+    @property
+    def keeps_prompt_cache(self) -> bool:
+        """Whether ``generate(..., keep_prompt_cache=True)`` returns the prompts' keys and values (the CPU decoding
+        cache, engine/generation/decode_cache.py; elsewhere nothing is kept)."""
+        return self.fast_decode and shared_prefix_supported(self.model)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, keep_prompt_cache: bool = False
+    ) -> GenerationOutput:
+        """Sample from ``prompts`` (token-id lists). keep_prompt_cache: also return the prompts' keys and values
+        (``out.prompt_cache``, engine/generation/prompt_cache.py) where :attr:`keeps_prompt_cache`, else None."""
         check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
         if not prompts:
             return out
+        keep = keep_prompt_cache and self.keeps_prompt_cache
+        kept = PromptKV([tuple(p) for p in prompts], [], [], []) if keep else None
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -146,13 +176,14 @@ class HFGenerator:
         try:
             with torch.inference_mode(), self._attention():
                 for start in range(0, len(prompts), chunk):
-                    part = self._generate_chunk(prompts[start : start + chunk], sampling, gen)
+                    part = self._generate_chunk(prompts[start : start + chunk], sampling, gen, kept)
                     out.token_ids += part.token_ids
                     out.texts += part.texts
                     out.logprobs += part.logprobs
                     out.finish_reasons += part.finish_reasons
         finally:
             self.model.train(was_training)
+        out.prompt_cache = kept
         return out
 
     def _attention(self):
@@ -185,8 +216,39 @@ class HFGenerator:
                 mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _prefill(self, prompts: list[list[int]], kv) -> tuple[Tensor, Tensor]:
-        """(last logits [B, V] fp32, next position [B]) after pushing the prompts into the cache ``kv``.
+    def _prefill(self, prompts: list[list[int]], kv, keep: bool = False) -> tuple[Tensor, Tensor, PromptChunk | None]:
+        """(last logits [B, V] fp32, next position [B], the kept prompts or None) after pushing the prompts into the
+        cache ``kv``.
+
+        Identical prompts are pushed once (:func:`distinct_prompts`) and their rows copied after the prefill; the
+        distinct prompts are pushed by :meth:`_prefill_rows`. keep: snapshot the distinct prompts' keys, values and
+        last hidden states before the copy (the cache must be a ``SharedPrefixKV``)."""
+        lengths = [len(p) for p in prompts]
+        self.prefill_token_forwards_unshared += len(prompts) * max(lengths)
+        uniq, inverse = distinct_prompts(prompts) if self.share_prefixes else (prompts, list(range(len(prompts))))
+        last: list[Tensor] = []
+        if keep:  # the final hidden state of the last forward's last position: the first logits' input
+            hook = transformer_body(self.model).register_forward_hook(
+                lambda _m, _a, res: last.append(res.last_hidden_state[:, -1])
+            )
+        try:
+            logits_UV, next_pos_U = self._prefill_rows(uniq, kv)
+        finally:
+            if keep:
+                hook.remove()
+        kept = None
+        if keep:
+            rows = torch.arange(len(uniq), device=self.device)
+            keys, values, valid = kv.prompts_snapshot(rows)
+            kept = PromptChunk(keys, values, valid, last[-1].clone(), prompt_of_row=inverse)
+        if len(uniq) == len(prompts):
+            return logits_UV, next_pos_U, kept
+        idx = torch.tensor(inverse, dtype=torch.long, device=self.device)
+        kv.select(idx)
+        return logits_UV[idx], next_pos_U[idx], kept
+
+    def _prefill_rows(self, prompts: list[list[int]], kv) -> tuple[Tensor, Tensor]:
+        """(last logits [B, V] fp32, next position [B]) after pushing distinct prompts into the cache ``kv``.
 
         With shared prefixes (:func:`plan_prefixes`) and fewer positions to push than one padded batch, the
         prefixes go through one forward and become the cache's shared prefixes, and the rows' suffixes follow in
@@ -195,7 +257,6 @@ class HFGenerator:
         lengths = [len(p) for p in prompts]
         plain = len(prompts) * max(lengths)
         plan = plan_prefixes(prompts) if self.share_prefixes else None
-        self.prefill_token_forwards_unshared += plain
         if plan is None or not plan.length or plan.token_forwards(lengths) >= plain:
             ids_BL, mask_BL = self._left_pad(prompts)
             pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
@@ -214,11 +275,17 @@ class HFGenerator:
         self.prefill_token_forwards += int(pre_ids.numel() + suf_ids.numel())
         return self._forward(suf_ids, pos_BS, kv), pos_BS[:, -1] + 1
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, gen) -> GenerationOutput:
+    def _generate_chunk(
+        self, prompts: list[list[int]], sp: SamplingParams, gen, kept: PromptKV | None
+    ) -> GenerationOutput:
         dev = self.device
         B = len(prompts)
         kv = self._new_kv(sp.max_new_tokens)
-        logits_bV, next_pos_b = self._prefill(prompts, kv)
+        logits_bV, next_pos_b, chunk = self._prefill(prompts, kv, keep=kept is not None)
+        if kept is not None:
+            kept.chunk_of_row += [len(kept.chunks)] * B
+            kept.prompt_of_row += chunk.prompt_of_row
+            kept.chunks.append(chunk)
 
         stops = tuple(s for s in sp.stop if s)
         window = max((len(s) for s in stops), default=0) + 2  # tokens enough to contain any stop string
@@ -233,7 +300,7 @@ class HFGenerator:
             logp_bV = torch.log_softmax(scaled_bV, dim=-1)
             if sp.do_sample:
                 probs = filter_logits(scaled_bV, sp.top_k, sp.top_p).softmax(-1)
-                tok_b = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                tok_b = sample_rows(probs, gen)
             else:
                 tok_b = scaled_bV.argmax(-1)
             lp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from alignopsd.engine.envs.parsing import ACTION_TAGS, parse_action, parse_thinking
 from alignopsd.engine.generation.base import GenerationBackend, SamplingParams
+from alignopsd.engine.generation.prompt_cache import PromptKV
 from torch import Tensor
 
 THINK_STOP: tuple[str, ...] = ("</think>",)
@@ -46,6 +47,7 @@ class TeacherOutput:
     token_ids: list[list[int]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     stopped_at_tag: Tensor | None = None  # [M] bool: ended on the early-stop tag
+    prompt_cache: PromptKV | None = None  # the prompts' keys and values, when asked and the backend keeps them
 
     def padded(self, pad_token_id: int) -> tuple[Tensor, Tensor]:
         """([M, W] long token ids right-padded to the budget width, [M, W] bool mask) -- §2.1's output shape."""
@@ -86,6 +88,7 @@ def generate_teacher(
     *,
     teacher_do_sample: bool | None = None,
     max_model_len: int | None = None,
+    keep_prompt_cache: bool = False,
 ) -> TeacherOutput:
     """Sample one teacher response per prompt (unpadded token-id lists) and parse it.
 
@@ -100,6 +103,8 @@ def generate_teacher(
             configuration error (§2.1).
         max_model_len: the engine's context limit; prompt + budget above it raises. Defaults to the backend's
             ``max_model_len`` attribute when it has one.
+        keep_prompt_cache: ask a backend that can (``keeps_prompt_cache``) to keep the prompts' keys and values
+            for the teacher forcing (engine/generation/prompt_cache.py); ignored by the others.
     """
     if teacher_do_sample is not None and bool(teacher_do_sample) != bool(sampling.do_sample):
         raise ValueError(
@@ -121,7 +126,10 @@ def generate_teacher(
             f"budget: teacher prompt length {longest} + budget {W} exceeds the model limit max_model_len={limit}"
         )
     stops = teacher_stops(action_filter)
-    out = backend.generate([list(p) for p in teacher_prompt_ids], replace(sampling, max_new_tokens=W, stop=stops))
+    keep = {"keep_prompt_cache": True} if keep_prompt_cache and getattr(backend, "keeps_prompt_cache", False) else {}
+    out = backend.generate(
+        [list(p) for p in teacher_prompt_ids], replace(sampling, max_new_tokens=W, stop=stops), **keep
+    )
 
     thinking, t_valid, action, a_valid, at_tag = [], [], [], [], []
     for text, reason in zip(out.texts, out.finish_reasons or ["length"] * len(out.texts)):
@@ -148,4 +156,5 @@ def generate_teacher(
         token_ids=[list(t) for t in out.token_ids],
         finish_reasons=list(out.finish_reasons),
         stopped_at_tag=torch.tensor(at_tag, dtype=torch.bool),
+        prompt_cache=out.prompt_cache if keep_prompt_cache else None,
     )

@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from alignopsd.engine.generation.prompt_cache import PromptKV
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.cached_scoring import score_cached_prompts
 from alignopsd.engine.step.row_scoring import (
     RESCORING_MODES,
     as_pairs,
@@ -55,6 +57,11 @@ def can_reuse_rollout_logprobs(generator, model: nn.Module) -> bool:
     own module), so its per-token log-probs are the trainer's old log-probs up to kernel differences."""
     gm = getattr(generator, "model", None)
     return gm is not None and gm is model
+
+
+def unpadded_prompts(ids_ML: Tensor, mask_ML: Tensor) -> list[list[int]]:
+    """The attended token ids of each left-padded prompt row."""
+    return [[t for t, k in zip(ids, msk) if k] for ids, msk in zip(ids_ML.tolist(), mask_ML.tolist())]
 
 
 class Rescorer:
@@ -122,6 +129,13 @@ class Rescorer:
             )
         return lp.to(back), (en.to(back) if en is not None else None)
 
+    def reads_prompt_cache(self, generator) -> bool:
+        """Whether the teacher forcing can read the privileged prompts' keys and values that ``generator`` keeps
+        (engine/step/cached_scoring.py): the generator keeps them (the CPU decoding cache) and samples from this
+        scorer's own model (same module, same weights), which scores in the ``shared_prefix`` mode by itself."""
+        keeps = bool(getattr(generator, "keeps_prompt_cache", False))
+        return keeps and self.scorer is None and self.mode == "shared_prefix" and generator.model is self.model
+
     @torch.no_grad()
     def student_logprobs(self, batch: TurnBatch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, dict]:
         """([M, L] old log-probs of each turn's response under its student prompt, [M, L] entropy or None, stats)."""
@@ -137,12 +151,14 @@ class Rescorer:
 
     @torch.no_grad()
     def teacher_logprobs(
-        self, batch: TurnBatch, pairs=None, *, diagonal: bool = True
+        self, batch: TurnBatch, pairs=None, *, diagonal: bool = True, prompt_cache: PromptKV | None = None
     ) -> tuple[Tensor | None, Tensor, dict]:
         """(diag [M, L] or None, cross [P, L], stats): teacher forcing under the privileged prompts.
 
         pairs: [P, 2] (source, target) cross pairs (a tensor or a list of tuples; None or empty: no cross rows).
         The diagonal and the cross rows go through one scoring pass (the fused batch of M + P rows).
+        prompt_cache: the privileged prompts' keys and values kept by the teacher generation, one row per turn in
+        turn order (only where :meth:`reads_prompt_cache`): then only the responses are pushed.
         """
         if batch.teacher_prompt_ids is None or batch.teacher_prompt_mask is None:
             raise ValueError("batch: teacher_prompt_ids/teacher_prompt_mask are required for teacher scoring")
@@ -155,15 +171,23 @@ class Rescorer:
         stats = new_stats()
         t0 = time.perf_counter()
         with _eval(self.model):
-            lp, _ = self._score(
-                batch.teacher_prompt_ids,
-                batch.teacher_prompt_mask,
-                src,
-                batch.response_ids[tgt],
-                batch.response_mask[tgt],
-                False,
-                stats,
-            )
+            if prompt_cache is not None:
+                prompt_cache.check(unpadded_prompts(batch.teacher_prompt_ids, batch.teacher_prompt_mask))
+                lp, _ = score_cached_prompts(
+                    self.model, prompt_cache, src, batch.response_ids[tgt], batch.response_mask[tgt],
+                    temperature=self.temperature, max_tokens=self.max_tokens, impl=self.impl, stats=stats,
+                )  # fmt: skip
+                stats["cached_prompts"] = 1
+            else:
+                lp, _ = self._score(
+                    batch.teacher_prompt_ids,
+                    batch.teacher_prompt_mask,
+                    src,
+                    batch.response_ids[tgt],
+                    batch.response_mask[tgt],
+                    False,
+                    stats,
+                )
         stats["seconds"] = time.perf_counter() - t0
         nd = int(diag_idx.numel())
         return (lp[:nd] if diagonal else None), lp[nd:], stats

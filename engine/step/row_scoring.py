@@ -102,7 +102,7 @@ def _left_starts(mask: Tensor) -> list[int]:
     return torch.where(m, torch.arange(n, device=m.device), n).amin(1).tolist() if n else [0] * int(m.shape[0])
 
 
-def _right_extents(mask: Tensor) -> list[int]:
+def right_extents(mask: Tensor) -> list[int]:
     """Per row: 1 + its last attended column (0 if none), in one host transfer (row loops take maxima)."""
     m, n = mask.bool(), int(mask.shape[1])
     return (m * torch.arange(1, n + 1, device=m.device)).amax(1).tolist() if n else [0] * int(m.shape[0])
@@ -132,7 +132,7 @@ def score_plain(
     r, lr = response_ids_RL.shape
     out = torch.zeros(r, lr, dtype=torch.float32, device=response_ids_RL.device)
     ent = torch.zeros_like(out) if with_entropy else None
-    lp_cols, right = int(prompt_mask_SP.shape[1]), _right_extents(response_mask_RL)
+    lp_cols, right = int(prompt_mask_SP.shape[1]), right_extents(response_mask_RL)
     left = _left_starts(prompt_mask_SP[row_prompt_R])  # per row: its prompt's first attended column
     i = 0
     while i < r:
@@ -295,7 +295,7 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     stats["forwards"] += 1
     local = {s: i for i, s in enumerate(grp)}
     n_rows = int(rows_g.numel())
-    right, rp = _right_extents(rmask[rows_g]), row_prompt_R[rows_g].tolist()  # one host transfer each
+    right, rp = right_extents(rmask[rows_g]), row_prompt_R[rows_g].tolist()  # one host transfer each
     i = 0
     while i < n_rows:
         j = i + 1

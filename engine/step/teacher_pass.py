@@ -24,6 +24,7 @@ from alignopsd.engine.generation.base import SamplingParams, prefill_counts, pre
 from alignopsd.engine.generation.teacher import TeacherOutput, generate_teacher
 from alignopsd.engine.parallel.tp_broadcast import broadcast_from_lead
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.rescoring import unpadded_prompts
 from alignopsd.kernels import core_uses_kernels, sibling_topk
 from torch import Tensor
 
@@ -81,13 +82,11 @@ def teacher_seed(run_seed: int, rank: int, prompt_ids: Tensor) -> int:
     return int.from_bytes(h.digest()[:4], "little") % (2**31 - 1)
 
 
-def unpadded_prompts(ids_ML: Tensor, mask_ML: Tensor) -> list[list[int]]:
-    """The attended token ids of each left-padded prompt row."""
-    return [[t for t, k in zip(ids, msk) if k] for ids, msk in zip(ids_ML.tolist(), mask_ML.tolist())]
-
-
-def teacher_generation(parts, cb: TurnBatch, *, action_filter: bool) -> tuple[TeacherOutput, dict[str, float]]:
-    """One teacher response per canonical turn from its privileged prompt (§2.1), stopping at the closing tag."""
+def teacher_generation(
+    parts, cb: TurnBatch, *, action_filter: bool, keep_prompt_cache: bool = False
+) -> tuple[TeacherOutput, dict[str, float]]:
+    """One teacher response per canonical turn from its privileged prompt (§2.1), stopping at the closing tag.
+    keep_prompt_cache: keep the prompts' keys and values for the teacher forcing (``out.prompt_cache``)."""
     cfg = parts.cfg
     if cb.teacher_prompt_ids is None or cb.teacher_prompt_mask is None:
         raise ValueError("batch: the rollout produced no teacher prompts (teacher_prompt_ids is None)")
@@ -100,6 +99,7 @@ def teacher_generation(parts, cb: TurnBatch, *, action_filter: bool) -> tuple[Te
         action_filter,
         teacher_do_sample=cfg.generation.teacher_do_sample,
         max_model_len=cfg.generation.max_model_len,
+        keep_prompt_cache=keep_prompt_cache,
     )
     return out, {**out.metrics(), **prefill_delta(before, prefill_counts(parts.generator), "m1/teacher_")}
 
@@ -184,8 +184,9 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
     prof = parts.profiler
     use_filter = bool(parts.cfg.algorithm.rectify.action_filter)
     log.info("teacher pass: generating %d privileged responses", cb.size)
+    keep = parts.rescorer.reads_prompt_cache(parts.generator)  # teacher forcing then pushes only the responses
     with prof.phase("teacher_generation"):
-        teacher, metrics = teacher_generation(parts, cb, action_filter=use_filter)
+        teacher, metrics = teacher_generation(parts, cb, action_filter=use_filter, keep_prompt_cache=keep)
     parts.release_generation()  # encoding and teacher forcing follow: the engine sleeps until the weight sync
     log.info("teacher pass: %d tokens generated, encoding and matching", teacher.tokens_generated)
     with prof.phase("encoding"):
@@ -198,8 +199,10 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
         )
     metrics.update(sel_metrics)
     with prof.phase("teacher_forcing"):  # diagonal + cross rows in one fused scoring batch (§2.6)
-        diag, cross, st = parts.rescorer.teacher_logprobs(cb, pairs)
+        diag, cross, st = parts.rescorer.teacher_logprobs(cb, pairs, prompt_cache=teacher.prompt_cache)
+    teacher.prompt_cache = None  # the kept keys and values are freed before the update
     metrics["m1/teacher_forcing_row_count"] = float(cb.size + pairs.shape[0])
+    metrics["m1/teacher_forcing_cached_prompts"] = float(st.get("cached_prompts", 0))
     for k in ("token_forwards", "forwards"):
         if k in st:
             metrics[f"m1/teacher_forcing_{k}"] = float(st[k])

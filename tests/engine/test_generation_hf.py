@@ -343,3 +343,39 @@ def test_shared_prefix_logprobs_match_teacher_forcing(tiny):
     out = HFGenerator(model, tok).generate(prompts, SamplingParams(max_new_tokens=6, seed=2))
     for p, r, lp in zip(prompts, out.token_ids, out.logprobs):
         torch.testing.assert_close(torch.tensor(lp), teacher_forced_logprobs(model, p, r, 1.0), atol=2e-4, rtol=0)
+
+
+def test_identical_prompts_are_pushed_once_and_kept_once(tiny):
+    """Rows with the same prompt (siblings' first turns) share one prefill: the same tokens as plain generation in
+    fp32, the prefill of the distinct prompts alone, and one kept copy per distinct prompt."""
+    model, tok = tiny
+    prompts = _sibling_and_teacher_prompts(tok)
+    rows = [prompts[0], prompts[3], prompts[0], prompts[5], prompts[3], prompts[0]]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)
+    shared, plain, distinct = HFGenerator(model, tok), HFGenerator(model, tok), HFGenerator(model, tok)
+    plain.share_prefixes = plain.fast_decode = False
+    a = shared.generate(rows, sp, keep_prompt_cache=True)
+    b = plain.generate(rows, sp)
+    assert a.token_ids == b.token_ids and b.prompt_cache is None
+    torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=1e-4, rtol=0)
+    distinct.generate([prompts[0], prompts[3], prompts[5]], sp)
+    assert shared.prefill_token_forwards == distinct.prefill_token_forwards
+    cache = a.prompt_cache
+    assert cache.prompt_of_row == [0, 1, 0, 2, 1, 0] and cache.chunk_of_row == [0] * 6
+    chunk = cache.chunks[0]
+    assert chunk.keys[0].shape[0] == 3 and chunk.valid.sum(1).tolist() == [len(prompts[i]) for i in (0, 3, 5)]
+    assert chunk.last_hidden.shape == (3, model.config.hidden_size)
+    assert cache.nbytes == sum(t.numel() * 4 for t in (*chunk.keys, *chunk.values))
+
+
+def test_sample_rows_draws_the_categorical_distribution():
+    from alignopsd.engine.generation.hf import sample_rows
+
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0], [0.5, 0.0, 1.5, 0.0]])
+    n = 20000
+    draws = sample_rows(probs.repeat_interleave(n, 0), torch.Generator().manual_seed(0)).view(4, n)
+    freq = torch.stack([torch.bincount(d, minlength=4).float() / n for d in draws])
+    torch.testing.assert_close(freq, probs / probs.sum(1, keepdim=True), atol=0.012, rtol=0)
+    assert bool((freq[probs == 0] == 0).all())  # a token without mass is never drawn
+    a = sample_rows(probs, torch.Generator().manual_seed(7))
+    assert torch.equal(a, sample_rows(probs, torch.Generator().manual_seed(7)))

@@ -226,3 +226,58 @@ def test_rollout_logp_reuse_and_mismatch(caplog):
     gen.model = model
     assert can_reuse_rollout_logprobs(gen, model)
     assert not can_reuse_rollout_logprobs(gen, tiny_model(6))
+
+
+def _kept_teacher_prompts(model, b: TurnBatch, max_batch_size=None):
+    """The teacher generation's path: privileged prompts in turn order, their keys and values kept."""
+    from alignopsd.engine.generation.base import SamplingParams
+    from alignopsd.engine.generation.hf import HFGenerator
+    from alignopsd.engine.generation.teacher import generate_teacher
+    from alignopsd.engine.models.loading import load_tokenizer
+    from alignopsd.engine.step.rescoring import unpadded_prompts
+
+    gen = HFGenerator(model, load_tokenizer("tiny"), max_batch_size=max_batch_size, eos_token_ids=[V + 1])
+    prompts = unpadded_prompts(b.teacher_prompt_ids, b.teacher_prompt_mask)
+    out = generate_teacher(gen, prompts, SamplingParams(max_new_tokens=3, seed=1), None, False, keep_prompt_cache=True)
+    return gen, out.prompt_cache
+
+
+@pytest.mark.parametrize("max_tokens,max_batch_size", [(100000, None), (40, 3)])
+def test_teacher_forcing_behind_the_kept_prompt_cache_equals_scoring_the_prompts(max_tokens, max_batch_size):
+    """Teacher forcing that reads the teacher generation's kept keys/values (engine/step/cached_scoring.py) gives
+    the log-probs of scoring the privileged prompts again (fp32, up to reassociation) and pushes only responses;
+    identical prompts (rows 0 and 1) were pushed and kept once; chunked generation keeps one cache per chunk."""
+    model = tiny_model(2)
+    b = make_batch(seed=5)
+    gen, cache = _kept_teacher_prompts(model, b, max_batch_size)
+    rescorer = Rescorer(model, max_tokens=max_tokens, temperature=0.7)
+    assert rescorer.reads_prompt_cache(gen) and cache is not None
+    assert len(cache.chunks) == (1 if max_batch_size is None else 3)
+    assert cache.prompt_of_row[0] == cache.prompt_of_row[1] and cache.chunk_of_row[0] == cache.chunk_of_row[1]
+    assert cache.chunks[0].keys[0].shape[0] == (2 if max_batch_size else 6)  # rows 0-2 hold two distinct prompts
+    pairs = [(1, 0), (2, 0), (0, 3), (3, 1), (4, 5), (5, 4), (4, 6), (6, 4), (1, 3)]
+    d0, c0, s0 = rescorer.teacher_logprobs(b, pairs)
+    d1, c1, s1 = rescorer.teacher_logprobs(b, pairs, prompt_cache=cache)
+    assert (d0 - d1).abs().max() <= 1e-5 and (c0 - c1).abs().max() <= 1e-5
+    assert bool((d1[5] == 0).all()) and bool((c1[4] == 0).all())  # the empty response (turn 5)
+    assert s1["cached_prompts"] == 1 and s1["prompt_tokens"] == 0 and s1["rows"] == b.size + len(pairs)
+    tgt = list(range(b.size)) + [t for _, t in pairs]
+    longest = int(b.response_mask.sum(1).max())
+    assert s1["token_forwards"] == s1["response_tokens"] <= len(tgt) * (longest - 1) < s0["token_forwards"]
+    if max_tokens < 100:
+        assert s1["forwards"] > 3  # rows were split into forwards of at most max_tokens context tokens
+
+
+def test_kept_prompt_cache_is_refused_for_other_prompts_or_another_model():
+    model = tiny_model(2)
+    b = make_batch(seed=5)
+    gen, cache = _kept_teacher_prompts(model, b)
+    other = make_batch(seed=6)
+    with pytest.raises(ValueError, match="prompt_cache: row 0"):
+        Rescorer(model).teacher_logprobs(other, None, prompt_cache=cache)
+    with pytest.raises(ValueError, match="made for 7 prompts"):
+        Rescorer(model).teacher_logprobs(make_batch(seed=5, m=6), None, prompt_cache=cache)
+    assert not Rescorer(tiny_model(3)).reads_prompt_cache(gen)  # another module: other weights
+    assert not Rescorer(model, mode="plain").reads_prompt_cache(gen)
+    gen.fast_decode = False  # the model's own attention keeps no prompt cache
+    assert not Rescorer(model).reads_prompt_cache(gen)
