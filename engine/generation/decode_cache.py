@@ -177,12 +177,19 @@ class SharedPrefixKV:
     def select(self, rows: Tensor) -> None:
         """Keep ``rows`` (in that order; a row may be repeated, which copies its keys and values)."""
         n, m, before = self.length, int(rows.numel()), int(self.valid.shape[0])
+        kept = rows.tolist()
+        moves = [(j, r) for j, r in enumerate(kept) if r != j]
+        in_order = m <= before and all(a < b for a, b in zip(kept, kept[1:]))
         for buf in (self.k, self.v):
             for i, t in enumerate(buf):
                 if m > before:  # more rows than the buffer holds: a new buffer of the same capacity
                     buf[i] = t[rows]
                     continue
-                t[:m, :, :n] = t[rows, :, :n]  # the right side is gathered into a new tensor first
+                if in_order:  # dropping rows (decoding): move each later row up in place, no gathered copy
+                    for j, r in moves:
+                        t[j, :, :n].copy_(t[r, :, :n])
+                else:
+                    t[:m, :, :n] = t[rows, :, :n]  # the right side is gathered into a new tensor first
                 buf[i] = t[:m]
         self.valid = self.valid[rows]
         if self.prefix_valid is not None:
