@@ -59,29 +59,18 @@ def score_cached_prompts(
     with shared_prefix_attention_on(model):
         for c, chunk in enumerate(cache.chunks):
             rows = [i for i in range(r) if cache.chunk_of_row[rp[i]] == c and right[i] > 0]
+            rows.sort(key=lambda i: -right[i])  # rows of similar lengths share a forward: less padding pushed
             width = int(chunk.valid.shape[1])
-            i = 0
-            while i < len(rows):
-                j = i + 1
-                while j < len(rows) and (j + 1 - i) * (width + max(right[k] for k in rows[i : j + 1])) <= max_tokens:
-                    j += 1
-                sub = rows[i:j]
-                prompts = [cache.prompt_of_row[rp[k]] for k in sub]
+            per = max(1, max_tokens // (width + right[rows[0]])) if rows else 1  # the longest rows come first
+            for i in range(0, len(rows), per):
+                sub = rows[i : i + per]
                 idx = torch.tensor(sub, dtype=torch.long, device=dev)
-                h = _hidden(
-                    model,
-                    chunk,
-                    prompts,
-                    response_ids_RL[idx],
-                    response_mask_RL[idx],
-                    max(right[k] for k in sub),
-                    stats,
-                )
+                prompts = [cache.prompt_of_row[rp[k]] for k in sub]
+                h = _hidden(model, chunk, prompts, response_ids_RL[idx], response_mask_RL[idx], right[sub[0]], stats)
                 lp, en = scatter_response(h, response_ids_RL[idx], response_mask_RL[idx].bool(), head_fn)
                 out[idx] = lp
                 if with_entropy:
                     ent[idx] = en
-                i = j
     stats["rows"] += r
     return out, ent
 
