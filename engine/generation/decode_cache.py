@@ -196,6 +196,12 @@ class SharedPrefixKV:
             self.row_prefix = self.row_prefix[rows]
             self._regroup()
 
+    def snapshot_bytes(self, n_rows: int) -> int:
+        """Bytes :meth:`prompts_snapshot` of ``n_rows`` rows would hold (keys and values of every layer, fp32)."""
+        _, K, _, D = self.k[0].shape
+        width = self.length + (self.prefix_valid.shape[1] if self.prefix_valid is not None else 0)
+        return 2 * self.num_layers * n_rows * K * width * D * 4
+
     def prompts_snapshot(self, rows: Tensor) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """(keys, values: per layer ``[U, K, P + n, D]``, valid ``[U, P + n]``) of ``rows``: their prefix followed
         by the own positions pushed so far, copied (decoding and :meth:`select` then leave them unchanged)."""

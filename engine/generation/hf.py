@@ -124,6 +124,9 @@ class HFGenerator:
         self.tokens_generated = 0  # running count, for throughput metrics
         self.share_prefixes = True  # push a prefix shared by several rows once (engine/generation/prefix.py)
         self.fast_decode = True  # keep shared prefixes once, decode by grouped matmuls where supported (the CPU)
+        # kept prompt keys/values of one generate call at most; beyond it nothing is kept (the consumer then pushes
+        # the prompts again: the teacher forcing of a large batch on a large model)
+        self.prompt_cache_max_bytes = 2 << 30
         self.prefill_token_forwards = 0  # running count of prompt positions pushed by prefills, padding included
         self.prefill_token_forwards_unshared = 0  # what the same prefills push without sharing (one padded batch)
 
@@ -183,7 +186,7 @@ class HFGenerator:
                     out.finish_reasons += part.finish_reasons
         finally:
             self.model.train(was_training)
-        out.prompt_cache = kept
+        out.prompt_cache = kept if kept is not None and kept.complete else None
         return out
 
     def _attention(self):
@@ -216,13 +219,17 @@ class HFGenerator:
                 mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _prefill(self, prompts: list[list[int]], kv, keep: bool = False) -> tuple[Tensor, Tensor, PromptChunk | None]:
+    def _prefill(
+        self, prompts: list[list[int]], kv, keep_room: int | None = None
+    ) -> tuple[Tensor, Tensor, PromptChunk | None]:
         """(last logits [B, V] fp32, next position [B], the kept prompts or None) after pushing the prompts into the
         cache ``kv``.
 
         Identical prompts are pushed once (:func:`distinct_prompts`) and their rows copied after the prefill; the
-        distinct prompts are pushed by :meth:`_prefill_rows`. keep: snapshot the distinct prompts' keys, values and
-        last hidden states before the copy (the cache must be a ``SharedPrefixKV``)."""
+        distinct prompts are pushed by :meth:`_prefill_rows`. keep_room: snapshot the distinct prompts' keys, values
+        and last hidden states before the copy if they fit in that many bytes (the cache must be a
+        ``SharedPrefixKV``); None: keep nothing."""
+        keep = keep_room is not None
         lengths = [len(p) for p in prompts]
         self.prefill_token_forwards_unshared += len(prompts) * max(lengths)
         uniq, inverse = distinct_prompts(prompts) if self.share_prefixes else (prompts, list(range(len(prompts))))
@@ -237,7 +244,7 @@ class HFGenerator:
             if keep:
                 hook.remove()
         kept = None
-        if keep:
+        if keep and kv.snapshot_bytes(len(uniq)) <= keep_room:
             rows = torch.arange(len(uniq), device=self.device)
             keys, values, valid = kv.prompts_snapshot(rows)
             kept = PromptChunk(keys, values, valid, last[-1].clone(), prompt_of_row=inverse)
@@ -281,8 +288,12 @@ class HFGenerator:
         dev = self.device
         B = len(prompts)
         kv = self._new_kv(sp.max_new_tokens)
-        logits_bV, next_pos_b, chunk = self._prefill(prompts, kv, keep=kept is not None)
-        if kept is not None:
+        room = self.prompt_cache_max_bytes - kept.nbytes if kept is not None and kept.complete else None
+        logits_bV, next_pos_b, chunk = self._prefill(prompts, kv, keep_room=room)
+        if kept is not None and chunk is None:  # over the limit: nothing of this call is kept
+            kept.complete = False
+            kept.chunks.clear()
+        elif chunk is not None:
             kept.chunk_of_row += [len(kept.chunks)] * B
             kept.prompt_of_row += chunk.prompt_of_row
             kept.chunks.append(chunk)

@@ -58,6 +58,7 @@ class PromptKV:
     chunk_of_row: list[int]
     prompt_of_row: list[int]
     chunks: list[PromptChunk]
+    complete: bool = True  # False once a chunk did not fit the generator's byte limit (nothing is then returned)
 
     def check(self, prompts: Sequence[Sequence[int]]) -> None:
         """Raise ValueError unless ``prompts`` (the rows to score, unpadded) are the rows the cache was made from."""

@@ -379,3 +379,22 @@ def test_sample_rows_draws_the_categorical_distribution():
     assert bool((freq[probs == 0] == 0).all())  # a token without mass is never drawn
     a = sample_rows(probs, torch.Generator().manual_seed(7))
     assert torch.equal(a, sample_rows(probs, torch.Generator().manual_seed(7)))
+
+
+def test_prompt_cache_over_the_byte_limit_is_not_kept(tiny):
+    """A generate call whose kept prompts would pass ``prompt_cache_max_bytes`` keeps nothing (the teacher forcing
+    then pushes the prompts again), also when only a later chunk would pass it."""
+    model, tok = tiny
+    prompts = _sibling_and_teacher_prompts(tok)[:4]
+    sp = SamplingParams(max_new_tokens=2, seed=3)
+    gen = HFGenerator(model, tok)
+    full = gen.generate(prompts, sp, keep_prompt_cache=True).prompt_cache
+    gen.prompt_cache_max_bytes = full.nbytes
+    assert gen.generate(prompts, sp, keep_prompt_cache=True).prompt_cache.nbytes == full.nbytes
+    gen.prompt_cache_max_bytes = full.nbytes - 1
+    assert gen.generate(prompts, sp, keep_prompt_cache=True).prompt_cache is None
+    chunked = HFGenerator(model, tok, max_batch_size=2)
+    first = chunked.generate(prompts[:2], sp, keep_prompt_cache=True).prompt_cache
+    chunked.prompt_cache_max_bytes = first.nbytes  # the first chunk fits, the second does not
+    out = chunked.generate(prompts, sp, keep_prompt_cache=True)
+    assert out.prompt_cache is None and len(out.token_ids) == 4
