@@ -58,6 +58,19 @@ def token_logprobs(
     return (out[0] if isinstance(out, tuple) else out).float(), None
 
 
+def logprob_head(model: nn.Module, *, temperature: float, with_entropy: bool = False, impl: str = "auto") -> HeadFn:
+    """``head(h_ND, t_N) -> ([N] log-probs, [N] entropies or None)`` of ``model``'s LM head (:func:`token_logprobs`
+    at ``temperature``), the head the row scorers hand to :func:`scatter_response`."""
+    weight, bias = output_head(model)
+
+    def head(h_ND: Tensor, t_N: Tensor) -> tuple[Tensor, Tensor | None]:
+        return token_logprobs(
+            h_ND, weight, t_N, temperature=temperature, with_entropy=with_entropy, bias_V=bias, impl=impl
+        )
+
+    return head
+
+
 def fused_head_loss(
     hidden_ND: Tensor,
     weight_VD: Tensor,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from alignopsd.engine.generation.decode_cache import SharedPrefixKV, shared_prefix_attention_on
 from alignopsd.engine.generation.prompt_cache import PromptChunk, PromptKV
-from alignopsd.engine.policy.lm_head import output_head, scatter_response, token_logprobs, transformer_body
+from alignopsd.engine.policy.lm_head import logprob_head, scatter_response, transformer_body
 from alignopsd.engine.step.row_scoring import right_extents
 from torch import Tensor, nn
 
@@ -45,12 +45,7 @@ def score_cached_prompts(
     dev = response_ids_RL.device
     out = torch.zeros(r, lr, dtype=torch.float32, device=dev)
     ent = torch.zeros_like(out) if with_entropy else None
-    weight, bias = output_head(model)
-
-    def head_fn(h_ND: Tensor, t_N: Tensor) -> tuple[Tensor, Tensor | None]:
-        return token_logprobs(
-            h_ND, weight, t_N, temperature=temperature, with_entropy=with_entropy, bias_V=bias, impl=impl
-        )
+    head_fn = logprob_head(model, temperature=temperature, with_entropy=with_entropy, impl=impl)
 
     rp = row_prompt_R.tolist()
     if any(not 0 <= p < len(cache.prompts) for p in rp):

@@ -39,7 +39,7 @@ import logging
 
 import torch
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.policy.lm_head import output_head, scatter_response, score_rows, token_logprobs, transformer_body
+from alignopsd.engine.policy.lm_head import logprob_head, scatter_response, score_rows, transformer_body
 from alignopsd.engine.policy.megatron.scoring import ShardScoring
 from alignopsd.engine.step.batch import position_ids
 from torch import Tensor, nn
@@ -237,9 +237,9 @@ def score_shared_prefix(
     counts = torch.bincount(row_prompt_R, minlength=int(prompt_ids_SP.shape[0]))
     prefix_budget = max(1, max_tokens // 4) if max_prefix_tokens is None else int(max_prefix_tokens)
     groups = _prompt_groups(row_prompt_R[order].unique_consecutive().tolist(), prompt_mask_SP, prefix_budget)
-    head = (transformer_body(model), *output_head(model))
+    head = (transformer_body(model), logprob_head(model, temperature=temperature, with_entropy=with_entropy, impl=impl))
     rows = (row_prompt_R, response_ids_RL, response_mask_RL)
-    kw = dict(temperature=temperature, with_entropy=with_entropy, max_tokens=max_tokens, impl=impl)
+    kw = dict(with_entropy=with_entropy, max_tokens=max_tokens)
     row_pos = 0
     for grp in groups:
         g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
@@ -268,16 +268,11 @@ def _prompt_groups(used: list[int], prompt_mask_SP: Tensor, prefix_budget: int) 
     return groups
 
 
-def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, *, temperature,
-                 with_entropy, max_tokens, impl) -> None:  # fmt: skip
+def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, *, with_entropy,
+                 max_tokens) -> None:  # fmt: skip
     """One prompt forward of group ``grp`` (cache kept), then its rows ``rows_g`` attached to that cache; writes
     the rows' log-probs (and entropies) into ``out`` / ``ent``."""
-    body, weight, bias = head
-
-    def head_fn(h_ND: Tensor, t_N: Tensor) -> tuple[Tensor, Tensor | None]:
-        return token_logprobs(
-            h_ND, weight, t_N, temperature=temperature, with_entropy=with_entropy, bias_V=bias, impl=impl
-        )
+    body, head_fn = head
 
     row_prompt_R, response_ids_RL, response_mask_RL = rows
     dev = response_ids_RL.device
