@@ -122,6 +122,9 @@ class BatchProbe:
         self.seen.append(_digest(cb.teacher_prompt_ids) + (_digest(pairs) if pairs is not None else 0.0))
         return self.inner.teacher_logprobs(cb, pairs, *a, **kw)
 
+    def __getattr__(self, name):  # everything else the step asks of the rescorer (e.g. reads_prompt_cache)
+        return getattr(self.inner, name)
+
 
 def _compare_weights(ours: dict, ref: dict, start: dict) -> None:
     moved = 0.0

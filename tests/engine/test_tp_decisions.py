@@ -52,9 +52,9 @@ def test_rank1_with_perturbed_H_trains_on_rank0_pairs_and_spans(monkeypatch):
     seen: dict = {}
     scorer = tr.parts.rescorer.teacher_logprobs
 
-    def record_pairs(cb, pairs):
+    def record_pairs(cb, pairs, **kw):
         seen["pairs"] = None if pairs is None else pairs.detach().cpu().clone()
-        return scorer(cb, pairs)
+        return scorer(cb, pairs, **kw)
 
     monkeypatch.setattr(tr.parts.rescorer, "teacher_logprobs", record_pairs)
     update = step_mod.ppo_update
