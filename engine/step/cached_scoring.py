@@ -32,20 +32,19 @@ def score_cached_prompts(
     response_mask_RL: Tensor,
     *,
     temperature: float = 1.0,
-    with_entropy: bool = False,
     max_tokens: int = 16384,
     impl: str = "auto",
     stats: dict,
-) -> tuple[Tensor, Tensor | None]:
-    """([R, L] fp32 log-probs, [R, L] entropy or None) of rows ``[prompt row_prompt_R[r] | response r]``, the
-    prompts being the rows of the generate call that made ``cache``; rows go through forwards of at most
-    ``max_tokens`` context tokens (rows x (kept width + response)). ``model`` must be the generating model with
-    the weights it generated with. Counts are added to ``stats`` (engine/step/row_scoring.py's legend)."""
+) -> Tensor:
+    """[R, L] fp32 log-probs (0 on masked-out positions; the teacher forcing needs no entropy) of rows
+    ``[prompt row_prompt_R[r] | response r]``, the prompts being the rows of the generate call that made ``cache``;
+    rows go through forwards of at most ``max_tokens`` context tokens (rows x (kept width + response)). ``model``
+    must be the generating model with the weights it generated with. Counts are added to ``stats``
+    (engine/step/row_scoring.py's legend)."""
     r, lr = response_ids_RL.shape
     dev = response_ids_RL.device
     out = torch.zeros(r, lr, dtype=torch.float32, device=dev)
-    ent = torch.zeros_like(out) if with_entropy else None
-    head_fn = logprob_head(model, temperature=temperature, with_entropy=with_entropy, impl=impl)
+    head_fn = logprob_head(model, temperature=temperature, impl=impl)
 
     rp = row_prompt_R.tolist()
     if any(not 0 <= p < len(cache.prompts) for p in rp):
@@ -62,12 +61,9 @@ def score_cached_prompts(
                 idx = torch.tensor(sub, dtype=torch.long, device=dev)
                 prompts = [cache.prompt_of_row[rp[k]] for k in sub]
                 h = _hidden(model, chunk, prompts, response_ids_RL[idx], response_mask_RL[idx], right[sub[0]], stats)
-                lp, en = scatter_response(h, response_ids_RL[idx], response_mask_RL[idx].bool(), head_fn)
-                out[idx] = lp
-                if with_entropy:
-                    ent[idx] = en
+                out[idx] = scatter_response(h, response_ids_RL[idx], response_mask_RL[idx].bool(), head_fn)[0]
     stats["rows"] += r
-    return out, ent
+    return out
 
 
 def _hidden(model: nn.Module, chunk: PromptChunk, prompts: list[int], resp_ids: Tensor, resp_mask: Tensor,

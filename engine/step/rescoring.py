@@ -173,7 +173,7 @@ class Rescorer:
         with _eval(self.model):
             if prompt_cache is not None:
                 prompt_cache.check(unpadded_prompts(batch.teacher_prompt_ids, batch.teacher_prompt_mask))
-                lp, _ = score_cached_prompts(
+                lp = score_cached_prompts(
                     self.model, prompt_cache, src, batch.response_ids[tgt], batch.response_mask[tgt],
                     temperature=self.temperature, max_tokens=self.max_tokens, impl=self.impl, stats=stats,
                 )  # fmt: skip
