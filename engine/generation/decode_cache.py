@@ -196,23 +196,28 @@ class SharedPrefixKV:
             self.row_prefix = self.row_prefix[rows]
             self._regroup()
 
-    def snapshot_bytes(self, n_rows: int) -> int:
-        """Bytes :meth:`prompts_snapshot` of ``n_rows`` rows would hold (keys and values of every layer, fp32)."""
-        _, K, _, D = self.k[0].shape
+    def snapshot_bytes(self) -> int:
+        """Bytes :meth:`prompts_snapshot` would hold (keys and values of every layer, fp32)."""
+        B, K, _, D = self.k[0].shape
         width = self.length + (self.prefix_valid.shape[1] if self.prefix_valid is not None else 0)
-        return 2 * self.num_layers * n_rows * K * width * D * 4
+        return 2 * self.num_layers * B * K * width * D * 4
 
-    def prompts_snapshot(self, rows: Tensor) -> tuple[list[Tensor], list[Tensor], Tensor]:
-        """(keys, values: per layer ``[U, K, P + n, D]``, valid ``[U, P + n]``) of ``rows``: their prefix followed
-        by the own positions pushed so far, copied (decoding and :meth:`select` then leave them unchanged)."""
+    def prompts_snapshot(self) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """(keys, values: per layer ``[B, K, P + n, D]``, valid ``[B, P + n]``) of every row: its prefix followed by
+        the own positions pushed so far, copied once (decoding and :meth:`select` then leave them unchanged)."""
         n = self.length
-        valid = self.valid[rows, :n]
+        valid = self.valid[:, :n]
         if self.prefix_valid is None:
-            return [k[rows, :, :n] for k in self.k], [v[rows, :, :n] for v in self.v], valid
-        g = self.row_prefix[rows].clamp_min(0)
-        ks = [torch.cat([pk[g], k[rows, :, :n]], dim=2) for pk, k in zip(self.pk, self.k)]
-        vs = [torch.cat([pv[g], v[rows, :, :n]], dim=2) for pv, v in zip(self.pv, self.v)]
-        return ks, vs, torch.cat([self.prefix_valid[rows], valid], dim=1)
+            return [k[:, :, :n].clone() for k in self.k], [v[:, :, :n].clone() for v in self.v], valid.clone()
+        g = self.row_prefix.clamp_min(0)
+        one = bool((g == g[0]).all())  # one prefix for every row: read as a view, not gathered per row
+
+        def prefix(t: Tensor) -> Tensor:
+            return t[g[:1]].expand(g.numel(), -1, -1, -1) if one else t[g]
+
+        ks = [torch.cat([prefix(pk), k[:, :, :n]], dim=2) for pk, k in zip(self.pk, self.k)]
+        vs = [torch.cat([prefix(pv), v[:, :, :n]], dim=2) for pv, v in zip(self.pv, self.v)]
+        return ks, vs, torch.cat([self.prefix_valid, valid], dim=1)
 
     def forward_kwargs(self) -> dict:
         return {"attention_mask": None, "past_key_values": self, "prefix_kv": self}

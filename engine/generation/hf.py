@@ -244,9 +244,8 @@ class HFGenerator:
             if keep:
                 hook.remove()
         kept = None
-        if keep and kv.snapshot_bytes(len(uniq)) <= keep_room:
-            rows = torch.arange(len(uniq), device=self.device)
-            keys, values, valid = kv.prompts_snapshot(rows)
+        if keep and kv.snapshot_bytes() <= keep_room:  # before the rows of repeated prompts are copied
+            keys, values, valid = kv.prompts_snapshot()
             kept = PromptChunk(keys, values, valid, last[-1].clone(), prompt_of_row=inverse)
         if len(uniq) == len(prompts):
             return logits_UV, next_pos_U, kept

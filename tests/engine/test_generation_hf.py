@@ -398,3 +398,27 @@ def test_prompt_cache_over_the_byte_limit_is_not_kept(tiny):
     chunked.prompt_cache_max_bytes = first.nbytes  # the first chunk fits, the second does not
     out = chunked.generate(prompts, sp, keep_prompt_cache=True)
     assert out.prompt_cache is None and len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("layout", ["groups", "one_group"])
+def test_kept_prompt_keys_and_values_are_the_prompts_own(tiny, layout):
+    """Each kept prompt's attended keys/values (shared prefix then its own positions) and last hidden state are
+    those of a forward of the prompt alone; with several prefix groups and with one prefix for all rows."""
+    model, tok = tiny
+    prompts = _sibling_and_teacher_prompts(tok) if layout == "groups" else _teacher_prompts(tok)
+    out = HFGenerator(model, tok).generate(prompts, SamplingParams(max_new_tokens=2, seed=0), keep_prompt_cache=True)
+    cache = out.prompt_cache
+    assert cache.chunks and cache.chunk_of_row == [0] * len(prompts)
+    chunk = cache.chunks[0]
+    for r, p in enumerate(prompts):
+        u = cache.prompt_of_row[r]
+        with torch.no_grad():
+            res = model.model(input_ids=torch.tensor([p]), use_cache=True)
+        kv = res.past_key_values
+        valid = chunk.valid[u]
+        assert int(valid.sum()) == len(p)
+        for layer in (0, model.config.num_hidden_layers - 1):
+            k, v = kv.layers[layer].keys[0], kv.layers[layer].values[0]
+            torch.testing.assert_close(chunk.keys[layer][u][:, valid], k, atol=1e-5, rtol=0)
+            torch.testing.assert_close(chunk.values[layer][u][:, valid], v, atol=1e-5, rtol=0)
+        torch.testing.assert_close(chunk.last_hidden[u], res.last_hidden_state[0, -1], atol=1e-5, rtol=0)
