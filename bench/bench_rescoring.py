@@ -234,7 +234,7 @@ def megatron_token_counts(size: str = "full") -> dict:
     torchrun world size (the counts depend only on the lengths), with the max |delta| between the two and each
     mode's wall time (a toy model: attention dominates its cost, the worst case for packing)."""
     from alignopsd.engine.policy.megatron.backend import MegatronPolicy
-    from alignopsd.engine.step.row_scoring import backend_scorer
+    from alignopsd.engine.policy.row_scoring import backend_scorer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = SIZES[size]

@@ -60,9 +60,9 @@ def _limit(nbytes: int, ignore_sigxfsz: bool):
 def _checkpoint(out: Path, shapes_mlp: int | None = None, sharded: bool = False, overrides=()) -> Path:
     """A trainer checkpoint of configs/tiny.yaml's run (stand-in or tiny-shaped weights; DCP shards if sharded)."""
     import torch
+    from alignopsd.engine.checkpoint import checkpoint as ck
+    from alignopsd.engine.checkpoint.manifest import write_manifest
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.run import checkpoint as ck
-    from alignopsd.engine.run.manifest import write_manifest
     from alignopsd.engine.run.resume import stored_config
 
     cfg = load_config(TINY, [f"output_dir={out}", *overrides])
@@ -103,7 +103,7 @@ class _Evil:
 
 
 def hostile(kind: str, command: str, d: Path, timeout: float) -> dict:
-    from alignopsd.engine.run.manifest import write_manifest
+    from alignopsd.engine.checkpoint.manifest import write_manifest
 
     path = _checkpoint(d)
     if kind == "symlink to /dev/zero":
@@ -130,7 +130,7 @@ def hostile(kind: str, command: str, d: Path, timeout: float) -> dict:
 def forged_index(d: Path, timeout: float) -> dict:
     """The sharded index replaced by a pickle whose __reduce__ runs a command, both manifests recomputed; then
     ``--resume auto`` (command line) and the Megatron backend's sharded read of the folder (in a child process)."""
-    from alignopsd.engine.run.manifest import write_manifest
+    from alignopsd.engine.checkpoint.manifest import write_manifest
 
     path = _checkpoint(d, sharded=True)
     marker = d / "pwned"
@@ -145,7 +145,7 @@ def forged_index(d: Path, timeout: float) -> dict:
         "src = open(b.__file__).read()\n"
         "state = {'w': torch.zeros(6), 'steps': 0}\n"
         "if 'safe_dcp.load' in src:\n"
-        "    from alignopsd.engine.run import safe_dcp; safe_dcp.load(state, sys.argv[1], {'__0_0.distcp'})\n"
+        "    from alignopsd.engine.checkpoint import safe_dcp; safe_dcp.load(state, sys.argv[1], {'__0_0.distcp'})\n"
         "else:\n"
         "    import torch.distributed.checkpoint as dcp; dcp.load(state, checkpoint_id=sys.argv[1])\n"
     )
@@ -180,7 +180,7 @@ def full_disk(d: Path, timeout: float) -> dict:
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
         return {"rc": "skipped", "s": 0.0, "tb": False, "line": "no permission to mount a tmpfs"}
     try:
-        code = ("import sys, torch\nfrom alignopsd.engine.run import checkpoint as ck\n"
+        code = ("import sys, torch\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
                 "ck.save_checkpoint(sys.argv[1], 1, model_state={'w': torch.zeros(1 << 20)}, optimizer_state=None, "
                 "trainer_state={})\n")  # fmt: skip
         res = _run([sys.executable, "-c", code, str(mnt / "checkpoints")], timeout)
@@ -191,7 +191,7 @@ def full_disk(d: Path, timeout: float) -> dict:
 
 
 def leftover(d: Path, timeout: float) -> dict:
-    code = ("import sys, torch, pathlib\nfrom alignopsd.engine.run import checkpoint as ck\n"
+    code = ("import sys, torch, pathlib\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
             "d = pathlib.Path(sys.argv[1]); (d / '.tmp-step_000001').mkdir(parents=True)\n"
             "(d / '.tmp-step_000001' / 'model.safetensors').write_bytes(b'half')\n"
             "ck.save_checkpoint(d, 2, model_state={'w': torch.zeros(2)}, optimizer_state=None, trainer_state={})\n"

@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
-from alignopsd.engine.run.progress import time_left
+from alignopsd.engine.observe.progress import time_left
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -131,8 +131,8 @@ def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir
     import torch
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
-    from alignopsd.engine.run.audit_read import read_audit
-    from alignopsd.engine.run.metrics import read_metrics
+    from alignopsd.engine.observe.audit_read import read_audit
+    from alignopsd.engine.observe.metrics import read_metrics
     from alignopsd.engine.run.trainer import Trainer
 
     from bench.credit_metrics import mechanism_tallies

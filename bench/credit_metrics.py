@@ -7,7 +7,7 @@ seeds, a seed that never reaches it counts as infinite), area under the success 
 steps, in [0, 1]) and a paired comparison with GRPO on the same seeds (difference of areas: mean, 95 % interval,
 wins / losses / ties and the two-sided exact sign-test p-value).
 
-Mechanisms (per run, from the audit's per-turn records of every step, engine/run/audit.py):
+Mechanisms (per run, from the audit's per-turn records of every step, engine/observe/audit.py):
 
 * decisive share: Σ |token advantage| on decisive turns / Σ |token advantage| on all turns (response tokens);
   GRPO's value is the uniform baseline (every token of an episode gets the same |A|);

@@ -71,8 +71,8 @@ def build_tokenizer():
 def ensure_model(root: str | Path) -> Path:
     """The model directory under ``root`` (written on first use; the same files every time)."""
     import torch
+    from alignopsd.engine.checkpoint.weights import publish_folder, save_model_files
     from alignopsd.engine.models.loading import tiny_config
-    from alignopsd.engine.run.weights import publish_folder, save_model_files
     from transformers import LlamaForCausalLM
 
     out = Path(root) / "credit-tiny"

@@ -5,7 +5,7 @@ self-contained tiny models (``model.name=tiny-bpe``: random Llama with a built-i
 ``encoder.name=tiny-encoder``: random 2-layer BERT through the thinking encoder), the HF policy backend and
 the HF generator, ``trainer.skip_no_signal=false`` (every phase runs), ``steps`` training steps. Checked:
 no exception; every phase the estimator declares ran (time > 0 in every step); a finite loss; at least one
-optimizer step; the policy weights changed. Each case's per-phase table (engine/run/profiler.py) follows its
+optimizer step; the policy weights changed. Each case's per-phase table (engine/observe/profiler.py) follows its
 verdict. Then :func:`run_scale`: one AlignOPSD step at a quickstart-like batch (8 tasks x 8 rollouts, longer
 responses, bf16 with fp32 masters on CUDA) with its table and the alignment overhead over GRPO.
 
@@ -95,7 +95,7 @@ def run_case(name: str, overrides: list[str], steps: int, device: str, emit: Cal
     """Train ``steps`` steps of the tiny run with ``overrides``; emit the verdict and the phase table."""
     import torch
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.run.profiler import format_table, summarize
+    from alignopsd.engine.observe.profiler import format_table, summarize
     from alignopsd.engine.run.trainer import Trainer
     from alignopsd.engine.step.recipe import run_step
 

@@ -2,7 +2,7 @@
 
     python -m bench.phase_table A.json B.json --names "HF,Megatron TP=2"
 
-The table is engine/run/profiler.py's ``format_side_by_side`` (phase seconds and shares per run, the ratio column,
+The table is engine/observe/profiler.py's ``format_side_by_side`` (phase seconds and shares per run, the ratio column,
 and the per-step counts the summaries carry).
 """
 
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from alignopsd.engine.run.profiler import format_side_by_side
+from alignopsd.engine.observe.profiler import format_side_by_side
 
 
 def load_summary(path: str) -> dict:

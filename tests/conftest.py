@@ -2,7 +2,7 @@
 
 - This folder is on ``sys.path`` (pytest's default import mode inserts a conftest's folder), so
   ``selection_oracle`` -- the one test oracle of the source selection -- imports from any area.
-- Strict mode (engine/run/strict.py): a diagnostic that would swallow an exception to keep a run alive raises it in
+- Strict mode (engine/observe/strict.py): a diagnostic that would swallow an exception to keep a run alive raises it in
   every test instead of counting it.
 - Every ``dtype: auto`` model of the suite resolves as on a CPU without native bf16 or fp16 (float32), whatever CPU
   runs the suite, so the recorded numbers (golden traces, exact-resume comparisons, and the subprocesses that
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from alignopsd.engine.run.strict import STRICT_ENV
+from alignopsd.engine.observe.strict import STRICT_ENV
 
 os.environ[STRICT_ENV] = "1"  # before any test imports the engine's runs, and inherited by torchrun children
 os.environ["ALIGNOPSD_CPU_FLAGS"] = ""

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
 from alignopsd.engine.commands.compare_plan import (
     VAL_TASKS_FILE,
     Plan,
@@ -54,8 +55,7 @@ from alignopsd.engine.commands.compare_plan import (
 )
 from alignopsd.engine.commands.compare_report import fmt_percent, markdown, plot, step_seconds, success_of, summarize
 from alignopsd.engine.config.schema import ConfigError, load_config
-from alignopsd.engine.run.manifest import atomic_write_bytes
-from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.run.resume import config_changes, stored_config
 
 
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    from alignopsd.engine.run.checkpoint import UnsafeStateError
+    from alignopsd.engine.checkpoint.checkpoint import UnsafeStateError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

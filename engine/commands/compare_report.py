@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from alignopsd.engine.commands.compare_plan import SUCCESS, Plan
-from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.observe.metrics import read_metrics
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:

@@ -19,15 +19,15 @@ import json
 import sys
 from pathlib import Path
 
+from alignopsd.engine.checkpoint.manifest import ManifestError, verify_manifest
+from alignopsd.engine.checkpoint.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, load_weights
+from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
-from alignopsd.engine.run.arch_check import check_architecture
-from alignopsd.engine.run.manifest import ManifestError, verify_manifest
+from alignopsd.engine.infra.writes import WriteFailure, writing
+from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.run.trainer import Trainer, add_run_args
-from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
-from alignopsd.engine.run.weights import WEIGHTS_FILE, load_weights
-from alignopsd.engine.run.writes import WriteFailure, writing
-from alignopsd.engine.run.writes import report as report_write_failure
 from alignopsd.engine.step.episodes import run_validation
 
 ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),

@@ -1,4 +1,4 @@
-"""``alignopsd profile``: run a few training steps and print the per-phase cost table (engine/run/profiler.py).
+"""``alignopsd profile``: run a few training steps and print the per-phase cost table (engine/observe/profiler.py).
 
 Also runs under ``torchrun`` (data or tensor parallel, e.g. the Megatron backend at TP=2): every rank runs the
 steps (they are collective), rank 0 prints the tables and writes ``--json``; the times are rank 0's and the
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.observe.profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from alignopsd.engine.run.process import Dist, pick_device
-from alignopsd.engine.run.profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from alignopsd.engine.run.trainer import Trainer, add_run_args
 from alignopsd.engine.step.recipe import run_step
 

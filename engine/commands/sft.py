@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from alignopsd.engine.envs.alfworld_expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
-from alignopsd.engine.run.progress import time_left
+from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.step.rollout import truncate_left
 
 SFT_MARKER = "alignopsd_sft.json"
@@ -133,10 +133,10 @@ def sft_train(
 
 def save_warm_start(model, tokenizer, out_dir: str | Path, *, base: str, meta: dict) -> Path:
     """Write the fine-tuned model as a Hugging Face folder (fp32 safetensors + tokenizer + a marker) through the
-    engine's one weight writer (engine/run/weights.py): built beside ``out_dir``, listed in its manifest, then
+    engine's one weight writer (engine/checkpoint/weights.py): built beside ``out_dir``, listed in its manifest, then
     renamed into place (an earlier folder there is replaced whole)."""
-    from alignopsd.engine.run.weights import publish_folder, save_model_files
-    from alignopsd.engine.run.writes import writing
+    from alignopsd.engine.checkpoint.weights import publish_folder, save_model_files
+    from alignopsd.engine.infra.writes import writing
 
     model.to(torch.float32)
 
@@ -277,9 +277,9 @@ def run_pipeline(config: str, overrides: list[str], args, sft_out: Path, *, time
     """The quickstart: base eval -> warm start -> eval -> RL from the warm start -> eval; report.md gets the
     three held-out rows and the stage times (added to ``times``). Returns {"heldout": {stage: row}, "times":
     {stage: seconds}}. ``args``: ``steps``, ``lr``, ``batch_size``, ``warm_start`` (see :func:`add_sft_args`)."""
+    from alignopsd.engine.checkpoint.checkpoint import step_dir_name
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.run.checkpoint import step_dir_name
-    from alignopsd.engine.run.report import heldout_table, write_report
+    from alignopsd.engine.observe.report import heldout_table, write_report
     from alignopsd.engine.run.trainer import Trainer
 
     stream = stream if stream is not None else sys.stdout
@@ -324,9 +324,9 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from alignopsd.engine.config.schema import ConfigError, load_config
+    from alignopsd.engine.infra.writes import WriteFailure
+    from alignopsd.engine.infra.writes import report as report_write_failure
     from alignopsd.engine.run.trainer import add_run_args
-    from alignopsd.engine.run.writes import WriteFailure
-    from alignopsd.engine.run.writes import report as report_write_failure
 
     p = argparse.ArgumentParser(prog="alignopsd sft", description="Supervised warm start on expert walkthroughs.")
     add_run_args(p)
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sft] checkpoint: {out}")
             return 0
         run_pipeline(args.config, overrides, args, out, times=times)
-    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/run/writes.py)
+    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
         return report_write_failure(exc, "alignopsd sft")
     return 0
 

@@ -343,7 +343,7 @@ class TrainerConfig(Section):
     every step, a step with zero advantages included."""
     audit: bool = True
     """Write the audit records of ALGORITHM.md §4.3 under <output>/audit/ (per-turn JSONL every step, token
-    snapshots on the first, every 10th and the last step; see engine/run/audit.py). Training is identical either way."""
+    snapshots on the first, every 10th and the last step; see observe/audit.py). Training is identical either way."""
     audit_max_bytes: Count = 1 << 30
     """Cap on the audit's bytes over the whole run (all ranks together); past it, nothing more is written."""
     rollout_is: Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "off"

@@ -1,4 +1,4 @@
-"""The retrieval corpus and its BM25 index (cached under ``engine/run/cache.py``'s folder).
+"""The retrieval corpus and its BM25 index (cached under ``engine/infra/cache.py``'s folder).
 
 - ``Bm25Index``: bm25s over a list of texts, saved to / loaded from a cache folder (built once per key).
 - ``Document`` / ``load_corpus``: a Search-R1 corpus jsonl (``{"id", "contents"}``, or ``{"id", "title", "text"}``).
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from alignopsd.engine.run.cache import atomic_cached_dir, cache_root
+from alignopsd.engine.infra.cache import atomic_cached_dir, cache_root
 
 __all__ = [
     "INDEX_VERSION", "Bm25Index", "CorpusRetriever", "Document", "load_corpus", "tokenize",

@@ -33,7 +33,7 @@ from typing import Any
 from alignopsd.engine.envs.corpus_index import Document
 from alignopsd.engine.envs.retrieval_server import main
 from alignopsd.engine.envs.search_data import default_corpus_path
-from alignopsd.engine.run.cache import cache_root
+from alignopsd.engine.infra.cache import cache_root
 
 __all__ = [
     "URL_ENV_VAR", "RetrieverClient", "RetrieverError", "ensure_retriever", "format_passages", "main",

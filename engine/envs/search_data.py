@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.run.cache import atomic_cached_dir, cache_root
+from alignopsd.engine.infra.cache import atomic_cached_dir, cache_root
 
 KB_VERSION = "kb-v2"
 SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")

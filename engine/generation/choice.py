@@ -8,7 +8,7 @@ last ``Actions: [...]`` or ``Admissible actions: [...]`` list), builds two candi
 (:func:`candidate_texts`, each followed by EOS), scores every candidate under the policy at the sampling
 temperature and samples one with probability proportional to exp(log p(candidate) / temperature) (the scores are
 already tempered). Scoring shares each prompt among its candidates (the rescoring engine's shared-prefix scorer,
-engine/step/row_scoring.py: every distinct prompt is pushed through the model once and its key/value cache
+engine/policy/row_scoring.py: every distinct prompt is pushed through the model once and its key/value cache
 serves all of its candidates; forwards of at most ``max_batch_tokens`` context tokens), so a turn costs about
 one prompt forward plus its short candidates, not one full forward per candidate. The returned tokens and per-token
 log-probs are a real sample of the policy restricted to the candidate set, so the PPO update on them moves
@@ -62,8 +62,8 @@ class ChoiceGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         from alignopsd.engine.parallel import devices
+        from alignopsd.engine.policy.row_scoring import score_shared_prefix
         from alignopsd.engine.step.rollout import left_pad, right_pad
-        from alignopsd.engine.step.row_scoring import score_shared_prefix
 
         tok = self.tokenizer
         eos = tok.eos_token_id

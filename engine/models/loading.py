@@ -16,7 +16,7 @@ A model *spec* is one of:
   ever downloaded: loads run with ``local_files_only=True``.
 
 The cache root is ``$ALIGNOPSD_CACHE/models`` (default ``~/.cache/alignopsd/models``). Cache directories are
-written atomically (engine/run/weights.py: a temporary sibling directory, its manifest, then ``rename``), so
+written atomically (engine/checkpoint/weights.py: a temporary sibling directory, its manifest, then ``rename``), so
 concurrent first loads are safe and a crashed conversion leaves nothing half-written behind.
 
 Chat template note: the SmolLM2 template inserts a default system message ("You are a helpful AI assistant
@@ -33,9 +33,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from alignopsd.engine.checkpoint.weights import publish_folder, save_model_files
+from alignopsd.engine.infra.cache import cache_root
 from alignopsd.engine.parallel.hardware import choose_dtype
-from alignopsd.engine.run.cache import cache_root
-from alignopsd.engine.run.weights import publish_folder, save_model_files
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -116,7 +116,7 @@ def _is_valid_cache(path: Path) -> bool:
 
 def _atomic_build(final: Path, build, meta: dict) -> Path:
     """Run ``build(tmp_dir)`` and write the cache marker through the engine's one folder writer
-    (engine/run/weights.py: a temporary sibling, the manifest, a rename that keeps a valid folder another process
+    (engine/checkpoint/weights.py: a temporary sibling, the manifest, a rename that keeps a valid folder another process
     finished first)."""
 
     def fill(tmp: Path) -> None:

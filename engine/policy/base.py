@@ -121,7 +121,7 @@ class PolicyBackend(Protocol):
 
     def optimizer_state(self) -> dict[str, Any]:
         """Optimizer, learning-rate schedule and step counters for a plain checkpoint (gathered over the
-        tensor-parallel group; identical on every rank). Tensors and JSON values only (engine/run/statefile.py)."""
+        tensor-parallel group; identical on every rank). Tensors and JSON values only (checkpoint/statefile.py)."""
         ...
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:

@@ -19,13 +19,13 @@ from alignopsd.engine.envs.skills import skill_lookup
 from alignopsd.engine.generation.base import GenerationBackend
 from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
+from alignopsd.engine.observe.profiler import StepProfiler
+from alignopsd.engine.observe.strict import reraise_if_strict
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead, share_lead_outcome, tp_layout
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.megatron.scoring import ShardScoring
-from alignopsd.engine.run.profiler import StepProfiler
-from alignopsd.engine.run.strict import reraise_if_strict
+from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
 from alignopsd.engine.step.rescoring import Rescorer
-from alignopsd.engine.step.row_scoring import backend_row_logprobs, backend_scorer
 from torch import nn
 
 from alignopsd.estimators import EstimatorSpec, get_estimator

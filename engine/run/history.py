@@ -29,8 +29,8 @@ import re
 import time
 from pathlib import Path
 
-from alignopsd.engine.run.checkpoint import STEP_RE
-from alignopsd.engine.run.manifest import atomic_write_bytes
+from alignopsd.engine.checkpoint.checkpoint import STEP_RE
+from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
 
 ABANDONED = "abandoned"
 _AUDIT_RE = re.compile(r"^step_(\d+)\.rank\d+\.jsonl(\.tmp)?$")

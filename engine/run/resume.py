@@ -15,7 +15,7 @@ section included). Resuming compares it key by key with the config of the new ru
 * ``total_steps`` below the checkpoint's step is refused in any case (there is nothing to run);
 * with changes let through by ``--allow-config-change``, the checkpoint's weights must still fit the configured
   model: names and shapes from the safetensors header against the model built on the ``meta`` device, before
-  anything loads (engine/run/arch_check.py), else the first mismatching parameter is named with both shapes;
+  anything loads (engine/config/arch_check.py), else the first mismatching parameter is named with both shapes;
 * a sharded checkpoint (Megatron, torch.distributed.checkpoint) loads only into the model, dtype, backend,
   tensor-parallel size and optimizer sharding it was written with (it reshards over data-parallel ranks only):
   a change of these is refused in any case, ``--allow-config-change`` included (:data:`SHARDED_LAYOUT`); the
@@ -33,12 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from alignopsd.engine.checkpoint.checkpoint import resolve_resume
+from alignopsd.engine.checkpoint.manifest import ManifestError
+from alignopsd.engine.checkpoint.trainer_state import read_trainer_state
+from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
-from alignopsd.engine.run.arch_check import check_architecture
-from alignopsd.engine.run.checkpoint import resolve_resume
-from alignopsd.engine.run.manifest import ManifestError
-from alignopsd.engine.run.trainer_state import read_trainer_state
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
@@ -161,7 +161,7 @@ def check_resume(
 
 def _check_weights_fit(path: Path, cfg: RunConfig, state: dict[str, Any]) -> None:
     """A resume whose config changes (--allow-config-change): the checkpoint's weights must fit the configured
-    model, checked from the safetensors header before any model is built (engine/run/arch_check.py). A sharded
+    model, checked from the safetensors header before any model is built (engine/config/arch_check.py). A sharded
     checkpoint's layout is checked above and by its backend (layout.json)."""
     if not state.get("sharded"):
         check_architecture(path, cfg.model.name, what="--resume: checkpoint")

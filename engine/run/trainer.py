@@ -8,7 +8,7 @@ token-mean of ALGORITHM.md §3.12.
 A run writes under ``runs/<config name>/`` (or ``output_dir``): ``config.yaml``, ``checkpoints/``,
 ``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots, and (``trainer.audit``)
 ``audit/step_<step>.rank<r>.jsonl``: the per-turn audit records of every step and the token snapshots of
-ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/run/audit.py).
+ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/observe/audit.py).
 
 Determinism: every random draw of a step (task sampling, environment seeds, sampling) derives from
 ``trainer.seed``, the step index and the rank, plus the torch/python/numpy generator states, which
@@ -41,13 +41,7 @@ import time
 import weakref
 from pathlib import Path
 
-from alignopsd.engine.config.dump import dump_config
-from alignopsd.engine.config.preflight import preflight
-from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
-from alignopsd.engine.parallel.collectives import reduce_metrics
-from alignopsd.engine.parallel.metric_reduce import Samples, merge_samples
-from alignopsd.engine.run.audit import Auditor, header_of
-from alignopsd.engine.run.checkpoint import (
+from alignopsd.engine.checkpoint.checkpoint import (
     UnsafeStateError,
     derived_rng_state,
     is_complete,
@@ -56,17 +50,23 @@ from alignopsd.engine.run.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
+from alignopsd.engine.config.dump import dump_config
+from alignopsd.engine.config.preflight import preflight
+from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
+from alignopsd.engine.infra.writes import WriteFailure, writing
+from alignopsd.engine.infra.writes import report as report_write_failure
+from alignopsd.engine.observe.audit import Auditor, header_of
+from alignopsd.engine.observe.metrics import MetricsLogger
+from alignopsd.engine.observe.report import write_report
+from alignopsd.engine.parallel.collectives import reduce_metrics
+from alignopsd.engine.parallel.metric_reduce import Samples, merge_samples
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
-from alignopsd.engine.run.manifest import atomic_write_bytes
-from alignopsd.engine.run.metrics import MetricsLogger
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 from alignopsd.engine.run.process import Dist, pick_device, seed_everything
-from alignopsd.engine.run.report import write_report
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import claim_output_dir
-from alignopsd.engine.run.writes import WriteFailure, writing
-from alignopsd.engine.run.writes import report as report_write_failure
 from alignopsd.engine.step.episodes import run_validation
 from alignopsd.engine.step.recipe import run_step
 
@@ -128,7 +128,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step. A backend with a sharded save (Megatron) writes its shards from every rank
         (torch.distributed.checkpoint) and a gathered Hugging Face export only when :meth:`export_due`; the
-        others write the gathered weights and optimizer state (engine/run/checkpoint.py)."""
+        others write the gathered weights and optimizer state (engine/checkpoint/checkpoint.py)."""
         policy = self.parts.policy
         sharded = policy.sharded_checkpoint
         return save_checkpoint(
@@ -303,7 +303,7 @@ class Trainer:
         self.dist.barrier()
 
     def _auditor(self):
-        """The audit writer of this process (engine/run/audit.py); None when the audit is off or another rank of
+        """The audit writer of this process (engine/observe/audit.py); None when the audit is off or another rank of
         this process's tensor-parallel group writes the same batch."""
         cfg = self.cfg
         if not cfg.trainer.audit or not self.parts.policy.layout.is_group_lead:
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnsafeStateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/run/writes.py)
+    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
         return report_write_failure(exc, "alignopsd train")
     except Preempted as exc:
         if trainer.rank == 0:

@@ -10,7 +10,7 @@ only the responses: row r reads the kept keys/values of its prompt (the CPU deco
 attention, engine/generation/decode_cache.py, with the prompt as the row's prefix), its response tokens but the
 last go through the model at positions continuing from the prompt's length, and the log-prob of response token 0
 comes from the prompt's kept last hidden state. Same contract and results as ``score_plain`` /
-``score_shared_prefix`` (engine/step/row_scoring.py) up to floating-point reassociation; what the forwards push is
+``score_shared_prefix`` (engine/policy/row_scoring.py) up to floating-point reassociation; what the forwards push is
 counted the same way (``response_tokens``; no ``prompt_tokens``).
 """
 
@@ -20,7 +20,7 @@ import torch
 from alignopsd.engine.generation.decode_cache import SharedPrefixKV, shared_prefix_attention_on
 from alignopsd.engine.generation.prompt_cache import PromptChunk, PromptKV
 from alignopsd.engine.policy.lm_head import logprob_head, scatter_response, transformer_body
-from alignopsd.engine.step.row_scoring import right_extents
+from alignopsd.engine.policy.row_scoring import right_extents
 from torch import Tensor, nn
 
 
@@ -40,7 +40,7 @@ def score_cached_prompts(
     ``[prompt row_prompt_R[r] | response r]``, the prompts being the rows of the generate call that made ``cache``;
     rows go through forwards of at most ``max_tokens`` context tokens (rows x (kept width + response)). ``model``
     must be the generating model with the weights it generated with. Counts are added to ``stats``
-    (engine/step/row_scoring.py's legend)."""
+    (engine/policy/row_scoring.py's legend)."""
     r, lr = response_ids_RL.shape
     dev = response_ids_RL.device
     out = torch.zeros(r, lr, dtype=torch.float32, device=dev)

@@ -13,7 +13,7 @@ Legend: R = turn rows on this rank, M = canonical turns, L = response length, P 
     weight sync to the generation engine
 
 Only the phases the estimator declares are run (GRPO runs no teacher pass); every phase is timed by the step
-profiler (engine/run/profiler.py) and returns its metrics.
+profiler (engine/observe/profiler.py) and returns its metrics.
 
 Robustness: a non-finite loss or gradient skips that optimiser step with a warning (weights unchanged);
 with ``trainer.skip_no_signal`` a step whose advantages are provably all zero skips the update (logged as

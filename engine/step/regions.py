@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from alignopsd.engine.envs.parsing import ACTION_TAGS
-from alignopsd.engine.run.strict import reraise_if_strict
+from alignopsd.engine.observe.strict import reraise_if_strict
 from torch import Tensor
 
 log = logging.getLogger(__name__)

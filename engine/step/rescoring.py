@@ -8,7 +8,7 @@ What is scored (ALGORITHM.md §2.6):
 - cross pair (s, t): ``[teacher prompt of s | response of t]`` -> ``cross[p]`` (scored tokens: t's response).
 Every result is [rows, L] fp32, the log-prob of each response token under logits / temperature, 0 on
 masked-out positions. How rows are pushed through the model (``plain`` or ``shared_prefix``, and a policy
-backend scoring its own rows) is engine/step/row_scoring.py; the counts it reports land in ``stats``.
+backend scoring its own rows) is engine/policy/row_scoring.py; the counts it reports land in ``stats``.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch
 from alignopsd.engine.generation.prompt_cache import PromptKV
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
-from alignopsd.engine.step.batch import TurnBatch
-from alignopsd.engine.step.cached_scoring import score_cached_prompts
-from alignopsd.engine.step.row_scoring import (
+from alignopsd.engine.policy.row_scoring import (
     RESCORING_MODES,
     as_pairs,
     new_stats,
     score_plain,
     score_shared_prefix,
 )
+from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.cached_scoring import score_cached_prompts
 from torch import Tensor, nn
 
 from alignopsd.losses import rollout_mismatch_metrics

@@ -51,7 +51,7 @@ from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.envs.skills import build_teacher_prompts, teacher_prompt_text
 from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
-from alignopsd.engine.run.progress import time_left
+from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.step.batch import TurnBatch
 
 log = logging.getLogger(__name__)

@@ -140,7 +140,7 @@ def run_tiny(out_dir, overrides: list[str], steps: int, config: str | None = Non
     """Train tiny.yaml (guess env, choice generator) for ``steps`` steps; (trainer, metric records)."""
     from pathlib import Path
 
-    from alignopsd.engine.run.metrics import read_metrics
+    from alignopsd.engine.observe.metrics import read_metrics
 
     torch.set_num_threads(1)
     cfg = config or str(TINY_CONFIG)

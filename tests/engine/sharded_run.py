@@ -8,7 +8,7 @@ the real command line (pre-flight, resume checks, Trainer, saves and loads).
 
 ``--stop-after K``: every rank exits at once (``os._exit``, no clean-up, like a kill) right after step K's
 checkpoint is written. ``--dump-save F`` / ``--dump-load F``: rank 0 writes the policy's gathered weights and
-optimizer state (engine/run/statefile.py) right after the last save / right after a resume loaded the checkpoint.
+optimizer state (engine/checkpoint/statefile.py) right after the last save / right after a resume loaded the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 def dump(policy, path: str) -> None:
     """Gathered weights and optimizer state of every tensor-parallel rank (collective; rank 0 writes ``path``)."""
-    from alignopsd.engine.run.statefile import save_state
+    from alignopsd.engine.checkpoint.statefile import save_state
 
     state = {"weights": policy.hf_state_dict(), "optimizer": policy.optimizer_state()}
     if int(os.environ.get("RANK", "0")) == 0:

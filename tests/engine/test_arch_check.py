@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.run import checkpoint as ck
-from alignopsd.engine.run.arch_check import (
+from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.config.arch_check import (
     ArchitectureMismatchError,
     check_architecture,
     first_mismatch,
     safetensors_shapes,
 )
+from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.run.resume import stored_config
 
 ROOT = Path(__file__).resolve().parents[2]

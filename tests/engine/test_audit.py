@@ -1,4 +1,4 @@
-"""Audit records (ALGORITHM.md §4.3, engine/run/audit.py): fields, snapshot schedule and selection, determinism,
+"""Audit records (ALGORITHM.md §4.3, engine/observe/audit.py): fields, snapshot schedule and selection, determinism,
 size cap, write failures, off-turn match weight, and training identical with the audit on and off."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine.config.schema import ConfigError, load_config
-from alignopsd.engine.run.audit import (
+from alignopsd.engine.observe.audit import (
     Auditor,
     audit_file,
     identity_hash,
@@ -21,8 +21,8 @@ from alignopsd.engine.run.audit import (
     snapshot_records,
     turn_records,
 )
-from alignopsd.engine.run.audit_read import off_turn_match_weight_from_records, read_audit
-from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.observe.audit_read import off_turn_match_weight_from_records, read_audit
+from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.step.batch import TurnBatch
 from test_train import GUESS, TINY
 
@@ -183,7 +183,7 @@ def test_training_identical_with_audit_on_and_off(runs):
 
 def test_unwritable_audit_dir_does_not_stop_training(tmp_path, runs, monkeypatch):
     """Outside strict mode an audit failure is counted and training goes on; in strict mode (the suite's) it raises."""
-    from alignopsd.engine.run.strict import STRICT_ENV
+    from alignopsd.engine.observe.strict import STRICT_ENV
 
     (tmp_path / "audit").write_text("a file where the audit directory should be")
     with pytest.raises(OSError):

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.checkpoint import checkpoint as ck
 
 
 def _tiny_llama():
@@ -88,7 +88,7 @@ def test_killed_process_mid_write_keeps_previous(tmp_path):
     first = _save(tmp_path, 1, model)
     code = textwrap.dedent(f"""
         import torch, sys
-        from alignopsd.engine.run import checkpoint as ck
+        from alignopsd.engine.checkpoint import checkpoint as ck
         big = {{f"w{{i}}": torch.randn(512, 512) for i in range(96)}}
         print("ready", flush=True)
         while True:
@@ -161,7 +161,7 @@ def test_crafted_optimizer_file_runs_no_code(tmp_path):
     import os
     import pickle
 
-    from alignopsd.engine.run.manifest import write_manifest
+    from alignopsd.engine.checkpoint.manifest import write_manifest
 
     marker = tmp_path / "pwned"
 
@@ -255,7 +255,7 @@ def test_other_ranks_files_are_checksummed_by_their_writers(tmp_path):
 def test_a_resume_hashes_each_checkpoint_once(tmp_path, monkeypatch):
     """Choosing, checking and loading a checkpoint verify it three times; the checksums are computed once, and again
     as soon as any of its files changes."""
-    from alignopsd.engine.run import manifest
+    from alignopsd.engine.checkpoint import manifest
 
     model = _tiny_llama()
     path = _save(tmp_path, 1, model)

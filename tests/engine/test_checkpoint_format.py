@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.run import checkpoint as ck
 from alignopsd.engine.run.resume import check_resume
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -154,8 +154,8 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     trace = tmp_path / "profile" / "trace_alignopsd.json"
     assert trace.is_file() and "phase/teacher_generation" in trace.read_text()
     # eval of a checkpoint in the trainer's layout (the tiny model's weights)
+    from alignopsd.engine.checkpoint.checkpoint import save_checkpoint
     from alignopsd.engine.models.loading import build_tiny_model
-    from alignopsd.engine.run.checkpoint import save_checkpoint
 
     model = build_tiny_model()
     ck = save_checkpoint(tmp_path / "checkpoints", 1, model_state=model.state_dict(), optimizer_state=None,

@@ -18,8 +18,8 @@ import pytest
 import torch
 from alignopsd.engine.commands import cli, compare, compare_plan
 from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.run.components import build_env
-from alignopsd.engine.run.metrics import read_metrics
 
 TINY = str(lh.TINY_CONFIG)
 # the guess task at its smallest: 2 tasks x 2 siblings x 2 turns per step

@@ -1,4 +1,4 @@
-"""Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/parallel/fake_cuda.py) with
+"""Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/observe/fake_cuda.py) with
 ``trainer.device=cuda``.
 
 Two training steps of every registered estimator and AlignOPSD ablation (tiny config, Hugging Face backend), both
@@ -22,9 +22,9 @@ import pytest
 import torch
 from alignopsd.engine.commands import cli
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.parallel.fake_cuda import FakeCuda
+from alignopsd.engine.observe.fake_cuda import FakeCuda
+from alignopsd.engine.observe.profiler import StepProfiler
 from alignopsd.engine.run.components import hf_model_of
-from alignopsd.engine.run.profiler import StepProfiler
 from alignopsd.engine.step.rescoring import Rescorer
 
 from alignopsd.estimators import ESTIMATORS, get_estimator

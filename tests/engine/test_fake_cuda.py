@@ -1,12 +1,12 @@
-"""The strict fake-CUDA mode (engine/parallel/fake_cuda.py) itself: placement, the device check, host-sync counting, the
+"""The strict fake-CUDA mode (engine/observe/fake_cuda.py) itself: placement, the device check, host-sync counting, the
 torch.cuda answers, autograd and an optimiser step on fake CUDA parameters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.parallel.fake_cuda import FakeCuda, FakeCudaTensor
-from alignopsd.engine.run.profiler import StepProfiler
+from alignopsd.engine.observe.fake_cuda import FakeCuda, FakeCudaTensor
+from alignopsd.engine.observe.profiler import StepProfiler
 from alignopsd.kernels import core_uses_kernels, resolve_impl
 
 MIXED = "Expected all tensors to be on the same device"
@@ -139,7 +139,7 @@ def test_factories_inside_a_backward_are_placed_on_the_fake_device():
 
 
 def test_profiler_books_host_syncs_to_phases():
-    from alignopsd.engine.run.profiler import format_table, summarize
+    from alignopsd.engine.observe.profiler import format_table, summarize
 
     prof = StepProfiler()
     with FakeCuda():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.manifest import ManifestError, file_entry, verify_manifest, write_manifest
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.run import checkpoint as ck
-from alignopsd.engine.run.manifest import ManifestError, file_entry, verify_manifest, write_manifest
 from alignopsd.engine.run.resume import stored_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_hostile_entries_are_refused_before_anything_is_read(tmp_path, kind):
 
 def test_checksums_read_no_more_than_the_listed_size(tmp_path):
     """A file that grows between the size check and the checksum (or a forged size) is not read past its size."""
-    from alignopsd.engine.run.manifest import file_crc32
+    from alignopsd.engine.checkpoint.manifest import file_crc32
 
     (tmp_path / "a.bin").write_bytes(b"abcdef")
     assert file_crc32(tmp_path / "a.bin", 6) == file_entry(tmp_path / "a.bin")["crc32"]
@@ -182,7 +182,7 @@ def _forge(path: Path, payload: bytes) -> None:
 
 
 def test_sharded_index_round_trip_through_the_restricted_reader(tmp_path):
-    from alignopsd.engine.run import safe_dcp
+    from alignopsd.engine.checkpoint import safe_dcp
 
     path = _sharded_checkpoint(tmp_path)
     ck.verify_checkpoint(path)
@@ -195,7 +195,7 @@ def test_sharded_index_round_trip_through_the_restricted_reader(tmp_path):
 def test_forged_sharded_index_runs_nothing(tmp_path, forgery):
     import pickle
 
-    from alignopsd.engine.run import safe_dcp
+    from alignopsd.engine.checkpoint import safe_dcp
 
     path = _sharded_checkpoint(tmp_path)
     marker = tmp_path / "pwned"
@@ -225,7 +225,7 @@ def test_non_tensor_values_of_shards_are_read_without_code(tmp_path):
     import io
     import pickle
 
-    from alignopsd.engine.run import safe_dcp
+    from alignopsd.engine.checkpoint import safe_dcp
 
     marker = tmp_path / "pwned"
     planner = safe_dcp.safe_load_planner()

@@ -10,8 +10,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from alignopsd.engine.run import manifest as mf
-from alignopsd.engine.run.statefile import flatten_state, load_state, save_state, unflatten_state
+from alignopsd.engine.checkpoint import manifest as mf
+from alignopsd.engine.checkpoint.statefile import flatten_state, load_state, save_state, unflatten_state
 
 
 def _folder(tmp_path):

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 from alignopsd.engine.policy.megatron.scoring import ShardScoring, pack_layout, plan_forwards, plan_packs
+from alignopsd.engine.policy.row_scoring import backend_prefix_logprobs, backend_scorer
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.rescoring import Rescorer
-from alignopsd.engine.step.row_scoring import backend_prefix_logprobs, backend_scorer
 
 two_ranks = pytest.mark.skipif(os.environ.get("WORLD_SIZE") != "2", reason="needs torchrun --nproc_per_node=2")
 

@@ -216,9 +216,9 @@ def test_backend_scorer_equals_hf_rescoring():
     (backend_row_logprobs, row chunks); the results equal the Hugging Face copy's shared-prefix rescoring."""
     import functools
 
+    from alignopsd.engine.policy.row_scoring import backend_row_logprobs
     from alignopsd.engine.step.batch import TurnBatch
     from alignopsd.engine.step.rescoring import Rescorer
-    from alignopsd.engine.step.row_scoring import backend_row_logprobs
 
     model = _llama_tiny()
     g = torch.Generator().manual_seed(5)

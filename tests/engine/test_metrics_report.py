@@ -6,8 +6,8 @@ import io
 import json
 import math
 
-from alignopsd.engine.run.metrics import MetricsLogger, flatten, progress_line, read_metrics
-from alignopsd.engine.run.report import write_report
+from alignopsd.engine.observe.metrics import MetricsLogger, flatten, progress_line, read_metrics
+from alignopsd.engine.observe.report import write_report
 
 
 def _fake_step(s: int) -> dict:

@@ -8,8 +8,8 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
+from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.policy.mixed_precision import MasterAdamW
-from alignopsd.engine.run.metrics import read_metrics
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
@@ -47,7 +47,7 @@ def test_bf16_run_keeps_fp32_masters_and_resumes_exactly(tmp_path):
 def test_weights_loaded_without_optimizer_state_reseed_the_masters(tmp_path):
     """A checkpoint with weights and no optimizer file: the fp32 masters start from the loaded weights, so the
     first optimizer step moves the loaded weights (not the stale masters written back over them)."""
-    from alignopsd.engine.run.checkpoint import save_checkpoint
+    from alignopsd.engine.checkpoint.checkpoint import save_checkpoint
 
     tr = lh.build_trainer(TINY, _overrides(tmp_path / "run"))
     policy = tr.parts.policy

@@ -21,8 +21,8 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.run import checkpoint as ck
-from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.run.preemption import EXIT_FORCED, EXIT_PREEMPTED, REPEAT_AFTER_S, PreemptionWatch
 
 ROOT = Path(__file__).resolve().parents[2]

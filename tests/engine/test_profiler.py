@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from alignopsd.engine.run.profiler import (
+from alignopsd.engine.observe.profiler import (
     ALIGNMENT_PHASES,
     PHASES,
     StepProfiler,

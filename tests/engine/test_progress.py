@@ -8,8 +8,8 @@ import time
 
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import SamplingParams
-from alignopsd.engine.run.metrics import MetricsLogger
-from alignopsd.engine.run.progress import format_seconds, time_left
+from alignopsd.engine.observe.metrics import MetricsLogger
+from alignopsd.engine.observe.progress import format_seconds, time_left
 from alignopsd.engine.step.rollout import collect_rollouts
 
 from tests.engine.test_rollout import ScriptedGenerator, codeword_player, tok  # noqa: F401 (fixture)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from alignopsd.engine.policy.lm_head import score_rows
+from alignopsd.engine.policy.row_scoring import score_plain, score_shared_prefix
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.rescoring import Rescorer, can_reuse_rollout_logprobs
-from alignopsd.engine.step.row_scoring import score_plain, score_shared_prefix
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from alignopsd import cross_inputs

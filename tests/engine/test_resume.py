@@ -10,9 +10,9 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
+from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.config.arch_check import ArchitectureMismatchError
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.run import checkpoint as ck
-from alignopsd.engine.run.arch_check import ArchitectureMismatchError
 from alignopsd.engine.run.resume import ResumeConfigError, check_resume, read_span_lengths, stored_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_never_saves_nan(tmp_pa
     step 2, ends at step 4; then a NaN in the weights stops the save with a message naming the last good checkpoint."""
     import io
 
-    from alignopsd.engine.run.metrics import read_metrics
+    from alignopsd.engine.observe.metrics import read_metrics
 
     torch.set_num_threads(1)
     ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=alignopsd", "trainer.save_freq=1", "trainer.keep_last=3",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import learn_helpers as lh
 import torch
-from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.step.teacher_pass import teacher_sampling, teacher_seed
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")

@@ -14,8 +14,8 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
+from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.run.history import set_aside
-from alignopsd.engine.run.metrics import read_metrics
 from alignopsd.engine.run.runlock import LOCK_FILE, OutputLock, OutputLockedError, claim_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]

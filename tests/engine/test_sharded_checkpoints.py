@@ -1,6 +1,6 @@
 """Sharded (torch.distributed.checkpoint) checkpoints of the trainer under the Megatron backend.
 
-The fast tests drive engine/run/checkpoint.py and engine/run/resume.py with a stand-in shard writer; the slow ones
+The fast tests drive checkpoint/checkpoint.py and run/resume.py with a stand-in shard writer; the slow ones
 launch
 their own ``torchrun`` processes (tests/engine/sharded_run.py: the train command line with the guess environment)
 on free ports: a run killed after step 1 and resumed with ``--resume auto`` ends bit-identical to a run that was
@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import learn_helpers as lh
 import pytest
 import torch
+from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.manifest import ManifestError, write_manifest
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.run import checkpoint as ck
-from alignopsd.engine.run.manifest import ManifestError, write_manifest
 from alignopsd.engine.run.resume import ResumeConfigError, check_resume, stored_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,14 +149,14 @@ def _torchrun(nproc: int, out: Path, *args: str, runner: tuple[str, ...] = ()) -
 
 
 def _metrics(out: Path, step: int) -> dict:
-    from alignopsd.engine.run.metrics import read_metrics
+    from alignopsd.engine.observe.metrics import read_metrics
 
     (rec,) = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == step]
     return {k: v for k, v in rec.items() if not k.startswith("time/") and k not in TIMING}
 
 
 def _equal_trees(a, b) -> bool:
-    from alignopsd.engine.run.statefile import flatten_state
+    from alignopsd.engine.checkpoint.statefile import flatten_state
 
     (sa, ta), (sb, tb) = flatten_state(a), flatten_state(b)
     return sa == sb and all(torch.equal(ta[k], tb[k]) for k in ta)
@@ -197,7 +197,7 @@ def test_tp2_resume_after_a_kill_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
     """TP=1 x DP=2 writes step 1; a TP=1 x DP=1 run resumes it with the exact weights and optimizer state."""
-    from alignopsd.engine.run.statefile import load_state
+    from alignopsd.engine.checkpoint.statefile import load_state
 
     out = tmp_path / "run"
     r = _torchrun(2, out, "--set", "trainer.total_steps=1", runner=("--dump-save", str(tmp_path / "saved.st")))

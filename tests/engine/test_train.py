@@ -19,7 +19,7 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.run.metrics import read_metrics
+from alignopsd.engine.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -90,7 +90,7 @@ def _cli(out, steps, resume=None):
 @pytest.mark.slow
 def test_resume_after_kill_is_exact(tmp_path):
     """4 steps straight == 2 steps + SIGKILL during step 3 + --resume auto: same losses, same weights."""
-    from alignopsd.engine.run.checkpoint import is_complete, load_weights
+    from alignopsd.engine.checkpoint.checkpoint import is_complete, load_weights
 
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     torch.set_num_threads(1)

@@ -33,13 +33,13 @@ def test_two_rank_training_keeps_replicas_identical():
     dist.all_gather_object(got, sums)
     assert got[0] == got[1]  # DDP kept both replicas identical
     assert last["update/optimizer_steps"] >= 1
-    from alignopsd.engine.run.checkpoint import latest_checkpoint, verify_checkpoint
+    from alignopsd.engine.checkpoint.checkpoint import latest_checkpoint, verify_checkpoint
 
     ck = latest_checkpoint(out / "checkpoints")
     assert ck is not None and {"rng_rank0.safetensors", "rng_rank1.safetensors"} <= set(verify_checkpoint(ck))
     # each data-parallel rank writes the audit records of its own batch, its rank in the file name
-    from alignopsd.engine.run.audit import audit_file
-    from alignopsd.engine.run.audit_read import read_audit
+    from alignopsd.engine.observe.audit import audit_file
+    from alignopsd.engine.observe.audit_read import read_audit
 
     rank = dist.get_rank()
     assert all(audit_file(out / "audit", s, rank).is_file() for s in (1, 2))
@@ -57,9 +57,9 @@ def test_tensor_parallel_eval_counts_each_episode_once():
     import json
 
     import torch.distributed as dist
+    from alignopsd.engine.checkpoint.checkpoint import save_checkpoint
     from alignopsd.engine.commands import cli
     from alignopsd.engine.models.loading import build_tiny_model
-    from alignopsd.engine.run.checkpoint import save_checkpoint
 
     torch.set_num_threads(1)
     if not dist.is_initialized():

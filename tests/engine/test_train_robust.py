@@ -293,8 +293,8 @@ def test_backend_scorer_equals_the_rescorer(tiny_policy):
     and the teacher rows (diagonal and cross pairs), in row chunks, and agrees with the Hugging Face scoring paths."""
     import functools
 
+    from alignopsd.engine.policy.row_scoring import backend_row_logprobs
     from alignopsd.engine.step.rescoring import Rescorer
-    from alignopsd.engine.step.row_scoring import backend_row_logprobs
 
     cb = _batch()
     cb.response_mask[2, 3:] = 0

@@ -14,8 +14,8 @@ from pathlib import Path
 import learn_helpers as lh
 import pytest
 import torch
-from alignopsd.engine.run import checkpoint as ck
-from alignopsd.engine.run.writes import WriteFailure
+from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.infra.writes import WriteFailure
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -23,7 +23,7 @@ RUNNER = str(Path(__file__).with_name("sharded_run.py"))  # the train command li
 
 _LIMITED = """
 import resource, sys
-from alignopsd.engine.run.writes import WriteFailure
+from alignopsd.engine.infra.writes import WriteFailure
 def limit(n):
     resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 d = sys.argv[1]
@@ -44,7 +44,7 @@ def test_a_save_past_the_size_limit_names_the_file_and_keeps_the_last_checkpoint
     r = _run_limited(
         """
 import torch
-from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.checkpoint import checkpoint as ck
 ck.save_checkpoint(d, 1, model_state={"w": torch.zeros(16)}, optimizer_state=None, trainer_state={})
 limit(64 << 10)
 ck.save_checkpoint(d, 2, model_state={"w": torch.zeros(100_000)}, optimizer_state=None, trainer_state={})
@@ -66,7 +66,7 @@ def test_every_file_of_a_save_is_guarded(tmp_path, opt_numel, text, name):
     r = _run_limited(
         f"""
 import torch
-from alignopsd.engine.run import checkpoint as ck
+from alignopsd.engine.checkpoint import checkpoint as ck
 opt = {{"m": torch.zeros({opt_numel}), "step": 3}}
 limit(20000)
 ck.save_checkpoint(d, 1, model_state={{"w": torch.zeros(8)}}, optimizer_state=opt, trainer_state={{"x": "y" * {text}}})
@@ -82,7 +82,7 @@ def test_metrics_audit_and_side_files_past_the_limit(tmp_path):
     r = _run_limited(
         """
 from pathlib import Path
-from alignopsd.engine.run.metrics import MetricsLogger
+from alignopsd.engine.observe.metrics import MetricsLogger
 log = MetricsLogger(d, total_steps=10, tensorboard=False, stream=open("/dev/null", "w"))
 limit(1000)
 for step in range(1, 100):
@@ -93,7 +93,7 @@ for step in range(1, 100):
     assert r.returncode == 3 and r.stdout.strip() == f"cannot write {tmp_path}/m/metrics.jsonl: File too large (EFBIG)"
     r = _run_limited(
         """
-from alignopsd.engine.run.audit import Auditor
+from alignopsd.engine.observe.audit import Auditor
 a = Auditor(d, total_steps=10)
 limit(1000)
 a.write(1, [{"kind": "turn", "text": "x" * 5000}])
@@ -105,7 +105,7 @@ a.write(1, [{"kind": "turn", "text": "x" * 5000}])
     r = _run_limited(
         """
 from pathlib import Path
-from alignopsd.engine.run.manifest import atomic_write_bytes
+from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
 Path(d).mkdir()
 limit(1000)
 atomic_write_bytes(Path(d) / "span_lengths.json", b"[1]" * 1000)
@@ -130,7 +130,7 @@ save_warm_start(model, None, d, base="tiny", meta={})
         tmp_path / "sft",
     )
     assert r.returncode == 3, r.stderr
-    msg = r.stdout.strip()  # written beside the output folder first (engine/run/weights.py), removed on failure
+    msg = r.stdout.strip()  # written beside the output folder first (engine/checkpoint/weights.py), removed on failure
     assert msg.startswith(f"cannot write {tmp_path}/.sft.tmp-") and "/model.safetensors: File too large (EFBIG)" in msg
     assert not (tmp_path / "sft").exists() and not list(tmp_path.glob(".sft.tmp-*"))
 

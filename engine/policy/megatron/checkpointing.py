@@ -4,7 +4,7 @@ optimizer state of a plain checkpoint.
 :class:`ShardCheckpoints` is mixed into ``MegatronPolicy`` (engine/policy/megatron/backend.py), which sets ``model``,
 ``optimizer``, ``scheduler``, ``tp``, ``tp_rank``, ``tp_group``, ``dims``, ``spec``, ``distributed_optimizer``,
 ``steps`` and ``skipped_steps``. A sharded checkpoint folder holds DCP's files, ``layout.json`` (the model and
-parallel layout it was written for) and its manifest (engine/run/manifest.py).
+parallel layout it was written for) and its manifest (engine/checkpoint/manifest.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from alignopsd.engine.checkpoint import safe_dcp
+from alignopsd.engine.checkpoint.manifest import file_entry, read_manifest, verify_manifest, write_manifest
 from alignopsd.engine.parallel.tp_broadcast import move_to
-from alignopsd.engine.run import safe_dcp
-from alignopsd.engine.run.manifest import file_entry, read_manifest, verify_manifest, write_manifest
 from torch import Tensor
 
 LAYOUT_FILE = "layout.json"  # of a sharded checkpoint folder: the model and layout it was written for
@@ -67,7 +67,7 @@ class ShardCheckpoints:
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Sharded save (torch.distributed.checkpoint) and ``layout.json``, then the folder's manifest
-        (engine/run/manifest.py), written last by the first rank once every rank has written (and checksummed) its
+        (checkpoint/manifest.py), written last by the first rank once every rank has written (and checksummed) its
         files. Collective: every rank calls it with the same path."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
@@ -115,7 +115,7 @@ class ShardCheckpoints:
         """Sharded load; the folder's manifest is verified first (``verify=False``: the caller has just verified
         it, the trainer's checkpoint manifest lists these files too), so no file (DCP's pickled ``.metadata``
         included) is read unless it is the one that was written; then its layout is checked against this model
-        before any shard is read. DCP's pickles are read through engine/run/safe_dcp.py (a restricted unpickler for
+        before any shard is read. DCP's pickles are read through checkpoint/safe_dcp.py (a restricted unpickler for
         ``.metadata``, ``weights_only`` for non-tensor values): a forged file is refused, never run."""
         if verify:
             verify_manifest(path, require=(".metadata", LAYOUT_FILE))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from alignopsd.engine.run.manifest import ManifestError
+from alignopsd.engine.checkpoint.manifest import ManifestError
 
 METADATA = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"

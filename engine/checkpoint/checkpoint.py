@@ -4,10 +4,10 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
 
     model.safetensors          policy weights in Hugging Face layout (``transformers`` loads the folder)
     config.json                the model's Hugging Face config (when the policy has one)
-    optimizer.safetensors      optimizer (and LR scheduler) state of rank 0, tensors + JSON (engine/run/statefile.py)
+    optimizer.safetensors      optimizer (and LR scheduler) state of rank 0, tensors + JSON (statefile.py)
     rng_rank<r>.safetensors    python / numpy / torch (/ cuda) RNG state of every rank, tensors + JSON
     trainer_state.json         step, data position, the resolved run config, metrics summary
-    manifest.json              every file above with its size and CRC-32 (engine/run/manifest.py), written last
+    manifest.json              every file above with its size and CRC-32 (engine/checkpoint/manifest.py), written last
 
 A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
 optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
@@ -18,7 +18,7 @@ Hugging Face export of the gathered weights, written only on the steps the calle
 to resume.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first (the weights by the engine's one weight
-writer, engine/run/weights.py), flushed to disk, listed in the manifest, and only then renamed to its final name with
+writer, weights.py), flushed to disk, listed in the manifest, and only then renamed to its final name with
 ``os.replace`` (``install_folder``) (a rename within one directory, atomic
 on POSIX). A kill at any moment therefore leaves either the previous set of complete checkpoints or the new
 one, never a half-written directory under a final name; stale ``.tmp-*`` folders are ignored by
@@ -26,13 +26,13 @@ one, never a half-written directory under a final name; stale ``.tmp-*`` folders
 (:func:`remove_unfinished`). Only the newest ``keep_last`` complete checkpoints are kept.
 
 Write failures: a full disk, a file size limit or an I/O error while saving raises
-:class:`~alignopsd.engine.run.writes.WriteFailure` naming the file and the cause (the entry points exit with status 1);
-the unfinished folder is removed and the complete checkpoints stay as they were.
+:class:`~alignopsd.engine.infra.writes.WriteFailure` naming the file and the cause (the entry points exit with
+status 1); the unfinished folder is removed and the complete checkpoints stay as they were.
 
 Trust: :func:`load_checkpoint` verifies the manifest (sizes and checksums) before reading any file and refuses
 a checkpoint that is incomplete, corrupted or missing a part, naming the file, whose trainer state has a field of
 the wrong type or range, or whose sharded index (DCP's pickled ``.metadata``) names anything but DCP's metadata
-types or a listed shard file (engine/run/safe_dcp.py: nothing in it is called); ``--resume auto`` falls back to
+types or a listed shard file (engine/checkpoint/safe_dcp.py: nothing in it is called); ``--resume auto`` falls back to
 the newest checkpoint that verifies (:func:`resolve_resume`) and refuses to start over in a folder whose
 checkpoints all fail. Weights that are not finite are never written (:class:`UnsafeStateError`).
 """
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from alignopsd.engine.run.manifest import (
+from alignopsd.engine.checkpoint.manifest import (
     MANIFEST,
     ManifestError,
     file_entry,
@@ -58,10 +58,10 @@ from alignopsd.engine.run.manifest import (
     verify_manifest,
     write_manifest,
 )
-from alignopsd.engine.run.statefile import load_state, save_state
-from alignopsd.engine.run.trainer_state import STATE_FILE, read_trainer_state
-from alignopsd.engine.run.weights import WEIGHTS_FILE, install_folder, load_weights, save_weights
-from alignopsd.engine.run.writes import WriteFailure, writing
+from alignopsd.engine.checkpoint.statefile import load_state, save_state
+from alignopsd.engine.checkpoint.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, install_folder, load_weights, save_weights
+from alignopsd.engine.infra.writes import WriteFailure, writing
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -173,8 +173,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     _VERIFIED.pop(key, None)
     files = verify_manifest(path, require=(STATE_FILE,))
     read_trainer_state(path)
-    if SHARDS_METADATA in files:  # DCP's pickled index, through the restricted unpickler (engine/run/safe_dcp.py)
-        from alignopsd.engine.run.safe_dcp import read_metadata
+    if SHARDS_METADATA in files:  # DCP's pickled index, through the restricted unpickler (safe_dcp.py)
+        from alignopsd.engine.checkpoint.safe_dcp import read_metadata
 
         prefix = f"{SHARDS_DIR}/"
         read_metadata(path / SHARDS_DIR, {k[len(prefix) :] for k in files if k.startswith(prefix)})

@@ -98,7 +98,7 @@ def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def save_state(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` (nested dicts/lists/tuples of tensors, numpy arrays and plain values) to ``path``."""
-    from alignopsd.engine.run.writes import writing
+    from alignopsd.engine.infra.writes import writing
     from safetensors.torch import save_file
 
     skeleton, tensors = flatten_state(obj)

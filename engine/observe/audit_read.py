@@ -1,4 +1,4 @@
-"""Reading a run's audit records (engine/run/audit.py writes them): per step and rank, and the off-turn match
+"""Reading a run's audit records (engine/observe/audit.py writes them): per step and rank, and the off-turn match
 weight of ALGORITHM.md §4.3 recomputed from them."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Audit records of a run (ALGORITHM.md §4.3 "Audit"): local JSONL per step, never W&B, never fatal, except that
-a full disk or a file size limit ends the run as it does for every write (engine/run/writes.py).
+a full disk or a file size limit ends the run as it does for every write (engine/infra/writes.py).
 
 Legend: M = canonical turns of this rank's batch, L = response length, P = kept (source, target) pairs.
 
@@ -19,7 +19,7 @@ Records (one JSON object per line, ``kind`` first):
   and the step-level constants (γ, α_max, K, the M2 threshold τ or null).
 * ``turn``: one per canonical turn, every step, and ``snapshot``: token records of up to 8 turns, on the first
   step, every 10th step and the last step; their fields, and how the snapshot's turns are chosen, are described
-  in engine/run/audit_records.py, which builds them.
+  in engine/observe/audit_records.py, which builds them.
 
 Budget: at most ``trainer.audit_max_bytes`` (1 GiB) over the run, split evenly over the writing ranks
 (no collective). A step whose file would cross the cap is not written; from then on nothing is, a
@@ -39,8 +39,9 @@ import os
 import time
 from pathlib import Path
 
-from alignopsd.engine.run.audit_read import AUDIT_FILE_RE
-from alignopsd.engine.run.audit_records import (
+from alignopsd.engine.infra.writes import WriteFailure, writing
+from alignopsd.engine.observe.audit_read import AUDIT_FILE_RE
+from alignopsd.engine.observe.audit_records import (
     BOUNDARY_KINDS,
     SNAPSHOT_TURNS,
     TARGETS,
@@ -50,8 +51,7 @@ from alignopsd.engine.run.audit_records import (
     snapshot_records,
     turn_records,
 )
-from alignopsd.engine.run.strict import reraise_if_strict
-from alignopsd.engine.run.writes import WriteFailure, writing
+from alignopsd.engine.observe.strict import reraise_if_strict
 from torch import Tensor
 
 __all__ = [

@@ -32,7 +32,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.run.writes import writing
+from alignopsd.engine.infra.writes import writing
 
 MANIFEST = "manifest.json"
 FORMAT = 1

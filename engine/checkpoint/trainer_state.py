@@ -1,6 +1,6 @@
 """``trainer_state.json`` of a checkpoint: read and checked field by field (types, ranges) before it is used.
 
-The file is written by engine/run/checkpoint.py and verified against the checkpoint's manifest before it is read; a
+The file is written by checkpoint.py (this folder) and verified against the checkpoint's manifest before it is read; a
 field of the wrong type or out of range (``"step": "two"``) is refused as a damaged checkpoint would be
 (ManifestError naming the file and the field): ``--resume auto`` falls back past it, and the commands exit with
 code 2.
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.run.manifest import ManifestError
+from alignopsd.engine.checkpoint.manifest import ManifestError
 
 STATE_FILE = "trainer_state.json"
 

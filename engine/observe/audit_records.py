@@ -44,7 +44,7 @@ from dataclasses import fields
 from typing import Any
 
 import torch
-from alignopsd.engine.run.strict import reraise_if_strict
+from alignopsd.engine.observe.strict import reraise_if_strict
 from torch import Tensor
 
 __all__ = [

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.run.progress import time_left
-from alignopsd.engine.run.writes import writing
+from alignopsd.engine.infra.writes import writing
+from alignopsd.engine.observe.progress import time_left
 
 # the keys of the progress line, in order: (metric name, label, format)
 PROGRESS_KEYS = (

@@ -15,8 +15,8 @@ import json
 import math
 from pathlib import Path
 
-from alignopsd.engine.run.metrics import read_metrics
-from alignopsd.engine.run.profiler import ALIGNMENT_PHASES, LABELS, PHASES
+from alignopsd.engine.observe.metrics import read_metrics
+from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, LABELS, PHASES
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

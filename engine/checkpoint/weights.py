@@ -1,17 +1,17 @@
 """The one writer of Hugging Face weights: a folder transformers (and vLLM) load, written atomically with a manifest.
 
 Every Hugging Face weight folder the engine writes goes through this module: a checkpoint's ``model.safetensors``
-(the trainer's, and the gathered export of a sharded one; engine/run/checkpoint.py), the warm start ``alignopsd
+(the trainer's, and the gathered export of a sharded one; engine/checkpoint/checkpoint.py), the warm start ``alignopsd
 sft`` writes (engine/commands/sft.py) and the model conversions of engine/models/loading.py.
 
 * :func:`save_weights` writes ``model.safetensors`` (+ ``config.json``) into a folder that is still being built;
   :func:`save_model_files` does so for a transformers model (with its generation config, and the architecture
   recorded in ``config.json``, as ``save_pretrained`` records it).
 * :func:`publish_folder` builds a whole folder in a temporary sibling, lists every file in its manifest
-  (engine/run/manifest.py: each file flushed to disk first, the manifest last) and renames it into place
+  (engine/checkpoint/manifest.py: each file flushed to disk first, the manifest last) and renames it into place
   (:func:`install_folder`), so a reader sees the previous folder or the complete new one, never a part.
 
-Write failures (full disk, file size limit, I/O error) raise :class:`~alignopsd.engine.run.writes.WriteFailure`
+Write failures (full disk, file size limit, I/O error) raise :class:`~alignopsd.engine.infra.writes.WriteFailure`
 naming the file; the unfinished folder is removed. Folders written before the manifest existed still load (readers
 of model folders do not require it; checkpoints always had one).
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from alignopsd.engine.run.manifest import fsync_dir, verify_manifest, write_manifest
-from alignopsd.engine.run.writes import writing
+from alignopsd.engine.checkpoint.manifest import fsync_dir, verify_manifest, write_manifest
+from alignopsd.engine.infra.writes import writing
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -12,7 +12,7 @@ Inside ``with FakeCuda() as fc:``
 * host synchronisations are counted: ``.item()`` (and ``float()``/``bool()``/``int()`` of a tensor), ``.tolist()``,
   copies to the host (``.cpu()``, ``.to("cpu")``, ``cpu.copy_(cuda)``), ops whose output size depends on the data
   (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) and ``torch.cuda.synchronize``. Counts are
-  kept per kind and per profiler phase (:func:`alignopsd.engine.run.profiler.current_phase`); ``.numpy()`` of a CUDA
+  kept per kind and per profiler phase (:func:`alignopsd.engine.observe.profiler.current_phase`); ``.numpy()`` of a CUDA
   tensor raises, as on a GPU.
 * the ``torch.cuda`` calls the engine makes answer as one visible device would: ``is_available``, ``device_count``
   (1), ``current_device``/``set_device`` (0 only), ``synchronize``, ``empty_cache``, memory statistics (the
@@ -33,7 +33,7 @@ from collections import Counter
 from typing import Any
 
 import torch
-from alignopsd.engine.run import profiler
+from alignopsd.engine.observe import profiler
 from alignopsd.kernels import torch_paths_only
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode

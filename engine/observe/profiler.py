@@ -27,7 +27,7 @@ weight_sync            pushing updated weights to the generation engine         
 
 Host synchronisations (the host waiting for the device: ``.item()``, ``.tolist()``, copies to the host,
 data-dependent output sizes) are counted per phase when a sync counter is registered
-(:func:`register_sync_counter`; the fake-CUDA test mode of engine/parallel/fake_cuda.py is one): each step's counts come
+(:func:`register_sync_counter`; the fake-CUDA test mode of engine/observe/fake_cuda.py is one): each step's counts come
 back as ``host_syncs/<phase>`` metrics and the profile summary reports their mean per step. The profiler's own
 synchronisations at the phase edges are not counted.
 
