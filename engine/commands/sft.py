@@ -31,7 +31,7 @@ import torch
 from alignopsd.engine.envs.alfworld_expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.observe.progress import time_left
-from alignopsd.engine.step.rollout import truncate_left
+from alignopsd.engine.tokens.layout import truncate_left
 
 SFT_MARKER = "alignopsd_sft.json"
 

@@ -29,6 +29,9 @@ import re
 import torch
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator
+from alignopsd.engine.parallel import devices
+from alignopsd.engine.policy.row_scoring import score_shared_prefix
+from alignopsd.engine.tokens.layout import left_pad, right_pad
 
 _ACTIONS_RE = re.compile(r"(?:Admissible actions|Actions): \[(.*?)\]")
 
@@ -61,10 +64,6 @@ class ChoiceGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        from alignopsd.engine.parallel import devices
-        from alignopsd.engine.policy.row_scoring import score_shared_prefix
-        from alignopsd.engine.step.rollout import left_pad, right_pad
-
         tok = self.tokenizer
         eos = tok.eos_token_id
         cands = [candidate_texts(tok.decode(p, skip_special_tokens=False)) for p in prompts]

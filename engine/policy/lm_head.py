@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from alignopsd.engine.step.batch import position_ids
+from alignopsd.engine.tokens.layout import position_ids
 from alignopsd.kernels.fused_loss import fused_token_loss
 from alignopsd.kernels.logprob import logprob as kernel_logprob
 from torch import Tensor, nn

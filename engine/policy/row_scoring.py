@@ -41,7 +41,7 @@ import torch
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.policy.lm_head import logprob_head, scatter_response, score_rows, transformer_body
 from alignopsd.engine.policy.megatron.scoring import ShardScoring
-from alignopsd.engine.step.batch import position_ids
+from alignopsd.engine.tokens.layout import position_ids
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)

@@ -100,8 +100,3 @@ class TurnBatch:
             if isinstance(v, Tensor):
                 out[f.name] = v.to(device)
         return replace(self, **out)
-
-
-def position_ids(mask: Tensor) -> Tensor:
-    """Positions from an attention mask: cumulative count of attended tokens minus one, clipped at 0."""
-    return (mask.long().cumsum(-1) - 1).clamp_min(0)

@@ -44,7 +44,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from alignopsd.engine.envs.prompts import chat_text
@@ -53,6 +52,7 @@ from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.tokens.layout import left_pad, right_pad, truncate_left
 
 log = logging.getLogger(__name__)
 
@@ -68,39 +68,6 @@ def _seed(seed: int, *parts: object) -> int:
 def default_truncation(env_name: str) -> str:
     """§1.3: ``left`` for Search, ``error`` for ALFWorld/WebShop (and any other environment)."""
     return "left" if str(env_name).lower().startswith("search") else "error"
-
-
-def truncate_left(ids: list[int], max_len: int) -> tuple[list[int], bool]:
-    """Keep the last ``max_len`` tokens; returns (ids, whether anything was cut)."""
-    if len(ids) <= max_len:
-        return list(ids), False
-    return list(ids[len(ids) - max_len :]), True
-
-
-def left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n, width] ids, [n, width] mask) with each row right-aligned."""
-    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if len(r) > width:
-            raise ValueError(f"rows: row {i} has {len(r)} tokens, more than the width {width}")
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(list(r), dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
-def right_pad(
-    rows: Sequence[Sequence[Any]], width: int, pad: Any, dtype=torch.long
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n, width] values, [n, width] mask) with each row left-aligned."""
-    vals = torch.full((len(rows), width), pad, dtype=dtype)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            vals[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
-            mask[i, : len(r)] = 1
-    return vals, mask
 
 
 # ----------------------------------------------------------------------------------------------------------------------

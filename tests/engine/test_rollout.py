@@ -12,7 +12,8 @@ from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
 from alignopsd.engine.envs.toy import faulty_tasks
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
-from alignopsd.engine.step.rollout import collect_rollouts, default_truncation, truncate_left
+from alignopsd.engine.step.rollout import collect_rollouts, default_truncation
+from alignopsd.engine.tokens.layout import truncate_left
 
 
 @pytest.fixture(scope="module")

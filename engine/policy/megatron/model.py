@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from alignopsd.engine.policy.megatron.convert import Dims
-from alignopsd.engine.step.batch import position_ids
+from alignopsd.engine.tokens.layout import position_ids
 from torch import Tensor
 
 
