@@ -42,6 +42,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def train_one(spec: RunSpec, steps: int, val_tasks: list, factory: Callable, str
         atomic_write_bytes(spec.out_dir / VAL_TASKS_FILE, json.dumps(keys).encode())
     trainer = factory(spec.config, list(spec.overrides))
     try:
-        trainer.parts.val_tasks = list(val_tasks)
+        trainer.parts = replace(trainer.parts, val_tasks=list(val_tasks))
         trainer.stream = PrefixedStream(stream, f"[{spec.label}] ")
         trainer.fit(resume="auto")
         trainer.dist.barrier()  # rank 0 has written the run's last records before any rank reads them

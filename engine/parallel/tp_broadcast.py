@@ -22,8 +22,8 @@ every function here is the plain call.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,18 +191,16 @@ class LeadEncoder:
         return emb.to(self.device), valid.to(self.device)
 
 
-@contextlib.contextmanager
-def group_sampling(parts) -> Iterator[None]:
-    """Within this block, teacher generation and thinking encoding run once per tensor-parallel group (see the
-    module docstring); a no-op without tensor parallelism. Loads the encoder on the group's first rank."""
+def group_sampling(parts):
+    """The parts of a teacher pass: a copy of ``parts`` (a dataclass with ``policy``, ``generator``, ``encoder``,
+    ``device`` and ``get_encoder``; it is not changed) whose teacher generation and thinking encoding run once per
+    tensor-parallel group (see the module docstring); ``parts`` itself without tensor parallelism. Loads the encoder
+    on the group's first rank."""
     if tp_layout(parts.policy)[0] is None:
-        yield
-        return
-    generator = parts.generator
+        return parts
     encoder = parts.get_encoder() if is_group_lead(parts.policy) else parts.encoder
-    parts.generator = LeadGenerator(generator, parts.policy)
-    parts.encoder = LeadEncoder(encoder, parts.policy, parts.device)
-    try:
-        yield
-    finally:
-        parts.generator, parts.encoder = generator, encoder
+    return dataclasses.replace(
+        parts,
+        generator=LeadGenerator(parts.generator, parts.policy),
+        encoder=LeadEncoder(encoder, parts.policy, parts.device),
+    )

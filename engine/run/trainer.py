@@ -39,6 +39,7 @@ import os
 import sys
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 from alignopsd.engine.checkpoint.checkpoint import (
@@ -218,7 +219,7 @@ class Trainer:
                     rank=self.rank,
                     stream=self.stream,
                 )
-                self.parts.audit = self._auditor()
+                self.parts = replace(self.parts, audit=self._auditor())
                 try:
                     last = self._train(logger, watch)
                 except Preempted:

@@ -8,6 +8,7 @@ parses the same three tags, §1.5).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from alignopsd.engine.generation.base import SamplingParams, prefill_counts, prefill_delta
 from alignopsd.engine.generation.teacher import ACTION_STOPS
@@ -99,15 +100,11 @@ def run_validation(parts, step: int) -> dict[str, float]:
     cfg = parts.cfg
     per = len(parts.val_tasks) // parts.world_size
     tasks = parts.val_tasks[parts.rank * per : (parts.rank + 1) * per] or parts.val_tasks[:1]
-    prof = StepProfiler()
-    saved, parts.profiler = parts.profiler, prof
-    prof.start_step()
-    try:
-        seed = step_seed(cfg.trainer.seed, 10_000_000 + step, parts.rank)
-        # once per tensor-parallel group, as in training (the group's other ranks receive its metrics)
-        _, metrics = group_rollout(parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=True))
-    finally:
-        parts.profiler = saved
+    parts = replace(parts, profiler=StepProfiler())  # its own phase times, apart from the training step's
+    parts.profiler.start_step()
+    seed = step_seed(cfg.trainer.seed, 10_000_000 + step, parts.rank)
+    # once per tensor-parallel group, as in training (the group's other ranks receive its metrics)
+    _, metrics = group_rollout(parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=True))
     return metrics
 
 

@@ -29,8 +29,8 @@ import torch
 from alignopsd.engine.parallel.collectives import all_reduce
 from alignopsd.engine.parallel.metric_reduce import Samples, samples_of
 from alignopsd.engine.parallel.tp_broadcast import broadcast_from_lead, group_rollout, group_sampling
-from alignopsd.engine.run.components import Components
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.episodes import rollout_phase, step_seed, tasks_for_step
 from alignopsd.engine.step.regions import region_metrics, response_regions
 from alignopsd.engine.step.teacher_pass import M1Result, mechanism1, teacher_diagonal
@@ -107,8 +107,8 @@ def _step(parts: Components, step: int) -> StepOutput:
     # 5. teacher pass (only what the estimator declares) -----------------------------------------------------------
     m1 = None
     if phases["alignment"]:
-        with group_sampling(parts):  # teacher generation and encoding once per tensor-parallel group
-            m1, m1_metrics = mechanism1(parts, cb)
+        # teacher generation and encoding once per tensor-parallel group
+        m1, m1_metrics = mechanism1(group_sampling(parts), cb)
         metrics.update(m1_metrics)
     elif phases["teacher_diag"]:
         m1 = teacher_diagonal(parts, cb)

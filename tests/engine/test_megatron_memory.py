@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+from dataclasses import replace
 
 import learn_helpers as lh
 import pytest
@@ -115,9 +116,9 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     rank = int(os.environ["RANK"])
     parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2", *KL]), 2, rank)
     if parts.generator is not None:  # rank 0: the candidate-choice generator on its generator's Hugging Face copy
-        parts.generator = Recorder(ChoiceGenerator(parts.generator.model, parts.tokenizer))
+        parts = replace(parts, generator=Recorder(ChoiceGenerator(parts.generator.model, parts.tokenizer)))
     ours: list = []
-    parts.ref_scorer = probe(parts.ref_scorer, ours)
+    parts = replace(parts, ref_scorer=probe(parts.ref_scorer, ours))
     out = run_step(parts, STEP)
     assert out.metrics.get("regions/errors", 0.0) == 0.0
     calls = [parts.generator.calls if parts.generator is not None else None]
@@ -225,12 +226,12 @@ def test_weight_sync_gathers_one_part_at_a_time_to_rank_0():
         assert synced.keys() == gathered.keys() and all(torch.equal(synced[k], v) for k, v in gathered.items())
     tied = parts.policy.dims.tied
     watcher = PartWatcher(tied) if rank == 0 else None
-    parts.generator = watcher
+    parts = replace(parts, generator=watcher)
     parts.sync_weights()
     if rank == 0:
         assert watcher.names == list(gathered) and watcher.stale == 0
         assert watcher.sums == {k: float(v.double().sum()) for k, v in gathered.items()}
-    parts.generator = PartWatcher(tied, stop_after=3) if rank == 0 else None
+    parts = replace(parts, generator=PartWatcher(tied, stop_after=3) if rank == 0 else None)
     # the first rank raises its error; the group's other rank learns it and raises too (no rank is left waiting)
     expected = RuntimeError if rank == 0 else LeadRankError
     with pytest.raises(expected, match="left .* weights of the sync unread"):

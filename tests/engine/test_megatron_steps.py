@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 
 import learn_helpers as lh
 import pytest
@@ -86,7 +87,7 @@ def _megatron_parts(extra: list[str], tp: int):
     cfg = _config(["policy.backend=megatron", f"policy.tensor_parallel_size={tp}"], extra)
     parts = _parts(cfg, 2, int(os.environ["RANK"]))
     if parts.generator is not None:
-        parts.generator = Recorder(ChoiceGenerator(parts.generator.model, parts.tokenizer))
+        parts = replace(parts, generator=Recorder(ChoiceGenerator(parts.generator.model, parts.tokenizer)))
     return parts
 
 
@@ -95,7 +96,7 @@ def _hf_reference(extra: list[str], calls, world_size: int, rank: int):
     from alignopsd.engine.step.recipe import run_step
 
     parts = _parts(_config([], extra), world_size, rank)
-    parts.generator = Replay(calls)
+    parts = replace(parts, generator=Replay(calls))
     out = run_step(parts, STEP)
     assert out.metrics.get("regions/errors", 0.0) == 0.0
     assert not parts.generator.calls, "the reference made fewer generation calls"
@@ -152,7 +153,7 @@ def test_tp_group_trains_on_its_first_ranks_batch():
     assert (parts.generator is None) == (rank == 1)
     assert (getattr(parts.policy, "hf_model", None) is None) == (rank == 1)
     probe = BatchProbe(parts.rescorer)
-    parts.rescorer = probe
+    parts = replace(parts, rescorer=probe)
     out = run_step(parts, 0)
     assert out.metrics.get("regions/errors", 0.0) == 0.0
     calls = len(parts.generator.calls) if parts.generator is not None else None

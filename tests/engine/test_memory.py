@@ -4,6 +4,8 @@ size against the weight converter, and the command on the test config."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron
@@ -146,7 +148,7 @@ def test_step_puts_the_engine_to_sleep_after_each_generation_phase(tmp_path):
           "algorithm.estimator=alignopsd"]  # fmt: skip
     tr = lh.build_trainer(str(lh.TINY_CONFIG), ov)
     gen = PhaseLog(tr.parts.generator)
-    tr.parts.generator = gen
+    tr.parts = replace(tr.parts, generator=gen)
     run_step(tr.parts, 1)
     tr.parts.close()
     ev = gen.events

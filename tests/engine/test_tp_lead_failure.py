@@ -70,7 +70,7 @@ class _Engine:
 
 def test_failing_lead_weight_sync_raises_on_every_rank(policy):
     from alignopsd.engine.parallel.tp_broadcast import LeadRankError
-    from alignopsd.engine.run.components import Components
+    from alignopsd.engine.step.components import Components
 
     lead = policy.tp_rank == 0
     parts = SimpleNamespace(policy=policy, generator=_Engine(fail_after=3) if lead else None)

@@ -4,6 +4,7 @@ failing environments and malformed outputs are counted and never abort a step; d
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -185,7 +186,7 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
           "generation.max_response_length=8", "trainer.skip_no_signal=true", f"output_dir={tmp_path}"]  # fmt: skip
     cfg = load_config(TINY, ov)
     tr = Trainer(cfg)
-    tr.parts.train_tasks = faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1)
+    tr.parts = replace(tr.parts, train_tasks=faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1))
     out = run_step(tr.parts, 0)
     m = out.metrics
     assert m.get("regions/errors", 0.0) == 0.0

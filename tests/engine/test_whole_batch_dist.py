@@ -80,7 +80,7 @@ def _share(cb, old, m1, tasks: list[int]):
 def _parts(cfg, rank: int, world_size: int):
     """What the step's estimator phase reads of the run's components (no model: the phase runs none)."""
     from alignopsd.engine.policy.base import ParallelLayout
-    from alignopsd.engine.run.components import Components
+    from alignopsd.engine.step.components import Components
 
     from alignopsd.estimators import get_estimator
 
