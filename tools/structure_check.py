@@ -6,7 +6,12 @@ Checks every tracked ``.py`` file of ``alignopsd/``, ``kernels/``, ``engine/`` a
 * functions of at most ``--max-func`` lines (80), decorator included; a ``@triton.jit`` kernel is exempt
   (splitting a kernel body costs registers and launches);
 * no import cycle between the project's own modules (lazy imports inside functions count: a cycle is a cycle);
-* no module imports another module's ``_private`` name.
+* no module imports another module's ``_private`` name;
+* imports between the engine's subpackages point down the layers (:data:`ENGINE_LAYERS`, the order docs/DESIGN.md
+  writes): a module may import its own layer (no cycle, see above) and the layers below, never one above. Lazy imports
+  inside functions count, and so do imports under ``if TYPE_CHECKING:``: a type named from an upper layer is a
+  dependency on it all the same (the step owns the types it is handed). A subpackage missing from the table is a
+  finding too, so a new one is placed on purpose. The engine's own top-level modules (``__main__``) sit above all.
 
 Prints each finding and exits 1 when there is one, 0 otherwise.
 """
@@ -21,6 +26,20 @@ from pathlib import Path
 
 # folder -> import name (setup.py's package_dir)
 PACKAGES = {"alignopsd": "alignopsd", "kernels": "alignopsd.kernels", "engine": "alignopsd.engine", "bench": "bench"}
+
+ENGINE = "alignopsd.engine"
+# The engine's subpackages, one layer per row, from the bottom; imports only point down (or within a row).
+ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("infra", "parallel"),  # write failures, caches; processes, devices, collectives
+    ("checkpoint", "observe"),  # files a run writes and trusts; metrics, profiler, progress, audit, report, strict
+    ("models", "envs", "tokens"),  # embedded models; environments; token layout (positions, padding)
+    ("config",),  # the run's schema (it names the environments), pre-flight and architecture checks
+    ("policy", "generation"),  # backends behind their protocols, row scoring
+    ("step",),  # one step; owns the type of what it is handed (Components)
+    ("run",),  # the composition root: trainer loop, components builder, resume, preemption, lock
+    ("commands",),  # the CLI
+)
+LAYER_OF = {sub: i for i, row in enumerate(ENGINE_LAYERS) for sub in row}
 
 
 def module_name(path: Path) -> str:
@@ -115,6 +134,46 @@ def imports_of(tree: ast.AST, name: str, is_package: bool, modules: set[str], ro
     return deps, private
 
 
+def engine_layer(module: str, modules: set[str]) -> tuple[str | None, int | None]:
+    """(subpackage, layer) of an engine module: (None, None) outside the engine; the engine package and its own
+    top-level modules (``__main__``) are above every layer; a subpackage missing from :data:`ENGINE_LAYERS` has
+    layer None."""
+    parts = module.split(".")
+    if module != ENGINE and not module.startswith(ENGINE + "."):
+        return None, None
+    top_module = len(parts) == 3 and not any(m.startswith(module + ".") for m in modules)
+    if len(parts) == 2 or top_module:
+        return "", len(ENGINE_LAYERS)
+    return parts[2], LAYER_OF.get(parts[2])
+
+
+def layer_findings(tree: ast.AST, name: str, path: Path, modules: set[str]) -> list[str]:
+    """One line per import of ``name`` that points up the engine's layers (or into a subpackage with no layer)."""
+    sub, layer = engine_layer(name, modules)
+    if sub is None:
+        return []
+    if layer is None:
+        return [f"{path}: engine/{sub}/ is in no layer (add it to ENGINE_LAYERS and to docs/DESIGN.md's layer order)"]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(name, path.name == "__init__.py", node)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            tsub, tlayer = engine_layer(target, modules)
+            if tsub is None or tsub == sub or tlayer is None or tlayer <= layer:
+                continue
+            out.append(
+                f"{path}:{node.lineno} imports {target}: engine/{tsub}/ is above engine/{sub}/ in the layer order "
+                "(move the shared part down, or pass it in)"
+            )
+    return out
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
@@ -183,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         graph[name], private = imports_of(tree, name, path.name == "__init__.py", modules, root)
         for line, target, alias in private:
             findings.append(f"{path}:{line} imports the private name {alias} from {target}")
+        findings.extend(layer_findings(tree, name, path, modules))
     for comp in cycles(graph):
         findings.append("import cycle: " + " <-> ".join(comp))
     for f in findings:

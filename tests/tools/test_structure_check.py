@@ -57,3 +57,74 @@ def test_each_violation_is_found(tmp_path, capsys):
 def test_the_project_passes():
     """The limits hold for the project itself (what ``make lint`` runs)."""
     assert sc.main(["--root", str(ROOT)]) == 0
+
+
+def _engine_tree(tmp_path: Path, modules: dict[str, str]) -> Path:
+    files = {"engine/__init__.py": ""}
+    for name, text in modules.items():
+        folder = name.split("/")[0]
+        files.setdefault(f"engine/{folder}/__init__.py", "")
+        files[f"engine/{name}"] = text
+    return _repo(tmp_path, files)
+
+
+def test_imports_point_down_the_engine_layers(tmp_path, capsys):
+    """Down and within a layer pass; up (at module level, inside a function, under TYPE_CHECKING) is refused, and so
+    is a subpackage that no layer holds."""
+    root = _engine_tree(
+        tmp_path,
+        {
+            "infra/cache.py": "",
+            "observe/profiler.py": "from alignopsd.engine.infra import cache\n",
+            "policy/lm_head.py": "from alignopsd.engine.generation import base\n",  # a peer of the same layer
+            "generation/base.py": "from ..observe.profiler import x\n",  # relative, down
+            "step/batch.py": "from alignopsd.engine.run.components import Components\n",
+            "step/rollout.py": "def f():\n    import alignopsd.engine.commands.cli\n",
+            "step/recipe.py": (
+                "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from alignopsd.engine.run import trainer\n"
+            ),
+            "run/components.py": "from alignopsd.engine.step import rollout\n",
+            "run/trainer.py": "",
+            "commands/cli.py": "",
+            "shelf/x.py": "",
+        },
+    )
+    assert sc.main(["--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "engine/step/batch.py:1 imports alignopsd.engine.run.components: engine/run/ is above engine/step/" in out
+    assert "engine/step/rollout.py:2 imports alignopsd.engine.commands.cli: engine/commands/ is above" in out
+    assert "engine/step/recipe.py:4 imports alignopsd.engine.run.trainer: engine/run/ is above" in out
+    assert "engine/shelf/x.py: engine/shelf/ is in no layer" in out
+    assert "engine/policy" not in out and "engine/generation" not in out and "engine/observe" not in out
+    assert "engine/shelf/__init__.py: engine/shelf/ is in no layer" in out
+    assert "5 finding(s)" in out
+
+
+def test_one_upward_import_in_the_real_tree_is_refused(tmp_path, capsys):
+    """A copy of the project's own tracked files with one upward import added (the one the step's token layout
+    used to cause: the policy's LM head reading the step's batch module) fails the check, naming it."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = {p: (ROOT / p).read_text() for p in tracked.stdout.split() if p.split("/")[0] in sc.PACKAGES}
+    head = files["engine/policy/lm_head.py"]
+    files["engine/policy/lm_head.py"] = head.replace(
+        "from __future__ import annotations\n",
+        "from __future__ import annotations\n\nimport alignopsd.engine.step.batch\n",
+        1,
+    )
+    assert files["engine/policy/lm_head.py"] != head
+    root = _repo(tmp_path, files)
+    for built in ROOT.glob("alignopsd/_C*"):  # the compiled extension, as in the checkout
+        (root / "alignopsd" / built.name).symlink_to(built)
+    assert sc.main(["--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "engine/policy/lm_head.py" in out and "imports alignopsd.engine.step.batch: engine/step/ is above" in out
+    assert "1 finding(s)" in out
+
+
+def test_the_design_writes_the_layer_order_the_check_keeps():
+    """docs/DESIGN.md's layer block (top first) names the same subpackages per row as ENGINE_LAYERS (bottom first)."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    block = text.split("<!-- layers -->", 1)[1].split("<!-- /layers -->", 1)[0]
+    rows = [line.split("  ") for line in block.splitlines() if line.strip() and not line.strip().startswith("```")]
+    written = [tuple(sorted(w.strip().rstrip("/") for w in row if w.strip().endswith("/"))) for row in rows]
+    assert written[::-1] == [tuple(sorted(row)) for row in sc.ENGINE_LAYERS]
