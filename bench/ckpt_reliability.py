@@ -62,6 +62,7 @@ def _checkpoint(out: Path, shapes_mlp: int | None = None, sharded: bool = False,
     import torch
     from alignopsd.engine.checkpoint import checkpoint as ck
     from alignopsd.engine.checkpoint.manifest import write_manifest
+    from alignopsd.engine.checkpoint.trainer_state import TrainerState
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.run.resume import stored_config
 
@@ -84,7 +85,8 @@ def _checkpoint(out: Path, shapes_mlp: int | None = None, sharded: bool = False,
         write_manifest(folder)
 
     return ck.save_checkpoint(out / "checkpoints", 2, model_state=None if sharded else state, optimizer_state=None,
-                              trainer_state={"run_config": stored_config(cfg)}, shards=shards if sharded else None,
+                              trainer_state=TrainerState(2, run_config=stored_config(cfg)),
+                              shards=shards if sharded else None,
                               shard_state={"w": torch.zeros(2)} if sharded else None)  # fmt: skip
 
 
@@ -181,8 +183,8 @@ def full_disk(d: Path, timeout: float) -> dict:
         return {"rc": "skipped", "s": 0.0, "tb": False, "line": "no permission to mount a tmpfs"}
     try:
         code = ("import sys, torch\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
-                "ck.save_checkpoint(sys.argv[1], 1, model_state={'w': torch.zeros(1 << 20)}, optimizer_state=None, "
-                "trainer_state={})\n")  # fmt: skip
+                "ck.save_checkpoint(sys.argv[1], 1, model_state={'w': torch.zeros(1 << 20)},\n"
+                "                   optimizer_state=None)\n")  # fmt: skip
         res = _run([sys.executable, "-c", code, str(mnt / "checkpoints")], timeout)
         res["line"] += f" | left: {sorted(p.name for p in (mnt / 'checkpoints').iterdir())}"
         return res
@@ -194,7 +196,7 @@ def leftover(d: Path, timeout: float) -> dict:
     code = ("import sys, torch, pathlib\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
             "d = pathlib.Path(sys.argv[1]); (d / '.tmp-step_000001').mkdir(parents=True)\n"
             "(d / '.tmp-step_000001' / 'model.safetensors').write_bytes(b'half')\n"
-            "ck.save_checkpoint(d, 2, model_state={'w': torch.zeros(2)}, optimizer_state=None, trainer_state={})\n"
+            "ck.save_checkpoint(d, 2, model_state={'w': torch.zeros(2)}, optimizer_state=None)\n"
             "print(sorted(p.name for p in d.iterdir()), ck.resolve_resume('auto', d).name)\n")  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code, str(d / "checkpoints")], capture_output=True, text=True,

@@ -7,7 +7,8 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
     optimizer.safetensors      optimizer (and LR scheduler) state of rank 0, tensors + JSON (statefile.py)
     rng_rank<r>.safetensors    python / numpy / torch (/ cuda) RNG state of every rank, tensors + JSON
     trainer_state.json         step, data position, the resolved run config, metrics summary
-    manifest.json              every file above with its size and CRC-32 (engine/checkpoint/manifest.py), written last
+    manifest.json              every file above with its size and CRC-32 (manifest.py), and the checkpoint
+                               format's version (trainer_state.py: ``format_version``), written last
 
 A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
 optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
@@ -39,7 +40,7 @@ checkpoints all fail. Weights that are not finite are never written (:class:`Uns
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import random
 import re
@@ -59,7 +60,16 @@ from alignopsd.engine.checkpoint.manifest import (
     write_manifest,
 )
 from alignopsd.engine.checkpoint.statefile import load_state, save_state
-from alignopsd.engine.checkpoint.trainer_state import STATE_FILE, read_trainer_state
+from alignopsd.engine.checkpoint.trainer_state import (
+    FORMAT_VERSION,
+    STATE_FILE,
+    CheckpointFormatError,
+    LoadedCheckpoint,
+    TrainerState,
+    format_version,
+    read_trainer_state,
+    write_trainer_state,
+)
 from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, install_folder, load_weights, save_weights
 from alignopsd.engine.infra.writes import WriteFailure, writing
 
@@ -165,6 +175,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     computed once per process while no file of the checkpoint changes (size, modification time, inode)."""
     path = Path(path)
     key = str(path.resolve())
+    format_version(path)  # a newer format is refused before anything else of it is read
     files = verify_manifest(path, checksums=False, require=(STATE_FILE,))
     _require_weights(path, files)
     before = _stat_key(path, sorted(files))
@@ -237,7 +248,7 @@ def save_checkpoint(
     *,
     model_state: dict[str, torch.Tensor] | None,
     optimizer_state: dict[str, Any] | None,
-    trainer_state: dict[str, Any],
+    trainer_state: TrainerState | None = None,
     hf_config: Any = None,
     extra_files: dict[str, bytes] | None = None,
     keep_last: int = 2,
@@ -247,7 +258,6 @@ def save_checkpoint(
     gather: Callable[[Any], list[Any]] | None = None,
     shards: Callable[[Path], None] | None = None,
     shard_state: dict[str, torch.Tensor] | None = None,
-    _fail_after: str | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically; returns its final path.
 
@@ -255,8 +265,9 @@ def save_checkpoint(
     and trainer state, the manifest, and performs the rename. ``barrier`` synchronises ranks and ``gather``
     (all-gather of a Python object) brings each rank's manifest entry to rank 0; both None when
     single-process (without ``gather`` rank 0 checksums the other ranks' files itself). Non-finite weights
-    raise UnsafeStateError on every rank before anything is written. ``_fail_after`` (tests only) raises
-    after the named file is written to simulate a crash.
+    raise UnsafeStateError on every rank before anything is written. ``trainer_state`` (its ``step`` is ``step``;
+    None: the step alone) is stored with the save's own fields (``world_size``, ``sharded``, ``complete``), and the
+    manifest with this code's ``format_version``.
 
     Sharded: ``shards(folder)`` is called on every rank (collectively) to write the backend's sharded state into
     ``<tmp>/shards`` together with that folder's own manifest, whose entries the checkpoint's manifest takes
@@ -267,6 +278,11 @@ def save_checkpoint(
         raise ValueError(f"step: must be >= 0, got {step}")
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
+    if trainer_state is not None and trainer_state.step != step:
+        raise ValueError(f"trainer_state.step: {trainer_state.step} is not the step saved ({step})")
+    state = dataclasses.replace(
+        trainer_state or TrainerState(step=step), world_size=world_size, sharded=shards is not None, complete=True
+    )
     if model_state is None and shards is None:
         raise ValueError("model_state: required unless the checkpoint is sharded (shards=...)")
     ckpt_dir = Path(ckpt_dir)
@@ -299,9 +315,9 @@ def save_checkpoint(
             if rank == 0:
                 entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
         if rank == 0:
-            _write_rank0_files(tmp, step, model_state, optimizer_state, trainer_state, hf_config, extra_files,
-                               world_size=world_size, sharded=shards is not None, fail_after=_fail_after)  # fmt: skip
-            write_manifest(tmp, entries)  # flushes every file, then the manifest, last
+            _write_rank0_files(tmp, model_state, optimizer_state, state, hf_config, extra_files)
+            # flushes every file, then the manifest, last
+            write_manifest(tmp, entries, fields={"format_version": FORMAT_VERSION})
     except WriteFailure as exc:
         raise _abandoned(exc, tmp if rank == 0 else None, ckpt_dir, step) from None
     if rank == 0:
@@ -343,40 +359,25 @@ def remove_unfinished(ckpt_dir: str | os.PathLike) -> list[Path]:
 
 def _write_rank0_files(
     tmp: Path,
-    step: int,
     model_state: dict[str, torch.Tensor] | None,
     optimizer_state: dict[str, Any] | None,
-    trainer_state: dict[str, Any],
+    trainer_state: TrainerState,
     hf_config: Any,
     extra_files: dict[str, bytes] | None,
-    *,
-    world_size: int,
-    sharded: bool,
-    fail_after: str | None,
 ) -> None:
     """The files rank 0 writes into the unfinished checkpoint folder (everything but the manifest)."""
     if model_state is not None:
         save_weights(tmp, model_state, hf_config)
-    if fail_after == WEIGHTS_FILE:
-        raise RuntimeError("simulated crash after writing the weights")
     if optimizer_state is not None:
         save_state(tmp / OPTIMIZER_FILE, optimizer_state)
-    if fail_after == OPTIMIZER_FILE:
-        raise RuntimeError("simulated crash after writing the optimizer")
     for name, blob in (extra_files or {}).items():
         with writing(tmp / name):
             (tmp / name).write_bytes(blob)
-    state = dict(trainer_state)
-    state.update(step=step, world_size=world_size, sharded=sharded, complete=True)
-    with writing(tmp / STATE_FILE):
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
-    if fail_after == STATE_FILE:
-        raise RuntimeError("simulated crash before the manifest")
+    write_trainer_state(tmp, trainer_state)
 
 
-def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool = True) -> dict[str, Any]:
-    """Verify, then read a checkpoint: {"model_state", "optimizer_state", "trainer_state", "rng_state", "shards",
-    "path"}.
+def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool = True) -> LoadedCheckpoint:
+    """Verify, then read a checkpoint (:class:`~alignopsd.engine.checkpoint.trainer_state.LoadedCheckpoint`).
 
     Every file is checked against the manifest before any is read (ManifestError names a missing, truncated
     or corrupted file). ``rng_state`` is this rank's generator state (None when the checkpoint was written by
@@ -388,13 +389,13 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
         raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
     files = verify_checkpoint(path)
     trainer_state = read_trainer_state(path)
-    sharded = bool(trainer_state.get("sharded", False))
+    sharded = trainer_state.sharded
     if sharded and SHARDS_METADATA not in files:
         raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")
     if not sharded and WEIGHTS_FILE not in files:
         raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
     optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
-    saved_world = int(trainer_state.get("world_size", 1))
+    saved_world = trainer_state.world_size
     rng_state = None  # a rank the checkpoint was not written by: derive its state (derived_rng_state)
     if rank < saved_world:
         name = rng_file(rank)
@@ -403,14 +404,14 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
         rng_state = load_state(path / name)
     if restore_rng and rng_state is not None:
         restore_rng_state(rng_state)
-    return {
-        "model_state": None if sharded else load_weights(path, verify=False),
-        "optimizer_state": optimizer_state,
-        "trainer_state": trainer_state,
-        "rng_state": rng_state,
-        "shards": path / SHARDS_DIR if sharded else None,
-        "path": path,
-    }
+    return LoadedCheckpoint(
+        path=path,
+        trainer_state=trainer_state,
+        model_state=None if sharded else load_weights(path, verify=False),
+        optimizer_state=optimizer_state,
+        rng_state=rng_state,
+        shards=path / SHARDS_DIR if sharded else None,
+    )
 
 
 def resolve_resume(
@@ -429,6 +430,8 @@ def resolve_resume(
             raise ValueError(f"--resume: {resume!r} is not a checkpoint directory (step_NNNNNN)")
         try:
             verify_checkpoint(p)
+        except CheckpointFormatError:
+            raise
         except ManifestError as exc:
             raise ValueError(f"--resume: {resume!r} is not a complete, intact checkpoint: {exc}") from None
         return p
@@ -436,6 +439,8 @@ def resolve_resume(
     for cand in reversed(_step_dirs(Path(ckpt_dir))):
         try:
             verify_checkpoint(cand)
+        except CheckpointFormatError:
+            raise  # never fall back past a newer checkpoint to an older one
         except ManifestError as exc:
             rejected.append(str(exc))
             continue

@@ -153,13 +153,18 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def write_manifest(
-    folder: str | os.PathLike, entries: dict[str, dict[str, Any]] | None = None, *, fsync: bool = True
+    folder: str | os.PathLike,
+    entries: dict[str, dict[str, Any]] | None = None,
+    *,
+    fsync: bool = True,
+    fields: dict[str, Any] | None = None,
 ) -> Path:
     """List every file under ``folder`` in its ``manifest.json`` (written last, atomically); returns its path.
 
     ``entries``: entries already computed by the writers of some files (other ranks); every other file is
     checksummed here. An entry for a file that is not in the folder is an error (a writer's file went missing).
-    With ``fsync`` every listed file is flushed to disk before the manifest is written.
+    With ``fsync`` every listed file is flushed to disk before the manifest is written. ``fields``: more top-level
+    entries of the manifest (a checkpoint's ``format_version``; :func:`manifest_field` reads one).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -175,14 +180,23 @@ def write_manifest(
             with writing(folder / rel):  # EIO of a write the kernel had buffered shows here
                 fsync_file(folder / rel)
         files[rel] = given[rel] if rel in given else file_entry(folder / rel)
-    body = {"format": FORMAT, "checksum": CHECKSUM, "files": files}
+    body = {**(fields or {}), "format": FORMAT, "checksum": CHECKSUM, "files": files}
     atomic_write_bytes(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
     return folder / MANIFEST
 
 
+def manifest_field(folder: str | os.PathLike, key: str, default: Any = None) -> Any:
+    """A top-level entry of ``folder``'s manifest (``default`` when it has none), the manifest checked as
+    :func:`read_manifest` checks it."""
+    return _manifest_body(Path(folder)).get(key, default)
+
+
 def read_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """The ``files`` table of a folder's manifest (ManifestError when absent or malformed)."""
-    folder = Path(folder)
+    return _manifest_body(Path(folder))["files"]
+
+
+def _manifest_body(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     try:
         body = json.loads(path.read_bytes())
@@ -201,7 +215,7 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
         size = entry.get("size") if isinstance(entry, dict) else None
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ManifestError(f"{folder}: {MANIFEST} has a malformed entry for {rel!r}")
-    return files
+    return body
 
 
 def _plain_relative(rel: str) -> bool:

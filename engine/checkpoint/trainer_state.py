@@ -1,38 +1,94 @@
-"""``trainer_state.json`` of a checkpoint: read and checked field by field (types, ranges) before it is used.
+"""The checkpoint's typed records, written and checked here and nowhere else.
 
-The file is written by checkpoint.py (this folder) and verified against the checkpoint's manifest before it is read; a
-field of the wrong type or out of range (``"step": "two"``) is refused as a damaged checkpoint would be
-(ManifestError naming the file and the field): ``--resume auto`` falls back past it, and the commands exit with
-code 2.
+- :class:`TrainerState`: ``trainer_state.json`` (step, data position, the resolved run config, ...). The trainer
+  builds one; :func:`write_trainer_state` writes it (the file's keys in their historical order, unset fields left
+  out); :func:`read_trainer_state` reads it back with every field checked (types, ranges): a field of the wrong type
+  or out of range (``"step": "two"``) is refused as a damaged checkpoint would be (ManifestError naming the file and
+  the field): ``--resume auto`` falls back past it, and the commands exit with code 2.
+- :class:`LoadedCheckpoint`: what ``load_checkpoint`` (checkpoint.py) returns.
+- The format's version: ``format_version`` in the checkpoint's ``manifest.json`` (:data:`FORMAT_VERSION`; a manifest
+  without one is the first format, :data:`FIRST_FORMAT`, which loads as it is). A checkpoint of a newer version
+  than this code's is refused before anything else of it is read (:class:`CheckpointFormatError`, naming both
+  versions; the commands exit with code 2 and ``--resume auto`` does not fall back past it to an older step).
+
+The files are verified against the manifest (sizes and checksums) before they are read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.checkpoint.manifest import ManifestError
+from alignopsd.engine.checkpoint.manifest import ManifestError, manifest_field
+from alignopsd.engine.infra.writes import writing
 
 STATE_FILE = "trainer_state.json"
+FIRST_FORMAT = 1  # checkpoints written before the manifest carried a format_version
+FORMAT_VERSION = 2  # 2: format_version in the manifest (the files are those of version 1)
 
-# trainer_state.json: field -> (accepted types, lowest value or None, required)
-_STATE_FIELDS: dict[str, tuple[tuple[type, ...], int | None, bool]] = {
-    "step": ((int,), 0, True),
-    "world_size": ((int,), 1, False),
-    "span_lengths_count": ((int,), 0, False),
-    "sharded": ((bool,), None, False),
-    "complete": ((bool,), None, False),
-    "config_name": ((str,), None, False),
-    "run_config": ((dict,), None, False),
-    "data_position": ((dict,), None, False),
+
+class CheckpointFormatError(ManifestError):
+    """A checkpoint written by a newer version of the format than this code reads."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """``trainer_state.json``. None: not stored (a checkpoint written outside the trainer stores only the step and
+    what the save adds: ``world_size``, ``sharded``, ``complete``)."""
+
+    step: int
+    data_position: dict | None = None  # where the task stream stands: {"step", "seed"}
+    config_name: str | None = None
+    run_config: dict | None = None  # the resolved run config (engine/run/resume.py compares a resume against it)
+    span_lengths_count: int | None = None  # entries of the run's span_lengths.json that belong to this step
+    world_size: int = 1  # processes that wrote the checkpoint (one RNG file each)
+    sharded: bool = False  # the policy's state is in shards/ (the backend's torch.distributed.checkpoint)
+    complete: bool = True
+
+
+# field -> (accepted types, lowest value or None); the file's keys are written in this order
+_FIELDS: dict[str, tuple[tuple[type, ...], int | None]] = {
+    "data_position": ((dict,), None),
+    "config_name": ((str,), None),
+    "run_config": ((dict,), None),
+    "span_lengths_count": ((int,), 0),
+    "step": ((int,), 0),
+    "world_size": ((int,), 1),
+    "sharded": ((bool,), None),
+    "complete": ((bool,), None),
 }
 
 
-def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """``trainer_state.json`` of checkpoint ``path``, its fields checked (types, ranges); ManifestError naming the
-    file and the first bad field otherwise. The caller has verified the file against the manifest."""
+def write_trainer_state(folder: str | os.PathLike, state: TrainerState) -> None:
+    """``trainer_state.json`` of the checkpoint being written in ``folder``."""
+    body = {key: getattr(state, key) for key in _FIELDS if getattr(state, key) is not None}
+    with writing(Path(folder) / STATE_FILE):
+        (Path(folder) / STATE_FILE).write_text(json.dumps(body, indent=2, default=str))
+
+
+def format_version(folder: str | os.PathLike) -> int:
+    """The checkpoint format version of ``folder`` (its manifest's ``format_version``; :data:`FIRST_FORMAT` when
+    the manifest has none); CheckpointFormatError when it is newer than :data:`FORMAT_VERSION`."""
+    version = manifest_field(folder, "format_version", FIRST_FORMAT)
+    if not isinstance(version, int) or isinstance(version, bool) or version < FIRST_FORMAT:
+        raise ManifestError(f"{folder}: format_version must be an integer >= {FIRST_FORMAT}, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"{folder}: checkpoint format_version {version} is newer than this version of alignopsd reads "
+            f"(format_version {FORMAT_VERSION}); load it with the version that wrote it, or a newer one"
+        )
+    return version
+
+
+def read_trainer_state(path: str | os.PathLike) -> TrainerState:
+    """``trainer_state.json`` of checkpoint ``path``, its format version and its fields checked (types, ranges);
+    ManifestError naming the file and the first bad field otherwise. The caller has verified the file against the
+    manifest. Keys this format does not know are left out."""
+    format_version(path)
     where = Path(path) / STATE_FILE
     try:
         state = json.loads(where.read_bytes())
@@ -40,14 +96,27 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
         raise ManifestError(f"{where}: unreadable ({exc})") from None
     if not isinstance(state, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(state).__name__}")
-    for key, (types, low, required) in _STATE_FIELDS.items():
+    if "step" not in state:
+        raise ManifestError(f"{where}: 'step' is missing")
+    for key, (types, low) in _FIELDS.items():
         if key not in state:
-            if required:
-                raise ManifestError(f"{where}: {key!r} is missing")
             continue
         value = state[key]
         ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
         if not ok or (low is not None and value < low):
             want = "/".join(t.__name__ for t in types) + ("" if low is None else f" >= {low}")
             raise ManifestError(f"{where}: {key!r} must be {want}, got {str(json.dumps(value))[:80]}")
-    return state
+    known = {f.name for f in dataclasses.fields(TrainerState)}
+    return TrainerState(**{k: v for k, v in state.items() if k in known})
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A verified checkpoint, read (``load_checkpoint``)."""
+
+    path: Path
+    trainer_state: TrainerState
+    model_state: dict[str, Any] | None  # Hugging Face weights (None for a sharded checkpoint: see ``shards``)
+    optimizer_state: dict[str, Any] | None  # rank 0's optimizer (and scheduler) state; None when not stored
+    rng_state: dict[str, Any] | None  # this rank's generators (None: a rank the saving run did not have)
+    shards: Path | None  # the verified sharded folder, for the backend's own load (None: not sharded)

@@ -35,7 +35,7 @@ from typing import Any
 
 from alignopsd.engine.checkpoint.checkpoint import resolve_resume
 from alignopsd.engine.checkpoint.manifest import ManifestError
-from alignopsd.engine.checkpoint.trainer_state import read_trainer_state
+from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer_state
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
@@ -120,13 +120,13 @@ def check_resume(
         state = read_trainer_state(path)
     except ManifestError as exc:
         raise ResumeConfigError(f"--resume: {exc}") from None
-    step = state["step"]
+    step = state.step
     if cfg.trainer.total_steps < step:
         raise ResumeConfigError(
             f"trainer.total_steps: {cfg.trainer.total_steps} is below the checkpoint's step {step}; nothing would "
             f"be trained (set trainer.total_steps >= {step})"
         )
-    saved = state.get("run_config")
+    saved = state.run_config
     if not isinstance(saved, dict):
         if allow_changes:
             _check_weights_fit(path, cfg, state)
@@ -136,10 +136,10 @@ def check_resume(
             "to resume anyway"
         )
     blocking, neutral = config_changes(
-        saved, stored_config(cfg), step=step, saved_world=state.get("world_size", 1), world=world_size
+        saved, stored_config(cfg), step=step, saved_world=state.world_size, world=world_size
     )
     fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
-    if state.get("sharded") and fixed:
+    if state.sharded and fixed:
         listed = "\n  ".join(fixed)
         raise ResumeConfigError(
             f"--resume: {path} is a sharded checkpoint; it loads only into the model and parallel layout it was "
@@ -159,11 +159,11 @@ def check_resume(
     return [f"{line} (overridden: --allow-config-change)" for line in blocking] + neutral
 
 
-def _check_weights_fit(path: Path, cfg: RunConfig, state: dict[str, Any]) -> None:
+def _check_weights_fit(path: Path, cfg: RunConfig, state: TrainerState) -> None:
     """A resume whose config changes (--allow-config-change): the checkpoint's weights must fit the configured
     model, checked from the safetensors header before any model is built (engine/config/arch_check.py). A sharded
     checkpoint's layout is checked above and by its backend (layout.json)."""
-    if not state.get("sharded"):
+    if not state.sharded:
         check_architecture(path, cfg.model.name, what="--resume: checkpoint")
 
 

@@ -52,6 +52,7 @@ from alignopsd.engine.checkpoint.checkpoint import (
     step_dir_name,
 )
 from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
@@ -137,12 +138,13 @@ class Trainer:
             self.step,
             model_state=policy.hf_state_dict() if not sharded or self.export_due() else None,
             optimizer_state=None if sharded else policy.optimizer_state(),
-            trainer_state={
-                "data_position": {"step": self.step, "seed": self.cfg.trainer.seed},
-                "config_name": self.cfg.name,
-                "run_config": stored_config(self.cfg),
-                "span_lengths_count": len(self.span_lengths),
-            },
+            trainer_state=TrainerState(
+                step=self.step,
+                data_position={"step": self.step, "seed": self.cfg.trainer.seed},
+                config_name=self.cfg.name,
+                run_config=stored_config(self.cfg),
+                span_lengths_count=len(self.span_lengths),
+            ),
             hf_config=policy.hf_config,
             keep_last=self.cfg.trainer.keep_last,
             rank=self.rank,
@@ -164,31 +166,31 @@ class Trainer:
         this rank's generator state from the checkpoint at ``path``."""
         ck = load_checkpoint(path, rank=self.rank, restore_rng=False)  # verifies every file before reading
         policy = self.parts.policy
-        if ck["shards"] is not None:
+        if ck.shards is not None:
             if not policy.sharded_checkpoint:
                 raise ConfigError(
                     f"--resume: {path} is a sharded checkpoint; policy.backend={self.cfg.policy.backend!r} cannot "
                     "load it (resume with the backend that wrote it, or start a new run from its model.safetensors)"
                 )
-            policy.load_checkpoint(ck["shards"], verify=False)  # verified with the checkpoint
+            policy.load_checkpoint(ck.shards, verify=False)  # verified with the checkpoint
         else:
             try:
-                policy.load_hf_state_dict(ck["model_state"])
-                if ck["optimizer_state"] is not None:
-                    policy.load_optimizer_state(ck["optimizer_state"])
+                policy.load_hf_state_dict(ck.model_state)
+                if ck.optimizer_state is not None:
+                    policy.load_optimizer_state(ck.optimizer_state)
             except ValueError as exc:
                 raise ValueError(f"checkpoint {path}: {exc}") from None
         self.parts.sync_weights()
-        self.step = int(ck["trainer_state"]["step"])
-        n = int(ck["trainer_state"].get("span_lengths_count", 0))
+        self.step = ck.trainer_state.step
+        n = ck.trainer_state.span_lengths_count or 0
         self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
         if warning:
             self._say(warning)
         # RNG last: nothing after this point may draw random numbers before the next step
-        if ck["rng_state"] is None:  # a rank beyond the saving run's world: its own state, not rank 0's copy
+        if ck.rng_state is None:  # a rank beyond the saving run's world: its own state, not rank 0's copy
             derived_rng_state(self.cfg.trainer.seed, self.rank, self.step)
         else:
-            restore_rng_state(ck["rng_state"])
+            restore_rng_state(ck.rng_state)
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 

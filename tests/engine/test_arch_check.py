@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.arch_check import (
     ArchitectureMismatchError,
     check_architecture,
@@ -41,7 +42,7 @@ def _checkpoint(out: Path, shapes: dict, overrides: list[str] = ()) -> Path:
     cfg = load_config(TINY, [f"output_dir={out}", *overrides])
     state = {k: torch.zeros(s) for k, s in shapes.items() if k != "lm_head.weight"}  # tied: left out
     return ck.save_checkpoint(out / "checkpoints", 2, model_state=state, optimizer_state=None,
-                              trainer_state={"run_config": stored_config(cfg)})  # fmt: skip
+                              trainer_state=TrainerState(2, run_config=stored_config(cfg)))  # fmt: skip
 
 
 def test_shapes_come_from_the_header_and_the_first_difference_is_named(tmp_path):

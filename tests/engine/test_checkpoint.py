@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 
 
 def _tiny_llama():
@@ -25,7 +27,7 @@ def _save(d, step, model, **kw):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return ck.save_checkpoint(
         d, step, model_state=model.state_dict(), optimizer_state={"optimizer": opt.state_dict()},
-        trainer_state={"data_position": {"step": step}}, hf_config=model.config, **kw,
+        trainer_state=TrainerState(step, data_position={"step": step}), hf_config=model.config, **kw,
     )  # fmt: skip
 
 
@@ -58,19 +60,35 @@ def test_keep_last_and_latest(tmp_path):
         ck.resolve_resume(str(tmp_path / "step_000001"), tmp_path)
 
 
+def _crash_after(monkeypatch, name: str) -> None:
+    """The checkpoint module's writer of file ``name`` writes it, then the process "dies" (raises)."""
+    writer = {"model.safetensors": "save_weights", "optimizer.safetensors": "save_state"}.get(
+        name, "write_trainer_state"
+    )
+    real = getattr(ck, writer)
+
+    def crash(where, *args, **kw):
+        real(where, *args, **kw)
+        if writer != "save_state" or Path(where).name == name:  # save_state writes the RNG files too
+            raise RuntimeError(f"simulated crash after writing {name}")
+
+    monkeypatch.setattr(ck, writer, crash)
+
+
 @pytest.mark.parametrize("fail_after", ["model.safetensors", "optimizer.safetensors", "trainer_state.json"])
-def test_interrupted_save_leaves_previous_checkpoint(tmp_path, fail_after):
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch, fail_after):
     model = _tiny_llama()
     first = _save(tmp_path, 1, model)
-    before = ck.load_checkpoint(first, restore_rng=False)["model_state"]
+    before = ck.load_checkpoint(first, restore_rng=False).model_state
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        _save(tmp_path, 2, model, _fail_after=fail_after)
+    with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="simulated crash"):
+        _crash_after(patch, fail_after)
+        _save(tmp_path, 2, model)
     assert ck.latest_checkpoint(tmp_path) == first  # the half-written step 2 is not picked
     assert (tmp_path / ".tmp-step_000002").exists()
-    again = ck.load_checkpoint(first, restore_rng=False)["model_state"]
+    again = ck.load_checkpoint(first, restore_rng=False).model_state
     assert all(torch.equal(before[k], again[k]) for k in before)
     # the next save cleans the stale temp dir and succeeds
     path = _save(tmp_path, 2, model)
@@ -92,8 +110,7 @@ def test_killed_process_mid_write_keeps_previous(tmp_path):
         big = {{f"w{{i}}": torch.randn(512, 512) for i in range(96)}}
         print("ready", flush=True)
         while True:
-            ck.save_checkpoint({str(tmp_path)!r}, 2, model_state=big, optimizer_state=None,
-                               trainer_state={{}}, keep_last=5)
+            ck.save_checkpoint({str(tmp_path)!r}, 2, model_state=big, optimizer_state=None, keep_last=5)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
@@ -103,7 +120,7 @@ def test_killed_process_mid_write_keeps_previous(tmp_path):
     latest = ck.latest_checkpoint(tmp_path)
     assert latest is not None and latest.name in ("step_000001", "step_000002")
     state = ck.load_checkpoint(first, restore_rng=False)
-    assert set(state["model_state"]) == set(model.state_dict())
+    assert set(state.model_state) == set(model.state_dict())
 
 
 def test_rng_state_round_trip(tmp_path):
@@ -122,9 +139,9 @@ def test_rng_state_round_trip(tmp_path):
 
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="step"):
-        ck.save_checkpoint(tmp_path, -1, model_state={}, optimizer_state=None, trainer_state={})
+        ck.save_checkpoint(tmp_path, -1, model_state={}, optimizer_state=None)
     with pytest.raises(ValueError, match="keep_last"):
-        ck.save_checkpoint(tmp_path, 1, model_state={}, optimizer_state=None, trainer_state={}, keep_last=0)
+        ck.save_checkpoint(tmp_path, 1, model_state={}, optimizer_state=None, keep_last=0)
     with pytest.raises(ValueError, match="checkpoint"):
         ck.load_checkpoint(tmp_path / "step_000009")
 
@@ -153,7 +170,7 @@ def test_loading_unpickles_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
     st = ck.load_checkpoint(path, restore_rng=False)
-    assert set(st["optimizer_state"]["optimizer"]) == {"state", "param_groups"}
+    assert set(st.optimizer_state["optimizer"]) == {"state", "param_groups"}
 
 
 def test_crafted_optimizer_file_runs_no_code(tmp_path):

@@ -159,7 +159,7 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
 
     model = build_tiny_model()
     ck = save_checkpoint(tmp_path / "checkpoints", 1, model_state=model.state_dict(), optimizer_state=None,
-                         trainer_state={}, hf_config=model.config)  # fmt: skip
+                         hf_config=model.config)  # fmt: skip
     ej = tmp_path / "eval.json"
     assert cli.main(["eval", "--config", TINY, *sets, "--checkpoint", str(ck), "--json", str(ej)]) == 0
     out = capsys.readouterr().out

@@ -14,6 +14,7 @@ import pytest
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.checkpoint.manifest import ManifestError, file_entry, verify_manifest, write_manifest
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.run.resume import stored_config
 
@@ -24,7 +25,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 def _checkpoint(out: Path) -> Path:
     cfg = load_config(TINY, [f"output_dir={out}"])
     return ck.save_checkpoint(out / "checkpoints", 2, model_state={"w": torch.zeros(2)}, optimizer_state=None,
-                              trainer_state={"run_config": stored_config(cfg)})  # fmt: skip
+                              trainer_state=TrainerState(2, run_config=stored_config(cfg)))  # fmt: skip
 
 
 def _list(path: Path, rel: str, entry: dict) -> None:
@@ -170,7 +171,7 @@ def _dcp_shards(folder: Path) -> None:
 def _sharded_checkpoint(out: Path) -> Path:
     cfg = load_config(TINY, [f"output_dir={out}"])
     return ck.save_checkpoint(out / "checkpoints", 2, model_state=None, optimizer_state=None,
-                              trainer_state={"run_config": stored_config(cfg)}, shards=_dcp_shards,
+                              trainer_state=TrainerState(2, run_config=stored_config(cfg)), shards=_dcp_shards,
                               shard_state={"w": torch.zeros(2)})  # fmt: skip
 
 

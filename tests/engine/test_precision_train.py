@@ -52,7 +52,7 @@ def test_weights_loaded_without_optimizer_state_reseed_the_masters(tmp_path):
     tr = lh.build_trainer(TINY, _overrides(tmp_path / "run"))
     policy = tr.parts.policy
     loaded = {k: (v + 0.25 * torch.ones_like(v)).to(v.dtype) for k, v in policy.model.state_dict().items()}
-    path = save_checkpoint(tmp_path / "ck", 1, model_state=loaded, optimizer_state=None, trainer_state={},
+    path = save_checkpoint(tmp_path / "ck", 1, model_state=loaded, optimizer_state=None,
                            hf_config=policy.model.config)  # fmt: skip
     tr.load(path)
     named = dict(policy.model.named_parameters())

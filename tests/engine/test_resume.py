@@ -11,6 +11,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.arch_check import ArchitectureMismatchError
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.run.resume import ResumeConfigError, check_resume, read_span_lengths, stored_config
@@ -37,7 +38,7 @@ def _checkpoint(out: Path, cfg, step: int = 2, world_size: int = 1, model_state=
         step,
         model_state=model_state or {"w": torch.zeros(2)},
         optimizer_state=None,
-        trainer_state={"run_config": stored_config(cfg)},
+        trainer_state=TrainerState(step, run_config=stored_config(cfg)),
         world_size=world_size,
     )
 
@@ -86,7 +87,7 @@ def test_total_steps_rules(tmp_path):
 
 
 def test_a_checkpoint_without_its_config_needs_the_override(tmp_path):
-    path = ck.save_checkpoint(tmp_path, 1, model_state=_tiny_state(), optimizer_state=None, trainer_state={})
+    path = ck.save_checkpoint(tmp_path, 1, model_state=_tiny_state(), optimizer_state=None)
     with pytest.raises(ResumeConfigError, match="stores no run config"):
         check_resume(path, load_config(TINY))
     assert "not compared" in check_resume(path, load_config(TINY), allow_changes=True)[0]

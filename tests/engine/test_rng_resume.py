@@ -17,7 +17,7 @@ def test_new_rank_on_resume_gets_its_own_rng_state(tmp_path):
     tr = lh.build_trainer(TINY, [f"output_dir={tmp_path}", "env.name=guess", "trainer.audit=false"])
     tr.step = 1
     path = tr.save()  # written by a world of one: only rng_rank0
-    assert ck.load_checkpoint(path, rank=1, restore_rng=False)["rng_state"] is None
+    assert ck.load_checkpoint(path, rank=1, restore_rng=False).rng_state is None
 
     def draws_after_load(rank: int) -> torch.Tensor:
         tr.rank = rank

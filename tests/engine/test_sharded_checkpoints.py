@@ -24,6 +24,7 @@ import pytest
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.checkpoint.manifest import ManifestError, write_manifest
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.run.resume import ResumeConfigError, check_resume, stored_config
 
@@ -47,7 +48,7 @@ def _sharded(out: Path, cfg, step: int, *, export: bool = False, shard_state=Non
         step,
         model_state={"w": torch.ones(2)} if export else None,
         optimizer_state=None,
-        trainer_state={"run_config": stored_config(cfg)},
+        trainer_state=TrainerState(step, run_config=stored_config(cfg)),
         shards=_fake_shards,
         shard_state=shard_state or {"w": torch.ones(2)},
     )
@@ -62,7 +63,7 @@ def test_sharded_checkpoint_layout_discovery_and_load(tmp_path):
     assert {"shards/.metadata", "shards/__0_0.distcp", "shards/manifest.json", "trainer_state.json"} <= set(listed)
     assert ck.list_checkpoints(tmp_path / "checkpoints") == [one, two]
     got = ck.load_checkpoint(two, restore_rng=False)
-    assert got["shards"] == two / "shards" and got["model_state"] is None and got["trainer_state"]["sharded"]
+    assert got.shards == two / "shards" and got.model_state is None and got.trainer_state.sharded
     # a damaged shard is named, and --resume auto falls back past it
     shard = two / "shards" / "__0_0.distcp"
     raw = bytearray(shard.read_bytes())
@@ -84,7 +85,7 @@ def test_nonfinite_shard_is_never_saved(tmp_path):
         _sharded(tmp_path, cfg, 1, shard_state={"w": torch.tensor([1.0, float("nan")])})
     assert not (tmp_path / "checkpoints" / "step_000001").exists()
     with pytest.raises(ValueError, match="model_state: required unless the checkpoint is sharded"):
-        ck.save_checkpoint(tmp_path, 1, model_state=None, optimizer_state=None, trainer_state={})
+        ck.save_checkpoint(tmp_path, 1, model_state=None, optimizer_state=None)
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def test_tensor_parallel_eval_counts_each_episode_once():
     if dist.get_rank() == 0:
         model = build_tiny_model()
         save_checkpoint(out / "checkpoints", 1, model_state=model.state_dict(), optimizer_state=None,
-                        trainer_state={}, hf_config=model.config)  # fmt: skip
+                        hf_config=model.config)  # fmt: skip
     dist.barrier()
     ej = out / f"eval{dist.get_rank()}.json"
     sets = ["--set", "policy.backend=megatron", "--set", "policy.tensor_parallel_size=2", "--set", "env.max_turns=1",

@@ -45,9 +45,9 @@ def test_a_save_past_the_size_limit_names_the_file_and_keeps_the_last_checkpoint
         """
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
-ck.save_checkpoint(d, 1, model_state={"w": torch.zeros(16)}, optimizer_state=None, trainer_state={})
+ck.save_checkpoint(d, 1, model_state={"w": torch.zeros(16)}, optimizer_state=None)
 limit(64 << 10)
-ck.save_checkpoint(d, 2, model_state={"w": torch.zeros(100_000)}, optimizer_state=None, trainer_state={})
+ck.save_checkpoint(d, 2, model_state={"w": torch.zeros(100_000)}, optimizer_state=None)
 """,
         tmp_path,
     )
@@ -67,9 +67,11 @@ def test_every_file_of_a_save_is_guarded(tmp_path, opt_numel, text, name):
         f"""
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.trainer_state import TrainerState
 opt = {{"m": torch.zeros({opt_numel}), "step": 3}}
 limit(20000)
-ck.save_checkpoint(d, 1, model_state={{"w": torch.zeros(8)}}, optimizer_state=opt, trainer_state={{"x": "y" * {text}}})
+state = TrainerState(1, config_name="y" * {text})
+ck.save_checkpoint(d, 1, model_state={{"w": torch.zeros(8)}}, optimizer_state=opt, trainer_state=state)
 """,
         tmp_path,
     )
@@ -142,9 +144,9 @@ def test_a_full_disk_names_the_file(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("no permission to mount a tmpfs")
     try:
-        first = ck.save_checkpoint(mnt, 1, model_state={"w": torch.zeros(8)}, optimizer_state=None, trainer_state={})
+        first = ck.save_checkpoint(mnt, 1, model_state={"w": torch.zeros(8)}, optimizer_state=None)
         with pytest.raises(WriteFailure) as err:
-            ck.save_checkpoint(mnt, 2, model_state={"w": torch.zeros(1 << 20)}, optimizer_state=None, trainer_state={})
+            ck.save_checkpoint(mnt, 2, model_state={"w": torch.zeros(1 << 20)}, optimizer_state=None)
         assert str(err.value).startswith(f"cannot write {mnt}/.tmp-step_000002/model.safetensors: No space left on "
                                          "device (ENOSPC); checkpoint of step 2 not saved")  # fmt: skip
         assert sorted(p.name for p in mnt.iterdir()) == ["step_000001"]
@@ -154,15 +156,15 @@ def test_a_full_disk_names_the_file(tmp_path):
 
 
 def test_unfinished_folders_are_removed_by_the_next_save_and_never_resumed(tmp_path):
-    one = ck.save_checkpoint(tmp_path, 1, model_state={"w": torch.ones(2)}, optimizer_state=None, trainer_state={})
-    three = ck.save_checkpoint(tmp_path, 3, model_state={"w": torch.ones(2)}, optimizer_state=None, trainer_state={})
+    one = ck.save_checkpoint(tmp_path, 1, model_state={"w": torch.ones(2)}, optimizer_state=None)
+    three = ck.save_checkpoint(tmp_path, 3, model_state={"w": torch.ones(2)}, optimizer_state=None)
     shutil.copytree(three, tmp_path / ".tmp-step_000009")  # complete and verifiable, but under an unfinished name
     (tmp_path / ".tmp-step_000004").mkdir()
     (tmp_path / ".tmp-step_000004" / "model.safetensors").write_bytes(b"half")
     shutil.copytree(one, tmp_path / ".old-step_000001")  # a re-save's old copy; the step is there: removed
     three.rename(tmp_path / ".old-step_000003")  # a re-save killed between its renames: the only copy of step 3
     assert ck.resolve_resume("auto", tmp_path) == one  # neither unfinished nor old folders are resumed
-    ck.save_checkpoint(tmp_path, 5, model_state={"w": torch.ones(2)}, optimizer_state=None, trainer_state={},
+    ck.save_checkpoint(tmp_path, 5, model_state={"w": torch.ones(2)}, optimizer_state=None,
                        keep_last=5)  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000003", "step_000005"]
     ck.verify_checkpoint(tmp_path / "step_000003")
