@@ -278,11 +278,7 @@ def save_checkpoint(
         raise ValueError(f"step: must be >= 0, got {step}")
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
-    if trainer_state is not None and trainer_state.step != step:
-        raise ValueError(f"trainer_state.step: {trainer_state.step} is not the step saved ({step})")
-    state = dataclasses.replace(
-        trainer_state or TrainerState(step=step), world_size=world_size, sharded=shards is not None, complete=True
-    )
+    state = _saved_state(trainer_state, step, world_size=world_size, sharded=shards is not None)
     if model_state is None and shards is None:
         raise ValueError("model_state: required unless the checkpoint is sharded (shards=...)")
     ckpt_dir = Path(ckpt_dir)
@@ -326,6 +322,14 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
     sync()
     return final
+
+
+def _saved_state(trainer_state: TrainerState | None, step: int, *, world_size: int, sharded: bool) -> TrainerState:
+    """The trainer state a save stores: the caller's (None: the step alone) with the save's own fields."""
+    if trainer_state is not None and trainer_state.step != step:
+        raise ValueError(f"trainer_state.step: {trainer_state.step} is not the step saved ({step})")
+    state = trainer_state or TrainerState(step=step)
+    return dataclasses.replace(state, world_size=world_size, sharded=sharded, complete=True)
 
 
 def _abandoned(exc: WriteFailure, tmp: Path | None, ckpt_dir: Path, step: int) -> WriteFailure:
