@@ -1,2 +1,2 @@
-"""The run around the steps: the trainer loop, the composition root, checkpoints and their manifest, resume,
-metrics, audit records, the end-of-run report and the step profiler."""
+"""The composition root and the run around the steps: the trainer loop, the components builder, resume, preemption,
+the output folder's lock and the metrics history (checkpoint files are in checkpoint/, observers in observe/)."""
