@@ -5,10 +5,12 @@ Inside ``with FakeCuda() as fc:``
 * tensors placed on "cuda" (``.to("cuda")``, ``.cuda()``, factories with ``device="cuda"``, ``Module.to``) are
   :class:`FakeCudaTensor`: a ``__torch_dispatch__`` wrapper whose ``device`` is ``cuda:0`` (``is_cuda`` is true)
   and whose payload is a CPU tensor. Every aten op on them unwraps, runs on the payload and wraps the result, and
-  every op first checks its tensor arguments the way the CUDA backend does: a CUDA tensor beside a CPU tensor of
-  one or more dimensions raises ``RuntimeError("Expected all tensors to be on the same device ...")``; 0-dim CPU
-  tensors are allowed (as CUDA allows CPU scalars), and so are CPU index tensors of ``cuda[idx]`` and copies
-  across devices. The check comes from the ops themselves, so no call site has to be listed.
+  every op first checks its tensor arguments the way the CUDA backend does: a CUDA tensor beside a CPU tensor
+  raises ``RuntimeError("Expected all tensors to be on the same device ...")``, except a 0-dim CPU tensor given
+  to an elementwise op (TensorIterator's CPU scalars: ops tagged ``pointwise`` and the few that read a 0-dim
+  value with ``.item()``, :func:`takes_cpu_scalars`), CPU index tensors of ``cuda[idx]`` and copies across
+  devices (``copy_``, ``cuda[a:b] = cpu``). The check comes from the ops themselves, so no call site has to be
+  listed; tests/engine/test_fake_cuda.py tables each rule with the torch source it follows.
 * host synchronisations are counted: ``.item()`` (and ``float()``/``bool()``/``int()`` of a tensor), ``.tolist()``,
   copies to the host (``.cpu()``, ``.to("cpu")``, ``cpu.copy_(cuda)``), ops whose output size depends on the data
   (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) and ``torch.cuda.synchronize``. Counts are
@@ -18,7 +20,9 @@ Inside ``with FakeCuda() as fc:``
   (1), ``current_device``/``set_device`` (0 only), ``synchronize``, ``empty_cache``, memory statistics (the
   payload bytes alive are not tracked: 0), ``get_device_properties``/``get_device_name``, ``is_bf16_supported``
   (true), RNG state get/set and seeding (a CPU generator stands for the device's). ``torch.Generator(device=
-  "cuda")`` gives a CPU generator.
+  "cuda")`` gives a :class:`FakeCudaGenerator` (a CPU generator whose ``device`` is ``cuda:0``); a draw checks
+  its generator against the device it draws on, as CUDA does (a CPU generator for a CUDA draw raises, and the
+  reverse).
 * Triton: the kernels' torch paths run (``alignopsd.kernels.torch_paths_only``); ``impl="auto"`` and the core's
   kernel routing pick the torch reference implementations, never a launch on the fake device (a forced
   ``impl="triton"`` on a fake tensor fails, as a launch would need real device memory).
@@ -29,6 +33,7 @@ thread-safe; it exists for the test suite.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -53,6 +58,19 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+# Python names whose aten op is named otherwise; TensorIterator ops without the ``pointwise`` tag, and ops that
+# read a 0-dim value tensor on the host (fill_, masked_fill_, index_fill_, index_put_ and so ``cuda[idx] = cpu_0d``)
+_ATEN_NAME = {
+    "truediv": "div",
+    "floordiv": "floor_divide",
+    "mod": "remainder",
+    "and": "bitwise_and",
+    "or": "bitwise_or",
+    "xor": "bitwise_xor",
+    "lshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift",
+}
+_CPU_SCALARS_TOO = {"floor_divide", "fill", "masked_fill", "index_fill", "index_put", "setitem"}
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -142,24 +160,28 @@ _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.in
 
 
 def _check_devices(func, args: tuple, kwargs: dict) -> None:
-    """Raise as the CUDA backend does when ``func`` mixes a fake CUDA tensor with a CPU tensor of >= 1 dims.
+    """Raise as the CUDA backend does when ``func`` mixes a fake CUDA tensor with a CPU tensor (a 0-dim one only
+    beside an op that :func:`takes_cpu_scalars`), or draws with a generator of the other device.
 
     Checked where a call enters torch (every torch function and tensor method), so internal tensors that torch's
     own composite kernels make on the CPU are not mistaken for the caller's. ``cuda[cpu_index]`` is allowed (CUDA
-    moves the index); ``cpu[cuda_index]`` is not."""
+    moves the index); ``cpu[cuda_index]`` is not; ``x[a:b] = y`` (no index tensor) is a copy, across devices too."""
     if func in _NO_CHECK:
         return
     if func in _INDEXING and len(args) > 1:
         index = [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)]
         if not isinstance(args[0], FakeCudaTensor) and args[0].dim() > 0 and any(_fake(t) for t in index):
             raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+        if func is torch.Tensor.__setitem__ and not index:
+            return  # basic indexing: the value is copied into a view (copy_ crosses devices)
         args = (args[0], *args[2:])
     flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    _check_generator(args, kwargs, flat)
     if len(flat) < 2 or not any(_fake(t) for t in flat):
         return
+    name = getattr(func, "__name__", None) or str(func)
     for t in flat:
-        if not _fake(t) and t.dim() > 0 and t.device.type == "cpu":
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+        if not _fake(t) and t.device.type == "cpu" and (t.dim() > 0 or not takes_cpu_scalars(name)):
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
                 f"(in {name}: a CPU tensor of shape {tuple(t.shape)} beside a CUDA tensor)"
@@ -168,6 +190,44 @@ def _check_devices(func, args: tuple, kwargs: dict) -> None:
 
 def _fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeCudaTensor)
+
+
+def _pointwise(name: str) -> bool:
+    packet = getattr(aten, name, None)
+    return packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+@functools.cache
+def takes_cpu_scalars(name: str) -> bool:
+    """Whether the op called ``name`` (a torch function, tensor method or operator such as ``__radd__``) accepts a
+    0-dim CPU tensor beside CUDA tensors: the TensorIterator kernels (elementwise: aten ops tagged ``pointwise``)
+    and the ops that read a 0-dim value tensor with ``.item()``. Everything else (``stack``, ``cat``,
+    ``index_select``, ``gather``, matmul, ...) checks devices strictly."""
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name not in _ATEN_NAME and not _pointwise(name) and name[:1] in ("r", "i"):  # __radd__, __iadd__
+            name = name[1:]
+        name = _ATEN_NAME.get(name, name)
+    base = name.rstrip("_")  # in-place forms
+    return base in _CPU_SCALARS_TOO or _pointwise(name) or _pointwise(base)
+
+
+def _draws_on_cuda(args: tuple, kwargs: dict, tensors: list) -> bool:
+    device = kwargs.get("device")
+    return _is_cuda_device(device) if device is not None else any(_fake(t) for t in tensors)
+
+
+def _check_generator(args: tuple, kwargs: dict, tensors: list) -> None:
+    """A draw's generator must be on the device it draws on (``check_generator`` of aten/src/ATen/core/
+    Generator.h: "Expected a 'cuda' device type for generator but found 'cpu'")."""
+    gens = [g for g in tree_flatten((args, kwargs))[0] if isinstance(g, torch._C.Generator)]
+    if not gens:
+        return
+    want = "cuda" if _draws_on_cuda(args, kwargs, tensors) else "cpu"
+    for g in gens:
+        got = "cuda" if isinstance(g, FakeCudaGenerator) else g.device.type
+        if got != want:
+            raise RuntimeError(f"Expected a '{want}' device type for generator but found '{got}'")
 
 
 class _HostToDevice(torch.autograd.Function):
@@ -297,13 +357,26 @@ class _DispatchMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class FakeCudaGenerator(torch._C.Generator):
+    """``torch.Generator("cuda")`` under the mode: a CPU generator (it drives the CPU payloads' draws) whose
+    ``device`` is ``cuda:0``, so that a draw can be checked against the device it draws on."""
+
+    def __new__(cls, device: Any = "cuda") -> FakeCudaGenerator:  # noqa: ARG004 - torch.Generator's signature
+        return super().__new__(cls, "cpu")
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return CUDA
+
+
 class _GeneratorMeta(type):
-    """``torch.Generator`` under the mode: ``device="cuda"`` gives a CPU generator; isinstance still works."""
+    """``torch.Generator`` under the mode: ``device="cuda"`` gives a :class:`FakeCudaGenerator`; isinstance still
+    works."""
 
     def __call__(cls, device: Any = "cpu"):
         if _is_cuda_device(device):
             _check_ordinal(device)
-            return torch._C.Generator("cpu")
+            return FakeCudaGenerator()
         return torch._C.Generator(device)
 
     def __instancecheck__(cls, obj: Any) -> bool:
