@@ -15,7 +15,9 @@ Inside ``with FakeCuda() as fc:``
   copies to the host (``.cpu()``, ``.to("cpu")``, ``cpu.copy_(cuda)``), ops whose output size depends on the data
   (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) and ``torch.cuda.synchronize``. Counts are
   kept per kind and per profiler phase (:func:`alignopsd.engine.run.profiler.current_phase`); ``.numpy()`` of a CUDA
-  tensor raises, as on a GPU.
+  tensor raises, as on a GPU. ``torch.cuda.set_sync_debug_mode`` works as on a GPU: in "warn" mode every host
+  sync but ``torch.cuda.synchronize`` also warns "called a synchronizing CUDA operation" ("error": raises), which
+  is what engine/run/cuda_syncs.py counts on a real device.
 * the ``torch.cuda`` calls the engine makes answer as one visible device would: ``is_available``, ``device_count``
   (1), ``current_device``/``set_device`` (0 only), ``synchronize``, ``empty_cache``, memory statistics (the
   payload bytes alive are not tracked: 0), ``get_device_properties``/``get_device_name``, ``is_bf16_supported``
@@ -34,6 +36,7 @@ thread-safe; it exists for the test suite.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -90,6 +93,11 @@ def _check_ordinal(device: Any) -> None:
 def _note_sync(kind: str) -> None:
     for fc in _ACTIVE:
         fc.note_sync(kind)
+    mode = _ACTIVE[-1].sync_debug_mode if _ACTIVE else 0
+    if mode and kind != "synchronize":  # torch.cuda.set_sync_debug_mode: warn (1) or error (2) at a host sync
+        if mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -403,6 +411,7 @@ class FakeCuda:
         self._modes: list[Any] = []
         self._rng = torch.Generator("cpu")
         self._rng.manual_seed(0)
+        self.sync_debug_mode = 0  # torch.cuda.set_sync_debug_mode: 0 default, 1 warn, 2 error
 
     def note_sync(self, kind: str) -> None:
         self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
@@ -438,6 +447,12 @@ class FakeCuda:
             for s in states:
                 set_rng_state(s)
 
+        def set_sync_debug_mode(mode: int | str) -> None:
+            names = {"default": 0, "warn": 1, "error": 2}
+            if mode not in (0, 1, 2) and mode not in names:
+                raise RuntimeError(f"invalid value of debug_mode, expected one of default, warn, error: {mode!r}")
+            self.sync_debug_mode = names.get(mode, mode)
+
         zero = lambda *a, **k: 0  # noqa: E731
         return {
             "is_available": lambda: True,
@@ -464,6 +479,8 @@ class FakeCuda:
             "manual_seed": lambda seed: self._rng.manual_seed(int(seed)) and None,
             "manual_seed_all": lambda seed: self._rng.manual_seed(int(seed)) and None,
             "seed": lambda: self._rng.seed() and None,
+            "set_sync_debug_mode": set_sync_debug_mode,
+            "get_sync_debug_mode": lambda: self.sync_debug_mode,
         }
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
