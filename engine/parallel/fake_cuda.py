@@ -25,9 +25,15 @@ Inside ``with FakeCuda() as fc:``
   "cuda")`` gives a :class:`FakeCudaGenerator` (a CPU generator whose ``device`` is ``cuda:0``); a draw checks
   its generator against the device it draws on, as CUDA does (a CPU generator for a CUDA draw raises, and the
   reverse).
-* Triton: the kernels' torch paths run (``alignopsd.kernels.torch_paths_only``); ``impl="auto"`` and the core's
-  kernel routing pick the torch reference implementations, never a launch on the fake device (a forced
-  ``impl="triton"`` on a fake tensor fails, as a launch would need real device memory).
+* Triton (when importable): the engine takes the branches it takes on a GPU (``impl="auto"`` and the core's kernel
+  routing pick the Triton kernels for the fake CUDA tensors), so the code around each launch (output allocation,
+  grids, the fused log-prob's and the sibling top-K's host logic) runs under the device checks; the launch itself
+  is served on the CPU tensors behind the fake ones (``alignopsd.kernels.launches_on_host``), writing the memory
+  the caller sees: by the Triton interpreter (``TRITON_INTERPRET=1`` for the mode's duration; the sibling top-K
+  and JSD kernels), or by the kernel's declared launch reference where the interpreter is too slow for a
+  vocabulary (the fused log-prob's forward and backward kernels: ~0.6 ms per tile, half a minute per 20 rows of
+  a 49k vocabulary).
+  ``FakeCuda(kernels=False)`` keeps the kernels' torch paths instead (``alignopsd.kernels.torch_paths_only``).
 
 The mode patches process-wide state (``torch.cuda`` functions, ``torch.Generator``) for its duration and is not
 thread-safe; it exists for the test suite.
@@ -35,20 +41,27 @@ thread-safe; it exists for the test suite.
 
 from __future__ import annotations
 
-import functools
+import os
 import warnings
 from collections import Counter
 from typing import Any
 
 import torch
+from alignopsd.engine.parallel.fake_cuda_rules import (
+    CUDA,
+    FakeCudaGenerator,
+    Generator,
+    check_ordinal,
+    is_cuda_device,
+    takes_cpu_scalars,
+)
 from alignopsd.engine.run import profiler
-from alignopsd.kernels import torch_paths_only
+from alignopsd.kernels import HAS_TRITON, launches_on_host, torch_paths_only
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 aten = torch.ops.aten
-CUDA = torch.device("cuda", 0)
 _ACTIVE: list[FakeCuda] = []
 
 # ops whose output size depends on the data: the host waits for the device to know it
@@ -61,33 +74,6 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
-# Python names whose aten op is named otherwise; TensorIterator ops without the ``pointwise`` tag, and ops that
-# read a 0-dim value tensor on the host (fill_, masked_fill_, index_fill_, index_put_ and so ``cuda[idx] = cpu_0d``)
-_ATEN_NAME = {
-    "truediv": "div",
-    "floordiv": "floor_divide",
-    "mod": "remainder",
-    "and": "bitwise_and",
-    "or": "bitwise_or",
-    "xor": "bitwise_xor",
-    "lshift": "bitwise_left_shift",
-    "rshift": "bitwise_right_shift",
-}
-_CPU_SCALARS_TOO = {"floor_divide", "fill", "masked_fill", "index_fill", "index_put", "setitem"}
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if device is None:
-        return False
-    if isinstance(device, int):
-        return True  # an int device is a CUDA ordinal, as in torch
-    return torch.device(device).type == "cuda"
-
-
-def _check_ordinal(device: Any) -> None:
-    index = device if isinstance(device, int) else torch.device(device).index
-    if index not in (None, 0):
-        raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; one fake device is visible)")
 
 
 def _note_sync(kind: str) -> None:
@@ -157,6 +143,11 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
+def _payload(arg: Any) -> Any:
+    """A kernel launch's argument as the Triton interpreter takes it: the CPU tensor behind a fake CUDA one."""
+    return plain(arg) if isinstance(arg, FakeCudaTensor) else arg
+
+
 def _bool_index(args: tuple) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(t is not None and t.dtype == torch.bool for t in indices)
@@ -200,29 +191,9 @@ def _fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeCudaTensor)
 
 
-def _pointwise(name: str) -> bool:
-    packet = getattr(aten, name, None)
-    return packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
-
-
-@functools.cache
-def takes_cpu_scalars(name: str) -> bool:
-    """Whether the op called ``name`` (a torch function, tensor method or operator such as ``__radd__``) accepts a
-    0-dim CPU tensor beside CUDA tensors: the TensorIterator kernels (elementwise: aten ops tagged ``pointwise``)
-    and the ops that read a 0-dim value tensor with ``.item()``. Everything else (``stack``, ``cat``,
-    ``index_select``, ``gather``, matmul, ...) checks devices strictly."""
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-        if name not in _ATEN_NAME and not _pointwise(name) and name[:1] in ("r", "i"):  # __radd__, __iadd__
-            name = name[1:]
-        name = _ATEN_NAME.get(name, name)
-    base = name.rstrip("_")  # in-place forms
-    return base in _CPU_SCALARS_TOO or _pointwise(name) or _pointwise(base)
-
-
 def _draws_on_cuda(args: tuple, kwargs: dict, tensors: list) -> bool:
     device = kwargs.get("device")
-    return _is_cuda_device(device) if device is not None else any(_fake(t) for t in tensors)
+    return is_cuda_device(device) if device is not None else any(_fake(t) for t in tensors)
 
 
 def _check_generator(args: tuple, kwargs: dict, tensors: list) -> None:
@@ -312,9 +283,9 @@ class _FunctionMode(TorchFunctionMode):
             if func in _NEW_METHODS:
                 device = kwargs.pop("device", None)
                 out = func(plain(self_t), *args[1:], **kwargs)
-                return out.to(device) if device is not None and not _is_cuda_device(device) else to_fake(out)
-        if _is_cuda_device(kwargs.get("device")) and func not in _NEW_METHODS:
-            _check_ordinal(kwargs["device"])
+                return out.to(device) if device is not None and not is_cuda_device(device) else to_fake(out)
+        if is_cuda_device(kwargs.get("device")) and func not in _NEW_METHODS:
+            check_ordinal(kwargs["device"])
             kwargs["device"] = "cpu"
             grad = kwargs.pop("requires_grad", False)
             out = func(*args, **kwargs)
@@ -340,8 +311,8 @@ class _FunctionMode(TorchFunctionMode):
             copy = bool(kwargs.get("copy", False))
         if device is None:
             return func(*args, **kwargs)
-        if _is_cuda_device(device):
-            _check_ordinal(device)
+        if is_cuda_device(device):
+            check_ordinal(device)
             if isinstance(x, FakeCudaTensor):
                 return x.to(dtype=dtype, copy=copy) if (dtype is not None or copy) else x
             return to_fake(x.to(dtype=dtype) if dtype is not None else x)
@@ -358,41 +329,11 @@ class _DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_cuda_device(kwargs.get("device")):
-            _check_ordinal(kwargs["device"])
+        if is_cuda_device(kwargs.get("device")):
+            check_ordinal(kwargs["device"])
             out = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return tree_map_only(torch.Tensor, _as_fake, out)
         return func(*args, **kwargs)
-
-
-class FakeCudaGenerator(torch._C.Generator):
-    """``torch.Generator("cuda")`` under the mode: a CPU generator (it drives the CPU payloads' draws) whose
-    ``device`` is ``cuda:0``, so that a draw can be checked against the device it draws on."""
-
-    def __new__(cls, device: Any = "cuda") -> FakeCudaGenerator:  # noqa: ARG004 - torch.Generator's signature
-        return super().__new__(cls, "cpu")
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return CUDA
-
-
-class _GeneratorMeta(type):
-    """``torch.Generator`` under the mode: ``device="cuda"`` gives a :class:`FakeCudaGenerator`; isinstance still
-    works."""
-
-    def __call__(cls, device: Any = "cpu"):
-        if _is_cuda_device(device):
-            _check_ordinal(device)
-            return FakeCudaGenerator()
-        return torch._C.Generator(device)
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, torch._C.Generator)
-
-
-class _Generator(metaclass=_GeneratorMeta):
-    pass
 
 
 class _Props:
@@ -405,8 +346,10 @@ class _Props:
 class FakeCuda:
     """The fake-CUDA context (see the module docstring). ``syncs``: Counter of (phase, kind) -> host syncs."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: bool = True) -> None:
+        self.kernels = kernels and HAS_TRITON  # launches served by the Triton interpreter, else the torch paths
         self.syncs: Counter = Counter()
+        self.launches: Counter = Counter()  # kernel name -> launches served on the host
         self._saved: list[tuple[Any, str, Any]] = []
         self._modes: list[Any] = []
         self._rng = torch.Generator("cpu")
@@ -415,6 +358,9 @@ class FakeCuda:
 
     def note_sync(self, kind: str) -> None:
         self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
+
+    def note_launch(self, kernel: str) -> None:
+        self.launches[kernel] += 1
 
     def total_syncs(self) -> int:
         return sum(self.syncs.values())
@@ -430,7 +376,7 @@ class FakeCuda:
     # ------------------------------------------------------------------ torch.cuda
     def _cuda_api(self) -> dict[str, Any]:
         def set_device(device: Any) -> None:
-            _check_ordinal(device)
+            check_ordinal(device)
 
         def synchronize(device: Any = None) -> None:  # noqa: ARG001
             _note_sync("synchronize")
@@ -492,11 +438,14 @@ class FakeCuda:
             self._patch(torch.cuda, name, fn)
         for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
             self._patch(torch.cuda.random, name, getattr(torch.cuda, name))
-        self._patch(torch, "Generator", _Generator)
+        self._patch(torch, "Generator", Generator)
         # Module.to: new Parameter objects around the fake tensors (``param.data = fake`` would keep a CPU impl)
         self._overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
         torch.__future__.set_overwrite_module_params_on_conversion(True)
-        self._paths = torch_paths_only()
+        if self.kernels:
+            self._interpret = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1"
+        self._paths = launches_on_host(_payload, self.note_launch) if self.kernels else torch_paths_only()
         self._paths.__enter__()
         self._modes = [_FunctionMode(), _DispatchMode()]
         for m in self._modes:
@@ -511,6 +460,11 @@ class FakeCuda:
         for m in reversed(self._modes):
             m.__exit__(*exc)
         self._paths.__exit__(*exc)
+        if self.kernels:
+            if self._interpret is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = self._interpret
         torch.__future__.set_overwrite_module_params_on_conversion(self._overwrite)
         for obj, name, value in reversed(self._saved):
             setattr(obj, name, value)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from alignopsd.engine.parallel.fake_cuda import FakeCuda, FakeCudaTensor
 from alignopsd.engine.run.profiler import StepProfiler
-from alignopsd.kernels import core_uses_kernels, resolve_impl
+from alignopsd.kernels import HAS_TRITON, core_uses_kernels, logprob, resolve_impl, sibling_topk
 
 MIXED = "Expected all tensors to be on the same device"
 
@@ -188,9 +188,44 @@ def test_torch_cuda_answers_and_kernel_dispatch():
         assert torch.Generator(device="cuda").device.type == "cuda" and torch.Generator().device.type == "cpu"
         torch.cuda.synchronize()
         assert fc.syncs[("(outside a phase)", "synchronize")] == 1
-        # Triton kernels cannot launch on the fake device: the torch paths run
+        # the engine takes the kernel branches it takes on a GPU (the launches are served on the host)
+        assert resolve_impl("auto", torch.zeros(2, device="cuda")) == ("triton" if HAS_TRITON else "torch")
+        assert core_uses_kernels(torch.zeros(2, device="cuda")) == HAS_TRITON
+    with FakeCuda(kernels=False):  # the kernels' torch paths instead
         assert resolve_impl("auto", torch.zeros(2, device="cuda")) == "torch"
         assert not core_uses_kernels(torch.zeros(2, device="cuda"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable: no kernel branch to take")
+def test_kernel_launches_on_the_fake_device_write_the_callers_memory():
+    """The fused log-prob (forward and backward: launch references) and the sibling top-K (Triton interpreter) on
+    fake CUDA tensors give the torch paths' results, through their launch code, counted per kernel."""
+    torch.manual_seed(0)
+    h, w, t = (
+        torch.randn(6, 16, requires_grad=True),
+        torch.randn(300, 16, requires_grad=True),
+        torch.randint(0, 300, (6,)),
+    )
+    lp_ref, ent_ref = logprob(h, w, t, with_entropy=True, impl="torch")
+    (lp_ref.sum() + ent_ref.sum()).backward()
+    m = 6
+    emb = torch.nn.functional.normalize(torch.randn(m, 8), dim=-1)
+    ids = [torch.tensor(v) for v in ([0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2], [0] * m)]
+    ok = torch.ones(m, dtype=torch.bool)
+    top_ref = sibling_topk(emb, emb.flip(0), *ids, ok, ok, gamma=-1.0, top_k=2, impl="torch")
+    with FakeCuda() as fc:
+        hc, wc = h.detach().cuda().requires_grad_(True), w.detach().cuda().requires_grad_(True)
+        lp, ent = logprob(hc, wc, t.cuda(), with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        assert lp.is_cuda and hc.grad.is_cuda and wc.grad.is_cuda
+        top = sibling_topk(emb.cuda(), emb.flip(0).cuda(), *(i.cuda() for i in ids), ok.cuda(), ok.cuda(), gamma=-1.0,
+                           top_k=2)  # fmt: skip
+        got = (lp.cpu(), ent.cpu(), hc.grad.cpu(), wc.grad.cpu(), top.selected.cpu())
+    assert fc.launches["_lp_fwd_kernel"] == 1 and fc.launches["_lp_bwd_kernel"] == 1
+    assert sum(n for k, n in fc.launches.items() if "sibling" in k or "profiles" in k) >= 1, fc.launches
+    for a, b in zip(got[:4], (lp_ref, ent_ref, h.grad, w.grad)):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[4], top_ref.selected)
 
 
 def test_factories_inside_a_backward_are_placed_on_the_fake_device():
