@@ -1,11 +1,13 @@
 """Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/parallel/fake_cuda.py) with
 ``trainer.device=cuda``.
 
-Two training steps of every registered estimator and AlignOPSD ablation (tiny config, Hugging Face backend), both
+Two training steps of every registered estimator and AlignOPSD ablation (tiny config, candidate-choice sampler), both
 rescoring modes, the fused head loss on and off, rollout correction on and the reference KL on; then ``eval``,
 ``sft``, ``profile`` and ``compare`` for one step each. Under the mode a CPU tensor of one or more dimensions beside
 a CUDA tensor raises as on a GPU, and strict mode (tests/conftest.py) makes every keep-alive diagnostic raise, so a
-step that completes met no device mismatch anywhere; every step also asserts ``regions/errors == 0``.
+step that completes met no device mismatch anywhere; every step also asserts ``regions/errors == 0``. The engine
+takes the kernel branches a GPU takes, their launches served on the host (engine/parallel/fake_cuda.py); one
+AlignOPSD step trains with the Hugging Face sampler.
 
 Cost: one trainer (model, tokenizer, encoder, reference) is built once and shared by the training cases, each of
 which gets its own config, estimator and rescorer (the parts a config change touches), on the smallest batch that
