@@ -174,8 +174,11 @@ def _check_devices(func, args: tuple, kwargs: dict) -> None:
         if func is torch.Tensor.__setitem__ and not index:
             return  # basic indexing: the value is copied into a view (copy_ crosses devices)
         args = (args[0], *args[2:])
-    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    _check_generator(args, kwargs, flat)
+    leaves = tree_flatten((args, kwargs))[0]
+    flat = [t for t in leaves if isinstance(t, torch.Tensor)]
+    gens = [g for g in leaves if isinstance(g, torch._C.Generator)]
+    if gens:
+        _check_generators(gens, kwargs.get("device"), flat)
     if len(flat) < 2 or not any(_fake(t) for t in flat):
         return
     name = getattr(func, "__name__", None) or str(func)
@@ -191,18 +194,12 @@ def _fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeCudaTensor)
 
 
-def _draws_on_cuda(args: tuple, kwargs: dict, tensors: list) -> bool:
-    device = kwargs.get("device")
-    return is_cuda_device(device) if device is not None else any(_fake(t) for t in tensors)
-
-
-def _check_generator(args: tuple, kwargs: dict, tensors: list) -> None:
+def _check_generators(gens: list, device: Any, tensors: list) -> None:
     """A draw's generator must be on the device it draws on (``check_generator`` of aten/src/ATen/core/
-    Generator.h: "Expected a 'cuda' device type for generator but found 'cpu'")."""
-    gens = [g for g in tree_flatten((args, kwargs))[0] if isinstance(g, torch._C.Generator)]
-    if not gens:
-        return
-    want = "cuda" if _draws_on_cuda(args, kwargs, tensors) else "cpu"
+    Generator.h: "Expected a 'cuda' device type for generator but found 'cpu'"). The draw's device: the
+    factory's ``device`` argument, else that of its tensors."""
+    on_cuda = is_cuda_device(device) if device is not None else any(_fake(t) for t in tensors)
+    want = "cuda" if on_cuda else "cpu"
     for g in gens:
         got = "cuda" if isinstance(g, FakeCudaGenerator) else g.device.type
         if got != want:
