@@ -155,7 +155,7 @@ HF_GEN = ["generation.backend=hf", "generation.max_response_length=6", "env.teac
 
 
 def test_training_with_the_hugging_face_generator_and_the_kernels_on_cuda(trainer, fake, tmp_path):
-    """AlignOPSD trained with the Hugging Face sampler on the fake device: seeded sampling with a CUDA generator,
+    """AlignOPSD trained with the Hugging Face sampler on the fake device: the teacher seeded on a CUDA generator,
     sibling prompts pushed once (prefix sharing), the teacher pass, and the kernel branches a GPU takes (the fused
     sibling top-K in the pair selection, the fused log-prob in scoring and in the loss with the autograd head),
     their launches served on the host. On CUDA the generator keeps no prompt cache (the shared-prefix decoding
