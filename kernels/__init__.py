@@ -11,6 +11,7 @@ from alignopsd.kernels._dispatch import (
     core_uses_kernels,
     force_kernels,
     interpret_mode,
+    launches_on_host,
     resolve_impl,
     torch_paths_only,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "core_uses_kernels",
     "force_kernels",
     "interpret_mode",
+    "launches_on_host",
     "logprob",
     "logprob_loss_and_grad",
     "logprob_ref",

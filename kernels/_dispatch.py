@@ -181,8 +181,49 @@ def _interpreter_stdlib() -> Iterator[None]:
             setattr(mod, name, val)
 
 
+_HOST_LAUNCHES: list[tuple[Callable[[Any], Any], Callable[[str], None] | None]] = []  # see launches_on_host
+_LAUNCH_REFERENCES: dict[Callable, Callable] = {}  # kernel -> torch function with its arguments and writes
+
+
+def launch_reference(kernel: Callable) -> Callable[[Callable], Callable]:
+    """Decorator: the decorated torch function is ``kernel``'s launch reference (same arguments, same writes), for
+    :func:`launches_on_host` where the Triton interpreter is too slow for the shapes."""
+
+    def register(ref: Callable) -> Callable:
+        _LAUNCH_REFERENCES[kernel] = ref
+        return ref
+
+    return register
+
+
+@contextmanager
+def launches_on_host(args_map: Callable[[Any], Any], note: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Within the block, every :func:`launch` passes each argument through ``args_map`` and runs on the host: a
+    kernel with a :func:`launch_reference` runs that, any other runs in the Triton interpreter.
+
+    For a device whose launches the host serves: the engine's fake-CUDA test mode (CUDA metadata over CPU memory)
+    maps its fake CUDA tensors to the CPU tensors behind them, so the launch writes the memory the caller sees.
+    ``note(kernel name)`` is called at each launch. Nests (the innermost applies); process-wide."""
+    entry = (args_map, note)
+    _HOST_LAUNCHES.append(entry)
+    try:
+        yield
+    finally:
+        _HOST_LAUNCHES.remove(entry)
+
+
 def launch(fn: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """Launch kernel ``fn`` (a plain function, see :func:`jit`) on ``grid``."""
+    if _HOST_LAUNCHES:
+        amap, note = _HOST_LAUNCHES[-1]
+        if note is not None:
+            note(fn.__name__)
+        args = tuple(map(amap, args))
+        kwargs = {k: amap(v) for k, v in kwargs.items()}
+        ref = _LAUNCH_REFERENCES.get(fn)
+        if ref is not None:
+            ref(*args, **kwargs)
+            return
     kernel = jit(fn)
     with _interpreter_stdlib():
         kernel[grid](*args, **kwargs)

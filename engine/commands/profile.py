@@ -10,6 +10,7 @@ on the others).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.observe.cuda_syncs import CudaSyncCounter
 from alignopsd.engine.observe.profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from alignopsd.engine.run.process import Dist, pick_device
 from alignopsd.engine.run.trainer import Trainer, add_run_args
@@ -57,7 +59,12 @@ def profile_run(
     if trace_path is not None and trainer.rank > 0:
         trace_path = Path(trace_path).with_suffix(f".rank{trainer.rank}{Path(trace_path).suffix}")
     counts: list[dict[str, float]] = []
+    syncs_ctx = contextlib.ExitStack()
     try:
+        if (
+            parts.device.type == "cuda"
+        ):  # host syncs per phase from torch's sync debug mode (engine/observe/cuda_syncs.py)
+            syncs_ctx.enter_context(CudaSyncCounter())
         if parts.encoder_factory is not None:
             parts.get_encoder()  # loaded once per run, not a cost of the step that first encodes
         for s in range(steps):
@@ -74,6 +81,7 @@ def profile_run(
             m = trainer.reduce_metrics(out.metrics, out.samples)  # collective under torchrun
             counts.append({k: m[k] for k in COUNT_METRICS if k in m})
     finally:
+        syncs_ctx.close()
         parts.close()
     p = parts.profiler
     hist, secs, syncs = p.history, p.step_seconds, p.sync_history

@@ -119,9 +119,13 @@ class SharedPrefixKV:
         if S > 1:
             qpos = torch.arange(self.start, self.length, device=valid.device)[:, None]
             kpos = torch.arange(self.length, device=valid.device)[None, :]
-            mask = (mask & (kpos <= qpos)) | (kpos == qpos)  # causal; a padding query attends to itself
+            mask = mask & (kpos <= qpos)  # causal; a padding query sees no key of its own, as in the model's mask
         if self.prefix_valid is not None:
             mask = torch.cat([self.prefix_valid[:, None, :].expand(-1, S, -1), mask], dim=2)
+        # a query with no key at all (left padding without a prefix) attends to itself, so its softmax has a term;
+        # its output reaches no one (its key is masked for every other query)
+        mask = mask.clone()
+        mask[..., -S:].diagonal(dim1=1, dim2=2).logical_or_(~mask.any(-1))
         self.bias = torch.zeros((B, 1, *mask.shape[1:]), dtype=torch.float32, device=valid.device)
         self.bias.masked_fill_(~mask[:, None], float("-inf"))  # one additive mask for every layer of this push
 

@@ -74,13 +74,30 @@ def sample_rows(probs_BV: Tensor, generator: torch.Generator | None = None) -> T
     ``torch.multinomial(probs, 1)``, which draws an exponential number per vocabulary entry instead (on the CPU
     that was ~15 ms a token for 32 rows of a 49k vocabulary, more than the rest of the sampling). A draw never
     lands on a token of zero mass.
+
+    A row whose total is not finite or not positive (NaN or infinite logits, every token filtered out) has no
+    distribution: it draws -1, which :func:`check_draws` turns into an error naming the row (read with the draws
+    the caller already copies to the host, so checking costs no extra synchronisation).
     """
     cdf = probs_BV.double().cumsum(-1)
     total = cdf[:, -1:]
     u = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device, dtype=torch.float64)
     idx = torch.searchsorted(cdf, u * total, right=True)
     last = (cdf < total).sum(-1, keepdim=True)  # the last token with positive mass
-    return torch.minimum(idx, last).squeeze(-1)
+    ok = torch.isfinite(total) & (total > 0)
+    return torch.where(ok, torch.minimum(idx, last), -1).squeeze(-1)
+
+
+def check_draws(draws: list[int], probs_BV: Tensor, rows: list[int]) -> None:
+    """Raise ValueError naming the first row that :func:`sample_rows` could not draw from (a -1 in ``draws``);
+    ``rows``: the prompt index of each row of ``probs_BV``."""
+    for j, t in enumerate(draws):
+        if t < 0:
+            total = float(probs_BV[j].double().sum())
+            raise ValueError(
+                f"sampling: prompt {rows[j]} has no distribution to draw from (its probabilities sum to {total}: "
+                "NaN or infinite logits, or every token filtered out)"
+            )
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -179,7 +196,7 @@ class HFGenerator:
         try:
             with torch.inference_mode(), self._attention():
                 for start in range(0, len(prompts), chunk):
-                    part = self._generate_chunk(prompts[start : start + chunk], sampling, gen, kept)
+                    part = self._generate_chunk(prompts[start : start + chunk], sampling, gen, kept, start)
                     out.token_ids += part.token_ids
                     out.texts += part.texts
                     out.logprobs += part.logprobs
@@ -282,8 +299,9 @@ class HFGenerator:
         return self._forward(suf_ids, pos_BS, kv), pos_BS[:, -1] + 1
 
     def _generate_chunk(
-        self, prompts: list[list[int]], sp: SamplingParams, gen, kept: PromptKV | None
+        self, prompts: list[list[int]], sp: SamplingParams, gen, kept: PromptKV | None, first: int = 0
     ) -> GenerationOutput:
+        """One chunk of :meth:`generate`: ``prompts`` are the call's prompts ``first``, ``first + 1``, ..."""
         dev = self.device
         B = len(prompts)
         kv = self._new_kv(sp.max_new_tokens)
@@ -313,10 +331,12 @@ class HFGenerator:
                 tok_b = sample_rows(probs, gen)
             else:
                 tok_b = scaled_bV.argmax(-1)
-            lp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
+            lp_b = logp_bV.gather(-1, tok_b.clamp_min(0)[:, None]).squeeze(-1)
             # one host transfer per generated token (ids are exact in float64); end of sequence is read on the host
             tok_f, lp_l = torch.stack((tok_b.double(), lp_b.double())).tolist()
             tok_l = [int(t) for t in tok_f]
+            if sp.do_sample:
+                check_draws(tok_l, probs, [first + row for row in active])
             eos_l = [t in self.eos_token_ids for t in tok_l]
             keep: list[int] = []
             for j, row in enumerate(active):

@@ -5,23 +5,35 @@ Inside ``with FakeCuda() as fc:``
 * tensors placed on "cuda" (``.to("cuda")``, ``.cuda()``, factories with ``device="cuda"``, ``Module.to``) are
   :class:`FakeCudaTensor`: a ``__torch_dispatch__`` wrapper whose ``device`` is ``cuda:0`` (``is_cuda`` is true)
   and whose payload is a CPU tensor. Every aten op on them unwraps, runs on the payload and wraps the result, and
-  every op first checks its tensor arguments the way the CUDA backend does: a CUDA tensor beside a CPU tensor of
-  one or more dimensions raises ``RuntimeError("Expected all tensors to be on the same device ...")``; 0-dim CPU
-  tensors are allowed (as CUDA allows CPU scalars), and so are CPU index tensors of ``cuda[idx]`` and copies
-  across devices. The check comes from the ops themselves, so no call site has to be listed.
+  every op first checks its tensor arguments the way the CUDA backend does: a CUDA tensor beside a CPU tensor
+  raises ``RuntimeError("Expected all tensors to be on the same device ...")``, except a 0-dim CPU tensor given
+  to an elementwise op (TensorIterator's CPU scalars: ops tagged ``pointwise`` and the few that read a 0-dim
+  value with ``.item()``, :func:`takes_cpu_scalars`), CPU index tensors of ``cuda[idx]`` and copies across
+  devices (``copy_``, ``cuda[a:b] = cpu``). The check comes from the ops themselves, so no call site has to be
+  listed; tests/engine/test_fake_cuda.py tables each rule with the torch source it follows.
 * host synchronisations are counted: ``.item()`` (and ``float()``/``bool()``/``int()`` of a tensor), ``.tolist()``,
   copies to the host (``.cpu()``, ``.to("cpu")``, ``cpu.copy_(cuda)``), ops whose output size depends on the data
   (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) and ``torch.cuda.synchronize``. Counts are
   kept per kind and per profiler phase (:func:`alignopsd.engine.observe.profiler.current_phase`); ``.numpy()`` of a CUDA
-  tensor raises, as on a GPU.
+  tensor raises, as on a GPU. ``torch.cuda.set_sync_debug_mode`` works as on a GPU: in "warn" mode every host
+  sync but ``torch.cuda.synchronize`` also warns "called a synchronizing CUDA operation" ("error": raises), which
+  is what engine/observe/cuda_syncs.py counts on a real device.
 * the ``torch.cuda`` calls the engine makes answer as one visible device would: ``is_available``, ``device_count``
   (1), ``current_device``/``set_device`` (0 only), ``synchronize``, ``empty_cache``, memory statistics (the
   payload bytes alive are not tracked: 0), ``get_device_properties``/``get_device_name``, ``is_bf16_supported``
   (true), RNG state get/set and seeding (a CPU generator stands for the device's). ``torch.Generator(device=
-  "cuda")`` gives a CPU generator.
-* Triton: the kernels' torch paths run (``alignopsd.kernels.torch_paths_only``); ``impl="auto"`` and the core's
-  kernel routing pick the torch reference implementations, never a launch on the fake device (a forced
-  ``impl="triton"`` on a fake tensor fails, as a launch would need real device memory).
+  "cuda")`` gives a :class:`FakeCudaGenerator` (a CPU generator whose ``device`` is ``cuda:0``); a draw checks
+  its generator against the device it draws on, as CUDA does (a CPU generator for a CUDA draw raises, and the
+  reverse).
+* Triton (when importable): the engine takes the branches it takes on a GPU (``impl="auto"`` and the core's kernel
+  routing pick the Triton kernels for the fake CUDA tensors), so the code around each launch (output allocation,
+  grids, the fused log-prob's and the sibling top-K's host logic) runs under the device checks; the launch itself
+  is served on the CPU tensors behind the fake ones (``alignopsd.kernels.launches_on_host``), writing the memory
+  the caller sees: by the Triton interpreter (``TRITON_INTERPRET=1`` for the mode's duration; the sibling top-K
+  and JSD kernels), or by the kernel's declared launch reference where the interpreter is too slow for a
+  vocabulary (the fused log-prob's forward and backward kernels: ~0.6 ms per tile, half a minute per 20 rows of
+  a 49k vocabulary).
+  ``FakeCuda(kernels=False)`` keeps the kernels' torch paths instead (``alignopsd.kernels.torch_paths_only``).
 
 The mode patches process-wide state (``torch.cuda`` functions, ``torch.Generator``) for its duration and is not
 thread-safe; it exists for the test suite.
@@ -29,18 +41,27 @@ thread-safe; it exists for the test suite.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections import Counter
 from typing import Any
 
 import torch
 from alignopsd.engine.observe import profiler
-from alignopsd.kernels import torch_paths_only
+from alignopsd.engine.observe.fake_cuda_rules import (
+    CUDA,
+    FakeCudaGenerator,
+    Generator,
+    check_ordinal,
+    is_cuda_device,
+    takes_cpu_scalars,
+)
+from alignopsd.kernels import HAS_TRITON, launches_on_host, torch_paths_only
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 aten = torch.ops.aten
-CUDA = torch.device("cuda", 0)
 _ACTIVE: list[FakeCuda] = []
 
 # ops whose output size depends on the data: the host waits for the device to know it
@@ -55,23 +76,14 @@ _DATA_DEPENDENT = {
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
-def _is_cuda_device(device: Any) -> bool:
-    if device is None:
-        return False
-    if isinstance(device, int):
-        return True  # an int device is a CUDA ordinal, as in torch
-    return torch.device(device).type == "cuda"
-
-
-def _check_ordinal(device: Any) -> None:
-    index = device if isinstance(device, int) else torch.device(device).index
-    if index not in (None, 0):
-        raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; one fake device is visible)")
-
-
 def _note_sync(kind: str) -> None:
     for fc in _ACTIVE:
         fc.note_sync(kind)
+    mode = _ACTIVE[-1].sync_debug_mode if _ACTIVE else 0
+    if mode and kind != "synchronize":  # torch.cuda.set_sync_debug_mode: warn (1) or error (2) at a host sync
+        if mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -131,6 +143,11 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
+def _payload(arg: Any) -> Any:
+    """A kernel launch's argument as the Triton interpreter takes it: the CPU tensor behind a fake CUDA one."""
+    return plain(arg) if isinstance(arg, FakeCudaTensor) else arg
+
+
 def _bool_index(args: tuple) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(t is not None and t.dtype == torch.bool for t in indices)
@@ -142,24 +159,31 @@ _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.in
 
 
 def _check_devices(func, args: tuple, kwargs: dict) -> None:
-    """Raise as the CUDA backend does when ``func`` mixes a fake CUDA tensor with a CPU tensor of >= 1 dims.
+    """Raise as the CUDA backend does when ``func`` mixes a fake CUDA tensor with a CPU tensor (a 0-dim one only
+    beside an op that :func:`takes_cpu_scalars`), or draws with a generator of the other device.
 
     Checked where a call enters torch (every torch function and tensor method), so internal tensors that torch's
     own composite kernels make on the CPU are not mistaken for the caller's. ``cuda[cpu_index]`` is allowed (CUDA
-    moves the index); ``cpu[cuda_index]`` is not."""
+    moves the index); ``cpu[cuda_index]`` is not; ``x[a:b] = y`` (no index tensor) is a copy, across devices too."""
     if func in _NO_CHECK:
         return
     if func in _INDEXING and len(args) > 1:
         index = [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)]
         if not isinstance(args[0], FakeCudaTensor) and args[0].dim() > 0 and any(_fake(t) for t in index):
             raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+        if func is torch.Tensor.__setitem__ and not index:
+            return  # basic indexing: the value is copied into a view (copy_ crosses devices)
         args = (args[0], *args[2:])
-    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    leaves = tree_flatten((args, kwargs))[0]
+    flat = [t for t in leaves if isinstance(t, torch.Tensor)]
+    gens = [g for g in leaves if isinstance(g, torch._C.Generator)]
+    if gens:
+        _check_generators(gens, kwargs.get("device"), flat)
     if len(flat) < 2 or not any(_fake(t) for t in flat):
         return
+    name = getattr(func, "__name__", None) or str(func)
     for t in flat:
-        if not _fake(t) and t.dim() > 0 and t.device.type == "cpu":
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+        if not _fake(t) and t.device.type == "cpu" and (t.dim() > 0 or not takes_cpu_scalars(name)):
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
                 f"(in {name}: a CPU tensor of shape {tuple(t.shape)} beside a CUDA tensor)"
@@ -168,6 +192,18 @@ def _check_devices(func, args: tuple, kwargs: dict) -> None:
 
 def _fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeCudaTensor)
+
+
+def _check_generators(gens: list, device: Any, tensors: list) -> None:
+    """A draw's generator must be on the device it draws on (``check_generator`` of aten/src/ATen/core/
+    Generator.h: "Expected a 'cuda' device type for generator but found 'cpu'"). The draw's device: the
+    factory's ``device`` argument, else that of its tensors."""
+    on_cuda = is_cuda_device(device) if device is not None else any(_fake(t) for t in tensors)
+    want = "cuda" if on_cuda else "cpu"
+    for g in gens:
+        got = "cuda" if isinstance(g, FakeCudaGenerator) else g.device.type
+        if got != want:
+            raise RuntimeError(f"Expected a '{want}' device type for generator but found '{got}'")
 
 
 class _HostToDevice(torch.autograd.Function):
@@ -244,9 +280,9 @@ class _FunctionMode(TorchFunctionMode):
             if func in _NEW_METHODS:
                 device = kwargs.pop("device", None)
                 out = func(plain(self_t), *args[1:], **kwargs)
-                return out.to(device) if device is not None and not _is_cuda_device(device) else to_fake(out)
-        if _is_cuda_device(kwargs.get("device")) and func not in _NEW_METHODS:
-            _check_ordinal(kwargs["device"])
+                return out.to(device) if device is not None and not is_cuda_device(device) else to_fake(out)
+        if is_cuda_device(kwargs.get("device")) and func not in _NEW_METHODS:
+            check_ordinal(kwargs["device"])
             kwargs["device"] = "cpu"
             grad = kwargs.pop("requires_grad", False)
             out = func(*args, **kwargs)
@@ -272,8 +308,8 @@ class _FunctionMode(TorchFunctionMode):
             copy = bool(kwargs.get("copy", False))
         if device is None:
             return func(*args, **kwargs)
-        if _is_cuda_device(device):
-            _check_ordinal(device)
+        if is_cuda_device(device):
+            check_ordinal(device)
             if isinstance(x, FakeCudaTensor):
                 return x.to(dtype=dtype, copy=copy) if (dtype is not None or copy) else x
             return to_fake(x.to(dtype=dtype) if dtype is not None else x)
@@ -290,28 +326,11 @@ class _DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_cuda_device(kwargs.get("device")):
-            _check_ordinal(kwargs["device"])
+        if is_cuda_device(kwargs.get("device")):
+            check_ordinal(kwargs["device"])
             out = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return tree_map_only(torch.Tensor, _as_fake, out)
         return func(*args, **kwargs)
-
-
-class _GeneratorMeta(type):
-    """``torch.Generator`` under the mode: ``device="cuda"`` gives a CPU generator; isinstance still works."""
-
-    def __call__(cls, device: Any = "cpu"):
-        if _is_cuda_device(device):
-            _check_ordinal(device)
-            return torch._C.Generator("cpu")
-        return torch._C.Generator(device)
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, torch._C.Generator)
-
-
-class _Generator(metaclass=_GeneratorMeta):
-    pass
 
 
 class _Props:
@@ -324,15 +343,21 @@ class _Props:
 class FakeCuda:
     """The fake-CUDA context (see the module docstring). ``syncs``: Counter of (phase, kind) -> host syncs."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: bool = True) -> None:
+        self.kernels = kernels and HAS_TRITON  # launches served by the Triton interpreter, else the torch paths
         self.syncs: Counter = Counter()
+        self.launches: Counter = Counter()  # kernel name -> launches served on the host
         self._saved: list[tuple[Any, str, Any]] = []
         self._modes: list[Any] = []
         self._rng = torch.Generator("cpu")
         self._rng.manual_seed(0)
+        self.sync_debug_mode = 0  # torch.cuda.set_sync_debug_mode: 0 default, 1 warn, 2 error
 
     def note_sync(self, kind: str) -> None:
         self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
+
+    def note_launch(self, kernel: str) -> None:
+        self.launches[kernel] += 1
 
     def total_syncs(self) -> int:
         return sum(self.syncs.values())
@@ -348,7 +373,7 @@ class FakeCuda:
     # ------------------------------------------------------------------ torch.cuda
     def _cuda_api(self) -> dict[str, Any]:
         def set_device(device: Any) -> None:
-            _check_ordinal(device)
+            check_ordinal(device)
 
         def synchronize(device: Any = None) -> None:  # noqa: ARG001
             _note_sync("synchronize")
@@ -364,6 +389,12 @@ class FakeCuda:
                 raise RuntimeError(f"set_rng_state_all: {len(states)} states for 1 visible device")
             for s in states:
                 set_rng_state(s)
+
+        def set_sync_debug_mode(mode: int | str) -> None:
+            names = {"default": 0, "warn": 1, "error": 2}
+            if mode not in (0, 1, 2) and mode not in names:
+                raise RuntimeError(f"invalid value of debug_mode, expected one of default, warn, error: {mode!r}")
+            self.sync_debug_mode = names.get(mode, mode)
 
         zero = lambda *a, **k: 0  # noqa: E731
         return {
@@ -391,6 +422,8 @@ class FakeCuda:
             "manual_seed": lambda seed: self._rng.manual_seed(int(seed)) and None,
             "manual_seed_all": lambda seed: self._rng.manual_seed(int(seed)) and None,
             "seed": lambda: self._rng.seed() and None,
+            "set_sync_debug_mode": set_sync_debug_mode,
+            "get_sync_debug_mode": lambda: self.sync_debug_mode,
         }
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
@@ -402,11 +435,14 @@ class FakeCuda:
             self._patch(torch.cuda, name, fn)
         for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
             self._patch(torch.cuda.random, name, getattr(torch.cuda, name))
-        self._patch(torch, "Generator", _Generator)
+        self._patch(torch, "Generator", Generator)
         # Module.to: new Parameter objects around the fake tensors (``param.data = fake`` would keep a CPU impl)
         self._overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
         torch.__future__.set_overwrite_module_params_on_conversion(True)
-        self._paths = torch_paths_only()
+        if self.kernels:
+            self._interpret = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1"
+        self._paths = launches_on_host(_payload, self.note_launch) if self.kernels else torch_paths_only()
         self._paths.__enter__()
         self._modes = [_FunctionMode(), _DispatchMode()]
         for m in self._modes:
@@ -421,6 +457,11 @@ class FakeCuda:
         for m in reversed(self._modes):
             m.__exit__(*exc)
         self._paths.__exit__(*exc)
+        if self.kernels:
+            if self._interpret is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = self._interpret
         torch.__future__.set_overwrite_module_params_on_conversion(self._overwrite)
         for obj, name, value in reversed(self._saved):
             setattr(obj, name, value)

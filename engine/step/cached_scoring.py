@@ -77,7 +77,8 @@ def _hidden(model: nn.Module, chunk: PromptChunk, prompts: list[int], resp_ids: 
         r_ids, r_mask = resp_ids[:, : l_used - 1], resp_mask[:, : l_used - 1].long()
         kv = SharedPrefixKV.reading(chunk.keys, chunk.values, chunk.valid, u)
         kv.push(r_mask)
-        pos = chunk.valid.sum(-1).index_select(0, u)[:, None] + (r_mask.cumsum(-1) - 1).clamp_min(0)
+        # positions continue the prompt's count of attended tokens, as position_ids of [prompt | response]
+        pos = (chunk.valid.sum(-1).index_select(0, u)[:, None] + r_mask.cumsum(-1) - 1).clamp_min(0)
         res = transformer_body(model)(input_ids=r_ids, position_ids=pos, use_cache=True, **kv.forward_kwargs())
         h_rows.append(res.last_hidden_state.to(h_rows[0].dtype))
         stats["response_tokens"] += int(r_ids.numel())

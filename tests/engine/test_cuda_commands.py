@@ -1,11 +1,13 @@
 """Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/observe/fake_cuda.py) with
 ``trainer.device=cuda``.
 
-Two training steps of every registered estimator and AlignOPSD ablation (tiny config, Hugging Face backend), both
+Two training steps of every registered estimator and AlignOPSD ablation (tiny config, candidate-choice sampler), both
 rescoring modes, the fused head loss on and off, rollout correction on and the reference KL on; then ``eval``,
 ``sft``, ``profile`` and ``compare`` for one step each. Under the mode a CPU tensor of one or more dimensions beside
 a CUDA tensor raises as on a GPU, and strict mode (tests/conftest.py) makes every keep-alive diagnostic raise, so a
-step that completes met no device mismatch anywhere; every step also asserts ``regions/errors == 0``.
+step that completes met no device mismatch anywhere; every step also asserts ``regions/errors == 0``. The engine
+takes the kernel branches a GPU takes, their launches served on the host (engine/observe/fake_cuda.py); one
+AlignOPSD step trains with the Hugging Face sampler.
 
 Cost: one trainer (model, tokenizer, encoder, reference) is built once and shared by the training cases, each of
 which gets its own config, estimator and rescorer (the parts a config change touches), on the smallest batch that
@@ -145,3 +147,36 @@ def test_sft_on_cuda(fake, tmp_path):
             "--set", f"output_dir={tmp_path}", "--steps", "1", "--batch-size", "2"]  # fmt: skip
     assert _cmd(fake, argv) > 0  # the loss of the step was read from the device: the model trained there
     assert (tmp_path / "sft").is_dir()
+
+
+# the loss through the fused log-prob kernel (forward and backward): the fused head loss has no Triton kernel
+HF_GEN = ["generation.backend=hf", "generation.max_response_length=6", "env.teacher_max_response_length=6",
+          "trainer.fused_head_loss=false"]  # fmt: skip
+
+
+def test_training_with_the_hugging_face_generator_and_the_kernels_on_cuda(trainer, fake, tmp_path):
+    """AlignOPSD trained with the Hugging Face sampler on the fake device: the teacher seeded on a CUDA generator,
+    sibling prompts pushed once (prefix sharing), the teacher pass, and the kernel branches a GPU takes (the fused
+    sibling top-K in the pair selection, the fused log-prob in scoring and in the loss with the autograd head),
+    their launches served on the host. On CUDA the generator keeps no prompt cache (the shared-prefix decoding
+    cache is CPU-only), so the teacher forcing scores the prompts again, as a real GPU run does."""
+    from alignopsd.engine.generation.hf import HFGenerator
+    from alignopsd.engine.step.recipe import run_step
+
+    cfg = load_config(TINY, [*lh.GUESS_OVERRIDES, *SMALL, *HF_GEN, f"output_dir={tmp_path}"])
+    base = trainer.parts
+    gen = HFGenerator(hf_model_of(base.policy), base.tokenizer)
+    assert not gen.keeps_prompt_cache
+    parts = dataclasses.replace(
+        base, cfg=cfg, generator=gen, estimator=get_estimator("alignopsd"), profiler=StepProfiler(),
+        rescorer=Rescorer(hf_model_of(base.policy), temperature=cfg.generation.temperature),
+    )  # fmt: skip
+    launches = fake.launches.copy()
+    m = run_step(parts, 0).metrics
+    assert m.get("regions/errors", 0.0) == 0.0 and m["update/optimizer_steps"] >= 1
+    assert gen.tokens_generated > 0 and m["rollout/response_length_mean"] > 0
+    assert m["rollout/prefill_token_forwards"] < m["rollout/prefill_token_forwards_unshared"]  # siblings shared
+    assert m["m1/teacher_forcing_row_count"] > 0 and m["m1/teacher_forcing_cached_prompts"] == 0.0
+    ran = fake.launches - launches
+    assert ran["_lp_fwd_kernel"] > 0 and ran["_lp_bwd_kernel"] > 0, ran  # scoring and the loss's backward
+    assert ran["_sibling_kernel"] > 0, ran  # the pair selection's fused sibling top-K

@@ -7,7 +7,7 @@ import pytest
 import torch
 from alignopsd.engine.observe.fake_cuda import FakeCuda, FakeCudaTensor
 from alignopsd.engine.observe.profiler import StepProfiler
-from alignopsd.kernels import core_uses_kernels, resolve_impl
+from alignopsd.kernels import HAS_TRITON, core_uses_kernels, logprob, resolve_impl, sibling_topk
 
 MIXED = "Expected all tensors to be on the same device"
 
@@ -52,6 +52,80 @@ def test_mixing_devices_raises_as_cuda_does():
         assert torch.equal(host, x.cpu())
         x.copy_(torch.zeros(3, 4))
         assert float(x.abs().sum()) == 0.0
+
+
+# Each device rule of the mode: (rule, op on a CUDA tensor x [3, 4] and a CUDA generator g, what CUDA does, the torch
+# source it follows). None: the op runs; a string: it raises a RuntimeError matching it.
+TI = "aten/src/ATen/TensorIterator.cpp compute_types: CPU scalars on non-CPU kernels (tensor_iterator_test CPUScalar)"
+DEVCHECK = "torchgen device_check (c10/core/impl: check_and_update_common_device) of ops not marked NoCheck"
+GEN = "aten/src/ATen/core/Generator.h check_generator: a draw's generator must be of the draw's device type"
+SETITEM = "torch/csrc/autograd/python_variable_indexing.cpp THPVariable_setitem: basic indexing copies (copy_to)"
+INDEX = "aten/src/ATen/native/TensorAdvancedIndexing.cpp: index/index_put_ move CPU indices; a 0-dim value is read"
+RULES = [
+    ("elementwise op, 0-dim CPU operand", lambda x, g: x * torch.tensor(2.0), None, TI),
+    ("elementwise op via operator, reflected", lambda x, g: torch.tensor(2.0) - x, None, TI),
+    ("elementwise in-place, 0-dim CPU operand", lambda x, g: x.clone().add_(torch.tensor(1.0)), None, TI),
+    ("where, 0-dim CPU branch", lambda x, g: torch.where(x > 0, x, torch.tensor(0.0)), None, TI),
+    ("masked_fill, 0-dim CPU value", lambda x, g: x.masked_fill(x > 0, torch.tensor(1.0)), None, TI),
+    ("elementwise op, 1-dim CPU operand", lambda x, g: x + torch.ones(4), MIXED, TI),
+    ("stack with a 0-dim CPU tensor", lambda x, g: torch.stack([x[0, 0], torch.tensor(1.0)]), MIXED, DEVCHECK),
+    ("cat with a CPU tensor", lambda x, g: torch.cat([x, torch.zeros(1, 4)]), MIXED, DEVCHECK),
+    ("index_select with a 0-dim CPU index", lambda x, g: x.index_select(0, torch.tensor(1)), MIXED, DEVCHECK),
+    ("gather with a CPU index", lambda x, g: x.gather(1, torch.zeros(3, 1, dtype=torch.long)), MIXED, DEVCHECK),
+    ("matmul with a CPU matrix", lambda x, g: x @ torch.ones(4, 2), MIXED, DEVCHECK),
+    ("cuda[cpu_index]", lambda x, g: x[torch.tensor([0, 2])], None, INDEX),
+    ("cpu[cuda_index]", lambda x, g: torch.ones(5)[torch.tensor([0], device="cuda")], "indices should be", INDEX),
+    (
+        "cuda[cpu_index] = 0-dim CPU value",
+        lambda x, g: x.clone().__setitem__(torch.tensor([0]), torch.tensor(1.0)),
+        None,
+        INDEX,
+    ),  # fmt: skip
+    (
+        "cuda[cpu_index] = 1-dim CPU value",
+        lambda x, g: x.clone().__setitem__(torch.tensor([0]), torch.ones(4)),
+        MIXED,
+        INDEX,
+    ),  # fmt: skip
+    ("cuda[a:b] = 1-dim CPU value", lambda x, g: x.clone().__setitem__(slice(0, 2), torch.ones(4)), None, SETITEM),
+    ("cpu[a:b] = CUDA value", lambda x, g: torch.zeros(3, 4).__setitem__(slice(0, 2), x[:2]), None, SETITEM),
+    ("rand on CUDA with the CUDA generator", lambda x, g: torch.rand(3, device="cuda", generator=g), None, GEN),
+    ("multinomial on CUDA with the CUDA generator", lambda x, g: torch.multinomial(x.abs(), 1, generator=g), None, GEN),
+    (
+        "rand on CUDA with a CPU generator",
+        lambda x, g: torch.rand(3, device="cuda", generator=torch.Generator()),
+        "Expected a 'cuda' device type for generator but found 'cpu'",
+        GEN,
+    ),  # fmt: skip
+    (
+        "multinomial on CUDA with a CPU generator",
+        lambda x, g: torch.multinomial(x.abs(), 1, generator=torch.Generator()),
+        "found 'cpu'",
+        GEN,
+    ),  # fmt: skip
+    (
+        "rand on the CPU with the CUDA generator",
+        lambda x, g: torch.rand(3, generator=g),
+        "Expected a 'cpu' device type for generator but found 'cuda'",
+        GEN,
+    ),  # fmt: skip
+    ("randperm on the CPU with the CUDA generator", lambda x, g: torch.randperm(4, generator=g), "found 'cuda'", GEN),
+]
+
+
+@pytest.mark.parametrize("rule,op,raises,source", RULES, ids=[r[0] for r in RULES])
+def test_device_rules_follow_cuda(rule, op, raises, source):
+    assert source  # each rule names the torch source it follows
+    with FakeCuda():
+        x = torch.randn(3, 4, device="cuda")
+        g = torch.Generator(device="cuda")
+        g.manual_seed(0)
+        if raises is None:
+            out = op(x, g)
+            assert out is None or out.is_cuda or out.device.type == "cpu"
+        else:
+            with pytest.raises(RuntimeError, match=raises):
+                op(x, g)
 
 
 def test_host_syncs_are_counted_by_phase():
@@ -111,11 +185,47 @@ def test_torch_cuda_answers_and_kernel_dispatch():
         torch.cuda.set_rng_state_all(state)
         assert torch.cuda.is_bf16_supported() and torch.cuda.memory_allocated() == 0
         assert isinstance(torch.Generator(device="cuda"), torch.Generator)
+        assert torch.Generator(device="cuda").device.type == "cuda" and torch.Generator().device.type == "cpu"
         torch.cuda.synchronize()
         assert fc.syncs[("(outside a phase)", "synchronize")] == 1
-        # Triton kernels cannot launch on the fake device: the torch paths run
+        # the engine takes the kernel branches it takes on a GPU (the launches are served on the host)
+        assert resolve_impl("auto", torch.zeros(2, device="cuda")) == ("triton" if HAS_TRITON else "torch")
+        assert core_uses_kernels(torch.zeros(2, device="cuda")) == HAS_TRITON
+    with FakeCuda(kernels=False):  # the kernels' torch paths instead
         assert resolve_impl("auto", torch.zeros(2, device="cuda")) == "torch"
         assert not core_uses_kernels(torch.zeros(2, device="cuda"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable: no kernel branch to take")
+def test_kernel_launches_on_the_fake_device_write_the_callers_memory():
+    """The fused log-prob (forward and backward: launch references) and the sibling top-K (Triton interpreter) on
+    fake CUDA tensors give the torch paths' results, through their launch code, counted per kernel."""
+    torch.manual_seed(0)
+    h, w, t = (
+        torch.randn(6, 16, requires_grad=True),
+        torch.randn(300, 16, requires_grad=True),
+        torch.randint(0, 300, (6,)),
+    )
+    lp_ref, ent_ref = logprob(h, w, t, with_entropy=True, impl="torch")
+    (lp_ref.sum() + ent_ref.sum()).backward()
+    m = 6
+    emb = torch.nn.functional.normalize(torch.randn(m, 8), dim=-1)
+    ids = [torch.tensor(v) for v in ([0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2], [0] * m)]
+    ok = torch.ones(m, dtype=torch.bool)
+    top_ref = sibling_topk(emb, emb.flip(0), *ids, ok, ok, gamma=-1.0, top_k=2, impl="torch")
+    with FakeCuda() as fc:
+        hc, wc = h.detach().cuda().requires_grad_(True), w.detach().cuda().requires_grad_(True)
+        lp, ent = logprob(hc, wc, t.cuda(), with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        assert lp.is_cuda and hc.grad.is_cuda and wc.grad.is_cuda
+        top = sibling_topk(emb.cuda(), emb.flip(0).cuda(), *(i.cuda() for i in ids), ok.cuda(), ok.cuda(), gamma=-1.0,
+                           top_k=2)  # fmt: skip
+        got = (lp.cpu(), ent.cpu(), hc.grad.cpu(), wc.grad.cpu(), top.selected.cpu())
+    assert fc.launches["_lp_fwd_kernel"] == 1 and fc.launches["_lp_bwd_kernel"] == 1
+    assert sum(n for k, n in fc.launches.items() if "sibling" in k or "profiles" in k) >= 1, fc.launches
+    for a, b in zip(got[:4], (lp_ref, ent_ref, h.grad, w.grad)):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[4], top_ref.selected)
 
 
 def test_factories_inside_a_backward_are_placed_on_the_fake_device():

@@ -381,6 +381,39 @@ def test_sample_rows_draws_the_categorical_distribution():
     assert torch.equal(a, sample_rows(probs, torch.Generator().manual_seed(7)))
 
 
+def test_sample_rows_marks_a_row_without_a_distribution():
+    """NaN, infinite or all-zero rows have nothing to draw from: -1 (once token 0), the other rows draw as usual;
+    check_draws names the row's prompt."""
+    from alignopsd.engine.generation.hf import check_draws, sample_rows
+
+    nan, inf = float("nan"), float("inf")
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.2, nan, 0.8], [0.0, 0.0, 2.0], [inf, 1.0, 0.0]])
+    draws = sample_rows(probs, torch.Generator().manual_seed(0)).tolist()
+    assert draws == [1, -1, -1, 2, -1]
+    check_draws([1, 2], probs[[0, 3]], [0, 3])
+    with pytest.raises(ValueError, match=r"prompt 11 has no distribution .* sum to 0\.0"):
+        check_draws(draws, probs, [10, 11, 12, 13, 14])
+
+
+def test_generate_names_the_prompt_whose_logits_are_nan(tiny, prompts):
+    """A model output with NaN logits for one prompt: the sampler raises naming that prompt (it once sampled token
+    0 for it); greedy decoding is not checked (argmax of NaN is the model's problem, not a draw)."""
+    model, tok = tiny
+    gen = HFGenerator(model, tok)
+    last_norm = model.model.norm
+
+    def poison(_mod, _args, out):  # the second prompt's final hidden states (every push of the first chunk)
+        return out.index_fill(0, torch.tensor([1]), float("nan")) if out.shape[0] > 1 else out
+
+    hook = last_norm.register_forward_hook(poison)
+    try:
+        with pytest.raises(ValueError, match="sampling: prompt 1 has no distribution"):
+            gen.generate(prompts, SamplingParams(max_new_tokens=3, seed=0))
+    finally:
+        hook.remove()
+    assert len(gen.generate(prompts, SamplingParams(max_new_tokens=2, seed=0)).token_ids) == 3
+
+
 def test_prompt_cache_over_the_byte_limit_is_not_kept(tiny):
     """A generate call whose kept prompts would pass ``prompt_cache_max_bytes`` keeps nothing (the teacher forcing
     then pushes the prompts again), also when only a later chunk would pass it."""

@@ -281,3 +281,25 @@ def test_kept_prompt_cache_is_refused_for_other_prompts_or_another_model():
     assert not Rescorer(model, mode="plain").reads_prompt_cache(gen)
     gen.fast_decode = False  # the model's own attention keeps no prompt cache
     assert not Rescorer(model).reads_prompt_cache(gen)
+
+
+def test_cached_teacher_forcing_equals_the_plain_scorer_for_a_response_mask_with_gaps():
+    """A response mask with masked positions inside it (a gap, and a row whose first position is masked): the
+    masked positions attend to no key of their own (as in the model's attention under the plain scorer), so the
+    three scorers agree; the cached path once let a masked query attend to its own key (0.0165 apart)."""
+    model = tiny_model(2)
+    b = make_batch(seed=5)
+    gen, cache = _kept_teacher_prompts(model, b)
+    mask = b.response_mask.clone()
+    mask[0, 2:4] = 0  # a gap inside row 0's response
+    mask[3, 0] = 0  # row 3 starts with a masked position
+    mask[6, 5] = 0
+    b.response_mask = mask
+    pairs = [(1, 0), (0, 3), (4, 6)]
+    rescorer = Rescorer(model, temperature=0.7)
+    d_plain, c_plain, _ = Rescorer(model, mode="plain", temperature=0.7).teacher_logprobs(b, pairs)
+    d_shared, c_shared, _ = rescorer.teacher_logprobs(b, pairs)
+    d_cached, c_cached, _ = rescorer.teacher_logprobs(b, pairs, prompt_cache=cache)
+    assert (d_plain - d_shared).abs().max() <= 1e-5 and (c_plain - c_shared).abs().max() <= 1e-5
+    assert (d_plain - d_cached).abs().max() <= 1e-5 and (c_plain - c_cached).abs().max() <= 1e-5
+    assert bool((d_cached[0, 2:4] == 0).all()) and float(d_cached[0, 4].abs()) > 0
