@@ -45,7 +45,6 @@ from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 from alignopsd.engine.parallel.collectives import reduce_metrics
-from alignopsd.engine.parallel.metric_reduce import Samples, merge_samples
 from alignopsd.engine.run.audit import Auditor, header_of
 from alignopsd.engine.run.checkpoint import (
     UnsafeStateError,
@@ -65,6 +64,7 @@ from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.report import write_report
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import claim_output_dir
+from alignopsd.engine.run.strict import strict
 from alignopsd.engine.run.writes import WriteFailure, writing
 from alignopsd.engine.run.writes import report as report_write_failure
 from alignopsd.engine.step.episodes import run_validation
@@ -248,7 +248,7 @@ class Trainer:
             t0 = time.perf_counter()
             result = run_step(self.parts, self.step)
             self.step += 1
-            metrics = self.reduce_metrics(result.metrics, result.samples)
+            metrics = self.reduce_metrics(result.metrics)
             metrics["time/step_wall"] = time.perf_counter() - t0
             self.span_lengths.extend(int(x) for x in result.span_lengths)
             last = logger.log(self.step, metrics)
@@ -341,17 +341,17 @@ class Trainer:
             )
         return flat
 
-    def reduce_metrics(self, metrics: dict[str, float], samples: Samples | None = None) -> dict[str, float]:
-        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by its declared kind, the
-        percentiles from the ranks' gathered ``samples``).
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by the reduction its value
+        declares, the percentiles from the samples the values carry; an undeclared value raises in strict mode).
 
         Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
         contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
         if not self.dist.enabled:
             return metrics
         lead = self.parts.policy.layout.is_group_lead
-        got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
-        return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
+        got = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
+        return reduce_metrics(got, strict=strict())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
