@@ -140,8 +140,10 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
     if os.environ.get("WORLD_SIZE") != "2":
         pytest.skip("run under torchrun --nproc_per_node=2")
     import torch.distributed as dist
-    from alignopsd.engine.parallel.metric_reduce import metric_kind
+    from alignopsd.engine.step.episodes import run_validation
     from alignopsd.engine.step.recipe import run_step
+
+    from alignopsd.reduction import Reduce, undeclared
 
     torch.set_num_threads(1)
     out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"
@@ -149,11 +151,13 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
           f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
     tr = lh.build_trainer(TINY, ov)
     res = run_step(tr.parts, 0)
-    assert res.samples and "m2/turn_weight" in res.samples
-    reduced = tr.reduce_metrics(res.metrics, res.samples)
-    assert "metrics/unreduced" not in reduced
-    quantiles = [k for k in reduced if metric_kind(k) == "quantile" and k.startswith("m2/")]
-    assert quantiles and all(k in reduced for k in quantiles)
+    assert not undeclared(res.metrics)  # every metric of the step declares its reduction
+    quantiles = [k for k, v in res.metrics.items() if v.how is Reduce.QUANTILE]
+    assert "m2/turn_weight_p95" in quantiles and all(res.metrics[k].samples is not None for k in quantiles)
+    reduced = tr.reduce_metrics(res.metrics)  # strict mode: an undeclared metric would raise here
+    assert "metrics/unreduced" not in reduced and set(reduced) == set(res.metrics)
+    val = tr.reduce_metrics(run_validation(tr.parts, 1))  # the validation (and `alignopsd eval`) metrics
+    assert val["episode/count"] == float(len(tr.parts.val_tasks) // 2 * 2)
     both: list = [None, None]
-    dist.all_gather_object(both, reduced)
+    dist.all_gather_object(both, (reduced, val))
     assert both[0] == both[1]  # every rank logs the same reduction
