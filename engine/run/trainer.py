@@ -63,7 +63,7 @@ from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, Preemptio
 from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.report import write_report
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
-from alignopsd.engine.run.runlock import claim_output_dir
+from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
 from alignopsd.engine.run.strict import strict
 from alignopsd.engine.run.writes import WriteFailure, writing
 from alignopsd.engine.run.writes import report as report_write_failure
@@ -295,12 +295,16 @@ class Trainer:
     def _set_history_aside(self, resume_step: int | None) -> None:
         """Rank 0 moves the records of an earlier run, or of steps after the checkpoint, aside (engine/run/history.py)
         before any rank writes."""
-        if self.rank == 0:
-            where, moved = set_aside(self.out_dir, resume_step)
-            if where is not None:
-                after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
-                self._say(f"[history] moved the records {after} aside to {where}: {', '.join(moved)}")
-        self.dist.barrier()
+        # one gather: every rank waits here for rank 0, and ends with its I/O error if it had one
+        got = agree_on_failure(
+            lambda: set_aside(self.out_dir, resume_step),
+            run_here=self.rank == 0,
+            gather=self.dist.gather_objects if self.dist.enabled else None,
+            what=f"cannot set the history of {self.out_dir} aside",
+        )
+        if got is not None and got[0] is not None:
+            after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
+            self._say(f"[history] moved the records {after} aside to {got[0]}: {', '.join(got[1])}")
 
     def _auditor(self):
         """The audit writer of this process (engine/run/audit.py); None when the audit is off or another rank of
