@@ -114,7 +114,7 @@ def reduce_over_ranks(gathered: Sequence[dict[str, Any]], *, strict: bool = Fals
     """One metric dict from the contributing ranks' dicts (module docstring); keys a rank lacks (or holds as
     None) are reduced over the ranks that have them. ``strict``: an undeclared value raises
     :class:`UndeclaredMetricError`."""
-    keys = sorted({k for g in gathered for k in g})
+    keys = list(dict.fromkeys(k for g in gathered for k in g))  # in the order the ranks emitted them
     out: dict[str, float] = {}
     unreduced = undeclared = 0
     for k in keys:

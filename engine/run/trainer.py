@@ -350,9 +350,10 @@ class Trainer:
         declares, the percentiles from the samples the values carry; an undeclared value raises in strict mode).
 
         Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
-        contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
+        contributes (otherwise counts would be multiplied by the tensor-parallel size). Single-process the values
+        are this process's own, and their declarations are checked all the same."""
         if not self.dist.enabled:
-            return metrics
+            return reduce_metrics([metrics], strict=strict())
         lead = self.parts.policy.layout.is_group_lead
         got = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
         return reduce_metrics(got, strict=strict())
