@@ -23,6 +23,7 @@ from alignopsd.reduction import (
     extreme_max,
     extreme_min,
     percentile,
+    pooled,
     pooled_std,
     rms,
     same,
@@ -147,9 +148,9 @@ def _coverage_metrics(
     out["mean_matched_teachers"] = weighted_mean(float(n_src.double().mean()) if M else 0.0, M)
     out["top_k_saturation_rate"] = weighted_mean(float((n_src >= top_k).double().mean()) if M else 0.0, M)
     out["cross_pair_count"] = summed(rect.pairs.shape[0])
-    # densities over the M x M cells of this rank's share (over ranks: weighted by the cells, see the report)
-    out["structural_eligibility_density"] = weighted_mean(int(torch.count_nonzero(B)) / (M * M) if M else 0.0, M * M)
-    out["threshold_eligibility_density"] = weighted_mean(int(torch.count_nonzero(thr)) / (M * M) if M else 0.0, M * M)
+    nnz_b, nnz_thr = int(torch.count_nonzero(B)), int(torch.count_nonzero(thr))
+    out["structural_eligibility_density"] = pooled(nnz_b / (M * M) if M else 0.0, "cell_density", nnz_b, M)
+    out["threshold_eligibility_density"] = pooled(nnz_thr / (M * M) if M else 0.0, "cell_density", nnz_thr, M)
     out["threshold_candidate_zero_rate"] = weighted_mean(float((cand_per_target == 0).double().mean()) if M else 0.0, M)
     out["correction_active_rate"] = weighted_mean(float((rect.alpha > 0).double().mean()) if M else 0.0, M)
     for name, v in validity.items():

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from alignopsd.reduction import Stat, extreme_max, extreme_min, percentile, pooled_std, weighted_mean
+from alignopsd.reduction import Stat, extreme_max, extreme_min, percentile, pooled, pooled_std, weighted_mean
 from alignopsd.samples import record_samples
 
 __all__ = ["Metrics"]
@@ -72,17 +72,19 @@ class Metrics:
             self._described(k, [stats[i, j] for j in range(5)], x.shape[1], refs[i], (quantile,), (name,))
 
     def corr(self, key: str, x: Tensor, y: Tensor) -> None:
-        """Pearson correlation of ``x`` and ``y``, declared as a mean over their pairs (over ranks this is the
-        pair-weighted mean of the ranks' correlations, not the pooled correlation)."""
+        """Pearson correlation of ``x`` and ``y``, declared with its sums (n, sums of x, y, xy, x^2, y^2), from
+        which the reduction over ranks computes the correlation of all the ranks' pairs."""
         n = x.numel()
         if n < 2:
-            self.put(key, 0.0, weighted_mean, 0)
+            self.put(key, 0.0, pooled, "corr", n, 0, 0, 0, 0, 0)
             return
-        x = x.double() - x.double().mean()
-        y = y.double() - y.double().mean()
+        x, y = x.double(), y.double()
+        sums = (x.sum(), y.sum(), (x * y).sum(), (x * x).sum(), (y * y).sum())
+        x = x - x.mean()
+        y = y - y.mean()
         den = torch.sqrt((x * x).sum() * (y * y).sum())
-        self.put(key, torch.where(den > 0, (x * y).sum() / den.clamp_min(1e-300), torch.zeros_like(den)),
-                 weighted_mean, n)  # fmt: skip
+        value = torch.where(den > 0, (x * y).sum() / den.clamp_min(1e-300), torch.zeros_like(den))
+        self.put(key, value, pooled, "corr", n, *sums)
 
     def result(self) -> dict[str, float]:
         """Every value, declared (``alignopsd.reduction.Stat``; a plain float to everything but the reduction)."""

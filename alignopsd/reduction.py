@@ -20,6 +20,8 @@ change) that carries its declared :class:`Reduce` kind and what that kind needs.
     percentile(v, q, n, samples) a ``q``-quantile (linear interpolation) recomputed from every rank's samples; left
                                  out (counted in ``metrics/unreduced``) when a rank carried none
     rms(v, n)                    a root mean square over ``n`` items: sqrt(sum(n_r v_r^2) / sum(n_r))
+    pooled(v, formula, *sums)    a statistic of sums (a correlation, an effective sample size, a cell density):
+                                 the sums are added over ranks and :data:`FORMULAS` ``[formula]`` applied to them
 
 ``n`` is the count itself (a number), so a per-category rate carries its own population. ``samples``: the handle
 :func:`alignopsd.samples.record_samples` returned (None when nothing is recording: single-process runs copy no
@@ -30,6 +32,7 @@ dict emitted without a declaration (the test suite holds every emitter to it).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,7 +42,9 @@ __all__ = [
     "declare",
     "extreme_max",
     "extreme_min",
+    "FORMULAS",
     "percentile",
+    "pooled",
     "pooled_std",
     "rms",
     "same",
@@ -60,16 +65,34 @@ class Reduce(enum.Enum):
     STD = "std"
     QUANTILE = "quantile"
     RMS = "rms"
+    POOLED = "pooled"
+
+
+def _corr(n: float, sx: float, sy: float, sxy: float, sxx: float, syy: float) -> float:
+    """Pearson correlation from n, sum x, sum y, sum xy, sum x^2, sum y^2 (0 when undefined)."""
+    if n < 2:
+        return 0.0
+    cov, vx, vy = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
+    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else 0.0
+
+
+# name -> the statistic of its (summed) sums
+FORMULAS: dict[str, Callable[..., float]] = {
+    "corr": _corr,
+    "ess": lambda k, sw, sww: sw * sw / (k * sww) if k > 0 and sww > 0 else 0.0,  # (sum w)^2 / (k sum w^2)
+    "cell_density": lambda nnz, m: nnz / (m * m) if m > 0 else 0.0,  # nonzero cells of an m x m matrix
+}
 
 
 class Stat(float):
     """A metric value and its declared reduction (module docstring); arithmetic on it gives a plain float."""
 
-    __slots__ = ("how", "count", "mean", "ddof", "q", "samples")
+    __slots__ = ("how", "count", "mean", "ddof", "q", "samples", "sums", "formula")
 
     def __new__(cls, value: Any, how: Reduce, count: Any = None, mean: Any = None, ddof: int = 0, q: Any = None,
-                samples: Any = None) -> Stat:  # fmt: skip
+                samples: Any = None, sums: tuple = (), formula: str | None = None) -> Stat:  # fmt: skip
         out = super().__new__(cls, float(value))
+        out.sums, out.formula = tuple(float(s) for s in sums), formula
         out.how = how
         out.count = None if count is None else float(count)
         out.mean = None if mean is None else float(mean)
@@ -79,7 +102,8 @@ class Stat(float):
         return out
 
     def __reduce__(self):
-        return (Stat, (float(self), self.how, self.count, self.mean, self.ddof, self.q, self.samples))
+        return (Stat, (float(self), self.how, self.count, self.mean, self.ddof, self.q, self.samples, self.sums,
+                       self.formula))  # fmt: skip
 
     def __repr__(self) -> str:
         return float.__repr__(self)
@@ -119,6 +143,12 @@ def percentile(v: Any, q: float, n: Any, samples: Any) -> Stat:
 
 def rms(v: Any, n: Any) -> Stat:
     return Stat(v, Reduce.RMS, count=n)
+
+
+def pooled(v: Any, formula: str, *sums: Any) -> Stat:
+    if formula not in FORMULAS:
+        raise ValueError(f"formula: expected one of {sorted(FORMULAS)}, got {formula!r}")
+    return Stat(v, Reduce.POOLED, sums=sums, formula=formula)
 
 
 def declare(values: Mapping[str, Any], how: Callable[..., Stat], *args: Any) -> dict[str, Stat]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_choice, check_real, check_tokens
-from alignopsd.reduction import extreme_max, extreme_min, summed, weighted_mean
+from alignopsd.reduction import extreme_max, extreme_min, pooled, summed, weighted_mean
 
 __all__ = ["IS_LEVELS", "IS_MODES", "rollout_is_weights", "rollout_mismatch_metrics"]
 
@@ -136,13 +136,14 @@ def rollout_is_weights(
     stats = {"rollout_is/rejected_frac": weighted_mean(0.0, 0), "rollout_is/truncated_frac": weighted_mean(0.0, 0)}
     if n > 0:
         r_m, w_k = ratio[m], weight[keep]
-        k = w_k.numel()  # the normalised ESS over ranks: the kept-token-weighted mean of the ranks' (approximate)
+        k = w_k.numel()
+        ess = float(w_k.sum().square() / (k * w_k.square().sum())) if k else 0.0
         stats.update({
             "rollout_is/mean": weighted_mean(float(r_m.mean()), n),
             "rollout_is/max": extreme_max(float(r_m.max()), n),
             "rollout_is/min": extreme_min(float(r_m.min()), n),
             "rollout_is/weight_mean": weighted_mean(float(weight[m].mean()), n),
-            "rollout_is/ess": weighted_mean(float(w_k.sum().square() / (k * w_k.square().sum())) if k else 0.0, k),
+            "rollout_is/ess": pooled(ess, "ess", k, w_k.sum(), w_k.square().sum()),
             "rollout_is/truncated_frac": weighted_mean(float((r_m > hi).double().mean()) if trunc else 0, n),
             "rollout_is/rejected_frac": weighted_mean(float(1.0 - keep.sum() / n), n),
         })  # fmt: skip

@@ -13,6 +13,7 @@ declaration and nothing else (never the metric's name):
     STD       from the gathered samples when every populated rank sent them, else pooled from (count, mean, std)
     QUANTILE  from the gathered samples (linear interpolation); without them on a populated rank it is left out
               and counted in ``metrics/unreduced`` (a percentile is never averaged)
+    POOLED    the declared formula (``alignopsd.reduction.FORMULAS``) of the ranks' sums added up
 
 A value without a declaration is an error in strict mode (the test suite); in a production run it is reported
 once (a warning, and ``metrics/undeclared`` counts such keys in the step) and reduced conservatively: the plain
@@ -26,7 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from alignopsd.reduction import Reduce, Stat
+from alignopsd.reduction import FORMULAS, Reduce, Stat
 
 log = logging.getLogger("alignopsd.metrics")
 _WARNED: set[str] = set()  # undeclared keys already reported by this process
@@ -104,6 +105,10 @@ def reduce_one(vals: list[Stat]) -> float | None:
         return float((min if how is Reduce.MIN else max)(float(v) for v in have))
     if how is Reduce.STD:
         return _std(vals)
+    if how is Reduce.POOLED:
+        if len({(v.formula, len(v.sums)) for v in vals}) > 1:
+            return None
+        return float(FORMULAS[vals[0].formula](*(sum(col) for col in zip(*(v.sums for v in vals)))))
     pooled = _pooled_samples(vals)  # QUANTILE
     if pooled is None:
         return None

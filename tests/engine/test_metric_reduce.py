@@ -20,7 +20,7 @@ from alignopsd.engine.step.episodes import episode_metrics
 from alignopsd.diagnostics import describe, paired_sign_flips
 from alignopsd.metrics import Metrics
 from alignopsd.reduction import Reduce, Stat, summed, undeclared, weighted_mean
-from alignopsd.rollout_correction import rollout_mismatch_metrics
+from alignopsd.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from alignopsd.samples import recording_samples
 
 
@@ -48,6 +48,7 @@ def _m_share(gaps, spans, weights, valid, traj_len, traj_adv):
         mx.put("m2/segment_count", float(spans.numel()), summed)
         mx.dists({"m2/turn_weight": weights})
         mx.rate("m1/valid_match_rate", valid)
+        mx.corr("m2/turn_weight_corr_score", weights, weights.square() - valid.double())
         mx.put("episode/unique_trajectory_count", float(traj_len.numel()), summed)
         mx.dist("episode/trajectory_length", traj_len.double(), (0.5,))
         mx.put("m2/trajectory_advantage_mean", traj_adv.mean(), weighted_mean, traj_adv.numel())
@@ -72,7 +73,7 @@ def test_skewed_halves_reduce_to_the_whole_batch():
     _assert_same(got, whole)
     # what an unweighted mean over ranks gave: visibly wrong on these keys
     for k in ("m1/corrected_gap_p50", "m1/paired/response/corrected_gap_p90", "m2/turn_weight_std",
-              "m1/valid_match_rate", "m2/segment_length_std"):  # fmt: skip
+              "m1/valid_match_rate", "m2/segment_length_std", "m2/turn_weight_corr_score"):  # fmt: skip
         assert sum(h[k] for h in halves) / 2 != pytest.approx(whole[k], rel=1e-6), k
 
 
@@ -152,6 +153,12 @@ def test_counts_and_mismatch_reduce_as_the_whole_batch():
                        rollout_mismatch_metrics(ro[9:], tr[9:], mask[9:])])  # fmt: skip
     _assert_same(got, whole)
     assert got["mismatch/tokens"] == float(mask.sum())
+    for level, mode in (("token", "mask"), ("sequence", "mask"), ("token", "truncate")):  # IS diagnostics
+        kw = dict(level=level, mode=mode, threshold=1.5, lower=0.5)
+        whole = rollout_is_weights(ro, tr, mask, **kw)[2]
+        shares = [rollout_is_weights(ro[:9], tr[:9], mask[:9], **kw)[2],
+                  rollout_is_weights(ro[9:], tr[9:], mask[9:], **kw)[2]]  # fmt: skip
+        _assert_same(_over_ranks(shares), whole, rel=1e-6)  # (float32 fractions)
 
 
 def test_paired_statistics_and_times():

@@ -139,16 +139,13 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
     differs = alone.threshold != c1.threshold
 
     # the estimator's m1/, m2/, adv/ and episode/ metrics of the two shares, reduced by their declarations, are
-    # those of the whole batch on one rank (the two pooled-correlation and cell-density keys excepted: see
-    # alignopsd/metrics.py Metrics.corr and the m1 eligibility densities)
+    # those of the whole batch on one rank
     shares: list = [None, None]
     dist.all_gather_object(shares, metrics)
     reduced = reduce_metrics(shares, strict=True)
-    approx = ("m2/turn_weight_corr_", "m1/structural_eligibility_density", "m1/threshold_eligibility_density")
     same["metric_keys"] = set(reduced) == set(whole_metrics)
     for k, v in whole_metrics.items():
-        if not k.startswith(approx):
-            same[k] = reduced.get(k) == pytest.approx(v, rel=1e-5, abs=1e-7)
+        same[k] = reduced.get(k) == pytest.approx(v, rel=1e-5, abs=1e-7)
 
     got: list = [None, None]  # every rank's verdict first: a failing rank must not leave the other in a collective
     dist.all_gather_object(got, (same, cut, spans_two, differs))
