@@ -25,21 +25,20 @@ change) that carries its declared :class:`Reduce` kind and what that kind needs.
 
 ``n`` is the count itself (a number), so a per-category rate carries its own population. ``samples``: the handle
 :func:`alignopsd.samples.record_samples` returned (None when nothing is recording: single-process runs copy no
-values). :func:`declare` maps one of these over a dict of values; :func:`undeclared` lists the keys of a metric
-dict emitted without a declaration (the test suite holds every emitter to it).
+values). A value emitted without a declaration (a plain float) is an error for the reduction in strict mode (the
+test suite), single-process runs included.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
     "Reduce",
     "Stat",
-    "declare",
     "extreme_max",
     "extreme_min",
     "FORMULAS",
@@ -50,7 +49,6 @@ __all__ = [
     "same",
     "slowest",
     "summed",
-    "undeclared",
     "weighted_mean",
 ]
 
@@ -149,13 +147,3 @@ def pooled(v: Any, formula: str, *sums: Any) -> Stat:
     if formula not in FORMULAS:
         raise ValueError(f"formula: expected one of {sorted(FORMULAS)}, got {formula!r}")
     return Stat(v, Reduce.POOLED, sums=sums, formula=formula)
-
-
-def declare(values: Mapping[str, Any], how: Callable[..., Stat], *args: Any) -> dict[str, Stat]:
-    """``{k: how(v, *args)}``: one declaration for every value of a dict (e.g. ``declare(counters, summed)``)."""
-    return {k: how(v, *args) for k, v in values.items()}
-
-
-def undeclared(metrics: Mapping[str, Any]) -> list[str]:
-    """The keys of ``metrics`` whose value carries no declaration (sorted)."""
-    return sorted(k for k, v in metrics.items() if v is not None and not isinstance(v, Stat))

@@ -140,10 +140,11 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
     if os.environ.get("WORLD_SIZE") != "2":
         pytest.skip("run under torchrun --nproc_per_node=2")
     import torch.distributed as dist
+    from alignopsd.engine.parallel.collectives import reduce_metrics
     from alignopsd.engine.step.episodes import run_validation
     from alignopsd.engine.step.recipe import run_step
 
-    from alignopsd.reduction import Reduce, undeclared
+    from alignopsd.reduction import Reduce
 
     torch.set_num_threads(1)
     out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"
@@ -151,7 +152,7 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
           f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
     tr = lh.build_trainer(TINY, ov)
     res = run_step(tr.parts, 0)
-    assert not undeclared(res.metrics)  # every metric of the step declares its reduction
+    reduce_metrics([res.metrics], strict=True)  # every metric of the step declares its reduction (else raises)
     quantiles = [k for k, v in res.metrics.items() if v.how is Reduce.QUANTILE]
     assert "m2/turn_weight_p95" in quantiles and all(res.metrics[k].samples is not None for k in quantiles)
     reduced = tr.reduce_metrics(res.metrics)  # strict mode: an undeclared metric would raise here
