@@ -48,6 +48,7 @@ from alignopsd.credit_config import CreditConfig, WholeBatch
 from alignopsd.metrics import Metrics
 from alignopsd.profiles import BatchDistances, batch_distances
 from alignopsd.projection import PROJECTION_TOL, project_batch
+from alignopsd.reduction import extreme_max, pooled_std, same, summed, weighted_mean
 from alignopsd.segmentation import segment_trajectories
 
 __all__ = ["Credit", "CreditConfig", "WholeBatch", "allocate_credit"]
@@ -320,10 +321,12 @@ def _allocate_spans(t: _Turns, cfg: CreditConfig, impl: str, mx: Metrics, whole:
     # exactly 0 outside the mask: 0 + (0 * negative) = +0.0, in one fused pass
     token_adv = torch.addcmul(_ZERO_F32.to(dev), t.mask_f.float(), _unsort(coef, index.order_M)[:, None])
     if cfg.mode == "turn":
-        mx.put("m2/segment_budget_entropy_mean", 0.0)
+        mx.put("m2/segment_budget_entropy_mean", 0.0, weighted_mean, t_count)
     else:
-        mx.put("m2/segment_budget_entropy_mean", _group_entropy(b_seg, seg_traj, t_count).mean())
-    mx.put("m2/within_segment_turn_entropy_mean", _group_entropy(q_s, seg_s, n_seg).mean())
+        mx.put(
+            "m2/segment_budget_entropy_mean", _group_entropy(b_seg, seg_traj, t_count).mean(), weighted_mean, t_count
+        )
+    mx.put("m2/within_segment_turn_entropy_mean", _group_entropy(q_s, seg_s, n_seg).mean(), weighted_mean, n_seg)
     return _Allocation(
         w_s=w_s,
         h_s=h_s,
@@ -366,9 +369,9 @@ def _allocation_metrics(mx: Metrics, t: _Turns, a: _Allocation, cfg: CreditConfi
     mx.rate("m2/raw_density_under_floor_rate", a.unit_h < lo)
     left_box = _group_sum(((a.unit_h < lo) | (a.unit_h > hi)).double(), a.unit_traj, t_count) > 0
     mx.rate("m2/projection_activation_rate", left_box)
-    mx.put("m2/projection_mean_absolute_change", (a.unit_x - a.unit_h).abs().mean())
-    mx.put("m2/credit_conservation_error_max", err_x.max())
-    mx.put("m2/mixed_credit_conservation_error_max", err_w.max())
+    mx.put("m2/projection_mean_absolute_change", (a.unit_x - a.unit_h).abs().mean(), weighted_mean, a.unit_h.numel())
+    mx.put("m2/credit_conservation_error_max", err_x.max(), extreme_max, err_x.numel())
+    mx.put("m2/mixed_credit_conservation_error_max", err_w.max(), extreme_max, err_w.numel())
     mx.dists(
         {
             "m2/turn_gap": t.g_s,
@@ -383,20 +386,21 @@ def _allocation_metrics(mx: Metrics, t: _Turns, a: _Allocation, cfg: CreditConfi
     mx.corr("m2/turn_weight_corr_abs_turn_gap", a.w_s, t.g_s.abs())
     mx.corr("m2/turn_weight_corr_score", a.w_s, t.s_s)
     mx.rate("m2/positive_outcome_alignment_rate", t.s_s > 0)
-    mx.put("m2/trajectory_advantage_mean", t.A_T.mean())
-    mx.put("m2/trajectory_advantage_std", t.A_T.std(correction=0))
-    mx.put("m2/trajectory_advantage_abs_mean", t.A_T.abs().mean())
-    mx.put("m2/invalid_residual_abs_mean", t.residual_s.abs().mean())
-    mx.put("m2/grpo_normalization_turn", 1.0 if cfg.grpo_scope == "turn" else 0.0)
+    a_mean, r_mean = t.A_T.mean(), t.r_T.mean()
+    mx.put("m2/trajectory_advantage_mean", a_mean, weighted_mean, t_count)
+    mx.put("m2/trajectory_advantage_std", t.A_T.std(correction=0), pooled_std, a_mean, t_count, 0)
+    mx.put("m2/trajectory_advantage_abs_mean", t.A_T.abs().mean(), weighted_mean, t_count)
+    mx.put("m2/invalid_residual_abs_mean", t.residual_s.abs().mean(), weighted_mean, t.residual_s.numel())
+    mx.put("m2/grpo_normalization_turn", 1.0 if cfg.grpo_scope == "turn" else 0.0, same)
     offsets = t.index.traj_offsets_T1
     lengths_T = (offsets[1:] - offsets[:-1]).double()
-    mx.put("episode/unique_trajectory_count", t_count)
-    mx.put("episode/outcome_mean", t.r_T.mean())
-    mx.put("episode/outcome_std", t.r_T.std(correction=0))
+    mx.put("episode/unique_trajectory_count", t_count, summed)
+    mx.put("episode/outcome_mean", r_mean, weighted_mean, t_count)
+    mx.put("episode/outcome_std", t.r_T.std(correction=0), pooled_std, r_mean, t_count, 0)
     mx.rate("episode/outcome_positive_rate", t.r_T > 0)
     mx.rate("episode/outcome_perfect_rate", t.r_T >= 1)
-    mx.put("episode/trajectory_length_mean", lengths_T.mean())
-    mx.put("episode/trajectory_length_max", lengths_T.max())
+    mx.put("episode/trajectory_length_mean", lengths_T.mean(), weighted_mean, t_count)
+    mx.put("episode/trajectory_length_max", lengths_T.max(), extreme_max, t_count)
     if t.invalid is not None:
         mx.rate("episode/valid_action_ratio", ~t.invalid)
 

@@ -18,6 +18,19 @@ from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ndim, check_shape
 from alignopsd.rectify import Rectified, rectify
+from alignopsd.reduction import (
+    Stat,
+    extreme_max,
+    extreme_min,
+    percentile,
+    pooled,
+    pooled_std,
+    rms,
+    same,
+    slowest,
+    summed,
+    weighted_mean,
+)
 from alignopsd.samples import record_samples
 
 __all__ = [
@@ -33,28 +46,31 @@ _QUANTILES = (("p10", 0.10), ("p50", 0.50), ("p90", 0.90))
 
 
 def describe(values: Tensor, name: str, *, quantiles: Sequence[tuple[str, float]] = _QUANTILES) -> dict[str, float]:
-    """{name}_{mean,std,min,max,p10,p50,p90,count} of the finite entries of ``values`` (std unbiased; 0 if < 2)."""
+    """{name}_{mean,std,min,max,p10,p50,p90,count} of the finite entries of ``values`` (std unbiased; 0 if < 2),
+    each declared for the reduction over data-parallel ranks (``alignopsd.reduction``)."""
     v = as_tensor(values, name).detach().reshape(-1)
     if v.numel():
         lo_hi = torch.aminmax(v.float())
         if not (math.isfinite(float(lo_hi[0])) and math.isfinite(float(lo_hi[1]))):
             v = v[torch.isfinite(v)]
     n = int(v.numel())
-    out = {f"{name}_count": float(n)}
-    record_samples(name, v, 1)
+    out = {f"{name}_count": summed(n)}
+    ref = record_samples(name, v, 1)
     if n == 0:
-        out.update({f"{name}_{k}": 0.0 for k in ("mean", "std", "min", "max")})
-        out.update({f"{name}_{q}": 0.0 for q, _ in quantiles})
-        return out
-    a = v.cpu().double().numpy()
-    out[f"{name}_mean"] = float(a.mean())
-    out[f"{name}_std"] = float(a.std(ddof=1)) if n > 1 else 0.0
-    out[f"{name}_min"] = float(a.min())
-    out[f"{name}_max"] = float(a.max())
-    # linear-interpolation quantiles (selection, not a full sort; same definition as torch.quantile)
-    qs = np.quantile(a, [q for _, q in quantiles])
-    for (label, _), val in zip(quantiles, qs.tolist()):
-        out[f"{name}_{label}"] = float(val)
+        stats = dict.fromkeys(("mean", "std", "min", "max"), 0.0)
+        qs = [0.0] * len(quantiles)
+    else:
+        a = v.cpu().double().numpy()
+        stats = {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if n > 1 else 0.0, "min": float(a.min()),
+                 "max": float(a.max())}  # fmt: skip
+        # linear-interpolation quantiles (selection, not a full sort; same definition as torch.quantile)
+        qs = np.quantile(a, [q for _, q in quantiles]).tolist()
+    out[f"{name}_mean"] = weighted_mean(stats["mean"], n)
+    out[f"{name}_std"] = pooled_std(stats["std"], stats["mean"], n, 1, ref)
+    out[f"{name}_min"] = extreme_min(stats["min"], n)
+    out[f"{name}_max"] = extreme_max(stats["max"], n)
+    for (label, q), val in zip(quantiles, qs):
+        out[f"{name}_{label}"] = percentile(val, q, n, ref)
     return out
 
 
@@ -127,20 +143,21 @@ def _coverage_metrics(
     out: dict[str, float] = {}
     n_src = torch.bincount(rect.pairs[:, 1], minlength=M) if rect.pairs.numel() else torch.zeros(M, device=dev)
     valid_rate = float(rect.matched.sum()) / max(M, 1)
-    out["valid_match_rate"] = valid_rate
-    out["fallback_turn_fraction"] = 1.0 - valid_rate if M else 0.0
-    out["mean_matched_teachers"] = float(n_src.double().mean()) if M else 0.0
-    out["top_k_saturation_rate"] = float((n_src >= top_k).double().mean()) if M else 0.0
-    out["cross_pair_count"] = float(rect.pairs.shape[0])
-    out["structural_eligibility_density"] = int(torch.count_nonzero(B)) / (M * M) if M else 0.0
-    out["threshold_eligibility_density"] = int(torch.count_nonzero(thr)) / (M * M) if M else 0.0
-    out["threshold_candidate_zero_rate"] = float((cand_per_target == 0).double().mean()) if M else 0.0
-    out["correction_active_rate"] = float((rect.alpha > 0).double().mean()) if M else 0.0
+    out["valid_match_rate"] = weighted_mean(valid_rate, M)
+    out["fallback_turn_fraction"] = weighted_mean(1.0 - valid_rate if M else 0.0, M)
+    out["mean_matched_teachers"] = weighted_mean(float(n_src.double().mean()) if M else 0.0, M)
+    out["top_k_saturation_rate"] = weighted_mean(float((n_src >= top_k).double().mean()) if M else 0.0, M)
+    out["cross_pair_count"] = summed(rect.pairs.shape[0])
+    nnz_b, nnz_thr = int(torch.count_nonzero(B)), int(torch.count_nonzero(thr))
+    out["structural_eligibility_density"] = pooled(nnz_b / (M * M) if M else 0.0, "cell_density", nnz_b, M)
+    out["threshold_eligibility_density"] = pooled(nnz_thr / (M * M) if M else 0.0, "cell_density", nnz_thr, M)
+    out["threshold_candidate_zero_rate"] = weighted_mean(float((cand_per_target == 0).double().mean()) if M else 0.0, M)
+    out["correction_active_rate"] = weighted_mean(float((rect.alpha > 0).double().mean()) if M else 0.0, M)
     for name, v in validity.items():
         if v is not None:
             vt = as_tensor(v, name).bool()
             check_shape(vt, name, (M,))
-            out[name] = float((~vt).double().mean()) if M else 0.0
+            out[name] = weighted_mean(float((~vt).double().mean()) if M else 0.0, M)
     return out
 
 
@@ -181,8 +198,8 @@ def m1_diagnostics(
     gamma = rect.gamma
     out: dict[str, float] = {}
 
-    def put(key: str, value: float) -> None:
-        out[prefix + key] = float(value)
+    def put(key: str, value: Stat) -> None:
+        out[prefix + key] = value
 
     def put_all(d: dict[str, float]) -> None:
         for k, v in d.items():
@@ -205,18 +222,19 @@ def m1_diagnostics(
     # confidence / strength
     put_all(describe(rect.rho, "correspondence_confidence"))
     put_all(describe(rect.alpha, "correction_strength"))
-    put("correspondence_confidence_mean", float(rect.rho.double().mean()) if M else 0.0)
-    put("correction_strength_mean", float(rect.alpha.double().mean()) if M else 0.0)
+    put("correspondence_confidence_mean", weighted_mean(float(rect.rho.double().mean()) if M else 0.0, M))
+    put("correction_strength_mean", weighted_mean(float(rect.alpha.double().mean()) if M else 0.0, M))
 
     # similarity
     put_all(_similarity_metrics(rect, H_ST, B, thr, cand_per_target))
 
     # M1-only gap summary: mean and RMS of ℓ̃ - ℓ^old over policy tokens
     g = d_corr[m].double()
-    put("teacher_student_gap_mean", float(g.mean()) if g.numel() else 0.0)
-    put("teacher_student_gap_std", float(torch.sqrt((g * g).mean())) if g.numel() else 0.0)
+    put("teacher_student_gap_mean", weighted_mean(float(g.mean()) if g.numel() else 0.0, g.numel()))
+    put("teacher_student_gap_std", rms(float(torch.sqrt((g * g).mean())) if g.numel() else 0.0, g.numel()))
 
-    put("off_turn_match_weight", off_turn_match_weight(rect.pairs, rect.pair_weight, tu))
+    matched = int(torch.unique(rect.pairs[:, 1]).numel()) if rect.pairs.numel() else 0
+    put("off_turn_match_weight", weighted_mean(off_turn_match_weight(rect.pairs, rect.pair_weight, tu), matched))
     return out
 
 
@@ -238,14 +256,14 @@ def action_filter_metrics(
     new_fb = sum(1 for b, a in zip(before, after) if len(b) > 0 and len(a) == 0)
     p = prefix + "action_filter/"
     return {
-        p + "enabled": float(bool(enabled)),
-        p + "similarity_threshold": float(threshold),
-        p + "candidate_pairs": float(cand),
-        p + "accepted_pairs": float(acc),
-        p + "rejected_pairs": float(cand - acc),
-        p + "retained_fraction": float(acc / cand) if cand else 0.0,
-        p + "new_fallback_turn_fraction": float(new_fb / M) if M else 0.0,
-        p + "seconds": float(seconds),
+        p + "enabled": same(bool(enabled)),
+        p + "similarity_threshold": same(threshold),
+        p + "candidate_pairs": summed(cand),
+        p + "accepted_pairs": summed(acc),
+        p + "rejected_pairs": summed(cand - acc),
+        p + "retained_fraction": weighted_mean(acc / cand if cand else 0.0, cand),
+        p + "new_fallback_turn_fraction": weighted_mean(new_fb / M if M else 0.0, M),
+        p + "seconds": slowest(seconds),
     }
 
 
@@ -293,32 +311,32 @@ def paired_sign_flips(
     keep = sel & finite
     d, c, r = d[keep], c[keep], r[keep]
     n = int(d.numel())
-    out: dict[str, float] = {prefix + "token_count": float(n), prefix + "nan_token_count": float(n_nan)}
+    out: dict[str, float] = {prefix + "token_count": summed(n), prefix + "nan_token_count": summed(n_nan)}
 
-    def rate(a: int, b: int) -> float:
-        return float(a / b) if b else 0.0
+    def rate(a: int, b: int) -> Stat:
+        return weighted_mean(a / b if b else 0.0, b)
 
     for band, eb in (("strict", 0.0), ("tolerance", e)):
         dn, dp = d < -eb, d > eb
         n_neg, n_pos = int(dn.sum()), int(dp.sum())
         q = f"{prefix}{band}/"
-        out[q + "neutral_count"] = float(n - n_neg - n_pos)
-        out[q + "negative_count"] = float(n_neg)
-        out[q + "positive_count"] = float(n_pos)
+        out[q + "neutral_count"] = summed(n - n_neg - n_pos)
+        out[q + "negative_count"] = summed(n_neg)
+        out[q + "positive_count"] = summed(n_pos)
         for label, x in (("", c), ("corrected_", r)):
             xn, xp = x < -eb, x > eb
             n2p = int((dn & xp).sum())
             p2n = int((dp & xn).sum())
-            out[q + f"{label}neg_to_pos_count"] = float(n2p)
-            out[q + f"{label}pos_to_neg_count"] = float(p2n)
+            out[q + f"{label}neg_to_pos_count"] = summed(n2p)
+            out[q + f"{label}pos_to_neg_count"] = summed(p2n)
             out[q + f"{label}neg_to_pos_rate"] = rate(n2p, n)
             out[q + f"{label}pos_to_neg_rate"] = rate(p2n, n)
             out[q + f"{label}neg_to_pos_given_negative"] = rate(n2p, n_neg)
             out[q + f"{label}pos_to_neg_given_positive"] = rate(p2n, n_pos)
-    out[prefix + "increase_count"] = float(int((c > d).sum()))
-    out[prefix + "decrease_count"] = float(int((c < d).sum()))
-    out[prefix + "corrected_increase_count"] = float(int((r > d).sum()))
-    out[prefix + "corrected_decrease_count"] = float(int((r < d).sum()))
+    out[prefix + "increase_count"] = summed(int((c > d).sum()))
+    out[prefix + "decrease_count"] = summed(int((c < d).sum()))
+    out[prefix + "corrected_increase_count"] = summed(int((r > d).sum()))
+    out[prefix + "corrected_decrease_count"] = summed(int((r < d).sum()))
     q5 = (("p10", 0.10), ("p50", 0.50), ("p90", 0.90))
     for name, v in (
         ("diagonal_gap", d),
@@ -362,7 +380,7 @@ def formula_comparison(
     sel = m.bool() & rp.matched[:, None]
     diff = (rp.cross_score - rl.cross_score)[sel]
     flips = ((rl.cross_score - old < 0) & (rp.cross_score - old > 0))[sel]
-    out = {prefix + "formula_neg_to_pos_count": float(int(flips.sum()))}
+    out = {prefix + "formula_neg_to_pos_count": summed(int(flips.sum()))}
     for k, v in describe(diff, "probability_minus_log_mean").items():
         if not k.endswith(("_min", "_max")):
             out[prefix + k] = v

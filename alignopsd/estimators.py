@@ -35,6 +35,7 @@ from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.estimator_io import EstimatorInputs, EstimatorOutput
 from alignopsd.losses import AuxTerm
 from alignopsd.rectify import Rectified, rectify
+from alignopsd.reduction import same, weighted_mean
 
 __all__ = [
     "ESTIMATORS",
@@ -199,10 +200,11 @@ def _outcome_advantage(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Tens
         r = r.to(A.device)
     else:
         r = torch.zeros_like(A)
+    m = A.numel()  # means over this share's turns
     metrics = {
-        "adv/outcome_advantage_mean": float(A.double().mean()),
-        "adv/outcome_advantage_abs_mean": float(A.double().abs().mean()),
-        "adv/invalid_residual_abs_mean": float(r.double().abs().mean()),
+        "adv/outcome_advantage_mean": weighted_mean(float(A.double().mean()), m),
+        "adv/outcome_advantage_abs_mean": weighted_mean(float(A.double().abs().mean()), m),
+        "adv/invalid_residual_abs_mean": weighted_mean(float(r.double().abs().mean()), m),
     }
     return A, r, metrics
 
@@ -243,7 +245,7 @@ def _sdar(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     A, r, metrics = _outcome_advantage(inp, cfg)
     aux = [AuxTerm("sdar", inp.diag, coef=cfg.sdar.coef, beta=cfg.sdar.beta)]  # type: ignore[arg-type]
     gap = _teacher_gap(inp)[inp.mask.bool()]
-    metrics["sdar/teacher_gap_mean_rollout"] = float(gap.double().mean())
+    metrics["sdar/teacher_gap_mean_rollout"] = weighted_mean(float(gap.double().mean()), gap.numel())
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics)
 
 
@@ -253,7 +255,7 @@ def _opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     inp.require("diag")
     aux = [AuxTerm("sdar", inp.diag, coef=cfg.opsd.coef, beta=cfg.opsd.beta)]  # type: ignore[arg-type]
     gap = _teacher_gap(inp)[inp.mask.bool()]
-    metrics = {"opsd/teacher_gap_mean": float(gap.double().mean())}
+    metrics = {"opsd/teacher_gap_mean": weighted_mean(float(gap.double().mean()), gap.numel())}
     return EstimatorOutput(torch.zeros_like(inp.old_logp), aux=aux, metrics=metrics)
 
 
@@ -274,8 +276,9 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     shaped = mult / step_mean[:, None]
     lam = cfg.opsd.mix
     adv = A[:, None] * ((1.0 - lam) + lam * shaped) + r[:, None]
-    metrics["opsd/multiplier_mean"] = float((shaped * mf).sum() / mf.sum())
-    metrics["opsd/teacher_gap_mean"] = float((delta * mf).sum() / mf.sum())
+    n_tok = float(mf.sum())
+    metrics["opsd/multiplier_mean"] = weighted_mean(float((shaped * mf).sum() / mf.sum()), n_tok)
+    metrics["opsd/teacher_gap_mean"] = weighted_mean(float((delta * mf).sum() / mf.sum()), n_tok)
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
@@ -288,8 +291,8 @@ def _rlsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(cfg.rlsd.clip_low, cfg.rlsd.clip_high)
     adv = A[:, None] * ((1.0 - lam) + lam * mult) + r[:, None]
     mf = inp.mask_f
-    metrics["rlsd/lambda"] = lam
-    metrics["rlsd/multiplier_mean"] = float((mult * mf).sum() / mf.sum())
+    metrics["rlsd/lambda"] = same(lam)
+    metrics["rlsd/multiplier_mean"] = weighted_mean(float((mult * mf).sum() / mf.sum()), float(mf.sum()))
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
@@ -346,7 +349,7 @@ def _alignopsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
         whole_batch=inp.whole_batch,
     )
     adv = credit.token_advantage.to(inp.old_logp.device).float()  # includes the §3.10 residual
-    metrics.update({k: float(v) for k, v in credit.metrics.items()})
+    metrics.update(credit.metrics)
     aux: list[AuxTerm] = []
     if cfg.sdar.enabled:
         aux.append(AuxTerm("sdar", inp.diag, coef=cfg.sdar.coef, beta=cfg.sdar.beta))  # type: ignore[arg-type]
@@ -365,6 +368,6 @@ def _alignopsd_m1(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput
     aux = [
         AuxTerm("alignment", rect.corrected, coef=cfg.alignment.coef, beta=cfg.alignment.beta, gate_gap_ML=gap),
     ]
-    metrics["beyond_timestamps/alignment_coef"] = float(cfg.alignment.coef)
-    metrics["adv/outcome_advantage_abs_mean"] = float(A.double().abs().mean())
+    metrics["beyond_timestamps/alignment_coef"] = same(cfg.alignment.coef)
+    metrics["adv/outcome_advantage_abs_mean"] = weighted_mean(float(A.double().abs().mean()), A.numel())
     return EstimatorOutput(_finish(A[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics, rectified=rect)

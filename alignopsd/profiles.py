@@ -39,6 +39,7 @@ from alignopsd.kernels import batch_threshold, boundary_scores_rows, profile_row
 from alignopsd.kernels import boundary_scores as kernel_boundary_scores
 from alignopsd.kernels.blocks import blocks_from_order, packed_rows
 from alignopsd.metrics import Metrics
+from alignopsd.reduction import same, summed, weighted_mean
 
 __all__ = [
     "NEAR_ZERO_DISTANCE",
@@ -242,16 +243,16 @@ def batch_distances(
 
     mx.rate("m2/profile_valid_rate", valid_s)
     _profile_metrics(mx, P_VN, negent_V)
-    mx.put("m2/adjacent_pair_count", int(cur.shape[0]))
+    mx.put("m2/adjacent_pair_count", int(cur.shape[0]), summed)
     mx.rate("m2/adjacent_profiles_valid_rate", both)
     mx.rate("m2/structural_mask_change_rate", ~same_mask)
     mx.rate("m2/valid_jsd_pair_rate", ok)
-    mx.put("m2/valid_jsd_sample_count", int(dist.shape[0]))
+    mx.put("m2/valid_jsd_sample_count", int(dist.shape[0]), summed)
     mx.rate("m2/near_zero_jsd_rate", dist <= NEAR_ZERO_DISTANCE)
     mx.dist("m2/normalized_jsd", dist, (0.5, 0.8, 0.9))
-    mx.put("m2/segmentation_threshold", tau if math.isfinite(tau) else -1.0)
-    mx.put("m2/segmentation_threshold_available", 1.0 if math.isfinite(tau) else 0.0)
-    mx.put("m2/raw_semantic_candidate_count", (bvalid_s & (d_s.double() > tau)).sum())
+    mx.put("m2/segmentation_threshold", tau if math.isfinite(tau) else -1.0, same)  # a whole-batch threshold
+    mx.put("m2/segmentation_threshold_available", 1.0 if math.isfinite(tau) else 0.0, same)
+    mx.put("m2/raw_semantic_candidate_count", (bvalid_s & (d_s.double() > tau)).sum(), summed)
     return BatchDistances(valid_s, d_s, bvalid_s, tau)
 
 
@@ -260,13 +261,14 @@ def _profile_metrics(mx: Metrics, P_VN: Tensor, negent_V: Tensor) -> None:
     if P_VN.shape[0]:
         ent = -negent_V.double()
         top1, top3 = _top1_top3(P_VN)
-        mx.put("m2/profile_entropy_mean", ent.mean())
-        mx.put("m2/profile_max_prob_mean", top1.double().mean())
-        mx.put("m2/profile_top3_mass_mean", top3.double().mean())
-        mx.put("m2/profile_effective_support_mean", torch.exp(ent).mean())
+        n = P_VN.shape[0]
+        mx.put("m2/profile_entropy_mean", ent.mean(), weighted_mean, n)
+        mx.put("m2/profile_max_prob_mean", top1.double().mean(), weighted_mean, n)
+        mx.put("m2/profile_top3_mass_mean", top3.double().mean(), weighted_mean, n)
+        mx.put("m2/profile_effective_support_mean", torch.exp(ent).mean(), weighted_mean, n)
     else:
         for key in ("entropy", "max_prob", "top3_mass", "effective_support"):
-            mx.put(f"m2/profile_{key}_mean", 0.0)
+            mx.put(f"m2/profile_{key}_mean", 0.0, weighted_mean, 0)
 
 
 def valid_distances(

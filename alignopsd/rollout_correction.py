@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_choice, check_real, check_tokens
+from alignopsd.reduction import extreme_max, extreme_min, pooled, summed, weighted_mean
 
 __all__ = ["IS_LEVELS", "IS_MODES", "rollout_is_weights", "rollout_mismatch_metrics"]
 
@@ -57,8 +58,9 @@ def rollout_mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: T
     n = int(n_M.sum())
     if n == 0:
         zero = ("kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_diff", "abs_diff_mean", "abs_diff_max", "tokens")
-        return {**{f"mismatch/{k}": 0.0 for k in zero}, "mismatch/ppl_ratio": 1.0,
-                "mismatch/rollout_ppl": 1.0, "mismatch/trainer_ppl": 1.0}  # fmt: skip
+        out = {f"mismatch/{k}": weighted_mean(0.0, 0) for k in zero}
+        out.update({f"mismatch/{k}": weighted_mean(1.0, 0) for k in ("ppl_ratio", "rollout_ppl", "trainer_ppl")})
+        return {**out, "mismatch/abs_diff_max": extreme_max(0.0, 0), "mismatch/tokens": summed(0)}
     mf = m.double()
     ratio = torch.exp(log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     rows = n_M > 0
@@ -67,18 +69,19 @@ def rollout_mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: T
     log_r_mean_R = log_r.sum(1)[rows] / n_R
     tr_mean_R = ro_mean_R + log_r_mean_R
     seq_log_r_R = log_r.sum(1)[rows].clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    rows_n = int(rows.sum())  # the row means are over the rows holding a token, the rest over the tokens
     return {
-        "mismatch/kl": float(-(log_r.sum() / n)),
-        "mismatch/k3_kl": float(((ratio - 1.0 - log_r) * mf).sum() / n),
-        "mismatch/chi2_token": float((ratio.square() * mf).sum() / n - 1.0),
-        "mismatch/chi2_seq": float(torch.exp(2.0 * seq_log_r_R).mean() - 1.0),
-        "mismatch/rollout_ppl": float(torch.exp(-ro_mean_R).mean()),
-        "mismatch/trainer_ppl": float(torch.exp(-tr_mean_R).mean()),
-        "mismatch/ppl_ratio": float(torch.exp(-log_r_mean_R).mean()),
-        "mismatch/log_ppl_diff": float((-log_r_mean_R).mean()),
-        "mismatch/abs_diff_mean": float(log_r.abs().sum() / n),
-        "mismatch/abs_diff_max": float(log_r.abs().max()),
-        "mismatch/tokens": float(n),
+        "mismatch/kl": weighted_mean(float(-(log_r.sum() / n)), n),
+        "mismatch/k3_kl": weighted_mean(float(((ratio - 1.0 - log_r) * mf).sum() / n), n),
+        "mismatch/chi2_token": weighted_mean(float((ratio.square() * mf).sum() / n - 1.0), n),
+        "mismatch/chi2_seq": weighted_mean(float(torch.exp(2.0 * seq_log_r_R).mean() - 1.0), rows_n),
+        "mismatch/rollout_ppl": weighted_mean(float(torch.exp(-ro_mean_R).mean()), rows_n),
+        "mismatch/trainer_ppl": weighted_mean(float(torch.exp(-tr_mean_R).mean()), rows_n),
+        "mismatch/ppl_ratio": weighted_mean(float(torch.exp(-log_r_mean_R).mean()), rows_n),
+        "mismatch/log_ppl_diff": weighted_mean(float((-log_r_mean_R).mean()), rows_n),
+        "mismatch/abs_diff_mean": weighted_mean(float(log_r.abs().sum() / n), n),
+        "mismatch/abs_diff_max": extreme_max(float(log_r.abs().max()), n),
+        "mismatch/tokens": summed(n),
     }
 
 
@@ -129,20 +132,24 @@ def rollout_is_weights(
         keep = m & (ratio >= lo) & (ratio <= hi)
         weight = torch.where(keep, ratio, torch.zeros_like(ratio))
     n = int(n_M.sum())
-    stats = {"rollout_is/rejected_frac": 0.0, "rollout_is/truncated_frac": 0.0}
+    trunc = mode == "truncate"
+    stats = {"rollout_is/rejected_frac": weighted_mean(0.0, 0), "rollout_is/truncated_frac": weighted_mean(0.0, 0)}
     if n > 0:
         r_m, w_k = ratio[m], weight[keep]
+        k = w_k.numel()
+        ess = float(w_k.sum().square() / (k * w_k.square().sum())) if k else 0.0
         stats.update({
-            "rollout_is/mean": float(r_m.mean()),
-            "rollout_is/max": float(r_m.max()),
-            "rollout_is/min": float(r_m.min()),
-            "rollout_is/weight_mean": float(weight[m].mean()),
-            "rollout_is/ess": float(w_k.sum().square() / (w_k.numel() * w_k.square().sum())) if w_k.numel() else 0.0,
-            "rollout_is/truncated_frac": float((r_m > hi).double().mean()) if mode == "truncate" else 0.0,
-            "rollout_is/rejected_frac": float(1.0 - keep.sum() / n),
+            "rollout_is/mean": weighted_mean(float(r_m.mean()), n),
+            "rollout_is/max": extreme_max(float(r_m.max()), n),
+            "rollout_is/min": extreme_min(float(r_m.min()), n),
+            "rollout_is/weight_mean": weighted_mean(float(weight[m].mean()), n),
+            "rollout_is/ess": pooled(ess, "ess", k, w_k.sum(), w_k.square().sum()),
+            "rollout_is/truncated_frac": weighted_mean(float((r_m > hi).double().mean()) if trunc else 0, n),
+            "rollout_is/rejected_frac": weighted_mean(float(1.0 - keep.sum() / n), n),
         })  # fmt: skip
     if level == "sequence":
         rows = n_M > 0
         rejected = rows & ~keep.any(1)
-        stats["rollout_is/rejected_seq_frac"] = float(rejected.sum() / rows.sum()) if bool(rows.any()) else 0.0
+        n_rows = int(rows.sum())
+        stats["rollout_is/rejected_seq_frac"] = weighted_mean(float(rejected.sum() / n_rows) if n_rows else 0.0, n_rows)
     return weight.float(), keep, stats

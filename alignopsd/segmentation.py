@@ -22,6 +22,7 @@ from alignopsd._checks import as_tensor, check_bool_vector, check_finite, check_
 from alignopsd.advantage import TurnIndex
 from alignopsd.credit_config import CreditConfig
 from alignopsd.metrics import Metrics
+from alignopsd.reduction import summed
 
 __all__ = [
     "KIND_FORCED",
@@ -323,12 +324,12 @@ def segment_trajectories(
     num_seg = int(seg_s[-1]) + 1 if m else 0
 
     kc = torch.bincount(kinds.long(), minlength=5) if kinds.numel() else torch.zeros(5, dtype=torch.long, device=dev)
-    mx.put("m2/accepted_semantic_boundary_count", kc[KIND_SEMANTIC])
-    mx.put("m2/semantic_boundary_count", kc[KIND_SEMANTIC])
-    mx.put("m2/correspondence_guided_fallback_boundary_count", kc[KIND_GUIDED])
-    mx.put("m2/forced_max_boundary_count", kc[KIND_FORCED])
-    mx.put("m2/random_boundary_count", kc[KIND_RANDOM])
-    mx.put("m2/segment_count", num_seg)
+    mx.put("m2/accepted_semantic_boundary_count", kc[KIND_SEMANTIC], summed)
+    mx.put("m2/semantic_boundary_count", kc[KIND_SEMANTIC], summed)
+    mx.put("m2/correspondence_guided_fallback_boundary_count", kc[KIND_GUIDED], summed)
+    mx.put("m2/forced_max_boundary_count", kc[KIND_FORCED], summed)
+    mx.put("m2/random_boundary_count", kc[KIND_RANDOM], summed)
+    mx.put("m2/segment_count", num_seg, summed)
     seg_len = torch.bincount(seg_s, minlength=num_seg).double()
     mx.dist("m2/segment_length", seg_len, ())
     return seg_s, kind_s, num_seg

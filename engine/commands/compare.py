@@ -125,11 +125,10 @@ def train_one(spec: RunSpec, steps: int, val_tasks: list, factory: Callable, str
     import torch
 
     keys = [t.key for t in val_tasks]
-    if int(os.environ.get("RANK", "0")) == 0:
-        spec.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(spec.out_dir / VAL_TASKS_FILE, json.dumps(keys).encode())
-    trainer = factory(spec.config, list(spec.overrides))
+    trainer = factory(spec.config, list(spec.overrides))  # takes the run folder's lock: nothing is written before
     try:
+        if int(os.environ.get("RANK", "0")) == 0:
+            atomic_write_bytes(spec.out_dir / VAL_TASKS_FILE, json.dumps(keys).encode())
         trainer.parts = replace(trainer.parts, val_tasks=list(val_tasks))
         trainer.stream = PrefixedStream(stream, f"[{spec.label}] ")
         trainer.fit(resume="auto")

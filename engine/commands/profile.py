@@ -78,7 +78,7 @@ def profile_run(
                 prof.export_chrome_trace(str(trace_path))
             else:
                 out = run_step(parts, s)
-            m = trainer.reduce_metrics(out.metrics, out.samples)  # collective under torchrun
+            m = trainer.reduce_metrics(out.metrics)  # collective under torchrun
             counts.append({k: m[k] for k in COUNT_METRICS if k in m})
     finally:
         syncs_ctx.close()

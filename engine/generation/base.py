@@ -7,6 +7,8 @@ from typing import Protocol
 
 from alignopsd.engine.generation.prompt_cache import PromptKV
 
+from alignopsd.reduction import summed
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -62,8 +64,9 @@ def prefill_counts(backend) -> dict[str, int]:
 
 
 def prefill_delta(before: dict[str, int], after: dict[str, int], prefix: str) -> dict[str, float]:
-    """Step metrics ``<prefix><count>`` of the prefills between two :func:`prefill_counts` readings."""
-    return {f"{prefix}{k}": float(v - before.get(k, 0)) for k, v in after.items()}
+    """Step metrics ``<prefix><count>`` of the prefills between two :func:`prefill_counts` readings (counts:
+    summed over data-parallel ranks)."""
+    return {f"{prefix}{k}": summed(v - before.get(k, 0)) for k, v in after.items()}
 
 
 def check_prompts(prompts, max_new_tokens: int, max_model_len: int) -> None:

@@ -22,6 +22,8 @@ from alignopsd.engine.generation.base import GenerationBackend, SamplingParams
 from alignopsd.engine.generation.prompt_cache import PromptKV
 from torch import Tensor
 
+from alignopsd.reduction import same, summed, weighted_mean
+
 THINK_STOP: tuple[str, ...] = ("</think>",)
 ACTION_STOPS: tuple[str, ...] = tuple(f"</{tag}>" for tag in ACTION_TAGS)  # every environment parses these tags
 
@@ -60,22 +62,25 @@ class TeacherOutput:
         return ids, mask
 
     def metrics(self) -> dict[str, float]:
-        """Logged teacher-generation diagnostics (prefix ``m1/``)."""
-        M = max(1, len(self.texts))
+        """Logged teacher-generation diagnostics (prefix ``m1/``), declared (``alignopsd.reduction``)."""
+        n = len(self.texts)
+        M = max(1, n)
         full = M * self.budget
+        stops = self.stopped_at_tag.numel() if self.stopped_at_tag is not None else 0
+        valid = self.thinking_valid.numel()
         return {
-            "m1/teacher_output_budget": float(self.budget),
-            "m1/teacher_tokens_generated": float(self.tokens_generated),
-            "m1/teacher_response_length_mean": self.tokens_generated / M,
-            "m1/teacher_tokens_saved": float(self.tokens_saved_estimate),
-            "m1/teacher_tokens_saved_fraction": self.tokens_saved_estimate / full if full else 0.0,
-            "m1/teacher_at_budget_fraction": self.at_budget_fraction,
-            "m1/teacher_early_stop_fraction": float(self.stopped_at_tag.float().mean())
-            if self.stopped_at_tag is not None and self.stopped_at_tag.numel()
-            else 0.0,
-            "m1/teacher_thinking_valid_fraction": float(self.thinking_valid.float().mean())
-            if self.thinking_valid.numel()
-            else 0.0,
+            "m1/teacher_output_budget": same(self.budget),
+            "m1/teacher_tokens_generated": summed(self.tokens_generated),
+            "m1/teacher_response_length_mean": weighted_mean(self.tokens_generated / M, n),
+            "m1/teacher_tokens_saved": summed(self.tokens_saved_estimate),
+            "m1/teacher_tokens_saved_fraction": weighted_mean(self.tokens_saved_estimate / full if full else 0.0, full),
+            "m1/teacher_at_budget_fraction": weighted_mean(self.at_budget_fraction, n),
+            "m1/teacher_early_stop_fraction": weighted_mean(
+                float(self.stopped_at_tag.float().mean()) if stops else 0.0, stops
+            ),  # fmt: skip
+            "m1/teacher_thinking_valid_fraction": weighted_mean(
+                float(self.thinking_valid.float().mean()) if valid else 0.0, valid
+            ),
         }
 
 

@@ -54,6 +54,8 @@ from alignopsd.engine.observe.audit_records import (
 from alignopsd.engine.observe.strict import reraise_if_strict
 from torch import Tensor
 
+from alignopsd.reduction import extreme_max, slowest, summed
+
 __all__ = [
     "BOUNDARY_KINDS",
     "SNAPSHOT_EVERY",
@@ -147,12 +149,12 @@ class Auditor:
 
     def metrics(self, records: int = 0, snapshot_turns: int = 0, seconds: float = 0.0) -> dict[str, float]:
         return {
-            "audit/capped": float(self.capped),
-            "audit/byte_count": float(self.bytes),
-            "audit/error_count": float(self.errors),
-            "audit/record_count": float(records),
-            "audit/snapshot_turn_count": float(snapshot_turns),
-            "audit/seconds": float(seconds),
+            "audit/capped": extreme_max(self.capped, 1),  # each rank writes its own files: any rank capped
+            "audit/byte_count": summed(self.bytes),
+            "audit/error_count": summed(self.errors),
+            "audit/record_count": summed(records),
+            "audit/snapshot_turn_count": summed(snapshot_turns),
+            "audit/seconds": slowest(seconds),
         }
 
     def write(self, step: int, records: list[dict]) -> int:

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from alignopsd.reduction import slowest, summed
+
 PHASES = (
     "rollout_generation",
     "environment",
@@ -159,13 +161,13 @@ class StepProfiler:
         self.history.append(phases)
         self.step_seconds.append(total)
         self._t0 = None
-        out = {**{f"time/{k}": v for k, v in phases.items()}, "time/step": total}
+        out = {**{f"time/{k}": slowest(v) for k, v in phases.items()}, "time/step": slowest(total)}
         now = _sync_totals()
         if self._sync0 is not None and now is not None:
             syncs = {k: now.get(k, 0) - self._sync0.get(k, 0) for k in (*PHASES, OUTSIDE)}
             self.sync_history.append(syncs)
-            out.update({f"host_syncs/{k if k != OUTSIDE else 'other'}": float(v) for k, v in syncs.items()})
-            out["host_syncs/step"] = float(sum(syncs.values()))
+            out.update({f"host_syncs/{k if k != OUTSIDE else 'other'}": summed(v) for k, v in syncs.items()})
+            out["host_syncs/step"] = summed(sum(syncs.values()))
         return out
 
 

@@ -27,7 +27,7 @@ trainer's ``Dist`` and Megatron's ``init_parallel`` call it before the process g
 from __future__ import annotations
 
 import torch
-from alignopsd.engine.parallel.metric_reduce import Samples, reduce_over_ranks
+from alignopsd.engine.parallel.metric_reduce import reduce_over_ranks
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -56,10 +56,11 @@ def _collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def reduce_metrics(gathered: list[dict[str, float]], samples: Samples | None = None) -> dict[str, float]:
-    """One metric dict from the dicts of the contributing ranks, each key by its declared kind (sum, weighted
-    mean, min, max, percentiles from the gathered ``samples``): see ``engine/parallel/metric_reduce.py``."""
-    return reduce_over_ranks(gathered, samples)
+def reduce_metrics(gathered: list[dict[str, float]], *, strict: bool = False) -> dict[str, float]:
+    """One metric dict from the dicts of the contributing ranks, each key by the reduction its value declares
+    (sum, weighted mean, min/max over populated ranks, percentiles from the samples the values carry): see
+    ``engine/parallel/metric_reduce.py``; ``strict``: an undeclared value raises."""
+    return reduce_over_ranks(gathered, strict=strict)
 
 
 def all_gather_tensors(t: torch.Tensor, world_size: int, group=None) -> list[torch.Tensor]:

@@ -242,7 +242,7 @@ class HFPolicy:
         master = self.master
         params = self.optimizer.masters if master else self.params
         if master and self.distributed:
-            self.optimizer.all_reduce_grads()
+            self.optimizer.all_reduce_grads()  # folds any leftover low-precision .grad into the masters first
         grads = self.gradients()
         norm = float(torch.nn.utils.get_total_norm(grads, 2.0)) if grads else 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])

@@ -89,9 +89,11 @@ class MasterAdamW(torch.optim.AdamW):
 
         Every rank holds a buffer for every master (zeros where no backward reached it), so the collectives
         line up; the buffers go over the wire in buckets of at most ``bucket_elements`` fp32 values, on the
-        masters' device (the GPU under NCCL)."""
+        masters' device (the GPU under NCCL). A gradient still in a model parameter's ``.grad`` is folded into
+        its master first, so it is averaged with the others (not added on one rank after the average)."""
         import torch.distributed as dist
 
+        self.grads_to_masters()
         world = dist.get_world_size(group)
         for m in self.masters:
             if m.grad is None:

@@ -9,9 +9,11 @@ by the holder (environment workers) do not keep the lock: the child's copy of th
 On release the file is removed while still locked, so a clean exit leaves no ``run.lock`` behind.
 
 Distributed runs take the lock once: rank 0 acquires it and every rank learns the outcome through one gather of
-a Python object (:func:`claim_output_dir`), so all ranks raise together when it is refused and none writes
-before rank 0 holds it. Network file systems: Linux NFS clients implement flock as a whole-file POSIX lock held
-on the server, so runs on different hosts of one cluster exclude each other there too.
+a Python object (:func:`claim_output_dir`), so all ranks raise together when it is refused, or when rank 0's
+attempt fails with an I/O error (permission, ``ENOLCK`` on NFS, ``ENOSPC``: :class:`OutputFolderError`, with
+that error's message, on every rank), and none writes before rank 0 holds it. Network file systems: Linux NFS
+clients implement flock as a whole-file POSIX lock held on the server, so runs on different hosts of one cluster
+exclude each other there too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,33 @@ _HELD: dict[int, str] = {}  # fd -> lock path of the locks this process holds (c
 
 class OutputLockedError(ConfigError):
     """Another live process holds the output folder's lock."""
+
+
+class OutputFolderError(OSError):
+    """An I/O error on one rank while it prepared the run's output folder (taking the lock, setting history
+    aside), raised on every rank of the run with that rank's message."""
+
+
+def agree_on_failure(work: Callable[[], Any], *, run_here: bool, gather: Callable[[Any], list[Any]] | None, what: str):
+    """Run ``work`` where ``run_here`` (rank 0) and let every rank learn its outcome in one gather: an
+    OutputLockedError or OSError there ends every rank at once with its message (no rank is left waiting in a
+    later collective). Returns ``work()``'s result where it ran, None elsewhere."""
+    result, failure = None, None
+    if run_here:
+        try:
+            result = work()
+        except OutputLockedError as exc:
+            failure = ("locked", str(exc), None)
+        except OSError as exc:
+            failure = ("io", f"{what}: {exc}", exc.errno)
+    if gather is not None:
+        failure = next((f for f in gather(failure) if f is not None), None)
+    if failure is not None:
+        kind, message, err = failure
+        if kind == "locked":
+            raise OutputLockedError(message)
+        raise OutputFolderError(err, message) if err is not None else OutputFolderError(message)
+    return result
 
 
 def _close_in_child() -> None:
@@ -131,17 +160,12 @@ def claim_output_dir(
     say: Callable[[str], None] | None = None,
 ) -> OutputLock | None:
     """Rank 0 takes the folder's lock (returned; None on other ranks); with ``gather`` (all-gather of a Python
-    object, every rank calls this) every rank raises OutputLockedError when rank 0 was refused."""
-    lock, refused = None, None
-    if rank == 0:
-        try:
-            lock = OutputLock(out_dir).acquire()
-        except OutputLockedError as exc:
-            refused = str(exc)
-    if gather is not None:
-        refused = gather(refused)[0]
-    if refused is not None:
-        raise OutputLockedError(refused)
+    object, every rank calls this) every rank raises OutputLockedError when rank 0 was refused, and
+    OutputFolderError (an OSError) with rank 0's message when its attempt failed with an I/O error."""
+    lock = agree_on_failure(
+        lambda: OutputLock(out_dir).acquire(), run_here=rank == 0, gather=gather,
+        what=f"cannot take the lock of output folder {out_dir}",
+    )  # fmt: skip
     if lock is not None and lock.previous and say is not None:
         say(f"[lock] took over the stale lock of {describe(lock.previous)}: that process no longer holds it")
     return lock

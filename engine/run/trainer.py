@@ -61,14 +61,14 @@ from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.observe.audit import Auditor, header_of
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import write_report
+from alignopsd.engine.observe.strict import strict
 from alignopsd.engine.parallel.collectives import reduce_metrics
-from alignopsd.engine.parallel.metric_reduce import Samples, merge_samples
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
-from alignopsd.engine.run.runlock import claim_output_dir
+from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
 from alignopsd.engine.step.episodes import run_validation
 from alignopsd.engine.step.recipe import run_step
 
@@ -251,7 +251,7 @@ class Trainer:
             t0 = time.perf_counter()
             result = run_step(self.parts, self.step)
             self.step += 1
-            metrics = self.reduce_metrics(result.metrics, result.samples)
+            metrics = self.reduce_metrics(result.metrics)
             metrics["time/step_wall"] = time.perf_counter() - t0
             self.span_lengths.extend(int(x) for x in result.span_lengths)
             last = logger.log(self.step, metrics)
@@ -298,12 +298,16 @@ class Trainer:
     def _set_history_aside(self, resume_step: int | None) -> None:
         """Rank 0 moves the records of an earlier run, or of steps after the checkpoint, aside (engine/run/history.py)
         before any rank writes."""
-        if self.rank == 0:
-            where, moved = set_aside(self.out_dir, resume_step)
-            if where is not None:
-                after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
-                self._say(f"[history] moved the records {after} aside to {where}: {', '.join(moved)}")
-        self.dist.barrier()
+        # one gather: every rank waits here for rank 0, and ends with its I/O error if it had one
+        got = agree_on_failure(
+            lambda: set_aside(self.out_dir, resume_step),
+            run_here=self.rank == 0,
+            gather=self.dist.gather_objects if self.dist.enabled else None,
+            what=f"cannot set the history of {self.out_dir} aside",
+        )
+        if got is not None and got[0] is not None:
+            after = "of an earlier run" if resume_step is None else f"of steps after {resume_step}"
+            self._say(f"[history] moved the records {after} aside to {got[0]}: {', '.join(got[1])}")
 
     def _auditor(self):
         """The audit writer of this process (engine/observe/audit.py); None when the audit is off or another rank of
@@ -344,17 +348,18 @@ class Trainer:
             )
         return flat
 
-    def reduce_metrics(self, metrics: dict[str, float], samples: Samples | None = None) -> dict[str, float]:
-        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by its declared kind, the
-        percentiles from the ranks' gathered ``samples``).
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by the reduction its value
+        declares, the percentiles from the samples the values carry; an undeclared value raises in strict mode).
 
         Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
-        contributes (otherwise counts would be multiplied by the tensor-parallel size)."""
+        contributes (otherwise counts would be multiplied by the tensor-parallel size). Single-process the values
+        are this process's own, and their declarations are checked all the same."""
         if not self.dist.enabled:
-            return metrics
+            return reduce_metrics([metrics], strict=strict())
         lead = self.parts.policy.layout.is_group_lead
-        got = [(g, s) for g, s, first in self.dist.gather_objects((metrics, samples, lead)) if first]
-        return reduce_metrics([g for g, _ in got], merge_samples([s for _, s in got]))
+        got = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
+        return reduce_metrics(got, strict=strict())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from alignopsd.engine.parallel.tp_broadcast import group_rollout
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.rollout import collect_rollouts
 
+from alignopsd.reduction import extreme_max, summed, weighted_mean
+
 
 def tasks_for_step(tasks: list, step: int, n: int, seed: int, rank: int = 0, world_size: int = 1) -> list:
     """The ``n`` tasks of training step ``step`` (epoch-wise seeded permutation), this rank's share."""
@@ -85,13 +87,15 @@ def rollout_phase(
     env_after = parts.env.metrics()
     metrics = episode_metrics(parts.env.episode_results(), batch)
     metrics.update(prefill_delta(prefill_before, prefill_counts(parts.generator), "rollout/"))
-    for k in ("prompt_truncated", "teacher_prompt_truncated", "response_truncated", "empty_responses",
-              "generation_tokens_per_s", "prompt_length_mean"):  # fmt: skip
+    for k in ("prompt_truncated", "teacher_prompt_truncated", "response_truncated", "empty_responses"):
         if k in rm:
-            metrics[f"rollout/{k}"] = float(rm[k])
+            metrics[f"rollout/{k}"] = summed(rm[k])
+    for k in ("generation_tokens_per_s", "prompt_length_mean"):  # per row of this rank's batch
+        if k in rm:
+            metrics[f"rollout/{k}"] = weighted_mean(rm[k], batch.size)
     for k in ("failed_episodes", "env_errors", "timeouts", "worker_deaths", "invalid_actions", "nonfinite_rewards",
               "timeout_waves", "redispatched_ops", "rebuilt_episodes", "worker_restarts"):  # fmt: skip
-        metrics[f"env/{k}"] = float(env_after.get(k, 0) - env_before.get(k, 0))
+        metrics[f"env/{k}"] = summed(env_after.get(k, 0) - env_before.get(k, 0))
     return batch, metrics
 
 
@@ -109,34 +113,36 @@ def run_validation(parts, step: int) -> dict[str, float]:
 
 
 def episode_metrics(results: list[dict], batch: TurnBatch | None) -> dict[str, float]:
-    """Reward, success, per-category success, valid-action rate, response lengths of one batch of episodes."""
+    """Reward, success, per-category success, valid-action rate, response lengths of one batch of episodes; each
+    rate and mean declared over its own population (a category's episodes, the scored episodes, the turns)."""
     out: dict[str, float] = {}
     n = len(results)
-    out["episode/count"] = float(n)
+    out["episode/count"] = summed(n)
     if n:
-        out["episode/reward_mean"] = sum(r["reward"] for r in results) / n
-        out["episode/success_rate"] = sum(bool(r["won"]) for r in results) / n
-        out["episode/turns_mean"] = sum(r["steps"] for r in results) / n
-        out["episode/failed_count"] = float(sum(bool(r.get("failed")) for r in results))
+        out["episode/reward_mean"] = weighted_mean(sum(r["reward"] for r in results) / n, n)
+        out["episode/success_rate"] = weighted_mean(sum(bool(r["won"]) for r in results) / n, n)
+        out["episode/turns_mean"] = weighted_mean(sum(r["steps"] for r in results) / n, n)
+        out["episode/failed_count"] = summed(sum(bool(r.get("failed")) for r in results))
         scores = [r["task_score"] for r in results if r.get("task_score") is not None]
         if scores:
-            out["episode/task_score_mean"] = sum(float(s) for s in scores) / len(scores)
+            out["episode/task_score_mean"] = weighted_mean(sum(float(s) for s in scores) / len(scores), len(scores))
         cats: dict[str, list[bool]] = {}
         for r in results:
             cats.setdefault(str(r.get("category") or "all"), []).append(bool(r["won"]))
         for c, wins in sorted(cats.items()):
-            out[f"episode/success/{c}"] = sum(wins) / len(wins)
+            out[f"episode/success/{c}"] = weighted_mean(sum(wins) / len(wins), len(wins))
         srcs: dict[str, list[bool]] = {}
         for r in results:
             srcs.setdefault(str(r.get("data_source") or "text"), []).append(bool(r["won"]))
         if len(srcs) > 1 or "text" not in srcs:
             for s, wins in sorted(srcs.items()):
-                out[f"episode/accuracy/{s}"] = sum(wins) / len(wins)
+                out[f"episode/accuracy/{s}"] = weighted_mean(sum(wins) / len(wins), len(wins))
     if batch is not None and batch.size:
-        out["episode/valid_action_rate"] = float(batch.action_valid.float().mean())
+        rows = batch.size
+        out["episode/valid_action_rate"] = weighted_mean(float(batch.action_valid.float().mean()), rows)
         lens = batch.response_mask.long().sum(1).float()
-        out["rollout/response_length_mean"] = float(lens.mean())
-        out["rollout/response_length_max"] = float(lens.max())
+        out["rollout/response_length_mean"] = weighted_mean(float(lens.mean()), rows)
+        out["rollout/response_length_max"] = extreme_max(float(lens.max()), rows)
         if batch.truncated is not None:
-            out["rollout/truncated_rate"] = float(batch.truncated.float().mean())
+            out["rollout/truncated_rate"] = weighted_mean(float(batch.truncated.float().mean()), rows)
     return out

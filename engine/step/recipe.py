@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 from alignopsd.engine.parallel.collectives import all_reduce
-from alignopsd.engine.parallel.metric_reduce import Samples, samples_of
 from alignopsd.engine.parallel.tp_broadcast import broadcast_from_lead, group_rollout, group_sampling
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.components import Components
@@ -41,6 +40,7 @@ from torch import Tensor
 from alignopsd.canonical import canonicalize
 from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec, rectify_inputs
 from alignopsd.losses import rollout_mismatch_metrics
+from alignopsd.reduction import same, summed, weighted_mean
 from alignopsd.samples import recording_samples
 
 log = logging.getLogger("alignopsd.step")
@@ -50,21 +50,18 @@ log = logging.getLogger("alignopsd.step")
 class StepOutput:
     metrics: dict[str, float]
     span_lengths: list[int] = field(default_factory=list)
-    samples: Samples | None = None  # the values behind percentiles and stds, for the data-parallel reduction
 
 
 def run_step(parts: Components, step: int) -> StepOutput:
     """One training step (see the module docstring). ``step`` is 0-based.
 
     With data-parallel ranks the values behind the step's percentile and std metrics are recorded
-    (``alignopsd.samples``) and returned as ``samples`` for the reduction over ranks
+    (``alignopsd.samples``): the percentile and std metrics carry them to the reduction over ranks
     (engine/parallel/metric_reduce.py)."""
     if parts.world_size <= 1:
         return _step(parts, step)
-    with recording_samples() as records:
-        out = _step(parts, step)
-    out.samples = samples_of(out.metrics, records)
-    return out
+    with recording_samples():
+        return _step(parts, step)
 
 
 def _step(parts: Components, step: int) -> StepOutput:
@@ -88,7 +85,7 @@ def _step(parts: Components, step: int) -> StepOutput:
     parts.release_generation()  # scoring and training follow: the engine sleeps until the teacher pass or the sync
     if cfg.trainer.skip_no_signal and _skip_everywhere(parts, no_signal(cfg, parts.estimator, batch)):
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
-        metrics.update({"update/skipped": 1.0, "update/zero_advantage": 1.0, "actor/loss": 0.0})
+        metrics.update({"update/skipped": same(1.0), "update/zero_advantage": same(1.0), "actor/loss": same(0.0)})
         if parts.audit is not None:
             metrics.update(parts.audit.record_skipped(step + 1, batch.size))
         metrics.update(prof.end_step())
@@ -97,8 +94,8 @@ def _step(parts: Components, step: int) -> StepOutput:
     # 2. canonical turns ---------------------------------------------------------------------------------------------
     canon = canonicalize(batch.task.tolist(), batch.rollout.tolist(), batch.turn.tolist())
     cb = batch.select(canon.first_row)  # canonical batch, M rows in identity order
-    metrics["batch/rows"] = float(batch.size)
-    metrics["batch/turns"] = float(cb.size)
+    metrics["batch/rows"] = summed(batch.size)
+    metrics["batch/turns"] = summed(cb.size)
 
     # 3-4. old and reference log-probs ---------------------------------------------------------------------------
     old_logp, ref_logp, lp_metrics = logprob_phase(parts, cb)
@@ -149,7 +146,7 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
         if out.entropy is not None:
             metrics["actor/entropy_old"] = _masked_mean(out.entropy, cb.response_mask)
     # the sampler's vs the trainer's log-probs: measured here, or by the rescorer when it reused the sampler's
-    metrics.update({k: float(v) for k, v in out.stats.items() if k.startswith("mismatch/")})
+    metrics.update({k: v for k, v in out.stats.items() if k.startswith("mismatch/")})  # declared where measured
     if cb.rollout_logp is not None and not out.stats.get("student/reused"):
         metrics.update(rollout_mismatch_metrics(cb.rollout_logp, out.old_logp, cb.response_mask))
     ref_logp = None
@@ -211,7 +208,7 @@ def estimate(
     # once per tensor-parallel group: M2's spans and the advantages are the first rank's
     # (engine/parallel/tp_broadcast.py)
     out = broadcast_from_lead(parts.policy, decide, device=dev)
-    metrics = {k: float(v) for k, v in out.metrics.items() if isinstance(v, (int, float))}
+    metrics = {k: v for k, v in out.metrics.items() if isinstance(v, (int, float))}  # declared by the estimator
     spans: list[int] = []
     seg = getattr(out.credit, "segment_index", None) if out.credit is not None else None
     if seg is not None:
@@ -246,5 +243,7 @@ def _skip_everywhere(parts: Components, skip: bool) -> bool:
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    """The mean over the masked tokens, declared as a mean over them (``alignopsd.reduction``)."""
     m = mask.bool()
-    return float(x[m].float().mean()) if bool(m.any()) else 0.0
+    n = int(m.sum())
+    return weighted_mean(float(x[m].float().mean()) if n else 0.0, n)

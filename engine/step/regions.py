@@ -29,6 +29,8 @@ from alignopsd.engine.envs.parsing import ACTION_TAGS
 from alignopsd.engine.observe.strict import reraise_if_strict
 from torch import Tensor
 
+from alignopsd.reduction import summed
+
 log = logging.getLogger(__name__)
 
 
@@ -191,12 +193,12 @@ def region_metrics(regions: Regions | None, policy_mask: Tensor, old_logp: Tenso
 
     rect: the step's ``Rectified`` (diag, cross score, corrected, matched), or None without Mechanism 1."""
     if regions is None:
-        return {"regions/errors": 1.0}
+        return {"regions/errors": summed(1)}
     out: dict[str, float] = {}
     try:
-        out.update({f"regions/{k}": float(v) for k, v in regions.counts.items()})
+        out.update({f"regions/{k}": summed(v) for k, v in regions.counts.items()})
         for k, v in region_token_counts(regions, policy_mask).items():
-            out[f"regions/{k}_token_count"] = float(v)
+            out[f"regions/{k}_token_count"] = summed(v)
         if rect is not None:  # on the rectification's device (the policy's); the batch's tensors live on the host
             dev = rect.diag.device
             old = old_logp.float().to(dev)
@@ -205,5 +207,5 @@ def region_metrics(regions: Regions | None, policy_mask: Tensor, old_logp: Tenso
     except Exception as exc:  # noqa: BLE001 - diagnostics never abort a step (outside strict mode)
         reraise_if_strict(exc)
         log.warning("region diagnostics failed: %s", exc)
-        out["regions/errors"] = 1.0
+        out["regions/errors"] = summed(1)
     return out

@@ -31,6 +31,7 @@ from torch import Tensor
 from alignopsd import action_filter, eligibility, select_sources
 from alignopsd.diagnostics import action_filter_metrics
 from alignopsd.rectify import pairs_from_selection, similarity_matrix
+from alignopsd.reduction import summed, weighted_mean
 
 log = logging.getLogger("alignopsd.teacher_pass")
 
@@ -169,7 +170,8 @@ def select_pairs(parts, cb: TurnBatch, enc: Encoded) -> tuple[Tensor, Tensor, Te
 
 
 def _invalid_fraction(valid: Tensor) -> float:
-    return float((~valid).float().mean()) if valid.numel() else 0.0
+    n = valid.numel()
+    return weighted_mean(float((~valid).float().mean()) if n else 0.0, n)
 
 
 def teacher_diagonal(parts, cb: TurnBatch) -> M1Result:
@@ -201,9 +203,10 @@ def mechanism1(parts, cb: TurnBatch) -> tuple[M1Result, dict[str, float]]:
     with prof.phase("teacher_forcing"):  # diagonal + cross rows in one fused scoring batch (§2.6)
         diag, cross, st = parts.rescorer.teacher_logprobs(cb, pairs, prompt_cache=teacher.prompt_cache)
     teacher.prompt_cache = None  # the kept keys and values are freed before the update
-    metrics["m1/teacher_forcing_row_count"] = float(cb.size + pairs.shape[0])
-    metrics["m1/teacher_forcing_cached_prompts"] = float(st.get("cached_prompts", 0))
+    metrics["m1/teacher_forcing_row_count"] = summed(cb.size + pairs.shape[0])
+    # 1 when the teacher forcing read the generation's prompt cache: over ranks, the share of the turns that did
+    metrics["m1/teacher_forcing_cached_prompts"] = weighted_mean(st.get("cached_prompts", 0), cb.size)
     for k in ("token_forwards", "forwards"):
         if k in st:
-            metrics[f"m1/teacher_forcing_{k}"] = float(st[k])
+            metrics[f"m1/teacher_forcing_{k}"] = summed(st[k])
     return M1Result(H, B, pairs, diag, cross, enc.student_valid, enc.teacher_valid), metrics

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from alignopsd.estimators import get_estimator
 from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_weights
+from alignopsd.reduction import same, summed, weighted_mean
 
 log = logging.getLogger("alignopsd.update")
 
@@ -207,7 +208,7 @@ def ppo_update(
             with ctx:
                 stats, loss = micro_step(parts, inp, mb, fused, input_ids, attn)
             if loss is None:
-                out["update/nonfinite_loss"] = out.get("update/nonfinite_loss", 0.0) + 1.0
+                out["update/nonfinite_loss"] = summed(out.get("update/nonfinite_loss", 0.0) + 1.0)
             elif not mb.dummy:
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v * mb.scale / n_mini
@@ -215,14 +216,16 @@ def ppo_update(
         n_opt += 1
         skipped += int(bool(res.get("skipped")))
         grad_norms.append(float(res.get("grad_norm", 0.0)))
-        out["actor/lr"] = float(res.get("lr", cfg.trainer.lr))
-    out.update(totals)
+        out["actor/lr"] = same(res.get("lr", cfg.trainer.lr))
+    # each rank's share is scaled to the global token-mean (microbatch_scales): the mean over the ranks is the whole
+    out.update({k: weighted_mean(v, 1) for k, v in totals.items()})
     finite = [g for g in grad_norms if math.isfinite(g)]
-    out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
-    out["update/fused_head_loss"] = 1.0 if fused else 0.0
-    out["update/optimizer_steps"] = float(n_opt)
-    out["update/skipped_optimizer_steps"] = float(skipped)
-    out["update/skipped"] = 1.0 if n_opt and skipped == n_opt else 0.0
+    # the norm of the all-reduced gradients, and the step plan every rank keeps in lock-step: whole-batch values
+    out["actor/grad_norm"] = same(sum(finite) / len(finite) if finite else float("nan"))
+    out["update/fused_head_loss"] = same(1.0 if fused else 0.0)
+    out["update/optimizer_steps"] = same(n_opt)
+    out["update/skipped_optimizer_steps"] = same(skipped)
+    out["update/skipped"] = same(1.0 if n_opt and skipped == n_opt else 0.0)
     return out
 
 
@@ -237,7 +240,7 @@ def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float
         return {}
     if cb.rollout_logp is None:
         log.warning("trainer.rollout_is: the batch carries no rollout log-probs; no correction this step")
-        return {"rollout_is/unavailable": 1.0}
+        return {"rollout_is/unavailable": summed(1)}
     level, kind = mode.split("_")
     w_ML, keep_ML, stats = rollout_is_weights(
         cb.rollout_logp.float().to(inp.mask.device), inp.old_logp, inp.mask.bool(), level=level, mode=kind,

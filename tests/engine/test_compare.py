@@ -207,3 +207,21 @@ def test_compare_command_pins_the_held_out_games(tmp_path, capsys):
         assert res["runs"][s]["success"] == {str(r["step"]): r["episode/success_rate"] for r in val}
     assert "| 1 | " in (out / "compare.md").read_text()
     assert "[compare] run 2/2 grpo-seed1: done in" in capsys.readouterr().out
+
+
+def test_compare_writes_nothing_into_a_run_folder_another_run_holds(tmp_path):
+    """A run folder whose lock a live run holds is refused before compare writes into it (its held-out game keys
+    are written once the run's trainer holds the lock)."""
+    from alignopsd.engine.run.runlock import OutputLock, OutputLockedError
+
+    lh.register_guess_env()
+    locks = [OutputLock(tmp_path / f"{e}-seed{s}").acquire() for e in ESTIMATORS for s in SEEDS]
+    try:
+        factory = Factory()
+        with pytest.raises(OutputLockedError, match="in use by another run"):
+            _compare(tmp_path, factory)
+        assert factory.built == []
+        assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["run.lock"] * len(locks)
+    finally:
+        for lock in locks:
+            lock.release()

@@ -140,8 +140,11 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
     if os.environ.get("WORLD_SIZE") != "2":
         pytest.skip("run under torchrun --nproc_per_node=2")
     import torch.distributed as dist
-    from alignopsd.engine.parallel.metric_reduce import metric_kind
+    from alignopsd.engine.parallel.collectives import reduce_metrics
+    from alignopsd.engine.step.episodes import run_validation
     from alignopsd.engine.step.recipe import run_step
+
+    from alignopsd.reduction import Reduce
 
     torch.set_num_threads(1)
     out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"
@@ -149,11 +152,101 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
           f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
     tr = lh.build_trainer(TINY, ov)
     res = run_step(tr.parts, 0)
-    assert res.samples and "m2/turn_weight" in res.samples
-    reduced = tr.reduce_metrics(res.metrics, res.samples)
-    assert "metrics/unreduced" not in reduced
-    quantiles = [k for k in reduced if metric_kind(k) == "quantile" and k.startswith("m2/")]
-    assert quantiles and all(k in reduced for k in quantiles)
+    reduce_metrics([res.metrics], strict=True)  # every metric of the step declares its reduction (else raises)
+    quantiles = [k for k, v in res.metrics.items() if v.how is Reduce.QUANTILE]
+    assert "m2/turn_weight_p95" in quantiles and all(res.metrics[k].samples is not None for k in quantiles)
+    reduced = tr.reduce_metrics(res.metrics)  # strict mode: an undeclared metric would raise here
+    assert "metrics/unreduced" not in reduced and set(reduced) == set(res.metrics)
+    val = tr.reduce_metrics(run_validation(tr.parts, 1))  # the validation (and `alignopsd eval`) metrics
+    assert val["episode/count"] == float(len(tr.parts.val_tasks) // 2 * 2)
     both: list = [None, None]
-    dist.all_gather_object(both, reduced)
+    dist.all_gather_object(both, (reduced, val))
     assert both[0] == both[1]  # every rank logs the same reduction
+
+
+@pytest.mark.distributed
+def test_a_leftover_low_precision_grad_is_averaged_with_the_others():
+    """A bf16 gradient written into a parameter without a backward pass (rank 0 only) is folded into the fp32
+    masters before the data-parallel all-reduce: both ranks step with the average and stay identical."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    import torch.distributed as dist
+    from alignopsd.engine.policy.hf import HFPolicy
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    policy = HFPolicy(torch.nn.Linear(4, 4).to(torch.bfloat16), lr=0.1, weight_decay=0.0)
+    assert policy.distributed and policy.master
+    if dist.get_rank() == 0:
+        policy.params[0].grad = torch.ones_like(policy.params[0])
+    res = policy.optimizer_step(None)
+    got: list = [None, None]
+    dist.all_gather_object(got, (res["grad_norm"], [m.clone() for m in policy.optimizer.masters]))
+    assert got[0][0] == got[1][0] == pytest.approx(2.0)  # the average (0.5 in 16 entries), on both ranks
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+
+
+def _timed_gather(group):
+    """An all-gather of Python objects over ``group`` (one made with a short timeout: a rank left waiting by a
+    failing one errors out in seconds instead of hanging the suite)."""
+    import torch.distributed as dist
+
+    def gather(obj):
+        out: list = [None, None]
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
+@pytest.mark.distributed
+def test_an_io_error_of_rank_0_on_the_run_folder_ends_every_rank_with_its_message(monkeypatch):
+    """Rank 0's I/O error while it takes the run lock (here ``run.lock`` is a directory: EISDIR, real even for
+    root), and while it sets an earlier run's history aside (here ``abandoned`` is a file), raises on every rank at
+    once with that error's message; no rank is left waiting in a collective."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    import shutil
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.run.process import Dist
+    from alignopsd.engine.run.runlock import LOCK_FILE, OutputFolderError
+    from alignopsd.engine.run.trainer import Trainer
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    base = Path(tempfile.gettempdir()) / f"alignopsd-dist-ioerr-{os.environ.get('MASTER_PORT', '0')}"
+    if rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+        (base / "locked" / LOCK_FILE).mkdir(parents=True)
+        (base / "history").mkdir()
+        (base / "history" / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')  # an earlier run's
+        (base / "history" / "abandoned").write_text("")
+    dist.barrier()
+    lh.register_guess_env()
+    ov = [*GUESS, "algorithm.estimator=grpo", "trainer.total_steps=1", "env.tasks_per_step=4"]
+
+    def dist_with_timeout() -> Dist:
+        d = Dist("cpu")
+        monkeypatch.setattr(d, "gather_objects", _timed_gather(group))
+        return d
+
+    t0 = time.monotonic()
+    with pytest.raises(OutputFolderError, match=r"cannot take the lock of output folder .*Is a directory"):
+        Trainer(load_config(TINY, [*ov, f"output_dir={base / 'locked'}"]), dist=dist_with_timeout())
+    assert time.monotonic() - t0 < 20
+
+    tr = Trainer(load_config(TINY, [*ov, f"output_dir={base / 'history'}"]), dist=dist_with_timeout())
+    t0 = time.monotonic()
+    with pytest.raises(OutputFolderError, match=r"cannot set the history of .* aside: .*abandoned"):
+        tr.fit()
+    assert time.monotonic() - t0 < 20
+    tr.release_output()
+    dist.barrier()

@@ -98,9 +98,11 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
         pytest.skip("run under torchrun --nproc_per_node=2")
     import torch.distributed as dist
     from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.parallel.collectives import reduce_metrics
     from alignopsd.engine.step.recipe import estimate
 
     from alignopsd.credit import allocate_credit
+    from alignopsd.samples import recording_samples
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -113,10 +115,11 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
     assert phases["mechanism2"]
     cb, old, m1 = _whole_batch()
     counts = torch.ones(cb.size, dtype=torch.long)
-    one, spans_one, _ = estimate(_parts(cfg, 0, 1), cb, old, m1, 0, phases, counts)
+    one, spans_one, whole_metrics = estimate(_parts(cfg, 0, 1), cb, old, m1, 0, phases, counts)
 
     idx, cb_r, old_r, m1_r = _share(cb, old, m1, [2 * rank, 2 * rank + 1])
-    two, spans_two, metrics = estimate(_parts(cfg, rank, 2), cb_r, old_r, m1_r, 0, phases, counts[idx])
+    with recording_samples():  # as a data-parallel step records (engine/step/recipe.py)
+        two, spans_two, metrics = estimate(_parts(cfg, rank, 2), cb_r, old_r, m1_r, 0, phases, counts[idx])
 
     c1, c2 = one.credit, two.credit
     tau_metric = c1.threshold if math.isfinite(c1.threshold) else -1.0
@@ -134,6 +137,15 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
         cfg.algorithm.credit, invalid=~cb_r.action_valid,
     )  # fmt: skip
     differs = alone.threshold != c1.threshold
+
+    # the estimator's m1/, m2/, adv/ and episode/ metrics of the two shares, reduced by their declarations, are
+    # those of the whole batch on one rank
+    shares: list = [None, None]
+    dist.all_gather_object(shares, metrics)
+    reduced = reduce_metrics(shares, strict=True)
+    same["metric_keys"] = set(reduced) == set(whole_metrics)
+    for k, v in whole_metrics.items():
+        same[k] = reduced.get(k) == pytest.approx(v, rel=1e-5, abs=1e-7)
 
     got: list = [None, None]  # every rank's verdict first: a failing rank must not leave the other in a collective
     dist.all_gather_object(got, (same, cut, spans_two, differs))
