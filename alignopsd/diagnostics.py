@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ndim, check_shape
-from alignopsd.rectify import Rectified, rectify
+from alignopsd.rectification import Rectified, rectify
 from alignopsd.samples import record_samples
 
 __all__ = [

@@ -16,7 +16,7 @@ from torch import Tensor
 from alignopsd._checks import as_tensor, check_finite_fast, check_ids, check_ndim, check_shape
 from alignopsd.credit_config import WholeBatch
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified
+from alignopsd.rectification import Rectified
 
 __all__ = ["EstimatorInputs", "EstimatorOutput"]
 

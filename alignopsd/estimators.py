@@ -34,7 +34,7 @@ from alignopsd.credit import allocate_credit
 from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.estimator_io import EstimatorInputs, EstimatorOutput
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified, rectify
+from alignopsd.rectification import Rectified, rectify
 
 __all__ = [
     "ESTIMATORS",

@@ -35,7 +35,7 @@ from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.envs.webshop_data import Catalogue, get_catalogue, normalise_source
 from alignopsd.engine.envs.webshop_reward import get_reward
 
-from alignopsd.rectify import parse_webshop_action
+from alignopsd.rectification import parse_webshop_action
 
 SUCCESS_REWARD = 10.0
 RESULTS_PER_PAGE = 10
@@ -49,7 +49,7 @@ def read_action(action: str) -> tuple[str | None, str | None]:
     """``search[x]`` / ``click[x]`` -> (verb, lower-cased argument with whitespace runs collapsed), else (None, None).
 
     One grammar for the environment and the action filter (ALGORITHM.md §2.5): the action is read by the core's
-    :func:`alignopsd.rectify.parse_webshop_action`. The environment is case-insensitive (its catalogue text is
+    :func:`alignopsd.rectification.parse_webshop_action`. The environment is case-insensitive (its catalogue text is
     lower-cased), so it lower-cases the action first; the filter reads the raw text, case-sensitively (§6 case 18).
     """
     parsed = parse_webshop_action(action.lower()) if isinstance(action, str) else None

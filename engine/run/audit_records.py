@@ -183,7 +183,7 @@ def turn_records(
     snapshot's targeted choice. Inputs are read, never modified.
 
     cb: the canonical TurnBatch (M rows); counts: [M] rows per turn; old_logp, advantage: [M, L];
-    regions: engine.regions.Regions or None; rect: alignopsd.rectify.Rectified or None; m1: the step's
+    regions: engine.regions.Regions or None; rect: alignopsd.rectification.Rectified or None; m1: the step's
     M1Result (H, eligible [M, M], diag [M, L], thinking validity [M]; any may be None) or None;
     credit: alignopsd.credit.Credit or None.
     """

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from alignopsd import action_filter, eligibility, select_sources
 from alignopsd.diagnostics import action_filter_metrics
-from alignopsd.rectify import pairs_from_selection, similarity_matrix
+from alignopsd.rectification import pairs_from_selection, similarity_matrix
 
 log = logging.getLogger("alignopsd.teacher_pass")
 

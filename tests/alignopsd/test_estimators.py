@@ -17,7 +17,7 @@ from alignopsd.estimators import (
     rowwise_grpo_advantage,
 )
 from alignopsd.losses import auxiliary_loss
-from alignopsd.rectify import eligibility, pairs_from_selection, select_sources
+from alignopsd.rectification import eligibility, pairs_from_selection, select_sources
 
 
 def _batch(seed: int = 0, L: int = 6, constant_gap: float | None = None) -> EstimatorInputs:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from selection_oracle import select_sources_ref
 
-from alignopsd.rectify import (
+from alignopsd.rectification import (
     action_filter,
     cross_inputs,
     eligibility,

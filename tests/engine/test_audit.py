@@ -236,7 +236,7 @@ def test_size_cap(tmp_path, caplog):
 def _synthetic(seed=0):
     """2 tasks x 2 rollouts x 3 turns with M1 and M2 results of the core on random evidence."""
     from alignopsd.credit import allocate_credit
-    from alignopsd.rectify import eligibility, pairs_from_selection, rectify, select_sources
+    from alignopsd.rectification import eligibility, pairs_from_selection, rectify, select_sources
 
     g = torch.Generator().manual_seed(seed)
     task = torch.tensor([0] * 6 + [1] * 6)

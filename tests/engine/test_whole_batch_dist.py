@@ -26,7 +26,7 @@ def _whole_batch(seed: int = 0):
     from alignopsd.engine.step.batch import TurnBatch
     from alignopsd.engine.step.teacher_pass import M1Result
 
-    from alignopsd.rectify import eligibility, pairs_from_selection, select_sources, similarity_matrix
+    from alignopsd.rectification import eligibility, pairs_from_selection, select_sources, similarity_matrix
 
     g = torch.Generator().manual_seed(seed)
     task, roll, turn, outcome = [], [], [], []
