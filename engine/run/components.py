@@ -16,12 +16,11 @@ import torch
 from alignopsd.engine.config.schema import RunConfig
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import skill_lookup
-from alignopsd.engine.generation.base import GenerationBackend
+from alignopsd.engine.generation.base import GenerationBackend, samples_from
 from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead, share_lead_outcome, tp_layout
 from alignopsd.engine.policy.base import PolicyBackend
-from alignopsd.engine.policy.megatron.scoring import ShardScoring
 from alignopsd.engine.run.profiler import StepProfiler
 from alignopsd.engine.run.strict import reraise_if_strict
 from alignopsd.engine.step.rescoring import Rescorer
@@ -71,8 +70,7 @@ class Components:
         Under tensor parallelism every rank of the group calls it: the weights are gathered one conversion part at
         a time to the group's first rank, the only one with a generator (``policy.hf_weights``), and the other
         ranks only send their shards."""
-        gm = getattr(self.generator, "model", None)
-        if gm is not None and gm is self.policy.model:
+        if samples_from(self.generator, self.policy.model):
             return
         weights = self.policy.hf_weights()
         if tp_layout(self.policy)[0] is None:
@@ -102,19 +100,18 @@ class Components:
         """A generation phase ended, the training phases follow: the generation engine gives back its accelerator
         memory (weights and KV cache) until it generates or receives weights again (vLLM's sleep mode; a no-op for
         an engine without one)."""
-        sleep = getattr(self.generator, "sleep", None)
-        if callable(sleep):
-            sleep()
+        if self.generator is not None:
+            self.generator.sleep()
 
     def close(self) -> None:
         for obj in (self.env, self.generator):
-            close = getattr(obj, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
-                    reraise_if_strict(exc)
-                    log.warning("close %s: %s", type(obj).__name__, exc)
+            if obj is None:
+                continue
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
+                reraise_if_strict(exc)
+                log.warning("close %s: %s", type(obj).__name__, exc)
 
 
 def hf_model_of(policy: PolicyBackend) -> nn.Module:
@@ -130,11 +127,6 @@ def needs_hf_copy(cfg: RunConfig) -> bool:
     which samples for the group (engine/parallel/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
     and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
     return cfg.generation.backend in ("hf", "choice")
-
-
-def scores_itself(policy: PolicyBackend) -> bool:
-    """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself."""
-    return isinstance(policy, ShardScoring)
 
 
 def megatron_layer_spec(cfg: RunConfig) -> str:
@@ -222,7 +214,7 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     policy, no gradients or optimizer state), taken here, before any update, and scored by the same backend code
     as the old log-probs. The Hugging Face policy's reference is a second Hugging Face model read from disk."""
     temperature = cfg.generation.temperature
-    if scores_itself(policy):
+    if policy.scores_itself:
         from alignopsd.engine.policy.megatron.scoring import FrozenShard
 
         ref = FrozenShard(policy)
@@ -295,7 +287,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
     rescorer = Rescorer(
-        policy.model if scores_itself(policy) else hf_model_of(policy),
+        policy.model if policy.scores_itself else hf_model_of(policy),
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
@@ -305,7 +297,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         # (shared_prefix: each prompt's rows packed behind one copy of it)
         scorer=(
             backend_scorer(policy, cfg.trainer.rescoring_mode, temperature=cfg.generation.temperature, device=device)
-            if scores_itself(policy)
+            if policy.scores_itself
             else None
         ),
     )

@@ -213,7 +213,7 @@ def estimate(
     out = broadcast_from_lead(parts.policy, decide, device=dev)
     metrics = {k: float(v) for k, v in out.metrics.items() if isinstance(v, (int, float))}
     spans: list[int] = []
-    seg = getattr(out.credit, "segment_index", None) if out.credit is not None else None
+    seg = out.credit.segment_index if out.credit is not None else None
     if seg is not None:
         ids = torch.as_tensor(seg)
         ids = ids[ids >= 0]

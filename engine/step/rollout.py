@@ -132,7 +132,7 @@ class _Row:
 def _end_of_turn_id(tokenizer, generator) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        ids = sorted(getattr(generator, "eos_token_ids", []) or [])
+        ids = sorted(generator.eos_token_ids)
         if not ids:
             raise ValueError("tokenizer: no eos_token_id to close an empty response")
         eos = ids[0]
@@ -182,7 +182,7 @@ def _check_settings(env_manager, generator, tokenizer, *, group_n, sampling, max
         raise ValueError(f"max_prompt_length: must be >= 1, got {max_prompt_length}")
     if failed_episodes not in ("keep", "drop"):
         raise ValueError(f"failed_episodes: expected 'keep' or 'drop', got {failed_episodes!r}")
-    env_name = getattr(env_manager, "env_name", "")
+    env_name = env_manager.env_name
     truncation = truncation or default_truncation(env_name)
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation: expected one of {TRUNCATION_MODES}, got {truncation!r}")

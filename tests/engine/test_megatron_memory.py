@@ -19,6 +19,7 @@ import pytest
 import torch
 from alignopsd.engine.generation.choice import ChoiceGenerator
 from alignopsd.engine.parallel.tp_broadcast import LeadRankError
+from generator_double import GeneratorDouble
 from test_megatron_steps import Recorder, Replay
 
 pytestmark = [
@@ -143,7 +144,7 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     assert (moved - mine)[mask].abs().max() > 1e-6  # ... while the policy did move
 
 
-class EngineStub:
+class EngineStub(GeneratorDouble):
     """Stands in for the vLLM engine (which needs minutes to start on CPU): keeps a copy of every weight pushed."""
 
     def __init__(self) -> None:

@@ -25,6 +25,7 @@ from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import GenerationOutput
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
 from alignopsd.engine.step.rollout import collect_rollouts
+from generator_double import GeneratorDouble
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,8 +123,8 @@ def test_examples_render_prompts_exactly_as_the_rollout(expert, games, tok):
     tasks, _, examples = expert
     by_prompt = {tuple(p): r for (p, r) in examples}
 
-    class Expert:
-        def generate(self, prompts, sampling):
+    class Expert(GeneratorDouble):
+        def generate(self, prompts, sampling, *, keep_prompt_cache=False):
             ids = [by_prompt[tuple(p)][:-1] for p in prompts]  # KeyError: a prompt the data does not hold
             texts = [tok.decode(i) for i in ids]
             return GenerationOutput(ids, texts, [[-0.1] * len(i) for i in ids], ["stop"] * len(ids))

@@ -57,3 +57,36 @@ def test_each_violation_is_found(tmp_path, capsys):
 def test_the_project_passes():
     """The limits hold for the project itself (what ``make lint`` runs)."""
     assert sc.main(["--root", str(ROOT)]) == 0
+
+
+def test_probing_a_contracted_object_in_the_engine_is_found(tmp_path, capsys):
+    probing = (
+        "def f(parts, generator, est_out, cfg):\n"
+        "    a = getattr(parts.generator, 'sleep', None)\n"
+        "    b = hasattr(generator, 'model')\n"
+        "    c = isinstance(parts.policy, object)\n"
+        "    d = getattr(est_out, 'credit', None)\n"
+        "    e = getattr(cfg, 'seed', 0)\n"  # not a contracted object: allowed
+        "    return a, b, c, d, e\n"
+    )
+    root = _repo(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/step.py": probing,
+            "alignopsd/__init__.py": "",
+            "alignopsd/core.py": "def g(policy):\n    return getattr(policy, 'x', None)\n",  # outside engine/
+        },
+    )
+    assert sc.main(["--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    found = [line for line in out.splitlines() if "probes a contracted object" in line]
+    assert [line.split(" ")[0] for line in found] == [f"engine/step.py:{n}" for n in (2, 3, 4, 5)], out
+    assert "4 finding(s)" in out
+
+
+def test_the_engine_probes_no_contracted_object():
+    # the checkout itself: every member read from a backend, an environment or an estimator output is declared
+    files = [p for p in sc.tracked_files(ROOT) if p.parts[0] == "engine"]
+    found = [(str(p), line) for p in files for line, _ in sc.probes(sc.ast.parse((ROOT / p).read_text()))]
+    assert files and found == []
