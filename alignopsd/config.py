@@ -10,6 +10,7 @@ never executed). No file I/O here: the engine reads YAML files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,6 +57,14 @@ def _getpath(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
     return obj
+
+
+@functools.cache
+def _sections(cls: type) -> dict[str, type]:
+    """The config sections of ``cls`` (field name -> its dataclass), read from its annotations: a section added
+    as a field is checked without a list kept by hand."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
 
 
 @dataclass
@@ -120,14 +129,7 @@ class AlgorithmConfig:
             allowed = ", ".join(map(repr, ESTIMATORS))
             raise ValueError(f"estimator: unknown value {self.estimator!r}; allowed: {allowed}")
         choice_field("ablation", self.ablation, ABLATIONS)
-        for name, cls in (
-            ("rectify", RectifyConfig),
-            ("credit", CreditConfig),
-            ("alignment", AlignmentLossConfig),
-            ("sdar", SdarConfig),
-            ("rlsd", RlsdConfig),
-            ("opsd", OpsdConfig),
-        ):
+        for name, cls in _sections(type(self)).items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
         choice_field("grpo_scope", self.grpo_scope, ("trajectory", "turn"))

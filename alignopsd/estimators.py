@@ -41,6 +41,7 @@ __all__ = [
     "EstimatorInputs",
     "EstimatorName",
     "EstimatorOutput",
+    "EstimatorPhases",
     "EstimatorSpec",
     "get_estimator",
     "rectify_inputs",
@@ -80,6 +81,20 @@ def _check_need(need: Any, name: str) -> Need:
 
 
 @dataclass(frozen=True)
+class EstimatorPhases:
+    """The step phases an estimator needs under a config (:meth:`EstimatorSpec.phases`).
+
+    teacher_diag: diagonal teacher forcing; alignment: teacher generation, encoder, selection and cross scoring
+    (Mechanism 1); ref: reference log-probs (the KL term); mechanism2: Mechanism 2 credit.
+    """
+
+    teacher_diag: bool
+    alignment: bool
+    ref: bool
+    mechanism2: bool
+
+
+@dataclass(frozen=True)
 class EstimatorSpec:
     """A registered estimator: its function and what it declares it needs.
 
@@ -115,14 +130,14 @@ class EstimatorSpec:
         """Reference log-probs are needed iff the KL term is on."""
         return float(config.kl_coef) > 0.0
 
-    def phases(self, config: EstimatorConfig) -> dict[str, bool]:
-        """{'teacher_diag', 'alignment', 'ref', 'mechanism2'}: the step phases to run."""
-        return {
-            "teacher_diag": self.needs_teacher_diag(config),
-            "alignment": self.alignment,
-            "ref": self.needs_ref(config),
-            "mechanism2": self.mechanism2,
-        }
+    def phases(self, config: EstimatorConfig) -> EstimatorPhases:
+        """The step phases to run under ``config``."""
+        return EstimatorPhases(
+            teacher_diag=self.needs_teacher_diag(config),
+            alignment=self.alignment,
+            ref=self.needs_ref(config),
+            mechanism2=self.mechanism2,
+        )
 
     def __call__(self, inputs: EstimatorInputs, config: EstimatorConfig) -> EstimatorOutput:
         return self.fn(inputs, config)

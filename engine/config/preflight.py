@@ -154,7 +154,7 @@ def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
     if cfg.model.tokenizer:
         check_model_spec("model.tokenizer", cfg.model.tokenizer, hint)
 
-    if get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm)["alignment"]:  # the encoder of Mechanism 1
+    if get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm).alignment:  # the encoder of Mechanism 1
         check_encoder(cfg.encoder.name, hint)
     if cfg.env.data_dir and not Path(cfg.env.data_dir).expanduser().exists():
         raise ConfigError(f"env.data_dir: no such directory {cfg.env.data_dir!r}{hint}")

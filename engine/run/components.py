@@ -301,7 +301,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
             else None
         ),
     )
-    ref_scorer = build_reference(cfg, policy, device) if phases["ref"] else None
+    ref_scorer = build_reference(cfg, policy, device) if phases.ref else None
 
     dp_group = policy.layout.dp_group
     if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks
@@ -321,7 +321,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         estimator=est,
         rescorer=rescorer,
         ref_scorer=ref_scorer,
-        encoder_factory=functools.partial(build_encoder, cfg, device) if phases["alignment"] else None,
+        encoder_factory=functools.partial(build_encoder, cfg, device) if phases.alignment else None,
         skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
     )
     if cfg.generation.backend == "vllm":  # the policy's weights into the engine (collective under tensor parallelism)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from alignopsd.estimators import (
     ESTIMATORS,
     EstimatorInputs,
     EstimatorName,
+    EstimatorPhases,
     get_estimator,
     register_estimator,
     rlsd_lambda,
@@ -72,16 +75,14 @@ def test_registry():
     with pytest.raises(ValueError, match="unknown estimator"):
         get_estimator("ppo")
     cfg = AlgorithmConfig(estimator="grpo", kl_coef=0.0)
-    assert get_estimator("grpo").phases(cfg) == {
-        "teacher_diag": False,
-        "alignment": False,
-        "ref": False,
-        "mechanism2": False,
-    }
+    none = EstimatorPhases(teacher_diag=False, alignment=False, ref=False, mechanism2=False)
+    assert get_estimator("grpo").phases(cfg) == none
     ph = get_estimator("alignopsd").phases(AlgorithmConfig())
-    assert ph == {"teacher_diag": True, "alignment": True, "ref": True, "mechanism2": True}
-    assert get_estimator("sdar").phases(AlgorithmConfig(estimator="sdar"))["teacher_diag"]
-    assert not get_estimator("rlsd").phases(AlgorithmConfig(estimator="rlsd"))["alignment"]
+    assert ph == EstimatorPhases(teacher_diag=True, alignment=True, ref=True, mechanism2=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ph.ref = False
+    assert get_estimator("sdar").phases(AlgorithmConfig(estimator="sdar")).teacher_diag
+    assert not get_estimator("rlsd").phases(AlgorithmConfig(estimator="rlsd")).alignment
     for spec in ESTIMATORS.values():
         assert spec.description
 
@@ -388,9 +389,9 @@ def test_alignopsd_m1_ablation_a_disables_rectification():
 def test_phases_of_every_estimator(name, diag, align, m2):
     for kl in (0.0, 0.01):
         ph = get_estimator(name).phases(AlgorithmConfig(estimator=name, kl_coef=kl))
-        assert ph == {"teacher_diag": diag, "alignment": align, "ref": kl > 0, "mechanism2": m2}
+        assert ph == EstimatorPhases(teacher_diag=diag, alignment=align, ref=kl > 0, mechanism2=m2)
     if name == "alignopsd":  # ablation A still pays for selection and cross scoring (M2 needs H and B)
-        assert get_estimator(name).phases(AlgorithmConfig(estimator=name, ablation="A"))["alignment"]
+        assert get_estimator(name).phases(AlgorithmConfig(estimator=name, ablation="A")).alignment
 
 
 def test_rowwise_grpo_and_rlsd_lambda_bad_inputs():

@@ -110,7 +110,7 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
     ov = [f"algorithm.ablation={ablation}", f"algorithm.credit.distance={distance}", "algorithm.credit.tau_max=0.9"]
     cfg = load_config(TINY, ov)
     phases = _parts(cfg, 0, 1).estimator.phases(cfg.algorithm)
-    assert phases["mechanism2"]
+    assert phases.mechanism2
     cb, old, m1 = _whole_batch()
     counts = torch.ones(cb.size, dtype=torch.long)
     one, spans_one, _ = estimate(_parts(cfg, 0, 1), cb, old, m1, 0, phases, counts)
