@@ -44,7 +44,8 @@ class OptionalBuildExt(build_ext):
             print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
 
 
-SKILL_DIRS = [f"alignopsd.engine.envs.skills.{env}" for env in ("alfworld", "credit", "search", "webshop")]
+# environment families: one package each, its skill bank (if any) in its skills/ folder
+ENV_FAMILIES = ["alfworld", "codeword", "credit", "search", "webshop"]
 
 setup(
     packages=[
@@ -61,7 +62,7 @@ setup(
         "alignopsd.engine.policy",
         "alignopsd.engine.generation",
         "alignopsd.engine.policy.megatron",
-        *SKILL_DIRS,
+        *(f"alignopsd.engine.envs.{family}" for family in ENV_FAMILIES),
     ],
     package_dir={
         "alignopsd": "alignopsd",
@@ -77,10 +78,10 @@ setup(
         "alignopsd.engine.policy": "engine/policy",
         "alignopsd.engine.generation": "engine/generation",
         "alignopsd.engine.policy.megatron": "engine/policy/megatron",
-        **{name: "engine/envs/skills/" + name.rsplit(".", 1)[1] for name in SKILL_DIRS},
+        **{f"alignopsd.engine.envs.{family}": f"engine/envs/{family}" for family in ENV_FAMILIES},
     },
-    # the skill banks are data directories: declared as (namespace) packages so their files are installed
-    package_data={name: ["*.md", "*.json"] for name in SKILL_DIRS},
+    # the skill banks are data folders inside the environment packages
+    package_data={f"alignopsd.engine.envs.{family}": ["skills/*.md", "skills/*.json"] for family in ENV_FAMILIES},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
 )

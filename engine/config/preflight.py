@@ -29,11 +29,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from alignopsd.engine.config.schema import ConfigError, RunConfig
-from alignopsd.engine.envs.alfworld_env import SPLITS as ALFWORLD_SPLITS
+from alignopsd.engine.envs.alfworld.env import SPLITS as ALFWORLD_SPLITS
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.registry import get_entry, resolve
-from alignopsd.engine.envs.retriever import URL_ENV_VAR
-from alignopsd.engine.envs.webshop import find_original_files
+from alignopsd.engine.envs.search.retriever import URL_ENV_VAR
+from alignopsd.engine.envs.webshop.env import find_original_files
 from alignopsd.engine.models import loading as models
 from alignopsd.engine.models.encoder import MINILM, minilm_path
 
@@ -174,7 +174,7 @@ def _official_error(what: str, fix: str) -> ConfigError:
 
 def alfworld_official_data(data_dir: str | None, splits: tuple[str, ...], env: Mapping[str, str]) -> Path:
     """The ALFWorld data root the loader will read: ``env.data_dir``, else ``$ALFWORLD_DATA``
-    (engine/envs/alfworld_env.py official_data_dir), holding ``json_2.1.1/<split>/`` games of each split."""
+    (engine/envs/alfworld/env.py official_data_dir), holding ``json_2.1.1/<split>/`` games of each split."""
 
     where = "env.data_dir" if data_dir else "ALFWORLD_DATA"
     raw = data_dir or env.get("ALFWORLD_DATA")
@@ -207,7 +207,7 @@ def alfworld_official_data(data_dir: str | None, splits: tuple[str, ...], env: M
 
 
 def webshop_official_data(data_dir: str | None) -> dict[str, str]:
-    """WebShop's original files in ``env.data_dir`` (engine/envs/webshop.py find_original_files): products
+    """WebShop's original files in ``env.data_dir`` (engine/envs/webshop/env.py find_original_files): products
     ``items_shuffle*.json``, instruction attributes ``items_ins_v2*.json`` and human instructions
     ``items_human_ins*.json``."""
 
@@ -231,7 +231,7 @@ def webshop_official_data(data_dir: str | None) -> dict[str, str]:
 def search_official_data(
     data_dir: str | None, splits: tuple[str, ...], options: Mapping[str, object], env: Mapping[str, str]
 ) -> dict[str, str]:
-    """Search-R1's ``<split>.parquet`` files in ``env.data_dir`` (engine/envs/search.py load_tasks) and a
+    """Search-R1's ``<split>.parquet`` files in ``env.data_dir`` (engine/envs/search/env.py load_tasks) and a
     retriever for its corpus: ``env.options.retriever_url`` (a Search-R1 ``/retrieve`` server),
     ``env.options.corpus_path`` (the corpus jsonl; the engine serves it), or ``$ALIGNOPSD_RETRIEVER_URL``."""
 

@@ -41,15 +41,15 @@ _PKG = "alignopsd.engine.envs"
 _BUILTIN: dict[str, EnvEntry] = {
     "alfworld": EnvEntry(
         "alfworld",
-        f"{_PKG}.alfworld_env:AlfWorldEnv",
-        f"{_PKG}.alfworld_env:load_tasks",
+        f"{_PKG}.alfworld.env:AlfWorldEnv",
+        f"{_PKG}.alfworld.env:load_tasks",
         f"{_PKG}.prompts:alfworld_prompt",
         lowercase_actions=True,
     ),
     "codeword": EnvEntry(
         "codeword",
-        f"{_PKG}.toy:CodewordEnv",
-        f"{_PKG}.toy:load_tasks",
+        f"{_PKG}.codeword.env:CodewordEnv",
+        f"{_PKG}.codeword.env:load_tasks",
         f"{_PKG}.prompts:codeword_prompt",
         lowercase_actions=True,
         history_length=4,
@@ -57,25 +57,25 @@ _BUILTIN: dict[str, EnvEntry] = {
     # Credit-assignment family with known decisive turns (bench/credit.py); 8 turns, whole history shown.
     "credit": EnvEntry(
         "credit",
-        f"{_PKG}.credit:CreditEnv",
-        f"{_PKG}.credit:load_tasks",
-        f"{_PKG}.credit:credit_prompt",
+        f"{_PKG}.credit.env:CreditEnv",
+        f"{_PKG}.credit.env:load_tasks",
+        f"{_PKG}.credit.env:credit_prompt",
         lowercase_actions=True,
         history_length=8,
     ),
     # WebShop: free-form search queries, so admissibility is the env's own judgement (info["action_admissible"]).
     "webshop": EnvEntry(
         "webshop",
-        f"{_PKG}.webshop:WebShopEnv",
-        f"{_PKG}.webshop:load_tasks",
-        f"{_PKG}.webshop:webshop_prompt",
+        f"{_PKG}.webshop.env:WebShopEnv",
+        f"{_PKG}.webshop.env:load_tasks",
+        f"{_PKG}.webshop.env:webshop_prompt",
         admissible_check=False,
     ),
     "search": EnvEntry(
         "search",
-        f"{_PKG}.search:SearchEnv",
-        f"{_PKG}.search:load_tasks",
-        f"{_PKG}.search:search_prompt",
+        f"{_PKG}.search.env:SearchEnv",
+        f"{_PKG}.search.env:load_tasks",
+        f"{_PKG}.search.env:search_prompt",
         action_tags=("search", "answer"),
         admissible_check=False,
         history_length=4,
@@ -83,8 +83,8 @@ _BUILTIN: dict[str, EnvEntry] = {
     # Test environment with injected faults (raise / hang / die at a given step); tasks via toy.faulty_tasks.
     "codeword_faulty": EnvEntry(
         "codeword_faulty",
-        f"{_PKG}.toy:FaultyCodewordEnv",
-        f"{_PKG}.toy:load_tasks",
+        f"{_PKG}.codeword.env:FaultyCodewordEnv",
+        f"{_PKG}.codeword.env:load_tasks",
         f"{_PKG}.prompts:codeword_prompt",
         lowercase_actions=True,
         history_length=4,

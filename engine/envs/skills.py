@@ -3,7 +3,8 @@
 Legend: M = turn rows, Lp = student prompt length (left-padded), Lt = teacher prompt length
 (= max_prompt_length, left-padded).
 
-A skill bank lives in ``skills/<env>/``: ``skill_mapping.json`` with
+A skill bank lives in ``<env>/skills/`` beside the environment (or in ``<root>/<env>/`` of a run's own banks):
+``skill_mapping.json`` with
 
 * ``skill_files``: skill name -> markdown file (``general_skills`` is the general skill);
 * ``task_to_skill``: task type -> skill name (its order is the lookup order);
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SKILLS_ROOT = Path(__file__).resolve().parent / "skills"
+ENVS_ROOT = Path(__file__).resolve().parent  # the packaged bank of ``env``: ``<family folder>/skills/``
 GENERAL = "general_skills"
 HEADER = "[Privileged Skill Information]\n"
 _DATA_SOURCE_SKILL = {
@@ -106,13 +107,17 @@ class SkillBank:
 _CACHE: dict[tuple[str, str], SkillBank] = {}
 
 
+def bank_folder(env: str, root: str | os.PathLike | None = None) -> Path:
+    """The folder of ``env``'s skill bank: ``<root>/<env>/``, or the packaged one in the environment's folder."""
+    return Path(root) / env if root is not None else ENVS_ROOT / env / "skills"
+
+
 def load_skill_bank(env: str, root: str | os.PathLike | None = None) -> SkillBank:
     """Load ``<root>/<env>/skill_mapping.json`` and its markdown files (root: the packaged skills)."""
-    base = Path(root) if root is not None else SKILLS_ROOT
-    key = (str(base), env)
+    folder = bank_folder(env, root)
+    key = (str(folder), env)
     if key in _CACHE:
         return _CACHE[key]
-    folder = base / env
     mapping_path = folder / "skill_mapping.json"
     if not mapping_path.is_file():
         raise ValueError(f"env: no skill bank at {mapping_path}")
@@ -143,8 +148,7 @@ def skill_lookup(
     The row dict may carry ``gamefile``, ``data_source`` and ``prompt_text`` (the decoded student prompt,
     used by the keyword and "which ... or" rules).
     """
-    base = Path(root) if root is not None else SKILLS_ROOT
-    if not (base / env / "skill_mapping.json").is_file():
+    if not (bank_folder(env, root) / "skill_mapping.json").is_file():
         return None
     bank = load_skill_bank(env, root)
 

@@ -7,9 +7,9 @@ import random
 from pathlib import Path
 
 import pytest
-from alignopsd.engine.envs import alfworld_env as A
-from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, sample_game
-from alignopsd.engine.envs.alfworld_textworld import make_textworld_env, memoize_textworld_parsers
+from alignopsd.engine.envs.alfworld import env as A
+from alignopsd.engine.envs.alfworld.gen import CATEGORY, TASK_TYPES, sample_game
+from alignopsd.engine.envs.alfworld.textworld import make_textworld_env, memoize_textworld_parsers
 from alignopsd.engine.envs.manager import EnvManager
 
 FIXTURE = Path(__file__).resolve().parents[1] / "assets" / "alfworld_fixture"

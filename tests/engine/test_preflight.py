@@ -19,9 +19,9 @@ from alignopsd.engine.config.preflight import (
     webshop_official_data,
 )
 from alignopsd.engine.config.schema import ConfigError, load_config
-from alignopsd.engine.envs.alfworld_env import load_tasks as alfworld_load_tasks
-from alignopsd.engine.envs.retriever import URL_ENV_VAR
-from alignopsd.engine.envs.search import load_tasks as search_load_tasks
+from alignopsd.engine.envs.alfworld.env import load_tasks as alfworld_load_tasks
+from alignopsd.engine.envs.search.env import load_tasks as search_load_tasks
+from alignopsd.engine.envs.search.retriever import URL_ENV_VAR
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}

@@ -8,9 +8,9 @@ import re
 
 import pytest
 import torch
+from alignopsd.engine.envs.codeword.env import faulty_tasks
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
-from alignopsd.engine.envs.toy import faulty_tasks
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
 from alignopsd.engine.step.rollout import collect_rollouts, default_truncation, truncate_left
 from generator_double import GeneratorDouble

@@ -18,9 +18,9 @@ from alignopsd.engine.commands.sft import (
     sft_train,
 )
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.envs.alfworld_env import collect_games
-from alignopsd.engine.envs.alfworld_expert import expert_turns
-from alignopsd.engine.envs.alfworld_gen import game_facts, generate_games
+from alignopsd.engine.envs.alfworld.env import collect_games
+from alignopsd.engine.envs.alfworld.expert import expert_turns
+from alignopsd.engine.envs.alfworld.gen import game_facts, generate_games
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import GenerationOutput
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, generate_games
-from alignopsd.engine.envs.alfworld_textworld import make_textworld_env
+from alignopsd.engine.envs.alfworld.gen import CATEGORY, TASK_TYPES, generate_games
+from alignopsd.engine.envs.alfworld.textworld import make_textworld_env
 from alignopsd.engine.envs.base import StepResult, TaskSpec
 
 GEN_VERSION = "1"  # bump when the generator's output changes; part of the cache key

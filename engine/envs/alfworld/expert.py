@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from alignopsd.engine.envs.alfworld_gen import game_facts
+from alignopsd.engine.envs.alfworld.gen import game_facts
 
 SEARCH_DETOURS = 2  # receptacles the expert searches before the object's place (see expert_turns)
 

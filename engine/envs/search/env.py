@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from alignopsd.engine.envs.base import StepResult, TaskSpec
-from alignopsd.engine.envs.corpus_index import CorpusRetriever, Document
 from alignopsd.engine.envs.prompts import PromptBuilder, PromptContext
-from alignopsd.engine.envs.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
-from alignopsd.engine.envs.search_data import (
+from alignopsd.engine.envs.search.corpus_index import CorpusRetriever, Document
+from alignopsd.engine.envs.search.data import (
     SOURCES,
     TRAIN_SOURCES,
     default_corpus_path,
@@ -42,6 +41,7 @@ from alignopsd.engine.envs.search_data import (
     load_searchr1_parquet,
     split_questions,
 )
+from alignopsd.engine.envs.search.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
 
 SUCCESS_REWARD = 10.0
 TOPK = 3

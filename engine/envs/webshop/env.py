@@ -19,7 +19,7 @@ Observation: the page's elements, each quoted, joined by `` [SEP] `` (the instru
 because the prompt shows the task; verl-agent formats WebShop pages this way). The original text is in
 ``info["raw_observation"]``. Selected options are listed after the item page as ``You have clicked <v>.``.
 
-Reward: the original ``get_reward`` (engine/envs/webshop_reward.py). Trainer reward: 10 when the score is 1, else 0
+Reward: the original ``get_reward`` (engine/envs/webshop/reward.py). Trainer reward: 10 when the score is 1, else 0
 (``info["won"]``); the raw score is ``info["task_score"]``.
 """
 
@@ -32,8 +32,8 @@ from typing import Any
 
 from alignopsd.engine.envs.base import StepResult, TaskSpec
 from alignopsd.engine.envs.prompts import PromptBuilder
-from alignopsd.engine.envs.webshop_data import Catalogue, get_catalogue, normalise_source
-from alignopsd.engine.envs.webshop_reward import get_reward
+from alignopsd.engine.envs.webshop.data import Catalogue, get_catalogue, normalise_source
+from alignopsd.engine.envs.webshop.reward import get_reward
 
 from alignopsd.rectification import parse_webshop_action
 
