@@ -21,6 +21,21 @@ class ConfigError(ValueError):
     """A configuration key or value is invalid (the message names the dotted key)."""
 
 
+README_HINT = 'see README.md, "Running the paper\'s experiments"'
+"""Where the paper's setup (official data, models) is explained; named by the pre-flight messages."""
+
+
+def official_data_error(what: str, fix: str) -> ConfigError:
+    """The error of an environment's official-data check (``env.require_official_data``): what is missing, and the
+    fix."""
+    return ConfigError(f"env.require_official_data: {what}; {fix} ({README_HINT})")
+
+
+def official_splits(cfg) -> tuple[str, ...]:
+    """The splits a run reads (``env.split``, then ``env.val_split``), each once: what an official-data check checks."""
+    return tuple(dict.fromkeys((cfg.env.split, cfg.env.val_split)))
+
+
 def rule(key: str, reason: str) -> PydanticCustomError:
     """The error a validator raises for a rule over several fields: ``key`` (dotted, relative to the model the
     validator belongs to) is the field to blame, ``reason`` says what is wrong."""

@@ -44,3 +44,19 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult:
         """Apply an already-parsed action string."""
         ...
+
+
+def percent(metrics: dict[str, float], key: str) -> float | None:
+    """``metrics[key]`` (a fraction) as a percentage; None when the metric is absent."""
+    v = metrics.get(key)
+    return None if v is None else 100.0 * v
+
+
+def success_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table of an environment without columns of its own: the success rate, then the success of
+    each task category (percentages)."""
+    out: dict[str, float | None] = {"Success": percent(metrics, "episode/success_rate")}
+    for k in sorted(metrics):
+        if k.startswith("episode/success/"):
+            out[k.split("/")[-1]] = 100.0 * metrics[k]
+    return out

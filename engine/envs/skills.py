@@ -28,6 +28,7 @@ prompt`` (decoded with special tokens kept), re-tokenised without special tokens
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -36,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from alignopsd.engine.envs.registry import get_entry
 from torch import Tensor
 
-ENVS_ROOT = Path(__file__).resolve().parent  # the packaged bank of ``env``: ``<family folder>/skills/``
 GENERAL = "general_skills"
 HEADER = "[Privileged Skill Information]\n"
 _DATA_SOURCE_SKILL = {
@@ -108,8 +109,14 @@ _CACHE: dict[tuple[str, str], SkillBank] = {}
 
 
 def bank_folder(env: str, root: str | os.PathLike | None = None) -> Path:
-    """The folder of ``env``'s skill bank: ``<root>/<env>/``, or the packaged one in the environment's folder."""
-    return Path(root) / env if root is not None else ENVS_ROOT / env / "skills"
+    """The folder of ``env``'s skill bank: ``<root>/<env>/``, or the packaged one, the ``skills/`` folder of its
+    registry entry's ``skills`` package (an environment without one has no packaged bank: a folder that is not)."""
+    if root is not None:
+        return Path(root) / env
+    package = get_entry(env).skills
+    if package is None:
+        return Path(os.devnull) / env
+    return Path(importlib.import_module(package).__file__).resolve().parent / "skills"
 
 
 def load_skill_bank(env: str, root: str | os.PathLike | None = None) -> SkillBank:

@@ -261,7 +261,7 @@ def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:
         **cfg.env.options,
     )
     seed = cfg.trainer.seed
-    pool = {"pool_size": cfg.env.num_games} if (cfg.env.name == "alfworld" and not cfg.env.data_dir) else {}
+    pool = {"pool_size": cfg.env.num_games} if (env.entry.task_pool and not cfg.env.data_dir) else {}
     train_tasks = env.task_source(cfg.env.split, n=cfg.env.num_games, seed=seed, **pool)
     val_pool = {"pool_size": cfg.env.val_tasks} if pool else {}
     val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed, **val_pool)

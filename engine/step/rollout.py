@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from alignopsd.engine.envs.prompts import chat_text
+from alignopsd.engine.envs.registry import TRUNCATION_MODES, get_entry
 from alignopsd.engine.envs.skills import build_teacher_prompts, teacher_prompt_text
 from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
@@ -56,7 +57,6 @@ from alignopsd.engine.step.batch import TurnBatch
 
 log = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left")
 VAL_TEMPERATURE = 0.4
 
 
@@ -66,8 +66,8 @@ def _seed(seed: int, *parts: object) -> int:
 
 
 def default_truncation(env_name: str) -> str:
-    """§1.3: ``left`` for Search, ``error`` for ALFWorld/WebShop (and any other environment)."""
-    return "left" if str(env_name).lower().startswith("search") else "error"
+    """§1.3: the environment's registry entry decides (``left`` for Search, ``error`` for ALFWorld/WebShop)."""
+    return get_entry(env_name).truncation
 
 
 def truncate_left(ids: list[int], max_len: int) -> tuple[list[int], bool]:

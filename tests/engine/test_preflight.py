@@ -10,18 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from alignopsd.engine.config.preflight import (
-    README_HINT,
-    alfworld_official_data,
-    env_option_names,
-    preflight,
-    search_official_data,
-    webshop_official_data,
-)
+from alignopsd.engine.config.errors import README_HINT
+from alignopsd.engine.config.preflight import env_option_names, preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.envs.alfworld.env import load_tasks as alfworld_load_tasks
+from alignopsd.engine.envs.alfworld.official import alfworld_official_data
 from alignopsd.engine.envs.search.env import load_tasks as search_load_tasks
+from alignopsd.engine.envs.search.official import search_official_data
 from alignopsd.engine.envs.search.retriever import URL_ENV_VAR
+from alignopsd.engine.envs.webshop.official import webshop_official_data
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}

@@ -30,7 +30,7 @@ from typing import Any
 
 from alignopsd.engine.envs.alfworld.gen import CATEGORY, TASK_TYPES, generate_games
 from alignopsd.engine.envs.alfworld.textworld import make_textworld_env
-from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 
 GEN_VERSION = "1"  # bump when the generator's output changes; part of the cache key
 SPLITS = ("train", "valid_seen", "valid_unseen")
@@ -246,4 +246,11 @@ def category_success(results: Iterable[dict[str, Any]]) -> dict[str, float]:
     out = {label: 100.0 * sum(wins[label]) / len(wins[label]) for label in TABLE1_LABELS.values() if label in wins}
     if allw:
         out["All"] = 100.0 * sum(allw) / len(allw)
+    return out
+
+
+def table_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table (Table 1): success per task category and their average (All), in percent."""
+    out = {label: percent(metrics, f"episode/success/{key}") for key, label in TABLE1_LABELS.items()}
+    out["All"] = percent(metrics, "episode/success_rate")
     return out

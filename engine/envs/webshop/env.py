@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.envs.webshop.data import Catalogue, get_catalogue, normalise_source
 from alignopsd.engine.envs.webshop.reward import get_reward
@@ -375,3 +375,8 @@ def webshop_prompt(history_length: int = 2) -> PromptBuilder:
         exclude_actions=(),
         max_chars=MAX_PROMPT_CHARS,
     )
+
+
+def table_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table: mean task score (Score) and success rate (Acc), in percent."""
+    return {"Score": percent(metrics, "episode/task_score_mean"), "Acc": percent(metrics, "episode/success_rate")}
