@@ -19,7 +19,7 @@ from alignopsd.algorithm_sections import AlignmentLossConfig, OpsdConfig, Rectif
 from alignopsd.config_loader import apply_overrides, from_dict, override_mapping, to_dict
 from alignopsd.config_values import bool_field, choice_field, real_field
 from alignopsd.credit_config import CreditConfig
-from alignopsd.estimators import ESTIMATORS
+from alignopsd.estimators import ESTIMATOR_SECTIONS, ESTIMATORS
 
 __all__ = [
     "ABLATIONS",
@@ -117,6 +117,22 @@ class AlgorithmConfig:
     """Dual-clip constant c (> 1) for negative advantages."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation; the method requires 'token-mean' (with 1/k row weights)."""
+    registered: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Sections of estimators registered with ``settings=`` (section key -> its dataclass instance), read and written
+    as ``algorithm.<key>``; the run's estimator's own section is always present (its defaults when not given)."""
+
+    @staticmethod
+    def _registered_sections() -> dict[str, type]:
+        return dict(ESTIMATOR_SECTIONS)
+
+    def section(self, name: str) -> Any:
+        """A config section by its key: a field of this class or a registered estimator's (``settings=``)."""
+        if name in _sections(type(self)):
+            return getattr(self, name)
+        if name not in self.registered:
+            known = [*_sections(type(self)), *self.registered]
+            raise ValueError(f"section: no config section {name!r}; this config has {', '.join(known)}")
+        return self.registered[name]
 
     _DERIVED: typing.ClassVar[dict[str, str]] = {
         **{f"credit.{k}": v for k, v in _CREDIT_SYNC.items()},
@@ -143,6 +159,9 @@ class AlgorithmConfig:
         real_field("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
         if self.loss_agg_mode != "token-mean":
             raise ValueError(f"loss_agg_mode: must be 'token-mean' (§3.12), got {self.loss_agg_mode!r}")
+        own = ESTIMATORS[self.estimator].section
+        if own is not None and own not in self.registered:  # the run's estimator's section, at its defaults
+            self.registered[own] = ESTIMATOR_SECTIONS[own]()
         consumer_m2 = ESTIMATORS[self.estimator].mechanism2
         if self.mechanism2_enabled is None:
             self.mechanism2_enabled = consumer_m2

@@ -19,6 +19,7 @@ invalid-action residual of §3.10 (``grpo`` is therefore exactly AlignOPSD with 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from alignopsd.rectification import Rectified, rectify
 
 __all__ = [
     "ESTIMATORS",
+    "ESTIMATOR_SECTIONS",
     "EstimatorInputs",
     "EstimatorName",
     "EstimatorOutput",
@@ -117,6 +119,7 @@ class EstimatorSpec:
     outcome_scaled: bool
     description: str
     loss_separable: bool = True
+    section: str | None = None  # the key of its own config section (``settings=`` of its registration)
 
     def needs_teacher_diag(self, config: EstimatorConfig) -> bool:
         """Diagonal teacher log-probs are needed (always with alignment)."""
@@ -145,6 +148,11 @@ class EstimatorSpec:
 
 ESTIMATORS: dict[str, EstimatorSpec] = {}
 
+ESTIMATOR_SECTIONS: dict[str, type] = {}
+"""Config sections registered with an estimator (``settings=``): section key -> its dataclass. The algorithm
+config reads and writes them under ``algorithm.<key>`` like its own sections; an estimator reads its own with
+``config.section(key)``."""
+
 
 def register_estimator(
     name: str | EstimatorName,
@@ -156,12 +164,26 @@ def register_estimator(
     outcome_scaled: bool = False,
     description: str = "",
     loss_separable: bool = True,
+    settings: type | None = None,
+    section: str | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an estimator under ``name`` with its declared needs (see :class:`EstimatorSpec`);
-    a duplicate name raises ValueError."""
+    a duplicate name raises ValueError.
+
+    settings: the dataclass of the estimator's own config section, read and written as ``algorithm.<section>``
+    (``section`` defaults to the estimator's name; the dataclass's defaults apply when the config omits it; the
+    estimator reads it as ``config.section(section)``). Nothing else needs editing."""
     key = name.value if isinstance(name, EstimatorName) else name
     if not isinstance(key, str) or not key:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    section = key if section is None else section
+    if settings is not None:
+        if not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
+            raise ValueError(f"settings: expected a dataclass type, got {settings!r}")
+        if not isinstance(section, str) or not section.isidentifier():
+            raise ValueError(f"section: expected an identifier, got {section!r}")
+        if section in ESTIMATOR_SECTIONS and ESTIMATOR_SECTIONS[section] is not settings:
+            raise ValueError(f"section: {section!r} is already registered with {ESTIMATOR_SECTIONS[section].__name__}")
     _check_need(needs_teacher_diag, "needs_teacher_diag")
     _check_need(aux, "aux")
     for flag, value in (
@@ -176,6 +198,8 @@ def register_estimator(
     def deco(fn: EstimatorFn) -> EstimatorFn:
         if key in ESTIMATORS:
             raise ValueError(f"name: estimator {key!r} is already registered")
+        if settings is not None:
+            ESTIMATOR_SECTIONS[section] = settings
         ESTIMATORS[key] = EstimatorSpec(
             name=key,
             fn=fn,
@@ -186,6 +210,7 @@ def register_estimator(
             outcome_scaled=outcome_scaled,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             loss_separable=loss_separable,
+            section=section if settings is not None else None,
         )
         return fn
 

@@ -466,3 +466,55 @@ def test_register_estimator_checks_declared_needs():
     with pytest.raises(ValueError, match="outcome_scaled"):
         register_estimator("bad_scaled", outcome_scaled=1)(lambda inp, cfg: None)
     assert "bad_aux" not in ESTIMATORS and "bad_scaled" not in ESTIMATORS
+
+
+@pytest.fixture
+def scaled_estimator():
+    """A user estimator with a config section of its own: one registered function plus one config class."""
+    from alignopsd.config_values import real_field
+    from alignopsd.estimators import ESTIMATOR_SECTIONS
+
+    @dataclasses.dataclass
+    class ScaledConfig:
+        scale: float = 2.0
+
+        def __post_init__(self) -> None:
+            real_field("scale", self.scale, lo=0.0)
+
+    @register_estimator("scaled_grpo", settings=ScaledConfig, outcome_scaled=True)
+    def scaled_grpo(inp, cfg):
+        """GRPO with its token advantage scaled by ``algorithm.scaled_grpo.scale``."""
+        out = get_estimator("grpo")(inp, cfg)
+        out.token_advantage = out.token_advantage * cfg.section("scaled_grpo").scale
+        return out
+
+    try:
+        yield ScaledConfig
+    finally:
+        ESTIMATORS.pop("scaled_grpo", None)
+        ESTIMATOR_SECTIONS.pop("scaled_grpo", None)
+
+
+def test_an_estimator_with_settings_of_its_own(scaled_estimator):
+    from alignopsd.config import from_dict, to_dict
+
+    cfg = from_dict(AlgorithmConfig, {"estimator": "scaled_grpo", "kl_coef": 0.0, "scaled_grpo": {"scale": 3.0}})
+    assert cfg.section("scaled_grpo") == scaled_estimator(scale=3.0)
+    assert cfg.section("sdar") is cfg.sdar  # the built-in sections answer by the same key
+    assert to_dict(cfg)["scaled_grpo"] == {"scale": 3.0}  # stored with the run, reloaded identically
+    assert from_dict(AlgorithmConfig, to_dict(cfg)).section("scaled_grpo").scale == 3.0
+    assert apply_overrides(cfg, ["scaled_grpo.scale=5"]).section("scaled_grpo").scale == 5.0
+    assert AlgorithmConfig(estimator="scaled_grpo").section("scaled_grpo") == scaled_estimator()  # defaults
+    assert "scaled_grpo" not in to_dict(AlgorithmConfig())  # other runs' stored config is unchanged
+    with pytest.raises(ValueError, match="scaled_grpo.scale"):
+        from_dict(AlgorithmConfig, {"estimator": "scaled_grpo", "scaled_grpo": {"scale": -1.0}}, "algorithm")
+    with pytest.raises(ValueError, match="scaled_grpo.bogus: unknown key"):
+        from_dict(AlgorithmConfig, {"estimator": "scaled_grpo", "scaled_grpo": {"bogus": 1}})
+    with pytest.raises(ValueError, match="no config section 'scaled_grpo'"):
+        AlgorithmConfig().section("scaled_grpo")
+    with pytest.raises(ValueError, match="settings: expected a dataclass"):
+        register_estimator("other", settings=dict)
+    inp = _batch()
+    plain = get_estimator("grpo")(inp, AlgorithmConfig(estimator="grpo", kl_coef=0.0)).token_advantage
+    scaled = get_estimator("scaled_grpo")(inp, cfg).token_advantage
+    assert plain.abs().sum() > 0 and torch.allclose(scaled, 3.0 * plain)
