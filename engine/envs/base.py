@@ -19,8 +19,8 @@ class TaskSpec:
     env: str  # "alfworld" | "webshop" | "search" | test environments
     category: str  # task type (ALFWorld: pick/look/clean/heat/cool/pick2; Search: data source; ...)
     data_source: str = "text"  # ALGORITHM.md §1.1: "text" for ALFWorld/WebShop, nq/hotpotqa/... for Search
-    gamefile: str | None = None  # ALFWorld only
     payload: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # env-specific data
+    # (ALFWorld: its game file, ``payload["gamefile"]``; what rows carry of it is the entry's ``task_info``)
 
 
 @dataclass

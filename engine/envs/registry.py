@@ -23,6 +23,8 @@ the parent; worker processes then still need the factory importable by its path)
   the task source looks (``env.require_official_data``; None: the environment has none).
 * ``action_rule``: the rule of the teacher pass's action filter (alignopsd.actions; ``"webshop"``: search/click).
 * ``skills``: the package whose ``skills/`` folder holds the environment's skill bank (engine/envs/skills.py).
+* ``task_info``: ``fn(task) -> dict`` merged into every row's info: what the row metadata and the skill bank read
+  of the task's own ``payload`` (ALFWorld: its ``gamefile``); None: nothing.
 
 Everything environment-specific the engine needs is one of these fields: an environment is its folder plus its
 entry.
@@ -52,6 +54,7 @@ class EnvEntry:
     official_data: str | None = None  # "module:attr" -> fn(cfg, environ): env.require_official_data's check
     action_rule: str | None = None  # the teacher pass's action rule (alignopsd.actions): "webshop" or None
     skills: str | None = None  # package whose skills/ folder holds the packaged skill bank (None: none)
+    task_info: str | None = None  # "module:attr" -> fn(task) -> dict: what each row carries of its task's payload
 
 
 _PKG = "alignopsd.engine.envs"
@@ -67,6 +70,7 @@ _BUILTIN: dict[str, EnvEntry] = {
         eval_columns=f"{_PKG}.alfworld.env:table_columns",
         official_data=f"{_PKG}.alfworld.official:check_official_data",
         skills=f"{_PKG}.alfworld",
+        task_info=f"{_PKG}.alfworld.env:task_info",
     ),
     "codeword": EnvEntry(
         "codeword",

@@ -137,7 +137,7 @@ def test_alfworld_check_accepts_what_the_loader_reads_as_official(tmp_path, monk
     monkeypatch.setenv("ALFWORLD_DATA", str(root))
     assert alfworld_official_data(None, ("train",), dict(os.environ)) == root
     tasks = alfworld_load_tasks("train", n=2, data_dir=None)
-    assert {t.payload["source"] for t in tasks} == {"official"} and tasks[0].gamefile.startswith(str(root))
+    assert {t.payload["source"] for t in tasks} == {"official"} and tasks[0].payload["gamefile"].startswith(str(root))
 
 
 def test_webshop_official_data(tmp_path):
