@@ -1,7 +1,7 @@
 """WebShop data: the generated offline catalogue and goal set, and the adapter for the original WebShop files.
 
 Both produce the same normalised layout, the one the original engine builds in ``load_products`` /
-``get_human_goals`` (so ``webshop.py`` and its reward work on either):
+``get_human_goals`` (so ``env.py`` and its reward work on either):
 
 product: ``asin, name, Title, category, query, product_category ("A › B › C"), Description,
 BulletPoints (list), Reviews (list of {title, body, score}), Rating, pricing (1 or 2 floats), Price (tag),

@@ -1,4 +1,4 @@
-"""WebShop in its original text mode, over the generated catalogue or the original data (webshop_data.py).
+"""WebShop in its original text mode, over the generated catalogue or the original data (data.py).
 
 Pages and clickables (lower-cased, as the original lists them; clicks match case-insensitively):
 
