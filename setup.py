@@ -9,6 +9,7 @@ back to its Python paths (it says so once at import).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -44,8 +45,12 @@ class OptionalBuildExt(build_ext):
             print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
 
 
-# environment families: one package each, its skill bank (if any) in its skills/ folder
-ENV_FAMILIES = ["alfworld", "codeword", "credit", "search", "webshop"]
+# environment families: every package folder under engine/envs/ (its skill bank, if any, in its skills/ folder), found
+# here so that adding an environment's folder needs no edit of this file
+ENVS = Path(__file__).resolve().parent / "engine" / "envs"
+ENV_FAMILIES = sorted(p.parent.name for p in ENVS.glob("*/__init__.py"))
+# the skill banks are data folders, declared as (namespace) packages so that their files are installed
+SKILL_PACKAGES = [f"alignopsd.engine.envs.{f}.skills" for f in ENV_FAMILIES if (ENVS / f / "skills").is_dir()]
 
 setup(
     packages=[
@@ -63,6 +68,7 @@ setup(
         "alignopsd.engine.generation",
         "alignopsd.engine.policy.megatron",
         *(f"alignopsd.engine.envs.{family}" for family in ENV_FAMILIES),
+        *SKILL_PACKAGES,
     ],
     package_dir={
         "alignopsd": "alignopsd",
@@ -80,8 +86,7 @@ setup(
         "alignopsd.engine.policy.megatron": "engine/policy/megatron",
         **{f"alignopsd.engine.envs.{family}": f"engine/envs/{family}" for family in ENV_FAMILIES},
     },
-    # the skill banks are data folders inside the environment packages
-    package_data={f"alignopsd.engine.envs.{family}": ["skills/*.md", "skills/*.json"] for family in ENV_FAMILIES},
+    package_data={name: ["*.md", "*.json"] for name in SKILL_PACKAGES},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
 )
