@@ -190,7 +190,7 @@ def test_weight_sync_gathers_one_part_at_a_time_to_rank_0():
 
     import torch.distributed as dist
 
-    class PartWatcher:
+    class PartWatcher(GeneratorDouble):
         """Loads nothing (keeps a checksum); records, per weight, how many earlier parts' weights are alive."""
 
         def __init__(self, tied: bool, stop_after: int | None = None) -> None:
