@@ -9,6 +9,7 @@ back to its Python paths (it says so once at import).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -44,7 +45,12 @@ class OptionalBuildExt(build_ext):
             print(f"alignopsd: C++ extension not built ({exc}); using the Python path", file=sys.stderr)
 
 
-SKILL_DIRS = [f"alignopsd.engine.envs.skills.{env}" for env in ("alfworld", "credit", "search", "webshop")]
+# environment families: every package folder under engine/envs/ (its skill bank, if any, in its skills/ folder), found
+# here so that adding an environment's folder needs no edit of this file
+ENVS = Path(__file__).resolve().parent / "engine" / "envs"
+ENV_FAMILIES = sorted(p.parent.name for p in ENVS.glob("*/__init__.py"))
+# the skill banks are data folders, declared as (namespace) packages so that their files are installed
+SKILL_PACKAGES = [f"alignopsd.engine.envs.{f}.skills" for f in ENV_FAMILIES if (ENVS / f / "skills").is_dir()]
 
 setup(
     packages=[
@@ -61,7 +67,8 @@ setup(
         "alignopsd.engine.policy",
         "alignopsd.engine.generation",
         "alignopsd.engine.policy.megatron",
-        *SKILL_DIRS,
+        *(f"alignopsd.engine.envs.{family}" for family in ENV_FAMILIES),
+        *SKILL_PACKAGES,
     ],
     package_dir={
         "alignopsd": "alignopsd",
@@ -77,10 +84,9 @@ setup(
         "alignopsd.engine.policy": "engine/policy",
         "alignopsd.engine.generation": "engine/generation",
         "alignopsd.engine.policy.megatron": "engine/policy/megatron",
-        **{name: "engine/envs/skills/" + name.rsplit(".", 1)[1] for name in SKILL_DIRS},
+        **{f"alignopsd.engine.envs.{family}": f"engine/envs/{family}" for family in ENV_FAMILIES},
     },
-    # the skill banks are data directories: declared as (namespace) packages so their files are installed
-    package_data={name: ["*.md", "*.json"] for name in SKILL_DIRS},
+    package_data={name: ["*.md", "*.json"] for name in SKILL_PACKAGES},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
 )

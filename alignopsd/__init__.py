@@ -19,12 +19,12 @@ _EXPORTS: dict[str, str] = {
     "eligibility": "selection",
     "select_sources": "selection",
     "action_filter": "actions",
-    "rectify": "rectify",
-    "Rectified": "rectify",
+    "rectify": "rectification",
+    "Rectified": "rectification",
     "similarity_matrix": "selection",
     "pairs_from_selection": "selection",
-    "cross_inputs": "rectify",
-    "policy_mask": "rectify",
+    "cross_inputs": "rectification",
+    "policy_mask": "rectification",
     # mechanism 2
     "correspondence_profiles": "profiles",
     "boundary_scores": "profiles",
@@ -87,8 +87,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'alignopsd' has no attribute {name!r}")
     mod = importlib.import_module(f"alignopsd.{module}")
-    # `rectify` is both a submodule and an API function; the (callable) submodule serves as both
-    value = mod if name == module else getattr(mod, name)
+    value = getattr(mod, name)
     globals()[name] = value
     return value
 

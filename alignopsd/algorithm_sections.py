@@ -9,7 +9,7 @@ can be typed without importing the config module, which checks estimator names a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from alignopsd.config_values import bool_field, choice_field, int_field, real_field
 from alignopsd.credit_config import CreditConfig
@@ -147,3 +147,7 @@ class EstimatorConfig(Protocol):
 
     @property
     def effective_alpha_max(self) -> float: ...
+
+    def section(self, name: str) -> Any:
+        """A config section by its key: one of the above, or one registered with an estimator (``settings=``)."""
+        ...

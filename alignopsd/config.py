@@ -10,6 +10,7 @@ never executed). No file I/O here: the engine reads YAML files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from alignopsd.algorithm_sections import AlignmentLossConfig, OpsdConfig, Rectif
 from alignopsd.config_loader import apply_overrides, from_dict, override_mapping, to_dict
 from alignopsd.config_values import bool_field, choice_field, real_field
 from alignopsd.credit_config import CreditConfig
-from alignopsd.estimators import ESTIMATORS
+from alignopsd.estimators import ESTIMATOR_SECTIONS, ESTIMATORS
 
 __all__ = [
     "ABLATIONS",
@@ -56,6 +57,14 @@ def _getpath(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
     return obj
+
+
+@functools.cache
+def _sections(cls: type) -> dict[str, type]:
+    """The config sections of ``cls`` (field name -> its dataclass), read from its annotations: a section added
+    as a field is checked without a list kept by hand."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
 
 
 @dataclass
@@ -108,6 +117,22 @@ class AlgorithmConfig:
     """Dual-clip constant c (> 1) for negative advantages."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation; the method requires 'token-mean' (with 1/k row weights)."""
+    registered: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Sections of estimators registered with ``settings=`` (section key -> its dataclass instance), read and written
+    as ``algorithm.<key>``; the run's estimator's own section is always present (its defaults when not given)."""
+
+    @staticmethod
+    def _registered_sections() -> dict[str, type]:
+        return dict(ESTIMATOR_SECTIONS)
+
+    def section(self, name: str) -> Any:
+        """A config section by its key: a field of this class or a registered estimator's (``settings=``)."""
+        if name in _sections(type(self)):
+            return getattr(self, name)
+        if name not in self.registered:
+            known = [*_sections(type(self)), *self.registered]
+            raise ValueError(f"section: no config section {name!r}; this config has {', '.join(known)}")
+        return self.registered[name]
 
     _DERIVED: typing.ClassVar[dict[str, str]] = {
         **{f"credit.{k}": v for k, v in _CREDIT_SYNC.items()},
@@ -120,14 +145,7 @@ class AlgorithmConfig:
             allowed = ", ".join(map(repr, ESTIMATORS))
             raise ValueError(f"estimator: unknown value {self.estimator!r}; allowed: {allowed}")
         choice_field("ablation", self.ablation, ABLATIONS)
-        for name, cls in (
-            ("rectify", RectifyConfig),
-            ("credit", CreditConfig),
-            ("alignment", AlignmentLossConfig),
-            ("sdar", SdarConfig),
-            ("rlsd", RlsdConfig),
-            ("opsd", OpsdConfig),
-        ):
+        for name, cls in _sections(type(self)).items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
         choice_field("grpo_scope", self.grpo_scope, ("trajectory", "turn"))
@@ -141,6 +159,9 @@ class AlgorithmConfig:
         real_field("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
         if self.loss_agg_mode != "token-mean":
             raise ValueError(f"loss_agg_mode: must be 'token-mean' (§3.12), got {self.loss_agg_mode!r}")
+        own = ESTIMATORS[self.estimator].section
+        if own is not None and own not in self.registered:  # the run's estimator's section, at its defaults
+            self.registered[own] = ESTIMATOR_SECTIONS[own]()
         consumer_m2 = ESTIMATORS[self.estimator].mechanism2
         if self.mechanism2_enabled is None:
             self.mechanism2_enabled = consumer_m2

@@ -3,7 +3,9 @@ values checked by ``alignopsd.config_values``), plain mappings out (:func:`to_di
 overrides (:func:`override_mapping`, :func:`apply_overrides`; values parsed as bounded YAML, never executed).
 
 Generic over the dataclasses it builds: a class may declare ``_check_derived(data, path)`` (called before it is
-built) and ``_DERIVED`` (dotted fields :func:`to_dict` leaves out), as ``alignopsd.config.AlgorithmConfig`` does.
+built), ``_DERIVED`` (dotted fields :func:`to_dict` leaves out) and ``_registered_sections()`` (keys beyond its
+fields, each a section dataclass registered at run time: built here and kept in the instance's ``registered``
+mapping, written back by :func:`to_dict`), as ``alignopsd.config.AlgorithmConfig`` does.
 """
 
 from __future__ import annotations
@@ -36,24 +38,32 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     where = f"{path}." if path else ""
+    registered = getattr(cls, "_registered_sections", None)
+    sections = {k: v for k, v in (registered() if registered is not None else {}).items() if k not in names}
     for k in data:
-        if k not in names:
-            raise ValueError(f"{where}{k}: unknown key; allowed keys here: {', '.join(names)}")
+        if k not in names and k not in sections:
+            raise ValueError(f"{where}{k}: unknown key; allowed keys here: {', '.join([*names, *sections])}")
     check = getattr(cls, "_check_derived", None)
     if check is not None:
         check(data, path)
-    kwargs = {k: coerce_value(f"{where}{k}", hints[k], v, from_dict) for k, v in data.items()}
+    extra = {k: from_dict(sections[k], v, f"{where}{k}") for k, v in data.items() if k in sections}
+    kwargs = {k: coerce_value(f"{where}{k}", hints[k], v, from_dict) for k, v in data.items() if k not in sections}
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except ValueError as exc:
         msg = str(exc)
         raise ValueError(f"{where}{msg}" if path and not msg.startswith(path) else msg) from exc
+    if extra:
+        obj.registered.update(extra)
+    return obj
 
 
 def to_dict(obj: Any) -> Any:
     """Plain mapping of a config (enums → values, tuples → lists); derived fields are left out."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        if getattr(type(obj), "_registered_sections", None) is not None:
+            out.update({k: to_dict(v) for k, v in obj.registered.items()})
         for dotted in getattr(type(obj), "_DERIVED", {}):
             parts = dotted.split(".")
             node = out

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_ndim, check_shape
-from alignopsd.rectify import Rectified, rectify
+from alignopsd.rectification import Rectified, rectify
 from alignopsd.reduction import (
     Stat,
     extreme_max,

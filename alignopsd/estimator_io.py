@@ -8,15 +8,15 @@ Legend: M = canonical turns, L = response length, P = kept M1 pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from alignopsd._checks import as_tensor, check_finite_fast, check_ids, check_ndim, check_shape
+from alignopsd.credit import Credit
 from alignopsd.credit_config import WholeBatch
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified
+from alignopsd.rectification import Rectified
 
 __all__ = ["EstimatorInputs", "EstimatorOutput"]
 
@@ -117,4 +117,4 @@ class EstimatorOutput:
     aux: list[AuxTerm] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     rectified: Rectified | None = None
-    credit: Any = None
+    credit: Credit | None = None

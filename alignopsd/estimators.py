@@ -19,6 +19,7 @@ invalid-action residual of §3.10 (``grpo`` is therefore exactly AlignOPSD with 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,14 +35,16 @@ from alignopsd.credit import allocate_credit
 from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.estimator_io import EstimatorInputs, EstimatorOutput
 from alignopsd.losses import AuxTerm
-from alignopsd.rectify import Rectified, rectify
+from alignopsd.rectification import Rectified, rectify
 from alignopsd.reduction import same, weighted_mean
 
 __all__ = [
     "ESTIMATORS",
+    "ESTIMATOR_SECTIONS",
     "EstimatorInputs",
     "EstimatorName",
     "EstimatorOutput",
+    "EstimatorPhases",
     "EstimatorSpec",
     "get_estimator",
     "rectify_inputs",
@@ -81,6 +84,20 @@ def _check_need(need: Any, name: str) -> Need:
 
 
 @dataclass(frozen=True)
+class EstimatorPhases:
+    """The step phases an estimator needs under a config (:meth:`EstimatorSpec.phases`).
+
+    teacher_diag: diagonal teacher forcing; alignment: teacher generation, encoder, selection and cross scoring
+    (Mechanism 1); ref: reference log-probs (the KL term); mechanism2: Mechanism 2 credit.
+    """
+
+    teacher_diag: bool
+    alignment: bool
+    ref: bool
+    mechanism2: bool
+
+
+@dataclass(frozen=True)
 class EstimatorSpec:
     """A registered estimator: its function and what it declares it needs.
 
@@ -103,6 +120,7 @@ class EstimatorSpec:
     outcome_scaled: bool
     description: str
     loss_separable: bool = True
+    section: str | None = None  # the key of its own config section (``settings=`` of its registration)
 
     def needs_teacher_diag(self, config: EstimatorConfig) -> bool:
         """Diagonal teacher log-probs are needed (always with alignment)."""
@@ -116,20 +134,25 @@ class EstimatorSpec:
         """Reference log-probs are needed iff the KL term is on."""
         return float(config.kl_coef) > 0.0
 
-    def phases(self, config: EstimatorConfig) -> dict[str, bool]:
-        """{'teacher_diag', 'alignment', 'ref', 'mechanism2'}: the step phases to run."""
-        return {
-            "teacher_diag": self.needs_teacher_diag(config),
-            "alignment": self.alignment,
-            "ref": self.needs_ref(config),
-            "mechanism2": self.mechanism2,
-        }
+    def phases(self, config: EstimatorConfig) -> EstimatorPhases:
+        """The step phases to run under ``config``."""
+        return EstimatorPhases(
+            teacher_diag=self.needs_teacher_diag(config),
+            alignment=self.alignment,
+            ref=self.needs_ref(config),
+            mechanism2=self.mechanism2,
+        )
 
     def __call__(self, inputs: EstimatorInputs, config: EstimatorConfig) -> EstimatorOutput:
         return self.fn(inputs, config)
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+ESTIMATOR_SECTIONS: dict[str, type] = {}
+"""Config sections registered with an estimator (``settings=``): section key -> its dataclass. The algorithm
+config reads and writes them under ``algorithm.<key>`` like its own sections; an estimator reads its own with
+``config.section(key)``."""
 
 
 def register_estimator(
@@ -142,12 +165,26 @@ def register_estimator(
     outcome_scaled: bool = False,
     description: str = "",
     loss_separable: bool = True,
+    settings: type | None = None,
+    section: str | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an estimator under ``name`` with its declared needs (see :class:`EstimatorSpec`);
-    a duplicate name raises ValueError."""
+    a duplicate name raises ValueError.
+
+    settings: the dataclass of the estimator's own config section, read and written as ``algorithm.<section>``
+    (``section`` defaults to the estimator's name; the dataclass's defaults apply when the config omits it; the
+    estimator reads it as ``config.section(section)``). Nothing else needs editing."""
     key = name.value if isinstance(name, EstimatorName) else name
     if not isinstance(key, str) or not key:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    section = key if section is None else section
+    if settings is not None:
+        if not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
+            raise ValueError(f"settings: expected a dataclass type, got {settings!r}")
+        if not isinstance(section, str) or not section.isidentifier():
+            raise ValueError(f"section: expected an identifier, got {section!r}")
+        if section in ESTIMATOR_SECTIONS and ESTIMATOR_SECTIONS[section] is not settings:
+            raise ValueError(f"section: {section!r} is already registered with {ESTIMATOR_SECTIONS[section].__name__}")
     _check_need(needs_teacher_diag, "needs_teacher_diag")
     _check_need(aux, "aux")
     for flag, value in (
@@ -162,6 +199,8 @@ def register_estimator(
     def deco(fn: EstimatorFn) -> EstimatorFn:
         if key in ESTIMATORS:
             raise ValueError(f"name: estimator {key!r} is already registered")
+        if settings is not None:
+            ESTIMATOR_SECTIONS[section] = settings
         ESTIMATORS[key] = EstimatorSpec(
             name=key,
             fn=fn,
@@ -172,6 +211,7 @@ def register_estimator(
             outcome_scaled=outcome_scaled,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             loss_separable=loss_separable,
+            section=section if settings is not None else None,
         )
         return fn
 

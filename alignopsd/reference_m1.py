@@ -2,7 +2,7 @@
 
 Legend: M = canonical turns, L = response length, P = pairs. These follow the spec's wording
 line by line, with Python loops and float64 scalars; tests check the vectorised functions of
-:mod:`alignopsd.selection`, :mod:`alignopsd.actions` and :mod:`alignopsd.rectify` against them. Not for
+:mod:`alignopsd.selection`, :mod:`alignopsd.actions` and :mod:`alignopsd.rectification` against them. Not for
 production use. The source selection's (§2.4) oracle is in the tests (``tests/selection_oracle.py``), its only
 copy.
 """

@@ -5,7 +5,7 @@
 Trains the tiny random model (configs/tiny.yaml's run with the benchmark's model, bench/credit_model.py: the
 engine's tiny Llama shape with a vocabulary of the environments' words, so every option of a turn has the same
 number of tokens and the random initial policy is near-uniform over a turn's actions) with the candidate-choice
-generation backend (``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit.py) for
+generation backend (``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit/env.py) for
 every estimator case and seed, each run a real ``Trainer.fit`` with the audit on, and writes the results file and
 its plot (same stem, ``.png``): learning curves, steps to 80 % success, areas under the curve, the mechanisms
 against the ground truth (bench/credit_metrics.py) and a paired comparison of each estimator with GRPO on the

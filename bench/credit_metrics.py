@@ -1,5 +1,5 @@
 """Metrics of the credit-assignment benchmark (bench/credit.py): learning curves over seeds and the mechanisms
-against the environments' ground truth (engine/envs/credit.py).
+against the environments' ground truth (engine/envs/credit/env.py).
 
 Learning (per estimator, over seeds): success per step (the training batch's episode success rate; mean and 95 %
 t-interval over seeds), steps to 80 % success (the first step whose batch success is >= 0.8; median and IQR over

@@ -29,16 +29,16 @@ TEACHER_HEADER = "[Privileged Skill Information]"  # ALGORITHM.md §1.4
 
 
 def _skill_texts() -> list[str]:
-    from alignopsd.engine.envs import credit
+    from alignopsd.engine.envs.credit import env as credit
 
-    bank = Path(credit.__file__).resolve().parent / "skills" / "credit"
+    bank = Path(credit.__file__).resolve().parent / "skills"
     return [p.read_text() for p in sorted(bank.glob("*.md"))]
 
 
 def corpus(episodes_per_kind: int = 8) -> list[str]:
     """Text the benchmark's runs produce: every prompt of a few random-action episodes of each kind (the user
     message of every turn), every candidate response of every turn, the skill texts and the teacher header."""
-    from alignopsd.engine.envs import credit
+    from alignopsd.engine.envs.credit import env as credit
     from alignopsd.engine.envs.prompts import PromptContext
     from alignopsd.engine.generation.choice import candidate_texts
 

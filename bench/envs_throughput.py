@@ -40,7 +40,7 @@ def _search_response(rng: random.Random, info: dict) -> str:
 def run(env: str, episodes: int, workers: int, rounds: int, seed: int) -> dict[str, float]:
     kwargs = {}
     if env == "search":
-        from alignopsd.engine.envs.retriever import ensure_retriever
+        from alignopsd.engine.envs.search.retriever import ensure_retriever
 
         kwargs["retriever_url"] = ensure_retriever({"seed": seed})  # one shared server, started before workers
     policy = _webshop_response if env == "webshop" else _search_response

@@ -322,7 +322,7 @@ def _time_alignment(tag: str, batch: tuple, device: str) -> None:
     from alignopsd.kernels import boundary_scores_blocks, sibling_topk
 
     import alignopsd
-    from alignopsd.rectify import similarity_matrix
+    from alignopsd.rectification import similarity_matrix
 
     te, st, task, roll, turn, sv, tv = batch
 
@@ -357,7 +357,7 @@ def check_core_dispatch(device: str, dry: bool) -> None:
 
     import alignopsd
     from alignopsd.credit import CreditConfig, allocate_credit
-    from alignopsd.rectify import similarity_matrix
+    from alignopsd.rectification import similarity_matrix
 
     tasks, rollouts, turns, D, L = (16, 8, 50, 256, 64) if not dry else (2, 3, 6, 16, 5)
     te, st, task, roll, turn, sv, tv = _turn_batch(tasks, rollouts, turns, D, seed=1)

@@ -71,15 +71,15 @@ def engine_cases() -> list[tuple[str, list[str]]]:
     return cases
 
 
-def expected_phases(declared: dict[str, bool]) -> list[str]:
+def expected_phases(declared) -> list[str]:
     """Profiler phases a step must spend time in, given the estimator's ``phases()`` declaration."""
     out = ["rollout_generation", "environment", "old_logprob", "update", "weight_sync"]
-    out.append("m2" if declared["mechanism2"] else "advantage")
-    if declared["ref"]:
+    out.append("m2" if declared.mechanism2 else "advantage")
+    if declared.ref:
         out.append("reference")
-    if declared["alignment"]:
+    if declared.alignment:
         out += ["teacher_generation", "encoding", "m1_selection", "teacher_forcing"]
-    elif declared["teacher_diag"]:
+    elif declared.teacher_diag:
         out.append("teacher_forcing")
     return out
 

@@ -298,7 +298,7 @@ def alignment_loop_baseline(b: dict) -> dict:
 def alignment_core_dense(b: dict) -> dict:
     """The algorithm core's dense, vectorised path (alignopsd.rectify / alignopsd.credit)."""
     import alignopsd
-    from alignopsd.rectify import similarity_matrix
+    from alignopsd.rectification import similarity_matrix
 
     H = similarity_matrix(b["teacher"], b["student"], b["task"])
     E = alignopsd.eligibility(b["task"], b["rollout"], b["sv"], b["tv"])

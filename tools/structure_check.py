@@ -12,6 +12,9 @@ Checks every tracked ``.py`` file of ``alignopsd/``, ``kernels/``, ``engine/`` a
   inside functions count, and so do imports under ``if TYPE_CHECKING:``: a type named from an upper layer is a
   dependency on it all the same (the step owns the types it is handed). A subpackage missing from the table is a
   finding too, so a new one is placed on purpose. The engine's own top-level modules (``__main__``) sit above all.
+* nothing in ``engine/`` probes a generation backend, a policy backend, an environment or an estimator's output
+  with ``getattr``/``hasattr``/``isinstance``: what the engine reads is declared on the protocol or type
+  (:func:`probes`; the objects are recognised by the names the engine gives them, ``PROBED_NAMES``).
 
 Prints each finding and exits 1 when there is one, 0 otherwise.
 """
@@ -92,6 +95,30 @@ def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
                 visit(child, name + ".")
 
     visit(tree, "")
+    return found
+
+
+# the names the engine gives a generation backend, a policy backend, an environment (or its manager) and an
+# estimator's output (or its parts); ``x`` and ``a.b.x`` both count
+PROBED_NAMES = frozenset(
+    {"generator", "backend", "inner", "policy", "env", "env_manager", "est_out", "estimator_output", "credit"}
+)
+PROBES = ("getattr", "hasattr", "isinstance")
+
+
+def probes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, call) of each ``getattr``/``hasattr``/``isinstance`` whose first argument is one of
+    ``PROBED_NAMES`` (a plain name or an attribute ending in one)."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PROBES):
+            continue
+        if not node.args:
+            continue
+        first = node.args[0]
+        last = first.id if isinstance(first, ast.Name) else first.attr if isinstance(first, ast.Attribute) else None
+        if last in PROBED_NAMES:
+            found.append((node.lineno, ast.unparse(node)))
     return found
 
 
@@ -243,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         for line, target, alias in private:
             findings.append(f"{path}:{line} imports the private name {alias} from {target}")
         findings.extend(layer_findings(tree, name, path, modules))
+        if path.parts[0] == "engine":
+            for line, call in probes(tree):
+                findings.append(f"{path}:{line} probes a contracted object ({call}): declare the member instead")
     for comp in cycles(graph):
         findings.append("import cycle: " + " <-> ".join(comp))
     for f in findings:

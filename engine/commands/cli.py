@@ -32,7 +32,7 @@ def games_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.n < 1:
         p.error(f"--n: must be >= 1, got {args.n}")
-    from alignopsd.engine.envs.alfworld_gen import generate_games
+    from alignopsd.engine.envs.alfworld.gen import generate_games
 
     paths = generate_games(args.n, args.out, seed=args.seed, split=args.split, workers=args.workers)
     print(f"wrote {len(paths)} {args.split} games under {args.out}")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "games":
         run = games_main
     elif cmd == "serve-retriever":
-        from alignopsd.engine.envs.retriever import main as run
+        from alignopsd.engine.envs.search.retriever import main as run
     elif cmd == "memory":
         from alignopsd.engine.policy.megatron.memory import main as run
     else:

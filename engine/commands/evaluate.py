@@ -7,8 +7,10 @@ the result laid out like the paper's Table 1:
 * ALFWorld: success per task category (Pick, Look, Clean, Heat, Cool, Pick2) and their average (All);
 * WebShop: Score (mean task score x 100) and Acc (fraction of fully successful purchases x 100);
 * Search-QA: exact-match accuracy per data source (NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, Musique, Bamboogle)
-  and the average.
+  and the average;
+* any other environment: its success rate and the success of each task category.
 
+The columns are the environment's (``eval_columns`` of its registry entry, engine/envs/registry.py).
 ``--json FILE`` also writes ``{"env", "checkpoint", "episodes", "table": {column: value}, "metrics"}``.
 """
 
@@ -25,51 +27,16 @@ from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, load_weights
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.envs.registry import get_entry, resolve
 from alignopsd.engine.infra.writes import WriteFailure, writing
 from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.run.trainer import Trainer, add_run_args
 from alignopsd.engine.step.episodes import run_validation
 
-ALFWORLD_COLUMNS = (("pick", "Pick"), ("look", "Look"), ("clean", "Clean"), ("heat", "Heat"), ("cool", "Cool"),
-                    ("pick2", "Pick2"))  # fmt: skip
-SEARCH_COLUMNS = (("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA"), ("hotpotqa", "HotpotQA"),
-                  ("2wikimultihopqa", "2Wiki"), ("musique", "Musique"), ("bamboogle", "Bamboogle"))  # fmt: skip
-
 
 def table_values(env: str, metrics: dict[str, float]) -> dict[str, float | None]:
-    """The Table-1 columns of ``env`` (percentages) from validation metrics."""
-    out: dict[str, float | None] = {}
-    if env == "alfworld":
-        for key, label in ALFWORLD_COLUMNS:
-            v = metrics.get(f"episode/success/{key}")
-            out[label] = None if v is None else 100.0 * v
-        sr = metrics.get("episode/success_rate")
-        out["All"] = None if sr is None else 100.0 * sr
-    elif env == "webshop":
-        sc = metrics.get("episode/task_score_mean")
-        sr = metrics.get("episode/success_rate")
-        out["Score"] = None if sc is None else 100.0 * sc
-        out["Acc"] = None if sr is None else 100.0 * sr
-    elif env == "search":
-        present = []
-        for key, label in SEARCH_COLUMNS:
-            v = metrics.get(f"episode/accuracy/{key}")
-            out[label] = None if v is None else 100.0 * v
-            if v is not None:
-                present.append(100.0 * v)
-        extra = sorted(k.split("/")[-1] for k in metrics if k.startswith("episode/accuracy/"))
-        for src in extra:
-            if src not in dict(SEARCH_COLUMNS):
-                out[src] = 100.0 * metrics[f"episode/accuracy/{src}"]
-                present.append(out[src])
-        out["Avg"] = sum(present) / len(present) if present else None
-    else:
-        sr = metrics.get("episode/success_rate")
-        out["Success"] = None if sr is None else 100.0 * sr
-        for k in sorted(metrics):
-            if k.startswith("episode/success/"):
-                out[k.split("/")[-1]] = 100.0 * metrics[k]
-    return out
+    """The evaluation table of ``env`` (percentages) from validation metrics: its registry entry's columns."""
+    return resolve(get_entry(env).eval_columns)(metrics)
 
 
 def format_table(env: str, values: dict[str, float | None], row: str = "policy") -> str:

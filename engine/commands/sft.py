@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from alignopsd.engine.envs.alfworld_expert import SEARCH_DETOURS, ExpertTurn, expert_turns
+from alignopsd.engine.envs.alfworld.expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.tokens.layout import truncate_left
@@ -240,8 +240,8 @@ def easy_games_root(cfg) -> Path:
     """Folder (official layout) of the easy games: pick-and-place in small rooms, expert walkthrough of at most
     ``EASY_MAX_WALKTHROUGH`` steps; ``env.num_games`` training and ``env.val_tasks`` held-out games, generated
     once and cached beside the generated splits."""
-    from alignopsd.engine.envs.alfworld_env import default_cache_dir
-    from alignopsd.engine.envs.alfworld_gen import generate_games
+    from alignopsd.engine.envs.alfworld.env import default_cache_dir
+    from alignopsd.engine.envs.alfworld.gen import generate_games
 
     if cfg.env.name != "alfworld":
         raise ValueError(f"--easy-games: only for env.name alfworld, got {cfg.env.name!r}")

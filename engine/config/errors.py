@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from alignopsd.engine.infra.errors import README_HINT, ConfigError
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
+__all__ = ["RULE", "README_HINT", "ConfigError", "describe", "rule"]
+
 RULE = "config_rule"
 """The pydantic error type of :func:`rule`."""
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is invalid (the message names the dotted key)."""
 
 
 def rule(key: str, reason: str) -> PydanticCustomError:

@@ -94,7 +94,8 @@ def read_run_mapping(path: str | os.PathLike | None, overrides: list[str] | None
         p = Path(path)
         data = read_yaml(p)
         data.setdefault("name", p.stem)
-        env = data.get("env")
-        if isinstance(env, dict) and isinstance(env.get("skills_dir"), str) and not os.path.isabs(env["skills_dir"]):
-            env["skills_dir"] = str((p.resolve().parent / env["skills_dir"]).resolve())  # relative to the file
+        section = data.get("env")
+        skills = section.get("skills_dir") if isinstance(section, dict) else None
+        if isinstance(skills, str) and not os.path.isabs(skills):
+            section["skills_dir"] = str((p.resolve().parent / skills).resolve())  # relative to the file
     return apply_overrides(data, overrides or [])

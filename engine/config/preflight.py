@@ -13,8 +13,8 @@ the key:
 * ``env.options``: every key must be an option of the environment (:func:`env_option_names`), and keys the
   env section sets itself (``max_steps`` is ``env.max_turns``, ...) are refused there;
 * ``env.require_official_data`` (the paper profiles): the benchmark's official files must be where the
-  environment's loader looks for them (:data:`OFFICIAL_DATA_CHECKS`, one function per environment), since the
-  loaders otherwise fall back to generated games, catalogue or knowledge base without a word; the messages
+  environment's loader looks for them (its registry entry's ``official_data``: engine/envs/<family>/official.py),
+  since the loaders otherwise fall back to generated games, catalogue or knowledge base without a word; the messages
   name the missing file or folder, the config key or environment variable that points to it, and the README
   section that explains where it comes from.
 
@@ -28,20 +28,16 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from alignopsd.engine.config.errors import README_HINT
 from alignopsd.engine.config.schema import ConfigError, RunConfig
-from alignopsd.engine.envs.alfworld_env import SPLITS as ALFWORLD_SPLITS
 from alignopsd.engine.envs.manager import EnvManager
-from alignopsd.engine.envs.registry import get_entry, resolve
-from alignopsd.engine.envs.retriever import URL_ENV_VAR
-from alignopsd.engine.envs.webshop import find_original_files
+from alignopsd.engine.envs.registry import env_names, get_entry, resolve
 from alignopsd.engine.models import loading as models
 from alignopsd.engine.models.encoder import MINILM, minilm_path
 
 from alignopsd.estimators import get_estimator
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-README_HINT = 'see README.md, "Running the paper\'s experiments"'
-ALFWORLD_DEFAULT_DATA = "~/.cache/alfworld"  # where alfworld (alfworld.info) and alfworld-download put the data
 
 
 def check_device(cfg: RunConfig, env: Mapping[str, str]) -> None:
@@ -154,7 +150,7 @@ def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
     if cfg.model.tokenizer:
         check_model_spec("model.tokenizer", cfg.model.tokenizer, hint)
 
-    if get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm)["alignment"]:  # the encoder of Mechanism 1
+    if get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm).alignment:  # the encoder of Mechanism 1
         check_encoder(cfg.encoder.name, hint)
     if cfg.env.data_dir and not Path(cfg.env.data_dir).expanduser().exists():
         raise ConfigError(f"env.data_dir: no such directory {cfg.env.data_dir!r}{hint}")
@@ -164,123 +160,17 @@ def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ official data
-# Each function mirrors where the environment's task loader looks (engine/envs/*: load_tasks) and raises a
+# Each environment's check (engine/envs/<family>/official.py) mirrors where its task loader looks and raises a
 # ConfigError where that loader would instead generate its data (or fail later, after the models loaded).
 
 
-def _official_error(what: str, fix: str) -> ConfigError:
-    return ConfigError(f"env.require_official_data: {what}; {fix} ({README_HINT})")
-
-
-def alfworld_official_data(data_dir: str | None, splits: tuple[str, ...], env: Mapping[str, str]) -> Path:
-    """The ALFWorld data root the loader will read: ``env.data_dir``, else ``$ALFWORLD_DATA``
-    (engine/envs/alfworld_env.py official_data_dir), holding ``json_2.1.1/<split>/`` games of each split."""
-
-    where = "env.data_dir" if data_dir else "ALFWORLD_DATA"
-    raw = data_dir or env.get("ALFWORLD_DATA")
-    layout = "json_2.1.1/{train,valid_seen,valid_unseen}/<task>/<trial>/game.tw-pddl, as `alfworld-download` writes it"
-    if not raw:
-        default = Path(ALFWORLD_DEFAULT_DATA).expanduser()
-        if (default / "json_2.1.1").is_dir():
-            raise _official_error(
-                f"ALFWorld's data is in alfworld's default folder {default}, but neither env.data_dir nor "
-                "ALFWORLD_DATA is set, so the run would train on generated games",
-                f"export ALFWORLD_DATA={default} or set env.data_dir",
-            )
-        raise _official_error(
-            "ALFWorld's official data not found (env.data_dir and ALFWORLD_DATA are unset)",
-            f"run `alfworld-download` (it fills {ALFWORLD_DEFAULT_DATA}, or $ALFWORLD_DATA when set), then point "
-            f"ALFWORLD_DATA or env.data_dir at the folder holding {layout}",
-        )
-    root = Path(raw).expanduser()
-    if not (root / "json_2.1.1").is_dir():
-        raise _official_error(
-            f"{where}={raw} has no json_2.1.1 folder", f"point {where} at the folder holding {layout}"
-        )
-    for split in splits:
-        folder = root / "json_2.1.1" / split
-        if split in ALFWORLD_SPLITS and next(folder.glob("*/*/game.tw-pddl"), None) is None:
-            raise _official_error(
-                f"no ALFWorld games of split {split!r} in {folder}", f"{where} must hold the full download ({layout})"
-            )
-    return root
-
-
-def webshop_official_data(data_dir: str | None) -> dict[str, str]:
-    """WebShop's original files in ``env.data_dir`` (engine/envs/webshop.py find_original_files): products
-    ``items_shuffle*.json``, instruction attributes ``items_ins_v2*.json`` and human instructions
-    ``items_human_ins*.json``."""
-
-    files = "items_shuffle.json, items_ins_v2.json and items_human_ins.json from WebShop's setup.sh -d all"
-    if not data_dir:
-        raise _official_error(
-            "env.data_dir is unset, so the run would train on the generated catalogue",
-            f"set env.data_dir to the folder holding {files}",
-        )
-    try:
-        found = find_original_files(Path(data_dir).expanduser())
-    except ValueError as exc:
-        raise _official_error(str(exc), f"env.data_dir must hold {files}") from None
-    names = {"attributes": "items_ins_v2*.json", "human_goals": "items_human_ins*.json"}
-    for key, pattern in names.items():
-        if found[key] is None:
-            raise _official_error(f"env.data_dir: no {pattern} in {data_dir}", f"env.data_dir must hold {files}")
-    return {k: str(v) for k, v in found.items()}
-
-
-def search_official_data(
-    data_dir: str | None, splits: tuple[str, ...], options: Mapping[str, object], env: Mapping[str, str]
-) -> dict[str, str]:
-    """Search-R1's ``<split>.parquet`` files in ``env.data_dir`` (engine/envs/search.py load_tasks) and a
-    retriever for its corpus: ``env.options.retriever_url`` (a Search-R1 ``/retrieve`` server),
-    ``env.options.corpus_path`` (the corpus jsonl; the engine serves it), or ``$ALIGNOPSD_RETRIEVER_URL``."""
-
-    if not data_dir:
-        raise _official_error(
-            "env.data_dir is unset, so the run would train on the generated knowledge base",
-            "set env.data_dir to the folder holding Search-R1's train.parquet and test.parquet",
-        )
-    out: dict[str, str] = {}
-    for split in splits:
-        path = Path(data_dir).expanduser() / f"{split}.parquet"
-        if not path.is_file():
-            raise _official_error(
-                f"env.data_dir: no {split}.parquet in {data_dir}",
-                "env.data_dir must hold the train.parquet and test.parquet that Search-R1's "
-                "scripts/data_process/qa_search_{train,test}_merge.py write",
-            )
-        out[split] = str(path)
-    url, corpus = options.get("retriever_url"), options.get("corpus_path")
-    retriever = "set env.options.retriever_url to a running Search-R1 retrieval server, or env.options.corpus_path"
-    if corpus is not None:
-        if not Path(str(corpus)).expanduser().is_file():
-            raise _official_error(f"env.options.corpus_path: no such file {corpus}", retriever)
-        out["corpus_path"] = str(corpus)
-    elif url == "local" or not (url or env.get(URL_ENV_VAR)):
-        raise _official_error("no retriever for the Search-R1 corpus", f"{retriever} to its corpus jsonl")
-    if url and url != "local":
-        if not str(url).startswith(("http://", "https://")):
-            raise _official_error(f"env.options.retriever_url: expected an http(s) URL, got {url!r}", retriever)
-        out["retriever_url"] = str(url)
-    return out
-
-
-OFFICIAL_DATA_CHECKS = {
-    "alfworld": lambda cfg, env: alfworld_official_data(cfg.env.data_dir, _splits(cfg), env),
-    "webshop": lambda cfg, env: webshop_official_data(cfg.env.data_dir),
-    "search": lambda cfg, env: search_official_data(cfg.env.data_dir, _splits(cfg), cfg.env.options, env),
-}
-
-
-def _splits(cfg: RunConfig) -> tuple[str, ...]:
-    return tuple(dict.fromkeys((cfg.env.split, cfg.env.val_split)))
-
-
 def check_official_data(cfg: RunConfig, env: Mapping[str, str]) -> None:
-    check = OFFICIAL_DATA_CHECKS.get(cfg.env.name)
-    if check is None:
+    """The environment's own official-data check (its registry entry's ``official_data``)."""
+    entry = get_entry(cfg.env.name)
+    if entry.official_data is None:
+        having = [n for n in env_names() if get_entry(n).official_data is not None]
         raise ConfigError(
             f"env.require_official_data: environment {cfg.env.name!r} has no official data; "
-            f"it applies to {', '.join(OFFICIAL_DATA_CHECKS)}"
+            f"it applies to {', '.join(having)}"
         )
-    check(cfg, env)
+    resolve(entry.official_data)(cfg, env)

@@ -17,7 +17,6 @@ from alignopsd.engine.envs.registry import env_names
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from typing_extensions import Self
 
-ENV_NAMES = ("alfworld", "webshop", "search", "codeword")
 SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it too
 
 
@@ -209,7 +208,7 @@ class EncoderConfig(Section):
 
 def _env_name(value: str) -> str:
     """Built-in environment names plus those registered at runtime (the registry module is import-light)."""
-    allowed = tuple(env_names()) or ENV_NAMES
+    allowed = env_names()
     if value not in allowed:
         raise ValueError(f"unknown value {value!r}; allowed: {', '.join(map(repr, allowed))}")
     return value
@@ -220,7 +219,8 @@ class EnvConfig(Section):
 
     KEY: ClassVar[str] = "env"
     name: Annotated[str, AfterValidator(_env_name)] = "alfworld"
-    """alfworld | webshop | search | codeword (toy learnable task for tests)."""
+    """A registered environment (engine/envs/registry.py): alfworld | webshop | search | credit | codeword (toy
+    learnable task for tests) | any registered at runtime."""
     split: str = "train"
     """Training split."""
     val_split: str = "valid_seen"

@@ -19,8 +19,8 @@ class TaskSpec:
     env: str  # "alfworld" | "webshop" | "search" | test environments
     category: str  # task type (ALFWorld: pick/look/clean/heat/cool/pick2; Search: data source; ...)
     data_source: str = "text"  # ALGORITHM.md §1.1: "text" for ALFWorld/WebShop, nq/hotpotqa/... for Search
-    gamefile: str | None = None  # ALFWorld only
     payload: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # env-specific data
+    # (ALFWorld: its game file, ``payload["gamefile"]``; what rows carry of it is the entry's ``task_info``)
 
 
 @dataclass
@@ -44,3 +44,19 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult:
         """Apply an already-parsed action string."""
         ...
+
+
+def percent(metrics: dict[str, float], key: str) -> float | None:
+    """``metrics[key]`` (a fraction) as a percentage; None when the metric is absent."""
+    v = metrics.get(key)
+    return None if v is None else 100.0 * v
+
+
+def success_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table of an environment without columns of its own: the success rate, then the success of
+    each task category (percentages)."""
+    out: dict[str, float | None] = {"Success": percent(metrics, "episode/success_rate")}
+    for k in sorted(metrics):
+        if k.startswith("episode/success/"):
+            out[k.split("/")[-1]] = 100.0 * metrics[k]
+    return out

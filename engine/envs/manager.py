@@ -50,7 +50,7 @@ from typing import Any
 from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.parsing import parse_response
 from alignopsd.engine.envs.prompts import PromptContext
-from alignopsd.engine.envs.registry import get_entry, load_tasks, make_prompt
+from alignopsd.engine.envs.registry import get_entry, load_tasks, make_prompt, resolve
 from alignopsd.engine.envs.workers import EnvHost, WorkerPool
 
 __all__ = ["EnvManager", "derive_seed", "load_tasks"]
@@ -320,7 +320,7 @@ class EnvManager:
             admissible_actions=list(ep.info.get("admissible_actions") or []),
             category=ep.task.category,
             data_source=ep.task.data_source,
-            gamefile=ep.task.gamefile,
+            **(resolve(self.entry.task_info)(ep.task) if self.entry.task_info else {}),
             task_key=ep.task.key,
             failed=ep.failed,
             failure=ep.failure,

@@ -12,8 +12,8 @@ pairs shown; ``action_history`` the rendered pairs; ``current_step`` step_count 
 ``current_observation`` the current observation; ``admissible_actions`` / ``available_actions`` the
 action list (``help`` excluded). String/number values of the episode's info dict are available too.
 
-The ALFWorld wording follows verl-agent's (reconstructed, §1.3). WebShop and Search register their own
-builders from their modules (a :class:`PromptBuilder` with their templates) through the registry.
+Every environment registers its own builder (a :class:`PromptBuilder` with its templates) from its folder
+through the registry (ALFWorld: engine/envs/alfworld/prompt.py, verl-agent's wording, reconstructed, §1.3).
 """
 
 from __future__ import annotations
@@ -119,67 +119,6 @@ class PromptBuilder:
         if self.max_chars is not None and len(text) > self.max_chars:
             return self.first_template.format_map(values)
         return text
-
-
-# --- ALFWorld (verl-agent wording, reconstructed) -------------------------------------------------
-
-ALFWORLD_TEMPLATE_NO_HIS = """
-You are an expert agent operating in the ALFRED Embodied Environment.
-Your current observation is: {current_observation}
-Your admissible actions of the current situation are: [{admissible_actions}].
-
-Now it's your turn to take an action.
-You should first reason step-by-step about the current situation. This reasoning process MUST be enclosed \
-within <think> </think> tags.
-Once you've finished your reasoning, you should choose an admissible action for current step and present \
-it within <action> </action> tags.
-"""
-
-ALFWORLD_TEMPLATE = """
-You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task_description}
-Prior to this step, you have already taken {step_count} step(s). Below are the most recent {history_length} \
-observations and the corresponding actions you took: {action_history}
-You are now at step {current_step} and your current observation is: {current_observation}
-Your admissible actions of the current situation are: [{admissible_actions}].
-
-Now it's your turn to take an action.
-You should first reason step-by-step about the current situation. This reasoning process MUST be enclosed \
-within <think> </think> tags.
-Once you've finished your reasoning, you should choose an admissible action for current step and present \
-it within <action> </action> tags.
-"""
-
-
-def alfworld_prompt(history_length: int = 2) -> PromptBuilder:
-    """The ALFWorld builder of §1.3 (``history_length`` 2 in every profile)."""
-    return PromptBuilder(ALFWORLD_TEMPLATE_NO_HIS, ALFWORLD_TEMPLATE, history_length)
-
-
-# --- codeword toy environment ----------------------------------------------------------------------
-
-CODEWORD_TEMPLATE_NO_HIS = """You are playing a memory game.
-Observation: {current_observation}
-Admissible actions: [{admissible_actions}].
-Think inside <think> </think>, then give exactly one admissible action inside <action> </action>.
-"""
-
-CODEWORD_TEMPLATE = """You are playing a memory game. You have already taken {step_count} step(s):
-{action_history}
-You are now at step {current_step}. Observation: {current_observation}
-Admissible actions: [{admissible_actions}].
-Think inside <think> </think>, then give exactly one admissible action inside <action> </action>.
-"""
-
-
-def codeword_prompt(history_length: int = 4) -> PromptBuilder:
-    """Toy builder: shows the whole (4-step) episode so the code word stays visible."""
-    return PromptBuilder(
-        CODEWORD_TEMPLATE_NO_HIS,
-        CODEWORD_TEMPLATE,
-        history_length,
-        history_item="Step {index}: observation '{observation}', action '{action}'",
-        action_sep=", ",
-    )
 
 
 def chat_text(tokenizer: Any, user_text: str, system: str | None = None) -> str:

@@ -14,6 +14,20 @@ the parent; worker processes then still need the factory importable by its path)
   action wrapped in its tag (``<search>q</search>``) so the environment knows which it was.
 * ``lowercase_actions``: the manager lower-cases the parsed action before stepping (ALFWorld).
 * ``admissible_check``: actions not in ``info["admissible_actions"]`` are invalid (ALFWorld, toy).
+* ``truncation``: a student prompt longer than ``max_prompt_length`` raises (``"error"``) or keeps its tail
+  (``"left"``, Search) (§1.3).
+* ``task_pool``: without ``env.data_dir`` the task source takes ``pool_size`` (ALFWorld's generated games: the
+  training tasks are drawn from ``env.num_games`` games, the validation tasks from ``env.val_tasks``).
+* ``eval_columns``: ``fn(metrics) -> {column: percent or None}``, the evaluation table (``alignopsd eval``).
+* ``official_data``: ``fn(cfg, environ)`` raising ConfigError when the benchmark's official files are not where
+  the task source looks (``env.require_official_data``; None: the environment has none).
+* ``action_rule``: the rule of the teacher pass's action filter (alignopsd.actions; ``"webshop"``: search/click).
+* ``skills``: the package whose ``skills/`` folder holds the environment's skill bank (engine/envs/skills.py).
+* ``task_info``: ``fn(task) -> dict`` merged into every row's info: what the row metadata and the skill bank read
+  of the task's own ``payload`` (ALFWorld: its ``gamefile``); None: nothing.
+
+Everything environment-specific the engine needs is one of these fields: an environment is its folder plus its
+entry.
 """
 
 from __future__ import annotations
@@ -34,6 +48,13 @@ class EnvEntry:
     lowercase_actions: bool = False
     admissible_check: bool = True
     history_length: int = 2
+    truncation: str = "error"  # a prompt over max_prompt_length: "error" raises, "left" keeps its tail (§1.3)
+    task_pool: bool = False  # without env.data_dir, ``tasks`` draws from a pool of pool_size generated tasks
+    eval_columns: str = "alignopsd.engine.envs.base:success_columns"  # "module:attr" -> fn(metrics) -> table
+    official_data: str | None = None  # "module:attr" -> fn(cfg, environ): env.require_official_data's check
+    action_rule: str | None = None  # the teacher pass's action rule (alignopsd.actions): "webshop" or None
+    skills: str | None = None  # package whose skills/ folder holds the packaged skill bank (None: none)
+    task_info: str | None = None  # "module:attr" -> fn(task) -> dict: what each row carries of its task's payload
 
 
 _PKG = "alignopsd.engine.envs"
@@ -41,51 +62,65 @@ _PKG = "alignopsd.engine.envs"
 _BUILTIN: dict[str, EnvEntry] = {
     "alfworld": EnvEntry(
         "alfworld",
-        f"{_PKG}.alfworld_env:AlfWorldEnv",
-        f"{_PKG}.alfworld_env:load_tasks",
-        f"{_PKG}.prompts:alfworld_prompt",
+        f"{_PKG}.alfworld.env:AlfWorldEnv",
+        f"{_PKG}.alfworld.env:load_tasks",
+        f"{_PKG}.alfworld.prompt:alfworld_prompt",
         lowercase_actions=True,
+        task_pool=True,
+        eval_columns=f"{_PKG}.alfworld.env:table_columns",
+        official_data=f"{_PKG}.alfworld.official:check_official_data",
+        skills=f"{_PKG}.alfworld",
+        task_info=f"{_PKG}.alfworld.env:task_info",
     ),
     "codeword": EnvEntry(
         "codeword",
-        f"{_PKG}.toy:CodewordEnv",
-        f"{_PKG}.toy:load_tasks",
-        f"{_PKG}.prompts:codeword_prompt",
+        f"{_PKG}.codeword.env:CodewordEnv",
+        f"{_PKG}.codeword.env:load_tasks",
+        f"{_PKG}.codeword.prompt:codeword_prompt",
         lowercase_actions=True,
         history_length=4,
     ),
     # Credit-assignment family with known decisive turns (bench/credit.py); 8 turns, whole history shown.
     "credit": EnvEntry(
         "credit",
-        f"{_PKG}.credit:CreditEnv",
-        f"{_PKG}.credit:load_tasks",
-        f"{_PKG}.credit:credit_prompt",
+        f"{_PKG}.credit.env:CreditEnv",
+        f"{_PKG}.credit.env:load_tasks",
+        f"{_PKG}.credit.env:credit_prompt",
         lowercase_actions=True,
         history_length=8,
+        skills=f"{_PKG}.credit",
     ),
     # WebShop: free-form search queries, so admissibility is the env's own judgement (info["action_admissible"]).
     "webshop": EnvEntry(
         "webshop",
-        f"{_PKG}.webshop:WebShopEnv",
-        f"{_PKG}.webshop:load_tasks",
-        f"{_PKG}.webshop:webshop_prompt",
+        f"{_PKG}.webshop.env:WebShopEnv",
+        f"{_PKG}.webshop.env:load_tasks",
+        f"{_PKG}.webshop.env:webshop_prompt",
         admissible_check=False,
+        eval_columns=f"{_PKG}.webshop.env:table_columns",
+        official_data=f"{_PKG}.webshop.official:check_official_data",
+        action_rule="webshop",
+        skills=f"{_PKG}.webshop",
     ),
     "search": EnvEntry(
         "search",
-        f"{_PKG}.search:SearchEnv",
-        f"{_PKG}.search:load_tasks",
-        f"{_PKG}.search:search_prompt",
+        f"{_PKG}.search.env:SearchEnv",
+        f"{_PKG}.search.env:load_tasks",
+        f"{_PKG}.search.env:search_prompt",
         action_tags=("search", "answer"),
         admissible_check=False,
         history_length=4,
+        truncation="left",
+        eval_columns=f"{_PKG}.search.env:table_columns",
+        official_data=f"{_PKG}.search.official:check_official_data",
+        skills=f"{_PKG}.search",
     ),
     # Test environment with injected faults (raise / hang / die at a given step); tasks via toy.faulty_tasks.
     "codeword_faulty": EnvEntry(
         "codeword_faulty",
-        f"{_PKG}.toy:FaultyCodewordEnv",
-        f"{_PKG}.toy:load_tasks",
-        f"{_PKG}.prompts:codeword_prompt",
+        f"{_PKG}.codeword.env:FaultyCodewordEnv",
+        f"{_PKG}.codeword.env:load_tasks",
+        f"{_PKG}.codeword.prompt:codeword_prompt",
         lowercase_actions=True,
         history_length=4,
     ),
@@ -94,10 +129,18 @@ _BUILTIN: dict[str, EnvEntry] = {
 _RUNTIME: dict[str, EnvEntry] = {}
 
 
+TRUNCATION_MODES = ("error", "left")
+ACTION_RULES = ("webshop",)
+
+
 def register_env(entry: EnvEntry, *, replace: bool = False) -> None:
     """Register an environment at runtime (refuses duplicates unless ``replace``)."""
     if not isinstance(entry, EnvEntry):
         raise ValueError(f"entry: expected EnvEntry, got {type(entry).__name__}")
+    if entry.truncation not in TRUNCATION_MODES:
+        raise ValueError(f"entry.truncation: expected one of {TRUNCATION_MODES}, got {entry.truncation!r}")
+    if entry.action_rule is not None and entry.action_rule not in ACTION_RULES:
+        raise ValueError(f"entry.action_rule: expected None or one of {ACTION_RULES}, got {entry.action_rule!r}")
     if not replace and (entry.name in _BUILTIN or entry.name in _RUNTIME):
         raise ValueError(f"entry: environment {entry.name!r} is already registered")
     _RUNTIME[entry.name] = entry

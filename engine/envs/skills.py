@@ -3,7 +3,8 @@
 Legend: M = turn rows, Lp = student prompt length (left-padded), Lt = teacher prompt length
 (= max_prompt_length, left-padded).
 
-A skill bank lives in ``skills/<env>/``: ``skill_mapping.json`` with
+A skill bank lives in ``<env>/skills/`` beside the environment (or in ``<root>/<env>/`` of a run's own banks):
+``skill_mapping.json`` with
 
 * ``skill_files``: skill name -> markdown file (``general_skills`` is the general skill);
 * ``task_to_skill``: task type -> skill name (its order is the lookup order);
@@ -27,6 +28,7 @@ prompt`` (decoded with special tokens kept), re-tokenised without special tokens
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -35,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from alignopsd.engine.envs.registry import get_entry
 from torch import Tensor
 
-SKILLS_ROOT = Path(__file__).resolve().parent / "skills"
 GENERAL = "general_skills"
 HEADER = "[Privileged Skill Information]\n"
 _DATA_SOURCE_SKILL = {
@@ -106,13 +108,23 @@ class SkillBank:
 _CACHE: dict[tuple[str, str], SkillBank] = {}
 
 
+def bank_folder(env: str, root: str | os.PathLike | None = None) -> Path:
+    """The folder of ``env``'s skill bank: ``<root>/<env>/``, or the packaged one, the ``skills/`` folder of its
+    registry entry's ``skills`` package (an environment without one has no packaged bank: a folder that is not)."""
+    if root is not None:
+        return Path(root) / env
+    package = get_entry(env).skills
+    if package is None:
+        return Path(os.devnull) / env
+    return Path(importlib.import_module(package).__file__).resolve().parent / "skills"
+
+
 def load_skill_bank(env: str, root: str | os.PathLike | None = None) -> SkillBank:
     """Load ``<root>/<env>/skill_mapping.json`` and its markdown files (root: the packaged skills)."""
-    base = Path(root) if root is not None else SKILLS_ROOT
-    key = (str(base), env)
+    folder = bank_folder(env, root)
+    key = (str(folder), env)
     if key in _CACHE:
         return _CACHE[key]
-    folder = base / env
     mapping_path = folder / "skill_mapping.json"
     if not mapping_path.is_file():
         raise ValueError(f"env: no skill bank at {mapping_path}")
@@ -143,8 +155,7 @@ def skill_lookup(
     The row dict may carry ``gamefile``, ``data_source`` and ``prompt_text`` (the decoded student prompt,
     used by the keyword and "which ... or" rules).
     """
-    base = Path(root) if root is not None else SKILLS_ROOT
-    if not (base / env / "skill_mapping.json").is_file():
+    if not (bank_folder(env, root) / "skill_mapping.json").is_file():
         return None
     bank = load_skill_bank(env, root)
 

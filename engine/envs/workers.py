@@ -63,7 +63,7 @@ class EnvHost:
                 env = self._env(slot)
                 random.seed(seed)
                 obs, info = env.reset(task, seed)
-                payload: Any = (obs, dict(info), int(getattr(env, "max_steps", 50)))
+                payload: Any = (obs, dict(info), int(env.max_steps))
                 if kind == "replay":
                     for a in op[4]:
                         env.step(a)

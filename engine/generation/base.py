@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from alignopsd.engine.generation.prompt_cache import PromptKV
+from torch import nn
 
 from alignopsd.reduction import summed
 
@@ -45,22 +46,60 @@ class GenerationOutput:
 
 
 class GenerationBackend(Protocol):
-    """Generates from token-id prompts; receives the trainer's weights after each update."""
+    """Generates from token-id prompts; receives the trainer's weights after each update.
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput: ...
+    Everything the engine reads from a generation backend is declared here and implemented by every backend
+    (Hugging Face, choice, vLLM, the tensor-parallel lead wrapper); nothing probes a backend for a member.
+    """
+
+    model: nn.Module | None
+    """The module it samples from (the Hugging Face and choice backends: the trainer's own, or a Hugging Face copy);
+    None for an engine that holds its own copy of the weights (vLLM). See :func:`samples_from`."""
+
+    max_model_len: int
+    """The engine's context limit: a prompt plus its budget above it is refused."""
+
+    eos_token_ids: set[int]
+    """The token ids that end a response (the fallback end-of-turn token when the tokenizer names none)."""
+
+    keeps_prompt_cache: bool
+    """Whether ``generate(..., keep_prompt_cache=True)`` returns the prompts' keys and values (engine/generation/
+    prompt_cache.py); False for a backend that never keeps them."""
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, keep_prompt_cache: bool = False
+    ) -> GenerationOutput:
+        """Sample one response per prompt. keep_prompt_cache: also return the prompts' keys and values in
+        ``out.prompt_cache`` where :attr:`keeps_prompt_cache` (ignored by the others)."""
+        ...
 
     def load_weights(self, state_dict) -> None: ...
 
+    def sleep(self) -> None:
+        """Give back the engine's accelerator memory until it generates or receives weights again (vLLM's sleep
+        mode); a no-op for a backend without one."""
+        ...
 
-def prefill_counts(backend) -> dict[str, int]:
-    """Running prefill counts of a backend that keeps them (the Hugging Face generator: prompt positions pushed,
-    and what one padded batch per chunk would have pushed without shared prefixes); empty for the others."""
-    if backend is None or not hasattr(backend, "prefill_token_forwards"):
-        return {}
-    return {
-        "prefill_token_forwards": int(backend.prefill_token_forwards),
-        "prefill_token_forwards_unshared": int(backend.prefill_token_forwards_unshared),
-    }
+    def close(self) -> None:
+        """Release the engine at the end of a run (a no-op for a backend that holds nothing of its own)."""
+        ...
+
+    def prefill_counts(self) -> dict[str, int]:
+        """Running prefill counts of a backend that keeps them (the Hugging Face generator: prompt positions pushed,
+        and what one padded batch per chunk would have pushed without shared prefixes); empty for the others."""
+        ...
+
+
+def samples_from(generator: GenerationBackend | None, model: nn.Module | None) -> bool:
+    """Whether ``generator`` samples from ``model`` itself (same module, same weights): then the trainer need not
+    push its weights into it, and its per-token log-probs are ``model``'s up to kernel differences."""
+    return generator is not None and model is not None and generator.model is model
+
+
+def prefill_counts(backend: GenerationBackend | None) -> dict[str, int]:
+    """:meth:`GenerationBackend.prefill_counts` of ``backend``; empty without one (tensor-parallel ranks other
+    than their group's first hold no generator)."""
+    return {} if backend is None else backend.prefill_counts()
 
 
 def prefill_delta(before: dict[str, int], after: dict[str, int], prefix: str) -> dict[str, float]:

@@ -59,11 +59,28 @@ class ChoiceGenerator:
         self.tokenizer = tokenizer
         self.eos_token_ids = {tokenizer.eos_token_id}
 
+    # it only scores the listed candidates: no context limit of its own, no prompt cache kept
+    max_model_len: int = 1 << 62
+    keeps_prompt_cache: bool = False
+
     # the Hugging Face backend's weight push into ``model`` (a no-op for the trainer's own tensors)
     load_weights = HFGenerator.load_weights
 
+    def sleep(self) -> None:
+        """Nothing to give back: it scores with a module the trainer holds anyway."""
+
+    def close(self) -> None:
+        """Nothing of its own to release."""
+
+    def prefill_counts(self) -> dict[str, int]:
+        """No prefill counts kept."""
+        return {}
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, keep_prompt_cache: bool = False
+    ) -> GenerationOutput:
+        """One sampled candidate per prompt (``keep_prompt_cache`` is ignored: nothing is kept)."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         cands = [candidate_texts(tok.decode(p, skip_special_tokens=False)) for p in prompts]

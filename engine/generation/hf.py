@@ -168,6 +168,19 @@ class HFGenerator:
                 raise ValueError(f"state_dict: {name!r} has shape {tuple(value.shape)}, model has {tuple(dst.shape)}")
             dst.data.copy_(value.to(device=dst.device, dtype=dst.dtype))
 
+    def sleep(self) -> None:
+        """Nothing to give back: it samples from a module the trainer holds anyway."""
+
+    def close(self) -> None:
+        """Nothing of its own to release."""
+
+    def prefill_counts(self) -> dict[str, int]:
+        """The running prefill counts (see the module docstring)."""
+        return {
+            "prefill_token_forwards": int(self.prefill_token_forwards),
+            "prefill_token_forwards_unshared": int(self.prefill_token_forwards_unshared),
+        }
+
     # ------------------------------------------------------------------ generation
     @property
     def keeps_prompt_cache(self) -> bool:

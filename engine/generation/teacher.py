@@ -107,7 +107,7 @@ def generate_teacher(
         teacher_do_sample: a separate teacher ``do_sample`` setting; one that disagrees with the rollout's is a
             configuration error (§2.1).
         max_model_len: the engine's context limit; prompt + budget above it raises. Defaults to the backend's
-            ``max_model_len`` attribute when it has one.
+            ``max_model_len``.
         keep_prompt_cache: ask a backend that can (``keeps_prompt_cache``) to keep the prompts' keys and values
             for the teacher forcing (engine/generation/prompt_cache.py); ignored by the others.
     """
@@ -124,16 +124,16 @@ def generate_teacher(
     for i, p in enumerate(teacher_prompt_ids):
         if not isinstance(p, (list, tuple)) or not p:
             raise ValueError(f"teacher_prompt_ids: row {i} must be a non-empty list of token ids")
-    limit = max_model_len if max_model_len is not None else getattr(backend, "max_model_len", None)
+    limit = max_model_len if max_model_len is not None else backend.max_model_len
     longest = max((len(p) for p in teacher_prompt_ids), default=0)
-    if limit is not None and longest + W > int(limit):
+    if longest + W > int(limit):
         raise ValueError(
             f"budget: teacher prompt length {longest} + budget {W} exceeds the model limit max_model_len={limit}"
         )
     stops = teacher_stops(action_filter)
-    keep = {"keep_prompt_cache": True} if keep_prompt_cache and getattr(backend, "keeps_prompt_cache", False) else {}
+    keep = keep_prompt_cache and backend.keeps_prompt_cache
     out = backend.generate(
-        [list(p) for p in teacher_prompt_ids], replace(sampling, max_new_tokens=W, stop=stops), **keep
+        [list(p) for p in teacher_prompt_ids], replace(sampling, max_new_tokens=W, stop=stops), keep_prompt_cache=keep
     )
 
     thinking, t_valid, action, a_valid, at_tag = [], [], [], [], []

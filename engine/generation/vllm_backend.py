@@ -231,9 +231,19 @@ class VLLMGenerator:
             set_threads(threads)
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.max_model_len = int(max_model_len)
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids: set[int] = set() if eos is None else {int(eos)}
         self.tokens_generated = 0
         self.weight_version = 0
         self.ignore_eos = bool(ignore_eos)  # benchmarks only: every row runs to max_new_tokens
+
+    # an engine of its own: it samples from its own copy of the weights and keeps no prompt cache for the trainer
+    model = None
+    keeps_prompt_cache: bool = False
+
+    def prefill_counts(self) -> dict[str, int]:
+        """No prefill counts kept (the engine's prefix cache is its own)."""
+        return {}
 
     def close(self) -> None:
         """Shut the engine down and free its KV cache (the generator is unusable afterwards)."""
@@ -307,7 +317,10 @@ class VLLMGenerator:
             ignore_eos=self.ignore_eos,
         )
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, keep_prompt_cache: bool = False
+    ) -> GenerationOutput:
+        """Sample one response per prompt (``keep_prompt_cache`` is ignored: the engine keeps no cache for us)."""
         from vllm.inputs import TokensPrompt
 
         check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)

@@ -208,7 +208,7 @@ class Auditor:
             return self.metrics()
         t0 = time.perf_counter()
         try:
-            rect, credit = getattr(est_out, "rectified", None), getattr(est_out, "credit", None)
+            rect, credit = (est_out.rectified, est_out.credit) if est_out is not None else (None, None)
             args = (step, self.rank, cb)
             kw = {"regions": regions, "rect": rect, "m1": m1}
             recs, scores = turn_records(*args, counts, old_logp, advantage, credit=credit, **kw)
@@ -217,7 +217,7 @@ class Auditor:
             if snap:
                 chosen = select_snapshot(step, cb, scores)
                 snaps = snapshot_records(*args, chosen, old_logp, advantage, self.tokenizer, **kw)
-            tau = getattr(credit, "threshold", None)
+            tau = credit.threshold if credit is not None else None
             info = {"rows": int(counts.sum()), "turns": cb.size, "snapshot": snap, "regions_found": regions is not None}
             head = self._head(step, skipped=False, **info, m2_threshold=None if tau is None else json_float(tau))
             n = self.write(step, [head, *recs, *snaps])

@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -183,14 +182,14 @@ def turn_records(
     snapshot's targeted choice. Inputs are read, never modified.
 
     cb: the canonical TurnBatch (M rows); counts: [M] rows per turn; old_logp, advantage: [M, L];
-    regions: engine.regions.Regions or None; rect: alignopsd.rectify.Rectified or None; m1: the step's
+    regions: engine.regions.Regions or None; rect: alignopsd.rectification.Rectified or None; m1: the step's
     M1Result (H, eligible [M, M], diag [M, L], thinking validity [M]; any may be None) or None;
     credit: alignopsd.credit.Credit or None.
     """
     pm = cb.response_mask.detach().cpu().bool()
     old = old_logp.detach().cpu().double()
     adv = advantage.detach().cpu().double()
-    diag = rect.diag if rect is not None else getattr(m1, "diag", None)
+    diag = rect.diag if rect is not None else (m1.diag if m1 is not None else None)
     per_tok: dict[str, Tensor] = {"old_logp": old, "advantage": adv, "abs_advantage": adv.abs()}
     d_gap = c_gap = r_gap = None
     if diag is not None:
@@ -225,7 +224,7 @@ def _m1_fields(recs, rect, m1, task, roll, turn) -> None:
     rho = json_floats(rect.rho.detach().cpu().tolist())
     alpha = json_floats(rect.alpha.detach().cpu().tolist())
     extra: dict[str, list] = {}
-    H, eligible = getattr(m1, "H", None), getattr(m1, "eligible", None)
+    H, eligible = (m1.H, m1.eligible) if m1 is not None else (None, None)
     if H is not None:
         H_ST = H.detach().cpu().float()
         extra["H_diag"] = json_floats(torch.diagonal(H_ST).tolist())
@@ -233,10 +232,10 @@ def _m1_fields(recs, rect, m1, task, roll, turn) -> None:
             B = eligible.detach().cpu().bool()
             extra["eligible_sources"] = B.sum(0).tolist()
             extra["threshold_candidates"] = (B & (H_ST >= rect.gamma)).sum(0).tolist()
-    for name in ("student_thinking_valid", "teacher_thinking_valid"):
-        v = getattr(m1, name, None)
+    valid = {} if m1 is None else {"student": m1.student_thinking_valid, "teacher": m1.teacher_thinking_valid}
+    for who, v in valid.items():
         if v is not None:
-            extra[name] = v.detach().cpu().bool().tolist()
+            extra[f"{who}_thinking_valid"] = v.detach().cpu().bool().tolist()
     for i, rec in enumerate(recs):
         out = {"matched": matched[i], "rho": rho[i], "alpha": alpha[i]}
         out.update({name: vals[i] for name, vals in extra.items()})
@@ -247,17 +246,16 @@ def _m1_fields(recs, rect, m1, task, roll, turn) -> None:
 def _m2_fields(recs, credit, task, roll, turn, adv_ML: Tensor, pm: Tensor) -> None:
     m = len(recs)
     cols: dict[str, list] = {}
-    for f in fields(credit):
-        v = getattr(credit, f.name)
+    for name, v in vars(credit).items():  # the Credit dataclass's fields, in declaration order
         if not isinstance(v, Tensor) or tuple(v.shape) != (m,):
             continue
         v = v.detach().cpu()
-        if f.name == "boundary_kind":
-            cols[f.name] = [BOUNDARY_KINDS[int(x)] if 0 <= int(x) < len(BOUNDARY_KINDS) else str(int(x)) for x in v]
+        if name == "boundary_kind":
+            cols[name] = [BOUNDARY_KINDS[int(x)] if 0 <= int(x) < len(BOUNDARY_KINDS) else str(int(x)) for x in v]
         elif not v.is_floating_point():  # bool flags and integer ids
-            cols["span" if f.name == "segment_index" else f.name] = v.tolist()
+            cols["span" if name == "segment_index" else name] = v.tolist()
         else:
-            cols[f.name] = json_floats(v.tolist())
+            cols[name] = json_floats(v.tolist())
     A = credit.advantage.detach().cpu().double()
     cols["advantage_neg_to_pos"] = (pm & (A[:, None] < 0) & (adv_ML > 0)).sum(1).tolist()
     cols["advantage_pos_to_neg"] = (pm & (A[:, None] > 0) & (adv_ML < 0)).sum(1).tolist()
@@ -333,9 +331,9 @@ def snapshot_records(
     ids_ML = cb.response_ids.detach().cpu()
     old = old_logp.detach().cpu().float()
     adv = advantage.detach().cpu().float()
-    diag = rect.diag if rect is not None else getattr(m1, "diag", None)
+    diag = rect.diag if rect is not None else (m1.diag if m1 is not None else None)
     diag = diag.detach().cpu().float() if diag is not None else None
-    cross = getattr(m1, "cross", None)
+    cross = m1.cross if m1 is not None else None
     pair_rows: dict[int, list[int]] = {}
     pairs: list[list[int]] = []
     if rect is not None:

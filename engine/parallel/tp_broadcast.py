@@ -157,11 +157,24 @@ class LeadGenerator:
     backend (``inner``; None on the other ranks, which hold none), every rank returns its output. The ranks of the
     group call it with the same prompts (their batches are the group's one batch), so the calls line up."""
 
+    # it hands every rank the lead's output: no module sampled on this rank, no prompt cache kept for it
+    model = None
+    keeps_prompt_cache: bool = False
+
     def __init__(self, inner, policy) -> None:
         self.inner = inner
         self.policy = policy
 
-    def generate(self, prompts: list[list[int]], sampling):
+    # no limit checked here: the lead's backend checks its own, and its error reaches every rank of the group
+    max_model_len: int = 1 << 62
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The real backend's on the lead; empty elsewhere (only the lead builds rollouts)."""
+        return set() if self.inner is None else set(self.inner.eos_token_ids)
+
+    def generate(self, prompts: list[list[int]], sampling, *, keep_prompt_cache: bool = False):
+        """The lead's output on every rank (``keep_prompt_cache`` is ignored: the cache would be the lead's)."""
         return broadcast_from_lead(self.policy, lambda: self.inner.generate(prompts, sampling))
 
     def load_weights(self, state_dict) -> None:
@@ -171,9 +184,15 @@ class LeadGenerator:
 
     def sleep(self) -> None:
         """The group's engine (on its first rank) gives back its memory (see ``Components.release_generation``)."""
-        sleep = getattr(self.inner, "sleep", None)
-        if callable(sleep):
-            sleep()
+        if self.inner is not None:
+            self.inner.sleep()
+
+    def close(self) -> None:
+        """The wrapper holds nothing: the run closes the real backend."""
+
+    def prefill_counts(self) -> dict[str, int]:
+        """The real backend's counts on the lead; empty elsewhere (only the lead's metrics are written)."""
+        return {} if self.inner is None else self.inner.prefill_counts()
 
 
 class LeadEncoder:

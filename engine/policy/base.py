@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def prompt_width(input_ids: Tensor, attention_mask: Tensor, response_length: int) -> int:
@@ -60,6 +60,14 @@ class PolicyBackend(Protocol):
     layout: ParallelLayout
     """This process's place in the tensor- and data-parallel layout."""
 
+    model: nn.Module
+    """The module it trains: the Hugging Face causal LM, or this rank's Megatron ``GPTModel`` shard."""
+
+    scores_itself: bool
+    """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself
+    (:meth:`response_logprobs`, :meth:`prefix_logprobs`) and the rescorer goes through it; False: the rescorer scores
+    with :attr:`model` directly."""
+
     def response_logprobs(
         self,
         input_ids: Tensor,  # [B, T]
@@ -71,6 +79,23 @@ class PolicyBackend(Protocol):
         grad: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """([B, L] fp32 log-probs of the response tokens, [B, L] entropy or None)."""
+        ...
+
+    def prefix_logprobs(
+        self,
+        prompt_ids_SP: Tensor,
+        prompt_mask_SP: Tensor,
+        row_prompt_R: Tensor,
+        resp_ids_RL: Tensor,
+        resp_mask_RL: Tensor,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        max_tokens: int = 16384,
+        max_pack_tokens: int | None = None,
+    ) -> tuple[Tensor, Tensor | None, dict]:
+        """Rows scored in packed sequences behind one copy of their prompt ([R, L] log-probs, [R, L] entropy or None,
+        token counts). Only where :attr:`scores_itself` (engine/policy/megatron/scoring.py)."""
         ...
 
     supports_fused_loss: bool

@@ -305,6 +305,14 @@ class HFPolicy:
         self.steps = int(state.get("steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
+    scores_itself = False
+    """The rescorer scores with :attr:`model` directly (``PolicyBackend.scores_itself``)."""
+
+    def prefix_logprobs(self, *rows, **kw):
+        raise TypeError(
+            f"{type(self).__name__} scores no packed rows itself (scores_itself is False): score its model directly"
+        )
+
     sharded_checkpoint = False
     """Checkpoints hold the full weights and :meth:`optimizer_state` (every rank holds the whole model)."""
 

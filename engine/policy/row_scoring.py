@@ -40,7 +40,6 @@ import logging
 import torch
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.policy.lm_head import logprob_head, scatter_response, score_rows, transformer_body
-from alignopsd.engine.policy.megatron.scoring import ShardScoring
 from alignopsd.engine.tokens.layout import position_ids
 from torch import Tensor, nn
 
@@ -371,7 +370,7 @@ def backend_prefix_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row
     policy scores packed rows itself, a Megatron shard: ``policy.prefix_logprobs``): identical prompts are merged
     (``dedupe``, as in :func:`score_shared_prefix`) and each prompt's rows are scored in packed sequences behind one
     copy of it, at most ``max_pack_tokens`` tokens each. Same contract and results as the plain rows."""
-    if not isinstance(policy, ShardScoring):
+    if not policy.scores_itself:
         raise ValueError(f"policy: {type(policy).__name__} cannot score packed shared-prefix rows (no prefix_logprobs)")
     stats = new_stats() if stats is None else stats
     p_ids, p_mask, rp = prompt_ids.cpu(), prompt_mask.cpu().long(), row_prompt.long().cpu()

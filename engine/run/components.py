@@ -19,7 +19,6 @@ from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
-from alignopsd.engine.policy.megatron.scoring import ShardScoring
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
 from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.rescoring import Rescorer
@@ -41,11 +40,6 @@ def needs_hf_copy(cfg: RunConfig) -> bool:
     which samples for the group (engine/parallel/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
     and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
     return cfg.generation.backend in ("hf", "choice")
-
-
-def scores_itself(policy: PolicyBackend) -> bool:
-    """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself."""
-    return isinstance(policy, ShardScoring)
 
 
 def megatron_layer_spec(cfg: RunConfig) -> str:
@@ -133,7 +127,7 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     policy, no gradients or optimizer state), taken here, before any update, and scored by the same backend code
     as the old log-probs. The Hugging Face policy's reference is a second Hugging Face model read from disk."""
     temperature = cfg.generation.temperature
-    if scores_itself(policy):
+    if policy.scores_itself:
         from alignopsd.engine.policy.megatron.scoring import FrozenShard
 
         ref = FrozenShard(policy)
@@ -180,7 +174,7 @@ def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:
         **cfg.env.options,
     )
     seed = cfg.trainer.seed
-    pool = {"pool_size": cfg.env.num_games} if (cfg.env.name == "alfworld" and not cfg.env.data_dir) else {}
+    pool = {"pool_size": cfg.env.num_games} if (env.entry.task_pool and not cfg.env.data_dir) else {}
     train_tasks = env.task_source(cfg.env.split, n=cfg.env.num_games, seed=seed, **pool)
     val_pool = {"pool_size": cfg.env.val_tasks} if pool else {}
     val_tasks = env.task_source(cfg.env.val_split, n=cfg.env.val_tasks, seed=seed, **val_pool)
@@ -206,7 +200,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
     rescorer = Rescorer(
-        policy.model if scores_itself(policy) else hf_model_of(policy),
+        policy.model if policy.scores_itself else hf_model_of(policy),
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=cfg.trainer.logprob_reuse,
@@ -216,11 +210,11 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         # (shared_prefix: each prompt's rows packed behind one copy of it)
         scorer=(
             backend_scorer(policy, cfg.trainer.rescoring_mode, temperature=cfg.generation.temperature, device=device)
-            if scores_itself(policy)
+            if policy.scores_itself
             else None
         ),
     )
-    ref_scorer = build_reference(cfg, policy, device) if phases["ref"] else None
+    ref_scorer = build_reference(cfg, policy, device) if phases.ref else None
 
     dp_group = policy.layout.dp_group
     if dp_group is not None:  # tensor parallelism: ranks of one TP group play the same tasks
@@ -240,7 +234,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
         estimator=est,
         rescorer=rescorer,
         ref_scorer=ref_scorer,
-        encoder_factory=functools.partial(build_encoder, cfg, device) if phases["alignment"] else None,
+        encoder_factory=functools.partial(build_encoder, cfg, device) if phases.alignment else None,
         skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
     )
     if cfg.generation.backend == "vllm":  # the policy's weights into the engine (collective under tensor parallelism)

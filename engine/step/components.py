@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from alignopsd.engine.config.schema import RunConfig
 from alignopsd.engine.envs.manager import EnvManager
-from alignopsd.engine.generation.base import GenerationBackend
+from alignopsd.engine.generation.base import GenerationBackend, samples_from
 from alignopsd.engine.models.encoder import ThinkingEncoder
 from alignopsd.engine.observe.profiler import StepProfiler
 from alignopsd.engine.observe.strict import reraise_if_strict
@@ -68,8 +68,7 @@ class Components:
         Under tensor parallelism every rank of the group calls it: the weights are gathered one conversion part at
         a time to the group's first rank, the only one with a generator (``policy.hf_weights``), and the other
         ranks only send their shards."""
-        gm = getattr(self.generator, "model", None)
-        if gm is not None and gm is self.policy.model:
+        if samples_from(self.generator, self.policy.model):
             return
         weights = self.policy.hf_weights()
         if tp_layout(self.policy)[0] is None:
@@ -99,16 +98,15 @@ class Components:
         """A generation phase ended, the training phases follow: the generation engine gives back its accelerator
         memory (weights and KV cache) until it generates or receives weights again (vLLM's sleep mode; a no-op for
         an engine without one)."""
-        sleep = getattr(self.generator, "sleep", None)
-        if callable(sleep):
-            sleep()
+        if self.generator is not None:
+            self.generator.sleep()
 
     def close(self) -> None:
         for obj in (self.env, self.generator):
-            close = getattr(obj, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
-                    reraise_if_strict(exc)
-                    log.warning("close %s: %s", type(obj).__name__, exc)
+            if obj is None:
+                continue
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
+                reraise_if_strict(exc)
+                log.warning("close %s: %s", type(obj).__name__, exc)

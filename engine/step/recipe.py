@@ -76,7 +76,7 @@ def _step(parts: Components, step: int) -> StepOutput:
         parts.train_tasks, step, cfg.env.tasks_per_step, cfg.trainer.seed, parts.rank, parts.world_size
     )
     seed = step_seed(cfg.trainer.seed, step, parts.rank)
-    teacher_prompts = phases["alignment"] or phases["teacher_diag"]
+    teacher_prompts = phases.alignment or phases.teacher_diag
     # once per tensor-parallel group, the group's other ranks receive the batch (engine/parallel/tp_broadcast.py)
     batch, roll_metrics = group_rollout(
         parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=False, teacher_prompts=teacher_prompts)
@@ -103,11 +103,11 @@ def _step(parts: Components, step: int) -> StepOutput:
 
     # 5. teacher pass (only what the estimator declares) -----------------------------------------------------------
     m1 = None
-    if phases["alignment"]:
+    if phases.alignment:
         # teacher generation and encoding once per tensor-parallel group
         m1, m1_metrics = mechanism1(group_sampling(parts), cb)
         metrics.update(m1_metrics)
-    elif phases["teacher_diag"]:
+    elif phases.teacher_diag:
         m1 = teacher_diagonal(parts, cb)
 
     # 6. advantages ----------------------------------------------------------------------------------------------
@@ -194,14 +194,14 @@ def estimate(
     credit_cfg, dp = parts.cfg.algorithm.credit, (parts.rank, parts.world_size, parts.dp_group)
 
     def decide() -> EstimatorOutput:
-        if phases["alignment"]:
+        if phases.alignment:
             with parts.profiler.phase("rectify"):
                 inputs.rectification = rectify_inputs(inputs, parts.cfg.algorithm)
-        with parts.profiler.phase("m2" if phases["mechanism2"] else "advantage"):
-            if phases["mechanism2"]:  # data-parallel collectives: among the first ranks of the groups only
+        with parts.profiler.phase("m2" if phases.mechanism2 else "advantage"):
+            if phases.mechanism2:  # data-parallel collectives: among the first ranks of the groups only
                 inputs.whole_batch = whole_batch(inputs, credit_cfg, *dp)  # None single-process
             res = parts.estimator(inputs, parts.cfg.algorithm)
-            if phases["mechanism2"]:
+            if phases.mechanism2:
                 globalise_spans(res.credit, credit_cfg, *dp)
         return res
 
@@ -210,7 +210,7 @@ def estimate(
     out = broadcast_from_lead(parts.policy, decide, device=dev)
     metrics = {k: v for k, v in out.metrics.items() if isinstance(v, (int, float))}  # declared by the estimator
     spans: list[int] = []
-    seg = getattr(out.credit, "segment_index", None) if out.credit is not None else None
+    seg = out.credit.segment_index if out.credit is not None else None
     if seg is not None:
         ids = torch.as_tensor(seg)
         ids = ids[ids >= 0]

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from alignopsd.engine.generation.base import samples_from
 from alignopsd.engine.generation.prompt_cache import PromptKV
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
@@ -55,8 +56,7 @@ class RescoreOutput:
 def can_reuse_rollout_logprobs(generator, model: nn.Module) -> bool:
     """True when the generation backend samples from ``model`` itself (the Hugging Face backend on the trainer's
     own module), so its per-token log-probs are the trainer's old log-probs up to kernel differences."""
-    gm = getattr(generator, "model", None)
-    return gm is not None and gm is model
+    return samples_from(generator, model)
 
 
 def unpadded_prompts(ids_ML: Tensor, mask_ML: Tensor) -> list[list[int]]:
@@ -133,8 +133,8 @@ class Rescorer:
         """Whether the teacher forcing can read the privileged prompts' keys and values that ``generator`` keeps
         (engine/step/cached_scoring.py): the generator keeps them (the CPU decoding cache) and samples from this
         scorer's own model (same module, same weights), which scores in the ``shared_prefix`` mode by itself."""
-        keeps = bool(getattr(generator, "keeps_prompt_cache", False))
-        return keeps and self.scorer is None and self.mode == "shared_prefix" and generator.model is self.model
+        keeps = generator is not None and generator.keeps_prompt_cache
+        return keeps and self.scorer is None and self.mode == "shared_prefix" and samples_from(generator, self.model)
 
     @torch.no_grad()
     def student_logprobs(self, batch: TurnBatch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, dict]:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from alignopsd.engine.envs.prompts import chat_text
+from alignopsd.engine.envs.registry import TRUNCATION_MODES, get_entry
 from alignopsd.engine.envs.skills import build_teacher_prompts, teacher_prompt_text
 from alignopsd.engine.envs.skills import skill_lookup as env_skill_lookup
 from alignopsd.engine.generation.base import SamplingParams
@@ -56,7 +57,6 @@ from alignopsd.engine.tokens.layout import left_pad, right_pad, truncate_left
 
 log = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left")
 VAL_TEMPERATURE = 0.4
 
 
@@ -66,8 +66,8 @@ def _seed(seed: int, *parts: object) -> int:
 
 
 def default_truncation(env_name: str) -> str:
-    """§1.3: ``left`` for Search, ``error`` for ALFWorld/WebShop (and any other environment)."""
-    return "left" if str(env_name).lower().startswith("search") else "error"
+    """§1.3: the environment's registry entry decides (``left`` for Search, ``error`` for ALFWorld/WebShop)."""
+    return get_entry(env_name).truncation
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ class _Row:
 def _end_of_turn_id(tokenizer, generator) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        ids = sorted(getattr(generator, "eos_token_ids", []) or [])
+        ids = sorted(generator.eos_token_ids)
         if not ids:
             raise ValueError("tokenizer: no eos_token_id to close an empty response")
         eos = ids[0]
@@ -149,7 +149,7 @@ def _check_settings(env_manager, generator, tokenizer, *, group_n, sampling, max
         raise ValueError(f"max_prompt_length: must be >= 1, got {max_prompt_length}")
     if failed_episodes not in ("keep", "drop"):
         raise ValueError(f"failed_episodes: expected 'keep' or 'drop', got {failed_episodes!r}")
-    env_name = getattr(env_manager, "env_name", "")
+    env_name = env_manager.env_name
     truncation = truncation or default_truncation(env_name)
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation: expected one of {TRUNCATION_MODES}, got {truncation!r}")

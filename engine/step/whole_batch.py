@@ -79,7 +79,7 @@ def globalise_spans(credit, cfg: CreditConfig, rank: int, world_size: int, group
     that segment; a no-op single-process."""
     if world_size <= 1 or not cfg.uses_distances:
         return
-    seg = getattr(credit, "segment_index", None)
+    seg = credit.segment_index if credit is not None else None
     count = int(seg.max()) + 1 if seg is not None and seg.numel() else 0
     counts = torch.cat(all_gather_tensors(torch.tensor([max(count, 0)]), world_size, group)).tolist()
     offset = sum(counts[:rank])

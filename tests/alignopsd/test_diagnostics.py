@@ -14,7 +14,7 @@ from alignopsd.diagnostics import (
     off_turn_match_weight,
     paired_sign_flips,
 )
-from alignopsd.rectify import rectify
+from alignopsd.rectification import rectify
 
 P = "m1/paired/response/"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,13 +13,14 @@ from alignopsd.estimators import (
     ESTIMATORS,
     EstimatorInputs,
     EstimatorName,
+    EstimatorPhases,
     get_estimator,
     register_estimator,
     rlsd_lambda,
     rowwise_grpo_advantage,
 )
 from alignopsd.losses import auxiliary_loss
-from alignopsd.rectify import eligibility, pairs_from_selection, select_sources
+from alignopsd.rectification import eligibility, pairs_from_selection, select_sources
 
 
 def _batch(seed: int = 0, L: int = 6, constant_gap: float | None = None) -> EstimatorInputs:
@@ -72,16 +75,14 @@ def test_registry():
     with pytest.raises(ValueError, match="unknown estimator"):
         get_estimator("ppo")
     cfg = AlgorithmConfig(estimator="grpo", kl_coef=0.0)
-    assert get_estimator("grpo").phases(cfg) == {
-        "teacher_diag": False,
-        "alignment": False,
-        "ref": False,
-        "mechanism2": False,
-    }
+    none = EstimatorPhases(teacher_diag=False, alignment=False, ref=False, mechanism2=False)
+    assert get_estimator("grpo").phases(cfg) == none
     ph = get_estimator("alignopsd").phases(AlgorithmConfig())
-    assert ph == {"teacher_diag": True, "alignment": True, "ref": True, "mechanism2": True}
-    assert get_estimator("sdar").phases(AlgorithmConfig(estimator="sdar"))["teacher_diag"]
-    assert not get_estimator("rlsd").phases(AlgorithmConfig(estimator="rlsd"))["alignment"]
+    assert ph == EstimatorPhases(teacher_diag=True, alignment=True, ref=True, mechanism2=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ph.ref = False
+    assert get_estimator("sdar").phases(AlgorithmConfig(estimator="sdar")).teacher_diag
+    assert not get_estimator("rlsd").phases(AlgorithmConfig(estimator="rlsd")).alignment
     for spec in ESTIMATORS.values():
         assert spec.description
 
@@ -388,9 +389,9 @@ def test_alignopsd_m1_ablation_a_disables_rectification():
 def test_phases_of_every_estimator(name, diag, align, m2):
     for kl in (0.0, 0.01):
         ph = get_estimator(name).phases(AlgorithmConfig(estimator=name, kl_coef=kl))
-        assert ph == {"teacher_diag": diag, "alignment": align, "ref": kl > 0, "mechanism2": m2}
+        assert ph == EstimatorPhases(teacher_diag=diag, alignment=align, ref=kl > 0, mechanism2=m2)
     if name == "alignopsd":  # ablation A still pays for selection and cross scoring (M2 needs H and B)
-        assert get_estimator(name).phases(AlgorithmConfig(estimator=name, ablation="A"))["alignment"]
+        assert get_estimator(name).phases(AlgorithmConfig(estimator=name, ablation="A")).alignment
 
 
 def test_rowwise_grpo_and_rlsd_lambda_bad_inputs():
@@ -465,3 +466,55 @@ def test_register_estimator_checks_declared_needs():
     with pytest.raises(ValueError, match="outcome_scaled"):
         register_estimator("bad_scaled", outcome_scaled=1)(lambda inp, cfg: None)
     assert "bad_aux" not in ESTIMATORS and "bad_scaled" not in ESTIMATORS
+
+
+@pytest.fixture
+def scaled_estimator():
+    """A user estimator with a config section of its own: one registered function plus one config class."""
+    from alignopsd.config_values import real_field
+    from alignopsd.estimators import ESTIMATOR_SECTIONS
+
+    @dataclasses.dataclass
+    class ScaledConfig:
+        scale: float = 2.0
+
+        def __post_init__(self) -> None:
+            real_field("scale", self.scale, lo=0.0)
+
+    @register_estimator("scaled_grpo", settings=ScaledConfig, outcome_scaled=True)
+    def scaled_grpo(inp, cfg):
+        """GRPO with its token advantage scaled by ``algorithm.scaled_grpo.scale``."""
+        out = get_estimator("grpo")(inp, cfg)
+        out.token_advantage = out.token_advantage * cfg.section("scaled_grpo").scale
+        return out
+
+    try:
+        yield ScaledConfig
+    finally:
+        ESTIMATORS.pop("scaled_grpo", None)
+        ESTIMATOR_SECTIONS.pop("scaled_grpo", None)
+
+
+def test_an_estimator_with_settings_of_its_own(scaled_estimator):
+    from alignopsd.config import from_dict, to_dict
+
+    cfg = from_dict(AlgorithmConfig, {"estimator": "scaled_grpo", "kl_coef": 0.0, "scaled_grpo": {"scale": 3.0}})
+    assert cfg.section("scaled_grpo") == scaled_estimator(scale=3.0)
+    assert cfg.section("sdar") is cfg.sdar  # the built-in sections answer by the same key
+    assert to_dict(cfg)["scaled_grpo"] == {"scale": 3.0}  # stored with the run, reloaded identically
+    assert from_dict(AlgorithmConfig, to_dict(cfg)).section("scaled_grpo").scale == 3.0
+    assert apply_overrides(cfg, ["scaled_grpo.scale=5"]).section("scaled_grpo").scale == 5.0
+    assert AlgorithmConfig(estimator="scaled_grpo").section("scaled_grpo") == scaled_estimator()  # defaults
+    assert "scaled_grpo" not in to_dict(AlgorithmConfig())  # other runs' stored config is unchanged
+    with pytest.raises(ValueError, match="scaled_grpo.scale"):
+        from_dict(AlgorithmConfig, {"estimator": "scaled_grpo", "scaled_grpo": {"scale": -1.0}}, "algorithm")
+    with pytest.raises(ValueError, match="scaled_grpo.bogus: unknown key"):
+        from_dict(AlgorithmConfig, {"estimator": "scaled_grpo", "scaled_grpo": {"bogus": 1}})
+    with pytest.raises(ValueError, match="no config section 'scaled_grpo'"):
+        AlgorithmConfig().section("scaled_grpo")
+    with pytest.raises(ValueError, match="settings: expected a dataclass"):
+        register_estimator("other", settings=dict)
+    inp = _batch()
+    plain = get_estimator("grpo")(inp, AlgorithmConfig(estimator="grpo", kl_coef=0.0)).token_advantage
+    scaled = get_estimator("scaled_grpo")(inp, cfg).token_advantage
+    assert plain.abs().sum() > 0 and torch.allclose(scaled, 3.0 * plain)

@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_every_candidate_of_a_turn_has_the_same_token_count_and_text_round_trips(model_dir):
-    from alignopsd.engine.envs import credit
+    from alignopsd.engine.envs.credit import env as credit
     from alignopsd.engine.generation.choice import candidate_texts
     from transformers import AutoTokenizer
 

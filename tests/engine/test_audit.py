@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-from types import SimpleNamespace
 
 import learn_helpers as lh
 import pytest
@@ -24,6 +23,7 @@ from alignopsd.engine.observe.audit import (
 from alignopsd.engine.observe.audit_read import off_turn_match_weight_from_records, read_audit
 from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.teacher_pass import M1Result
 from test_train import GUESS, TINY
 
 STEPS = 3
@@ -236,7 +236,7 @@ def test_size_cap(tmp_path, caplog):
 def _synthetic(seed=0):
     """2 tasks x 2 rollouts x 3 turns with M1 and M2 results of the core on random evidence."""
     from alignopsd.credit import allocate_credit
-    from alignopsd.rectify import eligibility, pairs_from_selection, rectify, select_sources
+    from alignopsd.rectification import eligibility, pairs_from_selection, rectify, select_sources
 
     g = torch.Generator().manual_seed(seed)
     task = torch.tensor([0] * 6 + [1] * 6)
@@ -274,7 +274,7 @@ def test_turn_records_and_selection_without_a_run():
     counts = torch.ones(cb.size, dtype=torch.long)
     adv = credit.token_advantage
     before = [t.clone() for t in (old, diag, cross, H, adv)]
-    m1 = SimpleNamespace(H=H, eligible=B, diag=diag, cross=cross)
+    m1 = M1Result(H=H, eligible=B, diag=diag, cross=cross)
     recs, scores = turn_records(5, 0, cb, counts, old, adv, rect=rect, m1=m1, credit=credit)
     assert all(torch.equal(a, b) for a, b in zip(before, (old, diag, cross, H, adv)))  # read, never written
     from alignopsd.diagnostics import off_turn_match_weight

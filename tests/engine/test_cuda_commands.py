@@ -135,7 +135,7 @@ def test_compare_on_cuda(fake, tmp_path):
 
 
 def test_sft_on_cuda(fake, tmp_path):
-    from alignopsd.engine.envs.alfworld_gen import generate_games
+    from alignopsd.engine.envs.alfworld.gen import generate_games
 
     games = tmp_path / "games"
     for split, seed in (("train", 5), ("valid_unseen", 6)):

@@ -7,9 +7,9 @@ import random
 from pathlib import Path
 
 import pytest
-from alignopsd.engine.envs import alfworld_env as A
-from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, sample_game
-from alignopsd.engine.envs.alfworld_textworld import make_textworld_env, memoize_textworld_parsers
+from alignopsd.engine.envs.alfworld import env as A
+from alignopsd.engine.envs.alfworld.gen import CATEGORY, TASK_TYPES, sample_game
+from alignopsd.engine.envs.alfworld.textworld import make_textworld_env, memoize_textworld_parsers
 from alignopsd.engine.envs.manager import EnvManager
 
 FIXTURE = Path(__file__).resolve().parents[1] / "assets" / "alfworld_fixture"
@@ -31,14 +31,14 @@ def test_generated_split_layout_and_cache(generated):
     cache, tasks = generated
     assert sorted(t.category for t in tasks) == sorted(CATEGORY.values())
     for t in tasks:
-        game = Path(t.gamefile)
+        game = Path(t.payload["gamefile"])
         assert game.name == "game.tw-pddl" and "json_2.1.1/train" in str(game)
         traj = json.loads((game.parent / "traj_data.json").read_text())
         assert traj["task_type"] in TASK_TYPES and CATEGORY[traj["task_type"]] == t.category
         data = json.loads(game.read_text())
         assert data["solvable"] and 0 < len(data["walkthrough"]) <= 50
         assert "(define (domain alfred)" in data["pddl_domain"] and "UNKNOWN GOAL" not in data["grammar"]
-        assert t.data_source == "text" and traj["task_type"] in t.gamefile
+        assert t.data_source == "text" and traj["task_type"] in t.payload["gamefile"]
     marker = next(cache.glob("train-*/COMPLETE"))
     stamp = marker.stat().st_mtime_ns
     again = A.load_tasks("train", 3, 7, cache_dir=cache, pool_size=6)  # cached: no regeneration
@@ -64,7 +64,7 @@ def test_expert_wins_random_policy_mostly_loses(generated):
         obs, info = env.reset(t, seed=0)
         r = None
         assert info["task"] and info["task"] in obs and "help" in info["admissible_actions"]
-        for action in _walkthrough(t.gamefile):
+        for action in _walkthrough(t.payload["gamefile"]):
             assert action in info["admissible_actions"]
             r = env.step(action)
             info = r.info
@@ -90,7 +90,7 @@ def test_speedups_do_not_change_the_engine(generated):
         env = make_textworld_env(fast=fast)
         out, rng = [], random.Random(5)
         for t in tasks[:2]:
-            env.load(t.gamefile)
+            env.load(t.payload["gamefile"])
             s = env.reset()
             out.append((s["feedback"], s["admissible_commands"]))
             for _ in range(12):
@@ -107,7 +107,7 @@ def test_speedups_do_not_change_the_engine(generated):
 def test_official_adapter_on_fixture(monkeypatch):
     train = A.load_tasks("train", None, 0, data_dir=FIXTURE)
     assert len(train) == 2  # the movable-receptacle and the unsolvable game are skipped
-    assert all("movable" not in t.gamefile and "unsolvable" not in t.gamefile for t in train)
+    assert all("movable" not in t.payload["gamefile"] and "unsolvable" not in t.payload["gamefile"] for t in train)
     assert [t.payload["source"] for t in train] == ["official", "official"]
     assert len(A.load_tasks("valid_seen", None, 0, data_dir=FIXTURE)) == 1
     assert A.load_tasks("eval_out_of_distribution", None, 0, data_dir=FIXTURE)[0].category == "cool"
@@ -126,7 +126,7 @@ def test_manager_plays_fixture_games_in_workers():
         obs, infos = mgr.reset(tasks, 2, seed=0)
         first = list(obs)
         assert obs[0] == obs[1] and "Your task is to:" in obs[0] and "'help'" not in obs[0]
-        walks = [_walkthrough(t.gamefile) for t in tasks]
+        walks = [_walkthrough(t.payload["gamefile"]) for t in tasks]
         dones = [False] * 4
         while not all(dones):
             resp = []
@@ -143,7 +143,7 @@ def test_manager_plays_fixture_games_in_workers():
                 break
         res = mgr.episode_results()
         assert res[0]["won"] and res[2]["won"] and res[0]["reward"] == 10.0
-        assert res[0]["steps"] == len(walks[0]) and infos[0]["gamefile"] == tasks[0].gamefile
+        assert res[0]["steps"] == len(walks[0]) and infos[0]["gamefile"] == tasks[0].payload["gamefile"]
         assert infos[1]["observation"] == "Nothing happens." and not res[1]["won"]
         assert infos[0]["category"] == "look" and infos[2]["category"] == tasks[1].category
         assert mgr.metrics()["failed_episodes"] == 0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from alignopsd.engine.envs import registry
-from alignopsd.engine.envs.credit import HORIZON, KINDS, CreditEnv, decisive_turns, load_tasks, true_boundaries
+from alignopsd.engine.envs.credit.env import HORIZON, KINDS, CreditEnv, decisive_turns, load_tasks, true_boundaries
 from alignopsd.engine.envs.skills import skill_lookup
 
 

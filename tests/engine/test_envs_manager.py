@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from alignopsd.engine.envs.codeword.env import faulty_tasks
 from alignopsd.engine.envs.manager import EnvManager, load_tasks
-from alignopsd.engine.envs.toy import faulty_tasks
 
 WAIT = "<think>the word is hidden, wait</think><action>wait</action>"
 

@@ -6,10 +6,16 @@ import json
 
 import pytest
 from alignopsd.engine.envs.base import TaskSpec
-from alignopsd.engine.envs.corpus_index import CorpusRetriever
 from alignopsd.engine.envs.prompts import PromptContext
-from alignopsd.engine.envs.retrieval_server import RetrievalServer
-from alignopsd.engine.envs.search import (
+from alignopsd.engine.envs.search.corpus_index import CorpusRetriever
+from alignopsd.engine.envs.search.data import (
+    SOURCES,
+    default_corpus_path,
+    generate_kb,
+    kb_questions,
+    load_searchr1_parquet,
+)
+from alignopsd.engine.envs.search.env import (
     INVALID_OBSERVATION,
     SearchEnv,
     exact_match,
@@ -19,13 +25,7 @@ from alignopsd.engine.envs.search import (
     search_accuracy_by_source,
     search_prompt,
 )
-from alignopsd.engine.envs.search_data import (
-    SOURCES,
-    default_corpus_path,
-    generate_kb,
-    kb_questions,
-    load_searchr1_parquet,
-)
+from alignopsd.engine.envs.search.retrieval_server import RetrievalServer
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def test_workers_share_one_started_server(cache):
 def test_skill_bank_has_the_four_task_types():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "skills" / "search"
+    root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "search" / "skills"
     mapping = json.loads((root / "skill_mapping.json").read_text())
     types = {"entity_attribute_lookup", "direct_retrieval", "multi_hop_reasoning", "compare"}
     assert set(mapping["task_to_skill"]) == types == set(mapping["task_keywords"])

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.prompts import PromptContext
-from alignopsd.engine.envs.webshop import WebShopEnv, find_original_files, load_tasks, read_action, webshop_prompt
-from alignopsd.engine.envs.webshop_data import get_catalogue
-from alignopsd.engine.envs.webshop_generate import generate_catalogue
-from alignopsd.engine.envs.webshop_reward import get_reward, normalize_color, token_set_ratio, webshop_metrics
+from alignopsd.engine.envs.webshop.data import get_catalogue
+from alignopsd.engine.envs.webshop.env import WebShopEnv, find_original_files, load_tasks, read_action, webshop_prompt
+from alignopsd.engine.envs.webshop.generate import generate_catalogue
+from alignopsd.engine.envs.webshop.reward import get_reward, normalize_color, token_set_ratio, webshop_metrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "assets" / "webshop_fixture"
 SMALL = {"kind": "generated", "seed": 3, "n_products": 200, "n_goals": 40}
@@ -309,9 +309,9 @@ def test_manager_runs_webshop_episodes():
 def test_skill_bank_covers_categories_and_keywords_fire_on_instructions():
     import json
 
-    from alignopsd.engine.envs.webshop_products import PRODUCT_TYPES
+    from alignopsd.engine.envs.webshop.products import PRODUCT_TYPES
 
-    root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "skills" / "webshop"
+    root = Path(__file__).resolve().parents[2] / "engine" / "envs" / "webshop" / "skills"
     mapping = json.loads((root / "skill_mapping.json").read_text())
     assert set(mapping["task_to_skill"]) == set(PRODUCT_TYPES) == set(mapping["task_keywords"])
     for name, fname in mapping["skill_files"].items():
@@ -324,7 +324,7 @@ def test_skill_bank_covers_categories_and_keywords_fire_on_instructions():
 
 
 def test_generated_catalogue_roundtrips_through_the_original_layout(tmp_path):
-    from alignopsd.engine.envs.webshop_data import write_original_layout
+    from alignopsd.engine.envs.webshop.data import write_original_layout
 
     products, goals, _ = generate_catalogue(5, n_products=120, n_goals=12)
     files = write_original_layout(products, goals, tmp_path)

@@ -45,17 +45,17 @@ def _check_trained_through_the_step(tr, recs) -> None:
 
     phases = tr.parts.estimator.phases(tr.cfg.algorithm)
     declared = ["rollout_generation", "old_logprob", "update"]
-    declared += ["reference"] if phases["ref"] else []
-    declared += ["teacher_forcing"] if phases["teacher_diag"] or phases["alignment"] else []
-    declared += ["teacher_generation", "encoding", "m1_selection", "rectify"] if phases["alignment"] else []
-    declared += ["m2"] if phases["mechanism2"] else ["advantage"]
+    declared += ["reference"] if phases.ref else []
+    declared += ["teacher_forcing"] if phases.teacher_diag or phases.alignment else []
+    declared += ["teacher_generation", "encoding", "m1_selection", "rectify"] if phases.alignment else []
+    declared += ["m2"] if phases.mechanism2 else ["advantage"]
     updated = [r for r in recs if not r.get("update/skipped")]
     assert len(updated) >= 2, [r.get("update/skipped") for r in recs]
     for r in updated:
         missing = [p for p in declared if not r.get(f"time/{p}", 0.0) > 0]
         assert not missing, (r["step"], missing)
         assert r["update/optimizer_steps"] >= 1 and r["update/skipped_optimizer_steps"] == 0
-    if not phases["alignment"]:  # a phase the estimator does not declare never runs
+    if not phases.alignment:  # a phase the estimator does not declare never runs
         assert all(r.get("time/teacher_generation", 0.0) == 0 for r in recs)
     start = load_causal_lm("tiny").state_dict()
     now = tr.parts.policy.model.state_dict()

@@ -20,6 +20,7 @@ import pytest
 import torch
 from alignopsd.engine.generation.choice import ChoiceGenerator
 from alignopsd.engine.parallel.tp_broadcast import LeadRankError
+from generator_double import GeneratorDouble
 from test_megatron_steps import Recorder, Replay
 
 pytestmark = [
@@ -144,7 +145,7 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     assert (moved - mine)[mask].abs().max() > 1e-6  # ... while the policy did move
 
 
-class EngineStub:
+class EngineStub(GeneratorDouble):
     """Stands in for the vLLM engine (which needs minutes to start on CPU): keeps a copy of every weight pushed."""
 
     def __init__(self) -> None:
@@ -190,7 +191,7 @@ def test_weight_sync_gathers_one_part_at_a_time_to_rank_0():
 
     import torch.distributed as dist
 
-    class PartWatcher:
+    class PartWatcher(GeneratorDouble):
         """Loads nothing (keeps a checksum); records, per weight, how many earlier parts' weights are alive."""
 
         def __init__(self, tied: bool, stop_after: int | None = None) -> None:

@@ -62,6 +62,8 @@ def test_pack_layout_attends_to_the_prompt_and_its_own_response_only():
 
 def test_backend_prefix_scoring_needs_a_packing_backend():
     class RowsOnly:
+        scores_itself = False  # no packed scoring of its own (PolicyBackend.scores_itself)
+
         def response_logprobs(self, *a, **kw):
             raise AssertionError("not reached")
 

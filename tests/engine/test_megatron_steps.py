@@ -21,6 +21,7 @@ import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine.generation.choice import ChoiceGenerator
+from generator_double import GeneratorDouble
 
 pytestmark = [
     pytest.mark.distributed,
@@ -31,14 +32,14 @@ LR = 1e-4
 STEP = 1  # a step index whose batch has learnable signal (step 0's episodes all fail: no advantage)
 
 
-class Recorder:
+class Recorder(GeneratorDouble):
     """The candidate-choice generator, recording every call (prompts, output)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.calls: list = []
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, *, keep_prompt_cache=False):
         out = self.inner.generate(prompts, sampling)
         self.calls.append((prompts, out))
         return out
@@ -47,13 +48,13 @@ class Recorder:
         self.inner.load_weights(state_dict)
 
 
-class Replay:
+class Replay(GeneratorDouble):
     """Returns recorded generations in order, checking that the prompts are the recorded ones."""
 
     def __init__(self, calls) -> None:
         self.calls = list(calls)
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, *, keep_prompt_cache=False):
         recorded, out = self.calls.pop(0)
         assert recorded == prompts, "the replayed run asked for other prompts"
         return out

@@ -17,6 +17,7 @@ from alignopsd.engine.policy.megatron.memory import (
     main,
     shard_params,
 )
+from generator_double import GeneratorDouble
 
 # 2 layers, hidden 8, MLP 16, 4 query heads and 2 key/value heads of dim 2, vocabulary 32, untied, q/k/v biases
 SMALL = Dims(num_layers=2, hidden=8, ffn=16, heads=4, groups=2, head_dim=2, vocab=32, tied=False, qkv_bias=True)
@@ -116,7 +117,7 @@ def test_command_on_the_test_config(capsys):
         layout_from_config(load_config("configs/tiny.yaml", [*over, "model.name=nobody/none-1b"]), 2, 80.0)
 
 
-class PhaseLog:
+class PhaseLog(GeneratorDouble):
     """The run's generator (the candidate-choice generator on the policy's own model) with a ``sleep`` like the
     vLLM engine's, logging the order of generation, sleep and weight pushes."""
 
@@ -124,7 +125,7 @@ class PhaseLog:
         self.inner = inner
         self.events: list[str] = []
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, *, keep_prompt_cache=False):
         self.events.append("generate")
         return self.inner.generate(prompts, sampling)
 

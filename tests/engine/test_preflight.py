@@ -10,18 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from alignopsd.engine.config.preflight import (
-    README_HINT,
-    alfworld_official_data,
-    env_option_names,
-    preflight,
-    search_official_data,
-    webshop_official_data,
-)
+from alignopsd.engine.config.errors import README_HINT
+from alignopsd.engine.config.preflight import env_option_names, preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
-from alignopsd.engine.envs.alfworld_env import load_tasks as alfworld_load_tasks
-from alignopsd.engine.envs.retriever import URL_ENV_VAR
-from alignopsd.engine.envs.search import load_tasks as search_load_tasks
+from alignopsd.engine.envs.alfworld.env import load_tasks as alfworld_load_tasks
+from alignopsd.engine.envs.alfworld.official import alfworld_official_data
+from alignopsd.engine.envs.search.env import load_tasks as search_load_tasks
+from alignopsd.engine.envs.search.official import search_official_data
+from alignopsd.engine.envs.search.retriever import URL_ENV_VAR
+from alignopsd.engine.envs.webshop.official import webshop_official_data
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
@@ -140,7 +137,7 @@ def test_alfworld_check_accepts_what_the_loader_reads_as_official(tmp_path, monk
     monkeypatch.setenv("ALFWORLD_DATA", str(root))
     assert alfworld_official_data(None, ("train",), dict(os.environ)) == root
     tasks = alfworld_load_tasks("train", n=2, data_dir=None)
-    assert {t.payload["source"] for t in tasks} == {"official"} and tasks[0].gamefile.startswith(str(root))
+    assert {t.payload["source"] for t in tasks} == {"official"} and tasks[0].payload["gamefile"].startswith(str(root))
 
 
 def test_webshop_official_data(tmp_path):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from alignopsd.engine.envs.prompts import PromptBuilder, PromptContext, alfworld_prompt, chat_text
+from alignopsd.engine.envs.alfworld.prompt import alfworld_prompt
+from alignopsd.engine.envs.prompts import PromptBuilder, PromptContext, chat_text
 from alignopsd.engine.envs.registry import make_prompt
 from alignopsd.engine.envs.skills import (
     HEADER,

@@ -9,9 +9,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from alignopsd.engine.envs.corpus_index import Bm25Index, CorpusRetriever, Document, load_corpus
-from alignopsd.engine.envs.retrieval_server import RetrievalServer, ServerLimits
-from alignopsd.engine.envs.retriever import (
+from alignopsd.engine.envs.search.corpus_index import Bm25Index, CorpusRetriever, Document, load_corpus
+from alignopsd.engine.envs.search.retrieval_server import RetrievalServer, ServerLimits
+from alignopsd.engine.envs.search.retriever import (
     RetrieverClient,
     RetrieverError,
     ensure_retriever,

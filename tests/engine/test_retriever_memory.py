@@ -10,16 +10,16 @@ import urllib.error
 import urllib.request
 
 import pytest
-from alignopsd.engine.envs.corpus_index import CorpusRetriever
-from alignopsd.engine.envs.memory_budget import MemoryBudget
-from alignopsd.engine.envs.retrieval_server import (
+from alignopsd.engine.envs.search.corpus_index import CorpusRetriever
+from alignopsd.engine.envs.search.memory_budget import MemoryBudget
+from alignopsd.engine.envs.search.retrieval_server import (
     RetrievalServer,
     ServerLimits,
     render_result,
     work_budget,
     work_charge,
 )
-from alignopsd.engine.envs.retriever import RetrieverClient
+from alignopsd.engine.envs.search.retriever import RetrieverClient
 
 DOCS = [{"id": f"d{i}", "contents": f'"Place {i}"\nPlace {i} is a city on the river, number {i}.'} for i in range(12)]
 

@@ -8,12 +8,13 @@ import re
 
 import pytest
 import torch
+from alignopsd.engine.envs.codeword.env import faulty_tasks
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
-from alignopsd.engine.envs.toy import faulty_tasks
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
 from alignopsd.engine.step.rollout import collect_rollouts, default_truncation
 from alignopsd.engine.tokens.layout import truncate_left
+from generator_double import GeneratorDouble
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def tok():
     return load_tokenizer("tiny")
 
 
-class ScriptedGenerator:
+class ScriptedGenerator(GeneratorDouble):
     """Deterministic stand-in for a backend: ``policy(prompt_text, call_index, row) -> response text``."""
 
     def __init__(self, tokenizer, policy):
@@ -32,7 +33,7 @@ class ScriptedGenerator:
         self.calls: list[SamplingParams] = []
         self.prompts: list[list[list[int]]] = []
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, *, keep_prompt_cache=False):
         self.calls.append(sampling)
         self.prompts.append([list(p) for p in prompts])
         ids, texts, lps, reasons = [], [], [], []

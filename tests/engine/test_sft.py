@@ -18,13 +18,14 @@ from alignopsd.engine.commands.sft import (
     sft_train,
 )
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.envs.alfworld_env import collect_games
-from alignopsd.engine.envs.alfworld_expert import expert_turns
-from alignopsd.engine.envs.alfworld_gen import game_facts, generate_games
+from alignopsd.engine.envs.alfworld.env import collect_games
+from alignopsd.engine.envs.alfworld.expert import expert_turns
+from alignopsd.engine.envs.alfworld.gen import game_facts, generate_games
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import GenerationOutput
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
 from alignopsd.engine.step.rollout import collect_rollouts
+from generator_double import GeneratorDouble
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,8 +68,8 @@ def test_expert_turns_cover_walkthroughs(expert):
     tasks, turns, _ = expert
     for t in tasks:
         mine = [x for x in turns if x.task_key == t.key]
-        assert [x.turn for x in mine] == list(range(len(game_facts(t.gamefile)["walkthrough"])))
-        for x, action in zip(mine, game_facts(t.gamefile)["walkthrough"]):
+        assert [x.turn for x in mine] == list(range(len(game_facts(t.payload["gamefile"])["walkthrough"])))
+        for x, action in zip(mine, game_facts(t.payload["gamefile"])["walkthrough"]):
             assert x.response.endswith(f"<action>{action}</action>") and x.response.startswith("<think>")
             assert "</think>" in x.response and "<think>" not in x.response[7:]
             assert "ALFRED" in x.user_text and "Your task is to" in x.user_text
@@ -80,13 +81,15 @@ def test_expert_thinking_reads_the_position_from_the_game(expert):
     tasks, turns, _ = expert
     for t in tasks:
         at, holding = None, False
-        for x, action in zip([x for x in turns if x.task_key == t.key], game_facts(t.gamefile)["walkthrough"]):
+        for x, action in zip(
+            [x for x in turns if x.task_key == t.key], game_facts(t.payload["gamefile"])["walkthrough"]
+        ):
             think = x.response[len("<think>") : x.response.index("</think>")]
             assert think.startswith(f"I am at {at}" if at else "I am in the middle of the room"), (think, at)
             if at:
                 assert f"You arrive at {at}" in x.user_text
             if action.startswith("go to "):
-                obj = game_facts(t.gamefile)["object"]
+                obj = game_facts(t.payload["gamefile"])["object"]
                 assert (f"I hold the {obj}" in think) == holding, think
                 at = action[len("go to ") :]
             holding = holding or action.startswith("take ")
@@ -103,7 +106,7 @@ def test_search_detours_win_and_show_what_to_do_where_the_object_is_not(games):
         env.close()
     searched = 0
     for t in tasks:
-        facts = game_facts(t.gamefile)
+        facts = game_facts(t.payload["gamefile"])
         mine = [x for x in turns if x.task_key == t.key]
         actions = [x.response.split("<action>")[1].split("</action>")[0] for x in mine]
         assert len(mine) <= 12 and actions[-1].startswith("move ")
@@ -122,8 +125,8 @@ def test_examples_render_prompts_exactly_as_the_rollout(expert, games, tok):
     tasks, _, examples = expert
     by_prompt = {tuple(p): r for (p, r) in examples}
 
-    class Expert:
-        def generate(self, prompts, sampling):
+    class Expert(GeneratorDouble):
+        def generate(self, prompts, sampling, *, keep_prompt_cache=False):
             ids = [by_prompt[tuple(p)][:-1] for p in prompts]  # KeyError: a prompt the data does not hold
             texts = [tok.decode(i) for i in ids]
             return GenerationOutput(ids, texts, [[-0.1] * len(i) for i in ids], ["stop"] * len(ids))

@@ -8,6 +8,7 @@ from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator
 from alignopsd.engine.generation.teacher import ACTION_STOPS, THINK_STOP, generate_teacher
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
+from generator_double import GeneratorDouble
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,14 +24,14 @@ def tok():
     return load_tokenizer("tiny")
 
 
-class ScriptedBackend:
+class ScriptedBackend(GeneratorDouble):
     """Emits a fixed text per prompt token by token, stopping like the real backends (stop string in the
     decoded continuation, or the token budget). Records the sampling settings it was called with."""
 
     def __init__(self, tok, scripts: list[str], max_model_len: int = 4096):
         self.tok, self.scripts, self.max_model_len, self.calls = tok, scripts, max_model_len, []
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, *, keep_prompt_cache=False):
         self.calls.append(sampling)
         out = GenerationOutput(token_ids=[], texts=[], logprobs=[], finish_reasons=[])
         for i, _ in enumerate(prompts):

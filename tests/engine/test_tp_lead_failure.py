@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from generator_double import GeneratorDouble
 
 pytestmark = [
     pytest.mark.distributed,
@@ -54,7 +55,7 @@ def test_failing_lead_rollout_raises_on_every_rank(policy):
     assert group_rollout(SimpleNamespace(policy=policy), lambda: ("batch", {"n": 3.0})) == ("batch", {"n": 3.0})
 
 
-class _Engine:
+class _Engine(GeneratorDouble):
     """A generation engine on the first rank that runs out of memory after ``fail_after`` weights."""
 
     def __init__(self, fail_after: int | None) -> None:

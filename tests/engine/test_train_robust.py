@@ -178,7 +178,7 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
 
 def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
     """A raising environment and the random model's malformed responses: counted, the step completes."""
-    from alignopsd.engine.envs.toy import faulty_tasks
+    from alignopsd.engine.envs.codeword.env import faulty_tasks
     from alignopsd.engine.run.trainer import Trainer
     from alignopsd.engine.step.recipe import run_step
 

@@ -26,7 +26,7 @@ def _whole_batch(seed: int = 0):
     from alignopsd.engine.step.batch import TurnBatch
     from alignopsd.engine.step.teacher_pass import M1Result
 
-    from alignopsd.rectify import eligibility, pairs_from_selection, select_sources, similarity_matrix
+    from alignopsd.rectification import eligibility, pairs_from_selection, select_sources, similarity_matrix
 
     g = torch.Generator().manual_seed(seed)
     task, roll, turn, outcome = [], [], [], []
@@ -112,7 +112,7 @@ def test_estimator_phase_split_over_two_ranks_equals_one_rank(ablation, distance
     ov = [f"algorithm.ablation={ablation}", f"algorithm.credit.distance={distance}", "algorithm.credit.tau_max=0.9"]
     cfg = load_config(TINY, ov)
     phases = _parts(cfg, 0, 1).estimator.phases(cfg.algorithm)
-    assert phases["mechanism2"]
+    assert phases.mechanism2
     cb, old, m1 = _whole_batch()
     counts = torch.ones(cb.size, dtype=torch.long)
     one, spans_one, whole_metrics = estimate(_parts(cfg, 0, 1), cb, old, m1, 0, phases, counts)

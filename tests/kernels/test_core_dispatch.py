@@ -21,7 +21,7 @@ from test_sibling_topk import make_batch
 
 import alignopsd
 from alignopsd.credit import CreditConfig, allocate_credit
-from alignopsd.rectify import eligibility, similarity_matrix
+from alignopsd.rectification import eligibility, similarity_matrix
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 

@@ -128,3 +128,36 @@ def test_the_design_writes_the_layer_order_the_check_keeps():
     rows = [line.split("  ") for line in block.splitlines() if line.strip() and not line.strip().startswith("```")]
     written = [tuple(sorted(w.strip().rstrip("/") for w in row if w.strip().endswith("/"))) for row in rows]
     assert written[::-1] == [tuple(sorted(row)) for row in sc.ENGINE_LAYERS]
+
+
+def test_probing_a_contracted_object_in_the_engine_is_found(tmp_path, capsys):
+    probing = (
+        "def f(parts, generator, est_out, cfg):\n"
+        "    a = getattr(parts.generator, 'sleep', None)\n"
+        "    b = hasattr(generator, 'model')\n"
+        "    c = isinstance(parts.policy, object)\n"
+        "    d = getattr(est_out, 'credit', None)\n"
+        "    e = getattr(cfg, 'seed', 0)\n"  # not a contracted object: allowed
+        "    return a, b, c, d, e\n"
+    )
+    root = _repo(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/step.py": probing,
+            "alignopsd/__init__.py": "",
+            "alignopsd/core.py": "def g(policy):\n    return getattr(policy, 'x', None)\n",  # outside engine/
+        },
+    )
+    assert sc.main(["--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    found = [line for line in out.splitlines() if "probes a contracted object" in line]
+    assert [line.split(" ")[0] for line in found] == [f"engine/step.py:{n}" for n in (2, 3, 4, 5)], out
+    assert "4 finding(s)" in out
+
+
+def test_the_engine_probes_no_contracted_object():
+    # the checkout itself: every member read from a backend, an environment or an estimator output is declared
+    files = [p for p in sc.tracked_files(ROOT) if p.parts[0] == "engine"]
+    found = [(str(p), line) for p in files for line, _ in sc.probes(sc.ast.parse((ROOT / p).read_text()))]
+    assert files and found == []

@@ -171,7 +171,7 @@ def layout_from_config(cfg, world_size: int, gpu_gib: float) -> tuple[Layout, st
         tp=tp,
         dp=world_size // tp,
         distributed_optimizer=cfg.policy.distributed_optimizer,
-        reference=get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm)["ref"],
+        reference=get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm).ref,
         hf_generation=not vllm,
         vllm=vllm,
         vllm_sleep=vllm and g.vllm_sleep is not False,

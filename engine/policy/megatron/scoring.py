@@ -118,6 +118,7 @@ class ShardScoring:
     """Per-token log-probs of response tokens from a tensor-parallel GPTModel shard (see the module docstring)."""
 
     model: torch.nn.Module
+    scores_itself = True  # ``PolicyBackend.scores_itself``: rows are scored through this shard, never a full module
     spec: str
     tp: int
     tp_rank: int

@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from alignopsd.engine.envs.alfworld_gen import game_facts
+from alignopsd.engine.envs.alfworld.gen import game_facts
 
 SEARCH_DETOURS = 2  # receptacles the expert searches before the object's place (see expert_turns)
 
@@ -101,7 +101,7 @@ def expert_turns(
     """
     if not tasks:
         raise ValueError("tasks: expected at least one task with a game file")
-    facts = [game_facts(t.gamefile) for t in tasks]
+    facts = [game_facts(t.payload["gamefile"]) for t in tasks]
     obs, _ = manager.reset(list(tasks), group_n=1, seed=seed)
     rng = random.Random(seed)
     plans = [_search_plan(f, o, rng, detours, max_turns) for f, o in zip(facts, obs)]

@@ -2,7 +2,7 @@
 request is charged against the server's memory budgets (:func:`body_charge`, :func:`work_charge`,
 :func:`work_budget`), the strict reading of a ``/retrieve`` body (:func:`parse_retrieve_request`) and the
 size-bounded answer (:func:`render_result`). The protocol and the limits are described in
-engine/envs/retrieval_server.py, which serves them.
+engine/envs/search/retrieval_server.py, which serves them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from alignopsd.engine.envs.corpus_index import CorpusRetriever
+from alignopsd.engine.envs.search.corpus_index import CorpusRetriever
 
 __all__ = [
     "AnswerTooLarge", "ServerLimits", "body_charge", "parse_retrieve_request", "render_result", "work_budget",

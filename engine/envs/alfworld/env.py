@@ -28,9 +28,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.alfworld_gen import CATEGORY, TASK_TYPES, generate_games
-from alignopsd.engine.envs.alfworld_textworld import make_textworld_env
-from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.alfworld.gen import CATEGORY, TASK_TYPES, generate_games
+from alignopsd.engine.envs.alfworld.textworld import make_textworld_env
+from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 
 GEN_VERSION = "1"  # bump when the generator's output changes; part of the cache key
 SPLITS = ("train", "valid_seen", "valid_unseen")
@@ -161,8 +161,7 @@ def load_tasks(
                 env="alfworld",
                 category=CATEGORY[task_type],
                 data_source="text",
-                gamefile=g,
-                payload={"task_type": task_type, "source": source},
+                payload={"gamefile": g, "task_type": task_type, "source": source},
             )
         )
     return tasks
@@ -206,13 +205,14 @@ class AlfWorldEnv:
         }
 
     def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
-        if not task.gamefile or not os.path.isfile(task.gamefile):
-            raise ValueError(f"task: ALFWorld game file not found: {task.gamefile!r}")
+        gamefile = task.payload.get("gamefile")
+        if not gamefile or not os.path.isfile(gamefile):
+            raise ValueError(f"task: ALFWorld game file not found: {gamefile!r}")
         random.seed(seed)
-        if self._loaded != task.gamefile:
-            self._env.load(task.gamefile)
-            self._loaded = task.gamefile
-        self._gamefile = task.gamefile
+        if self._loaded != gamefile:
+            self._env.load(gamefile)
+            self._loaded = gamefile
+        self._gamefile = gamefile
         state = self._env.reset()
         obs, self._task = split_observation(state["feedback"])
         self._t = 0
@@ -247,3 +247,16 @@ def category_success(results: Iterable[dict[str, Any]]) -> dict[str, float]:
     if allw:
         out["All"] = 100.0 * sum(allw) / len(allw)
     return out
+
+
+def table_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table (Table 1): success per task category and their average (All), in percent."""
+    out = {label: percent(metrics, f"episode/success/{key}") for key, label in TABLE1_LABELS.items()}
+    out["All"] = percent(metrics, "episode/success_rate")
+    return out
+
+
+def task_info(task: TaskSpec) -> dict[str, Any]:
+    """What each row of a task carries into the row metadata (the registry entry's ``task_info``): its game file,
+    which the skill bank matches the task type in (engine/envs/skills.py)."""
+    return {"gamefile": task.payload.get("gamefile")}

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.alfworld_textworld import make_textworld_env
+from alignopsd.engine.envs.alfworld.textworld import make_textworld_env
 
 TASK_TYPES: tuple[str, ...] = (
     "pick_and_place_simple",

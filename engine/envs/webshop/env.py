@@ -1,4 +1,4 @@
-"""WebShop in its original text mode, over the generated catalogue or the original data (webshop_data.py).
+"""WebShop in its original text mode, over the generated catalogue or the original data (data.py).
 
 Pages and clickables (lower-cased, as the original lists them; clicks match case-insensitively):
 
@@ -19,7 +19,7 @@ Observation: the page's elements, each quoted, joined by `` [SEP] `` (the instru
 because the prompt shows the task; verl-agent formats WebShop pages this way). The original text is in
 ``info["raw_observation"]``. Selected options are listed after the item page as ``You have clicked <v>.``.
 
-Reward: the original ``get_reward`` (engine/envs/webshop_reward.py). Trainer reward: 10 when the score is 1, else 0
+Reward: the original ``get_reward`` (engine/envs/webshop/reward.py). Trainer reward: 10 when the score is 1, else 0
 (``info["won"]``); the raw score is ``info["task_score"]``.
 """
 
@@ -30,12 +30,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.base import StepResult, TaskSpec
+from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 from alignopsd.engine.envs.prompts import PromptBuilder
-from alignopsd.engine.envs.webshop_data import Catalogue, get_catalogue, normalise_source
-from alignopsd.engine.envs.webshop_reward import get_reward
+from alignopsd.engine.envs.webshop.data import Catalogue, get_catalogue, normalise_source
+from alignopsd.engine.envs.webshop.reward import get_reward
 
-from alignopsd.rectify import parse_webshop_action
+from alignopsd.rectification import parse_webshop_action
 
 SUCCESS_REWARD = 10.0
 RESULTS_PER_PAGE = 10
@@ -49,7 +49,7 @@ def read_action(action: str) -> tuple[str | None, str | None]:
     """``search[x]`` / ``click[x]`` -> (verb, lower-cased argument with whitespace runs collapsed), else (None, None).
 
     One grammar for the environment and the action filter (ALGORITHM.md §2.5): the action is read by the core's
-    :func:`alignopsd.rectify.parse_webshop_action`. The environment is case-insensitive (its catalogue text is
+    :func:`alignopsd.rectification.parse_webshop_action`. The environment is case-insensitive (its catalogue text is
     lower-cased), so it lower-cases the action first; the filter reads the raw text, case-sensitively (§6 case 18).
     """
     parsed = parse_webshop_action(action.lower()) if isinstance(action, str) else None
@@ -375,3 +375,8 @@ def webshop_prompt(history_length: int = 2) -> PromptBuilder:
         exclude_actions=(),
         max_chars=MAX_PROMPT_CHARS,
     )
+
+
+def table_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table: mean task score (Score) and success rate (Acc), in percent."""
+    return {"Score": percent(metrics, "episode/task_score_mean"), "Acc": percent(metrics, "episode/success_rate")}

@@ -15,10 +15,7 @@ live in :mod:`alignopsd.reference_m1` and are tested equal to these.
 
 from __future__ import annotations
 
-import inspect
 import math
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -320,22 +317,3 @@ def rectify(
         alpha_max=alpha_max,
         mode=mode,
     )
-
-
-# ----------------------------------------------------------------------------- the public name `alignopsd.rectify`
-
-
-class _CallableModule(types.ModuleType):
-    """``alignopsd.rectify`` names both this submodule and the API function :func:`rectify`.
-
-    Python binds the package attribute to the submodule as soon as it is imported, so the module itself
-    is made callable: ``alignopsd.rectify(...)`` (or ``from alignopsd import rectify``) calls the function
-    whatever the import order, while ``alignopsd.rectify.select_sources`` keeps working.
-    """
-
-    def __call__(self, *args, **kwargs) -> Rectified:
-        return rectify(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-__signature__ = inspect.signature(rectify)

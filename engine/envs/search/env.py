@@ -30,11 +30,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.base import StepResult, TaskSpec
-from alignopsd.engine.envs.corpus_index import CorpusRetriever, Document
+from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 from alignopsd.engine.envs.prompts import PromptBuilder, PromptContext
-from alignopsd.engine.envs.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
-from alignopsd.engine.envs.search_data import (
+from alignopsd.engine.envs.search.corpus_index import CorpusRetriever, Document
+from alignopsd.engine.envs.search.data import (
     SOURCES,
     TRAIN_SOURCES,
     default_corpus_path,
@@ -42,6 +41,7 @@ from alignopsd.engine.envs.search_data import (
     load_searchr1_parquet,
     split_questions,
 )
+from alignopsd.engine.envs.search.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
 
 SUCCESS_REWARD = 10.0
 TOPK = 3
@@ -318,3 +318,21 @@ class SearchPromptBuilder(PromptBuilder):
 def search_prompt(history_length: int = 4) -> PromptBuilder:
     """§1.3 Search builder: the question plus the last ``history_length`` (4) search/information pairs."""
     return SearchPromptBuilder(SEARCH_TEMPLATE_NO_HIS, SEARCH_TEMPLATE, history_length, exclude_actions=())
+
+
+TABLE_COLUMNS = (("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA"), ("hotpotqa", "HotpotQA"),
+                 ("2wikimultihopqa", "2Wiki"), ("musique", "Musique"), ("bamboogle", "Bamboogle"))  # fmt: skip
+
+
+def table_columns(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The evaluation table: accuracy per data source (the paper's seven, then any other), and their average (Avg),
+    in percent."""
+    out: dict[str, float | None] = {label: percent(metrics, f"episode/accuracy/{key}") for key, label in TABLE_COLUMNS}
+    present = [v for v in out.values() if v is not None]
+    known = dict(TABLE_COLUMNS)
+    for src in sorted(k.split("/")[-1] for k in metrics if k.startswith("episode/accuracy/")):
+        if src not in known:
+            out[src] = 100.0 * metrics[f"episode/accuracy/{src}"]
+            present.append(out[src])
+    out["Avg"] = sum(present) / len(present) if present else None
+    return out

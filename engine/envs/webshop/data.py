@@ -1,7 +1,7 @@
 """WebShop data: the generated offline catalogue and goal set, and the adapter for the original WebShop files.
 
 Both produce the same normalised layout, the one the original engine builds in ``load_products`` /
-``get_human_goals`` (so ``webshop.py`` and its reward work on either):
+``get_human_goals`` (so ``env.py`` and its reward work on either):
 
 product: ``asin, name, Title, category, query, product_category ("A › B › C"), Description,
 BulletPoints (list), Reviews (list of {title, body, score}), Rating, pricing (1 or 2 floats), Price (tag),
@@ -10,7 +10,7 @@ options ({option name: [lower-cased values]}), Attributes (list)``.
 goal: ``asin, category, query, name, product_category, instruction_text, attributes, goal_options
 (list of option values), price_upper, weight``.
 
-Generated catalogue: ``generate_catalogue`` (engine/envs/webshop_generate.py), a function of its seed.
+Generated catalogue: ``generate_catalogue`` (engine/envs/webshop/generate.py), a function of its seed.
 
 Original data (``load_original``): ``items_shuffle*.json`` (list of scraped products), ``items_ins_v2*.json``
 (asin -> {attributes, instruction, instruction_attributes}) and, optionally, ``items_human_ins.json``
@@ -32,8 +32,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.corpus_index import Bm25Index
-from alignopsd.engine.envs.webshop_generate import (
+from alignopsd.engine.envs.search.corpus_index import Bm25Index
+from alignopsd.engine.envs.webshop.generate import (
     CATALOGUE_VERSION,
     DEFAULT_N_GOALS,
     DEFAULT_N_PRODUCTS,
@@ -318,7 +318,7 @@ def get_catalogue(source: dict[str, Any] | None = None) -> Catalogue:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m alignopsd.engine.envs.webshop_data --out DIR``: write the generated catalogue and goals in
+    """``python -m alignopsd.engine.envs.webshop.data --out DIR``: write the generated catalogue and goals in
     the original WebShop file layout."""
     import argparse
 

@@ -20,7 +20,7 @@ is the default host.
 Memory (:class:`ServerLimits`, defaults in brackets): a request asks for at most ``max_results`` (16,384)
 documents in all (queries x topk, 400 beyond), and its answer may hold at most ``max_response_bytes``
 (16 MiB, 400 "answer: over the limit" beyond: ask for fewer queries or a smaller topk). Each request is
-admitted against two budgets of bytes in flight (engine/envs/memory_budget.py), first come, first served:
+admitted against two budgets of bytes in flight (engine/envs/search/memory_budget.py), first come, first served:
 its body, before it is read (``body_budget_bytes``, 64 MiB; charged 16 x the announced length + 64 KiB, the
 most its bytes, text and parsed strings take), and its work, before the search (``work_budget_bytes``; charged
 twice the largest answer it can produce plus 256 bytes per result and a score array per query, see
@@ -44,9 +44,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.corpus_index import CorpusRetriever
-from alignopsd.engine.envs.memory_budget import MemoryBudget
-from alignopsd.engine.envs.retrieval_requests import (
+from alignopsd.engine.envs.search.corpus_index import CorpusRetriever
+from alignopsd.engine.envs.search.memory_budget import MemoryBudget
+from alignopsd.engine.envs.search.retrieval_requests import (
     AnswerTooLarge,
     ServerLimits,
     body_charge,

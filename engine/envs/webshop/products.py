@@ -1,4 +1,4 @@
-"""The product types of the generated WebShop catalogue (webshop_data.py): the original's five categories,
+"""The product types of the generated WebShop catalogue (data.py): the original's five categories,
 8 types each, with each type's attribute pool, option pools and price range (a data table, no logic)."""
 
 from __future__ import annotations

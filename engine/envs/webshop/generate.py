@@ -1,4 +1,4 @@
-"""The generated offline WebShop catalogue and goal set (layout: engine/envs/webshop_data.py).
+"""The generated offline WebShop catalogue and goal set (layout: engine/envs/webshop/data.py).
 
 The original's five categories (beauty, electronics, fashion, food, furniture), 8 product types each
 (webshop_products.py), with fictional brands. Each product of a type gets a random subset of the type's
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from alignopsd.engine.envs.webshop_products import PRODUCT_TYPES, ProductType
+from alignopsd.engine.envs.webshop.products import PRODUCT_TYPES, ProductType
 
 CATALOGUE_VERSION = "webshop-gen-v1"
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]  # the original's price bounds

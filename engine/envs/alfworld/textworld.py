@@ -1,6 +1,6 @@
 """The ALFWorld/TextWorld engine stack for one game at a time, and a faster TextWorld (same outputs).
 
-Shared by the environment (alfworld_env.py) and the game generator's expert check (alfworld_gen.py).
+Shared by the environment (env.py) and the game generator's expert check (gen.py).
 Everything heavy (textworld, alfworld, fast-downward) is imported inside the functions.
 """
 

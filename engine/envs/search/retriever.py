@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alignopsd.engine.envs.corpus_index import Document
-from alignopsd.engine.envs.retrieval_server import main
-from alignopsd.engine.envs.search_data import default_corpus_path
+from alignopsd.engine.envs.search.corpus_index import Document
+from alignopsd.engine.envs.search.data import default_corpus_path
+from alignopsd.engine.envs.search.retrieval_server import main
 from alignopsd.engine.infra.cache import cache_root
 
 __all__ = [
@@ -161,7 +161,7 @@ def start_retriever_process(
     cmd = [
         sys.executable,
         "-m",
-        "alignopsd.engine.envs.retrieval_server",
+        "alignopsd.engine.envs.search.retrieval_server",
         "--corpus",
         str(corpus_path),
         "--host",

@@ -1,0 +1,1 @@
+"""The alfworld environment family: its environment, task source and data (see engine/envs/registry.py)."""

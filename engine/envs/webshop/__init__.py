@@ -1,0 +1,1 @@
+"""The webshop environment family: its environment, task source and data (see engine/envs/registry.py)."""
