@@ -123,18 +123,27 @@ def shape_from_hf_config(cfg: dict, name: str, source: str) -> ModelShape:
     )
 
 
+def _from_folder(name: str, source: str) -> ModelShape:
+    from alignopsd.engine.models.loading import resolve_model_path
+
+    cfg = json.loads((Path(resolve_model_path(str(name))) / "config.json").read_text())
+    return shape_from_hf_config(cfg.get("text_config", cfg), str(name), source)
+
+
 def resolve_shape(name: str) -> ModelShape:
     """The shape of model ``name``: its folder's ``config.json`` when the folder exists, else the published table."""
     path = Path(str(name)).expanduser()
     if (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
         return shape_from_hf_config(cfg.get("text_config", cfg), path.name, "config.json of the model folder")
-    if str(name) == "tiny":  # the engine's embedded test model (engine/models/loading.py)
-        from alignopsd.engine.models.loading import tiny_config
-
-        return shape_from_hf_config(tiny_config().to_dict(), "tiny", "the engine's embedded tiny model")
+    if str(name).lower() in ("tiny", "tiny-bpe"):  # the engine's embedded test models (engine/models/loading.py)
+        return _from_folder(name, "the engine's embedded test model")
     key = known_key(name)
     if key is None:
+        try:  # a Hugging Face id in the local cache
+            return _from_folder(name, "config.json in the local Hugging Face cache")
+        except Exception:  # noqa: BLE001  (any failure to find it is the error below)
+            pass
         raise ValueError(
             f"model.name: cannot size {name!r}: no config.json at that path and not a known architecture "
             f"(known: {', '.join(KNOWN_SHAPES)})"

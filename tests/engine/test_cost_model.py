@@ -31,6 +31,8 @@ def test_a_model_folder_config_wins_and_an_unknown_name_is_refused(tmp_path):
     assert (s.hidden, s.layers, s.kv_heads, s.dim, s.source) == (96, 3, 2, 24, "config.json of the model folder")
     with pytest.raises(ValueError, match=r"cannot size 'org/NoSuchModel-1B'.*known: smollm2-135m"):
         resolve_shape("org/NoSuchModel-1B")
+    tiny = resolve_shape("tiny-bpe")  # an embedded test model: its built folder's config.json
+    assert (tiny.hidden, tiny.layers, tiny.dim) == (64, 2, 32) and tiny.source == "the engine's embedded test model"
     with pytest.raises(ValueError, match="has no intermediate_size"):
         shape_from_hf_config({k: v for k, v in cfg.items() if k != "intermediate_size"}, "x", "test")
 
