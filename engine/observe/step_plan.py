@@ -2,7 +2,7 @@
 
 A config gives maxima (turn budget, prompt and response lengths, teacher budget); the means a step actually
 pushes come from the quickstart's measurement (:data:`QUICKSTART_MEANS`, the warm-started quickstart's
-AlignOPSD step profiled with ``alignopsd profile --cost``), applied as fractions of the quickstart's own maxima:
+AlignOPSD step as ``alignopsd profile`` counted it), applied as fractions of the quickstart's own maxima:
 prompt, response, teacher prompt and teacher response lengths, turns per episode, the prefill positions left
 after prefix sharing, the distinct teacher prompts and the cross rows per turn. :func:`plan_counts` returns the
 per-generation-group :class:`StepCounts` of ``cfg`` at ``world_size`` devices and the assumptions it made, in
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from alignopsd.engine.observe.cost_model import StepCounts
 
-# The quickstart (configs/quickstart_cpu.yaml from its warm start), AlignOPSD step, per step: measured means and the
-# config's maxima they are read against (bench/results/cost-2026-12-03.md).
+# The quickstart (configs/quickstart_cpu.yaml from its 60-step warm start), AlignOPSD step, per step: measured means
+# and the config's maxima they are read against (bench/results/overhead-2026-12-02-warm.md, last section: lengths,
+# teacher prompts unshared 20,640 = 32 x 645; overhead-2026-12-02-cached.md, step 1: prefill positions 6,106 and
+# 7,637, 20 distinct teacher prompts, ~1,050 teacher tokens).
 QUICKSTART_MEANS = {
     "turns_mean": 8.0, "max_turns": 8,
     "prompt_mean": 400.0, "max_prompt_length": 1024,
