@@ -133,8 +133,9 @@ def _nemo_reference() -> Reference:
                    rollout_prefill=prompts / gpus * p, train_rows=rows, reference=True,
                    optimizer_steps=samples / 512, recompute=False)  # fmt: skip
     notes = (
-        "NeMo-RL performance summary (docs/about/performance-summary.md), GRPO on OpenMathInstruct-2, Llama-3.1-8B, "
-        "on-policy, 16 x H100, BF16, Megatron-core training TP 1, generation TP 1: 1,581 tokens/s/GPU, 92.8 s/step",
+        "NeMo-RL performance summary (docs.nvidia.com/nemo/rl, About > Performance), GRPO on OpenMathInstruct-2, "
+        "Llama-3.1-8B, on-policy, 16 x H100, BF16: 1,581 tokens/s/GPU, 92.8 s/step; the setting (2,048 samples, "
+        "training batch 512, Megatron-core training TP 1, generation TP 1) as the page's v0.4 table gives it",
         f"{samples:,} samples per step ({prompts} prompts x 32), training batch 512 ({samples // 512} optimizer "
         f"steps); mean tokens per sample {seq:,.0f} = 1,581 x 16 x 92.8 / {samples:,} (the page's definition: "
         "training tokens / step time / GPUs)",
