@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cost:  # engine/observe/efficiency.py: calibrated after the steps, under the same load
         from alignopsd.engine.observe.efficiency import cost_report
 
-        tables.append(cost_report(summaries, cfgs[0], device, world_size=dist.world_size))
+        try:  # the steps' tables are printed already: a model the cost model cannot size is one line, not a crash
+            tables.append(cost_report(summaries, cfgs[0], device, world_size=dist.world_size))
+        except ValueError as exc:
+            tables.append(f"cost model: {exc}")
         print("\n" + tables[-1], flush=True)
         if args.cost_out:
             from alignopsd.engine.observe.efficiency import provenance

@@ -151,3 +151,26 @@ def test_efficiency_table_overhead_floor_resemblance_and_prediction():
     pred = [ln for ln in text.splitlines() if ln.startswith("| teacher generation | ")][-1]
     assert "| 0.50 | no |" in pred or "(under 5% of the step)" in pred
     assert [ln for ln in text.splitlines() if ln.startswith("| PPO update | ")][-1].endswith("| 1.00 | yes |")
+
+
+@pytest.mark.slow
+def test_profile_cost_prints_and_writes_the_efficiency_and_prediction_tables(tmp_path, capsys):
+    """`alignopsd profile --cost --cost-out`: the path a real profile takes, on the tiny run."""
+    from pathlib import Path
+
+    from alignopsd.engine.commands import cli
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+    sets = ["--set", f"output_dir={tmp_path}", "--set", "env.max_turns=1", "--set", "generation.max_response_length=8",
+            "--set", "env.teacher_max_response_length=8", "--set", "algorithm.kl_coef=0.0"]  # fmt: skip
+    md = tmp_path / "cost.md"
+    rc = cli.main(["profile", "--config", tiny, *sets, "--steps", "1", "--estimators", "alignopsd", "--no-trace",
+                   "--cost", "--cost-out", str(md)])  # fmt: skip
+    assert rc == 0
+    out, text = capsys.readouterr().out, md.read_text()
+    for t in (out, text):
+        assert "work and efficiency**" in t and "| teacher forcing | " in t and "limits: " in t
+        assert "| phase | measured s | share | predicted s | predicted / measured | within +-30% |" in t
+        assert "alignment overhead: measured " in t and "floor " in t
+    assert text.startswith("command: `alignopsd profile --config") and "load average (1, 5, 15 min)" in text
+    assert "| **step** |" in text  # the phase table itself, so the file is the whole result
