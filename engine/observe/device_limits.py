@@ -3,7 +3,8 @@
 - **GPUs**: the vendor peaks of :data:`GPU_PEAKS` (dense bf16 tensor-core FLOP/s and HBM bandwidth, from the
   datasheets cited there; bench/gpu_check.py reads the same table), optionally with measured probes.
 - **CPUs** (and a GPU that is present): :func:`calibrate` measures, in the model's dtype with the threads the
-  run uses, a GEMM of the model's MLP shape (``[M, hidden] x [hidden, intermediate]``) for several row counts M
+  run uses, the GEMMs of the model's MLP (``[M, hidden] x [hidden, intermediate]`` and the down projection, the
+  better of the two) for several row counts M
   (decoding multiplies a few rows by every weight; prefill and training many), and a read-bandwidth probe (a sum) over
   a buffer larger than the last-level cache. The results name the device and the numbers used.
 
@@ -118,20 +119,22 @@ def calibrate(
     bandwidth (a sum over ``bandwidth_bytes`` of ``dtype``), with the threads torch uses now."""
     dev = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(0)
-    w = torch.randn(hidden, intermediate, generator=g).to(dev, dtype)
     flops, probes = {}, {}
     with torch.no_grad():
-        for m in rows:
-            x = torch.randn(m, hidden, generator=g).to(dev, dtype)
-            s = _best(lambda x=x: torch.mm(x, w), dev, min_time, max_reps)
-            flops[m] = 2.0 * m * hidden * intermediate / s
-            probes[f"gemm M={m}"] = s
+        for k, n in ((hidden, intermediate), (intermediate, hidden)):  # the MLP's up and down projections
+            w = torch.randn(k, n, generator=g).to(dev, dtype)
+            for m in rows:
+                x = torch.randn(m, k, generator=g).to(dev, dtype)
+                s = _best(lambda x=x, w=w: torch.mm(x, w), dev, min_time, max_reps)
+                flops[m] = max(flops.get(m, 0.0), 2.0 * m * k * n / s)
+                probes[f"gemm M={m} K={k}"] = s
         esize = torch.empty((), dtype=dtype).element_size()
         buf = torch.ones(bandwidth_bytes // esize, dtype=dtype, device=dev)
         s = _best(lambda: buf.sum(), dev, min_time, max_reps)  # native accumulation: no conversion pass
         probes["read"] = s
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
-    where = f"measured: GEMM [M, {hidden}] x [{hidden}, {intermediate}], read of {bandwidth_bytes >> 20} MiB"
+    where = (f"measured: best of the GEMMs [M, {hidden}] x [{hidden}, {intermediate}] and its transpose, "
+             f"read of {bandwidth_bytes >> 20} MiB")  # fmt: skip
     return DeviceLimits(name, flops, buf.numel() * esize / s, where, torch.get_num_threads(),
                         str(dtype).removeprefix("torch."), probes)  # fmt: skip
 

@@ -101,7 +101,8 @@ def test_gpu_table_and_calibration():
         gpu_limits("v100")
     lim = calibrate(32, 64, torch.float32, rows=(1, 8), bandwidth_bytes=1 << 20, min_time=0.0, max_reps=3)
     assert set(lim.flops) == {1, 8} and all(v > 0 for v in lim.flops.values()) and lim.bytes_per_s > 0
-    assert lim.threads == torch.get_num_threads() and lim.dtype == "float32" and "GEMM [M, 32] x [32, 64]" in lim.source
+    assert lim.threads == torch.get_num_threads() and lim.dtype == "float32"
+    assert "GEMMs [M, 32] x [32, 64] and its transpose" in lim.source and "gemm M=8 K=64" in lim.probes
 
 
 def _summary(phases: dict, counts: dict) -> dict:
