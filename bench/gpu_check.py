@@ -70,12 +70,13 @@ def _setup_imports(dry_run: bool) -> None:
             _map_package(name, os.path.join(root, folder))
 
 
-PEAKS = {  # dense bf16 TFLOP/s, HBM GB/s (vendor figures)
-    "h200": (989.0, 4800.0),
-    "h100": (989.0, 3350.0),
-    "a100": (312.0, 2039.0),
-    "l40s": (362.0, 864.0),
-}
+def peak_table() -> dict[str, tuple[float, float]]:
+    """Dense bf16 TFLOP/s and HBM GB/s by GPU name: the engine's table (engine/cost/device_limits.py, sources
+    cited there), read after the imports are set up."""
+    from alignopsd.engine.cost.device_limits import GPU_PEAKS
+
+    return {k: (tf, gbs) for k, (tf, gbs, _src) in GPU_PEAKS.items()}
+
 
 RESULTS: list[tuple[str, bool, str]] = []
 CHECKS = True  # correctness checks (the "kernels" part)
@@ -464,8 +465,9 @@ def main(argv=None) -> int:
         print("no CUDA device: run with --dry-run for the CPU interpreter check", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
-    key = next((k for k in PEAKS if k in name.lower()), None)
-    peak = PEAKS.get(key, (100.0, 1000.0))
+    peaks = peak_table()
+    key = next((k for k in peaks if k in name.lower()), None)
+    peak = peaks.get(key, (100.0, 1000.0))
     peak = (args.peak_tflops or peak[0], args.peak_gbps or peak[1])
     parts = [p for p in (PARTS if args.part == "all" else (args.part,)) if p != "timing" or not args.skip_timing]
     _OUT = open(args.out, "a") if args.out else None  # noqa: SIM115  (closed below)

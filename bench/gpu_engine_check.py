@@ -133,8 +133,11 @@ def run_case(name: str, overrides: list[str], steps: int, device: str, emit: Cal
         problems.append("no optimizer step")
     if not changed > 0:
         problems.append("weights unchanged")
-    summary = summarize(hist, parts.profiler.step_seconds)
-    result.update(ok=not problems, summary=summary, losses=losses, optimizer_steps=n_opt, max_change=changed)
+    from alignopsd.engine.commands.profile import COUNT_METRICS
+
+    counts = [{k: r[k] for k in COUNT_METRICS if k in r} for r in recs]  # for the cost model's prediction
+    summary = summarize(hist, parts.profiler.step_seconds, counts=counts)
+    result.update(ok=not problems, summary=summary, cfg=cfg, losses=losses, optimizer_steps=n_opt, max_change=changed)
     detail = (
         f"{steps} steps on {device}, phases {', '.join(want)} ran; loss {', '.join(f'{x:.4g}' for x in losses)}; "
         f"{n_opt:.0f} optimizer steps; max weight change {changed:.2e}"
@@ -181,4 +184,10 @@ def run_scale(device: str, dry: bool, emit: Callable[[str], None]) -> dict:
             f"alignment overhead over GRPO at this size: {100 * s['overhead_vs_grpo']:.1f}% "
             f"({s['alignment_seconds']:.3f} s of {s['step_seconds']:.3f} s per step)"
         )
+        try:  # the cost model's work, efficiency and predicted time beside each measured phase
+            from alignopsd.engine.cost.efficiency import cost_report
+
+            emit("\n" + cost_report({"alignopsd": s}, res["cfg"], device) + "\n")
+        except Exception as exc:  # noqa: BLE001  (the check reports every failure and goes on)
+            emit(f"[FAIL] cost model on the quickstart-like step: {scrub(f'{type(exc).__name__}: {exc}')[:300]}")
     return res

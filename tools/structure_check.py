@@ -36,7 +36,7 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra", "parallel"),  # write failures, caches; processes, devices, collectives
     ("checkpoint", "observe"),  # files a run writes and trusts; metrics, profiler, progress, audit, report, strict
     ("models", "envs", "tokens"),  # embedded models; environments; token layout (positions, padding)
-    ("config",),  # the run's schema (it names the environments), pre-flight and architecture checks
+    ("config", "cost"),  # the run's schema (it names the environments), pre-flight and architecture checks; step costs
     ("policy", "generation"),  # backends behind their protocols, row scoring
     ("step",),  # one step; owns the type of what it is handed (Components)
     ("run",),  # the composition root: trainer loop, components builder, resume, preemption, lock

@@ -8,6 +8,7 @@
     alignopsd games   alfworld --n 120 --out DIR [--seed S] [--split train]
     alignopsd serve-retriever --corpus FILE [--host H] [--port P]
     alignopsd memory  --config FILE [--set k=v ...] [--world-size N] [--gpu-gib G]   (Megatron, per rank)
+    alignopsd plan    --config FILE --gpu a800 --world-size N [--set k=v ...]   (time per phase, roofline)
 
 Each subcommand parses its own options (``alignopsd <cmd> --help``); nothing heavy is imported before a
 subcommand is chosen.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever", "memory")
+COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever", "memory", "plan")
 
 
 def games_main(argv: list[str]) -> int:
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         from alignopsd.engine.envs.search.retriever import main as run
     elif cmd == "memory":
         from alignopsd.engine.policy.megatron.memory import main as run
+    elif cmd == "plan":
+        from alignopsd.engine.commands.plan import main as run
     else:
         print(f"alignopsd: unknown command {cmd!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

@@ -31,12 +31,16 @@ COUNT_METRICS = (
     "batch/turns",
     "rollout/prompt_length_mean",
     "rollout/response_length_mean",
+    "rollout/response_length_max",
     "m1/teacher_forcing_row_count",
     "m1/teacher_forcing_token_forwards",
     "rollout/prefill_token_forwards",
     "rollout/prefill_token_forwards_unshared",
     "m1/teacher_prefill_token_forwards",
     "m1/teacher_prefill_token_forwards_unshared",
+    "m1/teacher_tokens_generated",
+    "m1/teacher_response_length_mean",
+    "m1/teacher_forcing_cached_prompts",
 )
 
 
@@ -99,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated estimators to profile one after the other (e.g. grpo,alignopsd)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the summary JSON here (one estimator: the card's schema)")
     ap.add_argument("--trace-dir", default=None, help="torch.profiler traces go here (default <run dir>/profile)")
+    ap.add_argument("--cost", action="store_true",
+                    help="then per-phase work, efficiency against this device's limits, prediction")  # fmt: skip
+    ap.add_argument("--cost-out", default=None, help="with --cost: also write the tables (markdown) here")
     ap.add_argument("--no-trace", action="store_true",
                     help="no torch.profiler step (else the traced last step is left out)")  # fmt: skip
     args = ap.parse_args(argv)
+    load0 = os.getloadavg()  # for --cost-out: the load when the run started and when it ended
     if args.warmup >= args.steps - (0 if args.no_trace or args.steps < 2 else 1):
         print(f"--warmup: {args.warmup} leaves no measured step of --steps {args.steps}"
               f"{'' if args.no_trace else ' (the last, traced, step is left out; see --no-trace)'}",
@@ -137,8 +145,23 @@ def main(argv: list[str] | None = None) -> int:
         dist.close()
     if dist.rank != 0:
         return 0
-    if len(summaries) > 1:
-        print(format_side_by_side(summaries))
+    tables = [format_side_by_side(summaries)] if len(summaries) > 1 else []
+    if tables:
+        print(tables[0])
+    if args.cost:  # engine/cost/efficiency.py: calibrated after the steps, under the same load
+        from alignopsd.engine.cost.efficiency import cost_report
+
+        try:  # the steps' tables are printed already: a model the cost model cannot size is one line, not a crash
+            tables.append(cost_report(summaries, cfgs[0], device, world_size=dist.world_size))
+        except ValueError as exc:
+            tables.append(f"cost model: {exc}")
+        print("\n" + tables[-1], flush=True)
+        if args.cost_out:
+            from alignopsd.engine.cost.efficiency import provenance
+
+            each = [format_table(s, f"{cfgs[0].name}: {e}") for e, s in summaries.items()]
+            Path(args.cost_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.cost_out).write_text("\n\n".join([provenance(argv, load0), *each, *tables]) + "\n")
     if args.json:
         if len(summaries) == 1:
             write_json(next(iter(summaries.values())), args.json)

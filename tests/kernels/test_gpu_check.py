@@ -72,6 +72,9 @@ def test_gpu_check_engine_dry_run(gpu_check, tmp_path, capsys):
     assert f"engine: {len(names)}/{len(names)} checks passed" in written
     assert "[PASS] engine alignopsd quickstart-like:" in written
     assert "alignment overhead over GRPO at this size:" in written
+    # the cost model's prediction beside each measured phase of the quickstart-like step
+    assert "| phase | measured s | share | predicted s | predicted / measured | within +-30% |" in written
+    assert "[FAIL] cost model" not in written and "limits: " in written
     assert str(ROOT) not in written and str(tmp_path) not in written  # no machine paths in the results
 
 

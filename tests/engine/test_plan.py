@@ -1,0 +1,67 @@
+"""``alignopsd plan``: the per-phase plan of a paper profile at full scale, and its bad-input exits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from alignopsd.engine.commands import cli
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, layout, plan_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = str(ROOT / "configs" / "alfworld_7b.yaml")
+
+
+def _value(out: str, prefix: str) -> float:
+    line = next(ln for ln in out.splitlines() if ln.startswith(prefix))
+    return float(line.split("|")[-3].strip().strip("*").replace(",", ""))
+
+
+@pytest.mark.parametrize("gpu", ["a800", "h200"])
+def test_plan_of_the_paper_profile(gpu, capsys):
+    assert cli.main(["plan", "--config", CFG, "--gpu", gpu, "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"on 8 x {gpu.upper()} (tensor parallel 2, data parallel 4)" in out
+    assert "qwen2.5-7b, 7.62B weights (published shape of qwen2.5-7b (no local folder" in out
+    for phase in ("rollout generation", "old log-prob", "reference log-prob", "teacher generation *",
+                  "teacher forcing *", "PPO update"):  # fmt: skip
+        assert f"| {phase} | " in out
+    assert "GPU-hours" in out and "alignment overhead" in out and "tokens/s/GPU" in out
+    assert "| published | 92.8 | 1,581 |" in out and "| this model | " in out
+    step = _value(out, "| **step** |")
+    assert step > 0
+
+
+def test_plan_is_faster_on_h200_and_teacher_work_scales_with_its_budget(capsys):
+    cli.main(["plan", "--config", CFG, "--gpu", "a800", "--world-size", "8"])
+    a800 = _value(capsys.readouterr().out, "| **step** |")
+    cli.main(["plan", "--config", CFG, "--gpu", "h200", "--world-size", "8"])
+    h200 = _value(capsys.readouterr().out, "| **step** |")
+    assert h200 < a800  # more FLOP/s and more bandwidth
+    cfg = load_config(CFG)
+    c1, _ = plan_counts(cfg, layout(cfg, 8))
+    c2, notes = plan_counts(load_config(CFG, ["env.teacher_max_response_length=1024"]), layout(cfg, 8))
+    assert c2.teacher_tokens == pytest.approx(c1.teacher_tokens / 2)
+    assert c1.rows == 16 * 8 / 4 * 50 * QUICKSTART_MEANS["turns_mean"] / QUICKSTART_MEANS["max_turns"]
+    assert any("scores the 0.62 distinct teacher prompts" in n for n in notes)  # vLLM: prompts scored again
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gpu", "v100", "--world-size", "8"], "--gpu: unknown GPU 'v100'; allowed: a800, a100, h100, h200"),
+        (["--gpu", "a800", "--world-size", "0"], "--world-size: 0 does not divide into policy.tensor_parallel_size 2"),
+        (["--gpu", "a800", "--world-size", "3"], "--world-size: 3 does not divide into policy.tensor_parallel_size 2"),
+        (["--gpu", "a800", "--world-size", "12"],
+         "gives 6 data-parallel groups, which do not divide env.tasks_per_step 16"),
+        (["--gpu", "a800", "--world-size", "8", "--set", "model.name=org/Mystery-9B"],
+         "model.name: cannot size 'org/Mystery-9B'"),
+        (["--gpu", "a800", "--world-size", "8", "--compute-fraction", "0"],
+         "--compute-fraction: 0.0 is outside (0, 1]"),
+    ],
+)  # fmt: skip
+def test_plan_bad_input_exits_2_with_one_line(args, message, capsys):
+    assert cli.main(["plan", "--config", CFG, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
