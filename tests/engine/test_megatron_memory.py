@@ -126,9 +126,8 @@ def test_tp2_reference_logprobs_equal_hf_backend_and_stay_initial():
     dist.broadcast_object_list(calls, src=0)
 
     hf = build(config(KL), 1, 0)
-    hf.generator = Replay(calls[0])
     theirs: list = []
-    hf.ref_scorer = probe(hf.ref_scorer, theirs)
+    hf = replace(hf, generator=Replay(calls[0]), ref_scorer=probe(hf.ref_scorer, theirs))
     ref_out = run_step(hf, STEP)
     assert ref_out.metrics.get("regions/errors", 0.0) == 0.0
     assert len(ours) == len(theirs) == 1
