@@ -1,15 +1,27 @@
 """Credit-assignment benchmark: GRPO vs AlignOPSD and its ablations on environments with known decision points.
 
     python -m bench.credit --out bench/results/credit-<date>.md [--seeds 10] [--steps N] [--estimators a,b,...]
+        [--control grpo,alignopsd] [--reader-cache DIR] [--jobs 2]
 
-Trains the tiny random model (configs/tiny.yaml's run with the benchmark's model, bench/credit_model.py: the
-engine's tiny Llama shape with a vocabulary of the environments' words, so every option of a turn has the same
-number of tokens and the random initial policy is near-uniform over a turn's actions) with the candidate-choice
-generation backend (``generation.backend=choice``) on the ``credit`` environments (engine/envs/credit/env.py) for
-every estimator case and seed, each run a real ``Trainer.fit`` with the audit on, and writes the results file and
-its plot (same stem, ``.png``): learning curves, steps to 80 % success, areas under the curve, the mechanisms
-against the ground truth (bench/credit_metrics.py) and a paired comparison of each estimator with GRPO on the
-same seeds.
+Three stages, one command:
+
+1. **The reader** (bench/credit_reader.py): the benchmark's tiny model (bench/credit_model.py's shape) trained,
+   supervised, to follow the rule its skill block states, over every rule variant of the ``credit_rules`` tasks
+   (bench/credit_rules.py: which word, which key, which bridge relative to the mark), drawn at random per
+   episode. Cached in the engine's cache folder by a hash of its recipe, verified on every load.
+2. **The premise**, before any RL, on the benchmark's tasks under its fixed rule (``credit_rules.BENCH_RULE``):
+   with the skill the reader picks the winning action on decisive turns with probability >= 0.8, without it at
+   chance ± 0.1 (every kind and pooled), and the identity and rectified teacher–student gaps of one AlignOPSD
+   step on decisive and other turns. If the premise fails, the results file says where and nothing is compared
+   (exit code 1).
+3. **The comparison**: every estimator case and seed trained from the reader on ``credit_rules`` (the student has
+   no skill and must find the rule by RL; the teacher is the same weights told the rule by its skill) with the
+   candidate-choice generation backend (``generation.backend=choice``), each run a real ``Trainer.fit`` with the
+   audit on; then the **control**: the random-init model on ``credit`` (engine/envs/credit/env.py, the earlier
+   benchmark, where the teacher cannot read its skill) for the ``--control`` cases. The results file and its
+   plot (same stem, ``.png``) hold the premise, learning curves, steps to 80 % success, areas under the curve, the
+   mechanisms against the ground truth (bench/credit_metrics.py), a paired comparison of each estimator with
+   GRPO on the same seeds, the paper's ablation order beside this run's, and the control's tables.
 
 Run setup (fixed before the first comparison; ``BASE``): 3 tasks per seed (one of each kind, drawn by the seed),
 all 3 in every step, G = 4 rollouts each, 8 turns, whole history in the prompt, lr 1e-3, one PPO epoch, no KL
@@ -68,26 +80,29 @@ CASES: dict[str, list[str]] = {
     **{f"alignopsd_{ab}": ["algorithm.estimator=alignopsd", f"algorithm.ablation={ab}"] for ab in "ABCD"},
     "alignopsd": ["algorithm.estimator=alignopsd", "algorithm.ablation=E"],
 }
-# Sizing (CPU seconds per training step of one run, one thread, measured with bench.credit.run_one under nice on
-# the shared 2-core machine at a load average of 5-8, so upper bounds): GRPO ~0.7, AlignOPSD ~1.5 (its encoder
-# call ~0.5 of it), the teacher-forcing estimators (OPSD, GRPO+OPSD, SDAR, RLSD) assumed ~1.0 (between the two;
-# not measured), plus ~0.5 per run to build it. One step of all 11 cases over 10 seeds is then ~137 CPU seconds,
-# and 15 minutes on 2 cores (1800 CPU seconds) less ~75 s of run and worker start-up hold ~12.6 steps: the
-# default is 12. GRPO alone at lr 1e-3 (seeds 0-2, 15 steps) first reached 80 % at steps 7, 10 and 10.
-DEFAULT_STEPS = 12
+# Sizing. The earlier benchmark's 110 runs of 12 steps took 1,358 CPU s on 2 otherwise idle cores (11.4 min;
+# bench/results/credit-2026-12-02.md): ~1.0 CPU s per run-step, ~0.5 s per run to build it. Here one command
+# also builds the reader (RECIPE["steps"] AdamW steps of 32 sequences of ~150-250 tokens: ~0.65-1.0 s of wall time
+# each with 2 threads at a load average of 4-8 on the shared machine, ~0.15 s expected on 2 idle cores, so
+# ~3 min for 1200 steps), the premise (5 one-step AlignOPSD runs and ~100 scored states: < 1 min) and the
+# control (GRPO and AlignOPSD on 'credit', 10 seeds: ~1.8 CPU s per pair-step). 10 steps: 110 x 10 x 1.0 + 55
+# = 1,155 CPU s for the comparison and 10 x 10 x 1.8 + 10 = 190 for the control, i.e. 11.2 min on 2 cores, plus
+# the reader and the premise: ~15 min. 12 steps would not fit.
+DEFAULT_STEPS = 10
 SIZING = (
-    "Fixed in a commit before the first comparison of estimators (the commit line above): the environments, the "
-    "metrics, the run setup and the step budget. The setup was sized with GRPO alone and timing-only runs: the "
-    "benchmark's model (the engine's tiny Llama shape with a vocabulary of the environments' words, bench/"
-    "credit_model.py) replaced the SmolLM2-vocabulary model, whose output layer took >90 % of a step; the "
-    "candidate-choice backend scores each prompt once and its candidates on the prompt's key/value cache. CPU "
-    "seconds per step of one run, one thread, measured under nice on the shared 2-core machine (load average "
-    "5-8; upper bounds): GRPO ~0.7, AlignOPSD ~1.5, teacher-forcing estimators assumed ~1.0. All 11 cases x 10 "
-    "seeds cost ~137 CPU s per step plus ~75 s of start-up, so 1800 CPU s (15 min on 2 cores) hold 12 steps. "
-    "lr 1e-3 was chosen on GRPO alone (seeds 0-2, 15 steps: 80 % first reached at steps 7, 10, 10; lr 3e-3 "
-    "was less stable)."
+    "Fixed in a commit before the first comparison from the reader (the commit line above): the rule variants, "
+    "the benchmark's rule, the reader's recipe, the premise's thresholds, the metrics, the run setup and the step "
+    "budget. The run setup is the earlier benchmark's (bench/results/credit-2026-12-02.md: 110 runs of 12 steps "
+    "in 1,358 CPU s on 2 idle cores, ~1.0 CPU s per run-step). The step budget is 10, not 12: the same command "
+    "now also builds the reader (~3 min of its 15 on 2 idle cores, estimated from ~0.65-1.0 s per training step "
+    "with 2 threads on the shared machine at a load average of 4-8), measures the premise (< 1 min) and runs the "
+    "control (GRPO and AlignOPSD on the random-init model, 10 seeds: ~3 min). 110 x 10 comparison run-steps at "
+    "~1.0 CPU s plus the control fill the rest. Not sized on GRPO learning from the reader: no GRPO run on the "
+    "rule tasks preceded the first comparison."
 )
 DEFAULT_SEEDS = 10
+CONTROL = ("grpo", "alignopsd")  # the random-init control on ``credit`` (the premise fails there)
+PREMISE_GAP_SEEDS = 5
 
 
 class Refused(ValueError):
@@ -125,9 +140,11 @@ def check_cases(cases: list[str], env: str, skills_dir: str | None = None) -> No
         raise Refused("refused: " + "; ".join(bad))
 
 
-def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir: str | None = None) -> dict:
-    """Train one (case, seed) run; its success curve, mechanism tallies, CPU and wall seconds. The benchmark's
-    model is read from (or first written to) ``workdir``."""
+def run_one(
+    case: str, seed: int, steps: int, env: str, workdir: str, model: str, skills_dir: str | None = None
+) -> dict:
+    """Train one (case, seed) run from the model folder ``model``; its success curve, mechanism tallies, CPU and
+    wall seconds (its output folder lives in ``workdir`` while it runs)."""
     import torch
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
@@ -136,12 +153,12 @@ def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir
     from alignopsd.engine.run.trainer import Trainer
 
     from bench.credit_metrics import mechanism_tallies
-    from bench.credit_model import ensure_model
 
     torch.set_num_threads(1)
+    register_envs()
     c0, w0 = time.process_time(), time.perf_counter()
-    out = Path(workdir) / f"{case}-s{seed}"
-    ov = [*BASE, f"model.name={ensure_model(workdir)}", f"env.name={env}", *CASES[case]]
+    out = Path(workdir) / f"{env}-{case}-s{seed}-n{steps}"
+    ov = [*BASE, f"model.name={model}", f"env.name={env}", *CASES[case]]
     ov += [f"trainer.seed={seed}", f"trainer.total_steps={steps}"]
     ov += [f"output_dir={out}", *([f"env.skills_dir={skills_dir}"] if skills_dir else [])]
     tr = Trainer(load_config(str(TINY), ov), stream=open(os.devnull, "w"))  # noqa: SIM115 - closed with the run
@@ -165,33 +182,42 @@ def run_one(case: str, seed: int, steps: int, env: str, workdir: str, skills_dir
     }
 
 
+def register_envs() -> None:
+    """The benchmark's own environments (``credit_rules``) in this process's registry."""
+    from bench.credit_rules import register
+
+    register()
+
+
 def _init_worker() -> None:
     import torch
 
     torch.set_num_threads(1)
+    register_envs()
 
 
-def run_all(cases: list[str], seeds: list[int], steps: int, env: str, jobs: int, skills_dir: str | None = None):
-    """Every (case, seed) run, ``jobs`` at a time in spawned worker processes (1 thread each)."""
-    from bench.credit_model import ensure_model
-
+def run_all(
+    cases: list[str], seeds: list[int], steps: int, env: str, jobs: int, model: str, skills_dir: str | None = None
+) -> list[dict]:
+    """Every (case, seed) run from the model folder ``model``, ``jobs`` at a time in spawned worker processes (1
+    thread each)."""
     work = [(c, s) for s in seeds for c in cases]
     t0 = time.perf_counter()
 
-    def report(k: int, run: dict) -> dict:  # a line a finished run, with the time left of the whole benchmark
+    def report(k: int, run: dict) -> dict:  # a line a finished run, with the time left of this batch of runs
         left = time_left(time.perf_counter() - t0, k, len(work))
-        line = f"bench.credit: run {k}/{len(work)}: {run['case']} seed {run['seed']}: final success "
+        line = f"bench.credit: run {k}/{len(work)}: {env} {run['case']} seed {run['seed']}: final success "
         line += f"{run['success'][-1]:.2f}, {run['wall_s']:.0f}s" + (f", {left}" if left else "")
         print(line, flush=True)
         return run
 
     with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd:
-        ensure_model(wd)  # once, before the workers read it
+        args = (steps, env, wd, str(model), skills_dir)
         if jobs <= 1:
             _init_worker()
-            return [report(k + 1, run_one(c, s, steps, env, wd, skills_dir)) for k, (c, s) in enumerate(work)]
+            return [report(k + 1, run_one(c, s, *args)) for k, (c, s) in enumerate(work)]
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_init_worker) as ex:
-            futs = {ex.submit(run_one, c, s, steps, env, wd, skills_dir): i for i, (c, s) in enumerate(work)}
+            futs = {ex.submit(run_one, c, s, *args): i for i, (c, s) in enumerate(work)}
             runs: list[dict | None] = [None] * len(work)
             for k, f in enumerate(as_completed(futs)):
                 runs[futs[f]] = report(k + 1, f.result())
@@ -204,30 +230,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds 0..N-1 per estimator")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per run")
     p.add_argument("--estimators", default=",".join(CASES), help=f"comma-separated cases of: {', '.join(CASES)}")
-    p.add_argument("--env", default="credit", help="environment (needs ground truth: the credit family)")
-    p.add_argument("--skills-dir", default=None, help="root of the skill banks (default: the packaged ones)")
+    p.add_argument(
+        "--control", default=",".join(CONTROL), help="cases of the random-init control on 'credit' ('' for none)"
+    )
+    p.add_argument("--skills-dir", default=None, help="root of the skill banks (default: the bank of the rule)")
+    p.add_argument("--reader-cache", default=None, help="folder of the reader's cache (default: the engine's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     return p.parse_args(argv)
 
 
+def _cases(text: str) -> list[str]:
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
+    """The premise before any RL (bench/credit_reader.py): the winning action's probability on decisive turns
+    with and without the skill, and the identity and rectified gaps of one AlignOPSD step's audit (computed
+    on the initial weights, before its update) on decisive and other turns."""
+    from bench.credit_metrics import mechanism_metrics
+    from bench.credit_reader import decisive_choice
+    from bench.credit_rules import BENCH_RULE, ENV
+
+    choice = decisive_choice(reader, BENCH_RULE, seeds)
+    gap_seeds = seeds[:PREMISE_GAP_SEEDS]
+    runs = run_all(["alignopsd"], gap_seeds, 1, ENV, jobs, str(reader), skills_dir)
+    pooled: dict[str, float] = {}
+    for r in runs:
+        for k, v in r["tallies"].items():
+            pooled[k] = pooled.get(k, 0.0) + v
+    return {"choice": choice, "gaps": mechanism_metrics(pooled), "gap_seeds": gap_seeds}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from bench.credit_model import ensure_model
+    from bench.credit_reader import RECIPE, ensure_reader, premise_failures
     from bench.credit_report import summarise, write_results
+    from bench.credit_rules import BENCH_RULE, ENV, write_skill_bank
 
     a = parse_args(argv)
-    cases = [c.strip() for c in a.estimators.split(",") if c.strip()]
-    try:
-        if a.seeds < 1 or a.steps < 1 or a.jobs < 1:
-            raise Refused(f"--seeds, --steps and --jobs must be >= 1, got {a.seeds}, {a.steps}, {a.jobs}")
-        check_cases(cases, a.env, a.skills_dir)
-    except (Refused, ValueError) as exc:
-        print(f"bench.credit: {exc}", file=sys.stderr)
-        return 2
-    load0, w0, c0 = os.getloadavg(), time.perf_counter(), os.times()
-    runs = run_all(cases, list(range(a.seeds)), a.steps, a.env, a.jobs, a.skills_dir)
+    cases, control = _cases(a.estimators), _cases(a.control)
+    register_envs()
+    with tempfile.TemporaryDirectory(prefix="credit-skills-") as bank:
+        skills = a.skills_dir or str(write_skill_bank(bank, BENCH_RULE))
+        try:
+            if a.seeds < 1 or a.steps < 1 or a.jobs < 1:
+                raise Refused(f"--seeds, --steps and --jobs must be >= 1, got {a.seeds}, {a.steps}, {a.jobs}")
+            check_cases(cases, ENV, skills)
+            check_cases(control, "credit")
+        except (Refused, ValueError) as exc:
+            print(f"bench.credit: {exc}", file=sys.stderr)
+            return 2
+        load0, w0, c0 = os.getloadavg(), time.perf_counter(), os.times()
+        seeds = list(range(a.seeds))
+        reader = ensure_reader(a.reader_cache)
+        reader_s = time.perf_counter() - w0
+        prem = premise(reader, seeds, a.jobs, skills)
+        failed = premise_failures(prem["choice"])
+        runs = [] if failed else run_all(cases, seeds, a.steps, ENV, a.jobs, str(reader), skills)
+        with tempfile.TemporaryDirectory(prefix="credit-random-") as wd:
+            ctrl = [] if failed or not control else run_all(control, seeds, a.steps, "credit", a.jobs, ensure_model(wd))
     c1 = os.times()
     raw = Path(a.out).with_suffix(".json")  # the runs first: a summary that fails loses no training
     raw.parent.mkdir(parents=True, exist_ok=True)
-    raw.write_text(json.dumps({"runs": runs}, default=str) + "\n")
+    raw.write_text(json.dumps({"premise": prem, "runs": runs, "control_runs": ctrl}, default=str) + "\n")
     meta = {
         "argv": ["python -m bench.credit", *(argv if argv is not None else sys.argv[1:])],
         "wall_s": time.perf_counter() - w0,
@@ -238,12 +303,20 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": a.jobs,
         "steps": a.steps,
         "seeds": a.seeds,
-        "env": a.env,
+        "env": ENV,
+        "rule": BENCH_RULE,
+        "reader": {"folder": reader.name, "seconds": reader_s, "recipe": RECIPE},
+        "premise": prem,
+        "premise_failures": failed,
         "sizing": SIZING,
     }
-    summary = summarise(runs, cases)
-    out = write_results(Path(a.out), summary, runs, meta)
+    summary = summarise(runs, cases) if runs else {}
+    csum = summarise(ctrl, control) if ctrl else {}
+    out = write_results(Path(a.out), summary, runs, meta, control=csum)
     print(f"bench.credit: wrote {out} and {out.with_suffix('.png')}")
+    if failed:
+        print("bench.credit: the premise does not hold, no comparison ran: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -15,7 +15,10 @@ Mechanisms (per run, from the audit's per-turn records of every step, engine/obs
   the trajectory's first turn), the true ones are the environment's span boundaries (the decisive turns other
   than turn 0); precision = hits / predicted, recall = hits / true, pooled over the run's trajectories, exact and
   within one turn;
-* Mechanism 1's rectified gap: mean δ̃ = ℓ̃ − ℓ^old per response token, on decisive turns and on the other turns.
+* Mechanism 1's rectified gap: mean δ̃ = ℓ̃ − ℓ^old per response token, on decisive turns and on the other turns;
+  the identity gap δ^diag = ℓ^diag − ℓ^old (the teacher with the skill against the student on the same prefix)
+  likewise; and each one's magnitude, Σ_turns |Σ_tokens gap| / tokens (a gap that is large but of either sign
+  averages out in the mean; this does not).
 """
 
 from __future__ import annotations
@@ -165,7 +168,12 @@ def mechanism_tallies(
             t[f"tokens_{side}"] += float(reg["tokens"])
             if reg.get("sum_corrected_gap") is not None:
                 t[f"gap_{side}"] += float(reg["sum_corrected_gap"])
+                t[f"absgap_{side}"] += abs(float(reg["sum_corrected_gap"]))
                 t[f"gap_tokens_{side}"] += float(reg["tokens"])
+            if reg.get("sum_diag_gap") is not None:
+                t[f"idgap_{side}"] += float(reg["sum_diag_gap"])
+                t[f"absidgap_{side}"] += abs(float(reg["sum_diag_gap"]))
+                t[f"idgap_tokens_{side}"] += float(reg["tokens"])
         if all("m2" in r and "span_start" in r["m2"] for r in traj):
             first = min(r["turn"] for r in traj)
             pred = {r["m2"]["span_start"] for r in traj} - {first}
@@ -185,6 +193,7 @@ def mechanism_metrics(t: dict[str, float]) -> dict[str, float]:
     """Per-run mechanism metrics from :func:`mechanism_tallies` (nan where the estimator has no such quantity)."""
     g = t.get
     has_gap = bool(g("gap_tokens_dec", 0) or g("gap_tokens_oth", 0))
+    has_id = bool(g("idgap_tokens_dec", 0) or g("idgap_tokens_oth", 0))
     has_m2 = "b_pred" in t
     nan = float("nan")
     return {
@@ -196,4 +205,10 @@ def mechanism_metrics(t: dict[str, float]) -> dict[str, float]:
         "m2_recall_tol1": _ratio(g("b_hit_tol1_true", 0.0), g("b_true", 0.0)) if has_m2 else nan,
         "gap_decisive": _ratio(g("gap_dec", 0.0), g("gap_tokens_dec", 0.0)) if has_gap else nan,
         "gap_other": _ratio(g("gap_oth", 0.0), g("gap_tokens_oth", 0.0)) if has_gap else nan,
+        "abs_gap_decisive": _ratio(g("absgap_dec", 0.0), g("gap_tokens_dec", 0.0)) if has_gap else nan,
+        "abs_gap_other": _ratio(g("absgap_oth", 0.0), g("gap_tokens_oth", 0.0)) if has_gap else nan,
+        "id_gap_decisive": _ratio(g("idgap_dec", 0.0), g("idgap_tokens_dec", 0.0)) if has_id else nan,
+        "id_gap_other": _ratio(g("idgap_oth", 0.0), g("idgap_tokens_oth", 0.0)) if has_id else nan,
+        "abs_id_gap_decisive": _ratio(g("absidgap_dec", 0.0), g("idgap_tokens_dec", 0.0)) if has_id else nan,
+        "abs_id_gap_other": _ratio(g("absidgap_oth", 0.0), g("idgap_tokens_oth", 0.0)) if has_id else nan,
     }

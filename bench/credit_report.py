@@ -22,6 +22,24 @@ MECH_KEYS = (
     "gap_other",
 )
 
+GAP_KEYS = (
+    "id_gap_decisive",
+    "id_gap_other",
+    "abs_id_gap_decisive",
+    "abs_id_gap_other",
+    "abs_gap_decisive",
+    "abs_gap_other",
+)
+# The paper's ablation (Table 2, WebShop, Qwen2.5-7B; Score / Acc), best first: full method, turn allocation (C), no
+# rectification (A), token allocation (B), random allocation (D)
+PAPER_ABLATION = (
+    ("alignopsd", "full method (E)", "87.9 / 78.9"),
+    ("alignopsd_C", "turn allocation (C)", "86.3 / 77.3"),
+    ("alignopsd_A", "no rectification (A)", "84.2 / 71.9"),
+    ("alignopsd_B", "token allocation (B)", "81.6 / 71.1"),
+    ("alignopsd_D", "random allocation (D)", "78.9 / 69.5"),
+)
+
 
 def summarise(runs: list[dict], cases: list[str]) -> dict[str, dict]:
     """Per case: learning summary, per-run mechanism metrics (mean and CI over seeds), paired comparison with GRPO,
@@ -34,7 +52,7 @@ def summarise(runs: list[dict], cases: list[str]) -> dict[str, dict]:
         rs = by_case[c]
         learn = learning_summary({s: r["success"] for s, r in rs.items()})
         mech_runs = [mechanism_metrics(r["tallies"]) for r in rs.values()]
-        mech = {k: mean_ci([m[k] for m in mech_runs]) for k in (*MECH_KEYS, "decisive_token_share")}
+        mech = {k: mean_ci([m[k] for m in mech_runs]) for k in (*MECH_KEYS, *GAP_KEYS, "decisive_token_share")}
         cpu = [r["cpu_s"] / max(1, len(r["success"])) for r in rs.values()]
         out[c] = {"learn": learn, "mech": mech, "cpu_per_step": sum(cpu) / len(cpu), "n": len(rs)}
     if "grpo" in out:
@@ -58,14 +76,7 @@ def _steps(x: float) -> str:
     return "never" if math.isinf(x) else f"{x:.1f}"
 
 
-def plot(summary: dict[str, dict], path: Path) -> None:
-    """Mean success per step with the 95 % band, one line per case."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+def _panel(ax, summary: dict[str, dict], title: str) -> None:
     for c, s in summary.items():
         ps = s["learn"]["per_step"]
         xs = list(range(1, len(ps) + 1))
@@ -77,10 +88,25 @@ def plot(summary: dict[str, dict], path: Path) -> None:
             lo, hi = [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)]
             ax.fill_between(xs, lo, hi, alpha=0.15, color=main)
     ax.axhline(TARGET, color="grey", lw=0.5)
+    ax.set_title(title, fontsize=9)
     ax.set_xlabel("training step")
     ax.set_ylabel("success rate of the step's rollouts")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7, ncol=2)
+
+
+def plot(summary: dict[str, dict], path: Path, control: dict[str, dict] | None = None) -> None:
+    """Mean success per step with the 95 % band, one line per case; the control in a second panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(summary, "from the reader (credit_rules)"), (control or {}, "random-init control (credit)")]
+    panels = [p for p in panels if p[0]]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(8 * max(1, len(panels)), 5), squeeze=False)
+    for ax, (summ, title) in zip(axes[0], panels):
+        _panel(ax, summ, title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -107,9 +133,9 @@ def _commit() -> str:
     return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
-def _tables(summary: dict[str, dict]) -> list[str]:
+def _tables(summary: dict[str, dict], h: str = "##") -> list[str]:
     lines = [
-        "## Learning",
+        f"{h} Learning",
         "",
         "| estimator | AUC (mean ± 95 % CI) | steps to 80 % (median [IQR]) | seeds reaching 80 % | "
         "final-step success | CPU s / step |",
@@ -127,7 +153,7 @@ def _tables(summary: dict[str, dict]) -> list[str]:
     lines += ["| estimator | " + " | ".join(str(i + 1) for i in range(n_steps)) + " |", "|---" * (1 + n_steps) + "|"]
     for c, s in summary.items():
         lines.append(f"| {c} | " + " | ".join(_ci(p, 2) for p in s["learn"]["per_step"]) + " |")
-    lines += ["", "## Paired comparison with GRPO (same seeds; difference of AUC, estimator − GRPO)", ""]
+    lines += ["", f"{h} Paired comparison with GRPO (same seeds; difference of AUC, estimator − GRPO)", ""]
     lines += ["| estimator | Δ AUC (mean ± 95 % CI) | wins / losses / ties | sign-test p |", "|---|---|---|---|"]
     for c, s in summary.items():
         if "vs_grpo" in s:
@@ -138,7 +164,7 @@ def _tables(summary: dict[str, dict]) -> list[str]:
             )
     lines += [
         "",
-        "## Mechanisms against the ground truth (mean ± 95 % CI over seeds; all steps of each run)",
+        f"{h} Mechanisms against the ground truth (mean ± 95 % CI over seeds; all steps of each run)",
         "",
         "| estimator | share of abs. advantage on decisive turns | M2 boundary precision | M2 recall | "
         "precision (±1 turn) | recall (±1 turn) | rectified gap, decisive turns | rectified gap, other turns |",
@@ -147,6 +173,19 @@ def _tables(summary: dict[str, dict]) -> list[str]:
     for c, s in summary.items():
         m = s["mech"]
         lines.append(f"| {c} | " + " | ".join(_ci(m[k]) for k in MECH_KEYS) + " |")
+    lines += [
+        "",
+        "Teacher–student gaps per response token (all steps): the identity gap δ^diag (the teacher with the skill "
+        "against the student on the same prefix) and its magnitude Σ|turn sum| / tokens, and the magnitude of the "
+        "rectified gap δ̃:",
+        "",
+        "| estimator | identity gap, decisive | identity gap, other | |identity gap|, decisive | |identity gap|, other "
+        "| |rectified gap|, decisive | |rectified gap|, other |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c, s in summary.items():
+        if not math.isnan(s["mech"]["id_gap_decisive"][0]):
+            lines.append(f"| {c} | " + " | ".join(_ci(s["mech"][k]) for k in GAP_KEYS) + " |")
     tok = next(iter(summary.values()))["mech"]["decisive_token_share"]
     lines += [
         "",
@@ -197,15 +236,95 @@ def _load_reading(before, after) -> str:
     return f"Other work shared the cores (1-minute load average up to {peak:.2f}): the wall time is an upper bound."
 
 
-def write_results(path: Path, summary: dict[str, dict], runs: list[dict], meta: dict) -> Path:
+def _premise_lines(meta: dict) -> list[str]:
+    """The premise before any RL, measured (bench/credit_reader.py), and whether it holds."""
+    from bench.credit_reader import PREMISE_MIN, PREMISE_TOL
+
+    prem, rd = meta["premise"], meta["reader"]
+    ch, g = prem["choice"], prem["gaps"]
+    lines = [
+        "## The premise, before any RL",
+        "",
+        f"The reader (`{rd['folder']}`, recipe below; {rd['seconds']:.0f} s to build or load and verify) on the "
+        f"benchmark's tasks (every seed's tasks under the fixed rule {meta['rule']}, decisive turns reached by random "
+        f"play, {ch['states']} states): the probability that the candidate-choice policy picks the winning action, "
+        "with the skill in its prompt (the teacher's view) and without (the student's). The paint turn of `agree` "
+        "is left out: any mark can win, the rule fixes the bridge.",
+        "",
+        "| kind | states | with the skill | argmax with | without the skill | argmax without | chance |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, c in ((k, v) for k, v in ch.items() if isinstance(v, dict)):
+        lines.append(
+            f"| {k} | {c['n']} | {_f(c['teacher'])} | {_f(c['teacher_argmax'])} | {_f(c['student'])} "
+            f"| {_f(c['student_argmax'])} | {_f(c['chance'])} |"
+        )
+    lines += [
+        "",
+        f"Teacher–student gaps per response token on the initial reader (the audit of one AlignOPSD step, seeds "
+        f"{prem['gap_seeds']}, computed before its update): identity gap δ^diag {_f(g['id_gap_decisive'])} on "
+        f"decisive turns vs {_f(g['id_gap_other'])} on the others, magnitude {_f(g['abs_id_gap_decisive'])} vs "
+        f"{_f(g['abs_id_gap_other'])} ({_ratio_text(g['abs_id_gap_decisive'], g['abs_id_gap_other'])}); rectified "
+        f"gap δ̃ {_f(g['gap_decisive'])} vs {_f(g['gap_other'])}, magnitude {_f(g['abs_gap_decisive'])} vs "
+        f"{_f(g['abs_gap_other'])} ({_ratio_text(g['abs_gap_decisive'], g['abs_gap_other'])}).",
+        "",
+    ]
+    if meta["premise_failures"]:
+        lines += [f"**The premise does not hold** (needed: with the skill ≥ {PREMISE_MIN}, without it chance ± "
+                  f"{PREMISE_TOL}, every kind and pooled), so no comparison ran:", ""]  # fmt: skip
+        lines += [f"- {x}" for x in meta["premise_failures"]]
+    else:
+        lines += [f"**The premise holds** (with the skill ≥ {PREMISE_MIN}, without it chance ± {PREMISE_TOL}, "
+                  "every kind and pooled)."]  # fmt: skip
+    recipe = ", ".join(f"{k} {v}" for k, v in rd["recipe"].items())
+    return lines + ["", f"Reader recipe (bench/credit_reader.py `RECIPE`): {recipe}.", ""]
+
+
+def _ratio_text(a: float, b: float) -> str:
+    if any(isinstance(x, float) and math.isnan(x) for x in (a, b)) or not b:
+        return "n/a"
+    return f"{a / b:.1f}x on decisive turns"
+
+
+def _ablation_order(summary: dict[str, dict]) -> list[str]:
+    """The paper's ablation order beside this run's (AUC; ranks; pairs ordered as in the paper)."""
+    rows = [(c, name, paper) for c, name, paper in PAPER_ABLATION if c in summary]
+    if len(rows) < 2:
+        return []
+    auc = {c: summary[c]["learn"]["auc"] for c, _, _ in rows}
+    ours = sorted(auc, key=lambda c: -auc[c][0])
+    lines = [
+        "## The paper's ablation order beside this run's",
+        "",
+        "| paper rank | variant | paper (WebShop 7B Score / Acc) | AUC here | rank here |",
+        "|---|---|---|---|---|",
+    ]
+    for i, (c, name, paper) in enumerate(rows):
+        lines.append(f"| {i + 1} | {name} (`{c}`) | {paper} | {_ci(auc[c])} | {ours.index(c) + 1} |")
+    pairs = [(rows[i][0], rows[j][0]) for i in range(len(rows)) for j in range(i + 1, len(rows))]
+    agree = sum(auc[a][0] > auc[b][0] for a, b in pairs)
+    sep = sum(auc[a][0] - auc[a][1] > auc[b][0] + auc[b][1] for a, b in pairs)
+    lines += [
+        "",
+        f"{agree} of {len(pairs)} pairs are ordered as in the paper; in {sep} of them the two 95 % intervals do not "
+        "overlap.",
+    ]
+    return lines
+
+
+def write_results(
+    path: Path, summary: dict[str, dict], runs: list[dict], meta: dict, control: dict[str, dict] | None = None
+) -> Path:
     """The results markdown, its plot (``path`` with ``.png``) and the raw runs and summary (``.json``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     png = path.with_suffix(".png")
-    plot(summary, png)
+    if summary or control:
+        plot(summary, png, control)
     cpu, bf16 = _machine()
     lb, la = meta["load_before"], meta["load_after"]
+    n_est = len(summary) + len(control or {})
     head = [
-        f"# Credit-assignment benchmark ({meta['env']}): GRPO vs AlignOPSD and its ablations",
+        f"# Credit-assignment benchmark ({meta['env']}): GRPO vs AlignOPSD and its ablations, from a reader",
         "",
         f"- command: `{' '.join(meta['argv'])}`",
         f"- commit: {_commit()}",
@@ -213,22 +332,27 @@ def write_results(path: Path, summary: dict[str, dict], runs: list[dict], meta: 
         f"- CPU: {cpu}; avx512_bf16: {'yes' if bf16 else 'no'}; {meta['jobs']} runs at a time, one thread each",
         f"- load average (1/5/15 min) before: {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}; after: "
         f"{la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}",
-        f"- wall time: {meta['wall_s'] / 60:.1f} min for {len(runs)} runs ({meta['seeds']} seeds × "
-        f"{len(summary)} estimators × {meta['steps']} steps); CPU time of all runs: {meta['cpu_s'] / 60:.1f} min, "
-        f"i.e. {meta['cpu_s'] / 60 / 2:.1f} min of wall time on 2 otherwise idle cores. {_load_reading(lb, la)}",
-        "",
-        f"![success per step]({png.name})",
+        f"- wall time: {meta['wall_s'] / 60:.1f} min, reader included; {len(runs)} comparison runs "
+        f"({meta['seeds']} seeds × {len(summary)} estimators × {meta['steps']} steps) and the control's "
+        f"({n_est - len(summary)} estimators); CPU time: {meta['cpu_s'] / 60:.1f} min, i.e. "
+        f"{meta['cpu_s'] / 60 / 2:.1f} min of wall time on 2 otherwise idle cores. {_load_reading(lb, la)}",
         "",
     ]
-    body = _tables(summary)
-    worse = _not_better(summary)
-    tail = ["", "## Where AlignOPSD does not beat GRPO (computed)", ""]
-    tail += worse or ["- nowhere on AUC, steps to 80 % and final-step success."]
-    tail += ["", "AlignOPSD's mechanisms in these runs (computed; mean ± 95 % CI over seeds):", ""]
-    tail += _mechanism_reading(summary)
+    body = _premise_lines(meta)
+    if summary:
+        body += [f"![success per step]({png.name})", "", "## From the reader (`credit_rules`, the fixed rule)", ""]
+        body += _tables(summary, "###")
+        worse = _not_better(summary)
+        body += ["", "### Where AlignOPSD does not beat GRPO (computed)", ""]
+        body += worse or ["- nowhere on AUC, steps to 80 % and final-step success."]
+        body += ["", "AlignOPSD's mechanisms in these runs (computed; mean ± 95 % CI over seeds):", ""]
+        body += _mechanism_reading(summary) + [""] + _ablation_order(summary)
+    if control:
+        body += ["", "## Control: the random-init model on `credit` (the premise fails there)", ""]
+        body += _tables(control, "###")
     if meta.get("sizing"):
-        tail += ["", "## How the run was sized", "", meta["sizing"]]
-    path.write_text("\n".join(head + body + tail) + "\n")
-    raw = {"meta": meta, "runs": runs, "summary": summary}
+        body += ["", "## How the run was sized", "", meta["sizing"]]
+    path.write_text("\n".join(head + body) + "\n")
+    raw = {"meta": meta, "runs": runs, "summary": summary, "control": control or {}}
     path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
     return path

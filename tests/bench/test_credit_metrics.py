@@ -65,3 +65,19 @@ def test_mechanism_metrics_against_ground_truth():
     # GRPO-like records (no M1, no M2): those metrics are n/a, the share is still computed
     g = mechanism_metrics(mechanism_tallies([turn(1, 0, 0, t, "k", 1.0, 10) for t in range(4)], lambda k: [0], list))
     assert g["decisive_share"] == pytest.approx(0.25) and math.isnan(g["m2_recall"]) and math.isnan(g["gap_other"])
+
+
+def test_identity_gap_and_gap_magnitudes_per_turn_kind():
+    # decisive turn 0: the teacher's gap is large and of either sign across two rollouts; turn 1 flat
+    recs = []
+    for roll, d0 in ((0, 6.0), (1, -4.0)):
+        for t, d in ((0, d0), (1, 0.5)):
+            r = turn(1, 0, roll, t, "k", abs_adv=1.0, tokens=10, gap=d / 2)
+            r["regions"]["response"]["sum_diag_gap"] = d
+            recs.append(r)
+    m = mechanism_metrics(mechanism_tallies(recs, lambda k: [0], lambda k: []))
+    assert m["id_gap_decisive"] == pytest.approx(2 / 20) and m["abs_id_gap_decisive"] == pytest.approx(10 / 20)
+    assert m["id_gap_other"] == pytest.approx(1 / 20) and m["abs_id_gap_other"] == pytest.approx(1 / 20)
+    assert m["abs_gap_decisive"] == pytest.approx(5 / 20) and m["gap_decisive"] == pytest.approx(1 / 20)
+    g = mechanism_metrics(mechanism_tallies([turn(1, 0, 0, 0, "k", 1.0, 10)], lambda k: [0], list))
+    assert math.isnan(g["id_gap_decisive"]) and math.isnan(g["abs_gap_other"])

@@ -1,0 +1,199 @@
+"""Rule variants of the credit tasks: the winning action is stated only in the privileged skill (``credit_rules``).
+
+The ``credit`` environments (engine/envs/credit/env.py) show the student everything it needs (the code word and the
+door's colour are in the first observation). Here the rule that wins is a *variant* the student cannot see:
+
+* ``code``: which word opens the door (one of ``credit.WORDS``; the door offers it among four words);
+* ``key``: which key to take (one of ``credit.COLOURS``; all four keys lie on the floor, in a random order);
+* ``agree``: how the bridge must relate to the painted mark, a shift along ``credit.COLOURS`` (0: the same
+  colour, agree; 1-3: that many colours further, wrapping round, disagree). Any mark colour can win; the bridge
+  turn is the one whose action the rule fixes once the mark is painted.
+
+The first observation no longer reveals anything (the note is faded, the door's colour is not named). Timing,
+corridor turns, rewards and the ground truth (decisive turns, span boundaries) are those of ``credit``: a random
+policy wins 1 in 4 episodes of every kind, whatever the rule.
+
+A rule is one variant per kind, ``{"code": word, "key": colour, "agree": shift}``. The benchmark fixes one
+(:data:`BENCH_RULE`): the student (no skill) must find it by RL, the teacher (the same weights, the skill in its
+prompt) is told it. The reader model (bench/credit_reader.py) learns beforehand to follow whatever rule its skill
+states, over every variant drawn at random per episode.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from alignopsd.engine.envs.base import TaskSpec
+from alignopsd.engine.envs.credit import env as credit
+
+ENV = "credit_rules"
+KINDS = credit.KINDS
+SHIFTS: tuple[int, ...] = (0, 1, 2, 3)
+VARIANTS: dict[str, tuple] = {"code": credit.WORDS, "key": credit.COLOURS, "agree": SHIFTS}
+# The benchmark's rule, fixed before the first comparison; every variant is in the reader's training distribution.
+BENCH_RULE: dict[str, Any] = {"code": "falcon", "key": "green", "agree": 1}
+TASK_TEXT = {
+    "code": "say the code word when the door asks for it.",
+    "key": "cross the hall and open the door at its end.",  # the skill bank's keywords: see skill_mapping()
+    "agree": "paint a mark, then later choose which bridge to cross.",
+}
+FIRST_OBS = {
+    "code": "A note on the wall is too faded to read.",
+    "key": "The door at the end of the hall is locked.",
+    "agree": "You stand at the start of a long path.",
+}
+GENERAL = (
+    "## General rule\nMost turns change nothing: walking on or looking around in a corridor never matters. Only "
+    "the turns that offer a real choice decide whether you win."
+)
+_SHIFT_WORDS = ("same", "one", "two", "three")
+REPEAT = 8
+
+
+def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
+    """``rule`` if it names one known variant per kind (ValueError naming the culprit otherwise)."""
+    if not isinstance(rule, dict) or set(rule) != set(KINDS):
+        raise ValueError(f"rule: expected one variant for each of {KINDS}, got {rule!r}")
+    for kind, v in rule.items():
+        if v not in VARIANTS[kind]:
+            raise ValueError(f"rule: {kind} variant {v!r} is not one of {VARIANTS[kind]}")
+    return rule
+
+
+def skill_text(kind: str, variant: Any) -> str:
+    """The skill that states ``variant`` of ``kind`` (the only place the student's missing information is). The
+    rule's key word is repeated (:data:`REPEAT` times): a two-layer model with a hidden size of 64 reads a word
+    that dominates the context's word counts far sooner than it learns to copy one mention from 150 tokens back."""
+    if kind == "code":
+        return f"## The code word\nWhen the door asks for the code, say {variant}; no other word. " + _rep(variant)
+    if kind == "key":
+        return f"## The right key\nWhen the keys lie on the floor, take the {variant} key. " + _rep(variant)
+    if kind == "agree":
+        n = _SHIFT_WORDS[int(variant)]
+        how = "of the same colour as your mark" if not variant else f"{n} colour{'s' * (variant > 1)} after your "
+        how += "" if not variant else "mark's, in the order red, blue, green, yellow, red"
+        return f"## The safe bridge\nAt the bridges, cross the bridge {how}. " + _rep(n)
+    raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+
+
+def _rep(word: str) -> str:
+    return "Remember: " + " ".join([word] * REPEAT) + "."
+
+
+def winning_action(task: TaskSpec, turn: int, mark: str | None = None) -> str | None:
+    """The action the task's rule fixes at ``turn`` (None: any action does; ``mark``: the painted colour, for the
+    bridge turn of ``agree``)."""
+    p = task.payload
+    if turn not in p["turns"]:
+        return None
+    if task.category == "code":
+        return f"say {p['answer']}"
+    if task.category == "key":
+        return f"take {p['answer']} key"
+    if turn == p["turns"][0] or mark is None:
+        return None
+    return f"cross {bridge_for(mark, int(p['shift']))} bridge"
+
+
+def bridge_for(mark: str, shift: int) -> str:
+    return credit.COLOURS[(credit.COLOURS.index(mark) + shift) % len(credit.COLOURS)]
+
+
+def make_task(kind: str, variant: Any, split: str, seed: int, i: int) -> TaskSpec:
+    """One task of ``kind`` under ``variant``, fixed by (split, seed, i): the timing and option order of
+    ``credit``'s task, the answer or shift of the variant."""
+    base = credit.make_task(kind, split, seed, i)
+    p = dict(base.payload)
+    if kind == "code":
+        r = random.Random(f"{ENV}:{split}:{seed}:{i}")
+        others = r.sample([w for w in credit.WORDS if w != variant], 3)
+        opts = [variant, *others]
+        r.shuffle(opts)
+        p.update(options=opts, answer=variant)
+    elif kind == "key":
+        p.update(answer=variant)  # the four colours are all on the floor
+    else:
+        p.update(shift=int(variant))
+    return TaskSpec(key=f"{ENV}-{kind}-{split}-{seed}-{i}", env=ENV, category=kind, payload=p)
+
+
+def load_tasks(
+    split: str = "train", n: int | None = None, seed: int = 0, rule: dict | None = None, **_: Any
+) -> list[TaskSpec]:
+    """``n`` tasks (default 12), the kinds in turn, under ``rule`` (default :data:`BENCH_RULE`)."""
+    r = check_rule(dict(BENCH_RULE if rule is None else rule))
+    n = 12 if n is None or n <= 0 else int(n)
+    return [make_task(KINDS[i % len(KINDS)], r[KINDS[i % len(KINDS)]], split, seed, i) for i in range(n)]
+
+
+decisive_turns = credit.decisive_turns
+true_boundaries = credit.true_boundaries
+
+
+class RuleEnv(credit.CreditEnv):
+    """``credit`` with the rule's answer hidden from the observations and the ``agree`` kind's shift."""
+
+    name = ENV
+
+    def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
+        if task.category == "agree" and task.payload.get("shift") not in SHIFTS:
+            raise ValueError(f"task: agree task without a shift in {SHIFTS}: {task.payload!r}")
+        return super().reset(task, seed)
+
+    def _observation(self) -> str:
+        assert self.task is not None
+        if self.t == 0 and self.t not in self.task.payload["turns"]:
+            return FIRST_OBS[self.task.category]
+        return super()._observation()
+
+    def _info(self, won: bool = False, played: int | None = None) -> dict[str, Any]:
+        info = super()._info(won, played)
+        assert self.task is not None
+        info["task"] = TASK_TEXT[self.task.category]
+        return info
+
+    def _won(self) -> bool:
+        assert self.task is not None
+        if self.task.category != "agree":
+            return super()._won()
+        p = self.task.payload
+        paint, cross = (self.choices.get(t, "") for t in p["turns"])
+        mark = paint[len("paint ") :] if paint.startswith("paint ") else ""
+        return mark in credit.COLOURS and cross == f"cross {bridge_for(mark, int(p['shift']))} bridge"
+
+
+def skill_mapping() -> dict[str, Any]:
+    return {
+        "skill_files": {"general_skills": "general.md", **{k: f"{k}.md" for k in KINDS}},
+        "task_to_skill": {k: k for k in KINDS},
+        "task_keywords": {"code": ["code word"], "key": ["open the door"], "agree": ["paint a mark"]},
+    }
+
+
+def write_skill_bank(root: str | Path, rule: dict[str, Any] | None = None) -> Path:
+    """The skill bank stating ``rule`` (default :data:`BENCH_RULE`) under ``root/credit_rules``; returns ``root``."""
+    r = check_rule(dict(BENCH_RULE if rule is None else rule))
+    folder = Path(root) / ENV
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "general.md").write_text(GENERAL + "\n")
+    for k in KINDS:
+        (folder / f"{k}.md").write_text(skill_text(k, r[k]) + "\n")
+    (folder / "skill_mapping.json").write_text(json.dumps(skill_mapping(), indent=2) + "\n")
+    return Path(root)
+
+
+def register() -> None:
+    """Register ``credit_rules`` in this process's environment registry (idempotent)."""
+    from alignopsd.engine.envs import registry
+
+    entry = registry.get_entry("credit")
+    me = f"{__name__}"
+    registry.register_env(
+        registry.EnvEntry(
+            ENV, f"{me}:RuleEnv", f"{me}:load_tasks", entry.prompt, lowercase_actions=True, history_length=8
+        ),
+        replace=True,
+    )
