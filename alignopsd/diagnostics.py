@@ -61,8 +61,12 @@ def describe(values: Tensor, name: str, *, quantiles: Sequence[tuple[str, float]
         qs = [0.0] * len(quantiles)
     else:
         a = v.cpu().double().numpy()
-        stats = {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if n > 1 else 0.0, "min": float(a.min()),
-                 "max": float(a.max())}  # fmt: skip
+        stats = {
+            "mean": float(a.mean()),
+            "std": float(a.std(ddof=1)) if n > 1 else 0.0,
+            "min": float(a.min()),
+            "max": float(a.max()),
+        }
         # linear-interpolation quantiles (selection, not a full sort; same definition as torch.quantile)
         qs = np.quantile(a, [q for _, q in quantiles]).tolist()
     out[f"{name}_mean"] = weighted_mean(stats["mean"], n)

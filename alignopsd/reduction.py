@@ -87,8 +87,18 @@ class Stat(float):
 
     __slots__ = ("how", "count", "mean", "ddof", "q", "samples", "sums", "formula")
 
-    def __new__(cls, value: Any, how: Reduce, count: Any = None, mean: Any = None, ddof: int = 0, q: Any = None,
-                samples: Any = None, sums: tuple = (), formula: str | None = None) -> Stat:  # fmt: skip
+    def __new__(
+        cls,
+        value: Any,
+        how: Reduce,
+        count: Any = None,
+        mean: Any = None,
+        ddof: int = 0,
+        q: Any = None,
+        samples: Any = None,
+        sums: tuple = (),
+        formula: str | None = None,
+    ) -> Stat:
         out = super().__new__(cls, float(value))
         out.sums, out.formula = tuple(float(s) for s in sums), formula
         out.how = how
@@ -100,8 +110,10 @@ class Stat(float):
         return out
 
     def __reduce__(self):
-        return (Stat, (float(self), self.how, self.count, self.mean, self.ddof, self.q, self.samples, self.sums,
-                       self.formula))  # fmt: skip
+        return (
+            Stat,
+            (float(self), self.how, self.count, self.mean, self.ddof, self.q, self.samples, self.sums, self.formula),
+        )
 
     def __repr__(self) -> str:
         return float.__repr__(self)

@@ -138,15 +138,17 @@ def rollout_is_weights(
         r_m, w_k = ratio[m], weight[keep]
         k = w_k.numel()
         ess = float(w_k.sum().square() / (k * w_k.square().sum())) if k else 0.0
-        stats.update({
-            "rollout_is/mean": weighted_mean(float(r_m.mean()), n),
-            "rollout_is/max": extreme_max(float(r_m.max()), n),
-            "rollout_is/min": extreme_min(float(r_m.min()), n),
-            "rollout_is/weight_mean": weighted_mean(float(weight[m].mean()), n),
-            "rollout_is/ess": pooled(ess, "ess", k, w_k.sum(), w_k.square().sum()),
-            "rollout_is/truncated_frac": weighted_mean(float((r_m > hi).double().mean()) if trunc else 0, n),
-            "rollout_is/rejected_frac": weighted_mean(float(1.0 - keep.sum() / n), n),
-        })  # fmt: skip
+        stats.update(
+            {
+                "rollout_is/mean": weighted_mean(float(r_m.mean()), n),
+                "rollout_is/max": extreme_max(float(r_m.max()), n),
+                "rollout_is/min": extreme_min(float(r_m.min()), n),
+                "rollout_is/weight_mean": weighted_mean(float(weight[m].mean()), n),
+                "rollout_is/ess": pooled(ess, "ess", k, w_k.sum(), w_k.square().sum()),
+                "rollout_is/truncated_frac": weighted_mean(float((r_m > hi).double().mean()) if trunc else 0, n),
+                "rollout_is/rejected_frac": weighted_mean(float(1.0 - keep.sum() / n), n),
+            }
+        )
     if level == "sequence":
         rows = n_M > 0
         rejected = rows & ~keep.any(1)

@@ -106,9 +106,16 @@ def select_sources(
     # one implementation of the rule on every device: the batched block selection of the kernels package
     # (torch ops; its Triton kernels compute H and the profiles, not the selection)
     res = sibling_topk_from_similarity(
-        H_ST, B_ST, task, rollout, turn, gamma=gamma, top_k=top_k, profiles=False,
+        H_ST,
+        B_ST,
+        task,
+        rollout,
+        turn,
+        gamma=gamma,
+        top_k=top_k,
+        profiles=False,
         impl="triton" if use_kernels(H_ST, B_ST) else "torch",
-    )  # fmt: skip
+    )
     return res.selected_lists()
 
 

@@ -191,9 +191,21 @@ def main() -> None:
     rows = []
     for name in a.providers:
         for th in a.threads:
-            cmd = [sys.executable, "-m", "bench.bench_generation", "--one", f"{name}:{th}", "--batch", str(a.batch),
-                   "--prompt-tokens", str(a.prompt_tokens), "--new-tokens", str(a.new_tokens),
-                   "--rounds", str(a.rounds)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.bench_generation",
+                "--one",
+                f"{name}:{th}",
+                "--batch",
+                str(a.batch),
+                "--prompt-tokens",
+                str(a.prompt_tokens),
+                "--new-tokens",
+                str(a.new_tokens),
+                "--rounds",
+                str(a.rounds),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not line:

@@ -127,10 +127,36 @@ def _load_model(device: torch.device, spec: str):
     return load_causal_lm(spec, dtype="auto", device=device)
 
 
+def _time_modes(model, modes: dict, max_tokens: int, batch, pairs, dev: torch.device, reps: int):
+    """Each mode's outputs, wall and process CPU seconds per rep, and its last stats.
+
+    The modes are interleaved rep by rep, so that load drift on a shared machine hits them alike; the caller
+    reports the minimum over reps (the least disturbed run: on a shared CPU, even process CPU time varies by
+    +-50%)."""
+    outs, times, cpu, stats = {}, {n: [] for n in modes}, {n: [] for n in modes}, {}
+    for _ in range(reps):
+        for name, kw in modes.items():
+            rs = Rescorer(model, max_tokens=max_tokens, **kw)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0, c0 = time.perf_counter(), time.process_time()
+            diag, cross, st = rs.teacher_logprobs(batch, pairs)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            outs[name], stats[name] = (diag, cross), st
+            del diag, cross
+    return outs, times, cpu, stats
+
+
 def run(
-    size: str = "quick", model_spec: str = "smollm2-135m", device: str | None = None, reps: int = 3,
+    size: str = "quick",
+    model_spec: str = "smollm2-135m",
+    device: str | None = None,
+    reps: int = 3,
     attribution: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     cfg = SIZES[size]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _load_model(dev, model_spec)
@@ -146,23 +172,8 @@ def run(
     warm = batch.select(list(range(min(4, batch.size))))
     for kw in modes.values():
         Rescorer(model, max_tokens=cfg["max_tokens"], **kw).teacher_logprobs(warm, None)
-    # modes interleaved rep by rep, so that load drift on a shared machine hits them alike; the minimum over
-    # reps is reported (the least disturbed run: on a shared CPU, even process CPU time varies by +-50%)
-    outs, times, peaks, stats = {}, {n: [] for n in modes}, {n: [] for n in modes}, {}
-    cpu = {n: [] for n in modes}
-    for _ in range(reps):
-        for name, kw in modes.items():
-            rs = Rescorer(model, max_tokens=cfg["max_tokens"], **kw)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0, c0 = time.perf_counter(), time.process_time()
-            diag, cross, st = rs.teacher_logprobs(batch, pairs)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-            outs[name], stats[name] = (diag, cross), st
-            del diag, cross
+    outs, times, cpu, stats = _time_modes(model, modes, cfg["max_tokens"], batch, pairs, dev, reps)
+    peaks = {n: [] for n in modes}
     for name, kw in modes.items():  # peak memory: one more call each, outside the timed ones (profiled on CPU)
         rs = Rescorer(model, max_tokens=cfg["max_tokens"], **kw)
         with _PeakMemory(dev) as pm:
@@ -215,9 +226,16 @@ def token_counts(size: str = "full") -> dict:
     cfg = SIZES[size]
     torch.manual_seed(0)
     mcfg = LlamaConfig(
-        vocab_size=1024, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(mcfg).eval()
     batch, pairs = make_batch(vocab=1024, **cfg)
     out = {"size": size, "turns": batch.size, "cross_rows": int(pairs.shape[0])}
@@ -240,9 +258,16 @@ def megatron_token_counts(size: str = "full") -> dict:
     cfg = SIZES[size]
     torch.manual_seed(0)
     mcfg = LlamaConfig(
-        vocab_size=1024, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(mcfg).eval()
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     pol = MegatronPolicy(mcfg, model.state_dict(), tp=tp)

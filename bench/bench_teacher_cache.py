@@ -73,8 +73,9 @@ def run(config: str, overrides: list[str], *, profile: bool, fp32_reference: boo
     try:
         parts.get_encoder()
         tasks = tasks_for_step(parts.train_tasks, 0, cfg.env.tasks_per_step, cfg.trainer.seed, 0, 1)
-        batch, _ = rollout_phase(parts, tasks, seed=step_seed(cfg.trainer.seed, 0, 0), validation=False,
-                                 teacher_prompts=True)  # fmt: skip
+        batch, _ = rollout_phase(
+            parts, tasks, seed=step_seed(cfg.trainer.seed, 0, 0), validation=False, teacher_prompts=True
+        )
         canon = canonicalize(batch.task.tolist(), batch.rollout.tolist(), batch.turn.tolist())
         cb = batch.select(canon.first_row)
         _, metrics = mechanism1(parts, cb)

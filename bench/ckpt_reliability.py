@@ -84,10 +84,15 @@ def _checkpoint(out: Path, shapes_mlp: int | None = None, sharded: bool = False,
         dcp.save({"w": torch.arange(6.0), "steps": 3}, checkpoint_id=str(folder), no_dist=True)
         write_manifest(folder)
 
-    return ck.save_checkpoint(out / "checkpoints", 2, model_state=None if sharded else state, optimizer_state=None,
-                              trainer_state=TrainerState(2, run_config=stored_config(cfg)),
-                              shards=shards if sharded else None,
-                              shard_state={"w": torch.zeros(2)} if sharded else None)  # fmt: skip
+    return ck.save_checkpoint(
+        out / "checkpoints",
+        2,
+        model_state=None if sharded else state,
+        optimizer_state=None,
+        trainer_state=TrainerState(2, run_config=stored_config(cfg)),
+        shards=shards if sharded else None,
+        shard_state={"w": torch.zeros(2)} if sharded else None,
+    )
 
 
 def _relist(path: Path, rel: str, entry: dict) -> None:
@@ -139,8 +144,21 @@ def forged_index(d: Path, timeout: float) -> dict:
     (path / "shards" / ".metadata").write_bytes(pickle.dumps(_Evil(str(marker))))
     write_manifest(path / "shards")
     write_manifest(path)
-    res = _run([sys.executable, "-m", "alignopsd.engine", "train", "--config", TINY, "--set", f"output_dir={d}",
-                "--resume", "auto"], timeout)  # fmt: skip
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "alignopsd.engine",
+            "train",
+            "--config",
+            TINY,
+            "--set",
+            f"output_dir={d}",
+            "--resume",
+            "auto",
+        ],
+        timeout,
+    )
     backend = (
         "import sys, torch\n"
         "from alignopsd.engine.policy.megatron import backend as b\n"
@@ -182,9 +200,11 @@ def full_disk(d: Path, timeout: float) -> dict:
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
         return {"rc": "skipped", "s": 0.0, "tb": False, "line": "no permission to mount a tmpfs"}
     try:
-        code = ("import sys, torch\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
-                "ck.save_checkpoint(sys.argv[1], 1, model_state={'w': torch.zeros(1 << 20)},\n"
-                "                   optimizer_state=None)\n")  # fmt: skip
+        code = (
+            "import sys, torch\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
+            "ck.save_checkpoint(sys.argv[1], 1, model_state={'w': torch.zeros(1 << 20)},\n"
+            "                   optimizer_state=None)\n"
+        )
         res = _run([sys.executable, "-c", code, str(mnt / "checkpoints")], timeout)
         res["line"] += f" | left: {sorted(p.name for p in (mnt / 'checkpoints').iterdir())}"
         return res
@@ -193,16 +213,23 @@ def full_disk(d: Path, timeout: float) -> dict:
 
 
 def leftover(d: Path, timeout: float) -> dict:
-    code = ("import sys, torch, pathlib\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
-            "d = pathlib.Path(sys.argv[1]); (d / '.tmp-step_000001').mkdir(parents=True)\n"
-            "(d / '.tmp-step_000001' / 'model.safetensors').write_bytes(b'half')\n"
-            "ck.save_checkpoint(d, 2, model_state={'w': torch.zeros(2)}, optimizer_state=None)\n"
-            "print(sorted(p.name for p in d.iterdir()), ck.resolve_resume('auto', d).name)\n")  # fmt: skip
+    code = (
+        "import sys, torch, pathlib\nfrom alignopsd.engine.checkpoint import checkpoint as ck\n"
+        "d = pathlib.Path(sys.argv[1]); (d / '.tmp-step_000001').mkdir(parents=True)\n"
+        "(d / '.tmp-step_000001' / 'model.safetensors').write_bytes(b'half')\n"
+        "ck.save_checkpoint(d, 2, model_state={'w': torch.zeros(2)}, optimizer_state=None)\n"
+        "print(sorted(p.name for p in d.iterdir()), ck.resolve_resume('auto', d).name)\n"
+    )
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", code, str(d / "checkpoints")], capture_output=True, text=True,
-                       timeout=timeout, env=ENV)  # fmt: skip
-    return {"rc": r.returncode, "s": time.perf_counter() - t0, "tb": "Traceback" in r.stderr,
-            "line": (r.stdout.strip() or r.stderr.strip().splitlines()[-1])[:160]}  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(d / "checkpoints")], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
+    return {
+        "rc": r.returncode,
+        "s": time.perf_counter() - t0,
+        "tb": "Traceback" in r.stderr,
+        "line": (r.stdout.strip() or r.stderr.strip().splitlines()[-1])[:160],
+    }
 
 
 def cases(timeout: float):
@@ -236,8 +263,10 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
         extra = f" (code ran: {res['marker']})" if "marker" in res else ""
         line = res["line"].replace("|", "\\|")
-        print(f"| {item} | {name} | {res['rc']} | {res['s']:.1f} | {'yes' if res['tb'] else 'no'} | "
-              f"{line}{extra} |", flush=True)  # fmt: skip
+        print(
+            f"| {item} | {name} | {res['rc']} | {res['s']:.1f} | {'yes' if res['tb'] else 'no'} | {line}{extra} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -475,8 +475,10 @@ def main(argv=None) -> int:
         for part in parts:
             t0 = time.perf_counter()
             n0 = len(RESULTS)
-            emit(f"\n## {part}: {name}; torch {torch.__version__}, triton {triton.__version__}, "
-                 f"transformers {transformers.__version__}")  # fmt: skip
+            emit(
+                f"\n## {part}: {name}; torch {torch.__version__}, triton {triton.__version__}, "
+                f"transformers {transformers.__version__}"
+            )
             if part == "timing":
                 emit(f"peak assumed: {peak[0]:.0f} TFLOP/s, {peak[1]:.0f} GB/s\n")
             torch.manual_seed(0)

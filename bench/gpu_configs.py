@@ -83,8 +83,10 @@ def run_configs(device: str, dry: bool, emit: Callable[[str], None], bench_ms: C
     arch = arch_of(dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     gpu = gpu_key(name, 9 if arch == 90 else 8)
-    emit(f"configurations of sm_{arch}; autotune {'on' if autotune_enabled() else 'off (default configuration)'}; "
-         f"roofline peaks of the {gpu.upper()}")  # fmt: skip
+    emit(
+        f"configurations of sm_{arch}; autotune {'on' if autotune_enabled() else 'off (default configuration)'}; "
+        f"roofline peaks of the {gpu.upper()}"
+    )
     emit("| kernel | shape | configuration | time (ms) | roofline bound (ms) | of bound |")
     emit("|---|---|---|---:|---:|---:|")
     results = []

@@ -233,9 +233,17 @@ def alignment_batch(tasks: int, rollouts: int, turns: int, dim: int, *, seed: in
 
 def alignment_ours(b: dict) -> dict:
     r = sibling_topk(
-        b["teacher"], b["student"], b["task"], b["rollout"], b["turn"], b["sv"], b["tv"],
-        gamma=GAMMA, top_k=TOP_K, profile_temperature=T_P,
-    )  # fmt: skip
+        b["teacher"],
+        b["student"],
+        b["task"],
+        b["rollout"],
+        b["turn"],
+        b["sv"],
+        b["tv"],
+        gamma=GAMMA,
+        top_k=TOP_K,
+        profile_temperature=T_P,
+    )
     d, bv = boundary_scores_blocks(r.P_BTS, r.E_BTS, r.profile_valid, r.blocks)
     tau = batch_threshold(d, bv, quantile=QUANTILE, tau_min=TAU_MIN, tau_max=TAU_MAX)
     return dict(selected=r.selected_lists(), valid=r.profile_valid, d=d, bv=bv, tau=tau)

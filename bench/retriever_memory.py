@@ -118,17 +118,31 @@ def run(
             proc.wait(timeout=30)
     lat = sorted(r[2] for r in record if r[0] == 200)
     return {
-        "clients": clients, "requests_per_client": requests, "queries": queries, "topk": topk, "docs": docs,
-        "request_bytes": len(body), "warm_up_status": warm[0][0], "statuses": dict(Counter(str(r[0]) for r in record)),
+        "clients": clients,
+        "requests_per_client": requests,
+        "queries": queries,
+        "topk": topk,
+        "docs": docs,
+        "request_bytes": len(body),
+        "warm_up_status": warm[0][0],
+        "statuses": dict(Counter(str(r[0]) for r in record)),
         "retry_after": sorted({r[3] for r in record if r[3] is not None}),
         "answer_bytes_max": max((r[1] for r in record), default=0),
         "latency_s_200": [round(lat[0], 2), round(lat[len(lat) // 2], 2), round(lat[-1], 2)] if lat else [],
-        "wall_s": round(wall, 1), "rss_before_mib": round(before["VmRSS"] / 2**20, 1),
-        "hwm_before_mib": round(before["VmHWM"] / 2**20, 1), "hwm_after_mib": round(after["VmHWM"] / 2**20, 1),
+        "wall_s": round(wall, 1),
+        "rss_before_mib": round(before["VmRSS"] / 2**20, 1),
+        "hwm_before_mib": round(before["VmHWM"] / 2**20, 1),
+        "hwm_after_mib": round(after["VmHWM"] / 2**20, 1),
         "rss_after_mib": round(after["VmRSS"] / 2**20, 1),
-        "probe": {"shape": f"{probe[0]}x{probe[1]}", "status": probed[0][0], "bytes": probed[0][1],
-                  "s": round(probed[0][2], 2)} if probe else None,
-    }  # fmt: skip
+        "probe": {
+            "shape": f"{probe[0]}x{probe[1]}",
+            "status": probed[0][0],
+            "bytes": probed[0][1],
+            "s": round(probed[0][2], 2),
+        }
+        if probe
+        else None,
+    }
 
 
 def main() -> None:

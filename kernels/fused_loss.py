@@ -50,7 +50,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from alignopsd.kernels.lse_partials import all_reduce_partials, check_lm_head_inputs, check_target_range
+from alignopsd.kernels.fused_chunk import accumulate_grads, combine_partials, exp_sums, fill_logits, logits_grad
+from alignopsd.kernels.lse_partials import check_lm_head_inputs, check_target_range
 from torch import Tensor
 
 __all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]
@@ -155,96 +156,6 @@ def _check_args(
     return inv_t
 
 
-def _fill_logits(z: Tensor, w: Tensor, hs_T: Tensor, b32: Tensor | None, vb: int) -> None:
-    """z[v, i] = w[v] . hs[:, i] (+ bias[v] / T), in vocabulary blocks of ``vb`` rows (fp32 upcast per block)."""
-    V = w.shape[0]
-    fp32_w = w.dtype == torch.float32
-    for v0 in range(0, V, vb):  # one block for fp32 weights
-        v1 = min(V, v0 + vb)
-        w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
-        if b32 is None:
-            torch.mm(w_c, hs_T, out=z[v0:v1])
-        else:
-            torch.addmm(b32[v0:v1, None], w_c, hs_T, out=z[v0:v1])
-
-
-def _exp_sums(z: Tensor, m: Tensor, blk: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
-    """s = sum_v exp(z - m) and u = sum_v exp(z - m) (z - m) per token, in vocabulary blocks of ``blk`` rows that
-    stay in cache. z becomes z - m (with entropy) or exp(z - m) (without)."""
-    V, n = z.shape
-    s = torch.zeros(n, dtype=torch.float32, device=z.device)
-    u = torch.zeros(n, dtype=torch.float32, device=z.device)
-    for b0 in range(0, V, blk):
-        zb = z[b0 : b0 + blk].sub_(m)  # z - max (this shard's max)
-        if with_entropy:
-            eb = torch.exp(zb)
-            s += eb.sum(0)
-            u += eb.mul_(zb).sum(0)
-        else:
-            s += zb.exp_().sum(0)  # z now holds e = exp(z - max)
-    return s, u
-
-
-def _accumulate_grads(
-    gz: Tensor, w: Tensor, h_c: Tensor, vb: int, dH_n: Tensor | None, dW: Tensor | None, dB: Tensor | None
-) -> None:
-    """From the chunk's logits gradient gz [V, n]: dH_n = gz.T @ W (written), dW += gz @ h, dB += gz.sum(1), in
-    vocabulary blocks of ``vb`` rows."""
-    V = w.shape[0]
-    fp32_w = w.dtype == torch.float32
-    for v0 in range(0, V, vb):
-        v1 = min(V, v0 + vb)
-        w_c = w[v0:v1] if fp32_w else w[v0:v1].float()
-        g_blk = gz[v0:v1]
-        if dH_n is not None:
-            part = g_blk.T @ w_c  # [n, H]
-            if v0 == 0:
-                dH_n.copy_(part)
-            else:
-                dH_n += part
-        if dW is not None:
-            if dW.dtype == torch.float32:
-                dW[v0:v1].addmm_(g_blk, h_c)
-            else:
-                dW[v0:v1] += (g_blk @ h_c).to(dW.dtype)
-        if dB is not None:
-            dB[v0:v1] += g_blk.sum(1).to(dB.dtype)
-
-
-def _combine(m, s, u, tz, hit, group, with_entropy: bool):
-    """(lse, c with p = exp(z - m) * c, entropy or None, target logit) of a chunk's partial statistics,
-    combined across the vocabulary shards of ``group`` when given."""
-    if group is None:
-        lse = m + torch.log(s)
-        c = 1.0 / s  # p = e * c
-        m_g, s_g, u_g, tz_g = m, s, u, tz
-    else:
-        m_g, s_g, u_g, tz_g, hits = all_reduce_partials(m, s, u, tz, hit, group)
-        if not bool((hits == 1).all()):
-            raise ValueError(
-                "targets: some ids fall in no vocabulary shard (or in several); check vocab_start and shard sizes"
-            )
-        lse = m_g + torch.log(s_g)
-        c = torch.exp(m - lse)
-    ent_c = (torch.log(s_g) - u_g / s_g).clamp_min(0.0) if with_entropy else None
-    return lse, c, ent_c, tz_g
-
-
-def _logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t: float, blk: int) -> Tensor:
-    """gz = -p (g_lp + g_ent (log p + ent)) / T in place of z (log p = (z - m) + m - lse, p = exp(z - m) * c;
-    z holds z - m with entropy, exp(z - m) without); the target term is added by the caller."""
-    V = z.shape[0]
-    if ent_c is not None:
-        shift, scale = m - lse + ent_c, -inv_t * c
-        for b0 in range(0, V, blk):
-            zb = z[b0 : b0 + blk]
-            eb = torch.exp(zb)
-            zb.add_(shift).mul_(g_ent).add_(g_lp).mul_(eb).mul_(scale)
-    else:
-        z.mul_(-inv_t * g_lp * c)
-    return z
-
-
 def _grad_buffers(N, V, H, dev, has_bias, need_hidden_grad, need_weight_grad, grad_weight, grad_bias):
     """(dH [N, H] or None, dW [V, H] or None, dB [V] or None): the caller's buffers where given, else new fp32."""
     dW = None
@@ -258,9 +169,21 @@ def _grad_buffers(N, V, H, dev, has_bias, need_hidden_grad, need_weight_grad, gr
 
 
 def _chunk_loss_and_logits_grad(
-    z: Tensor, h_c: Tensor, t_n: Tensor, w: Tensor, b32: Tensor | None, vb: int, blk: int, token_loss: TokenLoss,
-    index: Tensor, *, inv_t: float, vocab_start: int, group, with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:  # fmt: skip
+    z: Tensor,
+    h_c: Tensor,
+    t_n: Tensor,
+    w: Tensor,
+    b32: Tensor | None,
+    vb: int,
+    blk: int,
+    token_loss: TokenLoss,
+    index: Tensor,
+    *,
+    inv_t: float,
+    vocab_start: int,
+    group,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """One chunk of :func:`logprob_loss_and_grad`: its logits, log-probs, loss and logits gradient.
 
     z: [V, n] fp32 buffer, overwritten (it ends as the logits gradient gz, which is returned). h_c: [n, H] fp32
@@ -270,18 +193,18 @@ def _chunk_loss_and_logits_grad(
     n = z.shape[1]
     V = w.shape[0]
     hs_T = (h_c * inv_t if inv_t != 1.0 else h_c).T  # [H, n]
-    _fill_logits(z, w, hs_T, b32, vb)
+    fill_logits(z, w, hs_T, b32, vb)
     cols = torch.arange(n, device=z.device)
     lt = t_n - vocab_start  # local target row; outside [0, V) on other ranks' shards
     hit = (lt >= 0) & (lt < V)
     lt_in = lt.clamp(0, max(V - 1, 0))
     tz = torch.where(hit, z[lt_in, cols], 0.0)
     m = z.amax(dim=0)
-    s, u = _exp_sums(z, m, blk, with_entropy)
-    lse, c, ent_c, tz_g = _combine(m, s, u, tz, hit, group, with_entropy)
+    s, u = exp_sums(z, m, blk, with_entropy)
+    lse, c, ent_c, tz_g = combine_partials(m, s, u, tz, hit, group, with_entropy)
     lp_c = tz_g - lse
     loss_c, g_lp, g_ent = _token_grads(token_loss, lp_c, ent_c, index)
-    gz = _logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t, blk)  # plus g_lp / T at the target:
+    gz = logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t, blk)  # plus g_lp / T at the target:
     if group is None:
         gz[lt_in, cols] += g_lp * inv_t
     else:
@@ -290,10 +213,21 @@ def _chunk_loss_and_logits_grad(
 
 
 def _sweep_chunks(
-    h_NH: Tensor, t_N: Tensor, w: Tensor, bias: Tensor | None, token_loss: TokenLoss,
-    dH: Tensor | None, dW: Tensor | None, dB: Tensor | None,
-    *, inv_t: float, vocab_start: int, group, with_entropy: bool, tile_bytes: int | None,
-) -> tuple[Tensor, Tensor | None, Tensor]:  # fmt: skip
+    h_NH: Tensor,
+    t_N: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    token_loss: TokenLoss,
+    dH: Tensor | None,
+    dW: Tensor | None,
+    dB: Tensor | None,
+    *,
+    inv_t: float,
+    vocab_start: int,
+    group,
+    with_entropy: bool,
+    tile_bytes: int | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """The chunk loop of :func:`logprob_loss_and_grad`: (logp [N], entropy [N] or None, loss) of all tokens, with
     dH [N, H] written and dW [V, H] / dB [V] accumulated in place (each None when not wanted)."""
     N, H = h_NH.shape
@@ -314,14 +248,25 @@ def _sweep_chunks(
         # elementwise work in vocabulary blocks that stay in cache (one block on CUDA)
         blk = V if on_cuda else max(64, _BLOCK_BYTES // (4 * (n1 - n0)))
         loss_c, lp_c, ent_c, gz = _chunk_loss_and_logits_grad(
-            z, h_c, t_N[n0:n1], w, b32, vb, blk, token_loss, torch.arange(n0, n1, device=dev),
-            inv_t=inv_t, vocab_start=vocab_start, group=group, with_entropy=with_entropy,
-        )  # fmt: skip
+            z,
+            h_c,
+            t_N[n0:n1],
+            w,
+            b32,
+            vb,
+            blk,
+            token_loss,
+            torch.arange(n0, n1, device=dev),
+            inv_t=inv_t,
+            vocab_start=vocab_start,
+            group=group,
+            with_entropy=with_entropy,
+        )
         logp[n0:n1] = lp_c
         if with_entropy:
             ent[n0:n1] = ent_c
         loss += loss_c
-        _accumulate_grads(gz, w, h_c, vb, dH[n0:n1] if dH is not None else None, dW, dB)
+        accumulate_grads(gz, w, h_c, vb, dH[n0:n1] if dH is not None else None, dW, dB)
     return logp, ent, loss
 
 
@@ -376,9 +321,20 @@ def logprob_loss_and_grad(
         N, V, H, dev, bias is not None, need_hidden_grad, need_weight_grad, grad_weight, grad_bias
     )
     logp, ent, loss = _sweep_chunks(
-        h_NH, t_N, weight.detach(), bias, token_loss, dH, dW, dB,
-        inv_t=inv_t, vocab_start=vocab_start, group=group, with_entropy=with_entropy, tile_bytes=tile_bytes,
-    )  # fmt: skip
+        h_NH,
+        t_N,
+        weight.detach(),
+        bias,
+        token_loss,
+        dH,
+        dW,
+        dB,
+        inv_t=inv_t,
+        vocab_start=vocab_start,
+        group=group,
+        with_entropy=with_entropy,
+        tile_bytes=tile_bytes,
+    )
     if dH is not None and group is not None and reduce_grad_hidden:
         dist.all_reduce(dH, op=dist.ReduceOp.SUM, group=group)
     return FusedTokenLoss(
@@ -398,11 +354,20 @@ class _FusedLossFn(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, token_loss, inv_temperature, with_entropy, tile_bytes, tp):
         group, vocab_start, reduce_grad_hidden = tp
         r = logprob_loss_and_grad(
-            hidden, weight, targets, token_loss, bias=bias, temperature=1.0 / inv_temperature,
-            with_entropy=with_entropy, need_hidden_grad=ctx.needs_input_grad[0],
+            hidden,
+            weight,
+            targets,
+            token_loss,
+            bias=bias,
+            temperature=1.0 / inv_temperature,
+            with_entropy=with_entropy,
+            need_hidden_grad=ctx.needs_input_grad[0],
             need_weight_grad=ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2]),
-            tile_bytes=tile_bytes, group=group, vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden,
-        )  # fmt: skip
+            tile_bytes=tile_bytes,
+            group=group,
+            vocab_start=vocab_start,
+            reduce_grad_hidden=reduce_grad_hidden,
+        )
         gw = r.grad_weight if ctx.needs_input_grad[1] else None
         gb = r.grad_bias if (bias is not None and ctx.needs_input_grad[2]) else None
         ctx.save_for_backward(r.grad_hidden, gw, gb)

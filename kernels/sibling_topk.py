@@ -385,9 +385,16 @@ def sibling_topk(
         win = _select_blocks(H_b, E_b, ro, float(gamma), top_k)[0]
     else:
         H_b, E_b, P_b, valid_b, win = _blocks_torch(
-            teacher_emb, student_emb, blocks.idx_TN, src_ok, tgt_ok, ro, float(gamma), float(profile_temperature),
+            teacher_emb,
+            student_emb,
+            blocks.idx_TN,
+            src_ok,
+            tgt_ok,
+            ro,
+            float(gamma),
+            float(profile_temperature),
             top_k,
-        )  # fmt: skip
+        )
     selected, valid = _to_turns(win, valid_b, blocks, M, top_k)
     return SiblingTopK(selected, valid, blocks=blocks, H_BTS=H_b, E_BTS=E_b, P_BTS=P_b)
 

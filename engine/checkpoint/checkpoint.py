@@ -227,10 +227,13 @@ def check_finite(
     complete checkpoint, from which the run can be resumed). ``gather`` (all-gather of a Python object): every
     rank checks its own part (shards) and all raise when any part is bad."""
     bad = next(
-        (k for k, v in state_dict.items()
-         if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())),
+        (
+            k
+            for k, v in state_dict.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+        ),
         None,
-    )  # fmt: skip
+    )
     if gather is not None:
         bad = next((b for b in gather(bad) if b is not None), None)
     if bad is not None:

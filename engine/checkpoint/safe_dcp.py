@@ -79,8 +79,10 @@ def read_metadata(folder: str | os.PathLike, listed: set[str] | None = None, *, 
         ok = ok and (listed is None or rel in listed)
         ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length))
         if not ok:
-            raise UnsafeCheckpointError(f"{path}: refused (the entry of {getattr(index, 'fqn', index)!r} names "
-                                        f"{rel!r}, not a listed shard file of the folder, or a bad range)")  # fmt: skip
+            raise UnsafeCheckpointError(
+                f"{path}: refused (the entry of {getattr(index, 'fqn', index)!r} names "
+                f"{rel!r}, not a listed shard file of the folder, or a bad range)"
+            )
     return md
 
 

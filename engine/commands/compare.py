@@ -245,7 +245,7 @@ def write_outputs(plan: Plan, keys: list[str], evals: dict[tuple[str, int], dict
                 success={str(st): success_of(rec) for st, rec in sorted(evals[(r.estimator, r.seed)].items())},
             )
             for r in plan.runs
-        ],  # fmt: skip
+        ],
         **summary,
         "step_seconds": seconds,
     }

@@ -43,9 +43,13 @@ def summary(work, times: dict[str, float], *, world: int, tokens: float, total_s
     step = sum(times.values())
     align = sum(times.get(k, 0.0) for k in ALIGNMENT)
     grpo = step - align
-    return {"step": step, "grpo_step": grpo, "overhead": align / grpo if grpo > 0 else float("inf"),
-            "tokens_per_s_gpu": tokens / step / world if step > 0 else 0.0,
-            "gpu_hours": step * total_steps * world / 3600.0}  # fmt: skip
+    return {
+        "step": step,
+        "grpo_step": grpo,
+        "overhead": align / grpo if grpo > 0 else float("inf"),
+        "tokens_per_s_gpu": tokens / step / world if step > 0 else 0.0,
+        "gpu_hours": step * total_steps * world / 3600.0,
+    }
 
 
 def format_phases(work: dict[str, PhaseWork], times: dict[str, float]) -> list[str]:
@@ -59,8 +63,10 @@ def format_phases(work: dict[str, PhaseWork], times: dict[str, float]) -> list[s
             continue
         w, t = work[k], times[k]
         bound = "bytes (decode)" if w.decode_bound else "FLOPs"
-        lines.append(f"| {LABELS[k]} | {w.flops / 1e9:,.0f} | {w.bytes / 1e9:,.0f} | {w.decoded_tokens:,.0f} | "
-                     f"{bound} | {t:,.1f} | {100 * t / step:.1f}% |")  # fmt: skip
+        lines.append(
+            f"| {LABELS[k]} | {w.flops / 1e9:,.0f} | {w.bytes / 1e9:,.0f} | {w.decoded_tokens:,.0f} | "
+            f"{bound} | {t:,.1f} | {100 * t / step:.1f}% |"
+        )
     lines.append(f"| **step** | | | | | **{step:,.1f}** | 100% |")
     return lines
 
@@ -78,18 +84,27 @@ def run_plan(cfg, gpu: str, world_size: int, cf: float, bf: float) -> str:
     times = plan_times(work, lim, cf, bf)
     tokens = counts.train_rows * (counts.prompt_mean + counts.response_mean) * lay.data_parallel
     s = summary(work, times, world=world_size, tokens=tokens, total_steps=cfg.trainer.total_steps)
-    out = [f"plan: {cfg.name} on {world_size} x {lim.name} (tensor parallel {lay.tensor_parallel}, "
-           f"data parallel {lay.data_parallel}); bf16 weights and keys/values",
-           f"model: {shape.name}, {shape.params / 1e9:.2f}B weights ({shape.source})",
-           f"limits: {lim.bytes_per_s / 1e12:.2f} TB/s, {lim.peak_flops / 1e12:.0f} TFLOP/s ({lim.source}); "
-           f"compute at {cf:.0%} of peak, bandwidth at {bf:.0%}", "",
-           "one step, per data-parallel group (* alignment phases; no time for environment, encoder, weight sync):",
-           "", *format_phases(work, times), "",
-           f"GRPO step (without the alignment phases) {s['grpo_step']:,.1f} s; AlignOPSD step {s['step']:,.1f} s; "
-           f"alignment overhead {100 * s['overhead']:.1f}% ({1 + s['overhead']:.2f}x)",
-           f"training tokens/s/GPU {s['tokens_per_s_gpu']:,.0f} ({tokens:,.0f} tokens per step); "
-           f"{cfg.trainer.total_steps} steps: {s['step'] * cfg.trainer.total_steps / 3600:,.1f} h, "
-           f"{s['gpu_hours']:,.0f} GPU-hours", "", "assumptions:", *[f"- {n}" for n in notes], ""]  # fmt: skip
+    out = [
+        f"plan: {cfg.name} on {world_size} x {lim.name} (tensor parallel {lay.tensor_parallel}, "
+        f"data parallel {lay.data_parallel}); bf16 weights and keys/values",
+        f"model: {shape.name}, {shape.params / 1e9:.2f}B weights ({shape.source})",
+        f"limits: {lim.bytes_per_s / 1e12:.2f} TB/s, {lim.peak_flops / 1e12:.0f} TFLOP/s ({lim.source}); "
+        f"compute at {cf:.0%} of peak, bandwidth at {bf:.0%}",
+        "",
+        "one step, per data-parallel group (* alignment phases; no time for environment, encoder, weight sync):",
+        "",
+        *format_phases(work, times),
+        "",
+        f"GRPO step (without the alignment phases) {s['grpo_step']:,.1f} s; AlignOPSD step {s['step']:,.1f} s; "
+        f"alignment overhead {100 * s['overhead']:.1f}% ({1 + s['overhead']:.2f}x)",
+        f"training tokens/s/GPU {s['tokens_per_s_gpu']:,.0f} ({tokens:,.0f} tokens per step); "
+        f"{cfg.trainer.total_steps} steps: {s['step'] * cfg.trainer.total_steps / 3600:,.1f} h, "
+        f"{s['gpu_hours']:,.0f} GPU-hours",
+        "",
+        "assumptions:",
+        *[f"- {n}" for n in notes],
+        "",
+    ]
     ref = NEMO_RL_REFERENCE
     rshape = resolve_shape(ref.model)
     rlim = gpu_limits(ref.gpu)
@@ -97,14 +112,21 @@ def run_plan(cfg, gpu: str, world_size: int, cf: float, bf: float) -> str:
     rtimes = plan_times(rwork, rlim, cf, bf)
     rtok = ref.counts.train_rows * (ref.counts.prompt_mean + ref.counts.response_mean) * ref.world_size
     rs = summary(rwork, rtimes, world=ref.world_size, tokens=rtok, total_steps=1)
-    out += [f"reference: {ref.label}, {rshape.name} on {ref.world_size} x {rlim.name}, evaluated by the same model "
-            "at the same fractions:", "", *format_phases(rwork, rtimes), "",
-            "| | step s | tokens/s/GPU |", "|---|---:|---:|",
-            f"| published | {ref.step_seconds:.1f} | {ref.tokens_per_s_gpu:,.0f} |",
-            f"| this model | {rs['step']:.1f} | {rs['tokens_per_s_gpu']:,.0f} |",
-            f"| published / model | {ref.step_seconds / rs['step']:.2f} | "
-            f"{ref.tokens_per_s_gpu / rs['tokens_per_s_gpu']:.2f} |",
-            "", *[f"- {n}" for n in ref.notes]]  # fmt: skip
+    out += [
+        f"reference: {ref.label}, {rshape.name} on {ref.world_size} x {rlim.name}, evaluated by the same model "
+        "at the same fractions:",
+        "",
+        *format_phases(rwork, rtimes),
+        "",
+        "| | step s | tokens/s/GPU |",
+        "|---|---:|---:|",
+        f"| published | {ref.step_seconds:.1f} | {ref.tokens_per_s_gpu:,.0f} |",
+        f"| this model | {rs['step']:.1f} | {rs['tokens_per_s_gpu']:,.0f} |",
+        f"| published / model | {ref.step_seconds / rs['step']:.2f} | "
+        f"{ref.tokens_per_s_gpu / rs['tokens_per_s_gpu']:.2f} |",
+        "",
+        *[f"- {n}" for n in ref.notes],
+    ]
     return "\n".join(out)
 
 

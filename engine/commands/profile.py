@@ -94,32 +94,45 @@ def profile_run(
     return summarize(hist, secs, skip=min(warmup, len(hist) - 1), counts=counts, syncs=syncs or None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="alignopsd profile", description="Per-phase cost of a training step.")
     add_run_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="steps to run and average (default 3)")
     ap.add_argument("--warmup", type=int, default=0, help="leading steps left out of the average")
-    ap.add_argument("--estimators", default=None,
-                    help="comma-separated estimators to profile one after the other (e.g. grpo,alignopsd)")  # fmt: skip
+    ap.add_argument(
+        "--estimators",
+        default=None,
+        help="comma-separated estimators to profile one after the other (e.g. grpo,alignopsd)",
+    )
     ap.add_argument("--json", default=None, help="write the summary JSON here (one estimator: the card's schema)")
     ap.add_argument("--trace-dir", default=None, help="torch.profiler traces go here (default <run dir>/profile)")
-    ap.add_argument("--cost", action="store_true",
-                    help="then per-phase work, efficiency against this device's limits, prediction")  # fmt: skip
+    ap.add_argument(
+        "--cost", action="store_true", help="then per-phase work, efficiency against this device's limits, prediction"
+    )
     ap.add_argument("--cost-out", default=None, help="with --cost: also write the tables (markdown) here")
-    ap.add_argument("--no-trace", action="store_true",
-                    help="no torch.profiler step (else the traced last step is left out)")  # fmt: skip
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--no-trace", action="store_true", help="no torch.profiler step (else the traced last step is left out)"
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     load0 = os.getloadavg()  # for --cost-out: the load when the run started and when it ended
     if args.warmup >= args.steps - (0 if args.no_trace or args.steps < 2 else 1):
-        print(f"--warmup: {args.warmup} leaves no measured step of --steps {args.steps}"
-              f"{'' if args.no_trace else ' (the last, traced, step is left out; see --no-trace)'}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"--warmup: {args.warmup} leaves no measured step of --steps {args.steps}"
+            f"{'' if args.no_trace else ' (the last, traced, step is left out; see --no-trace)'}",
+            file=sys.stderr,
+        )
         return 2
     names = [e.strip() for e in args.estimators.split(",")] if args.estimators else [None]
     try:  # every phase is measured: steps without learnable signal are not skipped here
         extra = ["trainer.skip_no_signal=false"]
-        cfgs = [load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
-                for n in names]  # fmt: skip
+        cfgs = [
+            load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
+            for n in names
+        ]
         for cfg in cfgs:
             preflight(cfg)
         device = pick_device(cfgs[0], int(os.environ.get("LOCAL_RANK", "0")))

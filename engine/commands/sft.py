@@ -200,8 +200,13 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
             if t.key not in seen:
                 seen.add(t.key)
                 tasks.append(t)
-        turns = expert_turns(manager, tasks[:n_games] if n_games else tasks, seed=cfg.trainer.seed,
-                             detours=SEARCH_DETOURS, max_turns=limit)  # fmt: skip
+        turns = expert_turns(
+            manager,
+            tasks[:n_games] if n_games else tasks,
+            seed=cfg.trainer.seed,
+            detours=SEARCH_DETOURS,
+            max_turns=limit,
+        )
     finally:
         manager.close()
     return turns, [encode_turn(tokenizer, t, cfg.env.max_prompt_length) for t in turns]
@@ -224,12 +229,25 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     compute = parse_dtype(cfg.model.dtype)
     torch.manual_seed(cfg.trainer.seed)
     losses = sft_train(
-        model, examples, pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id), steps=steps, lr=lr,
-        batch_size=batch_size, seed=cfg.trainer.seed, compute_dtype=None if compute == torch.float32 else compute,
+        model,
+        examples,
+        pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id),
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seed=cfg.trainer.seed,
+        compute_dtype=None if compute == torch.float32 else compute,
         stream=stream,
-    )  # fmt: skip
-    meta = {"steps": steps, "lr": lr, "batch_size": batch_size, "examples": len(examples), "loss_first": losses[0],
-            "loss_last": losses[-1], "seconds": time.perf_counter() - t0}  # fmt: skip
+    )
+    meta = {
+        "steps": steps,
+        "lr": lr,
+        "batch_size": batch_size,
+        "examples": len(examples),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "seconds": time.perf_counter() - t0,
+    }
     return save_warm_start(model, tokenizer, out_dir, base=cfg.model.name, meta=meta)
 
 
@@ -253,8 +271,16 @@ def easy_games_root(cfg) -> Path:
         if done.exists():
             continue
         print(f"[games] generating {n} easy {split} games under {root}", flush=True)
-        generate_games(n, root, seed=seed, split=split, task_types=("pick_and_place_simple",),
-                       max_steps=EASY_MAX_WALKTHROUGH, max_tries_per_game=40, small=True)  # fmt: skip
+        generate_games(
+            n,
+            root,
+            seed=seed,
+            split=split,
+            task_types=("pick_and_place_simple",),
+            max_steps=EASY_MAX_WALKTHROUGH,
+            max_tries_per_game=40,
+            small=True,
+        )
         done.write_text(str(n))
     return root
 
@@ -267,8 +293,12 @@ def _heldout(cfg, checkpoint: str | None, label: str, times: dict, stream) -> di
     res = evaluate(cfg, checkpoint)
     times[f"eval {label}"] = time.perf_counter() - t0
     m = res["metrics"]
-    row = {"success": m.get("episode/success_rate"), "valid": m.get("episode/valid_action_rate"),
-           "turns": m.get("episode/turns_mean"), "episodes": res["episodes"]}  # fmt: skip
+    row = {
+        "success": m.get("episode/success_rate"),
+        "valid": m.get("episode/valid_action_rate"),
+        "turns": m.get("episode/turns_mean"),
+        "episodes": res["episodes"],
+    }
     print(f"[quickstart] {label}: {row}", file=stream, flush=True)
     return row
 

@@ -131,12 +131,16 @@ def step_work(
     ]
     if c.teacher_rows > 0:
         tr = c.teacher_tokens / c.teacher_rows
-        out["teacher_generation"] = PhaseWork("teacher_generation", [
-            _forward(shape, "prefill", c.teacher_prefill, c.teacher_prompt_mean / 2, c.teacher_rows, 1.0),
-            _decode(shape, c.teacher_tokens, c.teacher_rows, c.teacher_prompt_mean + tr / 2, dtype_bytes, kv_bytes),
-        ])  # fmt: skip
+        out["teacher_generation"] = PhaseWork(
+            "teacher_generation",
+            [
+                _forward(shape, "prefill", c.teacher_prefill, c.teacher_prompt_mean / 2, c.teacher_rows, 1.0),
+                _decode(shape, c.teacher_tokens, c.teacher_rows, c.teacher_prompt_mean + tr / 2, dtype_bytes, kv_bytes),
+            ],
+        )
     if c.forcing_rows > 0:
-        out["teacher_forcing"] = PhaseWork("teacher_forcing", [
-            _forward(shape, "forward", c.forcing_positions, c.forcing_context, c.forcing_rows * r, tp)
-        ])  # fmt: skip
+        out["teacher_forcing"] = PhaseWork(
+            "teacher_forcing",
+            [_forward(shape, "forward", c.forcing_positions, c.forcing_context, c.forcing_rows * r, tp)],
+        )
     return out

@@ -133,10 +133,13 @@ def calibrate(
         s = _best(lambda: buf.sum(), dev, min_time, max_reps)  # native accumulation: no conversion pass
         probes["read"] = s
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
-    where = (f"measured: best of the GEMMs [M, {hidden}] x [{hidden}, {intermediate}] and its transpose, "
-             f"read of {bandwidth_bytes >> 20} MiB")  # fmt: skip
-    return DeviceLimits(name, flops, buf.numel() * esize / s, where, torch.get_num_threads(),
-                        str(dtype).removeprefix("torch."), probes)  # fmt: skip
+    where = (
+        f"measured: best of the GEMMs [M, {hidden}] x [{hidden}, {intermediate}] and its transpose, "
+        f"read of {bandwidth_bytes >> 20} MiB"
+    )
+    return DeviceLimits(
+        name, flops, buf.numel() * esize / s, where, torch.get_num_threads(), str(dtype).removeprefix("torch."), probes
+    )
 
 
 def part_seconds(p: Part, lim: DeviceLimits, compute_fraction: float = 1.0, bandwidth_fraction: float = 1.0) -> float:

@@ -31,8 +31,16 @@ PREDICTION_BAND = 0.3  # predicted within +-30 % of measured ...
 PREDICTION_SHARE = 0.05  # ... for every phase over 5 % of the step
 
 
-def counts_from_summary(counts: dict, *, group_n: int, tasks_per_step: int, world_size: int = 1,
-                        mini_batch: int, reference: bool, recompute: bool) -> StepCounts:  # fmt: skip
+def counts_from_summary(
+    counts: dict,
+    *,
+    group_n: int,
+    tasks_per_step: int,
+    world_size: int = 1,
+    mini_batch: int,
+    reference: bool,
+    recompute: bool,
+) -> StepCounts:
     """The step's :class:`StepCounts` from a profile summary's ``counts`` (means per step, one rank)."""
     need = ("batch/rows", "batch/turns", "rollout/prompt_length_mean", "rollout/response_length_mean")
     missing = [k for k in need if k not in counts]
@@ -71,9 +79,18 @@ def efficiency_rows(summary: dict, work: dict[str, PhaseWork], lim: DeviceLimits
     for k, w in work.items():
         secs = float(summary["phases"].get(k, 0.0))
         floor = phase_seconds(w, lim)
-        rows.append({"phase": k, "seconds": secs, "flops": w.flops, "bytes": w.bytes, "decoded": w.decoded_tokens,
-                     "decode_bound": w.decode_bound, "floor": floor,
-                     "efficiency": floor / secs if secs > 0 else 0.0})  # fmt: skip
+        rows.append(
+            {
+                "phase": k,
+                "seconds": secs,
+                "flops": w.flops,
+                "bytes": w.bytes,
+                "decoded": w.decoded_tokens,
+                "decode_bound": w.decode_bound,
+                "floor": floor,
+                "efficiency": floor / secs if secs > 0 else 0.0,
+            }
+        )
     return rows
 
 
@@ -86,17 +103,22 @@ def format_efficiency(summary: dict, work: dict[str, PhaseWork], lim: DeviceLimi
     checks (see the module doc)."""
     rows = efficiency_rows(summary, work, lim)
     step = summary["step_seconds"]
-    out = [f"**{title}: work and efficiency**", "",
-           "| phase | s/step | GFLOP | GB read | decoded tokens | GFLOP/s | GB/s | floor s | of the limit |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        f"**{title}: work and efficiency**",
+        "",
+        "| phase | s/step | GFLOP | GB read | decoded tokens | GFLOP/s | GB/s | floor s | of the limit |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         s = r["seconds"]
         rate = f"{r['flops'] / s / 1e9:,.1f}" if s > 0 else "–"
         bw = f"{r['bytes'] / s / 1e9:,.2f}" if s > 0 and r["bytes"] else "–"
         mark = " (decode-bound)" if r["decode_bound"] else ""
-        out.append(f"| {LABELS[r['phase']]}{mark} | {s:.3f} | {_g(r['flops'])} | {_g(r['bytes'])} | "
-                   f"{r['decoded']:,.0f} | {rate} | {bw} | {r['floor']:.3f} | "
-                   f"{100 * r['efficiency']:.1f}% |")  # fmt: skip
+        out.append(
+            f"| {LABELS[r['phase']]}{mark} | {s:.3f} | {_g(r['flops'])} | {_g(r['bytes'])} | "
+            f"{r['decoded']:,.0f} | {rate} | {bw} | {r['floor']:.3f} | "
+            f"{100 * r['efficiency']:.1f}% |"
+        )
     out += ["", f"limits: {lim.describe()}"]
     by = {r["phase"]: r for r in rows}
     align_floor = sum(by[k]["floor"] for k in ALIGNMENT_WORK if k in by)
@@ -109,14 +131,19 @@ def format_efficiency(summary: dict, work: dict[str, PhaseWork], lim: DeviceLimi
             f"floor {100 * align_floor / rest_floor:.1f}% (their floor {align_floor:.3f} s over the modelled rest's "
             f"{rest_floor:.3f} s; environment, encoder and bookkeeping have no floor)"
         )
-        out += ["", "| alignment phase | efficiency | GRPO phase it resembles | efficiency | ratio | goal >= 80% |",
-                "|---|---:|---|---:|---:|---|"]  # fmt: skip
+        out += [
+            "",
+            "| alignment phase | efficiency | GRPO phase it resembles | efficiency | ratio | goal >= 80% |",
+            "|---|---:|---|---:|---:|---|",
+        ]
         for a, g in RESEMBLES.items():
             if a in by and g in by and by[g]["efficiency"] > 0:
                 ratio = by[a]["efficiency"] / by[g]["efficiency"]
-                out.append(f"| {LABELS[a]} | {100 * by[a]['efficiency']:.1f}% | {LABELS[g]} | "
-                           f"{100 * by[g]['efficiency']:.1f}% | {ratio:.2f} | "
-                           f"{'met' if ratio >= EFFICIENCY_GOAL else 'not met'} |")  # fmt: skip
+                out.append(
+                    f"| {LABELS[a]} | {100 * by[a]['efficiency']:.1f}% | {LABELS[g]} | "
+                    f"{100 * by[g]['efficiency']:.1f}% | {ratio:.2f} | "
+                    f"{'met' if ratio >= EFFICIENCY_GOAL else 'not met'} |"
+                )
     out += ["", format_prediction(summary, rows)]
     return "\n".join(out)
 
@@ -124,8 +151,10 @@ def format_efficiency(summary: dict, work: dict[str, PhaseWork], lim: DeviceLimi
 def format_prediction(summary: dict, rows: list[dict]) -> str:
     """Predicted (the floor at the calibrated limits) against measured seconds, per phase with model work."""
     step = summary["step_seconds"]
-    out = ["| phase | measured s | share | predicted s | predicted / measured | within +-30% |",
-           "|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    out = [
+        "| phase | measured s | share | predicted s | predicted / measured | within +-30% |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         s = r["seconds"]
         share = s / step if step > 0 else 0.0
@@ -140,14 +169,27 @@ def format_prediction(summary: dict, rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def profile_cost(summary: dict, cfg, shape: ModelShape, lim: DeviceLimits, *, dtype_bytes: float,
-                 kv_bytes: float, world_size: int = 1, title: str = "") -> str:  # fmt: skip
+def profile_cost(
+    summary: dict,
+    cfg,
+    shape: ModelShape,
+    lim: DeviceLimits,
+    *,
+    dtype_bytes: float,
+    kv_bytes: float,
+    world_size: int = 1,
+    title: str = "",
+) -> str:
     """The efficiency section of one profiled estimator (``summary`` from engine/run/profiler.summarize)."""
     c = counts_from_summary(
-        summary.get("counts", {}), group_n=cfg.env.group_n, tasks_per_step=cfg.env.tasks_per_step,
-        world_size=world_size, mini_batch=cfg.trainer.ppo_mini_batch_size,
-        reference=summary["phases"].get("reference", 0.0) > 0, recompute=bool(cfg.policy.gradient_checkpointing),
-    )  # fmt: skip
+        summary.get("counts", {}),
+        group_n=cfg.env.group_n,
+        tasks_per_step=cfg.env.tasks_per_step,
+        world_size=world_size,
+        mini_batch=cfg.trainer.ppo_mini_batch_size,
+        reference=summary["phases"].get("reference", 0.0) > 0,
+        recompute=bool(cfg.policy.gradient_checkpointing),
+    )
     work = step_work(shape, c, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)
     return format_efficiency(summary, work, lim, title or cfg.name)
 
@@ -181,10 +223,16 @@ def cost_report(summaries: dict[str, dict], cfg, device, *, world_size: int = 1)
     on_cpu = getattr(device, "type", str(device)) == "cpu"
     kv = 4 if on_cpu and cfg.generation.backend == "hf" else esize  # the CPU decoding cache keeps fp32 keys/values
     lim, notes = device_limits_for(cfg, shape, device)
-    head = [f"model: {shape.name}, {shape.params / 1e6:,.0f}M weights ({shape.source}); weights {esize} bytes, "
-            f"keys/values {kv} bytes per element"] + notes  # fmt: skip
-    parts = [profile_cost(s, cfg, shape, lim, dtype_bytes=esize, kv_bytes=kv, world_size=world_size,
-                          title=f"{cfg.name}: {est}") for est, s in summaries.items()]  # fmt: skip
+    head = [
+        f"model: {shape.name}, {shape.params / 1e6:,.0f}M weights ({shape.source}); weights {esize} bytes, "
+        f"keys/values {kv} bytes per element"
+    ] + notes
+    parts = [
+        profile_cost(
+            s, cfg, shape, lim, dtype_bytes=esize, kv_bytes=kv, world_size=world_size, title=f"{cfg.name}: {est}"
+        )
+        for est, s in summaries.items()
+    ]
     return "\n\n".join(["\n".join(head), *parts])
 
 
@@ -200,15 +248,21 @@ def provenance(argv: list[str] | None, load_start: tuple[float, float, float]) -
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"  # fmt: skip
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = ", ".join(f"{x:.2f}" for x in load_start)
     end = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return "\n".join([
-        f"command: `alignopsd profile {' '.join(args)}`",
-        f"commit {commit}; {now}; CPU {cpu_name()} ({os.cpu_count()} logical CPUs), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; load average (1, 5, 15 min) {load} at the start, {end} at the end",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"command: `alignopsd profile {' '.join(args)}`",
+            f"commit {commit}; {now}; CPU {cpu_name()} ({os.cpu_count()} logical CPUs), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads; load average (1, 5, 15 min) {load} at the start, {end} at the end",
+        ]
+    )

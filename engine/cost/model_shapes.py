@@ -107,8 +107,13 @@ def known_key(name: str) -> str | None:
 
 def shape_from_hf_config(cfg: dict, name: str, source: str) -> ModelShape:
     """A :class:`ModelShape` from a Hugging Face ``config.json`` mapping (ValueError naming a missing key)."""
-    keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-            "intermediate": "intermediate_size", "vocab": "vocab_size"}  # fmt: skip
+    keys = {
+        "hidden": "hidden_size",
+        "layers": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "intermediate": "intermediate_size",
+        "vocab": "vocab_size",
+    }
     missing = [v for v in keys.values() if v not in cfg]
     if missing:
         raise ValueError(f"model {name!r}: its config ({source}) has no {', '.join(missing)}")

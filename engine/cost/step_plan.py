@@ -48,13 +48,17 @@ def layout(cfg, world_size: int) -> Layout:
     value and what is allowed)."""
     tp = int(cfg.policy.tensor_parallel_size)
     if world_size < 1 or world_size % tp:
-        raise ValueError(f"--world-size: {world_size} does not divide into policy.tensor_parallel_size {tp}; "
-                         f"allowed: a positive multiple of {tp}")  # fmt: skip
+        raise ValueError(
+            f"--world-size: {world_size} does not divide into policy.tensor_parallel_size {tp}; "
+            f"allowed: a positive multiple of {tp}"
+        )
     dp = world_size // tp
     if cfg.env.tasks_per_step % dp:
-        raise ValueError(f"--world-size: {world_size} gives {dp} data-parallel groups, which do not divide "
-                         f"env.tasks_per_step {cfg.env.tasks_per_step}; allowed: world sizes {tp} x a divisor "
-                         "of it")  # fmt: skip
+        raise ValueError(
+            f"--world-size: {world_size} gives {dp} data-parallel groups, which do not divide "
+            f"env.tasks_per_step {cfg.env.tasks_per_step}; allowed: world sizes {tp} x a divisor "
+            "of it"
+        )
     return Layout(world_size, tp, dp)
 
 
@@ -76,14 +80,23 @@ def plan_counts(cfg, lay: Layout, means: dict | None = None) -> tuple[StepCounts
     ctx = (prompt_pos * tp_len / 2 + resp_pos * (tp_len + r / 2)) / max(prompt_pos + resp_pos, 1.0)
     reference = float(cfg.algorithm.kl_coef) != 0.0
     c = StepCounts(
-        rows=rows, rows_per_call=episodes, prompt_mean=p, response_mean=r,
-        rollout_prefill=rows * p * q["rollout_prefill_fraction"], train_rows=rows,
-        teacher_rows=rows, teacher_prompt_mean=tp_len, teacher_prefill=rows * tp_len * q["teacher_prefill_fraction"],
-        teacher_tokens=rows * t_resp, forcing_rows=forcing_rows, forcing_positions=prompt_pos + resp_pos,
-        forcing_context=ctx, reference=reference,
+        rows=rows,
+        rows_per_call=episodes,
+        prompt_mean=p,
+        response_mean=r,
+        rollout_prefill=rows * p * q["rollout_prefill_fraction"],
+        train_rows=rows,
+        teacher_rows=rows,
+        teacher_prompt_mean=tp_len,
+        teacher_prefill=rows * tp_len * q["teacher_prefill_fraction"],
+        teacher_tokens=rows * t_resp,
+        forcing_rows=forcing_rows,
+        forcing_positions=prompt_pos + resp_pos,
+        forcing_context=ctx,
+        reference=reference,
         optimizer_steps=math.ceil(rows * lay.data_parallel / cfg.trainer.ppo_mini_batch_size),
         recompute=bool(cfg.policy.gradient_checkpointing),
-    )  # fmt: skip
+    )
     f = q
     notes = [
         f"per data-parallel group ({lay.data_parallel} groups of {lay.tensor_parallel} devices): {episodes:g} episodes "
@@ -98,15 +111,18 @@ def plan_counts(cfg, lay: Layout, means: dict | None = None) -> tuple[StepCounts
         f"prefill after prefix sharing: rollout {f['rollout_prefill_fraction']:.2f}, teacher "
         f"{f['teacher_prefill_fraction']:.2f} of the unshared positions; cross rows per turn "
         f"{f['cross_rows_per_turn']:g}",
-        ("teacher forcing reads the teacher generation's prompt keys/values (generation.backend hf)" if cached else
-         f"teacher forcing scores the {f['distinct_teacher_prompts']:.2f} distinct teacher prompts per turn again "
-         f"(generation.backend {g.backend}: the prompts' keys/values are not kept), then the responses"),
+        (
+            "teacher forcing reads the teacher generation's prompt keys/values (generation.backend hf)"
+            if cached
+            else f"teacher forcing scores the {f['distinct_teacher_prompts']:.2f} distinct teacher prompts per turn "
+            f"again (generation.backend {g.backend}: the prompts' keys/values are not kept), then the responses"
+        ),
         f"reference pass: {'yes' if reference else 'no'} (algorithm.kl_coef {cfg.algorithm.kl_coef}); "
         f"{c.optimizer_steps} optimizer steps (rows / trainer.ppo_mini_batch_size); gradient checkpointing "
         f"{'on (forward recomputed)' if c.recompute else 'off'}",
         "generation runs on one device per tensor-parallel group (it samples once and shares the batch); scoring "
         "and the update are split over the group",
-    ]  # fmt: skip
+    ]
     return c, notes
 
 
@@ -129,9 +145,17 @@ def _nemo_reference() -> Reference:
     seq = tps * gpus * step / samples  # mean tokens per sample implied by the published throughput
     p = 150.0  # assumed: OpenMathInstruct-2 problems in the chat template
     rows = samples / gpus
-    c = StepCounts(rows=rows, rows_per_call=rows, prompt_mean=p, response_mean=seq - p,
-                   rollout_prefill=prompts / gpus * p, train_rows=rows, reference=True,
-                   optimizer_steps=samples / 512, recompute=False)  # fmt: skip
+    c = StepCounts(
+        rows=rows,
+        rows_per_call=rows,
+        prompt_mean=p,
+        response_mean=seq - p,
+        rollout_prefill=prompts / gpus * p,
+        train_rows=rows,
+        reference=True,
+        optimizer_steps=samples / 512,
+        recompute=False,
+    )
     notes = (
         "NeMo-RL performance summary (docs.nvidia.com/nemo/rl, About > Performance), GRPO on OpenMathInstruct-2, "
         "Llama-3.1-8B, on-policy, 16 x H100, BF16: 1,581 tokens/s/GPU, 92.8 s/step; the setting (2,048 samples, "
@@ -141,7 +165,7 @@ def _nemo_reference() -> Reference:
         "training tokens / step time / GPUs)",
         f"assumed: prompt {p:.0f} tokens (so response {seq - p:,.0f}), the 32 samples of a prompt share its prefill, "
         "a reference pass (KL), no gradient checkpointing; each GPU generates its 128 rows together",
-    )  # fmt: skip
+    )
     return Reference("NeMo-RL GRPO (published)", "llama-3.1-8b", "h100", gpus, step, tps, c, notes)
 
 

@@ -133,10 +133,20 @@ class EnvManager:
         self._host: EnvHost | None = None
         self.episodes: list[_Episode] = []
         self._metrics: dict[str, float] = dict(
-            episodes=0, failed_episodes=0, env_errors=0, timeouts=0, timeout_waves=0, worker_deaths=0,
-            worker_restarts=0, redispatched_ops=0, rebuilt_episodes=0, nonfinite_rewards=0, steps=0,
-            invalid_actions=0, env_time_s=0.0,
-        )  # fmt: skip
+            episodes=0,
+            failed_episodes=0,
+            env_errors=0,
+            timeouts=0,
+            timeout_waves=0,
+            worker_deaths=0,
+            worker_restarts=0,
+            redispatched_ops=0,
+            rebuilt_episodes=0,
+            nonfinite_rewards=0,
+            steps=0,
+            invalid_actions=0,
+            env_time_s=0.0,
+        )
         if num_workers == 0:
             self._host = EnvHost(self.entry.factory, env_kwargs)
         else:
@@ -257,7 +267,7 @@ class EnvManager:
                 reward=ep.reward_sum,
                 steps=len(ep.history),
                 task_score=ep.info.get("task_score"),
-            )  # fmt: skip
+            )
             for ep in self.episodes
         ]
 

@@ -77,7 +77,7 @@ class TeacherOutput:
             "m1/teacher_at_budget_fraction": weighted_mean(self.at_budget_fraction, n),
             "m1/teacher_early_stop_fraction": weighted_mean(
                 float(self.stopped_at_tag.float().mean()) if stops else 0.0, stops
-            ),  # fmt: skip
+            ),
             "m1/teacher_thinking_valid_fraction": weighted_mean(
                 float(self.thinking_valid.float().mean()) if valid else 0.0, valid
             ),

@@ -381,9 +381,15 @@ def tiny_encoder_config(vocab_size: int):
     from transformers import BertConfig
 
     return BertConfig(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=512, pad_token_id=2, initializer_range=0.2,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        pad_token_id=2,
+        initializer_range=0.2,
+    )
 
 
 def ensure_self_contained(name: str, seed: int = TINY_SEED) -> Path:

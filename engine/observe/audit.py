@@ -232,5 +232,10 @@ class Auditor:
 def header_of(cfg) -> dict:
     """Step-level constants of the run for the ``step`` header."""
     a = cfg.algorithm
-    return {"estimator": str(a.estimator), "gamma": float(a.rectify.gamma), "top_k": int(a.rectify.top_k),
-            "alpha_max": float(a.effective_alpha_max), "ablation": str(a.ablation)}  # fmt: skip
+    return {
+        "estimator": str(a.estimator),
+        "gamma": float(a.rectify.gamma),
+        "top_k": int(a.rectify.top_k),
+        "alpha_max": float(a.effective_alpha_max),
+        "ablation": str(a.ablation),
+    }

@@ -168,8 +168,12 @@ def heldout_table(rows: dict[str, dict], times: dict[str, float] | None = None) 
 
     ``rows``: stage label -> {"success", "valid", "turns", "episodes"} (None where unknown).
     """
-    lines = ["## Held-out success by stage", "", "| stage | episodes | success | valid-action rate | turns / episode |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "## Held-out success by stage",
+        "",
+        "| stage | episodes | success | valid-action rate | turns / episode |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for label, r in rows.items():
         lines.append(
             f"| {label} | {r.get('episodes', 0)} | {_fmt(r.get('success'))} | {_fmt(r.get('valid'))} | "

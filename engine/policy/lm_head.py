@@ -106,9 +106,16 @@ def fused_head_loss(
         return loss_fn(lp_BL, ent_BL)
 
     loss, lp_N, ent_N = fused_token_loss(
-        hidden_ND, weight_VD, targets_N, token_loss, bias=bias_V, temperature=temperature,
-        with_entropy=with_entropy, group=group, vocab_start=vocab_start,
-    )  # fmt: skip
+        hidden_ND,
+        weight_VD,
+        targets_N,
+        token_loss,
+        bias=bias_V,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        group=group,
+        vocab_start=vocab_start,
+    )
     return lp_N, ent_N, loss - loss.detach()
 
 

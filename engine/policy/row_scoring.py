@@ -267,8 +267,9 @@ def _prompt_groups(used: list[int], prompt_mask_SP: Tensor, prefix_budget: int) 
     return groups
 
 
-def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, *, with_entropy,
-                 max_tokens) -> None:  # fmt: skip
+def _score_group(
+    head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, *, with_entropy, max_tokens
+) -> None:
     """One prompt forward of group ``grp`` (cache kept), then its rows ``rows_g`` attached to that cache; writes
     the rows' log-probs (and entropies) into ``out`` / ``ent``."""
     body, head_fn = head
@@ -322,9 +323,20 @@ def _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, en
     del cache, res
 
 
-def backend_row_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row_prompt: Tensor, resp_ids: Tensor,
-                         resp_mask: Tensor, with_entropy: bool, stats: dict | None = None, *, temperature: float,
-                         device: torch.device, max_tokens: int = 16384) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def backend_row_logprobs(
+    policy,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    row_prompt: Tensor,
+    resp_ids: Tensor,
+    resp_mask: Tensor,
+    with_entropy: bool,
+    stats: dict | None = None,
+    *,
+    temperature: float,
+    device: torch.device,
+    max_tokens: int = 16384,
+) -> tuple[Tensor, Tensor | None]:
     """([R, L] log-probs, [R, L] entropy or None) of rows ``[prompt_ids[row_prompt] | resp_ids]`` scored by the policy
     backend itself, no grad, in row chunks of at most ``max_tokens`` token positions (the ``plain`` ``scorer`` of a
     :class:`~alignopsd.engine.step.rescoring.Rescorer`). Every tensor-parallel rank calls it with the same rows.
@@ -346,15 +358,25 @@ def backend_row_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row_pr
         ids = torch.cat([p_ids[idx], r_ids[s : s + per]], dim=1)
         attn = torch.cat([p_mask[idx], r_mask[s : s + per]], dim=1)
         lp, en = policy.response_logprobs(
-            devices.to_device(ids, device), devices.to_device(attn, device), length,
-            temperature=temperature, with_entropy=with_entropy, grad=False,
-        )  # fmt: skip
+            devices.to_device(ids, device),
+            devices.to_device(attn, device),
+            length,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            grad=False,
+        )
         lps.append(lp.float().cpu())
         if with_entropy:
             ents.append(en.float().cpu())
         n = int(idx.numel())  # the forward pushes every column but the last
-        _add(stats, prompt_tokens=n * int(prompt_ids.shape[1]), response_tokens=n * (length - 1),
-             token_forwards=n * (width - 1), forwards=1, attention_scores=n * (width - 1) ** 2)  # fmt: skip
+        _add(
+            stats,
+            prompt_tokens=n * int(prompt_ids.shape[1]),
+            response_tokens=n * (length - 1),
+            token_forwards=n * (width - 1),
+            forwards=1,
+            attention_scores=n * (width - 1) ** 2,
+        )
     stats["rows"] += rows
     lp = torch.cat(lps) if lps else torch.zeros(0, length)
     ent = (torch.cat(ents) if ents else torch.zeros(0, length)) if with_entropy else None
@@ -362,10 +384,21 @@ def backend_row_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row_pr
     return lp.to(out_dev) * resp_mask.float(), (ent.to(out_dev) * resp_mask.float() if ent is not None else None)
 
 
-def backend_prefix_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row_prompt: Tensor, resp_ids: Tensor,
-                            resp_mask: Tensor, with_entropy: bool, stats: dict | None = None, *, temperature: float,
-                            max_tokens: int = 16384, dedupe: bool = True,
-                            max_pack_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def backend_prefix_logprobs(
+    policy,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    row_prompt: Tensor,
+    resp_ids: Tensor,
+    resp_mask: Tensor,
+    with_entropy: bool,
+    stats: dict | None = None,
+    *,
+    temperature: float,
+    max_tokens: int = 16384,
+    dedupe: bool = True,
+    max_pack_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """:func:`backend_row_logprobs` with shared prefixes (the ``shared_prefix`` ``scorer`` of a ``Rescorer`` whose
     policy scores packed rows itself, a Megatron shard: ``policy.prefix_logprobs``): identical prompts are merged
     (``dedupe``, as in :func:`score_shared_prefix`) and each prompt's rows are scored in packed sequences behind one
@@ -378,9 +411,16 @@ def backend_prefix_logprobs(policy, prompt_ids: Tensor, prompt_mask: Tensor, row
         rep_U, inv_S = _unique_prompts(p_ids, p_mask)
         p_ids, p_mask, rp = p_ids[rep_U], p_mask[rep_U], inv_S[rp]
     lp, ent, counts = policy.prefix_logprobs(
-        p_ids, p_mask, rp, resp_ids.cpu(), resp_mask.cpu().long(), temperature=temperature,
-        with_entropy=with_entropy, max_tokens=max_tokens, max_pack_tokens=max_pack_tokens,
-    )  # fmt: skip
+        p_ids,
+        p_mask,
+        rp,
+        resp_ids.cpu(),
+        resp_mask.cpu().long(),
+        temperature=temperature,
+        with_entropy=with_entropy,
+        max_tokens=max_tokens,
+        max_pack_tokens=max_pack_tokens,
+    )
     _add(stats, **counts, rows=int(rp.numel()))
     keep = resp_mask.float()
     return lp.to(resp_ids.device) * keep, (ent.to(resp_ids.device) * keep if ent is not None else None)

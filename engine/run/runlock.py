@@ -163,9 +163,11 @@ def claim_output_dir(
     object, every rank calls this) every rank raises OutputLockedError when rank 0 was refused, and
     OutputFolderError (an OSError) with rank 0's message when its attempt failed with an I/O error."""
     lock = agree_on_failure(
-        lambda: OutputLock(out_dir).acquire(), run_here=rank == 0, gather=gather,
+        lambda: OutputLock(out_dir).acquire(),
+        run_here=rank == 0,
+        gather=gather,
         what=f"cannot take the lock of output folder {out_dir}",
-    )  # fmt: skip
+    )
     if lock is not None and lock.previous and say is not None:
         say(f"[lock] took over the stale lock of {describe(lock.previous)}: that process no longer holds it")
     return lock

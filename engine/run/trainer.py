@@ -97,9 +97,11 @@ class Trainer:
         self.lock = None
         if lock_output:
             self.lock = claim_output_dir(
-                self.out_dir, rank=self.rank, gather=self.dist.gather_objects if self.dist.enabled else None,
+                self.out_dir,
+                rank=self.rank,
+                gather=self.dist.gather_objects if self.dist.enabled else None,
                 say=self._say,
-            )  # fmt: skip
+            )
             if self.lock is not None:
                 weakref.finalize(self, self.lock.release)
         try:

@@ -66,8 +66,15 @@ def score_cached_prompts(
     return out
 
 
-def _hidden(model: nn.Module, chunk: PromptChunk, prompts: list[int], resp_ids: Tensor, resp_mask: Tensor,
-            l_used: int, stats: dict) -> Tensor:  # fmt: skip
+def _hidden(
+    model: nn.Module,
+    chunk: PromptChunk,
+    prompts: list[int],
+    resp_ids: Tensor,
+    resp_mask: Tensor,
+    l_used: int,
+    stats: dict,
+) -> Tensor:
     """[n, l_used, Dm] final hidden states whose position j predicts response token j: the prompt's kept last
     state, then the forward of response tokens 0..l_used-2 behind the kept prompt."""
     dev = resp_ids.device

@@ -93,8 +93,18 @@ def rollout_phase(
     for k in ("generation_tokens_per_s", "prompt_length_mean"):  # per row of this rank's batch
         if k in rm:
             metrics[f"rollout/{k}"] = weighted_mean(rm[k], batch.size)
-    for k in ("failed_episodes", "env_errors", "timeouts", "worker_deaths", "invalid_actions", "nonfinite_rewards",
-              "timeout_waves", "redispatched_ops", "rebuilt_episodes", "worker_restarts"):  # fmt: skip
+    for k in (
+        "failed_episodes",
+        "env_errors",
+        "timeouts",
+        "worker_deaths",
+        "invalid_actions",
+        "nonfinite_rewards",
+        "timeout_waves",
+        "redispatched_ops",
+        "rebuilt_episodes",
+        "worker_restarts",
+    ):
         metrics[f"env/{k}"] = summed(env_after.get(k, 0) - env_before.get(k, 0))
     return batch, metrics
 

@@ -174,9 +174,16 @@ class Rescorer:
             if prompt_cache is not None:
                 prompt_cache.check(unpadded_prompts(batch.teacher_prompt_ids, batch.teacher_prompt_mask))
                 lp = score_cached_prompts(
-                    self.model, prompt_cache, src, batch.response_ids[tgt], batch.response_mask[tgt],
-                    temperature=self.temperature, max_tokens=self.max_tokens, impl=self.impl, stats=stats,
-                )  # fmt: skip
+                    self.model,
+                    prompt_cache,
+                    src,
+                    batch.response_ids[tgt],
+                    batch.response_mask[tgt],
+                    temperature=self.temperature,
+                    max_tokens=self.max_tokens,
+                    impl=self.impl,
+                    stats=stats,
+                )
                 stats["cached_prompts"] = 1
             else:
                 lp, _ = self._score(

@@ -138,8 +138,23 @@ class _Episodes:
     t_env: float = 0.0
 
 
-def _check_settings(env_manager, generator, tokenizer, *, group_n, sampling, max_prompt_length, max_response_length,
-                    max_turns, seed, validation, truncation, failed_episodes, task_offset, pad_token_id):  # fmt: skip
+def _check_settings(
+    env_manager,
+    generator,
+    tokenizer,
+    *,
+    group_n,
+    sampling,
+    max_prompt_length,
+    max_response_length,
+    max_turns,
+    seed,
+    validation,
+    truncation,
+    failed_episodes,
+    task_offset,
+    pad_token_id,
+):
     """The call's settings, checked (ValueError names the culprit)."""
     if validation:
         group_n = 1
@@ -162,11 +177,19 @@ def _check_settings(env_manager, generator, tokenizer, *, group_n, sampling, max
     pad_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
     eot_id = _end_of_turn_id(tokenizer, generator)
     return _Settings(
-        group_n=group_n, sampling=sampling, budget=int(sampling.max_new_tokens), max_prompt_length=max_prompt_length,
-        max_turns=max_turns, base_seed=_seed(seed, "validation") if validation else int(seed),
-        truncation=truncation, pad_id=eot_id if pad_id is None else int(pad_id), eot_id=eot_id, env_name=env_name,
-        failed_episodes=failed_episodes, task_offset=task_offset,
-    )  # fmt: skip
+        group_n=group_n,
+        sampling=sampling,
+        budget=int(sampling.max_new_tokens),
+        max_prompt_length=max_prompt_length,
+        max_turns=max_turns,
+        base_seed=_seed(seed, "validation") if validation else int(seed),
+        truncation=truncation,
+        pad_id=eot_id if pad_id is None else int(pad_id),
+        eot_id=eot_id,
+        env_name=env_name,
+        failed_episodes=failed_episodes,
+        task_offset=task_offset,
+    )
 
 
 def _turn_prompts(tokenizer, obs: list[str], infos, act: list[int], turn: int, st: _Settings, counts: dict):
@@ -243,10 +266,13 @@ def _play(env_manager, generator, tokenizer, tasks: Sequence, st: _Settings) -> 
     if n_ep != len(tasks) * st.group_n:
         raise ValueError(f"env_manager: reset returned {n_ep} episodes, expected {len(tasks) * st.group_n}")
     ep = _Episodes(
-        failed=[bool(info.get("failed", False)) for info in infos], reward=[0.0] * n_ep, won=[False] * n_ep, rows=[],
+        failed=[bool(info.get("failed", False)) for info in infos],
+        reward=[0.0] * n_ep,
+        won=[False] * n_ep,
+        rows=[],
         counts=dict(prompt_truncated=0, response_truncated=0, empty_responses=0, generated_tokens=0),
         t_env=time.perf_counter() - t0,
-    )  # fmt: skip
+    )
     active = [not f for f in ep.failed]
     limit = st.max_turns if st.max_turns is not None else max(int(i.get("max_steps") or 0) for i in infos) or 50
     turn = 0
@@ -269,8 +295,15 @@ def _play(env_manager, generator, tokenizer, tasks: Sequence, st: _Settings) -> 
         turn += 1
         dt = time.perf_counter() - t0
         left = time_left(dt, turn, limit, bound=True) if any(active) else ""
-        log.info("rollout turn %d/%d: %d active, %d won, %.0fs%s", turn, limit, sum(active), sum(ep.won), dt,
-                 f", {left}" if left else "")  # fmt: skip
+        log.info(
+            "rollout turn %d/%d: %d active, %d won, %.0fs%s",
+            turn,
+            limit,
+            sum(active),
+            sum(ep.won),
+            dt,
+            f", {left}" if left else "",
+        )
     return ep
 
 
@@ -386,10 +419,21 @@ def collect_rollouts(
     if not tasks:
         raise ValueError("tasks: expected a non-empty list of tasks")
     st = _check_settings(
-        env_manager, generator, tokenizer, group_n=group_n, sampling=sampling, max_prompt_length=max_prompt_length,
-        max_response_length=max_response_length, max_turns=max_turns, seed=seed, validation=validation,
-        truncation=truncation, failed_episodes=failed_episodes, task_offset=task_offset, pad_token_id=pad_token_id,
-    )  # fmt: skip
+        env_manager,
+        generator,
+        tokenizer,
+        group_n=group_n,
+        sampling=sampling,
+        max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length,
+        max_turns=max_turns,
+        seed=seed,
+        validation=validation,
+        truncation=truncation,
+        failed_episodes=failed_episodes,
+        task_offset=task_offset,
+        pad_token_id=pad_token_id,
+    )
     if student_skills:
         lookup = skill_lookup if skill_lookup is not None else env_skill_lookup(st.env_name)
         st.student_skills = lookup if lookup is not None else (lambda meta: "")

@@ -72,9 +72,13 @@ def teacher_sampling(cfg, seed: int | None = None) -> SamplingParams:
     ``seed`` (see :func:`teacher_seed`)."""
     g = cfg.generation
     return SamplingParams(
-        max_new_tokens=g.max_response_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-        do_sample=g.do_sample, seed=seed,
-    )  # fmt: skip
+        max_new_tokens=g.max_response_length,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        do_sample=g.do_sample,
+        seed=seed,
+    )
 
 
 def teacher_seed(run_seed: int, rank: int, prompt_ids: Tensor) -> int:
@@ -144,9 +148,17 @@ def select_pairs(parts, cb: TurnBatch, enc: Encoded) -> tuple[Tensor, Tensor, Te
         # CUDA: the fused kernel entry (H, eligibility and top-K in one pass over the embeddings), the one the
         # kernel benchmark and the GPU check measure; H is 0 on cells with an invalid side (never eligible)
         res = sibling_topk(
-            enc.teacher, enc.student, task, roll, turn, enc.teacher_valid, enc.student_valid, gamma=gamma,
-            top_k=top_k, impl="triton",
-        )  # fmt: skip
+            enc.teacher,
+            enc.student,
+            task,
+            roll,
+            turn,
+            enc.teacher_valid,
+            enc.student_valid,
+            gamma=gamma,
+            top_k=top_k,
+            impl="triton",
+        )
         H, B, selected = res.H, res.eligible, res.selected_lists()
     else:
         H = similarity_matrix(enc.teacher, enc.student, task)

@@ -123,13 +123,22 @@ def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
         if not bool(torch.isfinite(logp_bL[sel]).all()):
             return logp_bL.nan_to_num(0.0).sum() * float("nan"), {}
         return actor_loss(
-            logp_bL, old, adv, mk,
+            logp_bL,
+            old,
+            adv,
+            mk,
             entropy=ent_bL.float() if (ent_bL is not None and a.entropy_coef > 0) else None,
             entropy_coef=float(a.entropy_coef),
-            ref_logp=ref, kl_coef=float(a.kl_coef) if ref is not None else 0.0,
-            aux=inp.aux, rows=ix, is_weight=inp.is_weight[ix] if inp.is_weight is not None else None, is_keep=keep,
-            clip_low=float(a.clip_low), clip_high=float(a.clip_high), dual_clip=float(a.dual_clip),
-        )  # fmt: skip
+            ref_logp=ref,
+            kl_coef=float(a.kl_coef) if ref is not None else 0.0,
+            aux=inp.aux,
+            rows=ix,
+            is_weight=inp.is_weight[ix] if inp.is_weight is not None else None,
+            is_keep=keep,
+            clip_low=float(a.clip_low),
+            clip_high=float(a.clip_high),
+            dual_clip=float(a.dual_clip),
+        )
 
     return loss_fn
 
@@ -144,9 +153,14 @@ def micro_step(parts, inp: UpdateInputs, mb: MicroBatch, fused: bool, input_ids:
     temp = cfg.generation.temperature
     if fused:  # the head's gradients are formed with the log-probs (three matmuls instead of four)
         logp, ent, carrier = parts.policy.response_loss(
-            input_ids[ix], attn[ix], length, lambda lp, en: loss_fn(lp, en)[0],
-            loss_fill=inp.old_logp[ix], temperature=temp, with_entropy=with_ent,
-        )  # fmt: skip
+            input_ids[ix],
+            attn[ix],
+            length,
+            lambda lp, en: loss_fn(lp, en)[0],
+            loss_fill=inp.old_logp[ix],
+            temperature=temp,
+            with_entropy=with_ent,
+        )
         with torch.no_grad():
             loss, stats = loss_fn(logp, ent)
         backward_of = carrier
@@ -243,9 +257,14 @@ def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float
         return {"rollout_is/unavailable": summed(1)}
     level, kind = mode.split("_")
     w_ML, keep_ML, stats = rollout_is_weights(
-        cb.rollout_logp.float().to(inp.mask.device), inp.old_logp, inp.mask.bool(), level=level, mode=kind,
-        threshold=float(cfg.trainer.rollout_is_threshold), lower=cfg.trainer.rollout_is_lower,
-    )  # fmt: skip
+        cb.rollout_logp.float().to(inp.mask.device),
+        inp.old_logp,
+        inp.mask.bool(),
+        level=level,
+        mode=kind,
+        threshold=float(cfg.trainer.rollout_is_threshold),
+        lower=cfg.trainer.rollout_is_lower,
+    )
     inp.is_keep = keep_ML.to(inp.mask.device)
     inp.is_weight = w_ML
     return stats

@@ -446,8 +446,10 @@ def generate_games(
     alfworld_logic_files()
     split_dir = Path(out_dir) / "json_2.1.1" / split
     split_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, seed, split, task_types[i % len(task_types)], str(split_dir), max_steps, max_tries_per_game, small)
-            for i in range(n)]  # fmt: skip
+    jobs = [
+        (i, seed, split, task_types[i % len(task_types)], str(split_dir), max_steps, max_tries_per_game, small)
+        for i in range(n)
+    ]
     if workers == 1 or n == 1:
         return [Path(_generate_one(*job)) for job in jobs]
     import multiprocessing as mp  # noqa: PLC0415

@@ -20,8 +20,13 @@ import numpy as np
 from alignopsd.engine.infra.cache import atomic_cached_dir, cache_root
 
 __all__ = [
-    "INDEX_VERSION", "Bm25Index", "CorpusRetriever", "Document", "load_corpus", "tokenize",
-]  # fmt: skip
+    "INDEX_VERSION",
+    "Bm25Index",
+    "CorpusRetriever",
+    "Document",
+    "load_corpus",
+    "tokenize",
+]
 
 INDEX_VERSION = "bm25s-v1"
 

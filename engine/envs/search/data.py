@@ -30,7 +30,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,53 +103,78 @@ def _draw_world(rng: random.Random, n_people: int, n_cities: int, n_orgs: int, n
     countries = []
     for _ in range(max(4, n_cities // 6)):
         cname = _unique(rng, used, lambda: _word(rng, 2) + rng.choice(["ia", "land", "ora", "istan", ""]))
-        countries.append({"name": cname, "adj": cname + ("n" if cname[-1] in "aeiou" else "ish"),
-                          "currency": _unique(rng, used, lambda: _word(rng, 1).lower()),
-                          "region": rng.choice(_REGIONS)})  # fmt: skip
+        countries.append(
+            {
+                "name": cname,
+                "adj": cname + ("n" if cname[-1] in "aeiou" else "ish"),
+                "currency": _unique(rng, used, lambda: _word(rng, 1).lower()),
+                "region": rng.choice(_REGIONS),
+            }
+        )
     cities = []
     for i in range(n_cities):
         country = countries[i % len(countries)]
-        cities.append({
-            "name": _unique(rng, used, lambda: rng.choice(["", "Port ", "New ", ""]) + _word(rng, rng.randint(2, 3))),
-            "country": country["name"],
-            "founded": rng.randint(1100, 1850),
-            "river": _unique(rng, used, lambda: _word(rng, 2) + " River"),
-            "population": rng.randint(20, 900) * 1000,
-        })  # fmt: skip
+        cities.append(
+            {
+                "name": _unique(
+                    rng, used, lambda: rng.choice(["", "Port ", "New ", ""]) + _word(rng, rng.randint(2, 3))
+                ),
+                "country": country["name"],
+                "founded": rng.randint(1100, 1850),
+                "river": _unique(rng, used, lambda: _word(rng, 2) + " River"),
+                "population": rng.randint(20, 900) * 1000,
+            }
+        )
     for c in countries:
         c["capital"] = next(x["name"] for x in cities if x["country"] == c["name"])
     people = []
     for _ in range(n_people):
-        people.append({
-            "name": _unique(rng, used, lambda: f"{_word(rng, 2)} {_word(rng, rng.randint(2, 3))}"),
-            "born": rng.randint(1890, 1995),
-            "city": rng.choice(cities)["name"],
-            "occupation": rng.choice(_OCCUPATIONS),
-            "gender": rng.choice(["he", "she"]),
-        })  # fmt: skip
+        people.append(
+            {
+                "name": _unique(rng, used, lambda: f"{_word(rng, 2)} {_word(rng, rng.randint(2, 3))}"),
+                "born": rng.randint(1890, 1995),
+                "city": rng.choice(cities)["name"],
+                "occupation": rng.choice(_OCCUPATIONS),
+                "gender": rng.choice(["he", "she"]),
+            }
+        )
     orgs = []
     for i in range(n_orgs):
         suffix, industry = _INDUSTRIES[i % len(_INDUSTRIES)]
         founder = rng.choice(people)
-        orgs.append({
-            "name": _unique(rng, used, lambda s=suffix: f"{_word(rng, 2)} {s}"),
-            "industry": industry,
-            "founded": rng.randint(max(founder["born"] + 20, 1900), 2020),
-            "city": rng.choice(cities)["name"],
-            "founder": founder["name"],
-        })  # fmt: skip
+        orgs.append(
+            {
+                "name": _unique(rng, used, lambda s=suffix: f"{_word(rng, 2)} {s}"),
+                "industry": industry,
+                "founded": rng.randint(max(founder["born"] + 20, 1900), 2020),
+                "city": rng.choice(cities)["name"],
+                "founder": founder["name"],
+            }
+        )
     for p in people:
         p["employer"] = rng.choice(orgs)["name"]
     works = []
     for _ in range(n_works):
         kind, verb, role = rng.choice(_WORK_KINDS)
         creator = rng.choice(people)
-        works.append({
-            "title": _unique(rng, used, lambda: f"The {rng.choice(_ADJ)} {rng.choice(_NOUN)}"
-                             + rng.choice(["", f" of {_word(rng, 2)}", " II", f" in {_word(rng, 2)}"])),
-            "kind": kind, "verb": verb, "role": role, "creator": creator["name"],
-            "year": rng.randint(creator["born"] + 18, 2023), "genre": rng.choice(_GENRES),
-        })  # fmt: skip
+        works.append(
+            {
+                "title": _unique(
+                    rng,
+                    used,
+                    lambda: (
+                        f"The {rng.choice(_ADJ)} {rng.choice(_NOUN)}"
+                        + rng.choice(["", f" of {_word(rng, 2)}", " II", f" in {_word(rng, 2)}"])
+                    ),
+                ),
+                "kind": kind,
+                "verb": verb,
+                "role": role,
+                "creator": creator["name"],
+                "year": rng.randint(creator["born"] + 18, 2023),
+                "genre": rng.choice(_GENRES),
+            }
+        )
 
     return {"countries": countries, "cities": cities, "people": people, "orgs": orgs, "works": works}
 
@@ -166,22 +191,33 @@ def _kb_passages(world: dict[str, Any]) -> list[dict[str, str]]:
         passages.append({"id": str(len(passages)), "contents": f'"{title}"\n{text}'})
 
     for c in countries:
-        add(c["name"], f"{c['name']} is a country on {c['region']}. Its capital is {c['capital']} and its currency "
-                       f"is the {c['currency']}. The people of {c['name']} are called {c['adj']}.")  # fmt: skip
+        add(
+            c["name"],
+            f"{c['name']} is a country on {c['region']}. Its capital is {c['capital']} and its currency "
+            f"is the {c['currency']}. The people of {c['name']} are called {c['adj']}.",
+        )
     for c in cities:
-        add(c["name"], f"{c['name']} is a city in {c['country']}, founded in {c['founded']}. The {c['river']} flows "
-                       f"through {c['name']}, which has a population of about {c['population']:,}.")  # fmt: skip
+        add(
+            c["name"],
+            f"{c['name']} is a city in {c['country']}, founded in {c['founded']}. The {c['river']} flows "
+            f"through {c['name']}, which has a population of about {c['population']:,}.",
+        )
     for p in people:
         he = p["gender"].capitalize()
         art = "an" if p["occupation"][0] in "aeiou" else "a"
-        text = (f"{p['name']} (born {p['born']}) is {art} {p['occupation']}. {he} was born in {p['city']} and "
-                f"works for {p['employer']}.")  # fmt: skip
+        text = (
+            f"{p['name']} (born {p['born']}) is {art} {p['occupation']}. {he} was born in {p['city']} and "
+            f"works for {p['employer']}."
+        )
         for w in created.get(p["name"], [])[:2]:
             text += f" {he} is known for the {w['kind']} {w['title']} ({w['year']})."
         add(p["name"], text)
     for o in orgs:
-        add(o["name"], f"{o['name']} is a company in {o['industry']}, founded in {o['founded']} by {o['founder']}. "
-                       f"Its headquarters are in {o['city']}.")  # fmt: skip
+        add(
+            o["name"],
+            f"{o['name']} is a company in {o['industry']}, founded in {o['founded']} by {o['founder']}. "
+            f"Its headquarters are in {o['city']}.",
+        )
     for w in works:
         add(w["title"], f"{w['title']} is a {w['year']} {w['genre']} {w['kind']} {w['verb']} {w['creator']}.")
 
@@ -190,10 +226,6 @@ def _kb_passages(world: dict[str, Any]) -> list[dict[str, str]]:
 
 def _kb_questions(world: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
     """Single-hop, bridge and comparison questions over the world (comparisons draw pairs from ``rng``)."""
-    countries, cities, people, orgs, works = (world[k] for k in ("countries", "cities", "people", "orgs", "works"))
-    city_by = {c["name"]: c for c in cities}
-    person_by = {p["name"]: p for p in people}
-    org_by = {o["name"]: o for o in orgs}
     questions: list[dict[str, Any]] = []
     seen: set[str] = set()
 
@@ -201,30 +233,80 @@ def _kb_questions(world: dict[str, Any], rng: random.Random) -> list[dict[str, A
         if text.lower() in seen:
             return
         seen.add(text.lower())
-        questions.append({"id": f"{source}-{len(questions)}", "question": text, "golden_answers": list(answers),
-                          "data_source": source, "kind": kind, "support": list(support)})  # fmt: skip
+        questions.append(
+            {
+                "id": f"{source}-{len(questions)}",
+                "question": text,
+                "golden_answers": list(answers),
+                "data_source": source,
+                "kind": kind,
+                "support": list(support),
+            }
+        )
 
+    _person_org_questions(world, q)
+    _place_work_questions(world, q)
+    _compare_questions(world, rng, q)
+    return questions
+
+
+def _person_org_questions(
+    world: dict[str, Any], q: Callable[[str, str, str, Sequence[str], Sequence[str]], None]
+) -> None:
+    """Single-hop and bridge questions about the people and the companies, asked through ``q``."""
+    people, orgs = world["people"], world["orgs"]
+    city_by = {c["name"]: c for c in world["cities"]}
+    person_by = {p["name"]: p for p in people}
+    org_by = {o["name"]: o for o in orgs}
     for p in people:
         q("popqa", "single", f"What is {p['name']}'s occupation?", [p["occupation"]], [p["name"]])
         q("popqa", "single", f"In what city was {p['name']} born?", [p["city"]], [p["name"]])
         q("nq", "single", f"who does {p['name'].lower()} work for", [p["employer"]], [p["name"]])
         q("nq", "single", f"what year was {p['name'].lower()} born", [str(p["born"])], [p["name"]])
         org = org_by[p["employer"]]
-        q("musique", "bridge", f"In which city is the headquarters of the employer of {p['name']}?", [org["city"]],
-          [p["name"], org["name"]])  # fmt: skip
+        q(
+            "musique",
+            "bridge",
+            f"In which city is the headquarters of the employer of {p['name']}?",
+            [org["city"]],
+            [p["name"], org["name"]],
+        )
         city = city_by[p["city"]]
         q("hotpotqa", "bridge", f"In which country was {p['name']} born?", [city["country"]], [p["name"], city["name"]])
-        q("hotpotqa", "bridge", f"What river flows through the birthplace of {p['name']}?", [city["river"]],
-          [p["name"], city["name"]])  # fmt: skip
+        q(
+            "hotpotqa",
+            "bridge",
+            f"What river flows through the birthplace of {p['name']}?",
+            [city["river"]],
+            [p["name"], city["name"]],
+        )
     for o in orgs:
         founder = person_by[o["founder"]]
         q("nq", "single", f"when was {o['name'].lower()} founded", [str(o["founded"])], [o["name"]])
         q("nq", "single", f"who founded {o['name'].lower()}", [o["founder"]], [o["name"]])
         q("popqa", "single", f"In what city is {o['name']} headquartered?", [o["city"]], [o["name"]])
-        q("hotpotqa", "bridge", f"What is the occupation of the founder of {o['name']}?", [founder["occupation"]],
-          [o["name"], founder["name"]])  # fmt: skip
-        q("hotpotqa", "bridge", f"In what year was the founder of {o['name']} born?", [str(founder["born"])],
-          [o["name"], founder["name"]])  # fmt: skip
+        q(
+            "hotpotqa",
+            "bridge",
+            f"What is the occupation of the founder of {o['name']}?",
+            [founder["occupation"]],
+            [o["name"], founder["name"]],
+        )
+        q(
+            "hotpotqa",
+            "bridge",
+            f"In what year was the founder of {o['name']} born?",
+            [str(founder["born"])],
+            [o["name"], founder["name"]],
+        )
+
+
+def _place_work_questions(
+    world: dict[str, Any], q: Callable[[str, str, str, Sequence[str], Sequence[str]], None]
+) -> None:
+    """Single-hop and bridge questions about the cities, the countries and the works, asked through ``q``."""
+    countries, cities, works = world["countries"], world["cities"], world["works"]
+    person_by = {p["name"]: p for p in world["people"]}
     for c in cities:
         q("triviaqa", "single", f"Which river flows through the city of {c['name']}?", [c["river"]], [c["name"]])
         q("triviaqa", "single", f"Which country is the city of {c['name']} in?", [c["country"]], [c["name"]])
@@ -235,34 +317,75 @@ def _kb_questions(world: dict[str, Any], rng: random.Random) -> list[dict[str, A
     for w in works:
         creator = person_by[w["creator"]]
         q("popqa", "single", f"Who is the {w['role']} of {w['title']}?", [w["creator"]], [w["title"]])
-        q("triviaqa", "single", f"Which year was the {w['kind']} {w['title']} released?", [str(w["year"])],
-          [w["title"]])  # fmt: skip
-        q("bamboogle", "bridge", f"In what year was the {w['role']} of {w['title']} born?", [str(creator["born"])],
-          [w["title"], creator["name"]])  # fmt: skip
-        q("bamboogle", "bridge", f"In what city was the {w['role']} of {w['title']} born?", [creator["city"]],
-          [w["title"], creator["name"]])  # fmt: skip
-        q("musique", "bridge", f"Who employs the {w['role']} of {w['title']}?", [creator["employer"]],
-          [w["title"], creator["name"]])  # fmt: skip
-    # comparisons (2WikiMultihopQA-like): distinct values so there is one right answer
+        q(
+            "triviaqa",
+            "single",
+            f"Which year was the {w['kind']} {w['title']} released?",
+            [str(w["year"])],
+            [w["title"]],
+        )
+        q(
+            "bamboogle",
+            "bridge",
+            f"In what year was the {w['role']} of {w['title']} born?",
+            [str(creator["born"])],
+            [w["title"], creator["name"]],
+        )
+        q(
+            "bamboogle",
+            "bridge",
+            f"In what city was the {w['role']} of {w['title']} born?",
+            [creator["city"]],
+            [w["title"], creator["name"]],
+        )
+        q(
+            "musique",
+            "bridge",
+            f"Who employs the {w['role']} of {w['title']}?",
+            [creator["employer"]],
+            [w["title"], creator["name"]],
+        )
+
+
+def _compare_questions(
+    world: dict[str, Any], rng: random.Random, q: Callable[[str, str, str, Sequence[str], Sequence[str]], None]
+) -> None:
+    """Comparisons (2WikiMultihopQA-like) of pairs drawn from ``rng``: distinct values so there is one right
+    answer."""
+    people, orgs, cities = world["people"], world["orgs"], world["cities"]
     for _ in range(len(orgs)):
         a, b = rng.sample(orgs, 2)
         if a["founded"] != b["founded"]:
             first = a if a["founded"] < b["founded"] else b
-            q("2wikimultihopqa", "compare", f"Which company was founded earlier, {a['name']} or {b['name']}?",
-              [first["name"]], [a["name"], b["name"]])  # fmt: skip
+            q(
+                "2wikimultihopqa",
+                "compare",
+                f"Which company was founded earlier, {a['name']} or {b['name']}?",
+                [first["name"]],
+                [a["name"], b["name"]],
+            )
     for _ in range(len(people) // 2):
         a, b = rng.sample(people, 2)
         if a["born"] != b["born"]:
             first = a if a["born"] < b["born"] else b
-            q("2wikimultihopqa", "compare", f"Which person was born first, {a['name']} or {b['name']}?",
-              [first["name"]], [a["name"], b["name"]])  # fmt: skip
+            q(
+                "2wikimultihopqa",
+                "compare",
+                f"Which person was born first, {a['name']} or {b['name']}?",
+                [first["name"]],
+                [a["name"], b["name"]],
+            )
     for _ in range(len(cities)):
         a, b = rng.sample(cities, 2)
         if a["founded"] != b["founded"]:
             old = a if a["founded"] < b["founded"] else b
-            q("2wikimultihopqa", "compare", f"Which city is older, {a['name']} or {b['name']}?", [old["name"]],
-              [a["name"], b["name"]])  # fmt: skip
-    return questions
+            q(
+                "2wikimultihopqa",
+                "compare",
+                f"Which city is older, {a['name']} or {b['name']}?",
+                [old["name"]],
+                [a["name"], b["name"]],
+            )
 
 
 def kb_dir(seed: int = 0) -> Path:
@@ -347,6 +470,12 @@ def load_searchr1_parquet(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         source = str(row.get("data_source") or "unknown").lower()
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
         rid = row.get("id") or extra.get("index", i)
-        out.append({"id": f"{source}-{rid}", "question": str(question).strip(), "golden_answers": answers,
-                    "data_source": source})  # fmt: skip
+        out.append(
+            {
+                "id": f"{source}-{rid}",
+                "question": str(question).strip(),
+                "golden_answers": answers,
+                "data_source": source,
+            }
+        )
     return out

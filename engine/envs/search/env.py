@@ -259,8 +259,15 @@ def load_tasks(
         for k in ("kind", "support"):  # question kind and supporting passage titles (never shown to the agent)
             if k in r:
                 payload[k] = r[k]
-        tasks.append(TaskSpec(key=f"search-{split}-{r['id']}", env="search", category=r["data_source"],
-                              data_source=r["data_source"], payload=payload))  # fmt: skip
+        tasks.append(
+            TaskSpec(
+                key=f"search-{split}-{r['id']}",
+                env="search",
+                category=r["data_source"],
+                data_source=r["data_source"],
+                payload=payload,
+            )
+        )
     return tasks
 
 

@@ -15,9 +15,14 @@ from typing import Any
 from alignopsd.engine.envs.search.corpus_index import CorpusRetriever
 
 __all__ = [
-    "AnswerTooLarge", "ServerLimits", "body_charge", "parse_retrieve_request", "render_result", "work_budget",
+    "AnswerTooLarge",
+    "ServerLimits",
+    "body_charge",
+    "parse_retrieve_request",
+    "render_result",
+    "work_budget",
     "work_charge",
-]  # fmt: skip
+]
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,18 @@ from alignopsd.engine.envs.search.retrieval_requests import (
 )
 
 __all__ = [
-    "AnswerTooLarge", "RetrievalServer", "ServerLimits", "body_charge", "build_app", "main",
-    "parse_retrieve_request", "render_result", "serve_retriever", "work_budget", "work_charge",
-]  # fmt: skip
+    "AnswerTooLarge",
+    "RetrievalServer",
+    "ServerLimits",
+    "body_charge",
+    "build_app",
+    "main",
+    "parse_retrieve_request",
+    "render_result",
+    "serve_retriever",
+    "work_budget",
+    "work_charge",
+]
 
 
 def _announced_length(request: Any, limits: ServerLimits) -> int | None:

@@ -36,9 +36,14 @@ from alignopsd.engine.envs.search.retrieval_server import main
 from alignopsd.engine.infra.cache import cache_root
 
 __all__ = [
-    "URL_ENV_VAR", "RetrieverClient", "RetrieverError", "ensure_retriever", "format_passages", "main",
+    "URL_ENV_VAR",
+    "RetrieverClient",
+    "RetrieverError",
+    "ensure_retriever",
+    "format_passages",
+    "main",
     "start_retriever_process",
-]  # fmt: skip
+]
 
 URL_ENV_VAR = "ALIGNOPSD_RETRIEVER_URL"
 

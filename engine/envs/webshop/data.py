@@ -200,18 +200,36 @@ def write_original_layout(
     for p in products:
         pricing = "".join(f"${x}" for x in p["pricing"])
         options = {k: [{"value": v, "image": None} for v in vals] for k, vals in p["options"].items()}
-        items.append({"asin": p["asin"], "name": p["Title"], "full_description": p["Description"],
-                      "small_description": list(p["BulletPoints"]), "pricing": pricing,
-                      "customization_options": options or None, "category": p["category"], "query": p["query"],
-                      "product_category": p["product_category"], "images": [""]})  # fmt: skip
+        items.append(
+            {
+                "asin": p["asin"],
+                "name": p["Title"],
+                "full_description": p["Description"],
+                "small_description": list(p["BulletPoints"]),
+                "pricing": pricing,
+                "customization_options": options or None,
+                "category": p["category"],
+                "query": p["query"],
+                "product_category": p["product_category"],
+                "images": [""],
+            }
+        )
         attrs[p["asin"]] = {"attributes": list(p["Attributes"])}
     for g in goals:
         text = re.sub(r", and price lower than [0-9.]+ dollars$", "", g["instruction_text"])
-        human.setdefault(g["asin"], []).append({"asin": g["asin"], "instruction": text,
-                                                "instruction_attributes": list(g["attributes"]),
-                                                "instruction_options": list(g["goal_options"])})  # fmt: skip
-    paths = {"products": out / "items_shuffle.json", "attributes": out / "items_ins_v2.json",
-             "human_goals": out / "items_human_ins.json"}  # fmt: skip
+        human.setdefault(g["asin"], []).append(
+            {
+                "asin": g["asin"],
+                "instruction": text,
+                "instruction_attributes": list(g["attributes"]),
+                "instruction_options": list(g["goal_options"]),
+            }
+        )
+    paths = {
+        "products": out / "items_shuffle.json",
+        "attributes": out / "items_ins_v2.json",
+        "human_goals": out / "items_human_ins.json",
+    }
     for key, obj in (("products", items), ("attributes", attrs), ("human_goals", human)):
         paths[key].write_text(json.dumps(obj), encoding="utf-8")
     return {k: str(v) for k, v in paths.items()}
@@ -223,8 +241,14 @@ def write_original_layout(
 class Catalogue:
     """Products, goals, fixed prices and a BM25 search over the products (built lazily, cached on disk)."""
 
-    def __init__(self, products: list[dict[str, Any]], goals: list[dict[str, Any]], prices: dict[str, float],
-                 key: str, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        products: list[dict[str, Any]],
+        goals: list[dict[str, Any]],
+        prices: dict[str, float],
+        key: str,
+        seed: int = 0,
+    ) -> None:
         self.products = products
         self.by_asin = {p["asin"]: p for p in products}
         self.prices = prices

@@ -216,8 +216,15 @@ class WebShopEnv:
             won = score >= 1.0 - 1e-9
             reward = SUCCESS_REWARD if won else 0.0
             obs, raw = self._purchase_page(score, detail)
-            info = self._info(raw, valid, won=won, task_score=score, reward_detail=detail, bought=self.bought,
-                              selected_options=dict(self.selected))  # fmt: skip
+            info = self._info(
+                raw,
+                valid,
+                won=won,
+                task_score=score,
+                reward_detail=detail,
+                bought=self.bought,
+                selected_options=dict(self.selected),
+            )
             info["admissible_actions"], info["available_actions"] = [], {"has_search_bar": False, "clickables": []}
             return StepResult(obs, reward, True, info)
         obs, raw = self._observe()
@@ -259,8 +266,14 @@ class WebShopEnv:
 
     def _purchase_page(self, score: float, detail: dict[str, Any] | None) -> tuple[str, str]:
         opts = ", ".join(f"{k}: {v}" for k, v in self.selected.items()) or "none"
-        parts = ["Thank you for shopping with us!", "Purchased", f"asin: {self.bought}", f"options: {opts}",
-                 "Your score (min 0.0, max 1.0)", f"{score:.4f}"]  # fmt: skip
+        parts = [
+            "Thank you for shopping with us!",
+            "Purchased",
+            f"asin: {self.bought}",
+            f"options: {opts}",
+            "Your score (min 0.0, max 1.0)",
+            f"{score:.4f}",
+        ]
         return SEP.join(f"'{x}'" for x in parts), SEP.join(["Instruction:", self.instruction, *parts])
 
 

@@ -138,8 +138,14 @@ def get_reward(
     n_opt = option_matches(options.values(), goal_options)
     t = type_reward(product, goal)
     total = (n_attr + n_opt + float(r_price)) / (len(attrs) + len(goal_options) + 1) * t["r_type"]
-    detail = dict(t, r_price=bool(r_price), n_attr_matched=n_attr, n_attrs=len(attrs), n_option_matched=n_opt,
-                  n_options=len(goal_options))  # fmt: skip
+    detail = dict(
+        t,
+        r_price=bool(r_price),
+        n_attr_matched=n_attr,
+        n_attrs=len(attrs),
+        n_option_matched=n_opt,
+        n_options=len(goal_options),
+    )
     return float(total), detail
 
 

@@ -133,9 +133,13 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.layout = ParallelLayout(
-            tp_rank=self.tp_rank, tp_size=tp, tp_group=self.tp_group,
-            dp_rank=dist.get_rank(self.dp_group), dp_size=dist.get_world_size(self.dp_group), dp_group=self.dp_group,
-        )  # fmt: skip
+            tp_rank=self.tp_rank,
+            tp_size=tp,
+            tp_group=self.tp_group,
+            dp_rank=dist.get_rank(self.dp_group),
+            dp_size=dist.get_world_size(self.dp_group),
+            dp_group=self.dp_group,
+        )
         self.distributed_optimizer = distributed_optimizer
         self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec, recompute)
         self._copy_hf_weights(hf_state_dict)
@@ -301,10 +305,18 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
 
         def head(h_ND: Tensor, t_N: Tensor):
             return fused_head_loss(
-                h_ND, weight, None, t_N, rmask_BL, loss_fn, loss_fill,
-                temperature=temperature, with_entropy=with_entropy, group=self.tp_group if tp else None,
+                h_ND,
+                weight,
+                None,
+                t_N,
+                rmask_BL,
+                loss_fn,
+                loss_fill,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                group=self.tp_group if tp else None,
                 vocab_start=self.tp_rank * int(weight.shape[0]) if tp else 0,
-            )  # fmt: skip
+            )
 
         return scatter_response(h_BLD, input_ids[:, lp:], rmask_BL, head)
 

@@ -156,8 +156,13 @@ class ShardCheckpoints:
             # on the CPU: a pickled CUDA tensor is rebuilt on the sender's device index, which another rank may
             # not see (one visible GPU per process) or should not allocate on
             dist.all_gather_object(states, move_to(local, "cpu"), group=self.tp_group)
-        return {"tp": self.tp, "tp_rank_states": states, "steps": self.steps, "skipped_steps": self.skipped_steps,
-                "scheduler_steps": self.scheduler.num_steps}  # fmt: skip
+        return {
+            "tp": self.tp,
+            "tp_rank_states": states,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "scheduler_steps": self.scheduler.num_steps,
+        }
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`optimizer_state`'s state (also as a plain checkpoint of an earlier version stored it,
@@ -170,8 +175,10 @@ class ShardCheckpoints:
         if "optimizer" not in local:  # a checkpoint written before the state carried its parts by name
             local = {"optimizer": local}
         if self.distributed_optimizer and "param_state" not in local:
-            raise ValueError("optimizer_state: saved without the distributed optimizer; policy.distributed_optimizer "
-                             "must match the run that wrote the checkpoint")  # fmt: skip
+            raise ValueError(
+                "optimizer_state: saved without the distributed optimizer; policy.distributed_optimizer "
+                "must match the run that wrote the checkpoint"
+            )
         self.optimizer.load_state_dict(local["optimizer"])
         if self.distributed_optimizer:
             for opt, param_state in zip(self.optimizers(), local["param_state"]):

@@ -70,8 +70,10 @@ def model_fields(name: str) -> tuple[dict, str]:
     for key, fields in BUILTIN_SHAPES.items():
         if key.lower() == name.lower() or key.split("/")[-1].lower() == name.lower():
             return dict(fields), f"built-in table ({key})"
-    raise ValueError(f"model.name: {name!r} is not on this machine and not in the built-in table "
-                     f"({', '.join(BUILTIN_SHAPES)}); pass a local folder with its config.json")  # fmt: skip
+    raise ValueError(
+        f"model.name: {name!r} is not on this machine and not in the built-in table "
+        f"({', '.join(BUILTIN_SHAPES)}); pass a local folder with its config.json"
+    )
 
 
 def full_params(d: Dims) -> int:

@@ -275,15 +275,18 @@ class FrozenShard(ShardScoring):
             self.model, self.spec = build_gpt_model(policy.hf_config, policy.tp, params_dtype, policy.spec, "none")
         missing, unexpected = self.model.load_state_dict(src.state_dict(), strict=False)
         if missing or unexpected:
-            raise ValueError(f"policy: its shard does not match a fresh model (missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]})")  # fmt: skip
+            raise ValueError(
+                f"policy: its shard does not match a fresh model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         self.model.requires_grad_(False)
         self.model.eval()
 
-    def response_logprobs(self, input_ids, attention_mask, response_length, *, temperature=1.0, with_entropy=False,
-                          grad=False):  # fmt: skip
+    def response_logprobs(
+        self, input_ids, attention_mask, response_length, *, temperature=1.0, with_entropy=False, grad=False
+    ):
         """``ShardScoring.response_logprobs`` without gradients (a frozen model has none to give)."""
         if grad:
             raise ValueError("grad: a frozen shard is never trained")
-        return super().response_logprobs(input_ids, attention_mask, response_length, temperature=temperature,
-                                          with_entropy=with_entropy, grad=False)  # fmt: skip
+        return super().response_logprobs(
+            input_ids, attention_mask, response_length, temperature=temperature, with_entropy=with_entropy, grad=False
+        )
