@@ -270,12 +270,17 @@ def _premise_lines(meta: dict) -> list[str]:
         "",
     ]
     if meta["premise_failures"]:
-        lines += [f"**The premise does not hold** (needed: with the skill ≥ {PREMISE_MIN}, without it chance ± "
-                  f"{PREMISE_TOL}, every kind and pooled), so no comparison ran:", ""]  # fmt: skip
+        lines += [
+            f"**The premise does not hold** (needed: with the skill ≥ {PREMISE_MIN}, without it chance ± "
+            f"{PREMISE_TOL}, every kind and pooled), so no comparison ran:",
+            "",
+        ]
         lines += [f"- {x}" for x in meta["premise_failures"]]
     else:
-        lines += [f"**The premise holds** (with the skill ≥ {PREMISE_MIN}, without it chance ± {PREMISE_TOL}, "
-                  "every kind and pooled)."]  # fmt: skip
+        lines += [
+            f"**The premise holds** (with the skill ≥ {PREMISE_MIN}, without it chance ± {PREMISE_TOL}, "
+            "every kind and pooled)."
+        ]
     recipe = ", ".join(f"{k} {v}" for k, v in rd["recipe"].items())
     return lines + ["", f"Reader recipe (bench/credit_reader.py `RECIPE`): {recipe}.", ""]
 
