@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs, cases) if runs else {}
     csum = summarise(ctrl, control) if ctrl else {}
     out = write_results(Path(a.out), summary, runs, meta, control=csum)
-    print(f"bench.credit: wrote {out} and {out.with_suffix('.png')}")
+    plot = out.with_suffix(".png")
+    print(f"bench.credit: wrote {out}" + (f" and {plot}" if plot.is_file() else " (no plot: nothing was compared)"))
     if failed:
         print("bench.credit: the premise does not hold, no comparison ran: " + "; ".join(failed), file=sys.stderr)
         return 1
