@@ -10,6 +10,11 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
     manifest.json              every file above with its size and CRC-32 (manifest.py), and the checkpoint
                                format's version (trainer_state.py: ``format_version``), written last
 
+A LoRA checkpoint (a policy trained through adapters, engine/policy/lora.py) holds the adapter in peft's layout,
+``adapter_model.safetensors`` + ``adapter_config.json`` (``PeftModel.from_pretrained(base, folder)`` loads it), with the
+optimizer file as above; its ``model.safetensors`` (+ ``config.json``) is the merged model, written only on the steps
+the caller asks for (as a sharded checkpoint's export) and never read back to resume: the adapter is.
+
 A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
 optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
 state, written by every rank; see the backend's ``save_checkpoint``), listed in the same manifest as every
@@ -70,7 +75,16 @@ from alignopsd.engine.checkpoint.trainer_state import (
     read_trainer_state,
     write_trainer_state,
 )
-from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, install_folder, load_weights, save_weights
+from alignopsd.engine.checkpoint.weights import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    WEIGHTS_FILE,
+    install_folder,
+    load_adapter,
+    load_weights,
+    save_adapter,
+    save_weights,
+)
 from alignopsd.engine.infra.writes import WriteFailure, writing
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -137,10 +151,11 @@ def derived_rng_state(seed: int, rank: int, step: int) -> None:
 
 
 def _require_weights(path: Path, files: dict[str, Any]) -> None:
-    """A checkpoint holds its weights: the Hugging Face weights file or a sharded folder."""
-    if WEIGHTS_FILE not in files and SHARDS_METADATA not in files:
+    """A checkpoint holds its weights: the Hugging Face weights file, a sharded folder or a LoRA adapter."""
+    if WEIGHTS_FILE not in files and SHARDS_METADATA not in files and ADAPTER_FILE not in files:
         raise ManifestError(
-            f"{path}: neither {WEIGHTS_FILE!r} nor {SHARDS_METADATA!r} is listed in {MANIFEST} (missing part)"
+            f"{path}: none of {WEIGHTS_FILE!r}, {SHARDS_METADATA!r}, {ADAPTER_FILE!r} is listed in {MANIFEST} "
+            "(missing part)"
         )
 
 
@@ -261,6 +276,7 @@ def save_checkpoint(
     gather: Callable[[Any], list[Any]] | None = None,
     shards: Callable[[Path], None] | None = None,
     shard_state: dict[str, torch.Tensor] | None = None,
+    adapter: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically; returns its final path.
 
@@ -276,19 +292,24 @@ def save_checkpoint(
     ``<tmp>/shards`` together with that folder's own manifest, whose entries the checkpoint's manifest takes
     over; ``shard_state`` is this rank's part of the weights (checked for NaN/inf on every rank) and
     ``model_state`` the optional Hugging Face export (None: no ``model.safetensors``).
+
+    LoRA: ``adapter`` is (weights, config) in peft's layout, written as ``adapter_model.safetensors`` +
+    ``adapter_config.json``; ``model_state`` is then the optional merged export.
     """
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
     state = _saved_state(trainer_state, step, world_size=world_size, sharded=shards is not None)
-    if model_state is None and shards is None:
-        raise ValueError("model_state: required unless the checkpoint is sharded (shards=...)")
+    if model_state is None and shards is None and adapter is None:
+        raise ValueError("model_state: required unless the checkpoint is sharded (shards=...) or holds an adapter")
     ckpt_dir = Path(ckpt_dir)
     if shards is not None:
         check_finite(shard_state or {}, step=step, ckpt_dir=ckpt_dir, gather=gather)
     if model_state is not None:
         check_finite(model_state, step=step, ckpt_dir=ckpt_dir)
+    if adapter is not None:
+        check_finite(adapter[0], step=step, ckpt_dir=ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
     sync = barrier or (lambda: None)
@@ -314,6 +335,8 @@ def save_checkpoint(
             if rank == 0:
                 entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
         if rank == 0:
+            if adapter is not None:
+                save_adapter(tmp, *adapter)
             _write_rank0_files(tmp, model_state, optimizer_state, state, hf_config, extra_files)
             # flushes every file, then the manifest, last
             write_manifest(tmp, entries, fields={"format_version": FORMAT_VERSION})
@@ -390,7 +413,8 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     or corrupted file). ``rng_state`` is this rank's generator state (None when the checkpoint was written by
     fewer ranks: the caller derives one, :func:`derived_rng_state`); ``restore_rng`` restores it right away.
     A sharded checkpoint gives ``shards`` (the verified folder, for the backend's sharded load) and
-    ``model_state`` None (its Hugging Face export, if any, is not read); otherwise ``shards`` is None."""
+    ``model_state`` None (its Hugging Face export, if any, is not read); otherwise ``shards`` is None. A LoRA
+    checkpoint gives ``adapter_state`` (peft's layout) and ``model_state`` None (its merged export is not read)."""
     path = Path(path)
     if not path.is_dir() or not STEP_RE.match(path.name):
         raise ValueError(f"checkpoint: {str(path)!r} is not a checkpoint directory (step_NNNNNN)")
@@ -399,7 +423,10 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     sharded = trainer_state.sharded
     if sharded and SHARDS_METADATA not in files:
         raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")
-    if not sharded and WEIGHTS_FILE not in files:
+    adapter = ADAPTER_FILE in files
+    if adapter and ADAPTER_CONFIG_FILE not in files:
+        raise ManifestError(f"{path}: {ADAPTER_CONFIG_FILE!r} is not listed in {MANIFEST} (missing part)")
+    if not sharded and not adapter and WEIGHTS_FILE not in files:
         raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
     optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
     saved_world = trainer_state.world_size
@@ -414,10 +441,11 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     return LoadedCheckpoint(
         path=path,
         trainer_state=trainer_state,
-        model_state=None if sharded else load_weights(path, verify=False),
+        model_state=None if sharded or adapter else load_weights(path, verify=False),
         optimizer_state=optimizer_state,
         rng_state=rng_state,
         shards=path / SHARDS_DIR if sharded else None,
+        adapter_state=load_adapter(path) if adapter else None,
     )
 
 

@@ -120,3 +120,4 @@ class LoadedCheckpoint:
     optimizer_state: dict[str, Any] | None  # rank 0's optimizer (and scheduler) state; None when not stored
     rng_state: dict[str, Any] | None  # this rank's generators (None: a rank the saving run did not have)
     shards: Path | None  # the verified sharded folder, for the backend's own load (None: not sharded)
+    adapter_state: dict[str, Any] | None = None  # LoRA adapter weights in peft's layout (None: not a LoRA checkpoint)

@@ -31,6 +31,8 @@ from alignopsd.engine.checkpoint.manifest import fsync_dir, verify_manifest, wri
 from alignopsd.engine.infra.writes import writing
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's names: PeftModel.from_pretrained(base, folder) reads them
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 def plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -71,6 +73,25 @@ def save_model_files(path: str | os.PathLike, model) -> None:
     if model.can_generate():
         with writing(Path(path) / "generation_config.json"):
             model.generation_config.save_pretrained(str(path))
+
+
+def save_adapter(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """LoRA adapter weights and config in peft's layout (``adapter_model.safetensors`` + ``adapter_config.json``)
+    into a folder that is still being built."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    with writing(path / ADAPTER_FILE):
+        save_file(plain_state_dict(state_dict), str(path / ADAPTER_FILE), metadata={"format": "pt"})
+    with writing(path / ADAPTER_CONFIG_FILE):
+        (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def load_adapter(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The adapter weights :func:`save_adapter` wrote into ``path`` (verified by the caller)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / ADAPTER_FILE))
 
 
 def load_weights(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:

@@ -137,6 +137,12 @@ class RunConfig(Section):
                 "trainer.rescoring_mode='shared_prefix' packed rows; use layer_spec 'local' or 'auto', or "
                 "rescoring_mode 'plain'",
             )
+        if self.model.lora.enabled and self.policy.backend == "megatron":
+            raise rule(
+                "model.lora.enabled",
+                "LoRA is not supported with policy.backend='megatron' (its shards train the full weights; the "
+                "adapters are peft modules on the Hugging Face model): use policy.backend='hf' or disable LoRA",
+            )
         try:
             check_device_dtype(self.model.dtype, self.trainer.device)
         except ValueError as exc:

@@ -8,6 +8,7 @@ value raises ConfigError naming the dotted key (engine/config/errors.py).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -96,6 +97,36 @@ class Section(BaseModel):
             raise ConfigError(describe(exc, cls, cls.KEY)) from None
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The default LoRA target modules: every linear layer of a Llama/Qwen2/Mistral decoder block."""
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the Hugging Face policy (peft): the base weights stay frozen (they are the reference model),
+    the optimizer holds only the adapters (fp32), checkpoints hold the adapter (engine/policy/lora.py)."""
+
+    KEY: ClassVar[str] = "model.lora"
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model (needs peft: ``pip install alignopsd[lora]``)."""
+    rank: Count = 16
+    """The adapters' rank r."""
+    alpha: Positive = 32.0
+    """lora_alpha: the update is scaled by alpha / rank."""
+    dropout: Annotated[Real, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapters' input during training forwards."""
+    target_modules: list[Name] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Names (last component) of the linear layers that get adapters; ['all-linear'] is every linear layer but
+    the output head (peft's shorthand)."""
+
+    @model_validator(mode="after")
+    def _peft_installed(self) -> Self:
+        if not self.target_modules:
+            raise rule("target_modules", "needs at least one module name")
+        if self.enabled and importlib.util.find_spec("peft") is None:
+            raise rule("enabled", "LoRA needs the peft package, which is not installed (pip install alignopsd[lora])")
+        return self
+
+
 class ModelConfig(Section):
     """The policy model."""
 
@@ -113,6 +144,8 @@ class ModelConfig(Section):
     """Attention implementation of every model of the run (policy, reference, rescoring copy): auto
     (flash_attention_2 on CUDA when flash-attn is installed, else sdpa, else eager) | sdpa | eager |
     flash_attention_2."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters (off by default: a full fine-tune)."""
 
 
 class PolicyConfig(Section):
@@ -317,8 +350,9 @@ class TrainerConfig(Section):
     keep_last: Count = 2
     """Checkpoints kept on disk."""
     export_hf_freq: OffOrCount = -1
-    """Sharded checkpoints (policy.backend megatron): also write the gathered Hugging Face weights (model.safetensors
-    + config.json, for eval and serving) into every Nth step's checkpoint; -1: only the last step's."""
+    """Sharded checkpoints (policy.backend megatron) and LoRA checkpoints (model.lora): also write the gathered
+    (LoRA: merged) Hugging Face weights (model.safetensors + config.json, for eval and serving) into every Nth step's
+    checkpoint; -1: only the last step's."""
     logprob_reuse: bool = False
     """Take old log-probs from the rollout engine (hf backend only) instead of a trainer forward."""
     fused_head_loss: bool = True

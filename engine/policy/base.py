@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from alignopsd.engine.policy.lora import LoraAdapter
 from torch import Tensor, nn
 
 
@@ -130,6 +131,10 @@ class PolicyBackend(Protocol):
 
     hf_config: Any
     """The model's Hugging Face config (written beside exported weights as ``config.json``)."""
+
+    adapter: LoraAdapter | None
+    """The policy's LoRA adapters (trained alone, checkpointed alone, disabled
+    for the reference model), or None for a full fine-tune."""
 
     hf_model: Any
     """The Hugging Face module holding the full weights (the one Hugging Face generation samples from): the Hugging

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, prompt_width
 from alignopsd.engine.policy.lm_head import LossFn, score_rows
+from alignopsd.engine.policy.lora import LoraAdapter
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
 from torch import Tensor, nn
 
@@ -99,6 +100,10 @@ class HFPolicy:
     AdamW and its moments in fp32, the model's parameters refreshed from the masters after each step), so
     updates below the low-precision resolution accumulate instead of vanishing. fp32 models use a plain
     ``torch.optim.AdamW`` on their parameters.
+
+    adapter: LoRA adapters injected into ``model`` (engine/policy/lora.py; ``model`` is then ``adapter.model``):
+    only the adapters train (fp32, a plain AdamW: they are their own fp32 masters), :meth:`hf_state_dict` and
+    :meth:`hf_weights` give the merged weights, and checkpoints hold the adapter (:attr:`adapter`).
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class HFPolicy:
         ddp: bool = True,
         gradient_checkpointing: bool = False,
         impl: str = "auto",
+        adapter: LoraAdapter | None = None,
     ) -> None:
         if not lr > 0:
             raise ValueError(f"lr: must be > 0, got {lr}")
@@ -122,6 +128,9 @@ class HFPolicy:
             raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+        if adapter is not None and adapter.model is not model:
+            raise ValueError("adapter: must be the LoRA adapter injected into this model (adapter.model is model)")
+        self.adapter = adapter
         self.model = model
         self.hf_config = getattr(model, "config", None)
         self.hf_model = model
@@ -268,17 +277,27 @@ class HFPolicy:
         return self.model.named_parameters()
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full weights in Hugging Face layout (detached; tied weights appear under both names)."""
+        """Full weights in Hugging Face layout (detached; tied weights appear under both names); with LoRA the
+        merged weights (base + adapter)."""
+        if self.adapter is not None:
+            return self.adapter.merged_state_dict()
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(name, tensor) pairs of :meth:`hf_state_dict` for the generation engine (no copy is made)."""
+        """(name, tensor) pairs of :meth:`hf_state_dict` for the generation engine (no copy is made, but the
+        merged targeted weights of a LoRA policy)."""
+        if self.adapter is not None:
+            return self.adapter.merged_weights()
         return iter(self.hf_state_dict().items())
 
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load full Hugging Face weights into the model (a tied ``lm_head`` may be absent); fp32 master weights
-        are re-seeded from them (else the next step would write the old masters back over them)."""
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        are re-seeded from them (else the next step would write the old masters back over them). With LoRA they
+        become the base and the adapters are reset to zero (the model then computes exactly these weights)."""
+        if self.adapter is not None:
+            missing, unexpected = self.adapter.load_merged(state)
+        else:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
         bad = [k for k in missing if "lm_head" not in k]
         if bad or unexpected:
             raise ValueError(f"weights do not match the model (missing {bad[:3]}, unexpected {unexpected[:3]})")

@@ -110,6 +110,14 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
         return policy
     from alignopsd.engine.policy.hf import HFPolicy
 
+    adapter = None
+    if cfg.model.lora.enabled:  # peft is imported only when asked for
+        from alignopsd.engine.policy.lora import LoraAdapter
+
+        lora = cfg.model.lora
+        adapter = LoraAdapter.wrap(
+            model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+        )
     return HFPolicy(
         model,
         lr=cfg.trainer.lr,
@@ -117,6 +125,7 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
         betas=cfg.trainer.betas,
         warmup_steps=warmup,
         gradient_checkpointing=cfg.policy.gradient_checkpointing,
+        adapter=adapter,
     )
 
 
@@ -125,8 +134,12 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
 
     A Megatron-trained policy's reference is a frozen snapshot of its own shard (``FrozenShard``: sharded like the
     policy, no gradients or optimizer state), taken here, before any update, and scored by the same backend code
-    as the old log-probs. The Hugging Face policy's reference is a second Hugging Face model read from disk."""
+    as the old log-probs. A LoRA policy's reference is its own frozen base: the same module with the adapters
+    disabled (the adapters start at zero, so the base is the initial policy; no second copy is loaded). The Hugging
+    Face policy's reference is otherwise a second Hugging Face model read from disk."""
     temperature = cfg.generation.temperature
+    if policy.adapter is not None:
+        return Rescorer(policy.model, mode="plain", temperature=temperature, scope=policy.adapter.disabled)
     if policy.scores_itself:
         from alignopsd.engine.policy.megatron.scoring import FrozenShard
 

@@ -36,6 +36,7 @@ from typing import Any
 from alignopsd.engine.checkpoint.checkpoint import resolve_resume
 from alignopsd.engine.checkpoint.manifest import ManifestError
 from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer_state
+from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
@@ -163,7 +164,7 @@ def _check_weights_fit(path: Path, cfg: RunConfig, state: TrainerState) -> None:
     """A resume whose config changes (--allow-config-change): the checkpoint's weights must fit the configured
     model, checked from the safetensors header before any model is built (engine/config/arch_check.py). A sharded
     checkpoint's layout is checked above and by its backend (layout.json)."""
-    if not state.sharded:
+    if not state.sharded and (path / WEIGHTS_FILE).is_file():  # a LoRA checkpoint's adapter is checked when loaded
         check_architecture(path, cfg.model.name, what="--resume: checkpoint")
 
 

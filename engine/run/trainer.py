@@ -132,13 +132,17 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step. A backend with a sharded save (Megatron) writes its shards from every rank
         (torch.distributed.checkpoint) and a gathered Hugging Face export only when :meth:`export_due`; the
-        others write the gathered weights and optimizer state (engine/checkpoint/checkpoint.py)."""
+        others write the gathered weights and optimizer state (engine/checkpoint/checkpoint.py); a LoRA policy its
+        adapter and optimizer state, with the merged weights only when :meth:`export_due`."""
         policy = self.parts.policy
         sharded = policy.sharded_checkpoint
+        adapter = policy.adapter
+        full = not sharded and adapter is None
         return save_checkpoint(
             self.ckpt_dir,
             self.step,
-            model_state=policy.hf_state_dict() if not sharded or self.export_due() else None,
+            model_state=policy.hf_state_dict() if full or self.export_due() else None,
+            adapter=(adapter.adapter_state(), adapter.adapter_config()) if adapter is not None else None,
             optimizer_state=None if sharded else policy.optimizer_state(),
             trainer_state=TrainerState(
                 step=self.step,
@@ -158,8 +162,8 @@ class Trainer:
         )
 
     def export_due(self) -> bool:
-        """A sharded checkpoint carries a Hugging Face export every ``trainer.export_hf_freq`` steps and at the
-        end of the run."""
+        """A sharded or LoRA checkpoint carries a Hugging Face export (LoRA: the merged weights) every
+        ``trainer.export_hf_freq`` steps and at the end of the run."""
         freq = self.cfg.trainer.export_hf_freq
         return self.step == self.cfg.trainer.total_steps or (freq > 0 and self.step % freq == 0)
 
@@ -177,7 +181,7 @@ class Trainer:
             policy.load_checkpoint(ck.shards, verify=False)  # verified with the checkpoint
         else:
             try:
-                policy.load_hf_state_dict(ck.model_state)
+                self._load_weights(path, ck.model_state, ck.adapter_state)
                 if ck.optimizer_state is not None:
                     policy.load_optimizer_state(ck.optimizer_state)
             except ValueError as exc:
@@ -193,6 +197,19 @@ class Trainer:
             derived_rng_state(self.cfg.trainer.seed, self.rank, self.step)
         else:
             restore_rng_state(ck.rng_state)
+
+    def _load_weights(self, path: Path, model_state: dict | None, adapter_state: dict | None) -> None:
+        """A plain checkpoint's weights into the policy: the full weights, or a LoRA checkpoint's adapter (its base
+        is the configured model, loaded already)."""
+        adapter = self.parts.policy.adapter
+        if adapter is None and adapter_state is not None:
+            raise ConfigError(f"--resume: {path} holds a LoRA adapter; resume it with model.lora.enabled=true")
+        if adapter is not None and adapter_state is None:
+            raise ConfigError(f"--resume: {path} holds full weights, not a LoRA adapter; set model.lora.enabled=false")
+        if adapter is not None:
+            adapter.load_adapter_state(adapter_state)
+        else:
+            self.parts.policy.load_hf_state_dict(model_state)
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 

@@ -13,8 +13,10 @@ backend scoring its own rows) is engine/policy/row_scoring.py; the counts it rep
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +80,8 @@ class Rescorer:
     scores the rows ``[prompt_ids[row_prompt] | resp_ids]`` instead of ``model`` (student and teacher rows alike)
     and adds its counts to ``stats``: a policy backend that is not ``model`` scores with itself, in the mode
     :func:`backend_scorer` was given (the same ``mode`` as here).
+    scope: a context every forward of ``model`` runs in (a LoRA policy's reference: its adapters disabled,
+    ``LoraAdapter.disabled``).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class Rescorer:
         reuse_rollout_logp: bool = False,
         check_reuse: bool = False,
         scorer=None,
+        scope: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         if mode not in RESCORING_MODES:
             raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
@@ -112,6 +117,8 @@ class Rescorer:
         if scorer is not None and not callable(scorer):
             raise ValueError(f"scorer: expected a callable, got {type(scorer).__name__}")
         self.scorer = scorer
+        self.scope = scope or contextlib.nullcontext
+        self.scoped = scope is not None
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
         """Score the rows on the model's device; results come back on the device of ``resp_ids``."""
@@ -121,20 +128,23 @@ class Rescorer:
         back = resp_ids.device
         dev = module_device(self.model)
         rows = [devices.to_device(t, dev) for t in (prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask)]
-        if self.mode == "plain":
-            lp, en = score_plain(self.model, *rows, **kw, stats=stats)
-        else:
-            lp, en = score_shared_prefix(
-                self.model, *rows, **kw, dedupe=self.dedupe, max_prefix_tokens=self.max_prefix_tokens, stats=stats
-            )
+        with self.scope():
+            if self.mode == "plain":
+                lp, en = score_plain(self.model, *rows, **kw, stats=stats)
+            else:
+                lp, en = score_shared_prefix(
+                    self.model, *rows, **kw, dedupe=self.dedupe, max_prefix_tokens=self.max_prefix_tokens, stats=stats
+                )
         return lp.to(back), (en.to(back) if en is not None else None)
 
     def reads_prompt_cache(self, generator) -> bool:
         """Whether the teacher forcing can read the privileged prompts' keys and values that ``generator`` keeps
         (engine/step/cached_scoring.py): the generator keeps them (the CPU decoding cache) and samples from this
-        scorer's own model (same module, same weights), which scores in the ``shared_prefix`` mode by itself."""
+        scorer's own model (same module, same weights, no :attr:`scope`), which scores in the ``shared_prefix`` mode
+        by itself."""
         keeps = generator is not None and generator.keeps_prompt_cache
-        return keeps and self.scorer is None and self.mode == "shared_prefix" and samples_from(generator, self.model)
+        own = self.scorer is None and not self.scoped and self.mode == "shared_prefix"
+        return keeps and own and samples_from(generator, self.model)
 
     @torch.no_grad()
     def student_logprobs(self, batch: TurnBatch, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None, dict]:

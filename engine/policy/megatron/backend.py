@@ -124,6 +124,7 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
 
         self.hf_config = hf_config
+        self.adapter = None  # no LoRA: the shards train the full weights (refused at config load)
         self.hf_model = None  # a full Hugging Face copy for generation, set by the run where it keeps one
         self.dims = Dims.from_hf_config(hf_config)
         pad = getattr(hf_config, "pad_token_id", None)
