@@ -10,10 +10,11 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
     manifest.json              every file above with its size and CRC-32 (manifest.py), and the checkpoint
                                format's version (trainer_state.py: ``format_version``), written last
 
-A LoRA checkpoint (a policy trained through adapters, engine/policy/lora.py) holds the adapter in peft's layout,
-``adapter_model.safetensors`` + ``adapter_config.json`` (``PeftModel.from_pretrained(base, folder)`` loads it), with the
-optimizer file as above; its ``model.safetensors`` (+ ``config.json``) is the merged model, written only on the steps
-the caller asks for (as a sharded checkpoint's export) and never read back to resume: the adapter is.
+A LoRA checkpoint (a policy trained through adapters, engine/policy/lora.py) holds the adapter in peft's layout in
+``adapter/`` (``adapter_model.safetensors`` + ``adapter_config.json``: ``PeftModel.from_pretrained(base, step/adapter)``
+loads it), listed in the same manifest, with the optimizer file as above; its ``model.safetensors`` (+ ``config.json``)
+is the merged model, written only on the steps the caller asks for (as a sharded checkpoint's export) and never read
+back to resume: the adapter is.
 
 A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
 optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
@@ -77,6 +78,7 @@ from alignopsd.engine.checkpoint.trainer_state import (
 )
 from alignopsd.engine.checkpoint.weights import (
     ADAPTER_CONFIG_FILE,
+    ADAPTER_DIR,
     ADAPTER_FILE,
     WEIGHTS_FILE,
     install_folder,
@@ -90,6 +92,8 @@ from alignopsd.engine.infra.writes import WriteFailure, writing
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 OPTIMIZER_FILE = "optimizer.safetensors"
 SHARDS_DIR = "shards"
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
+ADAPTER_CONFIG = f"{ADAPTER_DIR}/{ADAPTER_CONFIG_FILE}"
 SHARDS_METADATA = f"{SHARDS_DIR}/.metadata"  # written last by torch.distributed.checkpoint: the shards are all there
 
 
@@ -152,9 +156,9 @@ def derived_rng_state(seed: int, rank: int, step: int) -> None:
 
 def _require_weights(path: Path, files: dict[str, Any]) -> None:
     """A checkpoint holds its weights: the Hugging Face weights file, a sharded folder or a LoRA adapter."""
-    if WEIGHTS_FILE not in files and SHARDS_METADATA not in files and ADAPTER_FILE not in files:
+    if WEIGHTS_FILE not in files and SHARDS_METADATA not in files and ADAPTER_WEIGHTS not in files:
         raise ManifestError(
-            f"{path}: none of {WEIGHTS_FILE!r}, {SHARDS_METADATA!r}, {ADAPTER_FILE!r} is listed in {MANIFEST} "
+            f"{path}: none of {WEIGHTS_FILE!r}, {SHARDS_METADATA!r}, {ADAPTER_WEIGHTS!r} is listed in {MANIFEST} "
             "(missing part)"
         )
 
@@ -294,7 +298,7 @@ def save_checkpoint(
     ``model_state`` the optional Hugging Face export (None: no ``model.safetensors``).
 
     LoRA: ``adapter`` is (weights, config) in peft's layout, written as ``adapter_model.safetensors`` +
-    ``adapter_config.json``; ``model_state`` is then the optional merged export.
+    ``adapter_config.json`` in ``adapter/``; ``model_state`` is then the optional merged export.
     """
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
@@ -336,7 +340,7 @@ def save_checkpoint(
                 entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
         if rank == 0:
             if adapter is not None:
-                save_adapter(tmp, *adapter)
+                save_adapter(tmp / ADAPTER_DIR, *adapter)
             _write_rank0_files(tmp, model_state, optimizer_state, state, hf_config, extra_files)
             # flushes every file, then the manifest, last
             write_manifest(tmp, entries, fields={"format_version": FORMAT_VERSION})
@@ -423,9 +427,9 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
     sharded = trainer_state.sharded
     if sharded and SHARDS_METADATA not in files:
         raise ManifestError(f"{path}: {SHARDS_METADATA!r} is not listed in {MANIFEST} (missing part)")
-    adapter = ADAPTER_FILE in files
-    if adapter and ADAPTER_CONFIG_FILE not in files:
-        raise ManifestError(f"{path}: {ADAPTER_CONFIG_FILE!r} is not listed in {MANIFEST} (missing part)")
+    adapter = ADAPTER_WEIGHTS in files
+    if adapter and ADAPTER_CONFIG not in files:
+        raise ManifestError(f"{path}: {ADAPTER_CONFIG!r} is not listed in {MANIFEST} (missing part)")
     if not sharded and not adapter and WEIGHTS_FILE not in files:
         raise ManifestError(f"{path}: {WEIGHTS_FILE!r} is not listed in {MANIFEST} (missing part)")
     optimizer_state = load_state(path / OPTIMIZER_FILE) if OPTIMIZER_FILE in files else None
@@ -445,7 +449,7 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, restore_rng: bool
         optimizer_state=optimizer_state,
         rng_state=rng_state,
         shards=path / SHARDS_DIR if sharded else None,
-        adapter_state=load_adapter(path) if adapter else None,
+        adapter_state=load_adapter(path / ADAPTER_DIR) if adapter else None,
     )
 
 

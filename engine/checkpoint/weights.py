@@ -31,6 +31,8 @@ from alignopsd.engine.checkpoint.manifest import fsync_dir, verify_manifest, wri
 from alignopsd.engine.infra.writes import writing
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_DIR = "adapter"  # a checkpoint's LoRA adapter folder (apart from the merged weights: transformers would
+# otherwise take a folder holding both for an adapter and load it onto its base, the adapter applied twice)
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's names: PeftModel.from_pretrained(base, folder) reads them
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 
@@ -81,6 +83,8 @@ def save_adapter(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], c
     from safetensors.torch import save_file
 
     path = Path(path)
+    with writing(path):
+        path.mkdir(parents=True, exist_ok=True)
     with writing(path / ADAPTER_FILE):
         save_file(plain_state_dict(state_dict), str(path / ADAPTER_FILE), metadata={"format": "pt"})
     with writing(path / ADAPTER_CONFIG_FILE):
