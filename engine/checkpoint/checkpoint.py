@@ -10,11 +10,9 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
     manifest.json              every file above with its size and CRC-32 (manifest.py), and the checkpoint
                                format's version (trainer_state.py: ``format_version``), written last
 
-A LoRA checkpoint (a policy trained through adapters, engine/policy/lora.py) holds the adapter in peft's layout in
-``adapter/`` (``adapter_model.safetensors`` + ``adapter_config.json``: ``PeftModel.from_pretrained(base, step/adapter)``
-loads it), listed in the same manifest, with the optimizer file as above; its ``model.safetensors`` (+ ``config.json``)
-is the merged model, written only on the steps the caller asks for (as a sharded checkpoint's export) and never read
-back to resume: the adapter is.
+A LoRA checkpoint (engine/policy/lora.py) holds the adapter in peft's layout in ``adapter/`` (adapter_model.safetensors
++ adapter_config.json, for ``PeftModel.from_pretrained``) and the optimizer file; its ``model.safetensors`` (+
+``config.json``) is the merged model, written only on the steps the caller asks for, never read back to resume.
 
 A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the
 optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model shards, optimizer and scheduler
@@ -300,20 +298,14 @@ def save_checkpoint(
     LoRA: ``adapter`` is (weights, config) in peft's layout, written as ``adapter_model.safetensors`` +
     ``adapter_config.json`` in ``adapter/``; ``model_state`` is then the optional merged export.
     """
-    if step < 0:
-        raise ValueError(f"step: must be >= 0, got {step}")
-    if keep_last < 1:
-        raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
+    _check_save_args(step, keep_last, has_weights=not (model_state is None and shards is None and adapter is None))
     state = _saved_state(trainer_state, step, world_size=world_size, sharded=shards is not None)
-    if model_state is None and shards is None and adapter is None:
-        raise ValueError("model_state: required unless the checkpoint is sharded (shards=...) or holds an adapter")
     ckpt_dir = Path(ckpt_dir)
     if shards is not None:
         check_finite(shard_state or {}, step=step, ckpt_dir=ckpt_dir, gather=gather)
-    if model_state is not None:
-        check_finite(model_state, step=step, ckpt_dir=ckpt_dir)
-    if adapter is not None:
-        check_finite(adapter[0], step=step, ckpt_dir=ckpt_dir)
+    for weights in (model_state, adapter[0] if adapter is not None else None):
+        if weights is not None:
+            check_finite(weights, step=step, ckpt_dir=ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
     sync = barrier or (lambda: None)
@@ -339,9 +331,7 @@ def save_checkpoint(
             if rank == 0:
                 entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
         if rank == 0:
-            if adapter is not None:
-                save_adapter(tmp / ADAPTER_DIR, *adapter)
-            _write_rank0_files(tmp, model_state, optimizer_state, state, hf_config, extra_files)
+            _write_rank0_files(tmp, model_state, optimizer_state, state, hf_config, extra_files, adapter)
             # flushes every file, then the manifest, last
             write_manifest(tmp, entries, fields={"format_version": FORMAT_VERSION})
     except WriteFailure as exc:
@@ -352,6 +342,15 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
     sync()
     return final
+
+
+def _check_save_args(step: int, keep_last: int, *, has_weights: bool) -> None:
+    if step < 0:
+        raise ValueError(f"step: must be >= 0, got {step}")
+    if keep_last < 1:
+        raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
+    if not has_weights:
+        raise ValueError("model_state: required unless the checkpoint is sharded (shards=...) or holds an adapter")
 
 
 def _saved_state(trainer_state: TrainerState | None, step: int, *, world_size: int, sharded: bool) -> TrainerState:
@@ -398,8 +397,11 @@ def _write_rank0_files(
     trainer_state: TrainerState,
     hf_config: Any,
     extra_files: dict[str, bytes] | None,
+    adapter: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
 ) -> None:
     """The files rank 0 writes into the unfinished checkpoint folder (everything but the manifest)."""
+    if adapter is not None:
+        save_adapter(tmp / ADAPTER_DIR, *adapter)
     if model_state is not None:
         save_weights(tmp, model_state, hf_config)
     if optimizer_state is not None:
