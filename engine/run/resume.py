@@ -60,6 +60,9 @@ TRAJECTORY_NEUTRAL = frozenset(
         "env.step_timeout_s",
     }
 )
+# sections added after checkpoints were first written, with the switch that turns them on: absent from an older
+# checkpoint's config they were off, so their keys are no change while the switch stays off
+ADDED_SECTIONS = {"model.lora.": "model.lora.enabled"}
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
 SHARDED_LAYOUT = frozenset(
@@ -104,6 +107,8 @@ def config_changes(
                 neutral.append(line)
                 continue
             line += " (changes the warm-up length)"
+        if a is missing and any(key.startswith(sec) and new.get(on) is False for sec, on in ADDED_SECTIONS.items()):
+            continue
         (neutral if key in TRAJECTORY_NEUTRAL else blocking).append(line)
     if saved_world != world:
         neutral.append(f"{WORLD_SIZE_KEY}: {saved_world} -> {world}")
