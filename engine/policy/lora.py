@@ -50,15 +50,20 @@ class LoraAdapter:
         cls, model: nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]
     ) -> LoraAdapter:
         """Inject LoRA layers into ``model`` (in place; its own weights are frozen). ValueError when no layer
-        matches ``target_modules`` (names are the layers' last components, or ``['all-linear']``)."""
+        matches ``target_modules`` (names are the layers' last components, or ``['all-linear']``).
+
+        ``lora_A``'s random start is drawn from forked generators: the run's random stream is the one a full
+        fine-tune of the same seed draws from, so both sample the same first batch (``lora_B`` starts at zero)."""
         from peft import LoraConfig, get_peft_model
 
         targets: str | list[str] = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
         config = LoraConfig(
             r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
         )
+        dev = next(model.parameters()).device
         try:
-            peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+            with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type=dev.type):
+                peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise ValueError(f"model.lora.target_modules: {exc}") from None
         return cls(peft_model)
