@@ -70,6 +70,10 @@ def test_lora_trains_only_the_adapters(lora_run):
     adapters = {id(p) for n, p in policy.model.named_parameters() if ".lora_" in n}
     assert {id(p) for p in held} == adapters and all(p.dtype == torch.float32 for p in held)
     assert all(r["time/reference"] > 0 and "actor/kl_loss" in r for r in recs)  # the KL reference pass ran
+    # through the fused head loss and, for AlignOPSD's teacher forcing, the shared-prefix scoring
+    assert tr.cfg.trainer.fused_head_loss and tr.cfg.trainer.rescoring_mode == "shared_prefix"
+    if tr.cfg.algorithm.estimator == "alignopsd":
+        assert all(r["time/teacher_forcing"] > 0 and r["m1/teacher_forcing_row_count"] > 0 for r in recs)
     ref = tr.parts.ref_scorer
     assert ref.model is policy.model  # the frozen base of the same module: no second copy of the weights
     ids, mask = _rows()
