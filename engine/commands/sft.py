@@ -47,10 +47,10 @@ def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int) -> tuple[li
 def response_loss(model, examples: list[tuple[list[int], list[int]]], compute_dtype=None):
     """Mean next-token cross entropy over the response tokens of ``examples``.
 
-    Each example goes through the model alone, unpadded: with right padding the real
-    positions never attend to the padding, so a padded batch computes the same loss, but it pushes every example to
-    the longest one's width, about a third more positions for the quickstart's batches of 4 (prompts of 300-700
-    tokens); a single causal row also takes SDPA's mask-free path."""
+    Each example goes through the model alone, unpadded: with right padding the real positions never attend to the
+    padding, so a padded batch computes the same loss, but it pushes every example at the longest one's width (the
+    quickstart's examples average 400 tokens, prompt and response); a single causal row also takes SDPA's mask-free
+    path."""
     dev = next(model.parameters()).device
     total = None
     count = 0

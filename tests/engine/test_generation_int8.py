@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import learn_helpers as lh
 import pytest
 import torch
 from alignopsd.engine.config.schema import ConfigError, load_config
@@ -84,13 +83,15 @@ def test_quantize_auto_follows_the_policy_dtype():
 
 
 def test_a_step_with_int8_rollouts_measures_and_corrects_the_gap(tmp_path):
+    from alignopsd.engine.run.trainer import Trainer
+
     torch.set_num_threads(1)
     ov = ["trainer.total_steps=1", f"output_dir={tmp_path}", "generation.quantize=int8", "env.tasks_per_step=1"]
-    tr = lh.build_trainer(TINY, [*ov, "trainer.rollout_is=token_truncate", "generation.max_response_length=8"])
+    cfg = load_config(TINY, [*ov, "trainer.rollout_is=token_truncate", "generation.max_response_length=8"])
+    tr = Trainer(cfg)
     assert isinstance(tr.parts.generator, Int8Generator)
     before = tr.parts.generator.quantizations
-    metrics = tr.fit()
+    rec = tr.fit()  # the last step's metrics
     assert tr.parts.generator.quantizations > before  # the update's weights were pushed and quantized
-    rec = metrics
     assert rec["mismatch/tokens"] > 0 and rec["mismatch/abs_diff_max"] > 0
     assert "rollout_is/mean" in rec
