@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast test-dist lint format bench clean
+.PHONY: install run run-avx2 test test-fast test-dist lint format bench clean
 
 install: $(STAMP)
 
@@ -28,8 +28,15 @@ $(STAMP):
 
 # The quickstart (about 14 minutes on 2 cores with native bf16): easy generated games, held-out success of the base model, a
 # supervised warm start on the expert walkthroughs, the AlignOPSD updates from it, held-out success after each.
+RUN := $(BIN)/python -m alignopsd.engine sft --pipeline --easy-games --config configs/quickstart_cpu.yaml --steps 60
+
 run: install
-	$(BIN)/python -m alignopsd.engine sft --pipeline --easy-games --config configs/quickstart_cpu.yaml --steps 60
+	$(RUN)
+
+# The quickstart as on a CPU with AVX2 only (no AVX-512, no native bf16), on any x86 machine with AVX2: torch, MKL,
+# oneDNN and FBGEMM held to AVX2, model.dtype auto -> float32 (engine/parallel/cpu_profile.py).
+run-avx2: install
+	$(BIN)/python -m alignopsd.engine.parallel.cpu_profile avx2 -- $(RUN)
 
 test: install
 	$(BIN)/python -m pytest -q -m "not distributed" tests

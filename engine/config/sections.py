@@ -215,6 +215,12 @@ class GenerationConfig(Section):
     """vLLM: skip CUDA graphs."""
     vllm_sleep: bool | None = None
     """vLLM sleep mode while training; None: where vLLM supports it (CUDA)."""
+    quantize: Literal["off", "int8", "auto"] = "off"
+    """Weights of the hf backend's forward (rollouts, teacher samples, evaluation): off (the trained module itself)
+    | int8 (an int8 copy on the CPU, quantized again after every update: engine/generation/int8.py; the trainer
+    recomputes every sampled token's log-prob in its own precision, mismatch/* measures the gap and
+    trainer.rollout_is corrects it) | auto (int8 where the policy computes in float32 on the CPU, i.e. a CPU without
+    native bf16; else off)."""
 
     @model_validator(mode="after")
     def _teacher_samples_like_the_student(self) -> Self:
@@ -224,6 +230,8 @@ class GenerationConfig(Section):
                 f"{self.teacher_do_sample!r} disagrees with generation.do_sample={self.do_sample!r}; the teacher "
                 "samples exactly like the student (ALGORITHM.md §2.1)",
             )
+        if self.quantize == "int8" and self.backend != "hf":
+            raise rule("quantize", f"int8 quantizes the hf backend's model; generation.backend is {self.backend!r}")
         return self
 
 

@@ -100,6 +100,23 @@ def check_draws(draws: list[int], probs_BV: Tensor, rows: list[int]) -> None:
             )
 
 
+@torch.no_grad()
+def copy_weights(model, state_dict: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+    """Copy ``state_dict`` (HF names) into ``model``'s tensors in place; a tensor that already is the model's own
+    storage (a shared trainer model) is skipped. Unknown names and other shapes raise ValueError."""
+    items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    own = model.state_dict(keep_vars=True)
+    for name, value in items:
+        if name not in own:
+            raise ValueError(f"state_dict: unknown parameter {name!r} for this model")
+        dst = own[name]
+        if dst.data_ptr() == value.data_ptr() and dst.shape == value.shape:
+            continue
+        if dst.shape != value.shape:
+            raise ValueError(f"state_dict: {name!r} has shape {tuple(value.shape)}, model has {tuple(dst.shape)}")
+        dst.data.copy_(value.to(device=dst.device, dtype=dst.dtype))
+
+
 def _eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -156,17 +173,7 @@ class HFGenerator:
     def load_weights(self, state_dict: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
         """Copy ``state_dict`` (HF names) into the model in place; tensors that already are the model's own
         storage (a shared trainer model) are skipped. Unknown names raise ValueError."""
-        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-        own = self.model.state_dict(keep_vars=True)
-        for name, value in items:
-            if name not in own:
-                raise ValueError(f"state_dict: unknown parameter {name!r} for this model")
-            dst = own[name]
-            if dst.data_ptr() == value.data_ptr() and dst.shape == value.shape:
-                continue
-            if dst.shape != value.shape:
-                raise ValueError(f"state_dict: {name!r} has shape {tuple(value.shape)}, model has {tuple(dst.shape)}")
-            dst.data.copy_(value.to(device=dst.device, dtype=dst.dtype))
+        copy_weights(self.model, state_dict)
 
     def sleep(self) -> None:
         """Nothing to give back: it samples from a module the trainer holds anyway."""

@@ -172,7 +172,21 @@ def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: to
         return ChoiceGenerator(hf_model_of(policy), tokenizer)
     from alignopsd.engine.generation.hf import HFGenerator
 
-    return HFGenerator(hf_model_of(policy), tokenizer)
+    model = hf_model_of(policy)
+    if generation_int8(cfg.generation.quantize, model):
+        from alignopsd.engine.generation.int8 import Int8Generator
+
+        return Int8Generator(model, tokenizer)
+    return HFGenerator(model, tokenizer)
+
+
+def generation_int8(quantize: str, model: nn.Module) -> bool:
+    """Whether the hf generator samples from an int8 copy (``generation.quantize``): ``int8``, or ``auto`` where the
+    policy's model computes in float32 on the CPU (no native bf16 there: engine/parallel/hardware.py)."""
+    if quantize == "auto":
+        p = next(model.parameters())
+        return p.device.type == "cpu" and p.dtype is torch.float32
+    return quantize == "int8"
 
 
 def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:

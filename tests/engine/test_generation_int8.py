@@ -1,0 +1,97 @@
+"""The int8 generator (``generation.quantize``): a quantized copy the trainer never reads, re-quantized at every weight
+sync, its log-prob gap measured by the step's mismatch metrics and corrected by the rollout correction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.generation.base import SamplingParams, samples_from
+from alignopsd.engine.generation.int8 import Int8Generator, quantized_copy
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
+from alignopsd.engine.run.components import generation_int8
+from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of ``response`` after ``prompt``, one fp32 forward. [len(response)]"""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny")
+
+
+def _prompts(tok):
+    texts = ["go north", "take the apple from the table and put it in the fridge"]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
+
+
+def test_samples_from_an_int8_copy_close_to_the_fp32_model(tok):
+    torch.set_num_threads(1)
+    model = load_causal_lm("tiny", dtype="float32")
+    g = Int8Generator(model, tok)
+    assert not samples_from(g, model) and not g.keeps_prompt_cache
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # the trainer's untouched
+    q = [m for m in g.model.modules() if isinstance(m, Int8Linear)]
+    assert len(q) == 7 * model.config.num_hidden_layers + 1  # q k v o gate up down per layer, and the LM head
+    prompts = _prompts(tok)
+    out = g.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.7, seed=5))
+    gaps = []
+    for p, r, lp in zip(prompts, out.token_ids, out.logprobs):
+        ref = teacher_forced_logprobs(model, p, r, 0.7)
+        gaps.append((torch.tensor(lp) - ref).abs())
+    gap = torch.cat(gaps)
+    assert 0 < float(gap.mean()) < 0.3  # int8, not the fp32 model, but near it (random weights: the worst case)
+
+
+def test_load_weights_quantizes_the_new_weights(tok):
+    model = load_causal_lm("tiny", dtype="float32")
+    g = Int8Generator(model, tok)
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    new["model.layers.0.mlp.up_proj.weight"].mul_(-2.0)
+    g.load_weights(new)
+    assert g.quantizations == 2
+    w = g.model.model.layers[0].mlp.up_proj.weight().dequantize()
+    ref = new["model.layers.0.mlp.up_proj.weight"]
+    step = ref.abs().amax(1, keepdim=True) / 127  # one int8 step per output channel
+    assert bool(((w - ref).abs() <= step).all())
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, ref)  # the trainer's model is not written
+    with pytest.raises(ValueError, match="unknown parameter"):
+        g.load_weights({"nope.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="float32"):
+        quantized_copy(load_causal_lm("tiny", dtype="bfloat16"))
+
+
+def test_quantize_auto_follows_the_policy_dtype():
+    fp32, bf16 = nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16)
+    assert generation_int8("auto", fp32) and not generation_int8("auto", bf16)
+    assert generation_int8("int8", bf16) and not generation_int8("off", fp32)
+    with pytest.raises(ConfigError, match="generation.quantize"):
+        load_config(TINY, ["generation.quantize=int8", "generation.backend=choice"])
+
+
+def test_a_step_with_int8_rollouts_measures_and_corrects_the_gap(tmp_path):
+    from alignopsd.engine.run.trainer import Trainer
+
+    torch.set_num_threads(1)
+    ov = ["trainer.total_steps=1", f"output_dir={tmp_path}", "generation.quantize=int8", "env.tasks_per_step=1"]
+    cfg = load_config(TINY, [*ov, "trainer.rollout_is=token_truncate", "generation.max_response_length=8"])
+    tr = Trainer(cfg)
+    assert isinstance(tr.parts.generator, Int8Generator)
+    before = tr.parts.generator.quantizations
+    rec = tr.fit()  # the last step's metrics
+    assert tr.parts.generator.quantizations > before  # the update's weights were pushed and quantized
+    assert rec["mismatch/tokens"] > 0 and rec["mismatch/abs_diff_max"] > 0
+    assert "rollout_is/mean" in rec
