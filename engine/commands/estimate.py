@@ -16,7 +16,8 @@ Every stage's time is work x calibrated rate; the work comes from the config and
 - **RL steps**: ``trainer.total_steps`` steps whose phases' work is the plan's (engine/cost/step_plan.py: the
   config's batch with the quickstart's measured means where the config has only maxima), at the calibrated rates
   (engine/cost/calibrated.py), plus the environment, encoder and bookkeeping (:data:`STEP_OTHER_SECONDS`);
-- each stage that builds a model pays the calibration's measured load time.
+- each stage that builds a model pays the calibration's measured load time (and :data:`SETUP_SECONDS` where it
+  starts environment workers).
 
 The constants are measured means of the quickstart's own runs (bench/results/quickstart-2026-12-02.md and
 bench/results/estimate-2026-12-03.md), stated as fractions of the config's maxima where the config has maxima, so
@@ -39,8 +40,9 @@ PROMPT_MEAN = 350.0  # an ALFWorld turn's prompt (history 1), tokens (rollout/pr
 RESPONSE_MEAN = 41.0  # a warm-started model's response (<think>/<action>), tokens
 EXAMPLE_TOKENS = 389.0  # a warm-start example, prompt + response (93,306 tokens / 240 expert turns)
 EXAMPLES_PER_GAME = 7.5  # expert turns of an easy game with the search detours (240 / 32)
-EXPERT_SECONDS_PER_GAME = 0.5  # playing one game's walkthrough through the environment (Python)
-TURNS_FRACTION = 0.95  # turns a warm-started model plays of env.max_turns in evaluation (7.4-7.75 of 8)
+EXPERT_SECONDS_PER_GAME = 0.2  # playing one game's walkthrough through the environment (6 s for 32 games)
+SETUP_SECONDS = 8.0  # a stage's start besides the model load: environment workers, thinking encoder, first batch
+TURNS_FRACTION = 0.85  # turns a warm-started model plays of env.max_turns in evaluation (6.1-7.75 of 8)
 ENV_SECONDS_PER_TURN = 0.01  # one environment step of one episode (the workers' TextWorld step)
 STEP_OTHER_SECONDS = 1.0  # per RL step: thinking encoder, selection, credit, bookkeeping
 SAVE_SECONDS = 3.0  # writing a checkpoint of the 135M model (warm start, last RL step)
@@ -88,7 +90,7 @@ def eval_stage(cfg, shape: ModelShape, r: PhaseRates, *, base: bool, load_s: flo
     else:
         resp = min(RESPONSE_MEAN, budget)
         turns, steps = e.max_turns * TURNS_FRACTION, min(budget, STEPS_PER_RESPONSE * resp)
-    t = load_s + _decode_turns(shape, r, e.val_tasks, turns, prompt, steps, resp)
+    t = load_s + SETUP_SECONDS + _decode_turns(shape, r, e.val_tasks, turns, prompt, steps, resp)
     how = f"{e.val_tasks} games x {turns:g} turns, {steps:.0f} decoding steps of {e.val_tasks} rows per turn"
     return t, how
 
@@ -120,7 +122,7 @@ def rl_stage(cfg, shape: ModelShape, r: PhaseRates, *, load_s: float) -> tuple[f
     env = counts.rows * ENV_SECONDS_PER_TURN
     per_step = sum(phases.values()) + env + STEP_OTHER_SECONDS
     n = cfg.trainer.total_steps
-    t = load_s + n * per_step + SAVE_SECONDS
+    t = load_s + SETUP_SECONDS + n * per_step + SAVE_SECONDS
     how = f"{n} steps x {per_step:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()) + ")"
     return t, how, phases
 

@@ -6,6 +6,9 @@ run then starts from with ``model.name: DIR``. ``--pipeline`` runs the whole qui
 evaluation of the base model, the warm start, its evaluation, the RL run starting from it, and the RL model's
 evaluation, all on the same held-out games; the three held-out rows are printed and written into ``report.md``.
 ``--easy-games`` plays generated pick-and-place games in small rooms whose expert walkthrough fits the turn limit.
+The pipeline's first lines give the CPU profile (torch's kernel capability, the native-bf16 verdict, the dtype) and
+an estimate of each stage's time from a few seconds of calibration on the run's own code paths
+(engine/commands/estimate.py); ``--estimate`` prints them and exits.
 
 The data (one example per expert turn): the prompt is what the rollout would give the policy at that turn (the
 episode is played through the engine's :class:`EnvManager` with the expert's actions, and its user text goes

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine.commands.estimate import estimate_pipeline, format_estimate
+from alignopsd.engine.commands.estimate import (
+    ENV_SECONDS_PER_TURN,
+    EXPERT_SECONDS_PER_GAME,
+    SAVE_SECONDS,
+    SETUP_SECONDS,
+    estimate_pipeline,
+    format_estimate,
+)
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.cost.calibrated import PhaseRates, fit_step, part_time, predict_phases
 from alignopsd.engine.cost.cost_model import Part, PhaseWork
@@ -68,16 +75,18 @@ def test_the_estimate_follows_the_config_and_the_pipeline_parameters():
     assert base["games"] == 0 and all(v > 0 for k, v in base.items() if k != "games")
     assert _stages(_quickstart(), r, games=48)["games"] > 0
     half = _stages(_quickstart(), r, steps=30)
-    load_play = r.probes["load"] + 32 * 0.5 + 3.0  # what does not scale with the steps
+    load_play = r.probes["load"] + 32 * EXPERT_SECONDS_PER_GAME + SAVE_SECONDS  # what does not scale with the steps
     assert half["warm start"] - load_play == pytest.approx((base["warm start"] - load_play) / 2)
     fewer = _stages(_quickstart(["env.val_tasks=8"]), r)
     assert fewer["eval base"] < base["eval base"] and fewer["warm start"] == base["warm start"]
     shorter = _stages(_quickstart(["generation.max_response_length=32"]), r)
     assert shorter["eval base"] < base["eval base"] and shorter["RL steps (3)"] < base["RL steps (3)"]
     more = _stages(_quickstart(["trainer.total_steps=6"]), r)
-    assert more["RL steps (6)"] > 1.9 * (base["RL steps (3)"] - r.probes["load"] - 3.0)
+    fixed = r.probes["load"] + SETUP_SECONDS + SAVE_SECONDS
+    assert more["RL steps (6)"] - fixed == pytest.approx(2 * (base["RL steps (3)"] - fixed))
     slower = _stages(_quickstart(), _rates(step_s=0.1, decode_flops=1e8, prefill_flops=5e8))
-    assert slower["eval base"] == pytest.approx(2 * (base["eval base"] - 2.0 - 16 * 8 * 0.01) + 2.0 + 16 * 8 * 0.01)
+    fixed += 16 * 8 * ENV_SECONDS_PER_TURN - SAVE_SECONDS  # no save; the base model plays all 8 turns of the 16 games
+    assert slower["eval base"] - fixed == pytest.approx(2 * (base["eval base"] - fixed))
     text = format_estimate(estimate_pipeline(_quickstart(), resolve_shape("smollm2-135m"), r, steps=60, batch=4,
                                              games=0), r)  # fmt: skip
     assert text.splitlines()[0].startswith("[estimate] the whole run: ~") and "warm start: ~" in text
