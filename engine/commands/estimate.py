@@ -111,8 +111,10 @@ def warm_start_stage(cfg, shape: ModelShape, r: PhaseRates, *, steps: int, batch
 
 
 def rl_stage(cfg, shape: ModelShape, r: PhaseRates, *, load_s: float) -> tuple[float, str, dict[str, float]]:
-    counts, _ = plan_counts(cfg, layout(cfg, 1))
     q = QUICKSTART_MEANS
+    # the quickstart's warm-started turns and prompts (history 1) rather than the plan's budget-filling means
+    means = {**q, "turns_mean": q["max_turns"] * TURNS_FRACTION, "prompt_mean": PROMPT_MEAN}
+    counts, _ = plan_counts(cfg, layout(cfg, 1), means)
     calls = counts.rows / max(counts.rows_per_call, 1.0)
     steps_per_call = min(cfg.generation.max_response_length, STEPS_PER_RESPONSE * counts.response_mean)
     t_resp = cfg.teacher_budget * q["teacher_response_mean"] / q["teacher_budget"]

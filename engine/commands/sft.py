@@ -134,7 +134,7 @@ def sft_train(
     return losses
 
 
-def warm_start_rates(cfg, *, prompt: int = 160, response: int = 40) -> tuple[float, float]:
+def warm_start_rates(cfg, *, prompt: int = 320, response: int = 40) -> tuple[float, float]:
     """(FLOP/s of the warm start's forward + backward, seconds of its optimizer step): two steps of
     :func:`response_loss` and AdamW on one example of random ids, with the model, device and compute dtype
     :func:`run_sft` uses (the faster of the two counts; the first pays for allocation)."""

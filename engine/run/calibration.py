@@ -30,7 +30,7 @@ DECODE_PROBES = ((2, 128), (8, 128), (16, 128), (16, 512))  # (rows, prompt leng
 DECODE_STEPS = 8  # tokens decoded by a probe (the difference with a one-token call is DECODE_STEPS - 1 steps)
 PREFILL_PROMPT = 384  # prompt length of the prefill / teacher-forcing probe
 FORCING_ROWS, FORCING_LENGTH = 6, 32  # teacher-forced rows behind the probe's prompt, and their length
-TRAIN_ROWS, TRAIN_PROMPT, TRAIN_RESPONSE = 1, 160, 40  # the scoring and update probes' micro-batch
+TRAIN_ROWS, TRAIN_PROMPT, TRAIN_RESPONSE = 1, 320, 40  # the scoring and update probes' micro-batch
 
 
 def best_of(fn, reps: int = 2) -> float:
