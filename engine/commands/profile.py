@@ -163,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         print(tables[0])
     if args.cost:  # engine/cost/efficiency.py: calibrated after the steps, under the same load
         from alignopsd.engine.cost.efficiency import cost_report
+        from alignopsd.engine.run.calibration import calibrate_phases
 
         try:  # the steps' tables are printed already: a model the cost model cannot size is one line, not a crash
-            tables.append(cost_report(summaries, cfgs[0], device, world_size=dist.world_size))
+            rates = calibrate_phases(cfgs[0], device)  # the phases' own code paths: the prediction
+            tables.append(cost_report(summaries, cfgs[0], device, world_size=dist.world_size, rates=rates))
         except ValueError as exc:
             tables.append(f"cost model: {exc}")
         print("\n" + tables[-1], flush=True)

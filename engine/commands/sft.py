@@ -6,6 +6,9 @@ run then starts from with ``model.name: DIR``. ``--pipeline`` runs the whole qui
 evaluation of the base model, the warm start, its evaluation, the RL run starting from it, and the RL model's
 evaluation, all on the same held-out games; the three held-out rows are printed and written into ``report.md``.
 ``--easy-games`` plays generated pick-and-place games in small rooms whose expert walkthrough fits the turn limit.
+The pipeline's first lines give the CPU profile (torch's kernel capability, the native-bf16 verdict, the dtype) and
+an estimate of each stage's time from a few seconds of calibration on the run's own code paths
+(engine/commands/estimate.py); ``--estimate`` prints them and exits.
 
 The data (one example per expert turn): the prompt is what the rollout would give the policy at that turn (the
 episode is played through the engine's :class:`EnvManager` with the expert's actions, and its user text goes
@@ -123,6 +126,33 @@ def sft_train(
             )
     model.eval()
     return losses
+
+
+def warm_start_rates(cfg, *, prompt: int = 320, response: int = 40) -> tuple[float, float]:
+    """(FLOP/s of the warm start's forward + backward, seconds of its optimizer step): two steps of
+    :func:`response_loss` and AdamW on one example of random ids, with the model, device and compute dtype
+    :func:`run_sft` uses (the faster of the two counts; the first pays for allocation)."""
+    from alignopsd.engine.cost.model_shapes import resolve_shape
+    from alignopsd.engine.models.loading import load_causal_lm, parse_dtype
+    from alignopsd.engine.run.calibration import best_of, forward_flops, random_ids
+    from alignopsd.engine.run.process import pick_device
+
+    shape = resolve_shape(cfg.model.name)
+    model = load_causal_lm(cfg.model.name, dtype="float32", attn_implementation=cfg.model.attn_implementation)
+    model.to(pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))))
+    compute = parse_dtype(cfg.model.dtype)
+    ids = random_ids(1, prompt + response, shape.vocab, seed=4)[0].tolist()
+    example = [(ids[:prompt], ids[prompt:])]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-9)
+    model.train()
+
+    def micro() -> None:
+        response_loss(model, example, 0, None if compute == torch.float32 else compute).backward()
+
+    t_fb = best_of(micro)
+    t_opt = best_of(opt.step)
+    n = prompt + response
+    return 3.0 * forward_flops(shape, n, n / 2, response) / t_fb, t_opt
 
 
 def save_warm_start(model, tokenizer, out_dir: str | Path, *, base: str, meta: dict) -> Path:
@@ -247,10 +277,14 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
 EASY_MAX_WALKTHROUGH = 8  # turn limit of the quickstart; the easy games' expert wins within it
 
 
-def easy_games_root(cfg) -> Path:
-    """Folder (official layout) of the easy games: pick-and-place in small rooms, expert walkthrough of at most
-    ``EASY_MAX_WALKTHROUGH`` steps; ``env.num_games`` training and ``env.val_tasks`` held-out games, generated
-    once and cached beside the generated splits."""
+def _easy_splits(cfg) -> tuple[tuple[str, int, int], ...]:
+    return (cfg.env.split, cfg.env.num_games, 11), (cfg.env.val_split, cfg.env.val_tasks, 12)
+
+
+def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
+    """(folder, games not generated yet) of the easy games (official layout): pick-and-place in small rooms, expert
+    walkthrough of at most ``EASY_MAX_WALKTHROUGH`` steps; ``env.num_games`` training and ``env.val_tasks`` held-out
+    games, generated once (unless ``generate`` is false) and cached beside the generated splits."""
     from alignopsd.engine.envs.alfworld.env import default_cache_dir
     from alignopsd.engine.envs.alfworld.gen import generate_games
 
@@ -258,10 +292,12 @@ def easy_games_root(cfg) -> Path:
         raise ValueError(f"--easy-games: only for env.name alfworld, got {cfg.env.name!r}")
     if cfg.env.max_turns < EASY_MAX_WALKTHROUGH:
         raise ValueError(f"--easy-games: env.max_turns must be >= {EASY_MAX_WALKTHROUGH}, got {cfg.env.max_turns}")
+    missing = 0
     root = default_cache_dir() / f"easy-pick-w{EASY_MAX_WALKTHROUGH}-n{cfg.env.num_games}-v{cfg.env.val_tasks}"
-    for split, n, seed in ((cfg.env.split, cfg.env.num_games, 11), (cfg.env.val_split, cfg.env.val_tasks, 12)):
+    for split, n, seed in _easy_splits(cfg):
         done = root / f"COMPLETE-{split}"
-        if done.exists():
+        if done.exists() or not generate:
+            missing += 0 if done.exists() else n
             continue
         print(f"[games] generating {n} easy {split} games under {root}", flush=True)
         generate_games(
@@ -275,7 +311,7 @@ def easy_games_root(cfg) -> Path:
             small=True,
         )
         done.write_text(str(n))
-    return root
+    return root, missing
 
 
 def _heldout(cfg, checkpoint: str | None, label: str, times: dict, stream) -> dict:
@@ -335,6 +371,28 @@ def run_pipeline(config: str, overrides: list[str], args, sft_out: Path, *, time
     return {"heldout": rows, "times": times}
 
 
+def pipeline_estimate(cfg, args) -> str:
+    """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
+    (engine/commands/estimate.py)."""
+    from alignopsd.engine.commands.estimate import cpu_profile_line, estimate_pipeline, format_estimate
+    from alignopsd.engine.cost.model_shapes import resolve_shape
+    from alignopsd.engine.run.calibration import calibrate_phases
+    from alignopsd.engine.run.process import pick_device
+
+    device = pick_device(cfg)
+    games = easy_games_root(cfg, generate=False)[1] if args.easy_games else 0
+    rates = calibrate_phases(cfg, device)
+    t0 = time.perf_counter()
+    rates.warm_flops, rates.warm_step_s = warm_start_rates(cfg)
+    rates.seconds += time.perf_counter() - t0
+    stages = estimate_pipeline(
+        cfg, resolve_shape(cfg.model.name), rates, steps=args.steps, batch=args.batch_size, games=games
+    )
+    if args.warm_start:  # given: not trained here
+        stages = [s for s in stages if s.name != "warm start"]
+    return "\n".join([cpu_profile_line(cfg.model.dtype, device.type), format_estimate(stages, rates)])
+
+
 def add_sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="checkpoint folder (default: <run output>/sft)")
     p.add_argument("--steps", type=int, default=24, help="optimizer steps (batches of --batch-size expert turns)")
@@ -343,6 +401,9 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", action="store_true", help="base eval, warm start, eval, RL, eval (the quickstart)")
     p.add_argument("--warm-start", default=None, help="with --pipeline: use this checkpoint instead of training one")
     p.add_argument("--easy-games", action="store_true", help="pick-and-place games in small rooms (see doc)")
+    p.add_argument(
+        "--estimate", action="store_true", help="print the CPU profile and the pipeline's estimated time, then exit"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,13 +427,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"alignopsd sft: {exc}", file=sys.stderr)
         return 2
     print(cfg.dtype_line(), flush=True)
+    if args.pipeline or args.estimate:  # the first lines say what the run will cost
+        print(pipeline_estimate(cfg, args), flush=True)
+        if args.estimate:
+            return 0
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `alignopsd train`
     times: dict[str, float] = {}
     if args.easy_games:
         t0 = time.perf_counter()
-        overrides.append(f"env.data_dir={easy_games_root(cfg)}")
+        overrides.append(f"env.data_dir={easy_games_root(cfg)[0]}")
         times["games"] = time.perf_counter() - t0
         cfg = load_config(args.config, overrides)
     out = Path(args.out) if args.out else cfg.out_dir / "sft"

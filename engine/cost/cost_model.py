@@ -36,6 +36,7 @@ class Part:
     rows: float = 0.0  # decode: rows decoded together (the GEMM's M); 0: a large GEMM
     tokens: float = 0.0  # decode: tokens decoded; else positions pushed
     parallel: float = 1.0  # devices the part is split over (tensor parallel)
+    steps: float = 0.0  # decode: decoding steps (each as long as its longest row); optimizer: optimizer steps
 
     @property
     def decode(self) -> bool:
@@ -86,6 +87,8 @@ class StepCounts:
     reference: bool = False  # a reference-policy pass (KL coefficient != 0)
     optimizer_steps: float = 1.0
     recompute: bool = False  # gradient checkpointing
+    rollout_steps: float = 0.0  # decoding steps of the rollout (0: rows / rows_per_call x response_mean)
+    teacher_steps: float = 0.0  # decoding steps of the teacher generation (0: its mean response, one call)
 
 
 def _forward(shape: ModelShape, label: str, positions: float, context: float, logits: float, tp: float) -> Part:
@@ -93,12 +96,15 @@ def _forward(shape: ModelShape, label: str, positions: float, context: float, lo
     return Part(label, flops=flops, tokens=positions, parallel=tp)
 
 
-def _decode(shape, tokens: float, rows: float, context: float, w_bytes: float, kv_bytes: float) -> Part:
-    """``tokens`` decoded ``rows`` at a time, each attending ``context`` positions on average."""
-    steps = tokens / max(rows, 1.0)
+def _decode(
+    shape, tokens: float, rows: float, context: float, w_bytes: float, kv_bytes: float, steps: float = 0.0
+) -> Part:
+    """``tokens`` decoded ``rows`` at a time, each attending ``context`` positions on average; ``steps``: the
+    decoding steps taken (0: tokens / rows, every row as long as the mean)."""
+    steps = steps or tokens / max(rows, 1.0)
     flops = shape.linear_flops(tokens) + shape.attention_flops(tokens, context) + shape.head_flops(tokens)
     read = steps * shape.weight_bytes(w_bytes) + tokens * context * shape.kv_bytes_per_position(kv_bytes)
-    return Part("decode", flops=flops, bytes=read, rows=rows, tokens=tokens)
+    return Part("decode", flops=flops, bytes=read, rows=rows, tokens=tokens, steps=steps)
 
 
 def step_work(
@@ -115,7 +121,7 @@ def step_work(
     calls = c.rows / max(c.rows_per_call, 1.0)
     out["rollout_generation"].parts = [
         _forward(shape, "prefill", c.rollout_prefill, p / 2, calls, 1.0),
-        _decode(shape, c.rows * r, c.rows_per_call, p + r / 2, dtype_bytes, kv_bytes),
+        _decode(shape, c.rows * r, c.rows_per_call, p + r / 2, dtype_bytes, kv_bytes, c.rollout_steps),
     ]
     seq = c.train_rows * (p + r)
     ctx = (p + r) / 2
@@ -127,7 +133,7 @@ def step_work(
     opt = OPTIMIZER_BYTES_PER_WEIGHT * shape.params / tp * c.optimizer_steps
     out["update"].parts = [
         Part("forward+backward", flops=times * fwd.flops, tokens=seq, parallel=tp),
-        Part("optimizer", bytes=opt, parallel=1.0),
+        Part("optimizer", bytes=opt, parallel=1.0, steps=c.optimizer_steps),
     ]
     if c.teacher_rows > 0:
         tr = c.teacher_tokens / c.teacher_rows
@@ -135,7 +141,15 @@ def step_work(
             "teacher_generation",
             [
                 _forward(shape, "prefill", c.teacher_prefill, c.teacher_prompt_mean / 2, c.teacher_rows, 1.0),
-                _decode(shape, c.teacher_tokens, c.teacher_rows, c.teacher_prompt_mean + tr / 2, dtype_bytes, kv_bytes),
+                _decode(
+                    shape,
+                    c.teacher_tokens,
+                    c.teacher_rows,
+                    c.teacher_prompt_mean + tr / 2,
+                    dtype_bytes,
+                    kv_bytes,
+                    c.teacher_steps or tr,
+                ),
             ],
         )
     if c.forcing_rows > 0:

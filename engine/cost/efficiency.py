@@ -11,12 +11,14 @@ roofline time at the limits) and the efficiency ``floor / measured`` (the fracti
   alignment phases' floor over the floor of the rest: what the method's extra work costs at the device's limits);
 - each alignment phase's efficiency against the GRPO phase it resembles (teacher generation / rollout
   generation, teacher forcing / old log-prob), goal >= 80 %;
-- the prediction check: with calibrated (achievable) limits the floor is the model's prediction of the phase's
-  time; predicted / measured for every phase over 5 % of the step, goal within +-30 %.
+- the prediction check: each phase's work at the rates the run's own code paths reached in a short calibration
+  (engine/cost/calibrated.py; the floor when no such rates are given) against the measured seconds, for every phase
+  over 5 % of the step, goal within +-30 %.
 """
 
 from __future__ import annotations
 
+from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
 from alignopsd.engine.cost.cost_model import PhaseWork, StepCounts, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, phase_seconds
 from alignopsd.engine.cost.model_shapes import ModelShape
@@ -53,9 +55,11 @@ def counts_from_summary(
     tp = counts.get("m1/teacher_prefill_token_forwards_unshared", 0.0) / turns if teacher and turns else 0.0
     tr = counts.get("m1/teacher_response_length_mean", 0.0)
     cached = counts.get("m1/teacher_forcing_cached_prompts", 0.0) > 0
+    per_call = group_n * tasks_per_step / world_size
+    r_max = counts.get("rollout/response_length_max", r)
     return StepCounts(
         rows=rows,
-        rows_per_call=group_n * tasks_per_step / world_size,
+        rows_per_call=per_call,
         prompt_mean=p,
         response_mean=r,
         rollout_prefill=counts.get("rollout/prefill_token_forwards", rows * p),
@@ -70,6 +74,9 @@ def counts_from_summary(
         reference=reference,
         optimizer_steps=max(1.0, -(-turns * world_size // mini_batch)),
         recompute=recompute,
+        # decoding steps: a batch decodes until its longest row ends (the step's longest row bounds it)
+        rollout_steps=rows / max(per_call, 1.0) * min(r_max, STEPS_PER_RESPONSE * r),
+        teacher_steps=STEPS_PER_RESPONSE * tr,
     )
 
 
@@ -98,7 +105,9 @@ def _g(x: float) -> str:
     return f"{x / 1e9:,.1f}"
 
 
-def format_efficiency(summary: dict, work: dict[str, PhaseWork], lim: DeviceLimits, title: str) -> str:
+def format_efficiency(
+    summary: dict, work: dict[str, PhaseWork], lim: DeviceLimits, title: str, rates: PhaseRates | None = None
+) -> str:
     """Markdown: the efficiency table, the overhead measured and at the floor, the resemblance and prediction
     checks (see the module doc)."""
     rows = efficiency_rows(summary, work, lim)
@@ -144,12 +153,14 @@ def format_efficiency(summary: dict, work: dict[str, PhaseWork], lim: DeviceLimi
                     f"{100 * by[g]['efficiency']:.1f}% | {ratio:.2f} | "
                     f"{'met' if ratio >= EFFICIENCY_GOAL else 'not met'} |"
                 )
-    out += ["", format_prediction(summary, rows)]
+    predicted = predict_phases(work, rates) if rates is not None else {r["phase"]: r["floor"] for r in rows}
+    how = f"calibrated rates: {rates.describe()}" if rates is not None else "the floor at the limits"
+    out += ["", f"prediction: {how}", "", format_prediction(summary, rows, predicted)]
     return "\n".join(out)
 
 
-def format_prediction(summary: dict, rows: list[dict]) -> str:
-    """Predicted (the floor at the calibrated limits) against measured seconds, per phase with model work."""
+def format_prediction(summary: dict, rows: list[dict], predicted: dict[str, float]) -> str:
+    """Predicted against measured seconds, per phase with model work."""
     step = summary["step_seconds"]
     out = [
         "| phase | measured s | share | predicted s | predicted / measured | within +-30% |",
@@ -158,14 +169,13 @@ def format_prediction(summary: dict, rows: list[dict]) -> str:
     for r in rows:
         s = r["seconds"]
         share = s / step if step > 0 else 0.0
-        ratio = r["floor"] / s if s > 0 else float("inf")
+        pred = predicted[r["phase"]]
+        ratio = pred / s if s > 0 else float("inf")
         if share > PREDICTION_SHARE:
             verdict = "yes" if abs(ratio - 1) <= PREDICTION_BAND else "no"
         else:
             verdict = "(under 5% of the step)"
-        out.append(
-            f"| {LABELS[r['phase']]} | {s:.3f} | {100 * share:.1f}% | {r['floor']:.3f} | {ratio:.2f} | {verdict} |"
-        )
+        out.append(f"| {LABELS[r['phase']]} | {s:.3f} | {100 * share:.1f}% | {pred:.3f} | {ratio:.2f} | {verdict} |")
     return "\n".join(out)
 
 
@@ -179,6 +189,7 @@ def profile_cost(
     kv_bytes: float,
     world_size: int = 1,
     title: str = "",
+    rates: PhaseRates | None = None,
 ) -> str:
     """The efficiency section of one profiled estimator (``summary`` from engine/run/profiler.summarize)."""
     c = counts_from_summary(
@@ -191,7 +202,7 @@ def profile_cost(
         recompute=bool(cfg.policy.gradient_checkpointing),
     )
     work = step_work(shape, c, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)
-    return format_efficiency(summary, work, lim, title or cfg.name)
+    return format_efficiency(summary, work, lim, title or cfg.name, rates)
 
 
 def device_limits_for(cfg, shape: ModelShape, device) -> tuple[DeviceLimits, list[str]]:
@@ -212,8 +223,11 @@ def device_limits_for(cfg, shape: ModelShape, device) -> tuple[DeviceLimits, lis
     return peak, [f"probes on this GPU: {measured.describe()}"]
 
 
-def cost_report(summaries: dict[str, dict], cfg, device, *, world_size: int = 1) -> str:
-    """The efficiency section of every profiled estimator, against one calibration of ``device``."""
+def cost_report(
+    summaries: dict[str, dict], cfg, device, *, world_size: int = 1, rates: PhaseRates | None = None
+) -> str:
+    """The efficiency section of every profiled estimator, against one calibration of ``device``'s limits;
+    ``rates`` (engine/run/calibration.py) make the prediction (else the floor is)."""
     from alignopsd.engine.cost.model_shapes import resolve_shape
     from alignopsd.engine.parallel.hardware import choose_dtype
 
@@ -229,7 +243,15 @@ def cost_report(summaries: dict[str, dict], cfg, device, *, world_size: int = 1)
     ] + notes
     parts = [
         profile_cost(
-            s, cfg, shape, lim, dtype_bytes=esize, kv_bytes=kv, world_size=world_size, title=f"{cfg.name}: {est}"
+            s,
+            cfg,
+            shape,
+            lim,
+            dtype_bytes=esize,
+            kv_bytes=kv,
+            world_size=world_size,
+            title=f"{cfg.name}: {est}",
+            rates=rates,
         )
         for est, s in summaries.items()
     ]
