@@ -125,7 +125,7 @@ def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     and sampling settings the run builds, in this process's threads."""
     from alignopsd.engine.generation.hf import HFGenerator
     from alignopsd.engine.models.loading import load_tokenizer
-    from alignopsd.engine.run.components import build_policy
+    from alignopsd.engine.run.components import build_policy, generation_int8
     from alignopsd.engine.step.episodes import sampling_params
 
     t0 = time.perf_counter()
@@ -133,7 +133,10 @@ def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     policy = build_policy(cfg, device)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     probes: dict[str, float] = {"load": time.perf_counter() - t0}  # what a stage that builds the policy pays first
-    gen = HFGenerator(policy.hf_model, tokenizer, eos_token_ids=(), max_model_len=cfg.generation.max_model_len)
+    generator_class = HFGenerator
+    if generation_int8(cfg.generation.quantize, policy.hf_model):  # the run samples from an int8 copy: time that
+        from alignopsd.engine.generation.int8 import Int8Generator as generator_class
+    gen = generator_class(policy.hf_model, tokenizer, eos_token_ids=(), max_model_len=cfg.generation.max_model_len)
     sampling = replace(sampling_params(cfg, validation=False), seed=0)
     prefill, forcing = _prefill_and_forcing(gen, policy, sampling, shape, probes)
     step_s, decode = _decode_rates(gen, sampling, shape, probes)

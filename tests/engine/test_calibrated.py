@@ -104,6 +104,17 @@ def test_calibration_runs_the_engines_paths_and_gives_usable_rates():
     assert r.step_s >= 0 and r.optimizer_s > 0 and r.probes["load"] > 0 and r.dtype == "float32"
     assert {"prefill", "teacher forcing", "scoring forward", "forward+backward", "optimizer step"} <= set(r.probes)
     assert sum(k.startswith("decode step") for k in r.probes) == 4
+    assert "teacher forcing" in r.probes  # hf keeps the prompt's keys and values: the cached forcing is timed
+
+
+def test_calibration_times_the_int8_sampler_the_run_builds():
+    """With generation.quantize int8 the run samples from an int8 copy that keeps no prompt cache: the calibration
+    times that generator, and the teacher forcing (which then scores again) at the scoring rate."""
+    from alignopsd.engine.run.calibration import calibrate_phases
+
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["generation.quantize=int8"])
+    r = calibrate_phases(cfg, torch.device("cpu"))
+    assert "teacher forcing" not in r.probes and r.forcing_flops == r.score_flops
 
 
 def test_sft_estimate_prints_the_profile_and_the_stages(capsys):
