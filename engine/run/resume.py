@@ -3,12 +3,12 @@
 Every checkpoint stores the resolved config of its run (``trainer_state.json`` → ``run_config``, the algorithm
 section included). Resuming compares it key by key with the config of the new run:
 
-* changes that do not alter the trajectory of training are allowed and listed: the run's name and output
-  directory, save cadence and retention, logging and report switches, validation before/after training,
-  environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and the
-  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one
-  keys its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same
-  tensor-parallel size);
+* changes that do not alter the trajectory of training are allowed and listed: the run's name and output directory,
+  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), validation
+  before/after training, environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and
+  the data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one keys
+  its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same tensor-parallel
+  size);
 * every other change (model, estimator or any algorithm setting, seed, group size, environment, learning
   rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
   ``--allow-config-change``;
@@ -48,7 +48,8 @@ TRAJECTORY_NEUTRAL = frozenset(
         "trainer.save_freq",
         "trainer.keep_last",
         "trainer.export_hf_freq",
-        "trainer.tensorboard",
+        "trainer.tensorboard",  # the switch checkpoints of earlier versions store
+        "trainer.loggers",
         "trainer.report",
         "trainer.audit",
         "trainer.audit_max_bytes",
@@ -59,6 +60,7 @@ TRAJECTORY_NEUTRAL = frozenset(
         "env.step_timeout_s",
     }
 )
+NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
 SHARDED_LAYOUT = frozenset(
@@ -103,7 +105,7 @@ def config_changes(
                 neutral.append(line)
                 continue
             line += " (changes the warm-up length)"
-        (neutral if key in TRAJECTORY_NEUTRAL else blocking).append(line)
+        (neutral if key in TRAJECTORY_NEUTRAL or key.startswith(NEUTRAL_SECTIONS) else blocking).append(line)
     if saved_world != world:
         neutral.append(f"{WORLD_SIZE_KEY}: {saved_world} -> {world}")
     return blocking, neutral
