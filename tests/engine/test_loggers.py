@@ -277,3 +277,9 @@ def test_a_resumed_run_continues_the_same_tracker_runs(trackers):
     report = (out / "report.md").read_text()
     assert f"MLflow run {runs['mlflow']}: the metric points of steps 2" in report
     assert f"W&B run {runs['wandb']}: rewound to step 1" in report
+
+
+def test_only_the_rank_that_writes_metrics_logs(tmp_path):
+    rec = _Recorder()
+    MetricsLogger(tmp_path / "r1", total_steps=1, sinks=[rec], rank=1, stream=io.StringIO()).log(1, {"a": 1.0})
+    assert rec.steps == [] and not (tmp_path / "r1").exists()
