@@ -233,7 +233,6 @@ class Trainer:
                     raise
             finally:
                 watch.close()
-            self._write_spans()
             self._finish(logger)
             self.parts.close()
             return last
@@ -261,8 +260,10 @@ class Trainer:
         return logger
 
     def _finish(self, logger: MetricsLogger) -> None:
-        """The report (with what a logger could not do) and its numbers and files to the loggers; then they close."""
+        """The span lengths, the report (with what a logger could not do) and its numbers and files to the loggers; then
+        the loggers close."""
         try:
+            self._write_spans()
             if self.rank == 0 and self.cfg.trainer.report:
                 title = f"{self.cfg.name}: {self.cfg.algorithm_name()}"
                 notes = "\n\n".join(logger.notes())
