@@ -2,7 +2,7 @@
 
 * A fresh run creates an MLflow run in the experiment of ``trainer.mlflow`` (or MLFLOW_EXPERIMENT_NAME /
   MLFLOW_EXPERIMENT_ID, else MLflow's Default experiment; created when missing) at the tracking URI that section or
-  MLFLOW_TRACKING_URI names (engine/config/logger_check.py), tagged with the section's tags. The resolved run config is
+  MLFLOW_TRACKING_URI names (engine/run/loggers.py), tagged with the section's tags. The resolved run config is
   logged once: as the run's parameters (dotted keys) and as the artifact ``config.json``.
 * Each metrics row is one ``log_batch`` of metrics at the row's step (names as :func:`series_name` gives them, with a
   character MLflow refuses written ``_``).
@@ -16,13 +16,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import ClassVar
 
-from alignopsd.engine.config.logger_check import mlflow_uri
-from alignopsd.engine.config.sections import MlflowConfig
 from alignopsd.engine.observe.sinks import Sink, flat_config, plain_name, series_name
 
 ABANDONED_TAG = "alignopsd.abandoned_steps"
@@ -35,23 +32,31 @@ class MlflowSink(Sink):
 
     def __init__(
         self,
-        section: MlflowConfig,
         *,
-        run_name: str,
         config: dict,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        experiment_id: str = "0",
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:
+        """An MLflow run at ``tracking_uri`` (None: MLflow's default) in ``experiment`` (created when missing; None:
+        the experiment of ``experiment_id``); ``config`` logged when it is created; ``resume_id``: the run to continue
+        from ``resume_step``."""
         from mlflow import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=mlflow_uri(section, os.environ))
+        self.client = MlflowClient(tracking_uri=tracking_uri)
         if resume_id is not None:
             self.run_id = resume_id
             self._set_aside_after(int(resume_step))
             self.client.update_run(resume_id, status="RUNNING")
             return
-        run = self.client.create_run(self._experiment(section), run_name=section.run_name or run_name,
-                                     tags=dict(section.tags))  # fmt: skip
+        if experiment is not None:
+            exp = self.client.get_experiment_by_name(experiment)
+            experiment_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
         self.run_id = run.info.run_id
         from mlflow.entities import Param
 
@@ -59,13 +64,6 @@ class MlflowSink(Sink):
         for i in range(0, len(params), BATCH):
             self.client.log_batch(self.run_id, params=params[i : i + BATCH])
         self.client.log_dict(self.run_id, config, "config.json")
-
-    def _experiment(self, section: MlflowConfig) -> str:
-        name = section.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        if name is None:
-            return os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
-        exp = self.client.get_experiment_by_name(name)
-        return exp.experiment_id if exp is not None else self.client.create_experiment(name)
 
     def _set_aside_after(self, step: int) -> None:
         """Tag the steps after ``step`` that the run's history holds (points of an abandoned attempt)."""

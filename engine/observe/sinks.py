@@ -11,7 +11,8 @@ logger receives the same names and step numbers:
   its plots) go to :meth:`Sink.finish`.
 
 Sinks: :class:`TensorBoardSink` (``<output>/tb``), ``WandbSink`` (engine/observe/wandb_sink.py) and ``MlflowSink``
-(engine/observe/mlflow_sink.py). Only the rank that writes metrics opens them. A sink that fails while the run goes on
+(engine/observe/mlflow_sink.py); engine/run/loggers.py opens those ``trainer.loggers`` names, on the rank that writes
+metrics only. A sink that fails while the run goes on
 (a full disk, a server gone) is reported once and dropped; the run continues with the others (in strict mode, under
 the tests, the error is raised instead: engine/observe/strict.py). A W&B or MLflow run's id goes into every
 checkpoint (``TrainerState.logger_runs``), so a resumed run continues the same tracker run.
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from alignopsd.engine.config.sections import TrainerConfig
 from alignopsd.engine.observe.strict import reraise_if_strict
 
 
@@ -92,50 +92,6 @@ def guarded(name: str, what: str, fn: Callable[[], Any], stream=None, sink: Sink
         except Exception:  # already broken; its failure was reported
             pass
     return False
-
-
-def _make(name: str, trainer: TrainerConfig, out_dir: Path, run_name: str, config: dict, resume_id: str | None,
-          resume_step: int) -> Sink:  # fmt: skip
-    if name == "tensorboard":
-        return TensorBoardSink(out_dir / "tb")
-    if name == "wandb":
-        from alignopsd.engine.observe.wandb_sink import WandbSink
-
-        return WandbSink(trainer.wandb, out_dir=out_dir, run_name=run_name, config=config, resume_id=resume_id,
-                         resume_step=resume_step)  # fmt: skip
-    if name == "mlflow":
-        from alignopsd.engine.observe.mlflow_sink import MlflowSink
-
-        return MlflowSink(trainer.mlflow, run_name=run_name, config=config, resume_id=resume_id,
-                          resume_step=resume_step)  # fmt: skip
-    raise ValueError(f"trainer.loggers: no sink named {name!r}")
-
-
-def open_sinks(
-    trainer: TrainerConfig,
-    out_dir: Path,
-    *,
-    run_name: str,
-    config: dict,
-    resume: dict[str, str] | None = None,
-    resume_step: int = 0,
-    stream=None,
-) -> list[Sink]:
-    """The sinks of ``trainer.loggers`` (jsonl is the MetricsLogger's own file). ``config``: the resolved run config,
-    logged once, when the tracker run is created; ``resume``: logger name -> run id of the checkpoint the run resumes
-    from at ``resume_step`` (those runs are continued). A tracker that cannot start is reported and left out."""
-    resume = resume or {}
-    sinks: list[Sink] = []
-    for name in trainer.loggers:
-        if name == "jsonl":
-            continue
-        guarded(
-            name,
-            "start",
-            lambda n=name: sinks.append(_make(n, trainer, out_dir, run_name, config, resume.get(n), resume_step)),
-            stream,
-        )
-    return sinks
 
 
 _REFUSED = re.compile(r"[^\w\-. /:]")

@@ -1,7 +1,7 @@
 """Weights & Biases sink (``trainer.loggers: [..., wandb]``; the optional extra ``alignopsd[wandb]``).
 
 * A fresh run creates a W&B run (project, entity, name, tags, mode and folder from ``trainer.wandb``, unset fields from
-  ``WANDB_*`` as wandb reads them: engine/config/logger_check.py) with the resolved run config as its config, logged
+  ``WANDB_*`` as wandb reads them: engine/run/loggers.py) with the resolved run config as its config, logged
   once.
 * Each metrics row is one ``run.log(..., step=<the row's step>)``: W&B's ``_step`` is the step of metrics.jsonl, a
   validation row lands in the same history row as the training row of its step, under ``val/...``.
@@ -16,12 +16,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import ClassVar
 
-from alignopsd.engine.config.logger_check import wandb_dir, wandb_mode
-from alignopsd.engine.config.sections import WandbConfig
 from alignopsd.engine.observe.sinks import Sink, series_name
 
 
@@ -30,27 +27,23 @@ class WandbSink(Sink):
 
     def __init__(
         self,
-        section: WandbConfig,
         *,
-        out_dir: Path,
-        run_name: str,
+        folder: Path,
         config: dict,
+        project: str | None = None,
+        entity: str | None = None,
+        name: str | None = None,
+        tags: list[str] | None = None,
+        mode: str | None = None,
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:
+        """A W&B run writing under ``folder``; ``config`` logged when it is created; ``resume_id``: the run to continue,
+        rewound to ``resume_step``. None leaves a setting to wandb (its ``WANDB_*`` variables)."""
         import wandb
 
-        env = os.environ
-        folder = wandb_dir(section, env, out_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        kw: dict = dict(
-            project=section.project,
-            entity=section.entity,
-            name=section.name or env.get("WANDB_NAME") or run_name,
-            tags=section.tags or None,
-            mode=wandb_mode(section, env),
-            dir=str(folder),
-        )
+        kw: dict = dict(project=project, entity=entity, name=name, tags=tags or None, mode=mode, dir=str(folder))
         if resume_id is not None:
             kw["resume_from"] = f"{resume_id}?_step={int(resume_step)}"
         else:

@@ -61,11 +61,11 @@ from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.observe.audit import Auditor, header_of
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import report_files, report_numbers, write_report
-from alignopsd.engine.observe.sinks import open_sinks
 from alignopsd.engine.observe.strict import strict
 from alignopsd.engine.parallel.collectives import reduce_metrics
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
+from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config

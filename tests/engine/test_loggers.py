@@ -20,10 +20,10 @@ from alignopsd.engine.config import logger_check
 from alignopsd.engine.config.logger_check import check_loggers
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.observe.metrics import MetricsLogger, read_metrics
-from alignopsd.engine.observe.mlflow_sink import ABANDONED_TAG, MlflowSink
+from alignopsd.engine.observe.mlflow_sink import ABANDONED_TAG
 from alignopsd.engine.observe.sinks import Sink, series_name
 from alignopsd.engine.observe.strict import STRICT_ENV
-from alignopsd.engine.observe.wandb_sink import WandbSink
+from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.resume import config_changes, stored_config
 from alignopsd.engine.run.trainer import main as train_main
 
@@ -160,12 +160,12 @@ def _mlflow_rows(client, run_id: str) -> dict[int, dict[str, float]]:
 
 
 def test_every_row_reaches_wandb_and_mlflow_with_the_names_and_steps_of_metrics_jsonl(trackers):
-    from alignopsd.engine.config.sections import MlflowConfig, WandbConfig
     from mlflow import MlflowClient
 
-    config = stored_config(load_config(TINY))
-    wb = WandbSink(WandbConfig(tags=["t1"]), out_dir=trackers, run_name="tiny", config=config)
-    ml = MlflowSink(MlflowConfig(experiment="exp", tags={"team": "rl"}), run_name="tiny", config=config)
+    cfg = load_config(TINY, ["trainer.loggers=[jsonl,wandb,mlflow]", "trainer.wandb.tags=[t1]",
+                             "trainer.mlflow.experiment=exp", "trainer.mlflow.tags={team: rl}"])  # fmt: skip
+    config = stored_config(cfg)
+    wb, ml = open_sinks(cfg.trainer, trackers / "run", run_name="tiny", config=config)
     logger = MetricsLogger(trackers / "run", total_steps=2, sinks=[wb, ml], stream=io.StringIO())
     _rows(logger)
     (trackers / "run" / "report.md").write_text("# report\n")
