@@ -39,6 +39,7 @@ from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
+from alignopsd.engine.config.sections import MlflowConfig, WandbConfig
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
@@ -75,6 +76,20 @@ class ResumeConfigError(ConfigError):
 def stored_config(cfg: RunConfig) -> dict[str, Any]:
     """The resolved config as stored with a checkpoint (JSON values)."""
     return json.loads(json.dumps(config_to_dict(cfg), default=str))
+
+
+def with_loggers(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config stored before ``trainer.loggers`` existed, as this version stores it: its ``trainer.tensorboard``
+    switch as the loggers list, the trackers' sections at their defaults (so a resume compares like with like)."""
+    trainer = saved.get("trainer")
+    if not isinstance(trainer, dict) or "loggers" in trainer:
+        return saved
+    trainer = dict(trainer)
+    on = trainer.pop("tensorboard", True)
+    trainer["loggers"] = ["jsonl", "tensorboard"] if on else ["jsonl"]
+    trainer.setdefault("wandb", json.loads(json.dumps(config_to_dict(WandbConfig()))))
+    trainer.setdefault("mlflow", json.loads(json.dumps(config_to_dict(MlflowConfig()))))
+    return {**saved, "trainer": trainer}
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -138,7 +153,7 @@ def check_resume(
             "to resume anyway"
         )
     blocking, neutral = config_changes(
-        saved, stored_config(cfg), step=step, saved_world=state.world_size, world=world_size
+        with_loggers(saved), stored_config(cfg), step=step, saved_world=state.world_size, world=world_size
     )
     fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
     if state.sharded and fixed:
