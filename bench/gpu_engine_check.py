@@ -34,7 +34,7 @@ BASE = [
     "generation.backend=hf",
     "trainer.skip_no_signal=false",
     "trainer.report=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[jsonl]",
 ]
 # CPU dry run: the same code on a smaller batch (1 task x 2 rollouts, 2 turns, short responses)
 DRY = [

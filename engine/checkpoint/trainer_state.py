@@ -1,6 +1,7 @@
 """The checkpoint's typed records, written and checked here and nowhere else.
 
-- :class:`TrainerState`: ``trainer_state.json`` (step, data position, the resolved run config, ...). The trainer
+- :class:`TrainerState`: ``trainer_state.json`` (step, data position, the resolved run config, the W&B / MLflow run
+  ids, ...). The trainer
   builds one; :func:`write_trainer_state` writes it (the file's keys in their historical order, unset fields left
   out); :func:`read_trainer_state` reads it back with every field checked (types, ranges): a field of the wrong type
   or out of range (``"step": "two"``) is refused as a damaged checkpoint would be (ManifestError naming the file and
@@ -48,6 +49,7 @@ class TrainerState:
     world_size: int = 1  # processes that wrote the checkpoint (one RNG file each)
     sharded: bool = False  # the policy's state is in shards/ (the backend's torch.distributed.checkpoint)
     complete: bool = True
+    logger_runs: dict[str, str] | None = None  # logger name -> its tracker run's id (wandb, mlflow): resumed there
 
 
 # field -> (accepted types, lowest value or None); the file's keys are written in this order
@@ -60,6 +62,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], int | None]] = {
     "world_size": ((int,), 1),
     "sharded": ((bool,), None),
     "complete": ((bool,), None),
+    "logger_runs": ((dict,), None),
 }
 
 
@@ -106,6 +109,9 @@ def read_trainer_state(path: str | os.PathLike) -> TrainerState:
         if not ok or (low is not None and value < low):
             want = "/".join(t.__name__ for t in types) + ("" if low is None else f" >= {low}")
             raise ManifestError(f"{where}: {key!r} must be {want}, got {str(json.dumps(value))[:80]}")
+    runs = state.get("logger_runs") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) and v for k, v in runs.items()):
+        raise ManifestError(f"{where}: 'logger_runs' must map logger names to run ids, got {json.dumps(runs)[:80]}")
     known = {f.name for f in dataclasses.fields(TrainerState)}
     return TrainerState(**{k: v for k, v in state.items() if k in known})
 

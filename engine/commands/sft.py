@@ -423,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         if args.warm_start:
             check_warm_start(args.warm_start, cfg.model.name)
+        if args.pipeline:  # its RL stage logs to trainer.loggers: a tracker that cannot start fails here
+            from alignopsd.engine.config.logger_check import check_loggers
+
+            check_loggers(cfg.trainer, cfg.out_dir, os.environ)
     except (ConfigError, ValueError) as exc:
         print(f"alignopsd sft: {exc}", file=sys.stderr)
         return 2

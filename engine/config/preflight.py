@@ -16,7 +16,8 @@ the key:
   environment's loader looks for them (its registry entry's ``official_data``: engine/envs/<family>/official.py),
   since the loaders otherwise fall back to generated games, catalogue or knowledge base without a word; the messages
   name the missing file or folder, the config key or environment variable that points to it, and the README
-  section that explains where it comes from.
+  section that explains where it comes from;
+* the experiment trackers of ``trainer.loggers`` (wandb, mlflow) can start: engine/config/logger_check.py.
 
 It imports torch and the environment's module; it loads no model.
 """
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from alignopsd.engine.config.errors import README_HINT
+from alignopsd.engine.config.logger_check import check_loggers
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.registry import env_names, get_entry, resolve
@@ -157,6 +159,7 @@ def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
     check_env_options(cfg)
     if cfg.env.require_official_data:
         check_official_data(cfg, env)
+    check_loggers(cfg.trainer, cfg.out_dir, env)
 
 
 # ------------------------------------------------------------------------------------------ official data

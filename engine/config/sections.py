@@ -321,6 +321,72 @@ def _one_epoch(value: int) -> int:
 Beta = Annotated[Real, Field(ge=0, lt=1)]
 
 
+LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class WandbConfig(Section):
+    """Weights & Biases (``trainer.loggers`` holds ``wandb``; ``pip install alignopsd[wandb]``). A field left unset
+    follows wandb's own conventions: the ``WANDB_*`` environment variables, then wandb's defaults."""
+
+    KEY: ClassVar[str] = "trainer.wandb"
+    project: str | None = None
+    """W&B project (None: WANDB_PROJECT, else wandb's default)."""
+    entity: str | None = None
+    """Team or user (None: WANDB_ENTITY, else the account's default)."""
+    name: str | None = None
+    """Display name of the run (None: WANDB_NAME, else the run config's ``name``)."""
+    tags: list[Name] = Field(default_factory=list)
+    """Tags of the run (empty: WANDB_TAGS, comma-separated)."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online | offline (sync later with ``wandb sync``) | disabled (None: WANDB_MODE, else online)."""
+    dir: str | None = None
+    """Folder of wandb's local files (None: WANDB_DIR, else the run's output folder)."""
+
+
+class MlflowConfig(Section):
+    """MLflow tracking (``trainer.loggers`` holds ``mlflow``; ``pip install alignopsd[mlflow]``). A field left unset
+    follows MLflow's own conventions: the ``MLFLOW_*`` environment variables, then MLflow's defaults."""
+
+    KEY: ClassVar[str] = "trainer.mlflow"
+    tracking_uri: str | None = None
+    """Tracking server or store (``http://host:5000``, ``file:///path/mlruns``, ...; None: MLFLOW_TRACKING_URI,
+    else MLflow's default). MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true."""
+    experiment: str | None = None
+    """Experiment name, created when missing (None: MLFLOW_EXPERIMENT_NAME or MLFLOW_EXPERIMENT_ID, else MLflow's
+    Default experiment)."""
+    run_name: str | None = None
+    """Name of the MLflow run (None: the run config's ``name``)."""
+    tags: dict[Name, str] = Field(default_factory=dict)
+    """Tags set on the run when it is created."""
+
+
+def _loggers(value: list[str]) -> list[str]:
+    if len(set(value)) != len(value):
+        raise ValueError(f"lists a logger twice: {value}")
+    if "jsonl" not in value:
+        raise ValueError(
+            f"must hold 'jsonl' (metrics.jsonl is the run's own record: the report, compare and resume "
+            f"read it), got {value}"
+        )
+    return value
+
+
+def _tensorboard_switch(data: Any) -> Any:
+    """The earlier ``trainer.tensorboard: bool`` switch, as the ``tensorboard`` entry of ``trainer.loggers``."""
+    if not isinstance(data, dict) or "tensorboard" not in data:
+        return data
+    data = dict(data)
+    on = data.pop("tensorboard")
+    if not isinstance(on, bool):
+        raise rule("tensorboard", f"must be true or false, got {on!r} (it is now an entry of trainer.loggers)")
+    if "loggers" in data:  # both: they must agree
+        if isinstance(data["loggers"], list) and on == ("tensorboard" in data["loggers"]):
+            return data
+        raise rule("tensorboard", f"{on} contradicts trainer.loggers {data['loggers']!r} (set trainer.loggers alone)")
+    data["loggers"] = ["jsonl", "tensorboard"] if on else ["jsonl"]
+    return data
+
+
 class TrainerConfig(Section):
     """Optimisation, schedule and bookkeeping."""
 
@@ -375,8 +441,16 @@ class TrainerConfig(Section):
     """torch.use_deterministic_algorithms (CPU) for exact resume."""
     torch_threads: Annotated[int, Field(ge=0)] = 0
     """torch intra-op threads (0: leave the default)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under <output>/tb."""
+    loggers: Annotated[list[LoggerName], AfterValidator(_loggers)] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"]
+    )
+    """Where the metrics go: jsonl (metrics.jsonl, required) | tensorboard (<output>/tb) | wandb | mlflow; every logger
+    gets the same names and steps (engine/observe/sinks.py). The former switch ``tensorboard: false`` is read as
+    ``loggers: [jsonl]``."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases settings (used when loggers holds wandb)."""
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    """MLflow settings (used when loggers holds mlflow)."""
     report: bool = True
     """Write report.md and plots at the end."""
     skip_no_signal: bool = False
@@ -401,6 +475,8 @@ class TrainerConfig(Section):
     preempt_grace_s: Annotated[Real, Field(gt=0, le=3600)] = 20.0
     """Seconds a run has, after SIGTERM or SIGUSR1, to finish its step and write a checkpoint before it exits at once
     (engine/run/preemption.py); keep it below the scheduler's grace and torchrun's --shutdown_timeout (30 s)."""
+
+    _tensorboard = model_validator(mode="before")(_tensorboard_switch)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -1,9 +1,9 @@
-"""Step metrics: a progress line per step, ``metrics.jsonl`` and TensorBoard event files.
+"""Step metrics: a progress line per step, ``metrics.jsonl`` and the other loggers (engine/observe/sinks.py).
 
 Every step logs one flat ``{name: float}`` mapping. Names use ``/`` as a namespace separator
 (``m1/valid_match_rate``, ``m2/segment_length_mean``, ``time/rollout_generation``, ...), which
-TensorBoard groups into panels. Non-numeric and non-finite values are dropped from TensorBoard
-(they are kept in the JSONL as ``null``). Only rank 0 writes. The logger appends to the run's files: the
+TensorBoard, W&B and MLflow group into panels. Non-numeric values are dropped; non-finite ones are kept in the JSONL as
+``null`` and not sent to the other loggers. Only rank 0 writes. The logger appends to the run's files: the
 trainer first moves the records of an earlier run, or of steps after the checkpoint it resumes from, aside
 (engine/run/history.py).
 """
@@ -14,11 +14,13 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from alignopsd.engine.infra.writes import writing
 from alignopsd.engine.observe.progress import time_left
+from alignopsd.engine.observe.sinks import Sink, guarded
 
 # the keys of the progress line, in order: (metric name, label, format)
 PROGRESS_KEYS = (
@@ -70,14 +72,15 @@ def progress_line(step: int, total: int, metrics: dict[str, float | None], left:
 
 
 class MetricsLogger:
-    """JSONL + TensorBoard + progress line. Create on every rank; only ``rank == 0`` writes."""
+    """metrics.jsonl + the sinks of ``trainer.loggers`` (TensorBoard, W&B, MLflow: engine/observe/sinks.py) + the
+    progress line. Create on every rank; only ``rank == 0`` writes (the other ranks' ``sinks`` are closed unused)."""
 
     def __init__(
         self,
         out_dir: str | Path,
         *,
         total_steps: int,
-        tensorboard: bool = True,
+        sinks: Sequence[Sink] = (),
         rank: int = 0,
         stream=None,
     ) -> None:
@@ -85,20 +88,23 @@ class MetricsLogger:
         self.total_steps = int(total_steps)
         self.rank = rank
         self.stream = stream if stream is not None else sys.stdout
-        self._tb = None
+        self.sinks = list(sinks) if rank == 0 else []
+        self._run_ids = {s.name: s.run_id for s in self.sinks if s.run_id is not None}
         self.path = self.out_dir / "metrics.jsonl"
         self._t0 = time.perf_counter()  # the time-left estimate counts the steps this process ran
         self._first_step: int | None = None
-        if rank != 0:
-            return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        if rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
 
-                self._tb = SummaryWriter(log_dir=str(self.out_dir / "tb"))
-            except ImportError as exc:  # pragma: no cover - tensorboard is an engine dependency
-                print(f"[metrics] TensorBoard disabled: {exc}", file=sys.stderr)
+    def run_ids(self) -> dict[str, str]:
+        """Logger name -> id of its tracker run (W&B, MLflow), for the checkpoint; kept after a sink failed."""
+        return dict(self._run_ids)
+
+    def _each(self, what: str, call) -> None:
+        """``call(sink)`` on every sink; one that raises is reported once and dropped (sinks.guarded)."""
+        for sink in list(self.sinks):
+            if not guarded(sink.name, what, lambda s=sink: call(s), sink=sink):
+                self.sinks.remove(sink)
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train", echo: bool = True) -> dict:
         flat = flatten(metrics)
@@ -107,12 +113,7 @@ class MetricsLogger:
         rec = {"kind": kind, "step": int(step), "wall_time": time.time(), **flat}
         with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(rec, allow_nan=False) + "\n")
-        if self._tb is not None:
-            prefix = "" if kind == "train" else f"{kind}/"
-            for k, v in flat.items():
-                if v is not None:
-                    self._tb.add_scalar(prefix + k, v, global_step=step)
-            self._tb.flush()
+        self._each(f"logging step {int(step)}", lambda s: s.log(int(step), flat, kind))
         if echo and kind == "train":
             if self._first_step is None:
                 self._first_step = int(step) - 1
@@ -121,10 +122,20 @@ class MetricsLogger:
             print(progress_line(step, self.total_steps, flat, left), file=self.stream, flush=True)
         return flat
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+    def notes(self) -> list[str]:
+        """What the sinks could not do, for the run's report (e.g. MLflow keeping an abandoned attempt's points)."""
+        out: list[str] = []
+        self._each("reading its notes", lambda s: out.extend(s.notes()))
+        return out
+
+    def finish(self, files: list[Path], numbers: dict[str, float], step: int) -> None:
+        """The end-of-run report's files and numbers to every sink."""
+        self._each("logging the report", lambda s: s.finish(files, numbers, int(step)))
+
+    def close(self, status: str = "finished") -> None:
+        """End every sink's run (idempotent); ``status``: finished | killed | failed."""
+        self._each("closing", lambda s: s.close(status))
+        self.sinks = []
 
 
 def read_metrics(path: str | Path, kind: str | None = "train") -> list[dict]:

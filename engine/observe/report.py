@@ -18,6 +18,8 @@ from pathlib import Path
 from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, LABELS, PHASES
 
+PLOTS = ("reward_success.png", "gap.png", "span_lengths.png", "phase_costs.png")  # what write_report may draw
+
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
@@ -125,6 +127,26 @@ def plot_phases(means: dict[str, float], path: Path) -> bool:
     return True
 
 
+# the rows of the final table: (metric name, label)
+FINAL_KEYS = (
+    ("episode/reward_mean", "reward"),
+    ("episode/success_rate", "success rate"),
+    ("episode/valid_action_rate", "valid-action rate"),
+    ("episode/turns_mean", "turns / episode"),
+    ("actor/loss", "loss"),
+    ("actor/grad_norm", "grad norm"),
+    ("m1/valid_match_rate", "M1 valid match rate"),
+    ("m1/off_turn_match_weight", "off-turn match weight"),
+    ("m1/correspondence_confidence_mean", "confidence ρ"),
+    ("m2/segment_length_mean", "span length"),
+    ("episode/trajectory_length_mean", "trajectory length"),
+    ("m1/teacher_at_budget_fraction", "teacher at-budget fraction"),
+    ("m2/projection_activation_rate", "projection activity"),
+    ("m2/credit_conservation_error_max", "conservation error"),
+    ("time/step", "step seconds"),
+)
+
+
 def _fmt(v) -> str:
     if v is None:
         return "–"
@@ -133,27 +155,10 @@ def _fmt(v) -> str:
 
 def final_table(train: list[dict], val: list[dict]) -> str:
     """Markdown table of the last training step and the last validation pass."""
-    keys = [
-        ("episode/reward_mean", "reward"),
-        ("episode/success_rate", "success rate"),
-        ("episode/valid_action_rate", "valid-action rate"),
-        ("episode/turns_mean", "turns / episode"),
-        ("actor/loss", "loss"),
-        ("actor/grad_norm", "grad norm"),
-        ("m1/valid_match_rate", "M1 valid match rate"),
-        ("m1/off_turn_match_weight", "off-turn match weight"),
-        ("m1/correspondence_confidence_mean", "confidence ρ"),
-        ("m2/segment_length_mean", "span length"),
-        ("episode/trajectory_length_mean", "trajectory length"),
-        ("m1/teacher_at_budget_fraction", "teacher at-budget fraction"),
-        ("m2/projection_activation_rate", "projection activity"),
-        ("m2/credit_conservation_error_max", "conservation error"),
-        ("time/step", "step seconds"),
-    ]
     first, last = (train[0], train[-1]) if train else ({}, {})
     lines = ["| metric | first step | last step | last validation |", "|---|---:|---:|---:|"]
     lv = val[-1] if val else {}
-    for k, label in keys:
+    for k, label in FINAL_KEYS:
         if k in last or k in lv:
             lines.append(f"| {label} | {_fmt(first.get(k))} | {_fmt(last.get(k))} | {_fmt(lv.get(k))} |")
     cats = sorted({k for r in (last, lv) for k in r if k.startswith("episode/success/")})
@@ -184,6 +189,38 @@ def heldout_table(rows: dict[str, dict], times: dict[str, float] | None = None) 
         lines += [f"| {k} | {v:.0f} |" for k, v in times.items()]
         lines.append(f"| **total** | **{sum(times.values()):.0f}** |")
     return "\n".join(lines)
+
+
+def report_numbers(out_dir: str | Path) -> dict[str, float]:
+    """The numbers of the report of ``out_dir`` for the loggers' summaries: the final table's values
+    (``report/{first,last,last_val}/<metric>``), each phase's mean seconds per step (``report/phase/<phase>``) and the
+    alignment overhead over GRPO (``report/alignment_overhead``), where the run has them."""
+    train = read_metrics(Path(out_dir) / "metrics.jsonl", "train")
+    val = read_metrics(Path(out_dir) / "metrics.jsonl", "val")
+    rows = {"first": train[0] if train else {}, "last": train[-1] if train else {}, "last_val": val[-1] if val else {}}
+    out: dict[str, float] = {}
+    for where, rec in rows.items():
+        for k, _ in FINAL_KEYS:
+            v = rec.get(k)
+            if v is not None and math.isfinite(v):
+                out[f"report/{where}/{k}"] = float(v)
+    means = phase_means(train)
+    if any(means.values()):
+        out.update({f"report/phase/{k}": v for k, v in means.items()})
+        step = _mean(_series(train, "time/step")[1]) or 0.0
+        align = sum(means[k] for k in ALIGNMENT_PHASES)
+        if step > align:
+            out["report/alignment_overhead"] = align / (step - align)
+    return out
+
+
+def report_files(out_dir: str | Path) -> list[Path]:
+    """report.md of ``out_dir`` and the plots it shows (the files a logger stores as artifacts)."""
+    out_dir = Path(out_dir)
+    report = out_dir / "report.md"
+    if not report.is_file():
+        return []
+    return [report] + [out_dir / name for name in PLOTS if (out_dir / name).is_file()]
 
 
 def write_report(out_dir: str | Path, *, title: str = "AlignOPSD run", extra: str = "") -> Path:

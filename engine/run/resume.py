@@ -3,12 +3,12 @@
 Every checkpoint stores the resolved config of its run (``trainer_state.json`` → ``run_config``, the algorithm
 section included). Resuming compares it key by key with the config of the new run:
 
-* changes that do not alter the trajectory of training are allowed and listed: the run's name and output
-  directory, save cadence and retention, logging and report switches, validation before/after training,
-  environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and the
-  data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one
-  keys its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same
-  tensor-parallel size);
+* changes that do not alter the trajectory of training are allowed and listed: the run's name and output directory,
+  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), validation
+  before/after training, environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and
+  the data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one keys
+  its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same tensor-parallel
+  size);
 * every other change (model, estimator or any algorithm setting, seed, group size, environment, learning
   rate, tensor-parallel size, ...) is refused with the list of differences, unless the user passes
   ``--allow-config-change``;
@@ -40,6 +40,7 @@ from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
+from alignopsd.engine.config.sections import MlflowConfig, WandbConfig
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
@@ -49,7 +50,8 @@ TRAJECTORY_NEUTRAL = frozenset(
         "trainer.save_freq",
         "trainer.keep_last",
         "trainer.export_hf_freq",
-        "trainer.tensorboard",
+        "trainer.tensorboard",  # the switch checkpoints of earlier versions store
+        "trainer.loggers",
         "trainer.report",
         "trainer.audit",
         "trainer.audit_max_bytes",
@@ -63,6 +65,7 @@ TRAJECTORY_NEUTRAL = frozenset(
 # sections added after checkpoints were first written, with the switch that turns them on: absent from an older
 # checkpoint's config they were off, so their keys are no change while the switch stays off
 ADDED_SECTIONS = {"model.lora.": "model.lora.enabled"}
+NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
 SHARDED_LAYOUT = frozenset(
@@ -77,6 +80,20 @@ class ResumeConfigError(ConfigError):
 def stored_config(cfg: RunConfig) -> dict[str, Any]:
     """The resolved config as stored with a checkpoint (JSON values)."""
     return json.loads(json.dumps(config_to_dict(cfg), default=str))
+
+
+def with_loggers(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config stored before ``trainer.loggers`` existed, as this version stores it: its ``trainer.tensorboard``
+    switch as the loggers list, the trackers' sections at their defaults (so a resume compares like with like)."""
+    trainer = saved.get("trainer")
+    if not isinstance(trainer, dict) or "loggers" in trainer:
+        return saved
+    trainer = dict(trainer)
+    on = trainer.pop("tensorboard", True)
+    trainer["loggers"] = ["jsonl", "tensorboard"] if on else ["jsonl"]
+    trainer.setdefault("wandb", json.loads(json.dumps(config_to_dict(WandbConfig()))))
+    trainer.setdefault("mlflow", json.loads(json.dumps(config_to_dict(MlflowConfig()))))
+    return {**saved, "trainer": trainer}
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -109,7 +126,7 @@ def config_changes(
             line += " (changes the warm-up length)"
         if a is missing and any(key.startswith(sec) and new.get(on) is False for sec, on in ADDED_SECTIONS.items()):
             continue
-        (neutral if key in TRAJECTORY_NEUTRAL else blocking).append(line)
+        (neutral if key in TRAJECTORY_NEUTRAL or key.startswith(NEUTRAL_SECTIONS) else blocking).append(line)
     if saved_world != world:
         neutral.append(f"{WORLD_SIZE_KEY}: {saved_world} -> {world}")
     return blocking, neutral
@@ -142,7 +159,7 @@ def check_resume(
             "to resume anyway"
         )
     blocking, neutral = config_changes(
-        saved, stored_config(cfg), step=step, saved_world=state.world_size, world=world_size
+        with_loggers(saved), stored_config(cfg), step=step, saved_world=state.world_size, world=world_size
     )
     fixed = [line for line in blocking if line.split(":", 1)[0] in SHARDED_LAYOUT]
     if state.sharded and fixed:

@@ -60,11 +60,12 @@ from alignopsd.engine.infra.writes import WriteFailure, writing
 from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.observe.audit import Auditor, header_of
 from alignopsd.engine.observe.metrics import MetricsLogger
-from alignopsd.engine.observe.report import write_report
+from alignopsd.engine.observe.report import report_files, report_numbers, write_report
 from alignopsd.engine.observe.strict import strict
 from alignopsd.engine.parallel.collectives import reduce_metrics
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
+from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
 from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
@@ -126,6 +127,7 @@ class Trainer:
         self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
         self.step = 0
         self.span_lengths: list[int] = []
+        self.logger_runs: dict[str, str] = {}  # logger name -> its W&B / MLflow run, stored with every checkpoint
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
@@ -150,6 +152,7 @@ class Trainer:
                 config_name=self.cfg.name,
                 run_config=stored_config(self.cfg),
                 span_lengths_count=len(self.span_lengths),
+                logger_runs=self.logger_runs or None,
             ),
             hf_config=policy.hf_config,
             keep_last=self.cfg.trainer.keep_last,
@@ -188,6 +191,7 @@ class Trainer:
                 raise ValueError(f"checkpoint {path}: {exc}") from None
         self.parts.sync_weights()
         self.step = ck.trainer_state.step
+        self.logger_runs = dict(ck.trainer_state.logger_runs or {})
         n = ck.trainer_state.span_lengths_count or 0
         self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
         if warning:
@@ -233,32 +237,61 @@ class Trainer:
                     self.load(path)
                     self._say(f"[train] resumed from {path} at step {self.step}")
                 self._set_history_aside(self.step if path is not None else None)
-                logger = MetricsLogger(
-                    self.out_dir,
-                    total_steps=cfg.trainer.total_steps,
-                    tensorboard=cfg.trainer.tensorboard,
-                    rank=self.rank,
-                    stream=self.stream,
-                )
+                logger = self._metrics_logger(resumed=path is not None)
                 self.parts = replace(self.parts, audit=self._auditor())
                 try:
                     last = self._train(logger, watch)
                 except Preempted:
+                    logger.close("killed")
                     self.parts.close()  # environment workers and the generation engine end with the run
                     raise
-                finally:
-                    logger.close()
+                except BaseException:
+                    logger.close("failed")
+                    raise
             finally:
                 watch.close()
-            self._write_spans()
-            if self.rank == 0 and cfg.trainer.report:
-                with writing(self.out_dir / "report.md"):  # and its plots beside it
-                    report = write_report(self.out_dir, title=f"{cfg.name}: {cfg.algorithm_name()}")
-                print(f"[train] report: {report}", file=self.stream, flush=True)
+            self._finish(logger)
             self.parts.close()
             return last
         finally:
             self.release_output()
+
+    def _metrics_logger(self, *, resumed: bool) -> MetricsLogger:
+        """metrics.jsonl and the other loggers of ``trainer.loggers`` (engine/observe/sinks.py), opened on rank 0: a
+        resumed run continues the W&B / MLflow runs its checkpoint names."""
+        cfg = self.cfg
+        sinks = []
+        if self.rank == 0:
+            sinks = open_sinks(
+                cfg.trainer,
+                self.out_dir,
+                run_name=cfg.name,
+                config=stored_config(cfg),
+                resume=self.logger_runs if resumed else None,
+                resume_step=self.step,
+            )
+        logger = MetricsLogger(
+            self.out_dir, total_steps=cfg.trainer.total_steps, sinks=sinks, rank=self.rank, stream=self.stream
+        )
+        self.logger_runs = {**(self.logger_runs if resumed else {}), **logger.run_ids()}
+        return logger
+
+    def _finish(self, logger: MetricsLogger) -> None:
+        """The span lengths, the report (with what a logger could not do) and its numbers and files to the loggers; then
+        the loggers close."""
+        try:
+            self._write_spans()
+            if self.rank == 0 and self.cfg.trainer.report:
+                title = f"{self.cfg.name}: {self.cfg.algorithm_name()}"
+                notes = "\n\n".join(logger.notes())
+                with writing(self.out_dir / "report.md"):  # and its plots beside it
+                    report = write_report(self.out_dir, title=title, extra=f"## Loggers\n\n{notes}" if notes else "")
+                print(f"[train] report: {report}", file=self.stream, flush=True)
+                logger.finish(report_files(self.out_dir), report_numbers(self.out_dir), self.step)
+        except BaseException:
+            logger.close("failed")
+            raise
+        logger.close()
 
     def _train(self, logger: MetricsLogger, watch: PreemptionWatch) -> dict:
         """The steps, validation passes and saves; a preemption request ends it after the current step."""

@@ -8,6 +8,7 @@ import math
 
 from alignopsd.engine.observe.metrics import MetricsLogger, flatten, progress_line, read_metrics
 from alignopsd.engine.observe.report import write_report
+from alignopsd.engine.observe.sinks import TensorBoardSink
 
 
 def _fake_step(s: int) -> dict:
@@ -40,7 +41,7 @@ def test_flatten_and_progress_line():
 
 def test_logger_jsonl_tensorboard_and_resume(tmp_path):
     out = io.StringIO()
-    lg = MetricsLogger(tmp_path, total_steps=4, stream=out)
+    lg = MetricsLogger(tmp_path, total_steps=4, sinks=[TensorBoardSink(tmp_path / "tb")], stream=out)
     for s in (1, 2, 3):
         lg.log(s, _fake_step(s))
     lg.log(3, {"episode/success_rate": 0.5}, kind="val")
@@ -52,7 +53,7 @@ def test_logger_jsonl_tensorboard_and_resume(tmp_path):
     assert len(out.getvalue().strip().splitlines()) == 3
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     # the logger appends (the trainer sets an earlier run's records aside first: engine/run/history.py)
-    lg2 = MetricsLogger(tmp_path, total_steps=4, stream=io.StringIO(), tensorboard=False)
+    lg2 = MetricsLogger(tmp_path, total_steps=4, stream=io.StringIO())
     lg2.log(4, _fake_step(4))
     lg2.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
@@ -65,7 +66,7 @@ def test_rank_nonzero_writes_nothing(tmp_path):
 
 
 def test_report_writes_markdown_and_plots(tmp_path):
-    lg = MetricsLogger(tmp_path, total_steps=3, stream=io.StringIO(), tensorboard=False)
+    lg = MetricsLogger(tmp_path, total_steps=3, stream=io.StringIO())
     for s in (1, 2, 3):
         lg.log(s, _fake_step(s))
     lg.log(3, {"episode/success_rate": 0.5, "episode/reward_mean": 2.0}, kind="val")

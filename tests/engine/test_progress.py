@@ -26,7 +26,7 @@ def test_step_lines_carry_the_time_left_of_this_process(tmp_path, monkeypatch):
     clock = iter([100.0, 160.0, 220.0, 280.0])  # logger start, then one step a minute
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     out = io.StringIO()
-    lg = MetricsLogger(tmp_path, total_steps=5, tensorboard=False, stream=out)
+    lg = MetricsLogger(tmp_path, total_steps=5, stream=out)
     for step in (3, 4, 5):  # a resumed run: the first step this process logs is step 3 of 5
         lg.log(step, {"time/step": 60.0})
     lines = out.getvalue().splitlines()

@@ -85,7 +85,7 @@ def test_metrics_audit_and_side_files_past_the_limit(tmp_path):
         """
 from pathlib import Path
 from alignopsd.engine.observe.metrics import MetricsLogger
-log = MetricsLogger(d, total_steps=10, tensorboard=False, stream=open("/dev/null", "w"))
+log = MetricsLogger(d, total_steps=10, stream=open("/dev/null", "w"))
 limit(1000)
 for step in range(1, 100):
     log.log(step, {"actor/loss": 0.5, "text": 1.0})
