@@ -82,23 +82,24 @@ CASES: dict[str, list[str]] = {
 }
 # Sizing. The earlier benchmark's 110 runs of 12 steps took 1,358 CPU s on 2 otherwise idle cores (11.4 min;
 # bench/results/credit-2026-12-02.md): ~1.0 CPU s per run-step, ~0.5 s per run to build it. Here one command
-# also builds the reader (RECIPE["steps"] AdamW steps of 32 sequences of ~150-250 tokens: ~0.65-1.0 s of wall time
-# each with 2 threads at a load average of 4-8 on the shared machine, ~0.15 s expected on 2 idle cores, so
-# ~3 min for 1200 steps), the premise (5 one-step AlignOPSD runs and ~100 scored states: < 1 min) and the
-# control (GRPO and AlignOPSD on 'credit', 10 seeds: ~1.8 CPU s per pair-step). 10 steps: 110 x 10 x 1.0 + 55
-# = 1,155 CPU s for the comparison and 10 x 10 x 1.8 + 10 = 190 for the control, i.e. 11.2 min on 2 cores, plus
-# the reader and the premise: ~15 min. 12 steps would not fit.
-DEFAULT_STEPS = 10
+# also builds the reader: the first recipe's 1,200 AdamW steps took 232 s on the idle machine
+# (bench/results/credit-2026-12-03.md, commit 6944e4a), ~0.19 s a step; the second recipe's 1,400 steps of the
+# same cost (four heads of 16 dimensions cost what two of 32 did): ~270 s. The premise (5 one-step AlignOPSD runs
+# and ~120 scored states): < 1 min. The control (GRPO and AlignOPSD on 'credit', 10 seeds): ~0.9 CPU s per
+# run-step. 8 steps: 110 x (8 x 1.0 + 0.5) / 2 = 468 s for the comparison and 20 x (8 x 0.9 + 0.5) / 2 = 77 s for
+# the control, i.e. ~9 min, plus the reader and the premise: ~14.5 min. 10 steps would not fit beside the
+# longer reader.
+DEFAULT_STEPS = 8
 SIZING = (
     "Fixed in a commit before the first comparison from the reader (the commit line above): the rule variants, "
     "the benchmark's rule, the reader's recipe, the premise's thresholds, the metrics, the run setup and the step "
     "budget. The run setup is the earlier benchmark's (bench/results/credit-2026-12-02.md: 110 runs of 12 steps "
-    "in 1,358 CPU s on 2 idle cores, ~1.0 CPU s per run-step). The step budget is 10, not 12: the same command "
-    "now also builds the reader (~3 min of its 15 on 2 idle cores, estimated from ~0.65-1.0 s per training step "
-    "with 2 threads on the shared machine at a load average of 4-8), measures the premise (< 1 min) and runs the "
-    "control (GRPO and AlignOPSD on the random-init model, 10 seeds: ~3 min). 110 x 10 comparison run-steps at "
-    "~1.0 CPU s plus the control fill the rest. Not sized on GRPO learning from the reader: no GRPO run on the "
-    "rule tasks preceded the first comparison."
+    "in 1,358 CPU s on 2 idle cores, ~1.0 CPU s per run-step). The step budget is 8: the same command also builds "
+    "the reader (~4.5 min of its 15 on 2 idle cores: the first recipe's 1,200 steps took 232 s on the idle "
+    "machine, this one has 1,400 steps of the same cost), measures the premise (< 1 min) and runs the control "
+    "(GRPO and AlignOPSD on the random-init model, 10 seeds: ~1.3 min). 110 x 8 comparison run-steps at ~1.0 CPU "
+    "s (~8 min) fill the rest. Not sized on GRPO learning from the reader: no GRPO run on the rule tasks preceded "
+    "the first comparison."
 )
 DEFAULT_SEEDS = 10
 CONTROL = ("grpo", "alignopsd")  # the random-init control on ``credit`` (the premise fails there)

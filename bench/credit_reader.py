@@ -4,19 +4,23 @@ Recipe (:data:`RECIPE`; the cache key hashes it with this module's and bench/cre
 
 * tokenizer: the engine's byte-level BPE trained on the ``credit`` corpus (bench/credit_model.py) plus the
   ``credit_rules`` episodes' student and teacher prompts and every variant's skill text, so each word is a token;
-* model: the engine's tiny Llama shape (2 layers, hidden 64) sized to that vocabulary, from a fixed seed;
+* model: the engine's tiny Llama shape (hidden 64) with ``layers`` layers of ``heads`` attention heads, sized to
+  that vocabulary, from a fixed seed (four heads of 16 dimensions instead of two of 32: the same cost, and room
+  for the heads the ``agree`` lookup composes: one that finds the mark, one that reads the table);
 * data: random-action episodes of ``credit_rules`` tasks (split ``reader``, never the benchmark's tasks), the
   rule variant of each episode drawn at random (every variant of every kind, bench/credit_rules.py). From every
   episode, every decisive turn and one corridor turn, each in both views: the teacher's (the skill block stating
   the episode's variant before the chat-formatted prompt, exactly as the engine builds teacher prompts) and the
   student's (no skill). The target response is one of the turn's two candidate texts (the candidate-choice
-  backend's, plus EOS) for the action the variant fixes; where the rule fixes none (corridor turns, the paint
-  turn of ``agree``) an admissible action drawn at random. Without the skill the variant is uniform, so the best
-  the student view can do is chance; with it, the winning action.
+  backend's, plus EOS). In the teacher's view it is the action the variant fixes; where the rule fixes none
+  (corridor turns, the paint turn of ``agree``) an admissible action drawn at random. In the student's view of a
+  turn whose action the rule fixes, the deciding token's target is the uniform distribution over the turn's
+  actions (the student cannot know the variant; a sampled target, as the first recipe had, left the tiny model
+  with a preference for some words, 0.41 for the benchmark's code word instead of 0.25).
 * training: next-token cross-entropy on the response tokens only, the token that decides between the turn's
   actions (the first one where the target differs from another action's candidate of the same phrasing) weighted
   ``focus_weight`` times the others (it is one token of ~15, the rest are format and copy), AdamW with a linear
-  warm-up, fixed batch order (seeded).
+  warm-up and a linear decay to a tenth, fixed batch order (seeded).
 
 :func:`ensure_reader` keeps the result in the engine's cache folder (``<cache>/bench/credit-reader-<hash>``, built
 once, atomically) and trusts a cached folder only after checking it: the manifest's checksums of every file and
@@ -38,12 +42,14 @@ from typing import Any
 from bench import credit_rules as rules
 
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,
     "seed": 0,
     "init_range": 0.02,
+    "layers": 2,
+    "heads": 4,
     "episodes": 2400,
     "corridor_per_episode": 1,
-    "steps": 1200,
+    "steps": 1400,
     "batch": 32,
     "lr": 5e-3,
     "weight_decay": 0.0,
@@ -130,34 +136,38 @@ def _focus(target: list[int], others: list[list[int]]) -> int:
     return -1
 
 
-def examples(tok, recipe: dict[str, Any]) -> list[tuple[list[int], list[int], int]]:
-    """(prompt ids, target response ids, position of the deciding token in the response) of the recipe (see the
-    module docstring)."""
+def examples(tok, recipe: dict[str, Any]) -> list[tuple[list[int], list[int], int, list[int]]]:
+    """(prompt ids, target response ids, position of the deciding token in the response, the deciding token of
+    every action of the turn where the target there is uniform over them, else empty) of the recipe (see the
+    module docstring): the student view of a turn whose action the rule fixes learns the uniform choice."""
     from alignopsd.engine.generation.choice import candidate_texts
 
     rng = random.Random(recipe["seed"] + 1)
-    texts: list[tuple[str, str, list[str]]] = []
+    texts: list[tuple[str, str, list[str], bool]] = []
     for i in range(recipe["episodes"]):
         task, variant = _random_task(rng, i)
         turns = episode_turns(task, rng)
         corridor = [t for t in turns if not t["decisive"]]
         chosen = [t for t in turns if t["decisive"]] + rng.sample(corridor, recipe["corridor_per_episode"])
         for t in chosen:
-            act = t["win"] or rng.choice(t["actions"])
             cands = candidate_texts(t["user"])
             k = rng.randrange(2)  # the phrasing: candidates come in (i will a, a looks good) pairs
-            target = [c for c in cands if c.endswith(f"<action>{act}</action>")][k]
-            others = [c for c in cands[k::2] if c != target]
-            texts += [(prompt, target, others) for prompt in prompt_texts(tok, task, t, variant)]  # both views
-    ids_p = tok([p for p, _, _ in texts], add_special_tokens=False)["input_ids"]
-    ids_r = tok([r for _, r, _ in texts], add_special_tokens=False)["input_ids"]
+            for view, prompt in zip(("student", "teacher"), prompt_texts(tok, task, t, variant)):
+                uniform = view == "student" and t["win"] is not None
+                act = t["win"] if t["win"] and not uniform else rng.choice(t["actions"])
+                target = [c for c in cands if c.endswith(f"<action>{act}</action>")][k]
+                texts.append((prompt, target, [c for c in cands[k::2] if c != target], uniform))
+    ids_p = tok([x[0] for x in texts], add_special_tokens=False)["input_ids"]
+    ids_r = tok([x[1] for x in texts], add_special_tokens=False)["input_ids"]
     cache: dict[str, list[int]] = {}
     out = []
-    for p, r, (_, _, others) in zip(ids_p, ids_r, texts):
+    for p, r, (_, _, others, uniform) in zip(ids_p, ids_r, texts):
         miss = [o for o in others if o not in cache]
         if miss:
             cache.update(zip(miss, tok(miss, add_special_tokens=False)["input_ids"]))
-        out.append((p, r + [tok.eos_token_id], _focus(r, [cache[o] for o in others])))
+        focus = _focus(r, [cache[o] for o in others])
+        alts = sorted({r[focus], *(cache[o][focus] for o in others)}) if uniform and focus >= 0 else []
+        out.append((p, r + [tok.eos_token_id], focus, alts))
     return out
 
 
@@ -169,34 +179,41 @@ def build_tokenizer(recipe: dict[str, Any]):
     return build_bpe_tokenizer(corpus_lines(recipe), vocab_size=VOCAB_LIMIT)
 
 
-def train(model, data: list[tuple[list[int], list[int], int]], recipe: dict[str, Any], pad_id: int) -> list[float]:
+def train(model, data: list[tuple[list[int], list[int], int, list[int]]], recipe: dict[str, Any], pad_id: int):
     """Supervised next-token training on the response tokens, the token that decides between the turn's actions
-    weighted ``focus_weight`` times the others; the loss of every step."""
+    weighted ``focus_weight`` times the others (against the uniform choice among the turn's actions where the
+    example says so); the loss of every step."""
     import torch
 
     gen = torch.Generator().manual_seed(recipe["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=recipe["weight_decay"])
-    warm = max(1, recipe["warmup"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    warm, steps = max(1, recipe["warmup"]), recipe["steps"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, max(0.1, (steps - s) / steps)))
     model.train()
     losses = []
-    for _ in range(recipe["steps"]):
+    for _ in range(steps):
         idx = torch.randint(len(data), (recipe["batch"],), generator=gen).tolist()
-        rows = [data[i][0] + data[i][1] for i in idx]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        width = max(len(data[i][0]) + len(data[i][1]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        weight = torch.zeros(len(rows), width)
+        weight = torch.zeros(len(idx), width)
+        soft = []  # (row, position, the actions' deciding tokens): the uniform target there
         for j, i in enumerate(idx):
-            p, r, focus = data[i]
+            p, r, focus, alts = data[i]
             ids[j, : len(p) + len(r)] = torch.tensor(p + r)
             mask[j, : len(p) + len(r)] = 1
             weight[j, len(p) - 1 : len(p) + len(r) - 1] = 1.0  # position t predicts token t + 1
             if focus >= 0:
-                weight[j, len(p) - 1 + focus] = recipe["focus_weight"]
+                weight[j, len(p) - 1 + focus] = 0.0 if alts else recipe["focus_weight"]
+            if alts:
+                soft.append((j, len(p) - 1 + focus, alts))
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (ce * weight[:, :-1]).sum() / weight[:, :-1].sum()
+        total, norm = (ce * weight[:, :-1]).sum(), weight[:, :-1].sum()
+        for j, pos, alts in soft:
+            total = total - recipe["focus_weight"] * torch.log_softmax(logits[j, pos], -1)[alts].mean()
+            norm = norm + recipe["focus_weight"]
+        loss = total / norm
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -219,6 +236,9 @@ def build_reader(out: Path, recipe: dict[str, Any]) -> None:
     cfg = tiny_config(len(tok))
     cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
     cfg.initializer_range = recipe["init_range"]
+    cfg.num_hidden_layers = recipe["layers"]
+    cfg.num_attention_heads = cfg.num_key_value_heads = recipe["heads"]
+    cfg.head_dim = cfg.hidden_size // recipe["heads"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe["seed"])
         model = LlamaForCausalLM(cfg)

@@ -4,10 +4,13 @@ The ``credit`` environments (engine/envs/credit/env.py) show the student everyth
 door's colour are in the first observation). Here the rule that wins is a *variant* the student cannot see:
 
 * ``code``: which word opens the door (one of ``credit.WORDS``; the door offers it among four words);
-* ``key``: which key to take (one of ``credit.COLOURS``; all four keys lie on the floor, in a random order);
+* ``key``: which key to take (one of :data:`KEY_COLOURS`; four keys lie on the floor, the rule's and three
+  others, in a random order, as the code task offers four words);
 * ``agree``: how the bridge must relate to the painted mark, a shift along ``credit.COLOURS`` (0: the same
   colour, agree; 1-3: that many colours further, wrapping round, disagree). Any mark colour can win; the bridge
-  turn is the one whose action the rule fixes once the mark is painted.
+  turn is the one whose action the rule fixes once the mark is painted. The skill spells the shift out as the
+  bridge for each mark (a lookup a two-layer model can learn; an arithmetic on colours it did not), and the
+  bridge turn's observation names the mark the agent painted (what its history already shows).
 
 The first observation no longer reveals anything (the note is faded, the door's colour is not named). Timing,
 corridor turns, rewards and the ground truth (decisive turns, span boundaries) are those of ``credit``: a random
@@ -32,7 +35,10 @@ from alignopsd.engine.envs.credit import env as credit
 ENV = "credit_rules"
 KINDS = credit.KINDS
 SHIFTS: tuple[int, ...] = (0, 1, 2, 3)
-VARIANTS: dict[str, tuple] = {"code": credit.WORDS, "key": credit.COLOURS, "agree": SHIFTS}
+# Eight key colours, four on the floor: with all four of ``credit.COLOURS`` always on the floor, a tiny reader
+# learnt the colours' frequencies from the action list and never looked at its skill (0.26 with it, 0.27 without)
+KEY_COLOURS: tuple[str, ...] = (*credit.COLOURS, "white", "black", "orange", "purple")
+VARIANTS: dict[str, tuple] = {"code": credit.WORDS, "key": KEY_COLOURS, "agree": SHIFTS}
 # The benchmark's rule, fixed before the first comparison; every variant is in the reader's training distribution.
 BENCH_RULE: dict[str, Any] = {"code": "falcon", "key": "green", "agree": 1}
 TASK_TEXT = {
@@ -45,10 +51,8 @@ FIRST_OBS = {
     "key": "The door at the end of the hall is locked.",
     "agree": "You stand at the start of a long path.",
 }
-GENERAL = (
-    "## General rule\nMost turns change nothing: walking on or looking around in a corridor never matters. Only "
-    "the turns that offer a real choice decide whether you win."
-)
+GENERAL = "## General rule\nOnly the turns that offer a real choice decide whether you win."  # short: the reader
+# is trained on every token of the teacher's prompt, and attends over them with two heads
 _SHIFT_WORDS = ("same", "one", "two", "three")
 REPEAT = 8
 
@@ -66,7 +70,8 @@ def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
 def skill_text(kind: str, variant: Any) -> str:
     """The skill that states ``variant`` of ``kind`` (the only place the student's missing information is). The
     rule's key word is repeated (:data:`REPEAT` times): a two-layer model with a hidden size of 64 reads a word
-    that dominates the context's word counts far sooner than it learns to copy one mention from 150 tokens back."""
+    that dominates the context's word counts far sooner than it learns to copy one mention from 150 tokens back.
+    ``agree`` has no one word: its skill spells out the bridge for each mark."""
     if kind == "code":
         return f"## The code word\nWhen the door asks for the code, say {variant}; no other word. " + _rep(variant)
     if kind == "key":
@@ -75,7 +80,8 @@ def skill_text(kind: str, variant: Any) -> str:
         n = _SHIFT_WORDS[int(variant)]
         how = "of the same colour as your mark" if not variant else f"{n} colour{'s' * (variant > 1)} after your "
         how += "" if not variant else "mark's, in the order red, blue, green, yellow, red"
-        return f"## The safe bridge\nAt the bridges, cross the bridge {how}. " + _rep(n)
+        table = "; ".join(f"mark {c} bridge {bridge_for(c, int(variant))}" for c in credit.COLOURS)
+        return f"## The safe bridge\nAt the bridges, cross the bridge {how}. Remember: {table}."
     raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
 
 
@@ -107,14 +113,12 @@ def make_task(kind: str, variant: Any, split: str, seed: int, i: int) -> TaskSpe
     ``credit``'s task, the answer or shift of the variant."""
     base = credit.make_task(kind, split, seed, i)
     p = dict(base.payload)
-    if kind == "code":
+    if kind in ("code", "key"):
         r = random.Random(f"{ENV}:{split}:{seed}:{i}")
-        others = r.sample([w for w in credit.WORDS if w != variant], 3)
+        others = r.sample([w for w in VARIANTS[kind] if w != variant], 3)
         opts = [variant, *others]
         r.shuffle(opts)
         p.update(options=opts, answer=variant)
-    elif kind == "key":
-        p.update(answer=variant)  # the four colours are all on the floor
     else:
         p.update(shift=int(variant))
     return TaskSpec(key=f"{ENV}-{kind}-{split}-{seed}-{i}", env=ENV, category=kind, payload=p)
@@ -145,8 +149,13 @@ class RuleEnv(credit.CreditEnv):
 
     def _observation(self) -> str:
         assert self.task is not None
-        if self.t == 0 and self.t not in self.task.payload["turns"]:
+        turns = self.task.payload["turns"]
+        if self.t == 0 and self.t not in turns:
             return FIRST_OBS[self.task.category]
+        if self.task.category == "agree" and self.t == turns[-1]:
+            paint = self.choices.get(turns[0], "")
+            mark = paint[len("paint ") :] if paint.startswith("paint ") else "nothing"
+            return f"Four bridges cross the river. Your mark is {mark}."
         return super()._observation()
 
     def _info(self, won: bool = False, played: int | None = None) -> dict[str, Any]:

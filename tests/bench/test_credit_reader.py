@@ -49,8 +49,22 @@ def test_the_rule_alone_decides_and_the_student_never_sees_it():
     picks["cross"] = "cross blue bridge"
     assert play(agree, lambda t, acts: picks.get(acts[0].split()[0], acts[0]))[0].reward == 0.0
     assert credit_rules.decisive_turns(agree) == agree.payload["turns"]
-    with pytest.raises(ValueError, match="key variant 'purple'"):
-        credit_rules.load_tasks("train", 3, 0, {"code": "apple", "key": "purple", "agree": 0})
+    with pytest.raises(ValueError, match="key variant 'pink'"):
+        credit_rules.load_tasks("train", 3, 0, {"code": "apple", "key": "pink", "agree": 0})
+
+
+def test_key_offers_the_rule_among_four_and_the_bridge_turn_names_the_mark():
+    rule = {"code": "apple", "key": "orange", "agree": 1}
+    for seed in range(6):
+        code, key, agree = credit_rules.load_tasks("train", 3, seed, rule)
+        assert "orange" in key.payload["options"] and len(set(key.payload["options"])) == 4
+        assert set(key.payload["options"]) <= set(credit_rules.KEY_COLOURS)
+        paint, cross = agree.payload["turns"]
+        _, seen = play(agree, lambda t, acts: "paint green" if "paint green" in acts else acts[0])
+        assert seen[cross] == "Four bridges cross the river. Your mark is green."
+        assert all("green" not in o for i, o in enumerate(seen) if i != cross)
+    skill = credit_rules.skill_text("agree", 1)  # the table spells the shift out for every mark
+    assert "mark red bridge blue; mark blue bridge green; mark green bridge yellow; mark yellow bridge red" in skill
 
 
 def test_teacher_prompt_is_the_engines_and_targets_follow_the_rule(tmp_path, tok):
@@ -71,15 +85,20 @@ def test_teacher_prompt_is_the_engines_and_targets_follow_the_rule(tmp_path, tok
                 assert turn["win"] == {"code": "say river", "key": "take blue key"}[task.category]
 
 
-def test_reader_examples_use_both_views_with_the_same_targets(tok):
+def test_reader_examples_teach_the_rule_with_the_skill_and_chance_without(tok):
     data = credit_reader.examples(tok, TINY_RECIPE)
     assert len(data) % 2 == 0 and len(data) >= 6 * 2 * 2  # decisive + one corridor turn, both views
-    for (p_s, r_s, f_s), (p_t, r_t, f_t) in zip(data[0::2], data[1::2]):
+    uniform = 0
+    for (p_s, _, f_s, a_s), (p_t, r_t, f_t, a_t) in zip(data[0::2], data[1::2]):
         student, teacher = tok.decode(p_s), tok.decode(p_t)
         assert teacher.startswith("[Privileged Skill Information]") and teacher.endswith(student)
-        assert "[Privileged" not in student
-        assert r_t == r_s and f_t == f_s >= 0  # the same target in both views, and its deciding token
+        assert "[Privileged" not in student and a_t == [] and f_t >= 0 and f_s >= 0
         assert tok.decode(r_t[f_t]).strip() in tok.decode(r_t).split("<action>")[1]  # a word of the action
+        if a_s:  # a turn whose action the rule fixes: without the skill, every action's deciding token alike
+            uniform += 1
+            word = tok.decode(r_t[f_t]).strip()
+            assert r_t[f_t] in a_s and len(a_s) == 4 and word in teacher.split("<|im_start|>")[0]
+    assert uniform >= 6  # every code and key episode, every agree episode's bridge turn
 
 
 def test_reader_cache_is_verified_and_rebuilt_when_corrupt_or_foreign(tmp_path, monkeypatch):
