@@ -17,7 +17,7 @@ through the same chat template, tokenisation and left truncation as in ``rollout
 short reasoning written from the game's own facts (task, target object and receptacle, what is held, the next
 sub-goal). The loss is the next-token cross entropy on the response tokens only, averaged over them.
 
-Legend: T = an example's length (prompt + response), N = its response tokens.
+Legend: B = examples in a micro-batch, T = padded length (prompt + response).
 """
 
 from __future__ import annotations
@@ -47,33 +47,39 @@ def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int) -> tuple[li
     return ids, resp
 
 
-def response_loss(model, examples: list[tuple[list[int], list[int]]], compute_dtype=None):
-    """Mean next-token cross entropy over the response tokens of ``examples``.
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded (input_ids_BT, attention_BT, labels_BT); labels -100 outside the responses."""
+    width = max(len(p) + len(r) for p, r in examples)
+    ids_BT = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    att_BT = torch.zeros((len(examples), width), dtype=torch.long)
+    lab_BT = torch.full((len(examples), width), -100, dtype=torch.long)
+    for b, (p, r) in enumerate(examples):
+        n = len(p) + len(r)
+        ids_BT[b, :n] = torch.tensor(p + r)
+        att_BT[b, :n] = 1
+        lab_BT[b, len(p) : n] = torch.tensor(r)
+    return ids_BT, att_BT, lab_BT
 
-    Each example goes through the model alone, unpadded: with right padding the real positions never attend to the
-    padding, so a padded batch computes the same loss, but it pushes every example at the longest one's width (the
-    quickstart's examples average 400 tokens, prompt and response); a single causal row also takes SDPA's mask-free
-    path."""
+
+def response_loss(model, examples: list[tuple[list[int], list[int]]], pad_id: int, compute_dtype=None):
+    """Mean next-token cross entropy over the response tokens of ``examples``."""
+    ids_BT, att_BT, lab_BT = _batch(examples, pad_id)
     dev = next(model.parameters()).device
-    total = None
-    count = 0
-    for prompt, response in examples:
-        ids_1T = torch.tensor([prompt + response], dtype=torch.long, device=dev)
-        tgt_N = torch.tensor(response, dtype=torch.long, device=dev)
-        with torch.autocast(dev.type, dtype=compute_dtype, enabled=compute_dtype is not None):
-            hidden_1TH = model.base_model(input_ids=ids_1T).last_hidden_state
-            # the LM head only where a response token is predicted (a tenth of the positions)
-            logits_NV = model.get_output_embeddings()(hidden_1TH[0, len(prompt) - 1 : -1])
-        part = torch.nn.functional.cross_entropy(logits_NV.float(), tgt_N, reduction="sum")
-        total = part if total is None else total + part
-        count += len(response)
-    return total / count
+    ids_BT, att_BT, lab_BT = ids_BT.to(dev), att_BT.to(dev), lab_BT.to(dev)
+    tgt_BT = lab_BT[:, 1:]
+    keep_BT = tgt_BT != -100
+    with torch.autocast(dev.type, dtype=compute_dtype, enabled=compute_dtype is not None):
+        hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=att_BT).last_hidden_state
+        # the LM head only where a response token is predicted (a tenth of the positions)
+        logits_NV = model.get_output_embeddings()(hidden_BTH[:, :-1][keep_BT])
+    return torch.nn.functional.cross_entropy(logits_NV.float(), tgt_BT[keep_BT])
 
 
 def sft_train(
     model,
     examples: list[tuple[list[int], list[int]]],
     *,
+    pad_id: int,
     steps: int,
     lr: float = 1e-4,
     batch_size: int = 4,
@@ -109,7 +115,7 @@ def sft_train(
         del order[:batch_size]
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, step / warm)
-        loss = response_loss(model, batch, compute_dtype)
+        loss = response_loss(model, batch, pad_id, compute_dtype)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -255,6 +261,7 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     losses = sft_train(
         model,
         examples,
+        pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id),
         steps=steps,
         lr=lr,
         batch_size=batch_size,
