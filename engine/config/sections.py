@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from alignopsd.engine.config.errors import ConfigError, describe, rule
 from alignopsd.engine.envs.registry import env_names
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from typing_extensions import Self
 
 SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it too
@@ -221,6 +221,11 @@ class GenerationConfig(Section):
     recomputes every sampled token's log-prob in its own precision, mismatch/* measures the gap and
     trainer.rollout_is corrects it) | auto (int8 where the policy computes in float32 on the CPU, i.e. a CPU without
     native bf16; else off)."""
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
 
     @model_validator(mode="after")
     def _teacher_samples_like_the_student(self) -> Self:

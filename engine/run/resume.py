@@ -65,6 +65,8 @@ TRAJECTORY_NEUTRAL = frozenset(
 # sections added after checkpoints were first written, with the switch that turns them on: absent from an older
 # checkpoint's config they were off, so their keys are no change while the switch stays off
 ADDED_SECTIONS = {"model.lora.": "model.lora.enabled"}
+# keys added after checkpoints were first written, with the value that runs as before they existed
+ADDED_KEYS = {"generation.quantize": "off"}
 NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
@@ -125,6 +127,8 @@ def config_changes(
                 continue
             line += " (changes the warm-up length)"
         if a is missing and any(key.startswith(sec) and new.get(on) is False for sec, on in ADDED_SECTIONS.items()):
+            continue
+        if a is missing and key in ADDED_KEYS and b == ADDED_KEYS[key]:
             continue
         (neutral if key in TRAJECTORY_NEUTRAL or key.startswith(NEUTRAL_SECTIONS) else blocking).append(line)
     if saved_world != world:

@@ -237,3 +237,14 @@ def test_student_skills_baselines():
         load_config(tiny, ["env.student_skills=always", "algorithm.estimator=alignopsd"])
     with pytest.raises(ConfigError, match="env.student_skills"):
         load_config(tiny, ["env.student_skills=sometimes"])
+
+
+def test_a_bare_yaml_off_is_the_quantize_setting_off(tmp_path):
+    """YAML 1.1 reads `quantize: off` as false; the setting still means off, and a bool True is refused."""
+    src = (CONFIGS / "tiny.yaml").read_text()
+    p = tmp_path / "c.yaml"
+    p.write_text(src.replace("generation:\n", "generation:\n  quantize: off\n", 1))
+    assert load_config(p).generation.quantize == "off"
+    p.write_text(src.replace("generation:\n", "generation:\n  quantize: on\n", 1))
+    with pytest.raises(ConfigError, match="generation.quantize"):
+        load_config(p)
