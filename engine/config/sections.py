@@ -15,7 +15,16 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from alignopsd.engine.config.errors import ConfigError, describe, rule
 from alignopsd.engine.envs.registry import env_names
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from typing_extensions import Self
 
 SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it too
