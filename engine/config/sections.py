@@ -15,16 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from alignopsd.engine.config.errors import ConfigError, describe, rule
 from alignopsd.engine.envs.registry import env_names
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from typing_extensions import Self
 
 SEED_LIMIT = 2**32  # numpy's seed range; torch and the per-step seeds accept it too
@@ -224,17 +215,12 @@ class GenerationConfig(Section):
     """vLLM: skip CUDA graphs."""
     vllm_sleep: bool | None = None
     """vLLM sleep mode while training; None: where vLLM supports it (CUDA)."""
-    quantize: Literal["off", "int8", "auto"] = "off"
+    quantize: Annotated[Literal["off", "int8", "auto"], BeforeValidator(lambda v: "off" if v is False else v)] = "off"
     """Weights of the hf backend's forward (rollouts, teacher samples, evaluation): off (the trained module itself)
     | int8 (an int8 copy on the CPU, quantized again after every update: engine/generation/int8.py; the trainer
     recomputes every sampled token's log-prob in its own precision, mismatch/* measures the gap and
     trainer.rollout_is corrects it) | auto (int8 where the policy computes in float32 on the CPU, i.e. a CPU without
     native bf16; else off)."""
-
-    @field_validator("quantize", mode="before")
-    @classmethod
-    def _yaml_off(cls, value):
-        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
 
     @model_validator(mode="after")
     def _teacher_samples_like_the_student(self) -> Self:
