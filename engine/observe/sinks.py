@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from alignopsd.engine.config.dump import flatten_config
 from alignopsd.engine.observe.strict import reraise_if_strict
 
 
@@ -97,14 +98,9 @@ def guarded(name: str, what: str, fn: Callable[[], Any], stream=None, sink: Sink
 _REFUSED = re.compile(r"[^\w\-. /:]")
 
 
-def flat_config(config: Any, prefix: str = "") -> dict[str, str]:
+def flat_config(config: Any) -> dict[str, str]:
     """A nested config as ``{dotted key: text}`` (the parameters of a tracker that takes flat ones)."""
-    if isinstance(config, dict) and config:
-        out: dict[str, str] = {}
-        for k, v in config.items():
-            out.update(flat_config(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: str(config)}
+    return {k: str(v) for k, v in flatten_config(config).items()}
 
 
 def plain_name(name: str) -> str:

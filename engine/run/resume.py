@@ -38,7 +38,7 @@ from alignopsd.engine.checkpoint.manifest import ManifestError
 from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer_state
 from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
-from alignopsd.engine.config.dump import config_to_dict
+from alignopsd.engine.config.dump import config_to_dict, flatten_config
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.config.sections import MlflowConfig, WandbConfig
 
@@ -98,20 +98,11 @@ def with_loggers(saved: dict[str, Any]) -> dict[str, Any]:
     return {**saved, "trainer": trainer}
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: data}
-
-
 def config_changes(
     saved: dict[str, Any], current: dict[str, Any], *, step: int, saved_world: int = 1, world: int = 1
 ) -> tuple[list[str], list[str]]:
     """(changes that alter training, changes that do not), each as ``"key: old -> new"`` lines."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten_config(saved), flatten_config(current)
     blocking: list[str] = []
     neutral: list[str] = []
     missing = object()
