@@ -26,16 +26,5 @@ def config_to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config mapping as ``{dotted key: value}`` (``{"trainer": {"lr": 1e-6}}`` -> ``{"trainer.lr": 1e-6}``);
-    an empty mapping is a value of its own, so a section emptied by a change still shows as a key."""
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(flatten_config(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: data}
-
-
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

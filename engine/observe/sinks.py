@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from alignopsd.engine.config.dump import flatten_config
+from alignopsd.engine.infra.mappings import flatten_config
 from alignopsd.engine.observe.strict import reraise_if_strict
 
 

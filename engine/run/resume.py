@@ -38,9 +38,10 @@ from alignopsd.engine.checkpoint.manifest import ManifestError
 from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer_state
 from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
-from alignopsd.engine.config.dump import config_to_dict, flatten_config
+from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.config.sections import MlflowConfig, WandbConfig
+from alignopsd.engine.infra.mappings import flatten_config
 
 # dotted keys whose change leaves the training trajectory as it is
 TRAJECTORY_NEUTRAL = frozenset(
