@@ -265,7 +265,7 @@ def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from bench.credit_model import ensure_model
     from bench.credit_reader import RECIPE, ensure_reader, premise_failures
-    from bench.credit_report import summarise, write_results
+    from bench.credit_report import commit_line, summarise, write_results
     from bench.credit_rules import BENCH_RULE, ENV, write_skill_bank
 
     a = parse_args(argv)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         except (Refused, ValueError) as exc:
             print(f"bench.credit: {exc}", file=sys.stderr)
             return 2
-        load0, w0, c0 = os.getloadavg(), time.perf_counter(), os.times()
+        commit, load0, w0, c0 = commit_line(), os.getloadavg(), time.perf_counter(), os.times()
         seeds = list(range(a.seeds))
         reader = ensure_reader(a.reader_cache)
         reader_s = time.perf_counter() - w0
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     raw.write_text(json.dumps({"premise": prem, "runs": runs, "control_runs": ctrl}, default=str) + "\n")
     meta = {
         "argv": ["python -m bench.credit", *(argv if argv is not None else sys.argv[1:])],
+        "commit": commit,
         "wall_s": time.perf_counter() - w0,
         "load_before": load0,
         "load_after": os.getloadavg(),
