@@ -250,8 +250,8 @@ def _premise_lines(meta: dict) -> list[str]:
         f"The reader (`{rd['folder']}`, recipe below; {rd['seconds']:.0f} s to build or load and verify) on the "
         f"benchmark's tasks (every seed's tasks under the fixed rule {meta['rule']}, decisive turns reached by random "
         f"play, {ch['states']} states): the probability that the candidate-choice policy picks the winning action, "
-        "with the skill in its prompt (the teacher's view) and without (the student's). The paint turn of `agree` "
-        "is left out: any mark can win, the rule fixes the bridge.",
+        "with the skill in its prompt (the teacher's view) and without (the student's). The bridge turn of `agree` "
+        "after a mark other than the rule's is left out: no action wins there.",
         "",
         "| kind | states | with the skill | argmax with | without the skill | argmax without | chance |",
         "|---|---|---|---|---|---|---|",
