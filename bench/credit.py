@@ -7,7 +7,7 @@ Three stages, one command:
 
 1. **The reader** (bench/credit_reader.py): the benchmark's tiny model (bench/credit_model.py's shape) trained,
    supervised, to follow the rule its skill block states, over every rule variant of the ``credit_rules`` tasks
-   (bench/credit_rules.py: which word, which key, which bridge relative to the mark), drawn at random per
+   (bench/credit_rules.py: which word, which key, which colour of mark and bridge), drawn at random per
    episode. Cached in the engine's cache folder by a hash of its recipe, verified on every load.
 2. **The premise**, before any RL, on the benchmark's tasks under its fixed rule (``credit_rules.BENCH_RULE``):
    with the skill the reader picks the winning action on decisive turns with probability >= 0.8, without it at
@@ -82,21 +82,20 @@ CASES: dict[str, list[str]] = {
 }
 # Sizing. The earlier benchmark's 110 runs of 12 steps took 1,358 CPU s on 2 otherwise idle cores (11.4 min;
 # bench/results/credit-2026-12-02.md): ~1.0 CPU s per run-step, ~0.5 s per run to build it. Here one command
-# also builds the reader: the first recipe's 1,200 AdamW steps took 232 s on the idle machine
-# (bench/results/credit-2026-12-03.md, commit 6944e4a), ~0.19 s a step; the second recipe's 1,400 steps of the
-# same cost (four heads of 16 dimensions cost what two of 32 did): ~270 s. The premise (5 one-step AlignOPSD runs
-# and ~120 scored states): < 1 min. The control (GRPO and AlignOPSD on 'credit', 10 seeds): ~0.9 CPU s per
-# run-step. 8 steps: 110 x (8 x 1.0 + 0.5) / 2 = 468 s for the comparison and 20 x (8 x 0.9 + 0.5) / 2 = 77 s for
-# the control, i.e. ~9 min, plus the reader and the premise: ~14.5 min. 10 steps would not fit beside the
-# longer reader.
+# also builds the reader: the second recipe's 1,400 AdamW steps took 298 s with the heavy-job slot held alone
+# (bench/results/credit-2026-12-03.md, commit e5e78bf; its premise failed on agree); the third recipe has the same
+# steps and shape. The premise (5 one-step AlignOPSD runs and ~130 scored states): ~20 s measured. The control
+# (GRPO and AlignOPSD on 'credit', 10 seeds): ~0.9 CPU s per run-step. 8 steps: 110 x (8 x 1.0 + 0.5) / 2 = 468 s
+# for the comparison and 20 x (8 x 0.9 + 0.5) / 2 = 77 s for the control, i.e. ~9 min, plus the reader and the
+# premise: ~14.3 min. 10 steps would not fit beside the reader.
 DEFAULT_STEPS = 8
 SIZING = (
     "Fixed in a commit before the first comparison from the reader (the commit line above): the rule variants, "
     "the benchmark's rule, the reader's recipe, the premise's thresholds, the metrics, the run setup and the step "
     "budget. The run setup is the earlier benchmark's (bench/results/credit-2026-12-02.md: 110 runs of 12 steps "
     "in 1,358 CPU s on 2 idle cores, ~1.0 CPU s per run-step). The step budget is 8: the same command also builds "
-    "the reader (~4.5 min of its 15 on 2 idle cores: the first recipe's 1,200 steps took 232 s on the idle "
-    "machine, this one has 1,400 steps of the same cost), measures the premise (< 1 min) and runs the control "
+    "the reader (~5 min of its 15: the second recipe's 1,400 steps took 298 s, this third recipe has the same "
+    "steps and shape), measures the premise (~20 s) and runs the control "
     "(GRPO and AlignOPSD on the random-init model, 10 seeds: ~1.3 min). 110 x 8 comparison run-steps at ~1.0 CPU "
     "s (~8 min) fill the rest. Not sized on GRPO learning from the reader: no GRPO run on the rule tasks preceded "
     "the first comparison."
@@ -265,7 +264,7 @@ def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from bench.credit_model import ensure_model
     from bench.credit_reader import RECIPE, ensure_reader, premise_failures
-    from bench.credit_report import summarise, write_results
+    from bench.credit_report import commit_line, summarise, write_results
     from bench.credit_rules import BENCH_RULE, ENV, write_skill_bank
 
     a = parse_args(argv)
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         except (Refused, ValueError) as exc:
             print(f"bench.credit: {exc}", file=sys.stderr)
             return 2
-        load0, w0, c0 = os.getloadavg(), time.perf_counter(), os.times()
+        commit, load0, w0, c0 = commit_line(), os.getloadavg(), time.perf_counter(), os.times()
         seeds = list(range(a.seeds))
         reader = ensure_reader(a.reader_cache)
         reader_s = time.perf_counter() - w0
@@ -296,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     raw.write_text(json.dumps({"premise": prem, "runs": runs, "control_runs": ctrl}, default=str) + "\n")
     meta = {
         "argv": ["python -m bench.credit", *(argv if argv is not None else sys.argv[1:])],
+        "commit": commit,
         "wall_s": time.perf_counter() - w0,
         "load_before": load0,
         "load_after": os.getloadavg(),

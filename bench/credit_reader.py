@@ -5,18 +5,17 @@ Recipe (:data:`RECIPE`; the cache key hashes it with this module's and bench/cre
 * tokenizer: the engine's byte-level BPE trained on the ``credit`` corpus (bench/credit_model.py) plus the
   ``credit_rules`` episodes' student and teacher prompts and every variant's skill text, so each word is a token;
 * model: the engine's tiny Llama shape (hidden 64) with ``layers`` layers of ``heads`` attention heads, sized to
-  that vocabulary, from a fixed seed (four heads of 16 dimensions instead of two of 32: the same cost, and room
-  for the heads the ``agree`` lookup composes: one that finds the mark, one that reads the table);
+  that vocabulary, from a fixed seed (four heads of 16 dimensions instead of two of 32: the same cost);
 * data: random-action episodes of ``credit_rules`` tasks (split ``reader``, never the benchmark's tasks), the
   rule variant of each episode drawn at random (every variant of every kind, bench/credit_rules.py). From every
   episode, every decisive turn and one corridor turn, each in both views: the teacher's (the skill block stating
   the episode's variant before the chat-formatted prompt, exactly as the engine builds teacher prompts) and the
   student's (no skill). The target response is one of the turn's two candidate texts (the candidate-choice
-  backend's, plus EOS). In the teacher's view it is the action the variant fixes; where the rule fixes none
-  (corridor turns, the paint turn of ``agree``) an admissible action drawn at random. In the student's view of a
-  turn whose action the rule fixes, the deciding token's target is the uniform distribution over the turn's
-  actions (the student cannot know the variant; a sampled target, as the first recipe had, left the tiny model
-  with a preference for some words, 0.41 for the benchmark's code word instead of 0.25).
+  backend's, plus EOS). In the teacher's view it is the action the variant states (at the bridge of ``agree``
+  whatever the mark); where the rule states none (corridor turns) an admissible action drawn at random. In the
+  student's view of a turn whose action the rule states, the deciding token's target is the uniform distribution
+  over the turn's actions (the student cannot know the variant; a sampled target, as the first recipe had, left
+  the tiny model with a preference for some words, 0.41 for the benchmark's code word instead of 0.25).
 * training: next-token cross-entropy on the response tokens only, the token that decides between the turn's
   actions (the first one where the target differs from another action's candidate of the same phrasing) weighted
   ``focus_weight`` times the others (it is one token of ~15, the rest are format and copy), AdamW with a linear
@@ -42,7 +41,7 @@ from typing import Any
 from bench import credit_rules as rules
 
 RECIPE: dict[str, Any] = {
-    "version": 2,
+    "version": 3,
     "seed": 0,
     "init_range": 0.02,
     "layers": 2,
@@ -74,7 +73,9 @@ def _bank_skill(kind: str, variant: Any) -> str:
 
 
 def episode_turns(task, rng: random.Random) -> list[dict[str, Any]]:
-    """Every turn of one random-action episode: user text, admissible actions, the action the rule fixes (or None)."""
+    """Every turn of one random-action episode: user text, admissible actions, the action the rule states
+    (``rule``) and the action that still wins (``win``; None where the rule leaves the turn free, and at the bridge
+    of ``agree`` after a wrong mark)."""
     from alignopsd.engine.envs.credit.env import credit_prompt
     from alignopsd.engine.envs.prompts import PromptContext
 
@@ -85,8 +86,10 @@ def episode_turns(task, rng: random.Random) -> list[dict[str, Any]]:
     while not done:
         acts = info["admissible_actions"]
         user = builder.render(PromptContext(info["task"], obs, acts, history, info))
-        win = rules.winning_action(task, len(history), mark)
-        out.append({"user": user, "actions": acts, "win": win, "decisive": len(history) in task.payload["turns"]})
+        win, rule = rules.winning_action(task, len(history), mark), rules.rule_action(task, len(history))
+        out.append(
+            {"user": user, "actions": acts, "win": win, "rule": rule, "decisive": len(history) in task.payload["turns"]}
+        )
         action = rng.choice(acts)
         if action.startswith("paint "):
             mark = action[len("paint ") :]
@@ -153,8 +156,8 @@ def examples(tok, recipe: dict[str, Any]) -> list[tuple[list[int], list[int], in
             cands = candidate_texts(t["user"])
             k = rng.randrange(2)  # the phrasing: candidates come in (i will a, a looks good) pairs
             for view, prompt in zip(("student", "teacher"), prompt_texts(tok, task, t, variant)):
-                uniform = view == "student" and t["win"] is not None
-                act = t["win"] if t["win"] and not uniform else rng.choice(t["actions"])
+                uniform = view == "student" and t["rule"] is not None
+                act = t["rule"] if t["rule"] and not uniform else rng.choice(t["actions"])
                 target = [c for c in cands if c.endswith(f"<action>{act}</action>")][k]
                 texts.append((prompt, target, [c for c in cands[k::2] if c != target], uniform))
     ids_p = tok([x[0] for x in texts], add_special_tokens=False)["input_ids"]

@@ -121,7 +121,9 @@ def _machine() -> tuple[str, bool]:
     return model, "avx512_bf16" in txt
 
 
-def _commit() -> str:
+def commit_line() -> str:
+    """The checked-out commit, marked when tracked files differ from it (call it before the run writes its own
+    results: a results file tracked from an earlier run would count as a change)."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
@@ -248,8 +250,8 @@ def _premise_lines(meta: dict) -> list[str]:
         f"The reader (`{rd['folder']}`, recipe below; {rd['seconds']:.0f} s to build or load and verify) on the "
         f"benchmark's tasks (every seed's tasks under the fixed rule {meta['rule']}, decisive turns reached by random "
         f"play, {ch['states']} states): the probability that the candidate-choice policy picks the winning action, "
-        "with the skill in its prompt (the teacher's view) and without (the student's). The paint turn of `agree` "
-        "is left out: any mark can win, the rule fixes the bridge.",
+        "with the skill in its prompt (the teacher's view) and without (the student's). The bridge turn of `agree` "
+        "after a mark other than the rule's is left out: no action wins there.",
         "",
         "| kind | states | with the skill | argmax with | without the skill | argmax without | chance |",
         "|---|---|---|---|---|---|---|",
@@ -332,7 +334,7 @@ def write_results(
         f"# Credit-assignment benchmark ({meta['env']}): GRPO vs AlignOPSD and its ablations, from a reader",
         "",
         f"- command: `{' '.join(meta['argv'])}`",
-        f"- commit: {_commit()}",
+        f"- commit: {meta.get('commit') or commit_line()}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- CPU: {cpu}; avx512_bf16: {'yes' if bf16 else 'no'}; {meta['jobs']} runs at a time, one thread each",
         f"- load average (1/5/15 min) before: {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}; after: "

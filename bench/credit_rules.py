@@ -6,17 +6,20 @@ door's colour are in the first observation). Here the rule that wins is a *varia
 * ``code``: which word opens the door (one of ``credit.WORDS``; the door offers it among four words);
 * ``key``: which key to take (one of :data:`KEY_COLOURS`; four keys lie on the floor, the rule's and three
   others, in a random order, as the code task offers four words);
-* ``agree``: how the bridge must relate to the painted mark, a shift along ``credit.COLOURS`` (0: the same
-  colour, agree; 1-3: that many colours further, wrapping round, disagree). Any mark colour can win; the bridge
-  turn is the one whose action the rule fixes once the mark is painted. The skill spells the shift out as the
-  bridge for each mark (a lookup a two-layer model can learn; an arithmetic on colours it did not), and the
-  bridge turn's observation names the mark the agent painted (what its history already shows).
+* ``agree``: which colour the mark must be (one of :data:`KEY_COLOURS`); the bridge must agree with it, so the
+  rule fixes both decisive turns: paint that colour, then cross the bridge of that colour. Four colours are
+  offered (the rule's and three others, in a random order), the same four at the paint pot and at the bridges;
+  the bridge turn's observation names the mark the agent painted (what its history already shows). A random
+  policy wins 1 in 16 of these episodes. (The second recipe's variant, a shift of the bridge relative to any
+  mark spelt out as a table in the skill, was not read by the two-layer reader: 0.249 with the skill,
+  bench/results/credit-2026-12-03.md. The rule's colour repeated in the skill and offered once among the
+  actions is what this reader reads, as for code and key.)
 
 The first observation no longer reveals anything (the note is faded, the door's colour is not named). Timing,
-corridor turns, rewards and the ground truth (decisive turns, span boundaries) are those of ``credit``: a random
-policy wins 1 in 4 episodes of every kind, whatever the rule.
+corridor turns, rewards and the ground truth (decisive turns, span boundaries) are those of ``credit``; a random
+policy wins 1 in 4 episodes of code and key, 1 in 16 of agree (two rule-fixed turns), whatever the rule.
 
-A rule is one variant per kind, ``{"code": word, "key": colour, "agree": shift}``. The benchmark fixes one
+A rule is one variant per kind, ``{"code": word, "key": colour, "agree": colour}``. The benchmark fixes one
 (:data:`BENCH_RULE`): the student (no skill) must find it by RL, the teacher (the same weights, the skill in its
 prompt) is told it. The reader model (bench/credit_reader.py) learns beforehand to follow whatever rule its skill
 states, over every variant drawn at random per episode.
@@ -34,13 +37,12 @@ from alignopsd.engine.envs.credit import env as credit
 
 ENV = "credit_rules"
 KINDS = credit.KINDS
-SHIFTS: tuple[int, ...] = (0, 1, 2, 3)
 # Eight key colours, four on the floor: with all four of ``credit.COLOURS`` always on the floor, a tiny reader
 # learnt the colours' frequencies from the action list and never looked at its skill (0.26 with it, 0.27 without)
 KEY_COLOURS: tuple[str, ...] = (*credit.COLOURS, "white", "black", "orange", "purple")
-VARIANTS: dict[str, tuple] = {"code": credit.WORDS, "key": KEY_COLOURS, "agree": SHIFTS}
+VARIANTS: dict[str, tuple] = {"code": credit.WORDS, "key": KEY_COLOURS, "agree": KEY_COLOURS}
 # The benchmark's rule, fixed before the first comparison; every variant is in the reader's training distribution.
-BENCH_RULE: dict[str, Any] = {"code": "falcon", "key": "green", "agree": 1}
+BENCH_RULE: dict[str, Any] = {"code": "falcon", "key": "green", "agree": "orange"}
 TASK_TEXT = {
     "code": "say the code word when the door asks for it.",
     "key": "cross the hall and open the door at its end.",  # the skill bank's keywords: see skill_mapping()
@@ -53,7 +55,6 @@ FIRST_OBS = {
 }
 GENERAL = "## General rule\nOnly the turns that offer a real choice decide whether you win."  # short: the reader
 # is trained on every token of the teacher's prompt, and attends over them with two heads
-_SHIFT_WORDS = ("same", "one", "two", "three")
 REPEAT = 8
 
 
@@ -70,18 +71,14 @@ def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
 def skill_text(kind: str, variant: Any) -> str:
     """The skill that states ``variant`` of ``kind`` (the only place the student's missing information is). The
     rule's key word is repeated (:data:`REPEAT` times): a two-layer model with a hidden size of 64 reads a word
-    that dominates the context's word counts far sooner than it learns to copy one mention from 150 tokens back.
-    ``agree`` has no one word: its skill spells out the bridge for each mark."""
+    that dominates the context's word counts far sooner than it learns to copy one mention from 150 tokens back."""
     if kind == "code":
         return f"## The code word\nWhen the door asks for the code, say {variant}; no other word. " + _rep(variant)
     if kind == "key":
         return f"## The right key\nWhen the keys lie on the floor, take the {variant} key. " + _rep(variant)
     if kind == "agree":
-        n = _SHIFT_WORDS[int(variant)]
-        how = "of the same colour as your mark" if not variant else f"{n} colour{'s' * (variant > 1)} after your "
-        how += "" if not variant else "mark's, in the order red, blue, green, yellow, red"
-        table = "; ".join(f"mark {c} bridge {bridge_for(c, int(variant))}" for c in credit.COLOURS)
-        return f"## The safe bridge\nAt the bridges, cross the bridge {how}. Remember: {table}."
+        how = f"paint your mark {variant}, then cross the {variant} bridge: the bridge must agree with the mark. "
+        return "## The safe bridge\nAt the paint pot, " + how + _rep(variant)
     raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
 
 
@@ -89,9 +86,8 @@ def _rep(word: str) -> str:
     return "Remember: " + " ".join([word] * REPEAT) + "."
 
 
-def winning_action(task: TaskSpec, turn: int, mark: str | None = None) -> str | None:
-    """The action the task's rule fixes at ``turn`` (None: any action does; ``mark``: the painted colour, for the
-    bridge turn of ``agree``)."""
+def rule_action(task: TaskSpec, turn: int) -> str | None:
+    """The action the task's rule states for ``turn`` (None: a turn the rule leaves free, any action does)."""
     p = task.payload
     if turn not in p["turns"]:
         return None
@@ -99,13 +95,16 @@ def winning_action(task: TaskSpec, turn: int, mark: str | None = None) -> str | 
         return f"say {p['answer']}"
     if task.category == "key":
         return f"take {p['answer']} key"
-    if turn == p["turns"][0] or mark is None:
-        return None
-    return f"cross {bridge_for(mark, int(p['shift']))} bridge"
+    return f"paint {p['answer']}" if turn == p["turns"][0] else f"cross {p['answer']} bridge"
 
 
-def bridge_for(mark: str, shift: int) -> str:
-    return credit.COLOURS[(credit.COLOURS.index(mark) + shift) % len(credit.COLOURS)]
+def winning_action(task: TaskSpec, turn: int, mark: str | None = None) -> str | None:
+    """The action that still wins at ``turn`` (None: none does, or any action does): the rule's, except at the
+    bridge turn of ``agree`` after a mark (``mark``: the painted colour) other than the rule's, where all lose."""
+    act = rule_action(task, turn)
+    if task.category == "agree" and act is not None and turn != task.payload["turns"][0]:
+        return act if mark == task.payload["answer"] else None
+    return act
 
 
 def make_task(kind: str, variant: Any, split: str, seed: int, i: int) -> TaskSpec:
@@ -113,14 +112,10 @@ def make_task(kind: str, variant: Any, split: str, seed: int, i: int) -> TaskSpe
     ``credit``'s task, the answer or shift of the variant."""
     base = credit.make_task(kind, split, seed, i)
     p = dict(base.payload)
-    if kind in ("code", "key"):
-        r = random.Random(f"{ENV}:{split}:{seed}:{i}")
-        others = r.sample([w for w in VARIANTS[kind] if w != variant], 3)
-        opts = [variant, *others]
-        r.shuffle(opts)
-        p.update(options=opts, answer=variant)
-    else:
-        p.update(shift=int(variant))
+    r = random.Random(f"{ENV}:{split}:{seed}:{i}")
+    opts = [variant, *r.sample([w for w in VARIANTS[kind] if w != variant], 3)]
+    r.shuffle(opts)
+    p.update(options=opts, answer=variant)
     return TaskSpec(key=f"{ENV}-{kind}-{split}-{seed}-{i}", env=ENV, category=kind, payload=p)
 
 
@@ -138,13 +133,14 @@ true_boundaries = credit.true_boundaries
 
 
 class RuleEnv(credit.CreditEnv):
-    """``credit`` with the rule's answer hidden from the observations and the ``agree`` kind's shift."""
+    """``credit`` with the rule's answer hidden from the observations and the ``agree`` kind's colour."""
 
     name = ENV
 
     def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
-        if task.category == "agree" and task.payload.get("shift") not in SHIFTS:
-            raise ValueError(f"task: agree task without a shift in {SHIFTS}: {task.payload!r}")
+        p = task.payload
+        if task.category == "agree" and p.get("answer") not in (p.get("options") or []):
+            raise ValueError(f"task: agree answer {p.get('answer')!r} not among the options {p.get('options')!r}")
         return super().reset(task, seed)
 
     def _observation(self) -> str:
@@ -168,10 +164,9 @@ class RuleEnv(credit.CreditEnv):
         assert self.task is not None
         if self.task.category != "agree":
             return super()._won()
-        p = self.task.payload
-        paint, cross = (self.choices.get(t, "") for t in p["turns"])
-        mark = paint[len("paint ") :] if paint.startswith("paint ") else ""
-        return mark in credit.COLOURS and cross == f"cross {bridge_for(mark, int(p['shift']))} bridge"
+        paint, cross = (self.choices.get(t, "") for t in self.task.payload["turns"])
+        answer = self.task.payload["answer"]
+        return paint == f"paint {answer}" and cross == f"cross {answer} bridge"
 
 
 def skill_mapping() -> dict[str, Any]:

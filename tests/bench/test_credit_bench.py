@@ -45,6 +45,8 @@ def test_a_reader_that_cannot_read_stops_the_benchmark_before_any_comparison(tmp
     assert "## From the reader" not in text and "## Control" not in text and not out.with_suffix(".png").exists()
     raw = json.loads(out.with_suffix(".json").read_text())
     assert raw["runs"] == [] and raw["control"] == {} and raw["meta"]["premise"]["choice"]["all"]["n"] > 0
+    # the commit is read before the run writes anything (a tracked results file it rewrites is no code change)
+    assert f"- commit: {raw['meta']['commit']}\n" in text and raw["meta"]["commit"]
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ def play(task, actions_by_turn):
 
 
 def test_the_rule_alone_decides_and_the_student_never_sees_it():
-    rule = {"code": "marble", "key": "yellow", "agree": 2}
+    rule = {"code": "marble", "key": "yellow", "agree": "purple"}
     code, key, agree = credit_rules.load_tasks("train", 3, 7, rule)
     assert code.payload["answer"] == "marble" and "marble" in code.payload["options"]
     res, seen = play(code, lambda t, acts: "say marble" if "say marble" in acts else acts[0])
@@ -43,35 +43,43 @@ def test_the_rule_alone_decides_and_the_student_never_sees_it():
     assert res.reward == 0.0
     res, seen = play(key, lambda t, acts: "take yellow key" if "take yellow key" in acts else acts[0])
     assert res.reward == 10.0 and not any("yellow" in o for o in seen)
-    # agree, shift 2: blue -> yellow (red, blue, green, yellow), and the same colour loses
-    picks = {"paint": "paint blue", "cross": "cross yellow bridge"}
-    assert play(agree, lambda t, acts: picks.get(acts[0].split()[0], acts[0]))[0].reward == 10.0
-    picks["cross"] = "cross blue bridge"
-    assert play(agree, lambda t, acts: picks.get(acts[0].split()[0], acts[0]))[0].reward == 0.0
+    # agree: the rule's colour at the paint pot and at the bridges; a mark and bridge that agree on another colour lose
+    other = next(c for c in agree.payload["options"] if c != "purple")
+    for paint, cross, reward in (("purple", "purple", 10.0), ("purple", other, 0.0), (other, other, 0.0)):
+        picks = {"paint": f"paint {paint}", "cross": f"cross {cross} bridge"}
+        assert play(agree, lambda t, acts, p=picks: p.get(acts[0].split()[0], acts[0]))[0].reward == reward
     assert credit_rules.decisive_turns(agree) == agree.payload["turns"]
     with pytest.raises(ValueError, match="key variant 'pink'"):
-        credit_rules.load_tasks("train", 3, 0, {"code": "apple", "key": "pink", "agree": 0})
+        credit_rules.load_tasks("train", 3, 0, {"code": "apple", "key": "pink", "agree": "red"})
 
 
-def test_key_offers_the_rule_among_four_and_the_bridge_turn_names_the_mark():
-    rule = {"code": "apple", "key": "orange", "agree": 1}
+def test_key_and_agree_offer_the_rule_among_four_and_the_bridge_turn_names_the_mark():
+    rule = {"code": "apple", "key": "orange", "agree": "white"}
     for seed in range(6):
         code, key, agree = credit_rules.load_tasks("train", 3, seed, rule)
-        assert "orange" in key.payload["options"] and len(set(key.payload["options"])) == 4
-        assert set(key.payload["options"]) <= set(credit_rules.KEY_COLOURS)
+        for task, colour in ((key, "orange"), (agree, "white")):
+            assert colour in task.payload["options"] and len(set(task.payload["options"])) == 4
+            assert set(task.payload["options"]) <= set(credit_rules.KEY_COLOURS)
         paint, cross = agree.payload["turns"]
-        _, seen = play(agree, lambda t, acts: "paint green" if "paint green" in acts else acts[0])
-        assert seen[cross] == "Four bridges cross the river. Your mark is green."
-        assert all("green" not in o for i, o in enumerate(seen) if i != cross)
-    skill = credit_rules.skill_text("agree", 1)  # the table spells the shift out for every mark
-    assert "mark red bridge blue; mark blue bridge green; mark green bridge yellow; mark yellow bridge red" in skill
+        mark = next(c for c in agree.payload["options"] if c != "white")
+        _, seen = play(agree, lambda t, acts, m=mark: f"paint {m}" if f"paint {m}" in acts else acts[0])
+        assert seen[cross] == f"Four bridges cross the river. Your mark is {mark}."
+        assert all(mark not in o for i, o in enumerate(seen) if i != cross)
+        # the rule states the bridge whatever the mark; after a wrong mark no bridge wins
+        assert credit_rules.rule_action(agree, cross) == "cross white bridge"
+        assert credit_rules.winning_action(agree, cross, mark) is None
+        assert credit_rules.winning_action(agree, cross, "white") == "cross white bridge"
+        assert credit_rules.winning_action(agree, paint) == credit_rules.rule_action(agree, paint) == "paint white"
+        assert credit_rules.rule_action(agree, cross + 1) is None  # a corridor turn
+    skill = credit_rules.skill_text("agree", "white")  # the colour, repeated, as code and key state theirs
+    assert "paint your mark white, then cross the white bridge" in skill and skill.count("white") >= 8
 
 
 def test_teacher_prompt_is_the_engines_and_targets_follow_the_rule(tmp_path, tok):
     from alignopsd.engine.envs.skills import skill_lookup, teacher_prompt_text
 
     credit_rules.register()
-    rule = {"code": "river", "key": "blue", "agree": 3}
+    rule = {"code": "river", "key": "blue", "agree": "black"}
     bank = credit_rules.write_skill_bank(tmp_path, rule)
     lookup = skill_lookup(credit_rules.ENV, bank)
     rng = random.Random(0)
@@ -81,8 +89,9 @@ def test_teacher_prompt_is_the_engines_and_targets_follow_the_rule(tmp_path, tok
             row = {"data_source": task.data_source, "prompt_text": student}
             assert teacher == teacher_prompt_text(lookup(row), student)  # what the trainer's teacher sees
             assert credit_rules.skill_text(task.category, rule[task.category]) in teacher.split("<|im_start|>")[0]
-            if turn["decisive"] and task.category != "agree":
-                assert turn["win"] == {"code": "say river", "key": "take blue key"}[task.category]
+            if turn["decisive"]:
+                want = {"code": ["say river"], "key": ["take blue key"], "agree": ["paint black", "cross black bridge"]}
+                assert turn["rule"] in want[task.category] and turn["win"] in (turn["rule"], None)
 
 
 def test_reader_examples_teach_the_rule_with_the_skill_and_chance_without(tok):
@@ -98,7 +107,7 @@ def test_reader_examples_teach_the_rule_with_the_skill_and_chance_without(tok):
             uniform += 1
             word = tok.decode(r_t[f_t]).strip()
             assert r_t[f_t] in a_s and len(a_s) == 4 and word in teacher.split("<|im_start|>")[0]
-    assert uniform >= 6  # every code and key episode, every agree episode's bridge turn
+    assert uniform >= 8  # every code and key episode, both decisive turns of every agree episode
 
 
 def test_reader_cache_is_verified_and_rebuilt_when_corrupt_or_foreign(tmp_path, monkeypatch):
