@@ -23,11 +23,6 @@ Three stages, one command:
    mechanisms against the ground truth (bench/credit_metrics.py), a paired comparison of each estimator with
    GRPO on the same seeds, the paper's ablation order beside this run's, and the control's tables.
 
-Scheduling (no number depends on it): one pool of ``--jobs`` spawned workers, one thread each, runs every training
-run of the command; the control's runs need no reader and are queued first, so they fill the cores while this
-process builds the reader on one thread (its weights are bit-identical to a build on more threads); the premise's
-runs and the comparison's follow.
-
 Run setup (fixed before the first comparison; ``BASE``): 3 tasks per seed (one of each kind, drawn by the seed),
 all 3 in every step, G = 4 rollouts each, 8 turns, whole history in the prompt, lr 1e-3, one PPO epoch, no KL
 term; the thinking encoder is all-MiniLM-L6-v2 (tiny.yaml's), whose similarities follow the meaning of the
@@ -49,9 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
-from contextlib import contextmanager
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -203,44 +196,32 @@ def _init_worker() -> None:
     register_envs()
 
 
-def submit_runs(
-    ex: Executor,
-    cases: list[str],
-    seeds: list[int],
-    steps: int,
-    env: str,
-    workdir: str,
-    model: str,
-    skills_dir: str | None = None,
-) -> list[Future]:
-    """Every (case, seed) run from the model folder ``model`` (seeds outer), queued on the worker pool ``ex``."""
-    return [ex.submit(run_one, c, s, steps, env, workdir, str(model), skills_dir) for s in seeds for c in cases]
+def run_all(
+    cases: list[str], seeds: list[int], steps: int, env: str, jobs: int, model: str, skills_dir: str | None = None
+) -> list[dict]:
+    """Every (case, seed) run from the model folder ``model``, ``jobs`` at a time in spawned worker processes (1
+    thread each)."""
+    work = [(c, s) for s in seeds for c in cases]
+    t0 = time.perf_counter()
 
+    def report(k: int, run: dict) -> dict:  # a line a finished run, with the time left of this batch of runs
+        left = time_left(time.perf_counter() - t0, k, len(work))
+        line = f"bench.credit: run {k}/{len(work)}: {env} {run['case']} seed {run['seed']}: final success "
+        line += f"{run['success'][-1]:.2f}, {run['wall_s']:.0f}s" + (f", {left}" if left else "")
+        print(line, flush=True)
+        return run
 
-def collect(futs: list[Future], env: str) -> list[dict]:
-    """The runs of ``futs`` in the order they were queued, with a line for each as it finishes (and the time left
-    of this batch, counted from when it is collected)."""
-    t0, index = time.perf_counter(), {f: i for i, f in enumerate(futs)}
-    runs: list[dict | None] = [None] * len(futs)
-    for k, f in enumerate(as_completed(futs), 1):
-        run = runs[index[f]] = f.result()
-        left = time_left(time.perf_counter() - t0, k, len(futs))
-        line = f"bench.credit: run {k}/{len(futs)}: {env} {run['case']} seed {run['seed']}: final success "
-        print(line + f"{run['success'][-1]:.2f}, {run['wall_s']:.0f}s" + (f", {left}" if left else ""), flush=True)
-    return runs
-
-
-@contextmanager
-def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor]:
-    """``jobs`` spawned worker processes (1 thread each), shared by every stage of one command: the control's runs
-    start in them while this process builds the reader on one thread. On an error the queued runs are dropped."""
-    ex = ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_init_worker)
-    try:
-        yield ex
-    except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)
-        raise
-    ex.shutdown(wait=True)
+    with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd:
+        args = (steps, env, wd, str(model), skills_dir)
+        if jobs <= 1:
+            _init_worker()
+            return [report(k + 1, run_one(c, s, *args)) for k, (c, s) in enumerate(work)]
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_init_worker) as ex:
+            futs = {ex.submit(run_one, c, s, *args): i for i, (c, s) in enumerate(work)}
+            runs: list[dict | None] = [None] * len(work)
+            for k, f in enumerate(as_completed(futs)):
+                runs[futs[f]] = report(k + 1, f.result())
+            return runs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -262,61 +243,27 @@ def _cases(text: str) -> list[str]:
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
-def premise_choice(reader: Path, seeds: list[int]) -> dict:
-    """The premise before any RL (bench/credit_reader.py): the winning action's probability on decisive turns with
-    and without the skill, scored in this process."""
-    from bench.credit_reader import decisive_choice
-    from bench.credit_rules import BENCH_RULE
-
-    return decisive_choice(reader, BENCH_RULE, seeds)
-
-
-def premise_gaps(runs: list[dict]) -> dict:
-    """The identity and rectified gaps of one-step AlignOPSD runs' audits (computed on the initial weights, before
-    their update) on decisive and other turns, pooled over the runs."""
+def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
+    """The premise before any RL (bench/credit_reader.py): the winning action's probability on decisive turns
+    with and without the skill, and the identity and rectified gaps of one AlignOPSD step's audit (computed
+    on the initial weights, before its update) on decisive and other turns."""
     from bench.credit_metrics import mechanism_metrics
+    from bench.credit_reader import decisive_choice
+    from bench.credit_rules import BENCH_RULE, ENV
 
+    choice = decisive_choice(reader, BENCH_RULE, seeds)
+    gap_seeds = seeds[:PREMISE_GAP_SEEDS]
+    runs = run_all(["alignopsd"], gap_seeds, 1, ENV, jobs, str(reader), skills_dir)
     pooled: dict[str, float] = {}
     for r in runs:
         for k, v in r["tallies"].items():
             pooled[k] = pooled.get(k, 0.0) + v
-    return mechanism_metrics(pooled)
-
-
-def stages(a: argparse.Namespace, cases: list[str], control: list[str], skills: str) -> tuple:
-    """The reader, the premise, the comparison and the control, on one pool of ``a.jobs`` workers: the control's
-    runs (which need no reader) are queued first and run while this process builds the reader on one thread
-    (bit-identical to more threads), the premise's one-step runs and the comparison's follow. Returns the
-    reader's folder, its seconds, the premise, where it fails, and [the comparison's runs, the control's]."""
-    import torch
-
-    from bench.credit_model import ensure_model
-    from bench.credit_reader import ensure_reader, premise_failures
-    from bench.credit_rules import ENV
-
-    seeds, w0, threads = list(range(a.seeds)), time.perf_counter(), torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers use the other cores
-    try:
-        with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd, worker_pool(a.jobs) as ex:
-            ctrl_futs = submit_runs(ex, control, seeds, a.steps, "credit", wd, ensure_model(wd)) if control else []
-            reader = ensure_reader(a.reader_cache)
-            reader_s = time.perf_counter() - w0
-            choice, gap_seeds = premise_choice(reader, seeds), seeds[:PREMISE_GAP_SEEDS]
-            gap_futs = submit_runs(ex, ["alignopsd"], gap_seeds, 1, ENV, wd, reader, skills)
-            failed = premise_failures(choice)
-            for f in ctrl_futs if failed else []:
-                f.cancel()  # no comparison, no control
-            futs = [] if failed else submit_runs(ex, cases, seeds, a.steps, ENV, wd, reader, skills)
-            prem = {"choice": choice, "gaps": premise_gaps(collect(gap_futs, ENV)), "gap_seeds": gap_seeds}
-            runs = collect(futs, ENV) if futs else []
-            ctrl = [] if failed or not ctrl_futs else collect(ctrl_futs, "credit")
-    finally:
-        torch.set_num_threads(threads)
-    return reader, reader_s, prem, failed, [runs, ctrl]
+    return {"choice": choice, "gaps": mechanism_metrics(pooled), "gap_seeds": gap_seeds}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.credit_reader import RECIPE
+    from bench.credit_model import ensure_model
+    from bench.credit_reader import RECIPE, ensure_reader, premise_failures
     from bench.credit_report import commit_line, summarise, write_results
     from bench.credit_rules import BENCH_RULE, ENV, write_skill_bank
 
@@ -334,7 +281,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.credit: {exc}", file=sys.stderr)
             return 2
         commit, load0, w0, c0 = commit_line(), os.getloadavg(), time.perf_counter(), os.times()
-        reader, reader_s, prem, failed, (runs, ctrl) = stages(a, cases, control, skills)
+        seeds = list(range(a.seeds))
+        reader = ensure_reader(a.reader_cache)
+        reader_s = time.perf_counter() - w0
+        prem = premise(reader, seeds, a.jobs, skills)
+        failed = premise_failures(prem["choice"])
+        runs = [] if failed else run_all(cases, seeds, a.steps, ENV, a.jobs, str(reader), skills)
+        with tempfile.TemporaryDirectory(prefix="credit-random-") as wd:
+            ctrl = [] if failed or not control else run_all(control, seeds, a.steps, "credit", a.jobs, ensure_model(wd))
     c1 = os.times()
     raw = Path(a.out).with_suffix(".json")  # the runs first: a summary that fails loses no training
     raw.parent.mkdir(parents=True, exist_ok=True)
