@@ -13,9 +13,10 @@ row decodes the steps asked), and times, on random token ids of the model's voca
   runs slower: on the quickstart a 1-row probe read 176 GFLOP/s where the pass reached 239);
 - the policy's training micro-step (``response_loss``, backward) and one optimizer step.
 
-Each probe runs twice and the faster run counts (the first pays for allocation). The rows are short (a few hundred
-positions) so the whole takes seconds: the FLOP counts of engine/cost/cost_model.py carry the rates to the
-phases' real shapes. Threads and dtype are the process's: call it in the run's process, before the run.
+Each probe but the old log-prob's (timed once) runs twice and the faster run counts (the first pays for
+allocation). The rows are short (a few hundred positions) so the whole takes seconds: the FLOP counts of
+engine/cost/cost_model.py carry the rates to the phases' real shapes. Threads and dtype are the process's: call it
+in the run's process, before the run.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def _score_rate(rescorer, shape: ModelShape, rows: int, probes: dict) -> float:
         outcome=zeros.float(),
         action_valid=torch.ones(rows, dtype=torch.bool),
     )
-    t_score = best_of(lambda: rescorer.student_logprobs(batch, with_entropy=True))
+    # one timed call: a micro-batch's forwards last seconds, and a second call (best of two, as the short probes
+    # do) doubled the calibration's longest probe for a few per cent
+    t_score = best_of(lambda: rescorer.student_logprobs(batch, with_entropy=True), reps=1)
     probes[f"scoring forward rows={rows}"] = t_score
     positions = rows * (TRAIN_PROMPT + TRAIN_RESPONSE)
     return forward_flops(shape, positions, (TRAIN_PROMPT + TRAIN_RESPONSE) / 2, rows * TRAIN_RESPONSE) / t_score
