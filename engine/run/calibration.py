@@ -35,10 +35,7 @@ DECODE_PROBES = ((2, 128), (16, 128), (16, 512))
 DECODE_STEPS = 8  # tokens decoded by a probe (the difference with a one-token call is DECODE_STEPS - 1 steps)
 PREFILL_PROMPT = 384  # prompt length of the prefill / teacher-forcing probe
 FORCING_ROWS, FORCING_LENGTH = 6, 32  # teacher-forced rows behind the probe's prompt, and their length
-TRAIN_ROWS, TRAIN_PROMPT, TRAIN_RESPONSE = 1, 320, 40  # the update probe's micro-step
-# prompt length of the old log-prob probe's rows (a micro-batch of them): half the update probe's, so the probe costs
-# a fraction of a second more than the 1-row probe it replaced did with its repetition
-SCORE_PROMPT = 160
+TRAIN_ROWS, TRAIN_PROMPT, TRAIN_RESPONSE = 1, 320, 40  # the update probe's micro-step; the scoring probe's row shape
 
 
 def best_of(fn, reps: int = 2) -> float:
@@ -107,18 +104,18 @@ def _prefill_and_forcing(gen, policy, sampling, shape: ModelShape, probes: dict)
 
 def _score_rate(rescorer, shape: ModelShape, rows: int, probes: dict) -> float:
     """FLOP/s of the old log-prob pass: the run's rescorer scoring ``rows`` distinct student rows (prompt
-    :data:`SCORE_PROMPT`, response :data:`TRAIN_RESPONSE`, entropy on, as the pass asks)."""
+    :data:`TRAIN_PROMPT`, response :data:`TRAIN_RESPONSE`, entropy on, as the pass asks)."""
     from alignopsd.engine.step.batch import TurnBatch
 
-    ids = random_ids(rows, SCORE_PROMPT + TRAIN_RESPONSE, shape.vocab, seed=3)
+    ids = random_ids(rows, TRAIN_PROMPT + TRAIN_RESPONSE, shape.vocab, seed=3)
     zeros = torch.zeros(rows, dtype=torch.long)
     batch = TurnBatch(
         task=zeros,
         rollout=torch.arange(rows),
         turn=zeros,
-        prompt_ids=ids[:, :SCORE_PROMPT],
-        prompt_mask=torch.ones(rows, SCORE_PROMPT, dtype=torch.long),
-        response_ids=ids[:, SCORE_PROMPT:],
+        prompt_ids=ids[:, :TRAIN_PROMPT],
+        prompt_mask=torch.ones(rows, TRAIN_PROMPT, dtype=torch.long),
+        response_ids=ids[:, TRAIN_PROMPT:],
         response_mask=torch.ones(rows, TRAIN_RESPONSE, dtype=torch.long),
         outcome=zeros.float(),
         action_valid=torch.ones(rows, dtype=torch.bool),
@@ -127,8 +124,8 @@ def _score_rate(rescorer, shape: ModelShape, rows: int, probes: dict) -> float:
     # do) doubled the calibration's longest probe for a few per cent
     t_score = best_of(lambda: rescorer.student_logprobs(batch, with_entropy=True), reps=1)
     probes[f"scoring forward rows={rows}"] = t_score
-    positions = rows * (SCORE_PROMPT + TRAIN_RESPONSE)
-    return forward_flops(shape, positions, (SCORE_PROMPT + TRAIN_RESPONSE) / 2, rows * TRAIN_RESPONSE) / t_score
+    positions = rows * (TRAIN_PROMPT + TRAIN_RESPONSE)
+    return forward_flops(shape, positions, (TRAIN_PROMPT + TRAIN_RESPONSE) / 2, rows * TRAIN_RESPONSE) / t_score
 
 
 def _train_rates(policy, shape: ModelShape, temperature: float, probes: dict) -> tuple[float, float]:
