@@ -8,12 +8,15 @@ row decodes the steps asked), and times, on random token ids of the model's voca
 - the teacher forcing of response rows behind those kept prompts (engine/step/cached_scoring.py);
 - decoding steps at several row counts and contexts (``generate`` of n tokens minus ``generate`` of one, the
   prompt being one prompt shared by the rows, pushed once as the rollout's siblings share theirs);
-- the policy's scoring forward (``response_logprobs``) and its training micro-step (``response_loss``, backward)
-  and one optimizer step.
+- the old log-prob pass: the run's rescorer (engine/step/rescoring.py, ``trainer.rescoring_mode``) scoring one
+  micro-batch of ``trainer.ppo_micro_batch_size`` rows, the rows the pass's forwards hold together (a single row
+  runs slower: on the quickstart a 1-row probe read 176 GFLOP/s where the pass reached 239);
+- the policy's training micro-step (``response_loss``, backward) and one optimizer step.
 
-Each probe runs twice and the faster run counts (the first pays for allocation). The shapes are small (a few hundred
-positions) so the whole takes seconds: the FLOP counts of engine/cost/cost_model.py carry the rates to the
-phases' real shapes. Threads and dtype are the process's: call it in the run's process, before the run.
+Each probe but the old log-prob's (timed once) runs twice and the faster run counts (the first pays for
+allocation). The rows are short (a few hundred positions) so the whole takes seconds: the FLOP counts of
+engine/cost/cost_model.py carry the rates to the phases' real shapes. Threads and dtype are the process's: call it
+in the run's process, before the run.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from alignopsd.engine.cost.calibrated import PhaseRates, fit_step
 from alignopsd.engine.cost.device_limits import cpu_name
 from alignopsd.engine.cost.model_shapes import ModelShape, resolve_shape
 
-DECODE_PROBES = ((2, 128), (8, 128), (16, 128), (16, 512))  # (rows, prompt length) of the decoding probes
+# (rows, prompt length) of the decoding probes: two row counts at one context and a longer context, the least
+# that identifies the fitted line's fixed cost and rate (each probe prefills twice per repetition)
+DECODE_PROBES = ((2, 128), (16, 128), (16, 512))
 DECODE_STEPS = 8  # tokens decoded by a probe (the difference with a one-token call is DECODE_STEPS - 1 steps)
 PREFILL_PROMPT = 384  # prompt length of the prefill / teacher-forcing probe
 FORCING_ROWS, FORCING_LENGTH = 6, 32  # teacher-forced rows behind the probe's prompt, and their length
-TRAIN_ROWS, TRAIN_PROMPT, TRAIN_RESPONSE = 1, 320, 40  # the scoring and update probes' micro-batch
+TRAIN_ROWS, TRAIN_PROMPT, TRAIN_RESPONSE = 1, 320, 40  # the update probe's micro-step; the scoring probe's row shape
 
 
 def best_of(fn, reps: int = 2) -> float:
@@ -97,13 +102,37 @@ def _prefill_and_forcing(gen, policy, sampling, shape: ModelShape, probes: dict)
     return pre_flops / t_pre, forward_flops(shape, n, PREFILL_PROMPT + FORCING_LENGTH / 2, n) / t_force
 
 
-def _score_and_train(policy, shape: ModelShape, temperature: float, probes: dict) -> tuple[float, float, float]:
-    """(scoring FLOP/s, forward+backward FLOP/s, seconds per optimizer step) at :data:`TRAIN_ROWS` rows."""
+def _score_rate(rescorer, shape: ModelShape, rows: int, probes: dict) -> float:
+    """FLOP/s of the old log-prob pass: the run's rescorer scoring ``rows`` distinct student rows (prompt
+    :data:`TRAIN_PROMPT`, response :data:`TRAIN_RESPONSE`, entropy on, as the pass asks)."""
+    from alignopsd.engine.step.batch import TurnBatch
+
+    ids = random_ids(rows, TRAIN_PROMPT + TRAIN_RESPONSE, shape.vocab, seed=3)
+    zeros = torch.zeros(rows, dtype=torch.long)
+    batch = TurnBatch(
+        task=zeros,
+        rollout=torch.arange(rows),
+        turn=zeros,
+        prompt_ids=ids[:, :TRAIN_PROMPT],
+        prompt_mask=torch.ones(rows, TRAIN_PROMPT, dtype=torch.long),
+        response_ids=ids[:, TRAIN_PROMPT:],
+        response_mask=torch.ones(rows, TRAIN_RESPONSE, dtype=torch.long),
+        outcome=zeros.float(),
+        action_valid=torch.ones(rows, dtype=torch.bool),
+    )
+    # one timed call: a micro-batch's forwards last seconds, and a second call (best of two, as the short probes
+    # do) doubled the calibration's longest probe for a few per cent
+    t_score = best_of(lambda: rescorer.student_logprobs(batch, with_entropy=True), reps=1)
+    probes[f"scoring forward rows={rows}"] = t_score
+    positions = rows * (TRAIN_PROMPT + TRAIN_RESPONSE)
+    return forward_flops(shape, positions, (TRAIN_PROMPT + TRAIN_RESPONSE) / 2, rows * TRAIN_RESPONSE) / t_score
+
+
+def _train_rates(policy, shape: ModelShape, temperature: float, probes: dict) -> tuple[float, float]:
+    """(forward+backward FLOP/s, seconds per optimizer step) at :data:`TRAIN_ROWS` rows."""
     dev = policy.device
     ids = random_ids(TRAIN_ROWS, TRAIN_PROMPT + TRAIN_RESPONSE, shape.vocab, seed=3).to(dev)
     mask = torch.ones_like(ids)
-    t_score = best_of(lambda: policy.response_logprobs(ids, mask, TRAIN_RESPONSE, temperature=temperature))
-    probes["scoring forward"] = t_score
 
     def micro() -> None:
         _, _, carrier = policy.response_loss(
@@ -117,7 +146,7 @@ def _score_and_train(policy, shape: ModelShape, temperature: float, probes: dict
     probes["optimizer step"] = t_opt
     positions = TRAIN_ROWS * (TRAIN_PROMPT + TRAIN_RESPONSE)
     fwd = forward_flops(shape, positions, positions / TRAIN_ROWS / 2, TRAIN_ROWS * TRAIN_RESPONSE)
-    return fwd / t_score, 3.0 * fwd / t_train, t_opt
+    return 3.0 * fwd / t_train, t_opt
 
 
 def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
@@ -125,7 +154,7 @@ def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     and sampling settings the run builds, in this process's threads."""
     from alignopsd.engine.generation.hf import HFGenerator
     from alignopsd.engine.models.loading import load_tokenizer
-    from alignopsd.engine.run.components import build_policy, generation_int8
+    from alignopsd.engine.run.components import build_policy, build_rescorer, generation_int8
     from alignopsd.engine.step.episodes import sampling_params
 
     t0 = time.perf_counter()
@@ -140,7 +169,8 @@ def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     sampling = replace(sampling_params(cfg, validation=False), seed=0)
     prefill, forcing = _prefill_and_forcing(gen, policy, sampling, shape, probes)
     step_s, decode = _decode_rates(gen, sampling, shape, probes)
-    score, train, opt = _score_and_train(policy, shape, cfg.generation.temperature, probes)
+    score = _score_rate(build_rescorer(cfg, policy, device), shape, cfg.trainer.ppo_micro_batch_size, probes)
+    train, opt = _train_rates(policy, shape, cfg.generation.temperature, probes)
     dtype = str(next(policy.hf_model.parameters()).dtype).removeprefix("torch.")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return PhaseRates(

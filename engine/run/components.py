@@ -218,15 +218,9 @@ def build_encoder(cfg: RunConfig, device: torch.device) -> ThinkingEncoder:
     return ThinkingEncoder(name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device)
 
 
-def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, world_size: int = 1) -> Components:
-    """Every part of a run, from its config (heavy: loads the models)."""
-    est = get_estimator(cfg.algorithm.estimator)
-    phases = est.phases(cfg.algorithm)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-    policy = build_policy(cfg, device, world_size)
-    generator = build_generator(cfg, policy, tokenizer, device)
-    env, train_tasks, val_tasks = build_env(cfg)
-    rescorer = Rescorer(
+def build_rescorer(cfg: RunConfig, policy: PolicyBackend, device: torch.device) -> Rescorer:
+    """The rescoring engine of the step's old log-prob pass and teacher forcing (``trainer.rescoring_mode``)."""
+    return Rescorer(
         policy.model if policy.scores_itself else hf_model_of(policy),
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
@@ -241,6 +235,17 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
             else None
         ),
     )
+
+
+def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, world_size: int = 1) -> Components:
+    """Every part of a run, from its config (heavy: loads the models)."""
+    est = get_estimator(cfg.algorithm.estimator)
+    phases = est.phases(cfg.algorithm)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    policy = build_policy(cfg, device, world_size)
+    generator = build_generator(cfg, policy, tokenizer, device)
+    env, train_tasks, val_tasks = build_env(cfg)
+    rescorer = build_rescorer(cfg, policy, device)
     ref_scorer = build_reference(cfg, policy, device) if phases.ref else None
 
     dp_group = policy.layout.dp_group

@@ -92,18 +92,29 @@ def test_the_estimate_follows_the_config_and_the_pipeline_parameters():
     assert text.splitlines()[0].startswith("[estimate] the whole run: ~") and "warm start: ~" in text
 
 
-def test_calibration_runs_the_engines_paths_and_gives_usable_rates():
-    from alignopsd.engine.run.calibration import calibrate_phases
+def test_calibration_runs_the_engines_paths_and_gives_usable_rates(monkeypatch):
+    from alignopsd.engine.run.calibration import DECODE_PROBES, calibrate_phases
+    from alignopsd.engine.step.rescoring import Rescorer
 
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [])
+    scored = []  # (rows, mode) of each old log-prob probe: the run's rescorer on one micro-batch
+    real = Rescorer.student_logprobs
+
+    def spy(self, batch, **kw):
+        scored.append((batch.size, self.mode, kw.get("with_entropy")))
+        return real(self, batch, **kw)
+
+    monkeypatch.setattr(Rescorer, "student_logprobs", spy)
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["trainer.ppo_micro_batch_size=3"])
     r = calibrate_phases(cfg, torch.device("cpu"))
+    assert scored and set(scored) == {(3, cfg.trainer.rescoring_mode, True)}
     for k in ("prefill_flops", "score_flops", "forcing_flops", "train_flops"):
         assert 0 < getattr(r, k) < 1e15, k
     assert r.decode_flops > 0  # inf where a step's time does not grow with its rows (a tiny model: all fixed cost)
     assert r.step_s + 1e6 / r.decode_flops > 0
     assert r.step_s >= 0 and r.optimizer_s > 0 and r.probes["load"] > 0 and r.dtype == "float32"
-    assert {"prefill", "teacher forcing", "scoring forward", "forward+backward", "optimizer step"} <= set(r.probes)
-    assert sum(k.startswith("decode step") for k in r.probes) == 4
+    probes = {"prefill", "teacher forcing", "scoring forward rows=3", "forward+backward", "optimizer step"}
+    assert probes <= set(r.probes)
+    assert sum(k.startswith("decode step") for k in r.probes) == len(DECODE_PROBES)
     assert "teacher forcing" in r.probes  # hf keeps the prompt's keys and values: the cached forcing is timed
 
 
