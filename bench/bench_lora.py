@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import commit_line
+
 CONFIG = "configs/quickstart_cpu.yaml"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,12 +52,6 @@ def machine() -> str:
     flags = next((ln.split(":", 1)[1].split() for ln in txt.splitlines() if ln.startswith("Flags")), [])
     keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return f"{model} ({os.cpu_count()} logical CPUs), flags {' '.join(keep) or 'none of avx2/avx512/amx'}"
-
-
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def tensor_bytes(obj) -> int:
@@ -169,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from alignopsd.engine.config.schema import load_config
 
     header = {"command": "python -m bench.bench_lora " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": commit(), "cpu": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "commit": commit_line(), "cpu": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_start": ", ".join(f"{x:.2f}" for x in os.getloadavg())}  # fmt: skip
     work = Path(args.work)
     base = load_config(CONFIG)

@@ -264,8 +264,9 @@ def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from bench.credit_model import ensure_model
     from bench.credit_reader import RECIPE, ensure_reader, premise_failures
-    from bench.credit_report import commit_line, summarise, write_results
+    from bench.credit_report import summarise, write_results
     from bench.credit_rules import BENCH_RULE, ENV, write_skill_bank
+    from bench.provenance import commit_line
 
     a = parse_args(argv)
     cases, control = _cases(a.estimators), _cases(a.control)

@@ -121,20 +121,6 @@ def _machine() -> tuple[str, bool]:
     return model, "avx512_bf16" in txt
 
 
-def commit_line() -> str:
-    """The checked-out commit, marked when tracked files differ from it (call it before the run writes its own
-    results: a results file tracked from an earlier run would count as a change)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        )
-    except OSError:
-        return "unknown"
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
 def _tables(summary: dict[str, dict], h: str = "##") -> list[str]:
     lines = [
         f"{h} Learning",
@@ -334,7 +320,7 @@ def write_results(
         f"# Credit-assignment benchmark ({meta['env']}): GRPO vs AlignOPSD and its ablations, from a reader",
         "",
         f"- command: `{' '.join(meta['argv'])}`",
-        f"- commit: {meta.get('commit') or commit_line()}",
+        f"- commit: {meta['commit']}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- CPU: {cpu}; avx512_bf16: {'yes' if bf16 else 'no'}; {meta['jobs']} runs at a time, one thread each",
         f"- load average (1/5/15 min) before: {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}; after: "
