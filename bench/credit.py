@@ -68,6 +68,11 @@ BASE = [
     "trainer.save_freq=-1",
     "generation.backend=choice",
     "encoder.batch_size=256",
+    # float32 on every CPU: ``auto`` is bf16 on a CPU with native bf16 and float32 elsewhere, so the same command
+    # gave different numbers on different machines, and the premise (bench/credit_reader.py) scores in float32.
+    # It is also the faster one here: at this model's head size of 16, torch's CPU attention backward takes ~5x
+    # longer in bf16 than in float32
+    "model.dtype=float32",
 ]
 
 CASES: dict[str, list[str]] = {
@@ -98,7 +103,11 @@ SIZING = (
     "steps and shape), measures the premise (~20 s) and runs the control "
     "(GRPO and AlignOPSD on the random-init model, 10 seeds: ~1.3 min). 110 x 8 comparison run-steps at ~1.0 CPU "
     "s (~8 min) fill the rest. Not sized on GRPO learning from the reader: no GRPO run on the rule tasks preceded "
-    "the first comparison."
+    "the first comparison. Changed after that comparison (bench/results/credit-2026-12-03-reader3.md), which ran "
+    "16.8 min on 2 idle cores: the runs' parameters are float32 on every CPU (model.dtype auto had made them bf16 "
+    "on a CPU with native bf16, float32 elsewhere; the premise scores in float32), and the reader's training puts "
+    "its output layer only on the positions that carry a loss (the same loss; weights equal to rounding). Rule, "
+    "recipe, metrics, seeds and steps are unchanged."
 )
 DEFAULT_SEEDS = 10
 CONTROL = ("grpo", "alignopsd")  # the random-init control on ``credit`` (the premise fails there)

@@ -210,11 +210,19 @@ def train(model, data: list[tuple[list[int], list[int], int, list[int]]], recipe
                 weight[j, len(p) - 1 + focus] = 0.0 if alts else recipe["focus_weight"]
             if alts:
                 soft.append((j, len(p) - 1 + focus, alts))
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        total, norm = (ce * weight[:, :-1]).sum(), weight[:, :-1].sum()
+        # the output layer only where a loss is taken (response tokens and the uniform targets' positions): the
+        # prompt's positions carry weight 0, and over a few hundred words the head and its log-softmax on every
+        # position were most of a step
+        keep = weight[:, :-1] > 0
+        for j, pos, _ in soft:
+            keep[j, pos] = True
+        row = torch.cumsum(keep.flatten(), 0).view_as(keep) - 1  # a kept position's row in ``logits``
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        logits = model.lm_head(hidden[keep]).float()
+        ce = torch.nn.functional.cross_entropy(logits, ids[:, 1:][keep], reduction="none")
+        total, norm = (ce * weight[:, :-1][keep]).sum(), weight[:, :-1].sum()
         for j, pos, alts in soft:
-            total = total - recipe["focus_weight"] * torch.log_softmax(logits[j, pos], -1)[alts].mean()
+            total = total - recipe["focus_weight"] * torch.log_softmax(logits[row[j, pos]], -1)[alts].mean()
             norm = norm + recipe["focus_weight"]
         loss = total / norm
         opt.zero_grad(set_to_none=True)
