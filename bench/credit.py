@@ -37,6 +37,7 @@ admissible actions, and an estimator with a teacher pass on an environment witho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -44,7 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -105,9 +106,10 @@ SIZING = (
     "s (~8 min) fill the rest. Not sized on GRPO learning from the reader: no GRPO run on the rule tasks preceded "
     "the first comparison. Changed after that comparison (bench/results/credit-2026-12-03-reader3.md), which ran "
     "16.8 min on 2 idle cores: the runs' parameters are float32 on every CPU (model.dtype auto had made them bf16 "
-    "on a CPU with native bf16, float32 elsewhere; the premise scores in float32), and the reader's training puts "
-    "its output layer only on the positions that carry a loss (the same loss; weights equal to rounding). Rule, "
-    "recipe, metrics, seeds and steps are unchanged."
+    "on a CPU with native bf16, float32 elsewhere; the premise scores in float32); the reader's training puts "
+    "its output layer only on the positions that carry a loss and pads each step's rows in two parts by length "
+    "(the same loss; weights equal to rounding); and one pool of workers runs every stage, the control queued "
+    "behind the comparison. Rule, recipe, metrics, seeds and steps are unchanged."
 )
 DEFAULT_SEEDS = 10
 CONTROL = ("grpo", "alignopsd")  # the random-init control on ``credit`` (the premise fails there)
@@ -183,6 +185,7 @@ def run_one(
     shutil.rmtree(out, ignore_errors=True)
     return {
         "case": case,
+        "env": env,
         "seed": seed,
         "success": [float(r["episode/success_rate"]) for r in recs],
         "tallies": tallies,
@@ -205,32 +208,46 @@ def _init_worker() -> None:
     register_envs()
 
 
-def run_all(
-    cases: list[str], seeds: list[int], steps: int, env: str, jobs: int, model: str, skills_dir: str | None = None
-) -> list[dict]:
-    """Every (case, seed) run from the model folder ``model``, ``jobs`` at a time in spawned worker processes (1
-    thread each)."""
-    work = [(c, s) for s in seeds for c in cases]
+Work = tuple[str, int, int, str, str, "str | None"]  # case, seed, steps, environment, model folder, skill banks
+
+
+def plan(cases: list[str], seeds: list[int], steps: int, env: str, model: str, skills_dir: str | None) -> list[Work]:
+    """The (case, seed) runs of ``cases`` on ``env`` from the model folder ``model``, seed by seed."""
+    return [(c, s, steps, env, str(model), skills_dir) for s in seeds for c in cases]
+
+
+@contextlib.contextmanager
+def worker_pool(jobs: int):
+    """One pool of ``jobs`` spawned worker processes (1 thread each) for every run of the command, so workers
+    import the engine once and no stage waits for the previous one's last run on an idle core (None: runs in
+    this process)."""
+    if jobs <= 1:
+        _init_worker()
+        yield None
+        return
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_init_worker) as ex:
+        yield ex
+
+
+def run_all(work: list[Work], pool: Executor | None) -> list[dict]:
+    """Every run of ``work``, in ``pool``'s workers (None: here), in the order of ``work``."""
     t0 = time.perf_counter()
 
     def report(k: int, run: dict) -> dict:  # a line a finished run, with the time left of this batch of runs
         left = time_left(time.perf_counter() - t0, k, len(work))
-        line = f"bench.credit: run {k}/{len(work)}: {env} {run['case']} seed {run['seed']}: final success "
+        line = f"bench.credit: run {k}/{len(work)}: {run['env']} {run['case']} seed {run['seed']}: final success "
         line += f"{run['success'][-1]:.2f}, {run['wall_s']:.0f}s" + (f", {left}" if left else "")
         print(line, flush=True)
         return run
 
     with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd:
-        args = (steps, env, wd, str(model), skills_dir)
-        if jobs <= 1:
-            _init_worker()
-            return [report(k + 1, run_one(c, s, *args)) for k, (c, s) in enumerate(work)]
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_init_worker) as ex:
-            futs = {ex.submit(run_one, c, s, *args): i for i, (c, s) in enumerate(work)}
-            runs: list[dict | None] = [None] * len(work)
-            for k, f in enumerate(as_completed(futs)):
-                runs[futs[f]] = report(k + 1, f.result())
-            return runs
+        if pool is None:
+            return [report(k + 1, run_one(c, s, n, e, wd, m, sk)) for k, (c, s, n, e, m, sk) in enumerate(work)]
+        futs = {pool.submit(run_one, c, s, n, e, wd, m, sk): i for i, (c, s, n, e, m, sk) in enumerate(work)}
+        runs: list[dict | None] = [None] * len(work)
+        for k, f in enumerate(as_completed(futs)):
+            runs[futs[f]] = report(k + 1, f.result())
+        return runs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -252,7 +269,7 @@ def _cases(text: str) -> list[str]:
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
-def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
+def premise(reader: Path, seeds: list[int], pool: Executor | None, skills_dir: str) -> dict:
     """The premise before any RL (bench/credit_reader.py): the winning action's probability on decisive turns
     with and without the skill, and the identity and rectified gaps of one AlignOPSD step's audit (computed
     on the initial weights, before its update) on decisive and other turns."""
@@ -262,7 +279,7 @@ def premise(reader: Path, seeds: list[int], jobs: int, skills_dir: str) -> dict:
 
     choice = decisive_choice(reader, BENCH_RULE, seeds)
     gap_seeds = seeds[:PREMISE_GAP_SEEDS]
-    runs = run_all(["alignopsd"], gap_seeds, 1, ENV, jobs, str(reader), skills_dir)
+    runs = run_all(plan(["alignopsd"], gap_seeds, 1, ENV, str(reader), skills_dir), pool)
     pooled: dict[str, float] = {}
     for r in runs:
         for k, v in r["tallies"].items():
@@ -294,11 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         seeds = list(range(a.seeds))
         reader = ensure_reader(a.reader_cache)
         reader_s = time.perf_counter() - w0
-        prem = premise(reader, seeds, a.jobs, skills)
-        failed = premise_failures(prem["choice"])
-        runs = [] if failed else run_all(cases, seeds, a.steps, ENV, a.jobs, str(reader), skills)
-        with tempfile.TemporaryDirectory(prefix="credit-random-") as wd:
-            ctrl = [] if failed or not control else run_all(control, seeds, a.steps, "credit", a.jobs, ensure_model(wd))
+        with worker_pool(a.jobs) as pool, tempfile.TemporaryDirectory(prefix="credit-random-") as wd:
+            prem = premise(reader, seeds, pool, skills)
+            failed = premise_failures(prem["choice"])
+            # the comparison and the control in one queue: the control's runs fill the comparison's tail
+            work = [] if failed else plan(cases, seeds, a.steps, ENV, str(reader), skills)
+            cwork = [] if failed or not control else plan(control, seeds, a.steps, "credit", ensure_model(wd), None)
+            done = run_all(work + cwork, pool)
+        runs, ctrl = done[: len(work)], done[len(work) :]
     c1 = os.times()
     raw = Path(a.out).with_suffix(".json")  # the runs first: a summary that fails loses no training
     raw.parent.mkdir(parents=True, exist_ok=True)
