@@ -53,13 +53,14 @@ def test_a_reader_that_cannot_read_stops_the_benchmark_before_any_comparison(tmp
 def test_short_benchmark_writes_results(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(credit_reader, "RECIPE", TINY_READER)
     monkeypatch.setattr(credit_reader, "premise_failures", lambda choice: [])  # the tiny reader's premise, passed
+    monkeypatch.setattr(credit, "CONTROL_SEEDS", 2)  # the control runs the first seeds only
     out = tmp_path / "credit.md"
     argv = ["--out", str(out), "--seeds", "3", "--steps", "2", "--estimators", "grpo,alignopsd", "--jobs", "1"]
     argv += ["--control", "grpo", "--reader-cache", str(tmp_path)]
     assert credit.main(argv) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("bench.credit: run ")]
-    counts = [x.split(":")[1] for x in lines]  # premise (3 one-step runs), then comparison (6) and control (3)
-    assert counts == [f" run {k}/3" for k in (1, 2, 3)] + [f" run {k}/9" for k in range(1, 10)]
+    counts = [x.split(":")[1] for x in lines]  # premise (3 one-step runs), then comparison (6) and control (2)
+    assert counts == [f" run {k}/3" for k in (1, 2, 3)] + [f" run {k}/8" for k in range(1, 9)]
     assert all(" credit_rules " in x for x in lines[:9]) and all(" credit grpo " in x for x in lines[9:])
     text = out.read_text()
     assert ("The machine was otherwise idle" in text) != ("the wall time is an upper bound" in text)  # read vs load
@@ -84,5 +85,6 @@ def test_short_benchmark_writes_results(tmp_path, capsys, monkeypatch):
     # three tasks of 8 turns with 1-2 decisive turns each: 4 of 24 turns are decisive
     assert 0.05 < s["grpo"]["mech"]["decisive_token_share"][0] < 0.4
     assert list(raw["control"]) == ["grpo"] and len(raw["control"]["grpo"]["learn"]["per_step"]) == 2
+    assert raw["meta"]["control_seeds"] == 2 and "the control's (2 seeds × 1 estimators)" in text
     gaps = raw["meta"]["premise"]["gaps"]
     assert not math.isnan(gaps["abs_id_gap_decisive"]) and not math.isnan(gaps["abs_id_gap_other"])
