@@ -18,7 +18,8 @@ Three stages, one command:
    no skill and must find the rule by RL; the teacher is the same weights told the rule by its skill) with the
    candidate-choice generation backend (``generation.backend=choice``), each run a real ``Trainer.fit`` with the
    audit on; then the **control**: the random-init model on ``credit`` (engine/envs/credit/env.py, the earlier
-   benchmark, where the teacher cannot read its skill) for the ``--control`` cases. The results file and its
+   benchmark, where the teacher cannot read its skill) for the ``--control`` cases on the first 5 seeds
+   (``CONTROL_SEEDS``), in the same queue of workers as the comparison. The results file and its
    plot (same stem, ``.png``) hold the premise, learning curves, steps to 80 % success, areas under the curve, the
    mechanisms against the ground truth (bench/credit_metrics.py), a paired comparison of each estimator with
    GRPO on the same seeds, the paper's ablation order beside this run's, and the control's tables.
