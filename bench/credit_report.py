@@ -327,7 +327,7 @@ def write_results(
         f"{la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}",
         f"- wall time: {meta['wall_s'] / 60:.1f} min, reader included; {len(runs)} comparison runs "
         f"({meta['seeds']} seeds × {len(summary)} estimators × {meta['steps']} steps) and the control's "
-        f"({meta.get('control_seeds', meta['seeds'])} seeds × {n_est - len(summary)} estimators); "
+        f"({meta['control_seeds']} seeds × {n_est - len(summary)} estimators); "
         f"CPU time: {meta['cpu_s'] / 60:.1f} min, i.e. "
         f"{meta['cpu_s'] / 60 / 2:.1f} min of wall time on 2 otherwise idle cores. {_load_reading(lb, la)}",
         "",
