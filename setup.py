@@ -20,7 +20,7 @@ try:
     ext_modules = [
         Pybind11Extension(
             "alignopsd._C",
-            sorted(["csrc/alignopsd_C.cpp"]),
+            sorted(["csrc/alignopsd_C.cpp", "csrc/lm_head_bf16.cpp"]),
             cxx_std=17,
             extra_compile_args=["-O3", "-ffp-contract=off"],  # no fused multiply-add: bit-identical to Python
         )

@@ -6,7 +6,9 @@ Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the loc
 - online-logsumexp partials (m, s, u, tz) per row and their exact combination: two partials
   (:func:`merge_partials`), S vocabulary splits (:func:`combine_splits`), tensor-parallel ranks
   (:func:`all_reduce_partials`), and the final (logp, lse, entropy) (:func:`finish_partials`);
-- the tiled torch CPU path: :func:`torch_partials` (forward) and :func:`torch_backward`.
+- the tiled torch CPU path: :func:`torch_partials` (forward) and :func:`torch_backward`;
+- :func:`cpu_partials`, the CPU forward: the C++ bf16 kernel where it applies (``lse_native.py``), else
+  :func:`torch_partials`.
 
 The algorithm and the tuning measurements are described in ``logprob.py``'s docstring.
 """
@@ -17,6 +19,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from alignopsd.kernels.lse_native import native_applies, native_partials
 from torch import Tensor
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "check_lm_head_inputs",
     "check_target_range",
     "combine_splits",
+    "cpu_partials",
     "finish_partials",
     "merge_partials",
     "torch_backward",
@@ -124,6 +128,14 @@ def _vocab_chunk(weight: Tensor, n_rows: int, *, backward: bool = False) -> int:
     if weight.dtype != torch.float32:  # the chunk is upcast to fp32: bound that copy too
         vc = min(vc, max(256, _UPCAST_BYTES // (4 * max(1, weight.shape[1]))))
     return vc
+
+
+def cpu_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
+    """The forward partials on the CPU: the C++ bf16 kernel (bf16 products, fp32 accumulation) when
+    ``lse_native.native_applies``, else :func:`torch_partials` (fp32 products of upcast tiles)."""
+    if native_applies(h_NH, w_VH, b_V):
+        return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start, need_u=need_u)
+    return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=need_u)
 
 
 def torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):

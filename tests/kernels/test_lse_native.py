@@ -1,0 +1,128 @@
+"""The C++ bf16 LM-head partials (csrc/lm_head_bf16.cpp via kernels/lse_native.py): equal to the torch path up to
+reassociation, routed to by the fused log-prob's CPU forward exactly when it applies, checked inputs.
+
+Legend: N = tokens, H = hidden size, V = vocabulary size. Shapes cover the kernel's tails: N not a multiple of its
+6-row micro-tile, V not a multiple of its 64-entry blocks, a vocabulary shard smaller than one block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from alignopsd.kernels import logprob, logprob_ref, lse_native, lse_partials
+from alignopsd.kernels.lse_partials import finish_partials, torch_partials
+
+needs_native = pytest.mark.skipif(
+    not lse_native.native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
+)
+
+
+def _operands(n, v, h, *, seed=0, scale=0.08):
+    g = torch.Generator().manual_seed(seed)
+    hid = torch.randn(n, h, generator=g).bfloat16()
+    w = (torch.randn(v, h, generator=g) * scale).bfloat16()
+    t = torch.randint(0, v, (n,), generator=g)
+    return hid, w, t
+
+
+def _close(a, b, rtol=2e-5, atol=2e-5):
+    for name, x, y in zip(("m", "s", "u", "tz"), a, b):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "v", "h"), [(1, 5, 2), (7, 1000, 64), (37, 4099, 576), (13, 64, 130)])
+@pytest.mark.parametrize("inv_t", [1.0, 1 / 0.7])
+@pytest.mark.parametrize("need_u", [True, False])
+def test_native_equals_torch_path(n, v, h, inv_t, need_u):
+    hid, w, t = _operands(n, v, h)
+    got = lse_native.native_partials(hid, w, t, inv_t, 0, need_u=need_u)
+    want = torch_partials(hid, w, None, t, inv_t, 0, need_u=need_u)
+    _close(got, want)
+    if not need_u:
+        assert torch.equal(got[2], torch.zeros(n))
+    lp, _, ent = finish_partials(*got)
+    ref_lp, ref_ent = logprob_ref(hid, w, t, temperature=1 / inv_t, with_entropy=True)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=3e-5)
+    if need_u:
+        torch.testing.assert_close(ent, ref_ent, rtol=0, atol=3e-5)
+
+
+@needs_native
+def test_native_vocab_shard_targets_outside_are_zero():
+    """A vocabulary shard (tensor parallel): targets outside [vocab_start, vocab_start + V) give tz = 0, as the
+    torch path's; a shard of fewer entries than one 64-entry block."""
+    hid, w, _ = _operands(11, 40, 96)
+    t = torch.tensor([0, 99, 100, 120, 139, 140, 5000, 101, 100, 138, 3])
+    got = lse_native.native_partials(hid, w, t, 1.0, 100, need_u=True)
+    _close(got, torch_partials(hid, w, None, t, 1.0, 100, need_u=True))
+    outside = (t < 100) | (t >= 140)
+    assert torch.equal(got[3][outside], torch.zeros(int(outside.sum())))
+    assert bool((got[3][~outside] != 0).all())
+
+
+@needs_native
+def test_native_threads_deterministic(monkeypatch):
+    """Same thread count, same bits; another thread count splits the vocabulary elsewhere (reassociation only)."""
+    hid, w, t = _operands(50, 3000, 128, seed=3)
+    one = lse_native.native_partials(hid, w, t, 1.0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(one, lse_native.native_partials(hid, w, t, 1.0, 0)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    _close(lse_native.native_partials(hid, w, t, 1.0, 0), one)
+
+
+@needs_native
+def test_logprob_cpu_forward_routes_to_native_exactly_when_it_applies(monkeypatch):
+    calls = []
+    real = lse_partials.native_partials
+
+    def spy(*a, **k):
+        calls.append(a[0].dtype)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lse_partials, "native_partials", spy)
+    hid, w, t = _operands(9, 300, 32)
+    lp = logprob(hid, w, t, temperature=0.5)
+    assert calls == [torch.bfloat16]
+    torch.testing.assert_close(lp, logprob_ref(hid, w, t, temperature=0.5), rtol=0, atol=3e-5)
+    # fp32 operands, a bias, an odd hidden size: the torch path
+    logprob(hid.float(), w.float(), t)
+    logprob(hid, w, t, bias=torch.zeros(300, dtype=torch.bfloat16))
+    h_odd, w_odd, t_odd = _operands(4, 50, 33)
+    logprob(h_odd, w_odd, t_odd)
+    assert calls == [torch.bfloat16]
+    # gradients still flow (the backward is the torch path's)
+    h2 = hid.clone().requires_grad_()
+    logprob(h2, w, t).sum().backward()
+    assert h2.grad is not None and bool(h2.grad.abs().sum() > 0)
+
+
+def test_torch_capability_below_avx512_turns_native_off(monkeypatch):
+    """``ATEN_CPU_CAPABILITY=avx2`` (torch behaving like an AVX2-only CPU) keeps the head on the torch path."""
+    monkeypatch.setattr(lse_native, "_READY", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not lse_native.native_ready()
+    hid, w, _ = _operands(3, 70, 8)
+    assert not lse_native.native_applies(hid, w, None)
+
+
+def test_native_partials_rejects_what_it_cannot_run(monkeypatch):
+    hid, w, t = _operands(3, 70, 8)
+    with pytest.raises(ValueError, match="bf16 CPU hidden"):
+        lse_native.native_partials(hid.float(), w.float(), t, 1.0, 0)
+    monkeypatch.setattr(lse_native, "_READY", False)
+    with pytest.raises(ValueError, match="kernel ready: False"):
+        lse_native.native_partials(hid, w, t, 1.0, 0)
+
+
+@needs_native
+def test_extension_checks_its_arguments():
+    hid, w, t = _operands(2, 10, 8)
+    out = torch.empty(4, 2)
+    ptrs = [hid.data_ptr(), w.data_ptr(), t.data_ptr(), *(r.data_ptr() for r in out)]
+    with pytest.raises(ValueError, match="hidden_size: must be even"):
+        lse_native._C.head_partials_bf16(*ptrs, 2, 10, 7, 1.0, True, 1)
+    with pytest.raises(ValueError, match="inv_t"):
+        lse_native._C.head_partials_bf16(*ptrs, 2, 10, 8, float("inf"), True, 1)
+    with pytest.raises(ValueError, match="threads"):
+        lse_native._C.head_partials_bf16(*ptrs, 2, 10, 8, 1.0, True, 0)
