@@ -310,10 +310,11 @@ py::array_t<double> project_batch(const py::handle& h_obj, const py::handle& c_o
 
 }  // namespace
 
-void register_lm_head(py::module_& m);  // csrc/lm_head_bf16.cpp
+void register_lm_head(py::module_& m);    // csrc/lm_head_bf16.cpp
+void register_attention(py::module_& m);  // csrc/attention_bf16.cpp
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "alignopsd C++ paths: batched segmentation and box projection (ALGORITHM.md 3.5, 3.8), the bf16 LM head";
+  m.doc() = "alignopsd C++ paths: batched segmentation and box projection (ALGORITHM.md 3.5, 3.8), the bf16 LM head and shared-prefix attention";
   m.def("segment_batch", &segment_batch, py::arg("d"), py::arg("boundary_valid"), py::arg("offsets"), py::arg("tau"),
         py::arg("min_len"), py::arg("max_len"), py::arg("tau_min"),
         "Segment every trajectory; returns (positions int64, kinds int8 [1 semantic, 2 guided, 3 forced], "
@@ -321,4 +322,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("project_batch", &project_batch, py::arg("h"), py::arg("counts"), py::arg("offsets"), py::arg("lo"),
         py::arg("hi"), py::arg("tol"), "Project each trajectory's h onto [lo, hi] keeping sum(counts*x) = sum(counts).");
   register_lm_head(m);
+  register_attention(m);
 }

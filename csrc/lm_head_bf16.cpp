@@ -27,31 +27,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
-#include <stdexcept>
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
-#include <immintrin.h>
-#define ALIGNOPSD_AVX512_BF16 1
-#endif
+#include "bf16_tile.h"
 
 namespace py = pybind11;
 
 namespace {
 
-constexpr int kNB = 64;  // vocabulary entries per packed block (4 zmm of 16 fp32 lanes)
-constexpr int kMR = 6;   // hidden rows per micro-tile: 6 x 4 = 24 accumulators
-constexpr float kNegInit = -1.0e30f;  // the torch path's finite "minus infinity" for the running maximum
+using namespace alignopsd_bf16;
 
-template <typename... Args>
-[[noreturn]] void fail(Args&&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  throw std::invalid_argument(os.str());
-}
+constexpr float kNegInit = -1.0e30f;  // the torch path's finite "minus infinity" for the running maximum
 
 // Per-row running statistics of one thread: scalar maximum, 16-lane sums relative to it.
 struct RowStats {
@@ -60,40 +47,6 @@ struct RowStats {
 };
 
 #ifdef ALIGNOPSD_AVX512_BF16
-
-bool cpu_has_avx512_bf16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned xlo = 0, xhi = 0;
-  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  if ((xlo & 0xE6u) != 0xE6u) return false;  // the OS saves XMM, YMM, opmask and ZMM state
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
-  if (!(f && dq && bw && vl)) return false;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  return a & (1u << 5);  // AVX512_BF16
-}
-
-#define ALIGNOPSD_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,fma")))
-
-// e^x for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' expf coefficients),
-// scaled by 2^n (scalef underflows to 0 below the denormal range).
-ALIGNOPSD_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // pk[kp * kNB + c] = the bf16 pair (weight[v0 + c][2 kp], weight[v0 + c][2 kp + 1]); columns c >= nb are zero.
 void pack_block(const uint32_t* w32, int64_t k2, int64_t v0, int nb, uint32_t* pk) {
@@ -104,34 +57,6 @@ void pack_block(const uint32_t* w32, int64_t k2, int64_t v0, int nb, uint32_t* p
   if (nb < kNB) {
     for (int64_t kp = 0; kp < k2; ++kp) std::memset(pk + kp * kNB + nb, 0, sizeof(uint32_t) * (kNB - nb));
   }
-}
-
-// out[r][0:64] = (hidden rows a[r] . packed block) * inv_t for R rows.
-template <int R>
-ALIGNOPSD_TARGET void micro_tile(const uint32_t* a, int64_t k2, const uint32_t* pk, float inv_t, float* out) {
-  __m512 acc[R][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < k2; ++kp) {
-    const uint32_t* b = pk + kp * kNB;
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 32);
-    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 48);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * k2 + kp]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], av, b3);
-    }
-  }
-  const __m512 t = _mm512_set1_ps(inv_t);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * kNB + 16 * c, _mm512_mul_ps(acc[r][c], t));
 }
 
 // Fold one row's logits tile z[0:nb] (vocabulary v0 + c) into its running statistics.
@@ -197,10 +122,6 @@ void thread_range(const uint32_t* h32, const uint32_t* w32, const int64_t* targe
     }
   }
 }
-
-#else
-
-bool cpu_has_avx512_bf16() { return false; }
 
 #endif
 

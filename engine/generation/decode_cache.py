@@ -16,10 +16,12 @@ just pushed into G shared prefixes read by the rows that follow, ``select(rows)`
   attention is :func:`shared_prefix_attention` (registered with transformers as ``ATTN_NAME``; the training forward
   keeps its own). A single-token query (decoding) is a grouped matmul: the R query heads of a key/value head
   against its keys without repeating them, and all rows sharing a prefix in one GEMM against that prefix's one
-  copy; softmax over ``[prefix | own]`` scores in fp32. A multi-token push (prefill) runs SDPA with ``enable_gqa``
-  over the prefix gathered per row. Measured on a 2-core AVX-512 CPU for SmolLM2-135M shapes (32 rows, 1,000
-  keys, 650 shared): transformers' SDPA path (``repeat_kv`` copies, bf16 flash kernel) costs tens of ms per layer
-  call, this one 1-3 ms (bench/results/overhead-2026-12-02-warm.md).
+  copy; softmax over ``[prefix | own]`` scores in fp32. A multi-token push (prefill) of a bf16 model on a CPU with
+  AVX512-BF16 runs the C++ kernel of kernels/attention_native.py (the prefix read in place, bf16 products with fp32
+  accumulation, fp32 softmax); otherwise SDPA with ``enable_gqa`` over the prefix gathered per row. Measured on a
+  2-core AVX-512 CPU for SmolLM2-135M shapes (32 rows, 1,000 keys, 650 shared), decoding: transformers' SDPA path
+  (``repeat_kv`` copies, bf16 flash kernel) costs tens of ms per layer call, this one 1-3 ms
+  (bench/results/overhead-2026-12-02-warm.md).
 
 In fp32 both give the same tokens for the same seed up to float rounding (tests/engine/test_generation_hf.py).
 """
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from alignopsd.kernels.attention_native import prefix_attention, prefix_attention_applies
 from torch import Tensor
 
 ATTN_NAME = "alignopsd_shared_prefix"
@@ -228,11 +231,19 @@ class SharedPrefixKV:
 
     # ------------------------------------------------------------------ attention
     def attend(self, layer: int, query_BHSD: Tensor, scaling: float) -> Tensor:
-        """Attention output ``[B, S, H, D]`` (query dtype) of this push's queries over prefix + own keys."""
+        """Attention output ``[B, S, H, D]`` (query dtype) of this push's queries over prefix + own keys: a push of
+        several positions of a bf16 model runs in the C++ kernel where it applies (kernels/attention_native.py:
+        the prefix read in place), else in :meth:`_prefill`."""
         if query_BHSD.shape[2] == 1:
             out = self._decode(layer, query_BHSD.float(), scaling)
         else:
-            out = self._prefill(layer, query_BHSD.float(), scaling)
+            k, v = self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
+            pk, pv = (self.pk[layer], self.pv[layer]) if self.prefix_valid is not None else (None, None)
+            if prefix_attention_applies(query_BHSD, k, v, pk, pv):
+                rows = self.row_prefix if pk is not None else None
+                out = prefix_attention(query_BHSD, k, v, pk, pv, rows, self.bias, scaling)
+            else:
+                out = self._prefill(layer, query_BHSD.float(), scaling)
         return out.to(query_BHSD.dtype)
 
     def _prefill(self, layer: int, q: Tensor, scaling: float) -> Tensor:

@@ -1,0 +1,99 @@
+"""Shared-prefix prefill attention of a bf16 model in C++ on x86 CPUs with AVX512-BF16 (csrc/attention_bf16.cpp).
+
+Legend: B = rows, H = query heads, K = key/value heads, S = queries pushed, D = head size, G = prefixes, P = their
+width, n = the rows' own positions so far.
+
+The CPU decoding cache (engine/generation/decode_cache.py) keeps prefixes once and each row's own keys apart; its
+prefill attention gathered every row's prefix next to its own keys (a copy per row and layer) and ran fp32
+scaled-dot-product attention. :func:`prefix_attention` reads the prefix in place and computes the scores as
+products of bf16 pairs with fp32 accumulation: the model's queries and keys are bf16 values (the cache stores
+them in fp32), so every product is exact, as in fp32; softmax and probabilities x values are fp32. Equal to the
+torch path up to floating-point reassociation (tests/kernels/test_attention_native.py). On the quickstart's teacher
+forcing (SmolLM2-135M, rows of ~45 queries behind ~690 kept prompt positions), ~2.5x the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+from alignopsd.kernels.lse_native import native_ready
+from torch import Tensor
+
+try:  # the C++ extension is optional (a build without a compiler falls back to the torch path)
+    from alignopsd import _C
+except ImportError:  # pragma: no cover - depends on the build
+    _C = None
+
+__all__ = ["prefix_attention", "prefix_attention_applies"]
+
+
+def _fp32_rows(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1
+
+
+def prefix_attention_applies(query_BHSD: Tensor, k: Tensor, v: Tensor, pk: Tensor | None, pv: Tensor | None) -> bool:
+    """Whether :func:`prefix_attention` can run: bf16 CPU queries whose head size is a multiple of 32 (at most
+    256), fp32 keys and values with contiguous head vectors and the same strides, and the C++ kernel built for a CPU
+    with AVX512-BF16 (``lse_native.native_ready``)."""
+    if _C is None or not hasattr(_C, "attention_prefix_bf16"):
+        return False
+    q = query_BHSD
+    d = q.shape[-1]
+    ok = q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.stride(-1) == 1 and d % 32 == 0 and d <= 256
+    ok = ok and _fp32_rows(k) and _fp32_rows(v) and k.stride() == v.stride()
+    if pk is not None:
+        ok = ok and pv is not None and _fp32_rows(pk) and _fp32_rows(pv) and pk.stride() == pv.stride()
+    return bool(ok and native_ready())
+
+
+def prefix_attention(
+    query_BHSD: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pk: Tensor | None,
+    pv: Tensor | None,
+    row_prefix: Tensor | None,
+    bias: Tensor,
+    scale: float,
+) -> Tensor:
+    """``[B, S, H, D]`` fp32 attention of ``query_BHSD`` (bf16) over each row's prefix (``pk``/``pv`` ``[G, K, P,
+    D]``, prefix ``row_prefix[b]``, -1 for none; None when there are no prefixes) followed by its own ``k``/``v``
+    (``[B, K, n, D]``), with the additive mask ``bias`` ``[B, 1, S, P + n]``."""
+    if not prefix_attention_applies(query_BHSD, k, v, pk, pv):
+        raise ValueError(
+            "prefix_attention: needs bf16 CPU queries with a head size multiple of 32, fp32 keys/values with "
+            f"contiguous heads and an AVX512-BF16 CPU (got query {query_BHSD.dtype} {tuple(query_BHSD.shape)}, "
+            f"keys {k.dtype}; kernel ready: {native_ready()})"
+        )
+    b, h, s, d = query_BHSD.shape
+    kv, n = k.shape[1], k.shape[2]
+    p = 0 if pk is None else pk.shape[2]
+    g = 0 if pk is None else pk.shape[0]
+    if tuple(bias.shape) != (b, 1, s, p + n):
+        raise ValueError(f"bias: expected shape {(b, 1, s, p + n)}, got {tuple(bias.shape)}")
+    bias = bias.float().contiguous()
+    rp = (row_prefix if row_prefix is not None else torch.full((b,), -1)).long().contiguous()
+    out = torch.empty(b, s, h, d, dtype=torch.float32)
+    _C.attention_prefix_bf16(
+        query_BHSD.data_ptr(),
+        list(query_BHSD.stride()[:3]),
+        k.data_ptr(),
+        v.data_ptr(),
+        list(k.stride()[:3]),
+        pk.data_ptr() if pk is not None else 0,
+        pv.data_ptr() if pv is not None else 0,
+        list(pk.stride()[:3]) if pk is not None else [0, 0, 0],
+        rp.data_ptr(),
+        bias.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        s,
+        d,
+        kv,
+        n,
+        p,
+        g,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,125 @@
+"""The C++ shared-prefix prefill attention (csrc/attention_bf16.cpp via kernels/attention_native.py) against the
+decoding cache's torch path (SDPA over the prefix gathered per row), and the cache's routing to it.
+
+Legend: B = rows, H = query heads, K = key/value heads, S = queries pushed, D = head size, G = prefixes, P = their
+width. The cases cover the kernel's tails: S x H / K not a multiple of its 6-query tiles, key counts not a multiple
+of its 64-key blocks, D = 32 and 128 (one half-filled and two 64-wide output passes), rows without a prefix,
+left-padded prefixes and right-padded own positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from alignopsd.engine.generation import decode_cache as dc
+from alignopsd.engine.generation.decode_cache import SharedPrefixKV
+from alignopsd.kernels import attention_native as an
+from alignopsd.kernels.lse_native import native_ready
+
+needs_native = pytest.mark.skipif(
+    not native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
+)
+
+
+def _bf16_values(*shape, g):
+    return torch.randn(*shape, generator=g).bfloat16().float()  # what a bf16 model stores in the fp32 cache
+
+
+def _prefixed_cache(*, b=8, s=13, h=6, k=2, d=64, g_count=3, p=70, seed=0):
+    """A cache whose rows read kept prefixes (the teacher forcing's layout), its one push stored; the query."""
+    g = torch.Generator().manual_seed(seed)
+    pk, pv = [_bf16_values(g_count, k, p, d, g=g)], [_bf16_values(g_count, k, p, d, g=g)]
+    valid = torch.ones(g_count, p, dtype=torch.bool)
+    for i in range(g_count):
+        valid[i, : 7 * i] = False  # left padding
+    rows = torch.arange(b) % g_count
+    rows[1] = -1  # a row without a prefix
+    kv = SharedPrefixKV.reading(pk, pv, valid, rows)
+    lens = torch.randint(1, s + 1, (b,), generator=g)
+    kv.push((torch.arange(s)[None] < lens[:, None]).long())
+    kv.update(_bf16_values(b, k, s, d, g=g), _bf16_values(b, k, s, d, g=g), 0)
+    q = torch.randn(b, s, h, d, generator=g).bfloat16().transpose(1, 2)  # [B, H, S, D], strided as the model's
+    return kv, q
+
+
+def _native(kv, q, scale):
+    k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
+    pk, pv = (kv.pk[0], kv.pv[0]) if kv.prefix_valid is not None else (None, None)
+    rows = kv.row_prefix if pk is not None else None
+    return an.prefix_attention(q, k, v, pk, pv, rows, kv.bias, scale)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("b", "s", "h", "k", "d", "p"), [(8, 13, 6, 2, 64, 70), (3, 50, 9, 3, 32, 129), (5, 7, 4, 4, 128, 64)]
+)
+def test_prefixed_rows_equal_torch_path(b, s, h, k, d, p):
+    kv, q = _prefixed_cache(b=b, s=s, h=h, k=k, d=d, p=p)
+    scale = d**-0.5
+    got = _native(kv, q, scale)
+    want = kv._prefill(0, q.float(), scale)
+    assert got.shape == (b, s, h, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_native
+def test_rows_without_prefixes_and_a_second_push_equal_torch_path():
+    """Generation's layout: no prefixes; a first push, then a second whose queries also read the first's keys."""
+    g = torch.Generator().manual_seed(1)
+    b, h, k, d = 4, 6, 2, 64
+    kv = SharedPrefixKV(1, budget=20)
+    first = torch.ones(b, 9, dtype=torch.long)
+    first[0, :3] = 0  # left padding
+    kv.push(first)
+    kv.update(_bf16_values(b, k, 9, d, g=g), _bf16_values(b, k, 9, d, g=g), 0)
+    kv.push(torch.ones(b, 5, dtype=torch.long))
+    kv.update(_bf16_values(b, k, 5, d, g=g), _bf16_values(b, k, 5, d, g=g), 0)
+    q = torch.randn(b, h, 5, d, generator=g).bfloat16()
+    torch.testing.assert_close(_native(kv, q, 0.125), kv._prefill(0, q.float(), 0.125), rtol=1e-5, atol=2e-6)
+
+
+@needs_native
+def test_cache_routes_bf16_prefill_to_native(monkeypatch):
+    kv, q = _prefixed_cache()
+    calls = []
+    real = dc.prefix_attention
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[2])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dc, "prefix_attention", spy)
+    out = kv.attend(0, q, 0.125)
+    assert calls == [13] and out.dtype == torch.bfloat16 and out.shape == (8, 13, 6, 64)
+    torch.testing.assert_close(out.float(), kv._prefill(0, q.float(), 0.125).bfloat16().float(), rtol=0.02, atol=2e-3)
+    kv.attend(0, q.float(), 0.125)  # an fp32 model: the torch path
+    assert calls == [13]
+
+
+def test_applies_only_to_what_the_kernel_runs(monkeypatch):
+    kv, q = _prefixed_cache(d=64)
+    k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
+    assert an.prefix_attention_applies(q, k, v, kv.pk[0], kv.pv[0]) == native_ready()
+    assert not an.prefix_attention_applies(q.float(), k, v, kv.pk[0], kv.pv[0])
+    assert not an.prefix_attention_applies(q, k.bfloat16(), v, kv.pk[0], kv.pv[0])
+    kv48, q48 = _prefixed_cache(d=48)
+    k48, v48 = kv48.k[0][:, :, : kv48.length], kv48.v[0][:, :, : kv48.length]
+    assert not an.prefix_attention_applies(q48, k48, v48, kv48.pk[0], kv48.pv[0])
+    monkeypatch.setattr(an, "native_ready", lambda: False)
+    assert not an.prefix_attention_applies(q, k, v, kv.pk[0], kv.pv[0])
+    with pytest.raises(ValueError, match="kernel ready: False"):
+        _native(kv, q, 0.125)
+
+
+@needs_native
+def test_bad_inputs_are_named():
+    kv, q = _prefixed_cache()
+    k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        an.prefix_attention(q, k, v, kv.pk[0], kv.pv[0], kv.row_prefix, kv.bias[:, :, :, 1:], 0.125)
+    bad_rows = kv.row_prefix.clone()
+    bad_rows[0] = 7
+    with pytest.raises(ValueError, match="row_prefix: row 0 reads prefix 7 of 3"):
+        an.prefix_attention(q, k, v, kv.pk[0], kv.pv[0], bad_rows, kv.bias, 0.125)
+    with pytest.raises(ValueError, match="heads: query heads 5"):
+        an.prefix_attention(q[:, :5], k, v, kv.pk[0], kv.pv[0], kv.row_prefix, kv.bias, 0.125)
