@@ -34,6 +34,7 @@ COUNT_METRICS = (
     "rollout/response_length_max",
     "m1/teacher_forcing_row_count",
     "m1/teacher_forcing_token_forwards",
+    "actor/old_logprob_token_forwards",
     "rollout/prefill_token_forwards",
     "rollout/prefill_token_forwards_unshared",
     "m1/teacher_prefill_token_forwards",

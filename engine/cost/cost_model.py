@@ -89,6 +89,7 @@ class StepCounts:
     recompute: bool = False  # gradient checkpointing
     rollout_steps: float = 0.0  # decoding steps of the rollout (0: rows / rows_per_call x response_mean)
     teacher_steps: float = 0.0  # decoding steps of the teacher generation (0: its mean response, one call)
+    scoring_positions: float = 0.0  # positions the old log-prob pass pushes (0: every row's prompt and response)
 
 
 def _forward(shape: ModelShape, label: str, positions: float, context: float, logits: float, tp: float) -> Part:
@@ -125,7 +126,8 @@ def step_work(
     ]
     seq = c.train_rows * (p + r)
     ctx = (p + r) / 2
-    out["old_logprob"].parts = [_forward(shape, "forward", seq, ctx, c.train_rows * r, tp)]
+    scored = c.scoring_positions or seq  # the pass pushes shared prompt prefixes once (engine/policy/row_scoring.py)
+    out["old_logprob"].parts = [_forward(shape, "forward", scored, ctx, c.train_rows * r, tp)]
     if c.reference:
         out["reference"] = PhaseWork("reference", [_forward(shape, "forward", seq, ctx, c.train_rows * r, tp)])
     fwd = _forward(shape, "forward", seq, ctx, c.train_rows * r, tp)

@@ -77,6 +77,7 @@ def counts_from_summary(
         # decoding steps: a batch decodes until its longest row ends (the step's longest row bounds it)
         rollout_steps=rows / max(per_call, 1.0) * min(r_max, STEPS_PER_RESPONSE * r),
         teacher_steps=STEPS_PER_RESPONSE * tr,
+        scoring_positions=counts.get("actor/old_logprob_token_forwards", 0.0),
     )
 
 

@@ -145,6 +145,8 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
         out = parts.rescorer(cb, student=True, teacher=False, with_entropy=True)
         if out.entropy is not None:
             metrics["actor/entropy_old"] = _masked_mean(out.entropy, cb.response_mask)
+    if "student/token_forwards" in out.stats:  # positions the pass pushed (shared prompt prefixes once)
+        metrics["actor/old_logprob_token_forwards"] = summed(out.stats["student/token_forwards"])
     # the sampler's vs the trainer's log-probs: measured here, or by the rescorer when it reused the sampler's
     metrics.update({k: v for k, v in out.stats.items() if k.startswith("mismatch/")})  # declared where measured
     if cb.rollout_logp is not None and not out.stats.get("student/reused"):

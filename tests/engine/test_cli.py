@@ -150,6 +150,8 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     assert 0 < c["rollout/prefill_token_forwards"] < c["rollout/prefill_token_forwards_unshared"]
     assert 0 < c["m1/teacher_prefill_token_forwards"] < c["m1/teacher_prefill_token_forwards_unshared"]
     assert "m1/teacher_prefill_token_forwards" not in g["counts"]
+    rows_positions = c["batch/turns"] * (c["rollout/prompt_length_mean"] + c["rollout/response_length_mean"])
+    assert 0 < c["actor/old_logprob_token_forwards"] < rows_positions  # siblings' prompt pushed once
     assert a["overhead_vs_grpo"] == pytest.approx(a["alignment_seconds"] / (a["step_seconds"] - a["alignment_seconds"]))
     trace = tmp_path / "profile" / "trace_alignopsd.json"
     assert trace.is_file() and "phase/teacher_generation" in trace.read_text()

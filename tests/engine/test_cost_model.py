@@ -79,6 +79,11 @@ def test_decoding_reads_the_weights_once_per_step_and_each_rows_context():
     assert w2["update"].parts[0].flops == 4 * w2["old_logprob"].flops and w2["update"].parts[0].parallel == 2
     assert w2["reference"].flops == w2["old_logprob"].flops
     assert w2["teacher_generation"].decoded_tokens == 16 and w2["teacher_forcing"].parts[0].tokens == 144
+    # the old log-prob pass pushes shared prompt prefixes once: its measured positions replace rows x (p + r)
+    w3 = step_work(s, StepCounts(**{**c.__dict__, "scoring_positions": 70}), dtype_bytes=2, kv_bytes=4)
+    olp = w3["old_logprob"].parts[0]
+    assert olp.tokens == 70 and olp.flops == s.linear_flops(70) + s.attention_flops(70, 8) + s.head_flops(48)
+    assert w3["update"].flops == w["update"].flops  # the update still trains every row's positions
 
 
 def test_roofline_time_of_parts_and_the_gemm_rate_by_rows():
@@ -126,7 +131,9 @@ def test_counts_from_a_profile_summary():
     c = counts_from_summary(COUNTS, group_n=4, tasks_per_step=1, mini_batch=64, reference=False, recompute=False)
     assert (c.rows, c.rows_per_call, c.train_rows, c.teacher_rows) == (8, 4, 8, 8)
     assert c.teacher_prompt_mean == 20 and c.forcing_context == 20 + 3  # cached prompts: responses over the prompt
-    assert c.optimizer_steps == 1
+    assert c.optimizer_steps == 1 and c.scoring_positions == 0  # not measured: every row's positions
+    assert counts_from_summary({**COUNTS, "actor/old_logprob_token_forwards": 90}, group_n=4, tasks_per_step=1,
+                               mini_batch=64, reference=False, recompute=False).scoring_positions == 90  # fmt: skip
     with pytest.raises(ValueError, match="missing batch/turns"):
         counts_from_summary({"batch/rows": 1}, group_n=1, tasks_per_step=1, mini_batch=1, reference=False,
                             recompute=False)  # fmt: skip
