@@ -9,7 +9,7 @@
 //     u[n]  = sum_v exp(z[n, v] - m[n]) (z[n, v] - m[n])      (the entropy's first moment; 0 unless need_u)
 //     tz[n] = z[n, target[n]] when 0 <= target[n] < V, else 0
 // The [N, V] logits are never stored: torch's CPU matmul has no bf16-input / fp32-output kernel, so the torch path
-// upcasts the weight and multiplies in fp32, at about half of this CPU's bf16 rate; rounding the logits to bf16
+// upcasts the weight and multiplies in fp32, at about a third of this CPU's bf16 rate; rounding the logits to bf16
 // instead would move the log-probs.
 //
 // Layout: the vocabulary is split into one contiguous range per thread (std::thread; the caller passes torch's
