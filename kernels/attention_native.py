@@ -9,7 +9,7 @@ scaled-dot-product attention. :func:`prefix_attention` reads the prefix in place
 products of bf16 pairs with fp32 accumulation: the model's queries and keys are bf16 values (the cache stores
 them in fp32), so every product is exact, as in fp32; softmax and probabilities x values are fp32. Equal to the
 torch path up to floating-point reassociation (tests/kernels/test_attention_native.py). On the quickstart's teacher
-forcing (SmolLM2-135M, rows of ~45 queries behind ~690 kept prompt positions), ~2.5x the torch path.
+forcing (SmolLM2-135M, rows of ~45-56 queries behind ~670-690 kept prompt positions), 2.2-2.5x the torch path.
 """
 
 from __future__ import annotations
