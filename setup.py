@@ -21,7 +21,7 @@ try:
         Pybind11Extension(
             "alignopsd._C",
             sorted(["csrc/alignopsd_C.cpp", "csrc/attention_bf16.cpp", "csrc/lm_head_bf16.cpp"]),
-            depends=["csrc/bf16_tile.h"],
+            depends=["csrc/bf16_tile.h", "csrc/errors.h"],
             cxx_std=17,
             extra_compile_args=["-O3", "-ffp-contract=off"],  # no fused multiply-add: bit-identical to Python
         )

@@ -31,16 +31,13 @@
 #include <string>
 #include <vector>
 
+#include "errors.h"
+
 namespace py = pybind11;
 
 namespace {
 
-template <typename... Args>
-[[noreturn]] void fail(Args&&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  throw std::invalid_argument(os.str());
-}
+using alignopsd_c::fail;
 
 // A 1-D C-contiguous numpy array of exactly dtype T.
 template <typename T>

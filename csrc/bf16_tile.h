@@ -7,8 +7,8 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
-#include <stdexcept>
+
+#include "errors.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -22,12 +22,7 @@ namespace alignopsd_bf16 {
 constexpr int kNB = 64;  // columns of a packed block (4 zmm of 16 fp32 lanes)
 constexpr int kMR = 6;   // rows of a product tile: 6 x 4 = 24 accumulators
 
-template <typename... Args>
-[[noreturn]] inline void fail(Args&&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  throw std::invalid_argument(os.str());
-}
+using alignopsd_c::fail;
 
 #ifdef ALIGNOPSD_AVX512_BF16
 

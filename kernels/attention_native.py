@@ -34,8 +34,6 @@ def prefix_attention_applies(query_BHSD: Tensor, k: Tensor, v: Tensor, pk: Tenso
     """Whether :func:`prefix_attention` can run: bf16 CPU queries whose head size is a multiple of 32 (at most
     256), fp32 keys and values with contiguous head vectors and the same strides, and the C++ kernel built for a CPU
     with AVX512-BF16 (``lse_native.native_ready``)."""
-    if _C is None or not hasattr(_C, "attention_prefix_bf16"):
-        return False
     q = query_BHSD
     d = q.shape[-1]
     ok = q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.stride(-1) == 1 and d % 32 == 0 and d <= 256

@@ -30,14 +30,14 @@ _READY: bool | None = None
 
 
 def native_ready() -> bool:
-    """Whether the bf16 head kernel can run in this process: the extension was built with it, the CPU has
-    AVX512-BF16 (checked by the extension with cpuid) and torch's own CPU code runs at AVX512 (so
+    """Whether the bf16 kernels (head, attention) can run in this process: the extension was built with them,
+    the CPU has AVX512-BF16 (checked by the extension with cpuid) and torch's own CPU code runs at AVX512 (so
     ``ATEN_CPU_CAPABILITY=avx2``, which makes torch behave like an AVX2-only CPU, turns it off too)."""
     global _READY
     if _READY is None:
         _READY = bool(
             _C is not None
-            and hasattr(_C, "head_partials_bf16")
+            and hasattr(_C, "attention_prefix_bf16")  # a build older than both kernels: torch paths
             and _C.has_avx512_bf16()
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         )
