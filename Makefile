@@ -9,6 +9,8 @@ export TRITON_INTERPRET_TESTS ?= 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# pytest-xdist workers of `make test` (most tests are small and leave a core idle; two workers fill both)
+TEST_WORKERS ?= 2
 
 .PHONY: install run run-avx2 test test-fast test-dist lint format bench clean
 
@@ -39,11 +41,11 @@ run-avx2: install
 	$(BIN)/python -m alignopsd.engine.parallel.cpu_profile avx2 -- $(RUN)
 
 test: install
-	$(BIN)/python -m pytest -q -m "not distributed" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not distributed" tests
 	$(BIN)/torchrun --nproc_per_node=2 --master_port=$${MASTER_PORT:-29511} -m pytest -q -m distributed -p no:randomly tests
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not distributed" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed" tests
 
 lint: install
 	$(BIN)/ruff check .
