@@ -12,7 +12,7 @@ import logging
 import warnings
 from types import ModuleType
 
-__all__ = ["IMPLS", "native", "has_native", "resolve_impl"]
+__all__ = ["IMPLS", "native", "resolve_impl"]
 
 IMPLS = ("auto", "python", "cpp")
 
@@ -26,11 +26,6 @@ try:  # pragma: no cover - depends on the build
 except ImportError as exc:  # pragma: no cover - depends on the build
     _ext = None
     _import_error = str(exc)
-
-
-def has_native() -> bool:
-    """True when the C++ extension ``alignopsd._C`` is importable."""
-    return _ext is not None
 
 
 def native() -> ModuleType:

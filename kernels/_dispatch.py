@@ -109,11 +109,6 @@ def torch_paths_only() -> Iterator[None]:
         _TORCH_ONLY -= 1
 
 
-def kernels_forced() -> bool:
-    """Whether a :func:`force_kernels` block is active."""
-    return _FORCED > 0
-
-
 def core_uses_kernels(*tensors: torch.Tensor | None) -> bool:
     """Whether the algorithm core should run on the Triton kernels for these tensors.
 

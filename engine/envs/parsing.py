@@ -166,8 +166,3 @@ def parse_response(text: str, tags: tuple[str, ...] = ACTION_TAGS, require_think
                 action, action_valid, tag = text[span[0] : span[1]].strip(), True, t
                 break
     return ParsedResponse(thinking, thinking_valid, action, action_valid, tag, ok, reason)
-
-
-def contains_cjk(text: str) -> bool:
-    """True when ``text`` has CJK ideographs or full-width punctuation."""
-    return bool(_CJK_RE.search(_require_str(text, "text")))

@@ -171,12 +171,6 @@ def resolve(path: str) -> Callable[..., Any]:
     return obj
 
 
-def make_env(name_or_factory: str, **env_kwargs: Any):
-    """Build one environment from a registered name or a ``"module:attr"`` factory path."""
-    path = name_or_factory if ":" in name_or_factory else get_entry(name_or_factory).factory
-    return resolve(path)(**env_kwargs)
-
-
 def load_tasks(env_name: str, split: str = "train", n: int | None = None, seed: int = 0, **kw: Any) -> list:
     """Task source of a registered environment: ``n`` seeded tasks of ``split``."""
     return resolve(get_entry(env_name).tasks)(split, n, seed, **kw)

@@ -170,21 +170,6 @@ def teacher_prompt_text(skill_text: str, decoded_student_prompt: str) -> str:
     return HEADER + skill_text + "\n\n" + decoded_student_prompt
 
 
-def skill_texts_for(
-    bank: SkillBank,
-    gamefiles: Sequence[str | None],
-    data_sources: Sequence[str | None],
-    prompts: Sequence[str],
-    skill_all: bool = False,
-) -> list[str]:
-    """Skill text per row (prompts: the decoded student prompts, used for keyword/compare rules)."""
-    if not (len(gamefiles) == len(data_sources) == len(prompts)):
-        raise ValueError(
-            f"gamefiles/data_sources/prompts: lengths differ ({len(gamefiles)}, {len(data_sources)}, {len(prompts)})"
-        )
-    return [bank.skill_text(g, d, p, skill_all) for g, d, p in zip(gamefiles, data_sources, prompts)]
-
-
 def decode_student_prompts(tokenizer: Any, prompt_ids_MLp: Tensor, prompt_mask_MLp: Tensor) -> list[str]:
     """§1.4 step 1: each prompt from its first non-pad position, decoded with special tokens kept."""
     if prompt_ids_MLp.dim() != 2 or prompt_ids_MLp.shape != prompt_mask_MLp.shape:

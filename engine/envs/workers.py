@@ -30,9 +30,8 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Protocol
+from typing import Any
 
-from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.registry import resolve
 
 __all__ = ["EnvHost", "WorkerPool", "WorkerProcess", "op_budget"]
@@ -153,17 +152,6 @@ class WorkerProcess:
                 pass
             self.proc.join(timeout=2)
         self.kill()
-
-
-class EpisodeView(Protocol):
-    """What the dispatcher needs to know of an episode (the manager's episode record)."""
-
-    idx: int
-    task: TaskSpec
-    seed: int
-    worker: int
-    env_actions: list[str]
-    done: bool
 
 
 def op_budget(op: tuple, step_timeout: float) -> float:

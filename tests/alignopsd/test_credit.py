@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 import torch
 
-from alignopsd import _native, credit
+from alignopsd import credit
 from alignopsd.credit import CreditConfig, allocate_credit
 from alignopsd.profiles import boundary_scores, correspondence_profiles, segmentation_threshold
 from alignopsd.projection import project_batch, project_to_box
 from alignopsd.segmentation import segment, segment_random
 
 T = torch.tensor
-IMPLS = ["python", "cpp"] if _native.has_native() else ["python"]
+IMPLS = ["python", "cpp"] if importlib.util.find_spec("alignopsd._C") is not None else ["python"]
 
 
 def make_batch(lengths, *, L=4, tasks=None, gap=None, mask=None, outcome=None, seed=0):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from alignopsd.engine.envs import registry
 from alignopsd.engine.envs.credit.env import HORIZON, KINDS, CreditEnv, decisive_turns, load_tasks, true_boundaries
 from alignopsd.engine.envs.skills import skill_lookup
 
 
 def play(task, pick) -> tuple[bool, list[dict]]:
-    env = registry.make_env("credit")
+    env = CreditEnv()
     _, info = env.reset(task, 0)
     infos = []
     while True:

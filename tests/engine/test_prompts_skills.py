@@ -14,7 +14,6 @@ from alignopsd.engine.envs.skills import (
     build_teacher_prompts,
     load_skill_bank,
     skill_lookup,
-    skill_texts_for,
     teacher_prompt_text,
 )
 
@@ -101,11 +100,8 @@ def test_search_style_rules(tmp_path):
     assert bank.match(None, "unknown", "when was it older") == []
     assert bank.match(None, "text", "when was it older") == ["compare", "direct_retrieval"]
     assert bank.skill_text(None, "popqa") == "SKILL general\n\nSKILL entity_attribute_lookup"
-    assert skill_texts_for(bank, [None, None], ["nq", "x"], ["", ""]) == [
-        "SKILL general\n\nSKILL direct_retrieval", "SKILL general",
-    ]  # fmt: skip
-    with pytest.raises(ValueError, match="lengths"):
-        skill_texts_for(bank, [None], ["nq", "x"], ["", ""])
+    assert bank.skill_text(None, "nq", "") == "SKILL general\n\nSKILL direct_retrieval"
+    assert bank.skill_text(None, "x", "") == "SKILL general"
     (folder / "skill_mapping.json").write_text(json.dumps({**mapping, "task_to_skill": {"a": "missing"}}))
     with pytest.raises(ValueError, match="unknown skill"):
         load_skill_bank("search", root=tmp_path / ".." / tmp_path.name)

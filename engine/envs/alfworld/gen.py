@@ -50,7 +50,6 @@ CATEGORY: dict[str, str] = {
     "pick_cool_then_place_in_recep": "cool",
     "pick_two_obj_and_place": "pick2",
 }
-ROOM_TYPES: tuple[str, ...] = ("kitchen", "bedroom", "bathroom", "livingroom")
 _VALID_ROOMS: dict[str, tuple[str, ...]] = {  # alfworld.gen.constants.GOALS_VALID
     "pick_and_place_simple": ("kitchen", "livingroom", "bathroom", "bedroom"),
     "pick_two_obj_and_place": ("kitchen", "livingroom", "bathroom", "bedroom"),

@@ -26,7 +26,7 @@ import os
 import random
 import re
 import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,6 @@ from alignopsd.engine.envs.search.retriever import URL_ENV_VAR, RetrieverClient,
 
 SUCCESS_REWARD = 10.0
 TOPK = 3
-SOURCE_NAMES = {
-    "nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
-    "2wikimultihopqa": "2Wiki", "musique": "Musique", "bamboogle": "Bamboogle",
-}  # fmt: skip
 INVALID_OBSERVATION = (
     "My previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
     "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again."
@@ -70,26 +66,6 @@ def exact_match(prediction: str, golden_answers: str | Sequence[str]) -> bool:
     golds = [golden_answers] if isinstance(golden_answers, str) else list(golden_answers)
     pred = normalize_answer(prediction)
     return any(pred == normalize_answer(g) for g in golds)
-
-
-def search_accuracy_by_source(results: Iterable[Mapping[str, Any] | tuple[str, bool]]) -> dict[str, float]:
-    """Accuracy (fraction won) per data source, keyed by display name (NQ, TriviaQA, ...), plus "Avg." over
-    the sources present (the paper's average of per-source accuracies) and "all" (pooled).
-
-    ``results`` items: ``(data_source, won)`` or mappings with ``data_source`` and ``won`` (as the manager's
-    ``episode_results()`` returns)."""
-    per: dict[str, list[bool]] = {}
-    for r in results:
-        src, won = (r["data_source"], r["won"]) if isinstance(r, Mapping) else r
-        per.setdefault(str(src).lower(), []).append(bool(won))
-    if not per:
-        raise ValueError("results: empty")
-    order = [s for s in SOURCES if s in per] + sorted(s for s in per if s not in SOURCES)
-    out = {SOURCE_NAMES.get(s, s): sum(per[s]) / len(per[s]) for s in order}
-    out["Avg."] = sum(out.values()) / len(out)
-    flat = [w for v in per.values() for w in v]
-    out["all"] = sum(flat) / len(flat)
-    return out
 
 
 # --------------------------------------------------------------------------------------------- actions

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 _APPLIED = False
-_CUDA_NAMES = ("cuda",)
 
 
 def _cpu_if_cuda(kwargs: dict) -> dict:
