@@ -2,7 +2,7 @@
 
 CUDA tensors go to the Triton kernels whenever triton is importable, so a CUDA user gets them without
 changing a line; everything else runs on the kernels' torch paths or the core's own (same rules, tested
-equal). ``alignopsd.kernels.force_kernels()`` (Triton interpreter only, for tests) makes CPU tensors
+equal). ``alignopsd.testing.force_kernels()`` (Triton interpreter only, for tests) makes CPU tensors
 kernel-eligible too.
 """
 

@@ -14,7 +14,7 @@ densities, projection and weights in float64, outputs float32):
    advantages; invalid residual (§3.10).
 
 The hot path is vectorised over the whole batch; segmentation and projection are the sequential parts.
-Slow per-turn loop references of every vectorised function live in ``alignopsd.reference``.
+Slow per-turn loop references of every vectorised function live in ``alignopsd.testing``.
 Ablations (§3.11): mode "adaptive" (E), "token" (B), "turn" (C), "random" (D). Ablation A is the
 Mechanism-1 side (alpha_max = 0) and needs nothing here.
 

@@ -12,7 +12,7 @@ Paths: everything runs on the entries of ``alignopsd.kernels`` (Triton on CUDA, 
 CPU): the public dense entries (:func:`correspondence_profiles`, :func:`boundary_scores`) on the dense block
 entries, the allocator's batch path (:func:`batch_distances`) on ``profile_rows`` / ``boundary_scores_rows``
 (profiles only of the valid rows, their sum p log p taken from the log-softmax and reused by the distances
-over compacted neighbours). Slow loop references live in ``alignopsd.reference``.
+over compacted neighbours). Slow loop references live in ``alignopsd.testing``.
 """
 
 from __future__ import annotations

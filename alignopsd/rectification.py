@@ -10,7 +10,7 @@ similarity, structural mask and source selection (§2.2–2.4) in :mod:`alignops
 action-consistency filter (§2.5) in :mod:`alignopsd.actions`.
 
 Everything here is a pure, detached tensor function. The slow per-target loop references
-live in :mod:`alignopsd.reference_m1` and are tested equal to these.
+are the test suite's (tests/m1_oracle.py), and these are tested equal to them.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def select_sources(
     indices best first: candidates with B and H >= gamma, the best source of each sibling rollout
     (ties: smaller identity), then the first ``top_k`` by (-H, identity).
     The rule is implemented once, in ``alignopsd.kernels.sibling_topk`` (any device); its test oracle is
-    ``tests/selection_oracle.py``.
+    ``tests/m1_oracle.py``.
     """
     task, rollout, turn = check_ids(task, rollout, turn)
     M = task.numel()

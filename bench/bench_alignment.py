@@ -93,7 +93,7 @@ def _ours(batch: dict):
 
 def _reference(batch: dict):
     from alignopsd.credit import CreditConfig
-    from alignopsd.reference import allocate_credit_ref
+    from alignopsd.testing import allocate_credit_ref
 
     b = dict(batch)
     invalid = b.pop("invalid")

@@ -354,11 +354,12 @@ def check_core_dispatch(device: str, dry: bool) -> None:
     import contextlib
 
     import torch
-    from alignopsd.kernels import core_uses_kernels, force_kernels
+    from alignopsd.kernels import core_uses_kernels
 
     import alignopsd
     from alignopsd.credit import CreditConfig, allocate_credit
     from alignopsd.rectification import similarity_matrix
+    from alignopsd.testing import force_kernels
 
     tasks, rollouts, turns, D, L = (16, 8, 50, 256, 64) if not dry else (2, 3, 6, 16, 5)
     te, st, task, roll, turn, sv, tv = _turn_batch(tasks, rollouts, turns, D, seed=1)

@@ -155,7 +155,7 @@ def _kernel_route(dry: bool):
     """The dry run sends the core's CPU tensors to the Triton kernels (interpreter), as CUDA tensors go on a GPU."""
     if not dry:
         return contextlib.nullcontext()
-    from alignopsd.kernels import force_kernels
+    from alignopsd.testing import force_kernels
 
     return force_kernels()
 

@@ -2,18 +2,16 @@
 adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch CPU path and a plain
 torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere,
 ``impl="triton"|"torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1``).
-The algorithm core calls these kernels itself for CUDA inputs; ``force_kernels()`` makes it do so
-for CPU inputs under the Triton interpreter (tests).
+The algorithm core calls these kernels itself for CUDA inputs (:func:`core_uses_kernels`). The routing
+switches that tests and checks use (``force_kernels``, ``torch_paths_only``, ``launches_on_host``) are
+exported by ``alignopsd.testing``, not here.
 """
 
 from alignopsd.kernels._dispatch import (
     HAS_TRITON,
     core_uses_kernels,
-    force_kernels,
     interpret_mode,
-    launches_on_host,
     resolve_impl,
-    torch_paths_only,
 )
 from alignopsd.kernels.fused_loss import FusedTokenLoss, fused_token_loss, logprob_loss_and_grad
 from alignopsd.kernels.jsd_boundary import (
@@ -44,9 +42,7 @@ __all__ = [
     "boundary_scores_rows",
     "fused_token_loss",
     "core_uses_kernels",
-    "force_kernels",
     "interpret_mode",
-    "launches_on_host",
     "logprob",
     "logprob_loss_and_grad",
     "logprob_ref",
@@ -58,5 +54,4 @@ __all__ = [
     "selection_lists",
     "sibling_topk",
     "sibling_topk_from_similarity",
-    "torch_paths_only",
 ]

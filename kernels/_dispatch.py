@@ -16,8 +16,10 @@ launch and restores the originals afterwards, so nothing outside the call change
 
 The algorithm core (``alignopsd.select_sources``, ``correspondence_profiles``, ``boundary_scores``,
 ``allocate_credit``) routes CUDA tensors through these kernels by itself (:func:`core_uses_kernels`).
-:func:`force_kernels` extends that to CPU tensors under the Triton interpreter, so tests can prove
-the routing, and its answers, without a GPU.
+The routing state lives here; the switches that change it for tests and checks (:func:`force_kernels`,
+:func:`torch_paths_only`, :func:`launches_on_host`) are public in ``alignopsd.testing``, not in the kernels'
+own exports. :func:`force_kernels` extends the routing to CPU tensors under the Triton interpreter, so tests
+can prove the routing, and its answers, without a GPU.
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ def force_kernels() -> Iterator[None]:
 def torch_paths_only() -> Iterator[None]:
     """Within the block, ``impl="auto"`` and the core's kernel routing pick the torch paths even for CUDA tensors.
 
-    For a CUDA device that cannot launch kernels (the engine's fake-CUDA test mode: CUDA metadata over CPU
-    memory). Nests; process-wide, not thread-local.
+    For a CUDA device that cannot launch kernels (the test suite's fake CUDA device, tests/engine/fake_cuda.py: CUDA
+    metadata over CPU memory). Nests; process-wide, not thread-local.
     """
     global _TORCH_ONLY
     _TORCH_ONLY += 1
@@ -196,8 +198,9 @@ def launches_on_host(args_map: Callable[[Any], Any], note: Callable[[str], None]
     """Within the block, every :func:`launch` passes each argument through ``args_map`` and runs on the host: a
     kernel with a :func:`launch_reference` runs that, any other runs in the Triton interpreter.
 
-    For a device whose launches the host serves: the engine's fake-CUDA test mode (CUDA metadata over CPU memory)
-    maps its fake CUDA tensors to the CPU tensors behind them, so the launch writes the memory the caller sees.
+    For a device whose launches the host serves: the test suite's fake CUDA device (tests/engine/fake_cuda.py: CUDA
+    metadata over CPU memory) maps its fake CUDA tensors to the CPU tensors behind them, so the launch writes the
+    memory the caller sees.
     ``note(kernel name)`` is called at each launch. Nests (the innermost applies); process-wide."""
     entry = (args_map, note)
     _HOST_LAUNCHES.append(entry)

@@ -32,7 +32,7 @@ saves); the sums run as row reductions over chunks of ~512 KiB of those rows as 
 one-row sums once per row (or sum p log p passed in by ``boundary_scores_rows``, from the
 log-softmax of ``profiles.profile_rows``), the two-row sums for every (row, next row); then they
 are read at the pairs. Eligibility rows are compared as packed words. The slow loop reference is
-``alignopsd.reference.boundary_scores_ref`` (a Python loop over trajectories on the dense rows,
+``alignopsd.testing.boundary_scores_ref`` (a Python loop over trajectories on the dense rows,
 the oracle of the tests). BLOCK = 128 source slots per iteration (blocks are a few hundred
 turns; not tuned on a GPU, none was available).
 """

@@ -214,7 +214,7 @@ def _lp_bwd_kernel(
             )
 
 
-# launch references (alignopsd.kernels.launches_on_host): each kernel's arguments and writes, by the torch path
+# launch references (alignopsd.testing.launches_on_host): each kernel's arguments and writes, by the torch path
 @launch_reference(_lp_fwd_kernel)
 def _lp_fwd_reference(
     h, w, b, t, m, s, u, tz, N, V, H, stride_hn, stride_wv, inv_t, vocab_start, v_per_split, *, HAS_BIAS: bool, **_meta

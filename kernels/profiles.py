@@ -8,7 +8,7 @@ source and max eligible H[s, t] >= gamma. :func:`profiles_blocks` returns the de
 only the valid rows and their sum p log p (what adjacent distances and profile diagnostics read). Both run the
 one torch path below on CPU (a group of blocks of ~512 KiB at a time: mask, validity, softmax while the group is
 in cache) and the Triton profile kernel (``sibling_topk_triton``) on CUDA. The loop oracle is
-``tests/selection_oracle.py`` / ``alignopsd.reference``.
+``tests/m1_oracle.py`` / ``alignopsd.testing``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ blocks (~512 KiB of cells) at a time: gather the group's embedding rows, batched
 into H, then X, the rollout maxima and the softmax on cache-resident temporaries (B is a
 uint8 outer product of the validity masks minus the own-rollout cells). Both share the selection
 (``_select_blocks`` / ``_masked_group``), the one implementation of §2.4 that ``alignopsd.select_sources`` also
-calls; the loop written straight from the spec that the tests compare with is ``tests/selection_oracle.py``.
+calls; the loop written straight from the spec that the tests compare with is ``tests/m1_oracle.py``.
 
 From a precomputed H (the algorithm core's inputs: dense H[source, target] and any
 within-task eligibility B), ``sibling_topk_from_similarity`` gathers the task blocks and runs

@@ -1,7 +1,8 @@
 """Suite-wide settings and shared test support.
 
-- This folder is on ``sys.path`` (pytest's default import mode inserts a conftest's folder), so
-  ``selection_oracle`` -- the one test oracle of the source selection -- imports from any area.
+- This folder is on ``sys.path`` (pytest's default import mode inserts a conftest's folder), so ``m1_oracle`` -- the
+  test oracles of Mechanism 1 -- imports from any area; so is the repository root (pyproject.toml's ``pythonpath``),
+  which keeps tests/alignopsd/ from being taken for the package (tests/test_pytest_entry.py).
 - Strict mode (engine/observe/strict.py): a diagnostic that would swallow an exception to keep a run alive raises it in
   every test instead of counting it.
 - Every ``dtype: auto`` model of the suite resolves as on a CPU without native bf16 or fp16 (float32), whatever CPU

@@ -12,6 +12,8 @@ Checks every tracked ``.py`` file of ``alignopsd/``, ``kernels/``, ``engine/`` a
   inside functions count, and so do imports under ``if TYPE_CHECKING:``: a type named from an upper layer is a
   dependency on it all the same (the step owns the types it is handed). A subpackage missing from the table is a
   finding too, so a new one is placed on purpose. The engine's own top-level modules (``__main__``) sit above all.
+* nothing in ``alignopsd/``, ``kernels/`` or ``engine/`` imports the labelled testing module (:data:`TESTING`; the
+  benchmarks may): what tests and checks use stays off a run's path;
 * nothing in ``engine/`` probes a generation backend, a policy backend, an environment or an estimator's output
   with ``getattr``/``hasattr``/``isinstance``: what the engine reads is declared on the protocol or type
   (:func:`probes`; the objects are recognised by the names the engine gives them, ``PROBED_NAMES``).
@@ -31,6 +33,7 @@ from pathlib import Path
 PACKAGES = {"alignopsd": "alignopsd", "kernels": "alignopsd.kernels", "engine": "alignopsd.engine", "bench": "bench"}
 
 ENGINE = "alignopsd.engine"
+TESTING = "alignopsd.testing"  # loop references and kernel routing switches for tests and benchmarks, never for a run
 # The engine's subpackages, one layer per row, from the bottom; imports only point down (or within a row).
 ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra", "parallel"),  # write failures, caches; processes, devices, collectives
@@ -273,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         if path.parts[0] == "engine":
             for line, call in probes(tree):
                 findings.append(f"{path}:{line} probes a contracted object ({call}): declare the member instead")
+    for name, deps in sorted(graph.items()):
+        if TESTING in deps and name != TESTING and not name.startswith("bench"):
+            findings.append(f"{names[name]}: imports {TESTING}, which only tests and benchmarks may use")
     for comp in cycles(graph):
         findings.append("import cycle: " + " <-> ".join(comp))
     for f in findings:

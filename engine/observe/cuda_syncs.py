@@ -4,8 +4,8 @@ With ``torch.cuda.set_sync_debug_mode("warn")`` torch warns (``UserWarning: call
 operation``) at every operation that makes the host wait for the device: copies to the host (``.item()``,
 ``.tolist()``, ``.cpu()``), ops whose output size depends on the data (``nonzero``, boolean-mask indexing),
 stream synchronisations. :class:`CudaSyncCounter` turns that mode on for its block and counts those warnings, each
-booked to the profiler's current phase (:func:`profiler.current_phase`), as the fake-CUDA test mode counts its
-host syncs on the CPU (engine/observe/fake_cuda.py); both register with the profiler the same way, so a step's
+booked to the profiler's current phase (:func:`profiler.current_phase`), as the test suite's fake CUDA device counts
+its host syncs on the CPU (tests/engine/fake_cuda.py); both register with the profiler the same way, so a step's
 ``host_syncs/<phase>`` metrics and ``alignopsd profile``'s table read either one alike. Warnings raised inside
 ``torch.cuda.synchronize`` (the profiler's own phase edges) are booked as ``"synchronize"``, which the profiler
 leaves out. The sync warnings are counted, not shown; every other warning passes through unchanged.
@@ -17,7 +17,6 @@ thread, and is not counted; the mode is process-wide for the block's duration.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from typing import Any
 
 import torch
@@ -26,28 +25,14 @@ from alignopsd.engine.observe import profiler
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 
-class CudaSyncCounter:
+class CudaSyncCounter(profiler.SyncCounts):
     """``with CudaSyncCounter() as c:`` counts host syncs per (phase, kind) in ``c.syncs`` (kinds: ``"sync"``,
     ``"synchronize"``); see the module docstring."""
 
     def __init__(self) -> None:
-        self.syncs: Counter = Counter()
+        super().__init__()
         self._in_synchronize = 0
         self._saved: dict[str, Any] = {}
-
-    def note_sync(self, kind: str) -> None:
-        self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
-
-    def total_syncs(self) -> int:
-        return sum(self.syncs.values())
-
-    def syncs_by_phase(self, exclude: tuple[str, ...] = ()) -> dict[str, int]:
-        """Host syncs per phase, leaving out the kinds in ``exclude`` (the profiler leaves out "synchronize")."""
-        out: Counter = Counter()
-        for (phase, kind), n in self.syncs.items():
-            if kind not in exclude:
-                out[phase] += n
-        return dict(out)
 
     def _showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
         if issubclass(category, UserWarning) and str(message).startswith(SYNC_MESSAGE):

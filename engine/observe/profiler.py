@@ -27,7 +27,8 @@ weight_sync            pushing updated weights to the generation engine         
 
 Host synchronisations (the host waiting for the device: ``.item()``, ``.tolist()``, copies to the host,
 data-dependent output sizes) are counted per phase when a sync counter is registered
-(:func:`register_sync_counter`; the fake-CUDA test mode of engine/observe/fake_cuda.py is one): each step's counts come
+(:func:`register_sync_counter`: engine/observe/cuda_syncs.py on a CUDA device, or the test suite's fake CUDA device,
+tests/engine/fake_cuda.py): each step's counts come
 back as ``host_syncs/<phase>`` metrics and the profile summary reports their mean per step. The profiler's own
 synchronisations at the phase edges are not counted.
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,16 +83,16 @@ LABELS = {
 
 
 _PHASE: list[str] = []  # the phases being timed, innermost last
-_SYNC_COUNTERS: list = []  # objects with ``syncs_by_phase(exclude) -> {phase: count}`` (running totals)
+_SYNC_COUNTERS: list[SyncCounts] = []  # the registered sync counters, the newest last
 OUTSIDE = "(outside a phase)"  # where a sync made outside every phase is booked
 
 
-def register_sync_counter(counter) -> None:
-    """Count host syncs per phase with ``counter`` (``counter.syncs_by_phase(exclude=...)``: running totals)."""
+def register_sync_counter(counter: SyncCounts) -> None:
+    """Count host syncs per phase with ``counter`` (the newest registered counts; its totals are read per step)."""
     _SYNC_COUNTERS.append(counter)
 
 
-def unregister_sync_counter(counter) -> None:
+def unregister_sync_counter(counter: SyncCounts) -> None:
     _SYNC_COUNTERS.remove(counter)
 
 
@@ -102,6 +103,29 @@ def _sync_totals() -> dict[str, int] | None:
 def current_phase() -> str | None:
     """The innermost phase being timed now (None outside every phase): where host syncs are booked."""
     return _PHASE[-1] if _PHASE else None
+
+
+class SyncCounts:
+    """Host syncs per (phase, kind) in ``syncs``, each booked by :meth:`note_sync` to the phase being timed when it
+    happens: what a counter given to :func:`register_sync_counter` keeps (engine/observe/cuda_syncs.py on a CUDA
+    device; the test suite's fake CUDA device). Running totals; the profiler reads their growth per step."""
+
+    def __init__(self) -> None:
+        self.syncs: Counter = Counter()
+
+    def note_sync(self, kind: str) -> None:
+        self.syncs[(current_phase() or OUTSIDE, kind)] += 1
+
+    def total_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    def syncs_by_phase(self, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+        """Host syncs per phase, leaving out the kinds in ``exclude`` (the profiler leaves out "synchronize")."""
+        out: Counter = Counter()
+        for (phase, kind), n in self.syncs.items():
+            if kind not in exclude:
+                out[phase] += n
+        return dict(out)
 
 
 def synchronize() -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alignopsd.advantage import grpo_advantage, invalid_action_residual
-from alignopsd.reference import grpo_advantage_ref, invalid_action_residual_ref
+from alignopsd.testing import grpo_advantage_ref, invalid_action_residual_ref
 
 T = torch.tensor
 

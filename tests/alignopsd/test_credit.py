@@ -653,7 +653,7 @@ def test_sorted_equal_task_blocks_fast_path_matches_reference_and_gather_path():
     emb = torch.nn.functional.normalize(torch.randn(42, 6, generator=g) + torch.randn(1, 6, generator=g), dim=-1)
     b["H"] = (emb @ emb.T) * (b["task"][:, None] == b["task"][None, :])
     cfg = CreditConfig(gamma=0.5, min_span_turns=2, max_span_turns=3)
-    from alignopsd.reference import allocate_credit_ref
+    from alignopsd.testing import allocate_credit_ref
 
     c = allocate_credit(**b, config=cfg)
     r = allocate_credit_ref(**b, config=cfg)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from alignopsd.credit import CreditConfig, allocate_credit
 from alignopsd.profiles import boundary_scores, correspondence_profiles, segmentation_threshold
-from alignopsd.reference import (
+from alignopsd.testing import (
     allocate_credit_ref,
     boundary_scores_ref,
     correspondence_profiles_ref,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from selection_oracle import select_sources_ref
+from m1_oracle import action_filter_ref, eligibility_ref, rectify_ref, select_sources_ref
 
 from alignopsd.rectification import (
     action_filter,
@@ -22,7 +22,6 @@ from alignopsd.rectification import (
     similarity_matrix,
     webshop_rule_applies,
 )
-from alignopsd.reference_m1 import action_filter_ref, eligibility_ref, rectify_ref
 
 # ------------------------------------------------------------------------------------------------ case 7, 8
 

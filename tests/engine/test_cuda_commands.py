@@ -1,4 +1,4 @@
-"""Every command on CUDA, without a GPU: the strict fake-CUDA mode (engine/observe/fake_cuda.py) with
+"""Every command on CUDA, without a GPU: the strict fake-CUDA mode (tests/engine/fake_cuda.py) with
 ``trainer.device=cuda``.
 
 Two training steps of every registered estimator and AlignOPSD ablation (tiny config, candidate-choice sampler), both
@@ -6,7 +6,7 @@ rescoring modes, the fused head loss on and off, rollout correction on and the r
 ``sft``, ``profile`` and ``compare`` for one step each. Under the mode a CPU tensor of one or more dimensions beside
 a CUDA tensor raises as on a GPU, and strict mode (tests/conftest.py) makes every keep-alive diagnostic raise, so a
 step that completes met no device mismatch anywhere; every step also asserts ``regions/errors == 0``. The engine
-takes the kernel branches a GPU takes, their launches served on the host (engine/observe/fake_cuda.py); one
+takes the kernel branches a GPU takes, their launches served on the host (tests/engine/fake_cuda.py); one
 AlignOPSD step trains with the Hugging Face sampler.
 
 Cost: one trainer (model, tokenizer, encoder, reference) is built once and shared by the training cases, each of
@@ -24,10 +24,10 @@ import pytest
 import torch
 from alignopsd.engine.commands import cli
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.observe.fake_cuda import FakeCuda
 from alignopsd.engine.observe.profiler import StepProfiler
 from alignopsd.engine.run.components import hf_model_of
 from alignopsd.engine.step.rescoring import Rescorer
+from fake_cuda import FakeCuda
 
 from alignopsd.estimators import ESTIMATORS, get_estimator
 

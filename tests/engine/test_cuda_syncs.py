@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 from alignopsd.engine.observe.cuda_syncs import CudaSyncCounter
-from alignopsd.engine.observe.fake_cuda import FakeCuda
 from alignopsd.engine.observe.profiler import StepProfiler, format_table, summarize
+from fake_cuda import FakeCuda
 
 
 def _step(prof: StepProfiler, x: torch.Tensor) -> dict:

@@ -1,13 +1,13 @@
-"""The strict fake-CUDA mode (engine/observe/fake_cuda.py) itself: placement, the device check, host-sync counting, the
+"""The strict fake-CUDA mode (tests/engine/fake_cuda.py) itself: placement, the device check, host-sync counting, the
 torch.cuda answers, autograd and an optimiser step on fake CUDA parameters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.engine.observe.fake_cuda import FakeCuda, FakeCudaTensor
 from alignopsd.engine.observe.profiler import StepProfiler
 from alignopsd.kernels import HAS_TRITON, core_uses_kernels, logprob, resolve_impl, sibling_topk
+from fake_cuda import FakeCuda, FakeCudaTensor
 
 MIXED = "Expected all tensors to be on the same device"
 

@@ -177,8 +177,8 @@ def test_region_metrics_on_the_device_with_host_old_logprobs():
     (cuda): the paired statistics are those of an all-host call, with no region error (strict mode would raise)."""
     import dataclasses
 
-    from alignopsd.engine.observe.fake_cuda import FakeCuda
     from alignopsd.engine.step.regions import region_metrics
+    from fake_cuda import FakeCuda
 
     from alignopsd import rectify
 

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from alignopsd.kernels import HAS_TRITON, force_kernels
+from alignopsd.kernels import HAS_TRITON
+
+from alignopsd.testing import force_kernels
 
 TP = importlib.import_module("alignopsd.engine.step.teacher_pass")
 

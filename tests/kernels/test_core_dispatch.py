@@ -16,12 +16,13 @@ from collections import Counter
 
 import pytest
 import torch
-from alignopsd.kernels import HAS_TRITON, core_uses_kernels, force_kernels
+from alignopsd.kernels import HAS_TRITON, core_uses_kernels
 from test_sibling_topk import make_batch
 
 import alignopsd
 from alignopsd.credit import CreditConfig, allocate_credit
 from alignopsd.rectification import eligibility, similarity_matrix
+from alignopsd.testing import force_kernels
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 

@@ -20,7 +20,7 @@ from kernel_helpers import IMPLS, assert_three_way
 from test_sibling_topk import make_batch
 
 import alignopsd
-from alignopsd.reference import boundary_scores_ref
+from alignopsd.testing import boundary_scores_ref
 
 
 def _profiles(seed=0, gamma=0.3, dtype=torch.float32):

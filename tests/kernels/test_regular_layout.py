@@ -21,11 +21,11 @@ from alignopsd.kernels import (
     sibling_topk_from_similarity,
 )
 from alignopsd.kernels import blocks as layout
-from selection_oracle import sibling_topk_ref
+from m1_oracle import sibling_topk_ref
 from test_sibling_topk import make_batch
 
 import alignopsd
-from alignopsd.reference import boundary_scores_ref
+from alignopsd.testing import boundary_scores_ref
 
 # the modules (the package exports functions of the same names)
 sibling_mod = importlib.import_module("alignopsd.kernels.sibling_topk")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from alignopsd.kernels import selection_lists, sibling_topk
 from kernel_helpers import IMPLS, assert_three_way
-from selection_oracle import sibling_topk_ref
+from m1_oracle import sibling_topk_ref
 
 import alignopsd
 

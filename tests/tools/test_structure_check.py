@@ -54,6 +54,23 @@ def test_each_violation_is_found(tmp_path, capsys):
     assert "4 finding(s)" in out
 
 
+def test_only_benchmarks_import_the_testing_module(tmp_path, capsys):
+    files = {
+        "alignopsd/__init__.py": "",
+        "alignopsd/testing.py": "from alignopsd.a import f\n",
+        "alignopsd/a.py": "def f():\n    return 1\n",
+        "alignopsd/b.py": "def g():\n    from alignopsd import testing\n    return testing\n",  # lazily, too
+        "engine/__init__.py": "",
+        "engine/c.py": "import alignopsd.testing\n",
+        "bench/__init__.py": "",
+        "bench/d.py": "from alignopsd.testing import f\n",
+    }
+    assert sc.main(["--root", str(_repo(tmp_path, files))]) == 1
+    out = capsys.readouterr().out
+    assert "alignopsd/b.py: imports alignopsd.testing" in out and "engine/c.py: imports alignopsd.testing" in out
+    assert "bench/" not in out and "2 finding(s)" in out
+
+
 def test_the_project_passes():
     """The limits hold for the project itself (what ``make lint`` runs)."""
     assert sc.main(["--root", str(ROOT)]) == 0

@@ -1,10 +1,11 @@
-"""Slow per-target loop references for Mechanism 1 (ALGORITHM.md §2.3–2.7).
+"""The test oracles of Mechanism 1 (ALGORITHM.md §2.3–2.7), the only copies outside the runtime ones.
 
-Legend: M = canonical turns, L = response length, P = pairs. These follow the spec's wording
-line by line, with Python loops and float64 scalars; tests check the vectorised functions of
-:mod:`alignopsd.selection`, :mod:`alignopsd.actions` and :mod:`alignopsd.rectification` against them. Not for
-production use. The source selection's (§2.4) oracle is in the tests (``tests/selection_oracle.py``), its only
-copy.
+Legend: M = canonical turns, L = response length, P = pairs. They follow the spec's wording line by line, with
+Python loops and float64 scalars: ``select_sources_ref`` per target (§2.4); ``sibling_topk_ref`` builds H, B and the
+profiles of §2.2, §2.3 and §3.2 per task from the embeddings and takes its selection from ``select_sources_ref``;
+``eligibility_ref`` (§2.3), ``action_filter_ref`` (§2.5) and ``rectify_ref`` (§2.6–2.7). The runtime implementations
+(``alignopsd.kernels.sibling_topk``, which ``alignopsd.select_sources`` calls on every device, and the vectorised
+functions of ``alignopsd.selection``, ``alignopsd.actions`` and ``alignopsd.rectification``) are tested equal to these.
 """
 
 from __future__ import annotations
@@ -13,9 +14,70 @@ import math
 from collections.abc import Sequence
 
 import torch
+from alignopsd.kernels import SiblingTopK
 from torch import Tensor
 
 from alignopsd.actions import parse_webshop_action
+
+
+def select_sources_ref(H, eligible, task, rollout, turn, *, gamma: float, top_k: int) -> list[list[int]]:
+    """Per target: candidates, best per rollout (ties by identity), then top-K by (-H, identity)."""
+    M = len(task)
+    ident = [(int(task[i]), int(rollout[i]), int(turn[i])) for i in range(M)]
+    out: list[list[int]] = []
+    for t in range(M):
+        cands = [s for s in range(M) if bool(eligible[s, t]) and float(H[s, t]) >= gamma]
+        best: dict[tuple[int, int], int] = {}
+        for s in cands:
+            key = (ident[s][0], ident[s][1])
+            cur = best.get(key)
+            if cur is None or (-float(H[s, t]), ident[s]) < (-float(H[cur, t]), ident[cur]):
+                best[key] = s
+        winners = sorted(best.values(), key=lambda s: (-float(H[s, t]), ident[s]))
+        out.append(winners[:top_k])
+    return out
+
+
+@torch.no_grad()
+def sibling_topk_ref(
+    teacher_emb: Tensor,
+    student_emb: Tensor,
+    task: Tensor,
+    rollout: Tensor,
+    turn: Tensor,
+    source_valid: Tensor,
+    target_valid: Tensor,
+    *,
+    gamma: float,
+    top_k: int,
+    profile_temperature: float = 0.1,
+) -> SiblingTopK:
+    """H, B, selection, profiles and profile validity per task in fp32, per target in Python."""
+    M = teacher_emb.shape[0]
+    dev = teacher_emb.device
+    te, st = teacher_emb.float(), student_emb.float()
+    sv, tv = source_valid.bool(), target_valid.bool()
+    H = torch.zeros(M, M, device=dev)
+    B = torch.zeros(M, M, dtype=torch.bool, device=dev)
+    P = torch.zeros(M, M, device=dev)
+    valid = torch.zeros(M, dtype=torch.bool, device=dev)
+    for tk in torch.unique(task).tolist():
+        idx = (task == tk).nonzero().flatten()
+        blk = (te[idx] @ st[idx].T).clamp(-1.0, 1.0) * (sv[idx][:, None] & tv[idx][None, :])
+        H[idx[:, None], idx[None, :]] = blk
+        B[idx[:, None], idx[None, :]] = (
+            sv[idx][:, None] & tv[idx][None, :] & (rollout[idx][:, None] != rollout[idx][None, :])
+        )
+    for t in range(M):
+        srcs = B[:, t].nonzero().flatten()
+        if srcs.numel():
+            P[t, srcs] = torch.softmax(H[srcs, t] / profile_temperature, 0)
+            valid[t] = bool(H[srcs, t].max() >= gamma)
+    lists = select_sources_ref(H, B, task, rollout, turn, gamma=gamma, top_k=top_k)
+    selected = torch.full((M, top_k), -1, dtype=torch.long, device=dev)
+    for t, kept in enumerate(lists):
+        selected[t, : len(kept)] = torch.tensor(kept, dtype=torch.long, device=dev)
+    return SiblingTopK(selected, valid, H=H, eligible=B, P=P)
 
 
 def eligibility_ref(task, rollout, source_valid, target_valid) -> Tensor:

@@ -1,12 +1,21 @@
-"""Slow per-turn loop references of the vectorised functions of ``alignopsd.advantage`` and ``alignopsd.credit``.
+"""Testing utilities, shipped but labelled (as ``torch.testing`` is): nothing a run does calls them.
+
+* Slow per-turn loop references of the vectorised functions of ``alignopsd.advantage`` and ``alignopsd.credit``
+  (``*_ref``, :class:`CreditRef`). Each restates ALGORITHM.md §3 as directly as possible: one Python loop iteration
+  per turn, trajectory, pair or span, with Python floats (float64) for the scalar arithmetic. The tests compare the
+  vectorised functions against these; the benchmark (bench/bench_alignment.py) times them as the baseline.
+  Segmentation and box projection are sequential by nature: the references call the Python implementations of
+  ``alignopsd.credit`` (which the C++ path matches bit for bit). Mechanism 1's oracles are the test suite's own
+  (tests/m1_oracle.py).
+* The kernels' routing switches (their state is the kernels' dispatch, ``alignopsd.kernels._dispatch``; all are
+  process-wide context managers that nest and are not thread-local):
+  :func:`force_kernels` (the algorithm core treats CPU tensors as it treats CUDA ones and runs the Triton kernels in
+  the interpreter; needs ``TRITON_INTERPRET=1``), :func:`torch_paths_only` (``impl="auto"`` and the core's routing
+  pick the torch paths even for CUDA tensors: a CUDA device that cannot launch kernels) and
+  :func:`launches_on_host` (every kernel launch runs on the host, on its arguments mapped by a function: a fake CUDA
+  device over CPU memory, as the test suite's tests/engine/fake_cuda.py).
 
 Legend: M = canonical turns, L = response length.
-
-Each function restates ALGORITHM.md §3 as directly as possible: one Python loop iteration per turn,
-trajectory, pair or span, with Python floats (float64) for the scalar arithmetic. The tests compare
-the vectorised functions against these; the benchmark (bench/bench_alignment.py) times them as the
-baseline. Segmentation and box projection are sequential by nature: the references call the Python
-implementations of ``alignopsd.credit`` (which the C++ path matches bit for bit).
 """
 
 from __future__ import annotations
@@ -18,10 +27,14 @@ import torch
 from torch import Tensor
 
 from alignopsd.credit_config import CreditConfig
+from alignopsd.kernels._dispatch import force_kernels, launches_on_host, torch_paths_only
 from alignopsd.projection import project_one
 from alignopsd.segmentation import random_lists, segment_lists
 
 __all__ = [
+    "force_kernels",
+    "launches_on_host",
+    "torch_paths_only",
     "grpo_advantage_ref",
     "invalid_action_residual_ref",
     "correspondence_profiles_ref",

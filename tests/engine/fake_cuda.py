@@ -1,4 +1,4 @@
-"""A strict fake CUDA device for tests: the whole engine runs on the CPU as if ``cuda:0`` existed.
+"""A strict fake CUDA device for the test suite: the whole engine runs on the CPU as if ``cuda:0`` existed.
 
 Inside ``with FakeCuda() as fc:``
 
@@ -10,7 +10,7 @@ Inside ``with FakeCuda() as fc:``
   to an elementwise op (TensorIterator's CPU scalars: ops tagged ``pointwise`` and the few that read a 0-dim
   value with ``.item()``, :func:`takes_cpu_scalars`), CPU index tensors of ``cuda[idx]`` and copies across
   devices (``copy_``, ``cuda[a:b] = cpu``). The check comes from the ops themselves, so no call site has to be
-  listed; tests/engine/test_fake_cuda.py tables each rule with the torch source it follows.
+  listed; test_fake_cuda.py (beside this file) tables each rule with the torch source it follows.
 * host synchronisations are counted: ``.item()`` (and ``float()``/``bool()``/``int()`` of a tensor), ``.tolist()``,
   copies to the host (``.cpu()``, ``.to("cpu")``, ``cpu.copy_(cuda)``), ops whose output size depends on the data
   (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) and ``torch.cuda.synchronize``. Counts are
@@ -28,15 +28,16 @@ Inside ``with FakeCuda() as fc:``
 * Triton (when importable): the engine takes the branches it takes on a GPU (``impl="auto"`` and the core's kernel
   routing pick the Triton kernels for the fake CUDA tensors), so the code around each launch (output allocation,
   grids, the fused log-prob's and the sibling top-K's host logic) runs under the device checks; the launch itself
-  is served on the CPU tensors behind the fake ones (``alignopsd.kernels.launches_on_host``), writing the memory
+  is served on the CPU tensors behind the fake ones (``alignopsd.testing.launches_on_host``), writing the memory
   the caller sees: by the Triton interpreter (``TRITON_INTERPRET=1`` for the mode's duration; the sibling top-K
   and JSD kernels), or by the kernel's declared launch reference where the interpreter is too slow for a
   vocabulary (the fused log-prob's forward and backward kernels: ~0.6 ms per tile, half a minute per 20 rows of
   a 49k vocabulary).
-  ``FakeCuda(kernels=False)`` keeps the kernels' torch paths instead (``alignopsd.kernels.torch_paths_only``).
+  ``FakeCuda(kernels=False)`` keeps the kernels' torch paths instead (``alignopsd.testing.torch_paths_only``).
 
 The mode patches process-wide state (``torch.cuda`` functions, ``torch.Generator``) for its duration and is not
-thread-safe; it exists for the test suite.
+thread-safe. Its host-sync counts reach the step profiler as a real device's do: it registers with
+``profiler.register_sync_counter`` while active (engine/observe/cuda_syncs.py is the real device's counter).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from typing import Any
 
 import torch
 from alignopsd.engine.observe import profiler
-from alignopsd.engine.observe.fake_cuda_rules import (
+from alignopsd.kernels import HAS_TRITON
+from fake_cuda_rules import (
     CUDA,
     FakeCudaGenerator,
     Generator,
@@ -56,10 +58,11 @@ from alignopsd.engine.observe.fake_cuda_rules import (
     is_cuda_device,
     takes_cpu_scalars,
 )
-from alignopsd.kernels import HAS_TRITON, launches_on_host, torch_paths_only
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
+
+from alignopsd.testing import launches_on_host, torch_paths_only
 
 aten = torch.ops.aten
 _ACTIVE: list[FakeCuda] = []
@@ -340,12 +343,13 @@ class _Props:
     total_memory = 80 * 2**30
 
 
-class FakeCuda:
-    """The fake-CUDA context (see the module docstring). ``syncs``: Counter of (phase, kind) -> host syncs."""
+class FakeCuda(profiler.SyncCounts):
+    """The fake-CUDA context (see the module docstring). ``syncs``: Counter of (phase, kind) -> host syncs, booked
+    per profiler phase as a real device's counter books them (``profiler.SyncCounts``)."""
 
     def __init__(self, kernels: bool = True) -> None:
+        super().__init__()
         self.kernels = kernels and HAS_TRITON  # launches served by the Triton interpreter, else the torch paths
-        self.syncs: Counter = Counter()
         self.launches: Counter = Counter()  # kernel name -> launches served on the host
         self._saved: list[tuple[Any, str, Any]] = []
         self._modes: list[Any] = []
@@ -353,22 +357,8 @@ class FakeCuda:
         self._rng.manual_seed(0)
         self.sync_debug_mode = 0  # torch.cuda.set_sync_debug_mode: 0 default, 1 warn, 2 error
 
-    def note_sync(self, kind: str) -> None:
-        self.syncs[(profiler.current_phase() or profiler.OUTSIDE, kind)] += 1
-
     def note_launch(self, kernel: str) -> None:
         self.launches[kernel] += 1
-
-    def total_syncs(self) -> int:
-        return sum(self.syncs.values())
-
-    def syncs_by_phase(self, exclude: tuple[str, ...] = ()) -> dict[str, int]:
-        """Host syncs per phase, leaving out the kinds in ``exclude`` (e.g. the profiler's own "synchronize")."""
-        out: Counter = Counter()
-        for (phase, kind), n in self.syncs.items():
-            if kind not in exclude:
-                out[phase] += n
-        return dict(out)
 
     # ------------------------------------------------------------------ torch.cuda
     def _cuda_api(self) -> dict[str, Any]:

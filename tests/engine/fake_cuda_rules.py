@@ -1,4 +1,4 @@
-"""The device rules of the fake-CUDA test mode (engine/observe/fake_cuda.py) that need none of its tensors: which ops
+"""The device rules of the fake CUDA device (fake_cuda.py, beside this file) that need none of its tensors: which ops
 take a 0-dim CPU tensor beside CUDA ones, device arguments and ordinals, and the fake CUDA generator."""
 
 from __future__ import annotations
