@@ -115,15 +115,6 @@ _BUILTIN: dict[str, EnvEntry] = {
         official_data=f"{_PKG}.search.official:check_official_data",
         skills=f"{_PKG}.search",
     ),
-    # Test environment with injected faults (raise / hang / die at a given step); tasks via toy.faulty_tasks.
-    "codeword_faulty": EnvEntry(
-        "codeword_faulty",
-        f"{_PKG}.codeword.env:FaultyCodewordEnv",
-        f"{_PKG}.codeword.env:load_tasks",
-        f"{_PKG}.codeword.prompt:codeword_prompt",
-        lowercase_actions=True,
-        history_length=4,
-    ),
 }
 
 _RUNTIME: dict[str, EnvEntry] = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from alignopsd.engine.envs.codeword.env import faulty_tasks
 from alignopsd.engine.envs.manager import EnvManager, load_tasks
 
 WAIT = "<think>the word is hidden, wait</think><action>wait</action>"
@@ -89,13 +88,13 @@ def test_bad_arguments():
 
 
 @pytest.mark.slow
-def test_faults_are_contained_and_reported():
+def test_faults_are_contained_and_reported(faulty_env):
     """One worker pool; episodes raise, hang past the timeout, or kill their worker mid-batch."""
-    healthy = faulty_tasks(None, 0, n=2, seed=0)
-    tasks = healthy[:1] + faulty_tasks("raise", 1, seed=1) + faulty_tasks("hang", 1, seed=2)
-    tasks += faulty_tasks("die", 2, seed=3) + healthy[1:] + faulty_tasks("raise", -1, seed=4)
+    healthy = faulty_env.tasks(None, 0, n=2, seed=0)
+    tasks = healthy[:1] + faulty_env.tasks("raise", 1, seed=1) + faulty_env.tasks("hang", 1, seed=2)
+    tasks += faulty_env.tasks("die", 2, seed=3) + healthy[1:] + faulty_env.tasks("raise", -1, seed=4)
     group = 2
-    with EnvManager("codeword_faulty", num_workers=2, step_timeout=1.5, hang_seconds=60) as mgr:
+    with EnvManager(faulty_env.NAME, num_workers=2, step_timeout=1.5, hang_seconds=60) as mgr:
         obs, infos = mgr.reset(tasks, group, seed=0)
         n = len(obs)
         # the reset fault fails its two episodes right away
@@ -131,9 +130,9 @@ def _play(mgr: EnvManager, tasks, group: int):
     return obs, rew, done, infos
 
 
-def test_non_finite_reward_fails_its_episode_and_is_counted(inproc):
-    tasks = faulty_tasks(None, 0, n=1, seed=0) + faulty_tasks("nan", 1, seed=1)
-    with EnvManager("codeword_faulty", num_workers=0) as mgr:
+def test_non_finite_reward_fails_its_episode_and_is_counted(inproc, faulty_env):
+    tasks = faulty_env.tasks(None, 0, n=1, seed=0) + faulty_env.tasks("nan", 1, seed=1)
+    with EnvManager(faulty_env.NAME, num_workers=0) as mgr:
         before = mgr.metrics()
         obs, rew, done, infos = _play(mgr, tasks, 2)
         m = mgr.metrics()
@@ -146,15 +145,15 @@ def test_non_finite_reward_fails_its_episode_and_is_counted(inproc):
 
 
 @pytest.mark.slow
-def test_hanging_siblings_cost_about_one_timeout_per_round():
+def test_hanging_siblings_cost_about_one_timeout_per_round(faulty_env):
     """All four siblings of one task hang at step 1; dealt round robin, they sit on four different workers and
     time out together: the round costs one timeout (before: one per sibling, 4), each fails on its own timeout,
     the healthy work queued behind them is re-dispatched to the relaunched workers, and every healthy episode
     plays to the end exactly as without the fault."""
-    hang = faulty_tasks("hang", 1, seed=2)
-    healthy = faulty_tasks(None, 0, n=3, seed=0)
+    hang = faulty_env.tasks("hang", 1, seed=2)
+    healthy = faulty_env.tasks(None, 0, n=3, seed=0)
     group = 4
-    with EnvManager("codeword_faulty", num_workers=4, step_timeout=1.0, hang_seconds=60) as mgr:
+    with EnvManager(faulty_env.NAME, num_workers=4, step_timeout=1.0, hang_seconds=60) as mgr:
         obs, rew, done, infos = _play(mgr, hang + healthy, group)
         m = mgr.metrics()
         assert all(done) and len(infos) == 16  # every episode is accounted for
@@ -170,11 +169,11 @@ def test_hanging_siblings_cost_about_one_timeout_per_round():
 
 
 @pytest.mark.slow
-def test_worker_relaunched_with_nothing_to_do_serves_the_next_batch():
+def test_worker_relaunched_with_nothing_to_do_serves_the_next_batch(faulty_env):
     """The hung worker hosted only the hung episode: it is relaunched with no work, still starting when the
     round ends; the next batch's ops sent to it wait for its start and run normally."""
-    hang, healthy = faulty_tasks("hang", 1, seed=2), faulty_tasks(None, 0, n=2, seed=0)
-    with EnvManager("codeword_faulty", num_workers=2, step_timeout=1.0, hang_seconds=60) as mgr:
+    hang, healthy = faulty_env.tasks("hang", 1, seed=2), faulty_env.tasks(None, 0, n=2, seed=0)
+    with EnvManager(faulty_env.NAME, num_workers=2, step_timeout=1.0, hang_seconds=60) as mgr:
         mgr.reset(hang + healthy[:1], 1, seed=0)
         mgr.step([WAIT, WAIT])
         _, _, _, infos = mgr.step([WAIT, WAIT])

@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from alignopsd.engine.envs.codeword.env import faulty_tasks
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import HEADER as SKILL_HEADER
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
@@ -172,9 +171,9 @@ def test_truncate_left():
 
 
 @pytest.mark.parametrize("policy", ["keep", "drop"])
-def test_failed_environment(tok, policy):
-    env = EnvManager("codeword_faulty", num_workers=0)
-    tasks = faulty_tasks("raise", at_step=2, n=1) + faulty_tasks(None, at_step=0, n=1, seed=1)
+def test_failed_environment(tok, policy, faulty_env):
+    env = EnvManager(faulty_env.NAME, num_workers=0)
+    tasks = faulty_env.tasks("raise", at_step=2, n=1) + faulty_env.tasks(None, at_step=0, n=1, seed=1)
     gen = ScriptedGenerator(tok, codeword_player)
     b = collect_rollouts(
         env, gen, tok, tasks, group_n=2, sampling=SamplingParams(max_new_tokens=64), max_prompt_length=400,

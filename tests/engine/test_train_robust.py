@@ -176,9 +176,8 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
+def test_failing_envs_and_malformed_outputs_are_counted(tmp_path, faulty_env):
     """A raising environment and the random model's malformed responses: counted, the step completes."""
-    from alignopsd.engine.envs.codeword.env import faulty_tasks
     from alignopsd.engine.run.trainer import Trainer
     from alignopsd.engine.step.recipe import run_step
 
@@ -186,7 +185,10 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path):
           "generation.max_response_length=8", "trainer.skip_no_signal=true", f"output_dir={tmp_path}"]  # fmt: skip
     cfg = load_config(TINY, ov)
     tr = Trainer(cfg)
-    tr.parts = replace(tr.parts, train_tasks=faulty_tasks("raise", at_step=0, n=1) + faulty_tasks(None, at_step=0, n=1))
+    tr.parts = replace(
+        tr.parts,
+        train_tasks=faulty_env.tasks("raise", at_step=0, n=1) + faulty_env.tasks(None, at_step=0, n=1),
+    )
     out = run_step(tr.parts, 0)
     m = out.metrics
     assert m.get("regions/errors", 0.0) == 0.0

@@ -1,24 +1,18 @@
-"""A tiny, learnable test environment ("codeword") and a fault-injecting variant.
+"""A tiny, learnable test environment ("codeword").
 
 Codeword: the first observation shows a code word; later observations hide it. The agent may do
 anything on turns 0-2 (``wait`` is the intended action; saying a word early does nothing); at turn 3
 (the 4th and last step) ``say <code word>`` wins (reward 10), anything else loses. Four candidate
 words are listed as ``say <word>`` actions next to ``wait``, so a uniformly random policy wins about
 1 in 5 episodes, and a policy that reads the code word from its history always wins. Everything is
-deterministic given the task and the seed.
-
-FaultyCodeword: the same game, but the task payload can ask it to raise, hang or kill its own worker
-process at a given step (or at reset), or return a NaN reward at a given step; the environment
-manager's fault tests use it.
+deterministic given the task and the seed. (The test suite's fault-injecting variant, tests/engine/faulty_env.py,
+builds on it.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
-import os
 import random
-import time
 from typing import Any
 
 from alignopsd.engine.envs.base import StepResult, TaskSpec
@@ -101,51 +95,3 @@ class CodewordEnv:
         won = action == f"say {code}"
         obs = "Correct, you win!" if won else "Wrong, you lose."
         return StepResult(obs, 10.0 if won else 0.0, True, self._info(won))
-
-
-def faulty_tasks(kind: str | None, at_step: int, n: int = 1, seed: int = 0) -> list[TaskSpec]:
-    """Codeword tasks whose FaultyCodewordEnv will ``raise``/``hang``/``die``/``nan`` at ``at_step`` (-1: at reset;
-    ``nan`` returns a NaN reward from that step)."""
-    if kind not in (None, "raise", "hang", "die", "nan"):
-        raise ValueError(f"kind: expected None, 'raise', 'hang', 'die' or 'nan', got {kind!r}")
-    out = []
-    for t in load_tasks("fault", n, seed):
-        payload = dict(t.payload, fault=kind, at_step=at_step)
-        out.append(TaskSpec(f"{t.key}-{kind}", "codeword_faulty", t.category, payload=payload))
-    return out
-
-
-class FaultyCodewordEnv(CodewordEnv):
-    name = "codeword_faulty"
-
-    def __init__(self, hang_seconds: float = 3600.0, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.hang_seconds = hang_seconds
-
-    def _maybe_fault(self, where: int) -> None:
-        assert self.task is not None
-        kind, at = self.task.payload.get("fault"), self.task.payload.get("at_step", 0)
-        if kind is None or where != at:
-            return
-        if kind == "raise":
-            raise RuntimeError(f"injected fault at step {where}")
-        if kind == "hang":
-            time.sleep(self.hang_seconds)
-        if kind == "die":
-            if multiprocessing.parent_process() is None:  # never kill the caller's own process
-                raise RuntimeError("injected 'die' fault outside a worker process")
-            os._exit(3)
-
-    def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
-        out = super().reset(task, seed)
-        self._maybe_fault(-1)
-        return out
-
-    def step(self, action: str) -> StepResult:
-        t = self.t
-        self._maybe_fault(t)
-        out = super().step(action)
-        assert self.task is not None
-        if self.task.payload.get("fault") == "nan" and t == self.task.payload.get("at_step", 0):
-            return StepResult(out.observation, float("nan"), out.done, out.info)
-        return out
