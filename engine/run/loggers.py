@@ -20,26 +20,45 @@ from alignopsd.engine.observe.sinks import Sink, TensorBoardSink, guarded
 from alignopsd.engine.observe.wandb_sink import WandbSink
 
 
-def make_sink(name: str, trainer: TrainerConfig, out_dir: Path, *, run_name: str, config: dict,
-              resume_id: str | None, resume_step: int, env: Mapping[str, str]) -> Sink:  # fmt: skip
+def make_sink(
+    name: str,
+    trainer: TrainerConfig,
+    out_dir: Path,
+    *,
+    run_name: str,
+    config: dict,
+    resume_id: str | None,
+    resume_step: int,
+    env: Mapping[str, str],
+) -> Sink:
     """The sink of logger ``name`` (not jsonl: that file is the MetricsLogger's own)."""
     if name == "tensorboard":
         return TensorBoardSink(out_dir / "tb")
     if name == "wandb":
         w = trainer.wandb
         return WandbSink(
-            folder=wandb_dir(w, env, out_dir), config=config, project=w.project, entity=w.entity,
-            name=w.name or env.get("WANDB_NAME") or run_name, tags=w.tags, mode=wandb_mode(w, env),
-            resume_id=resume_id, resume_step=resume_step,
-        )  # fmt: skip
+            folder=wandb_dir(w, env, out_dir),
+            config=config,
+            project=w.project,
+            entity=w.entity,
+            name=w.name or env.get("WANDB_NAME") or run_name,
+            tags=w.tags,
+            mode=wandb_mode(w, env),
+            resume_id=resume_id,
+            resume_step=resume_step,
+        )
     if name == "mlflow":
         m = trainer.mlflow
         return MlflowSink(
-            config=config, tracking_uri=mlflow_uri(m, env),
+            config=config,
+            tracking_uri=mlflow_uri(m, env),
             experiment=m.experiment or env.get("MLFLOW_EXPERIMENT_NAME"),
-            experiment_id=env.get("MLFLOW_EXPERIMENT_ID", "0"), run_name=m.run_name or run_name, tags=m.tags,
-            resume_id=resume_id, resume_step=resume_step,
-        )  # fmt: skip
+            experiment_id=env.get("MLFLOW_EXPERIMENT_ID", "0"),
+            run_name=m.run_name or run_name,
+            tags=m.tags,
+            resume_id=resume_id,
+            resume_step=resume_step,
+        )
     raise ValueError(f"trainer.loggers: no sink named {name!r}")
 
 
@@ -63,8 +82,18 @@ def open_sinks(
             continue
 
         def start(n: str = name) -> None:
-            sinks.append(make_sink(n, trainer, out_dir, run_name=run_name, config=config, resume_id=resume.get(n),
-                                   resume_step=resume_step, env=os.environ))  # fmt: skip
+            sinks.append(
+                make_sink(
+                    n,
+                    trainer,
+                    out_dir,
+                    run_name=run_name,
+                    config=config,
+                    resume_id=resume.get(n),
+                    resume_step=resume_step,
+                    env=os.environ,
+                )
+            )
 
         guarded(name, "start", start, stream)
     return sinks
