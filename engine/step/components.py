@@ -7,9 +7,11 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.config.schema import RunConfig
+from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import GenerationBackend, samples_from
 from alignopsd.engine.models.encoder import ThinkingEncoder
@@ -18,8 +20,13 @@ from alignopsd.engine.observe.strict import reraise_if_strict
 from alignopsd.engine.parallel.tp_broadcast import share_lead_outcome, tp_layout
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.step.rescoring import Rescorer
+from alignopsd.engine.tokens.tokenizer import Tokenizer
 
 from alignopsd.estimators import EstimatorSpec
+
+if TYPE_CHECKING:
+    from alignopsd.engine.observe.audit import Auditor
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("alignopsd.components")
 
@@ -34,19 +41,19 @@ class Components:
     device: torch.device
     rank: int  # data-parallel rank (the ranks of one tensor-parallel group share it)
     world_size: int  # data-parallel size
-    tokenizer: object  # a Hugging Face tokenizer
+    tokenizer: Tokenizer  # the policy's (a Hugging Face tokenizer)
     policy: PolicyBackend
     generator: GenerationBackend | None  # None on tensor-parallel ranks other than their group's first
     env: EnvManager
-    train_tasks: list
-    val_tasks: list
+    train_tasks: list[TaskSpec]
+    val_tasks: list[TaskSpec]
     estimator: EstimatorSpec
     rescorer: Rescorer | None = None
     ref_scorer: Rescorer | None = None
     encoder: ThinkingEncoder | None = None
     profiler: StepProfiler = field(default_factory=StepProfiler)
-    dp_group: object = None  # data-parallel process group (None: the default group)
-    audit: object = None  # engine.audit.Auditor of the run (set by the trainer; None: no audit records)
+    dp_group: ProcessGroup | None = None  # data-parallel process group (None: the default group)
+    audit: Auditor | None = None  # the run's audit records (set by the trainer; None: no audit records)
     encoder_factory: Callable[[], ThinkingEncoder] | None = None
     skill_lookup: Callable[[dict], str] | None = None  # env.skills_dir's bank (None: the packaged bank)
 
