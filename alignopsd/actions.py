@@ -1,6 +1,12 @@
 """Mechanism 1's action-consistency filter (ALGORITHM.md §2.5): a selected (source, target) pair is kept only when
-the teacher's action of the source agrees with the student's action of the target, by embedding similarity and,
-for WebShop, by the search/click rule on the action strings.
+the teacher's action of the source agrees with the student's action of the target, by embedding similarity and, where
+the environment has one, by a rule on the two action strings.
+
+The rule is a pair rule (:data:`ActionRule`): ``rule(source_action, target_action) -> keep``. An environment supplies
+its own (the engine's environment registry names it in the environment's row); the method itself defines one, the
+WebShop search/click rule of §2.5 (:func:`webshop_actions_agree`, also ``action_filter(..., webshop=True)``). That
+rule reads the action text as the method states it, case-sensitively (§7.18); how the WebShop environment reads its
+actions (case-insensitively, to step its pages) is the environment's own grammar.
 
 Legend: M = canonical turns, P = selected (source, target) pairs.
 """
@@ -9,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -17,7 +23,11 @@ from torch import Tensor
 from alignopsd._checks import as_tensor, check_ndim, check_shape, check_turn_vector
 from alignopsd.selection import pairs_from_selection
 
-__all__ = ["action_filter", "parse_webshop_action", "validate_action_threshold", "webshop_rule_applies"]
+__all__ = ["ActionRule", "action_filter", "parse_webshop_action", "validate_action_threshold", "webshop_actions_agree"]
+
+ActionRule = Callable[[str | None, str | None], bool]
+"""A pair rule of the filter: (teacher action of the source, student action of the target) -> keep the pair. Either
+action may be None or whitespace only (an invalid action): the filter has already rejected such a pair."""
 
 _WEBSHOP_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
 
@@ -30,11 +40,6 @@ def validate_action_threshold(threshold) -> float:
     if not math.isfinite(v) or v < -1.0 or v > 1.0:
         raise ValueError(f"threshold: expected a finite number in [-1, 1], got {v}")
     return v
-
-
-def webshop_rule_applies(env_name: str) -> bool:
-    """The WebShop search/click rule is on iff the environment name, lower-cased, is exactly "webshop"."""
-    return isinstance(env_name, str) and env_name.lower() == "webshop"
 
 
 def parse_webshop_action(action: str | None) -> tuple[str, str] | None:
@@ -51,6 +56,13 @@ def parse_webshop_action(action: str | None) -> tuple[str, str] | None:
     if not arg:
         return None
     return m.group(1), arg
+
+
+def webshop_actions_agree(source_action: str | None, target_action: str | None) -> bool:
+    """The WebShop rule of §2.5: both actions parse (:func:`parse_webshop_action`), their verbs are equal, and two
+    clicks have exactly equal stripped arguments (two searches need only the embedding threshold)."""
+    a, b = parse_webshop_action(source_action), parse_webshop_action(target_action)
+    return a is not None and b is not None and a[0] == b[0] and (a[0] != "click" or a[1] == b[1])
 
 
 def _action_valid(actions: Sequence[str | None] | None, valid: Tensor, name: str) -> Tensor:
@@ -72,20 +84,27 @@ def action_filter(
     source_actions: Sequence[str | None] | None = None,
     target_actions: Sequence[str | None] | None = None,
     webshop: bool = False,
+    rule: ActionRule | None = None,
 ) -> list[list[int]]:
     """Action-consistency filter (§2.5): removes pairs, never adds; keeps rank order.
 
     selected: per target, source indices (as from :func:`select_sources`), len M.
     action_sim: [M, M] cosine of teacher action of the source vs student action of the target.
     source_action_valid / target_action_valid: [M] bool. A pair is kept iff both actions are valid,
-    action_sim is finite and >= threshold, and (``webshop=True``) the search/click rule holds:
-    both parse, verbs equal, and two clicks have exactly equal stripped arguments.
-    source_actions / target_actions: the action strings (required for ``webshop=True``); a
+    action_sim is finite and >= threshold, and the environment's pair rule (if any) keeps it:
+    ``rule(source_actions[s], target_actions[t])``; ``webshop=True`` is ``rule=webshop_actions_agree`` (both
+    parse, verbs equal, and two clicks have exactly equal stripped arguments).
+    source_actions / target_actions: the action strings (required with a rule); a
     whitespace-only string counts as invalid.
     """
     thr = validate_action_threshold(threshold)
     if not isinstance(webshop, bool):
         raise ValueError(f"webshop: expected a bool, got {webshop!r}")
+    if rule is not None and not callable(rule):
+        raise ValueError(f"rule: expected a function (source_action, target_action) -> bool, got {rule!r}")
+    if webshop and rule is not None:
+        raise ValueError("rule: give webshop=True (the WebShop rule) or a rule of your own, not both")
+    rule = webshop_actions_agree if webshop else rule
     M = len(selected)
     A = as_tensor(action_sim, "action_sim")
     check_ndim(A, "action_sim", 2)
@@ -96,8 +115,8 @@ def action_filter(
     tv = check_turn_vector(target_action_valid, "target_action_valid", M, dtype=torch.bool)
     sv = _action_valid(source_actions, sv.cpu(), "source_actions")
     tv = _action_valid(target_actions, tv.cpu(), "target_actions")
-    if webshop and (source_actions is None or target_actions is None):
-        raise ValueError("source_actions: the WebShop rule needs source_actions and target_actions")
+    if rule is not None and (source_actions is None or target_actions is None):
+        raise ValueError("source_actions: an action rule (webshop=True or rule=) needs both sides' action strings")
     pairs = pairs_from_selection(selected)
     if pairs.numel() == 0:
         return [[] for _ in range(M)]
@@ -106,15 +125,12 @@ def action_filter(
     s, t = pairs[:, 0], pairs[:, 1]
     sim = A.detach().float().cpu()[s, t]
     keep = sv[s] & tv[t] & torch.isfinite(sim) & (sim >= thr)
-    if webshop:
-        parsed_src = [parse_webshop_action(a) for a in source_actions]  # type: ignore[union-attr]
-        parsed_tgt = [parse_webshop_action(a) for a in target_actions]  # type: ignore[union-attr]
-        rule = []
-        for si, ti in pairs.tolist():
-            a, b = parsed_src[si], parsed_tgt[ti]
-            ok = a is not None and b is not None and a[0] == b[0] and (a[0] != "click" or a[1] == b[1])
-            rule.append(ok)
-        keep &= torch.tensor(rule, dtype=torch.bool)
+    if rule is not None:
+        agree = [  # the rule is asked only about pairs the checks above kept (both actions valid)
+            k and bool(rule(source_actions[si], target_actions[ti]))  # type: ignore[index]
+            for (si, ti), k in zip(pairs.tolist(), keep.tolist())
+        ]
+        keep &= torch.tensor(agree, dtype=torch.bool)
     out: list[list[int]] = [[] for _ in range(M)]
     for (si, ti), k in zip(pairs.tolist(), keep.tolist()):
         if k:

@@ -1,8 +1,10 @@
-"""The algorithm config's sections that the estimators read, and the typed view an estimator gets of the config.
+"""The config sections of the built-in estimators, and the typed view an estimator gets of the config.
 
 :class:`RectifyConfig` (Mechanism 1), :class:`AlignmentLossConfig`, :class:`SdarConfig`, :class:`RlsdConfig` and
-:class:`OpsdConfig` are fields of ``alignopsd.config.AlgorithmConfig`` (re-exported there). :class:`EstimatorConfig`
-is the part of ``AlgorithmConfig`` the estimators (alignopsd.estimators) read: a structural type, so the registry
+:class:`OpsdConfig` (with ``alignopsd.credit_config.CreditConfig``, Mechanism 2) are registered with the estimators
+that read them (``register_estimator(..., settings=...)`` in alignopsd.estimators, the way any estimator gives itself
+settings) and read and written by ``alignopsd.config.AlgorithmConfig`` as ``algorithm.<key>`` (re-exported there).
+:class:`EstimatorConfig` is the part of ``AlgorithmConfig`` the estimators read: a structural type, so the registry
 can be typed without importing the config module, which checks estimator names against that registry.
 """
 
@@ -12,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from alignopsd.config_values import bool_field, choice_field, int_field, real_field
-from alignopsd.credit_config import CreditConfig
 
 __all__ = ["AlignmentLossConfig", "EstimatorConfig", "OpsdConfig", "RectifyConfig", "RlsdConfig", "SdarConfig"]
 
@@ -130,7 +131,8 @@ class OpsdConfig:
 
 
 class EstimatorConfig(Protocol):
-    """What an estimator reads of its config (``alignopsd.config.AlgorithmConfig`` has all of it)."""
+    """What an estimator reads of its config (``alignopsd.config.AlgorithmConfig`` has all of it): the method-wide
+    settings, and its own sections by key."""
 
     estimator: str
     kl_coef: float
@@ -138,16 +140,10 @@ class EstimatorConfig(Protocol):
     use_invalid_penalty: bool
     invalid_penalty: float
     grpo_scope: str
-    rectify: RectifyConfig
-    credit: CreditConfig
-    alignment: AlignmentLossConfig
-    sdar: SdarConfig
-    rlsd: RlsdConfig
-    opsd: OpsdConfig
 
     @property
     def effective_alpha_max(self) -> float: ...
 
     def section(self, name: str) -> Any:
-        """A config section by its key: one of the above, or one registered with an estimator (``settings=``)."""
+        """A config section by its key, registered with an estimator (``settings=``)."""
         ...

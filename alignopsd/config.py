@@ -10,7 +10,6 @@ never executed). No file I/O here: the engine reads YAML files.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from alignopsd.algorithm_sections import AlignmentLossConfig, OpsdConfig, Rectif
 from alignopsd.config_loader import apply_overrides, from_dict, override_mapping, to_dict
 from alignopsd.config_values import bool_field, choice_field, real_field
 from alignopsd.credit_config import CreditConfig
-from alignopsd.estimators import ESTIMATOR_SECTIONS, ESTIMATORS
+from alignopsd.estimators import BUILTIN_ESTIMATORS, ESTIMATOR_SECTIONS, ESTIMATORS
 
 __all__ = [
     "ABLATIONS",
@@ -59,17 +58,23 @@ def _getpath(obj: Any, path: str) -> Any:
     return obj
 
 
-@functools.cache
-def _sections(cls: type) -> dict[str, type]:
-    """The config sections of ``cls`` (field name -> its dataclass), read from its annotations: a section added
-    as a field is checked without a list kept by hand."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+def _always_present() -> set[str]:
+    """Keys of the sections in every config: those of the method's own estimators (every stored config has them)."""
+    return {k for name, spec in ESTIMATORS.items() if name in BUILTIN_ESTIMATORS for k in spec.sections}
 
 
-@dataclass
+@dataclass(init=False)
 class AlgorithmConfig:
     """The algorithm side of a run: estimator, M1, M2 and loss settings (ALGORITHM.md §2, §3, §5).
+
+    Sections: each estimator registers the settings it reads (``register_estimator(..., settings=...)``,
+    alignopsd.estimators): the built-in ones ``rectify`` (Mechanism 1, :class:`RectifyConfig`), ``credit``
+    (Mechanism 2, ``CreditConfig``), ``alignment`` (the M1-only loss, ``alignopsd_m1``), ``sdar`` (the SDAR auxiliary:
+    always on for ``sdar``, optional for ``alignopsd``), ``rlsd`` and ``opsd`` (baselines); a user estimator its own.
+    A section is given as a keyword (``AlgorithmConfig(rectify=RectifyConfig(gamma=0.8))``) or as ``algorithm.<key>``
+    in a mapping, and read as ``config.section(key)`` or ``config.<key>``. The built-in estimators' sections are in
+    every config, at their defaults when not given; another estimator's section is in the configs that give it or run
+    that estimator (so a config stored by a run that does not use it loads where that estimator is not registered).
 
     ``credit.gamma``, ``credit.grpo_scope``, ``credit.norm_by_std``, ``credit.invalid_penalty`` and
     ``credit.mode`` are derived from ``rectify.gamma``, ``grpo_scope``, ``norm_by_std``, ``invalid_penalty``
@@ -82,21 +87,9 @@ class AlgorithmConfig:
     ablation: Literal["A", "B", "C", "D", "E"] = "E"
     """AlignOPSD ablation (§3.11): A no rectification, B flat token, C flat turn, D random spans, E full.
     The M1-only consumer (``alignopsd_m1``) honours only A (α_max = 0); B–D act on Mechanism 2."""
-    rectify: RectifyConfig = field(default_factory=RectifyConfig)
-    """Mechanism 1 settings."""
-    credit: CreditConfig = field(default_factory=CreditConfig)
-    """Mechanism 2 settings (alignopsd.credit_config.CreditConfig)."""
     mechanism2_enabled: bool | None = None
     """Whether Mechanism 2 credit runs; None derives it from the estimator. It must match what the consumer
     declares (``uses_mechanism2`` in its registration: true for ``alignopsd``)."""
-    alignment: AlignmentLossConfig = field(default_factory=AlignmentLossConfig)
-    """M1-only alignment loss (``alignopsd_m1``)."""
-    sdar: SdarConfig = field(default_factory=SdarConfig)
-    """SDAR auxiliary (optional for ``alignopsd``; always on for ``sdar``)."""
-    rlsd: RlsdConfig = field(default_factory=RlsdConfig)
-    """RLSD baseline settings."""
-    opsd: OpsdConfig = field(default_factory=OpsdConfig)
-    """OPSD baselines settings."""
     grpo_scope: Literal["trajectory", "turn"] = "turn"
     """Outcome-advantage statistics: each trajectory once, or weighted by its turn count (§3.1)."""
     norm_by_std: bool = True
@@ -117,22 +110,49 @@ class AlgorithmConfig:
     """Dual-clip constant c (> 1) for negative advantages."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation; the method requires 'token-mean' (with 1/k row weights)."""
-    registered: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """Sections of estimators registered with ``settings=`` (section key -> its dataclass instance), read and written
-    as ``algorithm.<key>``; the run's estimator's own section is always present (its defaults when not given)."""
+    registered: dict[str, Any] = field(default_factory=dict)
+    """The config's sections (section key -> its dataclass instance), in the registry's order. Not a config key:
+    each section is one (``algorithm.<key>``); given here (as ``dataclasses.replace`` does) or by key."""
+
+    def __init__(self, **values: Any) -> None:
+        """Fields and sections by name: a dataclass's generated ``__init__``, plus each registered section by its key
+        (over the same key in ``registered``)."""
+        names = [f.name for f in dataclasses.fields(self) if f.init]
+        unknown = [k for k in values if k not in names and k not in ESTIMATOR_SECTIONS]
+        if unknown:
+            raise TypeError(f"AlgorithmConfig() got an unexpected keyword argument {unknown[0]!r}")
+        sections = dict(values.pop("registered", {}))
+        for f in dataclasses.fields(self):
+            if f.name != "registered":
+                object.__setattr__(self, f.name, values.pop(f.name, f.default))
+        object.__setattr__(self, "registered", {**sections, **values})
+        self.__post_init__()
 
     @staticmethod
     def _registered_sections() -> dict[str, type]:
         return dict(ESTIMATOR_SECTIONS)
 
     def section(self, name: str) -> Any:
-        """A config section by its key: a field of this class or a registered estimator's (``settings=``)."""
-        if name in _sections(type(self)):
-            return getattr(self, name)
+        """A config section by its key (registered with an estimator: ``settings=``)."""
         if name not in self.registered:
-            known = [*_sections(type(self)), *self.registered]
-            raise ValueError(f"section: no config section {name!r}; this config has {', '.join(known)}")
+            raise ValueError(f"section: no config section {name!r}; this config has {', '.join(self.registered)}")
         return self.registered[name]
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are no attribute: the sections
+        sections = self.__dict__.get("registered")
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A section assigned as an attribute is one of the config's sections (checked like a given one)."""
+        if name not in ESTIMATOR_SECTIONS or name in self.__dataclass_fields__:
+            object.__setattr__(self, name, value)
+            return
+        if not isinstance(value, ESTIMATOR_SECTIONS[name]):
+            raise ValueError(f"{name}: expected {ESTIMATOR_SECTIONS[name].__name__}, got {type(value).__name__}")
+        sections = {**self.registered, name: value}
+        object.__setattr__(self, "registered", {k: sections[k] for k in ESTIMATOR_SECTIONS if k in sections})
 
     _DERIVED: typing.ClassVar[dict[str, str]] = {
         **{f"credit.{k}": v for k, v in _CREDIT_SYNC.items()},
@@ -145,9 +165,7 @@ class AlgorithmConfig:
             allowed = ", ".join(map(repr, ESTIMATORS))
             raise ValueError(f"estimator: unknown value {self.estimator!r}; allowed: {allowed}")
         choice_field("ablation", self.ablation, ABLATIONS)
-        for name, cls in _sections(type(self)).items():
-            if not isinstance(getattr(self, name), cls):
-                raise ValueError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        self._fill_sections()
         choice_field("grpo_scope", self.grpo_scope, ("trajectory", "turn"))
         bool_field("norm_by_std", self.norm_by_std)
         bool_field("use_invalid_penalty", self.use_invalid_penalty)
@@ -159,9 +177,6 @@ class AlgorithmConfig:
         real_field("dual_clip", self.dual_clip, lo=1.0, lo_open=True)
         if self.loss_agg_mode != "token-mean":
             raise ValueError(f"loss_agg_mode: must be 'token-mean' (§3.12), got {self.loss_agg_mode!r}")
-        own = ESTIMATORS[self.estimator].section
-        if own is not None and own not in self.registered:  # the run's estimator's section, at its defaults
-            self.registered[own] = ESTIMATOR_SECTIONS[own]()
         consumer_m2 = ESTIMATORS[self.estimator].mechanism2
         if self.mechanism2_enabled is None:
             self.mechanism2_enabled = consumer_m2
@@ -172,16 +187,33 @@ class AlgorithmConfig:
                 f"{self.estimator!r} (Mechanism 2 runs exactly for the estimators that declare it: "
                 f"{', '.join(repr(n) for n, spec in ESTIMATORS.items() if spec.mechanism2)})"
             )
-        # derived credit fields
+        self._derive_credit()
+
+    def _fill_sections(self) -> None:
+        """The sections given, the run's estimator's and the built-in estimators' (at their defaults when not
+        given), each checked against its registered dataclass, in the registry's order."""
+        present = set(self.registered) | set(ESTIMATORS[self.estimator].sections) | _always_present()
+        for name in present:
+            cls = ESTIMATOR_SECTIONS[name]
+            value = self.registered.get(name)
+            if value is not None and not isinstance(value, cls):
+                raise ValueError(f"{name}: expected {cls.__name__}, got {type(value).__name__}")
+        given = self.registered
+        self.registered = {k: given[k] if k in given else c() for k, c in ESTIMATOR_SECTIONS.items() if k in present}
+
+    def _derive_credit(self) -> None:
+        """Mechanism 2's fields that the method-wide settings own (``_CREDIT_SYNC``)."""
+        if "credit" not in self.registered:
+            return
         updates = {}
         for key, src in _CREDIT_SYNC.items():
             value = _getpath(self, src)
             if key == "mode":
                 value = ABLATION_CREDIT_MODE[value]
-            if getattr(self.credit, key) != value:
+            if getattr(self.registered["credit"], key) != value:
                 updates[key] = value
         if updates:
-            self.credit = dataclasses.replace(self.credit, **updates)
+            self.registered["credit"] = dataclasses.replace(self.registered["credit"], **updates)
 
     @property
     def effective_alpha_max(self) -> float:
@@ -189,7 +221,7 @@ class AlgorithmConfig:
         (``alignopsd`` and ``alignopsd_m1``: "when the consumer is M1-only, only A has any effect")."""
         if self.ablation == "A":
             return 0.0
-        return self.rectify.alpha_max
+        return self.section("rectify").alpha_max
 
     @classmethod
     def _check_derived(cls, data: dict, path: str) -> None:
@@ -200,7 +232,7 @@ class AlgorithmConfig:
         for key, src in _CREDIT_SYNC.items():
             if key not in credit:
                 continue
-            owner = _lookup_with_default(cls, data, src)
+            owner = _value_or_default(cls, data, src)
             expected = ABLATION_CREDIT_MODE.get(owner, owner) if key == "mode" else owner
             if credit[key] != expected:
                 where = f"{path}." if path else ""
@@ -210,25 +242,16 @@ class AlgorithmConfig:
                 )
 
 
-def _lookup_with_default(cls: type, data: dict, dotted: str) -> Any:
-    """Value of ``dotted`` in raw ``data``, else the dataclass default along that path."""
-    parts = dotted.split(".")
-    node: Any = data
-    tp: Any = cls
-    for i, part in enumerate(parts):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-            if i == len(parts) - 1:
-                return node
-            tp = typing.get_type_hints(tp)[part]
-            continue
-        # fall back to defaults from here
-        f = {f.name: f for f in dataclasses.fields(tp)}[part]
-        val = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        for rest in parts[i + 1 :]:
-            val = getattr(val, rest)
-        return val
-    return node
+def _value_or_default(cls: type, data: dict, dotted: str) -> Any:
+    """Value of ``dotted`` (a field, or ``section.field``) in raw ``data``, else its default: the field's, or the
+    registered section dataclass's."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return data[head] if head in data else {f.name: f for f in dataclasses.fields(cls)}[head].default
+    section = data.get(head)
+    if isinstance(section, dict) and rest in section:
+        return section[rest]
+    return _getpath(ESTIMATOR_SECTIONS[head](), rest)
 
 
 # ---------------------------------------------------------------------------------------------------------- presets

@@ -4,8 +4,9 @@ overrides (:func:`override_mapping`, :func:`apply_overrides`; values parsed as b
 
 Generic over the dataclasses it builds: a class may declare ``_check_derived(data, path)`` (called before it is
 built), ``_DERIVED`` (dotted fields :func:`to_dict` leaves out) and ``_registered_sections()`` (keys beyond its
-fields, each a section dataclass registered at run time: built here and kept in the instance's ``registered``
-mapping, written back by :func:`to_dict`), as ``alignopsd.config.AlgorithmConfig`` does.
+fields, each a section dataclass registered at run time: built here and passed to its constructor by key, which
+keeps them in the instance's ``registered`` mapping, written back by :func:`to_dict` as keys of their own; the
+``registered`` field itself is no key), as ``alignopsd.config.AlgorithmConfig`` does.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    where = f"{path}." if path else ""
     registered = getattr(cls, "_registered_sections", None)
+    names = [f.name for f in dataclasses.fields(cls) if f.init and not (registered and f.name == "registered")]
+    where = f"{path}." if path else ""
     sections = {k: v for k, v in (registered() if registered is not None else {}).items() if k not in names}
     for k in data:
         if k not in names and k not in sections:
@@ -46,23 +47,24 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     check = getattr(cls, "_check_derived", None)
     if check is not None:
         check(data, path)
-    extra = {k: from_dict(sections[k], v, f"{where}{k}") for k, v in data.items() if k in sections}
-    kwargs = {k: coerce_value(f"{where}{k}", hints[k], v, from_dict) for k, v in data.items() if k not in sections}
+    kwargs = {
+        k: coerce_value(f"{where}{k}", sections[k] if k in sections else hints[k], v, from_dict)
+        for k, v in data.items()
+    }
     try:
-        obj = cls(**kwargs)
+        return cls(**kwargs)
     except ValueError as exc:
         msg = str(exc)
         raise ValueError(f"{where}{msg}" if path and not msg.startswith(path) else msg) from exc
-    if extra:
-        obj.registered.update(extra)
-    return obj
 
 
 def to_dict(obj: Any) -> Any:
     """Plain mapping of a config (enums → values, tuples → lists); derived fields are left out."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
-        if getattr(type(obj), "_registered_sections", None) is not None:
+        sections = getattr(type(obj), "_registered_sections", None) is not None
+        fields = [f.name for f in dataclasses.fields(obj) if f.init and not (sections and f.name == "registered")]
+        out = {name: to_dict(getattr(obj, name)) for name in fields}
+        if sections:
             out.update({k: to_dict(v) for k, v in obj.registered.items()})
         for dotted in getattr(type(obj), "_DERIVED", {}):
             parts = dotted.split(".")

@@ -12,16 +12,19 @@ log-probs, i.e. ``kl_coef > 0``), so that the trainer runs only what an estimato
 pass).
 
 Registered: ``grpo``, ``opsd``, ``grpo_opsd``, ``sdar``, ``rlsd``, ``alignopsd`` (ablations A–E),
-``alignopsd_m1``. Outcome-based estimators share the outcome advantage of ALGORITHM.md §3.1 plus the
-invalid-action residual of §3.10 (``grpo`` is therefore exactly AlignOPSD with w ≡ 1), except
-``alignopsd_m1``, which uses verl-agent GRPO over all rows with the penalty in the reward (§2.9).
+``alignopsd_m1``, each with the config sections it reads (``settings=``, the way any estimator gives itself settings:
+``sdar``; ``opsd`` (shared by ``opsd`` and ``grpo_opsd``); ``rlsd``; ``rectify`` (Mechanism 1, shared by both
+AlignOPSD consumers), ``credit`` (Mechanism 2) and ``sdar`` (its optional auxiliary) for ``alignopsd``; ``rectify``
+and ``alignment`` for ``alignopsd_m1``), read as ``config.section(key)``. Outcome-based estimators share the outcome
+advantage of ALGORITHM.md §3.1 plus the invalid-action residual of §3.10 (``grpo`` is therefore exactly AlignOPSD with
+w ≡ 1), except ``alignopsd_m1``, which uses verl-agent GRPO over all rows with the penalty in the reward (§2.9).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +33,16 @@ from torch import Tensor
 
 from alignopsd._checks import check_real
 from alignopsd.advantage import grpo_advantage, invalid_action_residual, rowwise_grpo_advantage
-from alignopsd.algorithm_sections import EstimatorConfig
+from alignopsd.algorithm_sections import (
+    AlignmentLossConfig,
+    EstimatorConfig,
+    OpsdConfig,
+    RectifyConfig,
+    RlsdConfig,
+    SdarConfig,
+)
 from alignopsd.credit import allocate_credit
+from alignopsd.credit_config import CreditConfig
 from alignopsd.diagnostics import m1_diagnostics
 from alignopsd.estimator_io import EstimatorInputs, EstimatorOutput
 from alignopsd.losses import AuxTerm
@@ -70,7 +81,7 @@ EstimatorFn = Callable[[EstimatorInputs, EstimatorConfig], EstimatorOutput]
 """``fn(inputs, config)``: config is the run's ``alignopsd.config.AlgorithmConfig``."""
 
 Need = bool | Callable[[EstimatorConfig], bool]
-"""A declared need: a fixed answer, or a function of the AlgorithmConfig (e.g. ``lambda cfg: cfg.sdar.enabled``)."""
+"""A declared need: a fixed answer, or a function of the AlgorithmConfig (``cfg.section("sdar").enabled``)."""
 
 
 def _answer(need: Need, config: EstimatorConfig) -> bool:
@@ -109,6 +120,7 @@ class EstimatorSpec:
     advantage, plus its auxiliary terms) is a sum of per-token terms of the log-probs and entropies, which the
     fused head loss requires (a loss with a sequence-level ratio, or a normaliser computed from log-probs, is
     not, and trains through autograd instead). ``teacher_diag`` and ``aux`` may depend on the config.
+    sections: the keys of the config sections it reads (``settings=`` of its registration).
     """
 
     name: str
@@ -120,7 +132,7 @@ class EstimatorSpec:
     outcome_scaled: bool
     description: str
     loss_separable: bool = True
-    section: str | None = None  # the key of its own config section (``settings=`` of its registration)
+    sections: tuple[str, ...] = ()
 
     def needs_teacher_diag(self, config: EstimatorConfig) -> bool:
         """Diagonal teacher log-probs are needed (always with alignment)."""
@@ -150,9 +162,33 @@ class EstimatorSpec:
 ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 ESTIMATOR_SECTIONS: dict[str, type] = {}
-"""Config sections registered with an estimator (``settings=``): section key -> its dataclass. The algorithm
-config reads and writes them under ``algorithm.<key>`` like its own sections; an estimator reads its own with
-``config.section(key)``."""
+"""Config sections registered with an estimator (``settings=``): section key -> its dataclass, in the order they were
+first registered. The algorithm config (``alignopsd.config.AlgorithmConfig``) reads and writes them under
+``algorithm.<key>``; an estimator reads its own with ``config.section(key)``. A section may be registered by several
+estimators (``rectify`` by both AlignOPSD consumers), always with the same dataclass."""
+
+BUILTIN_ESTIMATORS = frozenset(e.value for e in EstimatorName)
+"""The method's own estimators: their sections are part of every algorithm config (see AlgorithmConfig)."""
+
+
+def _settings_sections(settings: Any, section: str | None, key: str) -> dict[str, type]:
+    """The sections ``settings=`` declares (key -> dataclass), checked; ValueError naming the argument."""
+    if settings is None:
+        return {}
+    if isinstance(settings, Mapping):
+        if section is not None:
+            raise ValueError("section: give the keys in the settings mapping, not as section=")
+        sections = dict(settings)
+    else:
+        sections = {key if section is None else section: settings}
+    for name, cls in sections.items():
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise ValueError(f"settings: expected a dataclass type (or a mapping of keys to them), got {cls!r}")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"section: expected an identifier, got {name!r}")
+        if name in ESTIMATOR_SECTIONS and ESTIMATOR_SECTIONS[name] is not cls:
+            raise ValueError(f"section: {name!r} is already registered with {ESTIMATOR_SECTIONS[name].__name__}")
+    return sections
 
 
 def register_estimator(
@@ -165,26 +201,20 @@ def register_estimator(
     outcome_scaled: bool = False,
     description: str = "",
     loss_separable: bool = True,
-    settings: type | None = None,
+    settings: type | Mapping[str, type] | None = None,
     section: str | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an estimator under ``name`` with its declared needs (see :class:`EstimatorSpec`);
     a duplicate name raises ValueError.
 
     settings: the dataclass of the estimator's own config section, read and written as ``algorithm.<section>``
-    (``section`` defaults to the estimator's name; the dataclass's defaults apply when the config omits it; the
-    estimator reads it as ``config.section(section)``). Nothing else needs editing."""
+    (``section`` defaults to the estimator's name), or a mapping ``{key: dataclass}`` of several sections (a key
+    another estimator registered shares its section, with the same dataclass). The dataclass's defaults apply when
+    the config omits the section; the estimator reads it as ``config.section(key)``. Nothing else needs editing."""
     key = name.value if isinstance(name, EstimatorName) else name
     if not isinstance(key, str) or not key:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
-    section = key if section is None else section
-    if settings is not None:
-        if not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
-            raise ValueError(f"settings: expected a dataclass type, got {settings!r}")
-        if not isinstance(section, str) or not section.isidentifier():
-            raise ValueError(f"section: expected an identifier, got {section!r}")
-        if section in ESTIMATOR_SECTIONS and ESTIMATOR_SECTIONS[section] is not settings:
-            raise ValueError(f"section: {section!r} is already registered with {ESTIMATOR_SECTIONS[section].__name__}")
+    sections = _settings_sections(settings, section, key)
     _check_need(needs_teacher_diag, "needs_teacher_diag")
     _check_need(aux, "aux")
     for flag, value in (
@@ -199,8 +229,7 @@ def register_estimator(
     def deco(fn: EstimatorFn) -> EstimatorFn:
         if key in ESTIMATORS:
             raise ValueError(f"name: estimator {key!r} is already registered")
-        if settings is not None:
-            ESTIMATOR_SECTIONS[section] = settings
+        ESTIMATOR_SECTIONS.update(sections)
         ESTIMATORS[key] = EstimatorSpec(
             name=key,
             fn=fn,
@@ -211,7 +240,7 @@ def register_estimator(
             outcome_scaled=outcome_scaled,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             loss_separable=loss_separable,
-            section=section if settings is not None else None,
+            sections=tuple(sections),
         )
         return fn
 
@@ -278,28 +307,32 @@ def _grpo(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), metrics=metrics)
 
 
-@register_estimator(EstimatorName.SDAR, needs_teacher_diag=True, aux=True, outcome_scaled=True)
+@register_estimator(EstimatorName.SDAR, needs_teacher_diag=True, aux=True, outcome_scaled=True, settings=SdarConfig)
 def _sdar(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """SDAR: GRPO plus the §2.10 auxiliary (diagonal teacher, gate from the current policy)."""
     inp.require("diag")
     A, r, metrics = _outcome_advantage(inp, cfg)
-    aux = [AuxTerm("sdar", inp.diag, coef=cfg.sdar.coef, beta=cfg.sdar.beta)]  # type: ignore[arg-type]
+    sdar = cfg.section("sdar")
+    aux = [AuxTerm("sdar", inp.diag, coef=sdar.coef, beta=sdar.beta)]  # type: ignore[arg-type]
     gap = _teacher_gap(inp)[inp.mask.bool()]
     metrics["sdar/teacher_gap_mean_rollout"] = weighted_mean(float(gap.double().mean()), gap.numel())
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics)
 
 
-@register_estimator(EstimatorName.OPSD, needs_teacher_diag=True, aux=True)
+@register_estimator(EstimatorName.OPSD, needs_teacher_diag=True, aux=True, settings=OpsdConfig)
 def _opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """OPSD: gated distillation only (the SDAR-form term with the diagonal teacher); no outcome advantage."""
     inp.require("diag")
-    aux = [AuxTerm("sdar", inp.diag, coef=cfg.opsd.coef, beta=cfg.opsd.beta)]  # type: ignore[arg-type]
+    opsd = cfg.section("opsd")
+    aux = [AuxTerm("sdar", inp.diag, coef=opsd.coef, beta=opsd.beta)]  # type: ignore[arg-type]
     gap = _teacher_gap(inp)[inp.mask.bool()]
     metrics = {"opsd/teacher_gap_mean": weighted_mean(float(gap.double().mean()), gap.numel())}
     return EstimatorOutput(torch.zeros_like(inp.old_logp), aux=aux, metrics=metrics)
 
 
-@register_estimator(EstimatorName.GRPO_OPSD, needs_teacher_diag=True, outcome_scaled=True)
+@register_estimator(
+    EstimatorName.GRPO_OPSD, needs_teacher_diag=True, outcome_scaled=True, settings=OpsdConfig, section="opsd"
+)
 def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """GRPO + dense OPSD shaping, StepOPSD-style (sign-preserving, per-step credit budget).
 
@@ -311,10 +344,11 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     A, r, metrics = _outcome_advantage(inp, cfg)
     delta = _teacher_gap(inp)
     mf = inp.mask_f
-    mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(1.0 - cfg.opsd.clip, 1.0 + cfg.opsd.clip)
+    opsd = cfg.section("opsd")
+    mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(1.0 - opsd.clip, 1.0 + opsd.clip)
     step_mean = (mult * mf).sum(1) / mf.sum(1)
     shaped = mult / step_mean[:, None]
-    lam = cfg.opsd.mix
+    lam = opsd.mix
     adv = A[:, None] * ((1.0 - lam) + lam * shaped) + r[:, None]
     n_tok = float(mf.sum())
     metrics["opsd/multiplier_mean"] = weighted_mean(float((shaped * mf).sum() / mf.sum()), n_tok)
@@ -322,13 +356,14 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     return EstimatorOutput(_finish(adv, inp), metrics=metrics)
 
 
-@register_estimator(EstimatorName.RLSD, needs_teacher_diag=True, outcome_scaled=True)
+@register_estimator(EstimatorName.RLSD, needs_teacher_diag=True, outcome_scaled=True, settings=RlsdConfig)
 def _rlsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """RLSD: Â = mask · (A·((1−λ) + λ·clip(exp(sign(A)·Δ), lo, hi)) + r), Δ = ℓ^diag − ℓ^old, λ decayed to 0."""
     A, r, metrics = _outcome_advantage(inp, cfg)
     delta = _teacher_gap(inp)
-    lam = rlsd_lambda(inp.step, lambda_init=cfg.rlsd.lambda_init, decay_steps=cfg.rlsd.decay_steps)
-    mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(cfg.rlsd.clip_low, cfg.rlsd.clip_high)
+    rlsd = cfg.section("rlsd")
+    lam = rlsd_lambda(inp.step, lambda_init=rlsd.lambda_init, decay_steps=rlsd.decay_steps)
+    mult = torch.exp(torch.sign(A)[:, None] * delta).clamp(rlsd.clip_low, rlsd.clip_high)
     adv = A[:, None] * ((1.0 - lam) + lam * mult) + r[:, None]
     mf = inp.mask_f
     metrics["rlsd/lambda"] = same(lam)
@@ -342,18 +377,19 @@ def rectify_inputs(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Rectifie
     M, L = inp.old_logp.shape
     pairs = inp.pairs if inp.pairs is not None else torch.zeros(0, 2, dtype=torch.long)
     cross = inp.cross if inp.cross is not None else torch.zeros(0, L)
+    rc = cfg.section("rectify")
     rect = rectify(
         inp.diag,  # type: ignore[arg-type]
         cross,
         pairs,
         inp.H,  # type: ignore[arg-type]
-        gamma=cfg.rectify.gamma,
+        gamma=rc.gamma,
         alpha_max=cfg.effective_alpha_max,
-        temperature=cfg.rectify.temperature,
-        mode=cfg.rectify.mode,
+        temperature=rc.temperature,
+        mode=rc.mode,
     )
     _, gap = rect.gaps(inp.old_logp)
-    metrics = m1_diagnostics(rect, inp.old_logp, inp.mask, inp.H, inp.eligible, inp.turn, top_k=cfg.rectify.top_k)  # type: ignore[arg-type]
+    metrics = m1_diagnostics(rect, inp.old_logp, inp.mask, inp.H, inp.eligible, inp.turn, top_k=rc.top_k)  # type: ignore[arg-type]
     return rect, gap, metrics
 
 
@@ -364,15 +400,20 @@ def _rectification(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Rectifie
 
 
 def _sdar_enabled(cfg: EstimatorConfig) -> bool:
-    return bool(cfg.sdar.enabled)
+    return bool(cfg.section("sdar").enabled)
 
 
 @register_estimator(
-    EstimatorName.ALIGNOPSD, needs_alignment=True, uses_mechanism2=True, aux=_sdar_enabled, outcome_scaled=True
+    EstimatorName.ALIGNOPSD,
+    needs_alignment=True,
+    uses_mechanism2=True,
+    aux=_sdar_enabled,
+    outcome_scaled=True,
+    settings={"rectify": RectifyConfig, "credit": CreditConfig, "sdar": SdarConfig},
 )
 def _alignopsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """AlignOPSD: M1 rectification, then M2 credit (ablation A–E) on δ̃, plus the invalid residual;
-    the SDAR auxiliary when ``cfg.sdar.enabled``. M2 adds no alignment loss term."""
+    the SDAR auxiliary when ``sdar.enabled``. M2 adds no alignment loss term."""
     rect, gap, metrics = _rectification(inp, cfg)
     invalid = inp.invalid if cfg.use_invalid_penalty else None
     credit = allocate_credit(
@@ -384,19 +425,26 @@ def _alignopsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
         inp.turn,
         inp.H,
         inp.eligible,
-        cfg.credit,
+        cfg.section("credit"),
         invalid=invalid,
         whole_batch=inp.whole_batch,
     )
     adv = credit.token_advantage.to(inp.old_logp.device).float()  # includes the §3.10 residual
     metrics.update(credit.metrics)
     aux: list[AuxTerm] = []
-    if cfg.sdar.enabled:
-        aux.append(AuxTerm("sdar", inp.diag, coef=cfg.sdar.coef, beta=cfg.sdar.beta))  # type: ignore[arg-type]
+    sdar = cfg.section("sdar")
+    if sdar.enabled:
+        aux.append(AuxTerm("sdar", inp.diag, coef=sdar.coef, beta=sdar.beta))  # type: ignore[arg-type]
     return EstimatorOutput(_finish(adv, inp), aux=aux, metrics=metrics, rectified=rect, credit=credit)
 
 
-@register_estimator(EstimatorName.ALIGNOPSD_M1, needs_alignment=True, aux=True, outcome_scaled=True)
+@register_estimator(
+    EstimatorName.ALIGNOPSD_M1,
+    needs_alignment=True,
+    aux=True,
+    outcome_scaled=True,
+    settings={"rectify": RectifyConfig, "alignment": AlignmentLossConfig},
+)
 def _alignopsd_m1(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """M1-only (§2.9): verl-agent GRPO over all rows on R − c·invalid, plus coef · L_align with the
     rollout-frozen δ̃ gate."""
@@ -405,9 +453,8 @@ def _alignopsd_m1(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput
     if cfg.use_invalid_penalty and inp.invalid is not None:
         score = score - cfg.invalid_penalty * inp.invalid.double()
     A = rowwise_grpo_advantage(score, inp.task, inp.copies, norm_by_std=cfg.norm_by_std).to(inp.old_logp.device)
-    aux = [
-        AuxTerm("alignment", rect.corrected, coef=cfg.alignment.coef, beta=cfg.alignment.beta, gate_gap_ML=gap),
-    ]
-    metrics["beyond_timestamps/alignment_coef"] = same(cfg.alignment.coef)
+    align = cfg.section("alignment")
+    aux = [AuxTerm("alignment", rect.corrected, coef=align.coef, beta=align.beta, gate_gap_ML=gap)]
+    metrics["beyond_timestamps/alignment_coef"] = same(align.coef)
     metrics["adv/outcome_advantage_abs_mean"] = weighted_mean(float(A.double().abs().mean()), A.numel())
     return EstimatorOutput(_finish(A[:, None].expand_as(inp.old_logp), inp), aux=aux, metrics=metrics, rectified=rect)

@@ -33,7 +33,7 @@ from alignopsd._checks import (
     check_shape,
     check_turn_matrix,
 )
-from alignopsd.actions import action_filter, parse_webshop_action, validate_action_threshold, webshop_rule_applies
+from alignopsd.actions import action_filter, parse_webshop_action, validate_action_threshold, webshop_actions_agree
 from alignopsd.selection import eligibility, pairs_from_selection, select_sources, similarity_matrix
 
 __all__ = [
@@ -49,7 +49,7 @@ __all__ = [
     "select_sources",
     "similarity_matrix",
     "validate_action_threshold",
-    "webshop_rule_applies",
+    "webshop_actions_agree",
 ]
 
 MODES = ("probability_mixture", "log_mean")

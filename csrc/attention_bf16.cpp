@@ -227,18 +227,37 @@ int64_t stride_at(const std::vector<int64_t>& s, size_t i, const char* name) {
   return s[i];
 }
 
+// Every buffer the sizes and strides reach, against the elements the caller says it holds (from its address on).
+void check_buffers(const AttnArgs& a, const std::vector<int64_t>& elements) {
+  if (elements.size() != 8)
+    fail("elements: expected 8 counts (q, k, v, pk, pv, row_prefix, bias, out), got ", elements.size());
+  if (a.B == 0) return;
+  check_reach("q", elements[0], {{a.B, a.q_s[0]}, {a.H, a.q_s[1]}, {a.S, a.q_s[2]}}, a.D);
+  check_reach("k", elements[1], {{a.B, a.own_s[0]}, {a.K, a.own_s[1]}, {a.n, a.own_s[2]}}, a.D);
+  check_reach("v", elements[2], {{a.B, a.own_s[0]}, {a.K, a.own_s[1]}, {a.n, a.own_s[2]}}, a.D);
+  if (a.P > 0) {
+    check_reach("pk", elements[3], {{a.G, a.pre_s[0]}, {a.K, a.pre_s[1]}, {a.P, a.pre_s[2]}}, a.D);
+    check_reach("pv", elements[4], {{a.G, a.pre_s[0]}, {a.K, a.pre_s[1]}, {a.P, a.pre_s[2]}}, a.D);
+    check_reach("row_prefix", elements[5], {}, a.B);
+  }
+  check_reach("bias", elements[6], {}, a.B * a.S * (a.P + a.n));
+  check_reach("out", elements[7], {}, a.B * a.S * a.H * a.D);
+}
+
 void attention_prefix_bf16(uintptr_t q, std::vector<int64_t> q_strides, uintptr_t k, uintptr_t v,
                            std::vector<int64_t> own_strides, uintptr_t pk, uintptr_t pv,
                            std::vector<int64_t> prefix_strides, uintptr_t row_prefix, uintptr_t bias, uintptr_t out,
                            int64_t B, int64_t H, int64_t S, int64_t D, int64_t K, int64_t n, int64_t P, int64_t G,
-                           double scale, int64_t threads) {
-  if (!cpu_has_avx512_bf16()) fail("attention_prefix_bf16: this CPU has no AVX512-BF16; use the torch path");
+                           double scale, int64_t threads, std::vector<int64_t> elements) {
+  // every argument is checked before the CPU is asked (so the checks run, and are tested, on any CPU)
   if (B < 0 || S < 1 || n < 1 || P < 0 || G < 0) fail("attention_prefix_bf16: bad sizes B, S, n, P, G");
   if (D < 32 || D > 256 || D % 32) fail("head_dim: must be a multiple of 32 in [32, 256], got ", D);
   if (K < 1 || H < K || H % K) fail("heads: query heads ", H, " must be a multiple of kv heads ", K);
-  if (P > 0 && (!pk || !pv || G < 1)) fail("prefix: ", P, " positions but no prefix keys");
+  if (P > 0 && (!pk || !pv || !row_prefix || G < 1)) fail("prefix: ", P, " positions but no prefix keys or rows");
   if (!(scale > 0.0) || !std::isfinite(scale)) fail("scale: must be finite and > 0, got ", scale);
   if (threads < 1) fail("threads: must be >= 1, got ", threads);
+  for (uintptr_t p : {q, k, v, bias, out})
+    if (!p && B) fail("attention_prefix_bf16: a null tensor address");
   AttnArgs a{};
   a.q = reinterpret_cast<const uint16_t*>(q);
   a.k = reinterpret_cast<const float*>(k);
@@ -255,8 +274,11 @@ void attention_prefix_bf16(uintptr_t q, std::vector<int64_t> q_strides, uintptr_
   }
   a.B = B, a.H = H, a.S = S, a.D = D, a.K = K, a.n = n, a.P = P, a.G = G;
   a.scale = static_cast<float>(scale);
+  check_buffers(a, elements);
   for (int64_t b = 0; b < B && P > 0; ++b)
-    if (a.row_prefix[b] >= G) fail("row_prefix: row ", b, " reads prefix ", a.row_prefix[b], " of ", G);
+    if (a.row_prefix[b] < -1 || a.row_prefix[b] >= G)
+      fail("row_prefix: row ", b, " reads prefix ", a.row_prefix[b], " of ", G);
+  if (!cpu_has_avx512_bf16()) fail("attention_prefix_bf16: this CPU has no AVX512-BF16; use the torch path");
 #ifdef ALIGNOPSD_AVX512_BF16
   const int64_t items = B * K;
   const int64_t t_count = std::max<int64_t>(1, std::min<int64_t>(threads, items));
@@ -280,6 +302,8 @@ void register_attention(py::module_& m) {
         py::arg("v"), py::arg("own_strides"), py::arg("pk"), py::arg("pv"), py::arg("prefix_strides"),
         py::arg("row_prefix"), py::arg("bias"), py::arg("out"), py::arg("B"), py::arg("H"), py::arg("S"),
         py::arg("D"), py::arg("K"), py::arg("n"), py::arg("P"), py::arg("G"), py::arg("scale"), py::arg("threads"),
+        py::arg("elements"),
         "Shared-prefix prefill attention of a bf16 model (csrc/attention_bf16.cpp); tensor addresses and element "
-        "strides from the Python caller, fp32 output [B, S, H, D].");
+        "strides from the Python caller, with the elements each buffer holds from its address on (q, k, v, pk, pv, "
+        "row_prefix, bias, out), fp32 output [B, S, H, D].");
 }

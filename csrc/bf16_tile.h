@@ -22,6 +22,7 @@ namespace alignopsd_bf16 {
 constexpr int kNB = 64;  // columns of a packed block (4 zmm of 16 fp32 lanes)
 constexpr int kMR = 6;   // rows of a product tile: 6 x 4 = 24 accumulators
 
+using alignopsd_c::check_reach;
 using alignopsd_c::fail;
 
 #ifdef ALIGNOPSD_AVX512_BF16

@@ -22,6 +22,7 @@
 // of the sums; exp is a degree-6 polynomial with an error of about 2 ulp).
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -126,11 +127,11 @@ void thread_range(const uint32_t* h32, const uint32_t* w32, const int64_t* targe
 #endif
 
 // hidden [N, H], weight [V, H] (bf16, C-contiguous), targets [N] int64 (local ids), outputs [N] fp32 each:
-// addresses of torch tensors checked by the Python caller (kernels/lse_partials.py); shapes are checked here.
+// addresses of torch tensors checked by the Python caller (kernels/lse_native.py), with the elements each holds
+// (hidden, weight, targets, and each output); sizes are checked here against them, before the CPU is asked.
 void head_partials_bf16(uintptr_t hidden, uintptr_t weight, uintptr_t targets, uintptr_t m_out, uintptr_t s_out,
                         uintptr_t u_out, uintptr_t tz_out, int64_t n_rows, int64_t vocab, int64_t hidden_size,
-                        double inv_t, bool need_u, int64_t threads) {
-  if (!cpu_has_avx512_bf16()) fail("head_partials_bf16: this CPU has no AVX512-BF16; use the torch path");
+                        double inv_t, bool need_u, int64_t threads, std::vector<int64_t> elements) {
   if (n_rows < 0) fail("n_rows: must be >= 0, got ", n_rows);
   if (vocab <= 0) fail("vocab: must be > 0, got ", vocab);
   if (hidden_size <= 0 || hidden_size % 2) fail("hidden_size: must be even and > 0, got ", hidden_size);
@@ -138,6 +139,15 @@ void head_partials_bf16(uintptr_t hidden, uintptr_t weight, uintptr_t targets, u
   if (threads < 1) fail("threads: must be >= 1, got ", threads);
   for (uintptr_t p : {hidden, weight, targets, m_out, s_out, u_out, tz_out})
     if (!p && n_rows) fail("head_partials_bf16: a null tensor address");
+  if (elements.size() != 4)
+    fail("elements: expected 4 counts (hidden, weight, targets, each output), got ", elements.size());
+  check_reach("weight", elements[1], {}, vocab * hidden_size);
+  if (n_rows) {
+    check_reach("hidden", elements[0], {}, n_rows * hidden_size);
+    check_reach("targets", elements[2], {}, n_rows);
+    check_reach("outputs", elements[3], {}, n_rows);
+  }
+  if (!cpu_has_avx512_bf16()) fail("head_partials_bf16: this CPU has no AVX512-BF16; use the torch path");
 #ifdef ALIGNOPSD_AVX512_BF16
   const auto* h32 = reinterpret_cast<const uint32_t*>(hidden);
   const auto* w32 = reinterpret_cast<const uint32_t*>(weight);
@@ -200,7 +210,8 @@ void register_lm_head(py::module_& m) {
         "Whether this build and this CPU can run head_partials_bf16 (x86-64 with AVX512-BF16 and OS support).");
   m.def("head_partials_bf16", &head_partials_bf16, py::arg("hidden"), py::arg("weight"), py::arg("targets"),
         py::arg("m"), py::arg("s"), py::arg("u"), py::arg("tz"), py::arg("n_rows"), py::arg("vocab"),
-        py::arg("hidden_size"), py::arg("inv_t"), py::arg("need_u"), py::arg("threads"),
+        py::arg("hidden_size"), py::arg("inv_t"), py::arg("need_u"), py::arg("threads"), py::arg("elements"),
         "LM-head log-softmax partials (m, s, u, tz) of bf16 hidden [N, H] x bf16 weight [V, H] with fp32 "
-        "accumulation, written to the fp32 outputs; tensor addresses from the Python caller.");
+        "accumulation, written to the fp32 outputs; tensor addresses from the Python caller, with the elements "
+        "each holds (hidden, weight, targets, each output).");
 }

@@ -15,7 +15,7 @@ forcing (SmolLM2-135M, rows of ~45-56 queries behind ~670-690 kept prompt positi
 from __future__ import annotations
 
 import torch
-from alignopsd.kernels.lse_native import native_ready
+from alignopsd.kernels.lse_native import elements_from, native_ready
 from torch import Tensor
 
 try:  # the C++ extension is optional (a build without a compiler falls back to the torch path)
@@ -55,7 +55,9 @@ def prefix_attention(
 ) -> Tensor:
     """``[B, S, H, D]`` fp32 attention of ``query_BHSD`` (bf16) over each row's prefix (``pk``/``pv`` ``[G, K, P,
     D]``, prefix ``row_prefix[b]``, -1 for none; None when there are no prefixes) followed by its own ``k``/``v``
-    (``[B, K, n, D]``), with the additive mask ``bias`` ``[B, 1, S, P + n]``."""
+    (``[B, K, n, D]``), with the additive mask ``bias`` ``[B, 1, S, P + n]``. Shapes are checked first (ValueError
+    naming them), then that the operands are what :func:`prefix_attention_applies` requires."""
+    _check_shapes(query_BHSD, k, v, pk, pv, row_prefix, bias)
     if not prefix_attention_applies(query_BHSD, k, v, pk, pv):
         raise ValueError(
             "prefix_attention: needs bf16 CPU queries with a head size multiple of 32, fp32 keys/values with "
@@ -66,8 +68,6 @@ def prefix_attention(
     kv, n = k.shape[1], k.shape[2]
     p = 0 if pk is None else pk.shape[2]
     g = 0 if pk is None else pk.shape[0]
-    if tuple(bias.shape) != (b, 1, s, p + n):
-        raise ValueError(f"bias: expected shape {(b, 1, s, p + n)}, got {tuple(bias.shape)}")
     bias = bias.float().contiguous()
     rp = (row_prefix if row_prefix is not None else torch.full((b,), -1)).long().contiguous()
     out = torch.empty(b, s, h, d, dtype=torch.float32)
@@ -93,5 +93,44 @@ def prefix_attention(
         g,
         float(scale),
         torch.get_num_threads(),
+        [elements_from(t) if t is not None else 0 for t in (query_BHSD, k, v, pk, pv, rp, bias, out)],
     )
     return out
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, pk, pv, row_prefix, bias: Tensor) -> None:
+    """The shapes :func:`prefix_attention` reads, named in a ValueError when they do not fit together: query [B, H, S,
+    D], own keys and values [B, K, n, D] with K dividing H, prefix keys and values [G, K, P, D], row_prefix [B] in
+    [-1, G), bias [B, 1, S, P + n]."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            f"query_BHSD, k: expected 4-d [B, H, S, D] and [B, K, n, D], got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k: expected [B={b}, K, n, D={d}] (the query's rows and head size), got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if kv < 1 or h % kv:
+        raise ValueError(f"heads: query heads {h} must be a multiple of kv heads {kv}")
+    p = 0
+    if (pk is None) != (pv is None):
+        raise ValueError("pk, pv: give both prefix keys and values, or neither")
+    if pk is not None:
+        if pk.dim() != 4 or pk.shape[1] != kv or pk.shape[3] != d:
+            raise ValueError(
+                f"pk: expected [G, K={kv}, P, D={d}] (the keys' heads and head size), got {tuple(pk.shape)}"
+            )
+        if tuple(pv.shape) != tuple(pk.shape):
+            raise ValueError(f"pv: expected the shape of pk {tuple(pk.shape)}, got {tuple(pv.shape)}")
+        p, g = pk.shape[2], pk.shape[0]
+        if row_prefix is None or tuple(row_prefix.shape) != (b,):
+            got = None if row_prefix is None else tuple(row_prefix.shape)
+            raise ValueError(f"row_prefix: expected shape ({b},) (a prefix or -1 per row), got {got}")
+        bad = ((row_prefix < -1) | (row_prefix >= g)).nonzero()
+        if bad.numel():
+            r = int(bad[0, 0])
+            raise ValueError(f"row_prefix: row {r} reads prefix {int(row_prefix[r])} of {g}")
+    if tuple(bias.shape) != (b, 1, s, p + k.shape[2]):
+        raise ValueError(f"bias: expected shape {(b, 1, s, p + k.shape[2])}, got {tuple(bias.shape)}")

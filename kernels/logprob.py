@@ -64,6 +64,7 @@ from alignopsd.kernels.lse_partials import (
     cpu_partials,
     finish_partials,
     torch_backward,
+    torch_partials,
 )
 from torch import Tensor
 
@@ -113,7 +114,9 @@ class _LogprobFn(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, inv_t, vocab_start, impl, group, reduce_grad_hidden, with_entropy):
         if impl == "triton":
             m, s, u, tz = triton_partials(hidden, weight, bias, targets, inv_t, vocab_start)
-        else:
+        elif impl == "torch":  # forced: the torch tiles, even where the C++ bf16 forward applies
+            m, s, u, tz = torch_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
+        else:  # "cpu": the torch path's forward, in C++ where it applies
             m, s, u, tz = cpu_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
         if group is not None:
             local = targets.long() - vocab_start
@@ -177,7 +180,8 @@ class _LogprobFn(torch.autograd.Function):
 
 def _run(hidden, weight, targets, bias, temperature, with_entropy, impl, vocab_start, group, reduce_grad_hidden):
     inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
-    impl = resolve_impl(impl, hidden, weight)
+    resolved = resolve_impl(impl, hidden, weight)
+    impl = "cpu" if impl == "auto" and resolved == "torch" else resolved  # "torch" given: the torch tiles only
     lead = hidden.shape[:-1]
     h_NH = hidden.reshape(-1, hidden.shape[-1])
     t_N = targets.reshape(-1)
@@ -208,7 +212,8 @@ def logprob(
     hidden[..., H] (fp32/bf16/fp16), weight[V, H] (same dtype), bias[V] or None, targets[...] ids in [0, V).
     Returns logp[...] fp32, and entropy[...] fp32 when ``with_entropy``. Differentiable w.r.t.
     hidden, weight and bias; the [N, V] logits are never materialised, forward or backward.
-    ``impl``: "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch".
+    ``impl``: "auto" (Triton on CUDA; elsewhere the torch path, whose forward runs in C++ for bf16 operands on a
+    CPU with AVX512-BF16) | "triton" | "torch" (the torch tiles only, never the C++ forward).
     """
     check_lm_head_inputs(hidden, weight, targets, bias, temperature)
     check_target_range(targets, 0, weight.shape[0])

@@ -24,7 +24,7 @@ try:  # the C++ extension is optional (a build without a compiler falls back to 
 except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
-__all__ = ["native_applies", "native_partials", "native_ready"]
+__all__ = ["elements_from", "native_applies", "native_partials", "native_ready"]
 
 _READY: bool | None = None
 
@@ -44,6 +44,12 @@ def native_ready() -> bool:
     return _READY
 
 
+def elements_from(t: Tensor) -> int:
+    """The elements of ``t``'s storage from its first element on: all a kernel handed ``t.data_ptr()`` may touch
+    (the C++ boundary checks the sizes and strides it is given against it)."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+
+
 def native_applies(h_NH: Tensor, w_VH: Tensor, b_V: Tensor | None) -> bool:
     """Whether ``lse_partials.cpu_partials`` takes the C++ path for these operands: bf16 CPU hidden states and
     weight of an even hidden size, no bias, and :func:`native_ready`."""
@@ -60,7 +66,16 @@ def native_applies(h_NH: Tensor, w_VH: Tensor, b_V: Tensor | None) -> bool:
 
 def native_partials(h_NH: Tensor, w_VH: Tensor, t_N: Tensor, inv_t: float, vocab_start: int, need_u: bool = True):
     """(m, s, u, tz) [N] fp32 of ``(h @ w.T) * inv_t`` over the local vocabulary (targets outside it: tz = 0),
-    in the C++ kernel. Operands as :func:`native_applies` requires (ValueError otherwise)."""
+    in the C++ kernel. Shapes are checked first (ValueError naming them: hidden [N, H], weight [V, H] of the same H,
+    N targets), then that the operands are what :func:`native_applies` requires (ValueError otherwise)."""
+    if h_NH.dim() != 2 or w_VH.dim() != 2:
+        raise ValueError(
+            f"h_NH, w_VH: expected hidden [N, H] and weight [V, H], got {tuple(h_NH.shape)} and {tuple(w_VH.shape)}"
+        )
+    if w_VH.shape[1] != h_NH.shape[1]:
+        raise ValueError(f"w_VH: hidden size {w_VH.shape[1]} does not match h_NH's {h_NH.shape[1]}")
+    if t_N.numel() != h_NH.shape[0]:
+        raise ValueError(f"t_N: expected {h_NH.shape[0]} targets (one per row of h_NH), got {t_N.numel()}")
     if not native_applies(h_NH, w_VH, None):
         raise ValueError(
             "native_partials: needs bf16 CPU hidden [N, H] and weight [V, H] with H even, and a CPU with AVX512-BF16 "
@@ -86,5 +101,6 @@ def native_partials(h_NH: Tensor, w_VH: Tensor, t_N: Tensor, inv_t: float, vocab
         float(inv_t),
         bool(need_u),
         torch.get_num_threads(),
+        [elements_from(h), elements_from(w), elements_from(local), n],
     )
     return m, s, u, tz

@@ -35,7 +35,7 @@ from alignopsd.engine.config.sections import (
     Section,
     TrainerConfig,
 )
-from alignopsd.engine.parallel.hardware import check_device_dtype, choose_dtype, device_type
+from alignopsd.engine.parallel.hardware import check_device_dtype, choose_dtype, device_type, int8_sampling
 from pydantic import AfterValidator, Field, PlainValidator, model_validator
 from typing_extensions import Self
 
@@ -147,9 +147,37 @@ class RunConfig(Section):
             check_device_dtype(self.model.dtype, self.trainer.device)
         except ValueError as exc:
             raise rule("model.dtype", f"{self.model.dtype!r} on {exc}") from None
-        if self.trainer.logprob_reuse and self.generation.backend != "hf":
-            raise rule("trainer.logprob_reuse", "only valid with generation.backend='hf' (the trainer's own model)")
+        if self.trainer.logprob_reuse:
+            self._reuse_samples_from_the_policy()
         return self
+
+    def _reuse_samples_from_the_policy(self) -> None:
+        """``trainer.logprob_reuse`` takes the sampler's log-probs as PPO's old log-probs: only a generator that
+        samples from the trained module itself gives them (``samples_from``, checked again where the parts are
+        built); each setting that rules that out at load is named."""
+        if self.generation.backend != "hf":
+            raise rule("trainer.logprob_reuse", "only valid with generation.backend='hf' (the trainer's own model)")
+        if self.policy.backend == "megatron":
+            raise rule(
+                "trainer.logprob_reuse",
+                "true needs a generator that samples from the trained module itself; with policy.backend='megatron' "
+                "the hf generator samples from a Hugging Face copy: set trainer.logprob_reuse=false",
+            )
+        if self.samples_int8():
+            where = "" if self.generation.quantize == "int8" else " (auto: the policy computes in float32 on the CPU)"
+            raise rule(
+                "trainer.logprob_reuse",
+                f"true would make the int8 sampler's log-probs PPO's old log-probs: generation.quantize="
+                f"'{self.generation.quantize}' samples from an int8 copy{where}, not the trained model; set "
+                "trainer.logprob_reuse=false (the trainer then computes them and measures the gap) or "
+                "generation.quantize='off'",
+            )
+
+    def samples_int8(self) -> bool:
+        """Whether the hf generator will sample from an int8 copy (``generation.quantize``; ``auto`` by the dtype
+        and device the policy will load in: engine/parallel/hardware.py ``int8_sampling``)."""
+        kind = device_type(self.trainer.device)
+        return int8_sampling(self.generation.quantize, kind, choose_dtype(self.model.dtype, kind).dtype)
 
     def validate(self) -> RunConfig:
         """Every check again, on the current values (after attribute edits); the checked copy, or ConfigError."""

@@ -21,7 +21,9 @@ the parent; worker processes then still need the factory importable by its path)
 * ``eval_columns``: ``fn(metrics) -> {column: percent or None}``, the evaluation table (``alignopsd eval``).
 * ``official_data``: ``fn(cfg, environ)`` raising ConfigError when the benchmark's official files are not where
   the task source looks (``env.require_official_data``; None: the environment has none).
-* ``action_rule``: the rule of the teacher pass's action filter (alignopsd.actions; ``"webshop"``: search/click).
+* ``action_rule``: ``fn(source_action, target_action) -> bool``, the environment's pair rule in the teacher pass's
+  action filter (``alignopsd.actions.ActionRule``; WebShop: the method's search/click rule of ALGORITHM.md §2.5);
+  None: the embedding threshold alone.
 * ``skills``: the package whose ``skills/`` folder holds the environment's skill bank (engine/envs/skills.py).
 * ``task_info``: ``fn(task) -> dict`` merged into every row's info: what the row metadata and the skill bank read
   of the task's own ``payload`` (ALFWorld: its ``gamefile``); None: nothing.
@@ -52,7 +54,7 @@ class EnvEntry:
     task_pool: bool = False  # without env.data_dir, ``tasks`` draws from a pool of pool_size generated tasks
     eval_columns: str = "alignopsd.engine.envs.base:success_columns"  # "module:attr" -> fn(metrics) -> table
     official_data: str | None = None  # "module:attr" -> fn(cfg, environ): env.require_official_data's check
-    action_rule: str | None = None  # the teacher pass's action rule (alignopsd.actions): "webshop" or None
+    action_rule: str | None = None  # "module:attr" -> fn(source_action, target_action) -> bool (alignopsd.actions)
     skills: str | None = None  # package whose skills/ folder holds the packaged skill bank (None: none)
     task_info: str | None = None  # "module:attr" -> fn(task) -> dict: what each row carries of its task's payload
 
@@ -99,7 +101,7 @@ _BUILTIN: dict[str, EnvEntry] = {
         admissible_check=False,
         eval_columns=f"{_PKG}.webshop.env:table_columns",
         official_data=f"{_PKG}.webshop.official:check_official_data",
-        action_rule="webshop",
+        action_rule="alignopsd.actions:webshop_actions_agree",
         skills=f"{_PKG}.webshop",
     ),
     "search": EnvEntry(
@@ -121,7 +123,6 @@ _RUNTIME: dict[str, EnvEntry] = {}
 
 
 TRUNCATION_MODES = ("error", "left")
-ACTION_RULES = ("webshop",)
 
 
 def register_env(entry: EnvEntry, *, replace: bool = False) -> None:
@@ -130,8 +131,8 @@ def register_env(entry: EnvEntry, *, replace: bool = False) -> None:
         raise ValueError(f"entry: expected EnvEntry, got {type(entry).__name__}")
     if entry.truncation not in TRUNCATION_MODES:
         raise ValueError(f"entry.truncation: expected one of {TRUNCATION_MODES}, got {entry.truncation!r}")
-    if entry.action_rule is not None and entry.action_rule not in ACTION_RULES:
-        raise ValueError(f"entry.action_rule: expected None or one of {ACTION_RULES}, got {entry.action_rule!r}")
+    if entry.action_rule is not None and not (isinstance(entry.action_rule, str) and ":" in entry.action_rule):
+        raise ValueError(f"entry.action_rule: expected None or 'module:attr' of a pair rule, got {entry.action_rule!r}")
     if not replace and (entry.name in _BUILTIN or entry.name in _RUNTIME):
         raise ValueError(f"entry: environment {entry.name!r} is already registered")
     _RUNTIME[entry.name] = entry

@@ -16,6 +16,10 @@ probs of every sampled token; the gap between the two is measured every step (``
 any rollout engine) and corrected by ``trainer.rollout_is`` when it is on. After each update the weights the trainer
 pushes (:meth:`Int8Generator.load_weights`) land in an fp32 copy, from which the int8 copy is quantized again, so the
 sampler never runs on stale weights.
+
+A LoRA policy (``model.lora``) trains adapters inside its targeted layers; the generator samples from its merged
+weights (base + adapter, ``LoraAdapter.merged_copy``): the fp32 copy is the plain architecture, without LoRA layers,
+so it is quantized like any other model and takes the merged weights the trainer pushes after each update.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.generation.hf import HFGenerator, copy_weights
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from alignopsd.engine.policy.lora import LoraAdapter
 
 
 def quantized_copy(model: nn.Module) -> nn.Module:
@@ -51,12 +59,16 @@ class Int8Generator(HFGenerator):
     :meth:`load_weights`) and the int8 copy quantized from it, so :func:`samples_from` is False for it and the trainer
     pushes its weights after each update. It keeps no prompt keys and values (:attr:`keeps_prompt_cache` is False):
     they would be the int8 model's, and the teacher forcing must score with the trained one.
+    adapter: ``model``'s LoRA adapter (``adapter.model is model``), if it has one: the fp32 copy is then its merged
+    weights in the plain architecture, which is what the trainer pushes (``PolicyBackend.hf_weights``).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, **kwargs) -> None:
+    def __init__(self, model: nn.Module, tokenizer, *, adapter: LoraAdapter | None = None, **kwargs) -> None:
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("generation.quantize=int8: int8 generation runs on the CPU (FBGEMM); this model is not")
-        self.float_model = copy.deepcopy(model).eval()
+        if adapter is not None and adapter.model is not model:
+            raise ValueError("adapter: must be the LoRA adapter injected into this model (adapter.model is model)")
+        self.float_model = (copy.deepcopy(model) if adapter is None else adapter.merged_copy()).eval()
         for p in self.float_model.parameters():
             p.requires_grad_(False)
         super().__init__(quantized_copy(self.float_model), tokenizer, **kwargs)

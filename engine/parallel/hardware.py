@@ -184,3 +184,13 @@ def check_device_dtype(name: str, device: str) -> None:
         check_runs(dtype, kind)
     except ValueError as exc:
         raise ValueError(f"this machine's {kind.upper()}: {exc}") from None
+
+
+def int8_sampling(quantize: str, device: str, dtype: torch.dtype) -> bool:
+    """Whether ``generation.quantize`` has the Hugging Face generator sample from an int8 copy of a policy that computes
+    in ``dtype`` on ``device`` (a device type): ``int8``, or ``auto`` where that is float32 on the CPU (a CPU without
+    native bf16, see the module doc). The one answer, asked where the generator is built and where the config is
+    checked (``trainer.logprob_reuse`` needs a generator that samples from the policy itself)."""
+    if quantize == "auto":
+        return device == "cpu" and dtype is torch.float32
+    return quantize == "int8"

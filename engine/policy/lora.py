@@ -15,12 +15,15 @@ What the engine asks of it:
   ``adapter_config.json`` that ``PeftModel.from_pretrained`` reads), :meth:`load_adapter_state` to resume;
 - exports and the generation engine's weights: :meth:`merged_state_dict`, the Hugging Face layout with every
   targeted weight ``W + scale * B A`` (computed in fp32, rounded once to the base's dtype, as peft's merge does),
-  without touching the module (merging in place and unmerging would not give the bf16 base back bit for bit).
+  without touching the module (merging in place and unmerging would not give the bf16 base back bit for bit);
+  :meth:`merged_copy`, a copy of the model in its plain architecture holding those weights (a generator that keeps
+  its own copy: the int8 sampler).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -123,6 +126,15 @@ class LoraAdapter:
             with torch.no_grad():
                 delta = self.model.get_submodule(name).get_delta_weight(ADAPTER_NAME)
                 yield key, (value.float() + delta.float()).to(value.dtype)
+
+    def merged_copy(self) -> nn.Module:
+        """A copy of the Hugging Face model in its plain architecture (no LoRA layers) holding :meth:`merged_state_dict`
+        (the module itself is not touched)."""
+        plain = copy.deepcopy(self.peft_model).unload()  # the copy's LoRA layers replaced by their base layers
+        plain.load_state_dict(self.merged_state_dict())  # strict: every weight, targeted ones merged
+        for p in plain.parameters():
+            p.requires_grad_(False)
+        return plain
 
     @torch.no_grad()
     def load_merged(self, state: dict[str, Tensor]) -> tuple[list[str], list[str]]:

@@ -152,9 +152,8 @@ def _train_rates(policy, shape: ModelShape, temperature: float, probes: dict) ->
 def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     """Rates of the phases of ``cfg``'s run on ``device`` (see the module doc), measured with the policy, generator
     and sampling settings the run builds, in this process's threads."""
-    from alignopsd.engine.generation.hf import HFGenerator
     from alignopsd.engine.models.loading import load_tokenizer
-    from alignopsd.engine.run.components import build_policy, build_rescorer, generation_int8
+    from alignopsd.engine.run.components import build_policy, build_rescorer, hf_generator
     from alignopsd.engine.step.episodes import sampling_params
 
     t0 = time.perf_counter()
@@ -162,14 +161,12 @@ def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     policy = build_policy(cfg, device)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     probes: dict[str, float] = {"load": time.perf_counter() - t0}  # what a stage that builds the policy pays first
-    generator_class = HFGenerator
-    if generation_int8(cfg.generation.quantize, policy.hf_model):  # the run samples from an int8 copy: time that
-        from alignopsd.engine.generation.int8 import Int8Generator as generator_class
-    gen = generator_class(policy.hf_model, tokenizer, eos_token_ids=(), max_model_len=cfg.generation.max_model_len)
+    # the run's generator (an int8 copy where the run samples from one: time that)
+    gen = hf_generator(cfg, policy, tokenizer, eos_token_ids=(), max_model_len=cfg.generation.max_model_len)
     sampling = replace(sampling_params(cfg, validation=False), seed=0)
     prefill, forcing = _prefill_and_forcing(gen, policy, sampling, shape, probes)
     step_s, decode = _decode_rates(gen, sampling, shape, probes)
-    score = _score_rate(build_rescorer(cfg, policy, device), shape, cfg.trainer.ppo_micro_batch_size, probes)
+    score = _score_rate(build_rescorer(cfg, policy, device, gen), shape, cfg.trainer.ppo_micro_batch_size, probes)
     train, opt = _train_rates(policy, shape, cfg.generation.temperature, probes)
     dtype = str(next(policy.hf_model.parameters()).dtype).removeprefix("torch.")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()

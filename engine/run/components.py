@@ -11,12 +11,15 @@ import functools
 from pathlib import Path
 
 import torch
+from alignopsd.engine.config.errors import ConfigError
 from alignopsd.engine.config.schema import RunConfig
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import skill_lookup
-from alignopsd.engine.generation.base import GenerationBackend
+from alignopsd.engine.generation.base import GenerationBackend, samples_from
+from alignopsd.engine.generation.hf import HFGenerator
 from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
+from alignopsd.engine.parallel.hardware import int8_sampling
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
@@ -170,23 +173,25 @@ def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: to
         from alignopsd.engine.generation.choice import ChoiceGenerator
 
         return ChoiceGenerator(hf_model_of(policy), tokenizer)
-    from alignopsd.engine.generation.hf import HFGenerator
+    return hf_generator(cfg, policy, tokenizer)
 
+
+def hf_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, **kwargs) -> HFGenerator:
+    """The Hugging Face generator of the run (``kwargs``: :class:`HFGenerator`'s): over the policy's own module, or
+    (``generation.quantize``) over an int8 copy of its weights, a LoRA policy's merged (its adapter's)."""
     model = hf_model_of(policy)
     if generation_int8(cfg.generation.quantize, model):
         from alignopsd.engine.generation.int8 import Int8Generator
 
-        return Int8Generator(model, tokenizer)
-    return HFGenerator(model, tokenizer)
+        return Int8Generator(model, tokenizer, adapter=policy.adapter, **kwargs)
+    return HFGenerator(model, tokenizer, **kwargs)
 
 
 def generation_int8(quantize: str, model: nn.Module) -> bool:
-    """Whether the hf generator samples from an int8 copy (``generation.quantize``): ``int8``, or ``auto`` where the
-    policy's model computes in float32 on the CPU (no native bf16 there: engine/parallel/hardware.py)."""
-    if quantize == "auto":
-        p = next(model.parameters())
-        return p.device.type == "cpu" and p.dtype is torch.float32
-    return quantize == "int8"
+    """Whether the hf generator samples from an int8 copy of ``model`` (``generation.quantize``: the rule is
+    ``engine.parallel.hardware.int8_sampling``, asked with the device and dtype ``model`` computes in)."""
+    p = next(model.parameters())
+    return int8_sampling(quantize, p.device.type, p.dtype)
 
 
 def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:
@@ -218,13 +223,33 @@ def build_encoder(cfg: RunConfig, device: torch.device) -> ThinkingEncoder:
     return ThinkingEncoder(name, max_length=cfg.encoder.max_length, batch_size=cfg.encoder.batch_size, device=device)
 
 
-def build_rescorer(cfg: RunConfig, policy: PolicyBackend, device: torch.device) -> Rescorer:
-    """The rescoring engine of the step's old log-prob pass and teacher forcing (``trainer.rescoring_mode``)."""
+def reuses_rollout_logprobs(cfg: RunConfig, generator: GenerationBackend | None, model: nn.Module) -> bool:
+    """Whether the old log-prob pass takes the rollout's log-probs (``trainer.logprob_reuse``): only where the
+    generator samples from the scoring ``model`` itself (:func:`samples_from`), else its log-probs are another
+    model's (an int8 copy, a Hugging Face copy of a Megatron policy, an engine of its own). The config refuses at load
+    what it can know (engine/config/schema.py); what it cannot is refused here, as a ConfigError."""
+    if not cfg.trainer.logprob_reuse:
+        return False
+    if not samples_from(generator, model):
+        sampler = type(generator).__name__ if generator is not None else "no generator on this rank"
+        raise ConfigError(
+            f"trainer.logprob_reuse: true needs a generator that samples from the trained model itself, and this "
+            f"run's ({sampler}) does not: set trainer.logprob_reuse=false (the trainer then computes old log-probs)"
+        )
+    return True
+
+
+def build_rescorer(
+    cfg: RunConfig, policy: PolicyBackend, device: torch.device, generator: GenerationBackend | None
+) -> Rescorer:
+    """The rescoring engine of the step's old log-prob pass and teacher forcing (``trainer.rescoring_mode``), reading
+    the rollout's log-probs as the old ones where :func:`reuses_rollout_logprobs` (``generator``: the run's)."""
+    model = policy.model if policy.scores_itself else hf_model_of(policy)
     return Rescorer(
-        policy.model if policy.scores_itself else hf_model_of(policy),
+        model,
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
-        reuse_rollout_logp=cfg.trainer.logprob_reuse,
+        reuse_rollout_logp=reuses_rollout_logprobs(cfg, generator, model),
         # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
         # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
         # (teacher minus student) compares two forwards of one implementation; in the same rescoring mode
@@ -245,7 +270,7 @@ def build_components(cfg: RunConfig, *, device: torch.device, rank: int = 0, wor
     policy = build_policy(cfg, device, world_size)
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
-    rescorer = build_rescorer(cfg, policy, device)
+    rescorer = build_rescorer(cfg, policy, device, generator)
     ref_scorer = build_reference(cfg, policy, device) if phases.ref else None
 
     dp_group = policy.layout.dp_group

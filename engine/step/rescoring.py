@@ -55,12 +55,6 @@ class RescoreOutput:
     stats: dict = field(default_factory=dict)
 
 
-def can_reuse_rollout_logprobs(generator, model: nn.Module) -> bool:
-    """True when the generation backend samples from ``model`` itself (the Hugging Face backend on the trainer's
-    own module), so its per-token log-probs are the trainer's old log-probs up to kernel differences."""
-    return samples_from(generator, model)
-
-
 def unpadded_prompts(ids_ML: Tensor, mask_ML: Tensor) -> list[list[int]]:
     """The attended token ids of each left-padded prompt row."""
     return [[t for t, k in zip(ids, msk) if k] for ids, msk in zip(ids_ML.tolist(), mask_ML.tolist())]
@@ -74,8 +68,9 @@ class Rescorer:
     dedupe: merge identical prompts (shared_prefix). max_prefix_tokens: prompt tokens whose cache is held at once
     (shared_prefix; default max_tokens // 4).
     reuse_rollout_logp: take the student old log-probs from ``batch.rollout_logp`` (engine log-probs) instead
-    of a forward (then no student entropy is returned); only correct when the engine is the trainer's own model
-    (see ``can_reuse_rollout_logprobs``). check_reuse: with reuse on, also compute them and log the mismatch.
+    of a forward (then no student entropy is returned); only correct when the engine samples from ``model`` itself
+    (``samples_from``: the run's composition root asks it, engine/run/components.py ``reuses_rollout_logprobs``).
+    check_reuse: with reuse on, also compute them and log the mismatch.
     scorer: ``scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats) -> (logp, ent)``
     scores the rows ``[prompt_ids[row_prompt] | resp_ids]`` instead of ``model`` (student and teacher rows alike)
     and adds its counts to ``stats``: a policy backend that is not ``model`` scores with itself, in the mode

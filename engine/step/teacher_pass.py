@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from alignopsd.engine.envs.parsing import parse_action, parse_thinking
-from alignopsd.engine.envs.registry import get_entry
+from alignopsd.engine.envs.registry import get_entry, resolve
 from alignopsd.engine.generation.base import SamplingParams, prefill_counts, prefill_delta
 from alignopsd.engine.generation.teacher import TeacherOutput, generate_teacher
 from alignopsd.engine.parallel.tp_broadcast import broadcast_from_lead
@@ -30,7 +30,6 @@ from alignopsd.kernels import core_uses_kernels, sibling_topk
 from torch import Tensor
 
 from alignopsd import action_filter, eligibility, select_sources
-from alignopsd.actions import webshop_rule_applies
 from alignopsd.diagnostics import action_filter_metrics
 from alignopsd.rectification import pairs_from_selection, similarity_matrix
 from alignopsd.reduction import summed, weighted_mean
@@ -175,12 +174,18 @@ def select_pairs(parts, cb: TurnBatch, enc: Encoded) -> tuple[Tensor, Tensor, Te
             threshold=float(rc.action_threshold),
             source_actions=enc.teacher_actions,
             target_actions=enc.student_actions,
-            webshop=webshop_rule_applies(get_entry(cfg.env.name).action_rule or ""),
+            rule=_action_rule(cfg.env.name),
         )
         metrics.update(action_filter_metrics(before, selected, enabled=True, threshold=float(rc.action_threshold)))
         metrics["m1/invalid_student_action_fraction"] = _invalid_fraction(enc.student_action_valid)
         metrics["m1/invalid_teacher_action_fraction"] = _invalid_fraction(enc.teacher_action_valid)
     return H, B, pairs_from_selection(selected), metrics
+
+
+def _action_rule(env_name: str):
+    """The environment's pair rule of the action filter (its registry row's ``action_rule``), or None."""
+    path = get_entry(env_name).action_rule
+    return resolve(path) if path is not None else None
 
 
 def _invalid_fraction(valid: Tensor) -> float:

@@ -180,18 +180,22 @@ def test_yaml_string_floats_are_numbers_and_junk_is_named():
 
 
 def _real_fields(cls, prefix=""):
-    """Dotted paths of every float-typed field of a config dataclass and its sections."""
+    """Dotted paths of every float-typed field of a config dataclass and its sections (fields, or registered with
+    the estimators: the algorithm config's)."""
     import typing
 
     out = []
+    sections = cls._registered_sections() if hasattr(cls, "_registered_sections") else {}
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or f.name in sections or f.name == "registered" and sections:
             continue
         tp = typing.get_type_hints(cls)[f.name]
         if tp is float:
             out.append(prefix + f.name)
         elif dataclasses.is_dataclass(tp):
             out += _real_fields(tp, f"{prefix}{f.name}.")
+    for key, tp in sections.items():
+        out += _real_fields(tp, f"{prefix}{key}.")
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 import torch
@@ -518,3 +519,66 @@ def test_an_estimator_with_settings_of_its_own(scaled_estimator):
     plain = get_estimator("grpo")(inp, AlgorithmConfig(estimator="grpo", kl_coef=0.0)).token_advantage
     scaled = get_estimator("scaled_grpo")(inp, cfg).token_advantage
     assert plain.abs().sum() > 0 and torch.allclose(scaled, 3.0 * plain)
+
+
+def test_the_built_in_estimators_register_their_sections_like_a_new_one():
+    """The built-in estimators give themselves settings with ``settings=`` (no section is a field of the config),
+    shared sections under one key; every config keeps every built-in section, read by key or as an attribute."""
+    import json
+    from pathlib import Path
+
+    from alignopsd.algorithm_sections import OpsdConfig, RectifyConfig, SdarConfig
+    from alignopsd.config import from_dict, to_dict
+    from alignopsd.credit_config import CreditConfig
+    from alignopsd.estimators import ESTIMATOR_SECTIONS
+
+    declared = {name: spec.sections for name, spec in ESTIMATORS.items() if name in {e.value for e in EstimatorName}}
+    assert declared == {
+        "grpo": (),
+        "sdar": ("sdar",),
+        "opsd": ("opsd",),
+        "grpo_opsd": ("opsd",),
+        "rlsd": ("rlsd",),
+        "alignopsd": ("rectify", "credit", "sdar"),
+        "alignopsd_m1": ("rectify", "alignment"),
+    }
+    assert ESTIMATOR_SECTIONS["rectify"] is RectifyConfig and ESTIMATOR_SECTIONS["credit"] is CreditConfig
+    hints = typing.get_type_hints(AlgorithmConfig)
+    assert "gamma" in vars(RectifyConfig()) and not any(dataclasses.is_dataclass(t) for t in hints.values())
+    # every config holds the built-in sections, whatever its estimator (every stored config has them)
+    grpo = AlgorithmConfig(estimator="grpo", opsd=OpsdConfig(mix=0.25))
+    assert set(grpo.registered) == {"rectify", "credit", "alignment", "sdar", "rlsd", "opsd"}
+    assert grpo.opsd.mix == 0.25 and grpo.section("opsd") is grpo.opsd and grpo.rectify == RectifyConfig()
+    grpo.sdar = SdarConfig(coef=0.5)  # an attribute assignment replaces the section itself
+    assert to_dict(grpo)["sdar"]["coef"] == 0.5
+    kept = dataclasses.replace(grpo, kl_coef=0.0)
+    assert kept.sdar.coef == 0.5 and kept.opsd.mix == 0.25 and kept.kl_coef == 0.0
+    with pytest.raises(ValueError, match="^rectify: expected RectifyConfig, got SdarConfig"):
+        AlgorithmConfig(rectify=SdarConfig())
+    with pytest.raises(TypeError, match="'rectfy'"):
+        AlgorithmConfig(rectfy=RectifyConfig())
+    # a checkpoint's stored config (the first checkpoint format) loads and is written back with the same keys
+    state = Path(__file__).resolve().parents[1] / "assets" / "checkpoint_v1" / "step_000002" / "trainer_state.json"
+    stored = json.loads(state.read_text())["run_config"]["algorithm"]
+    assert to_dict(from_dict(AlgorithmConfig, stored, "algorithm")) == stored
+
+
+def test_a_new_estimator_shares_a_built_in_section():
+    """A section registered by several estimators is one section (one key, one dataclass); another dataclass under
+    a built-in key is refused."""
+    from alignopsd.algorithm_sections import RectifyConfig, SdarConfig
+    from alignopsd.config import from_dict
+    from alignopsd.estimators import ESTIMATOR_SECTIONS
+
+    register_estimator("m1_plain", settings={"rectify": RectifyConfig})(get_estimator("grpo").fn)
+    try:
+        cfg = from_dict(AlgorithmConfig, {"estimator": "m1_plain", "rectify": {"gamma": 0.5}})
+        assert get_estimator("m1_plain").sections == ("rectify",) and cfg.section("rectify").gamma == 0.5
+        assert cfg.credit.gamma == 0.5  # Mechanism 2's gamma still follows the shared section
+        with pytest.raises(ValueError, match="'sdar' is already registered with SdarConfig"):
+            register_estimator("bad_sdar", settings={"sdar": RectifyConfig})
+        with pytest.raises(ValueError, match="section: give the keys"):
+            register_estimator("bad_both", settings={"sdar": SdarConfig}, section="sdar")
+    finally:
+        ESTIMATORS.pop("m1_plain", None)
+    assert ESTIMATOR_SECTIONS["rectify"] is RectifyConfig  # shared: still there for the built-in estimators

@@ -20,7 +20,7 @@ from alignopsd.rectification import (
     rectify,
     select_sources,
     similarity_matrix,
-    webshop_rule_applies,
+    webshop_actions_agree,
 )
 
 # ------------------------------------------------------------------------------------------------ case 7, 8
@@ -434,7 +434,6 @@ def test_case22_nonfinite_similarity_empty_pool_and_defaults():
     kept = action_filter([[0]], torch.ones(1, 1), ok[:1], ok[:1], source_actions=["   "], target_actions=["   "])
     assert kept == [[]]
     assert parse_webshop_action("Click[A]") is None  # verbs are case-sensitive
-    assert webshop_rule_applies("WebShop") and not webshop_rule_applies("webshop-lite")
     assert parse_webshop_action("click[  ]") is None
     assert parse_webshop_action("search[a] now") is None
 
@@ -604,3 +603,31 @@ def test_webshop_rule_details():
     assert action_filter(sel, sim2, ok, ok, threshold=0.8, webshop=True, **kw) == [[], [], [2], []]
     assert parse_webshop_action("click [a]") is None and parse_webshop_action("CLICK[a]") is None
     assert parse_webshop_action(" search[ red  shoes ] ") == ("search", "red  shoes")
+
+
+def test_an_environment_rule_of_its_own_and_the_webshop_rule_as_one():
+    """``rule=`` is a pair rule of the environment; ``webshop=True`` is exactly ``rule=webshop_actions_agree``."""
+    ok = torch.ones(4, dtype=torch.bool)
+    sel = [[1, 0], [1], [2], [3]]
+    teacher = ["click[Buy Now]", "search[red shoes]", "click[a]", None]
+    student = ["click[buy now]", "search[blue hat]", "click[a]", "click[x]"]
+    kw = dict(source_actions=teacher, target_actions=student)
+    sim = torch.ones(4, 4)
+    asked = []
+
+    def same_verb(a: str, b: str) -> bool:
+        asked.append((a, b))
+        return a.split("[")[0] == b.split("[")[0]
+
+    assert action_filter(sel, sim, ok, ok, rule=same_verb, **kw) == [[0], [1], [2], []]
+    assert (None, "click[x]") not in asked  # an invalid action is rejected before the rule is asked
+    for w in (True, False):
+        by_name = action_filter(sel, sim, ok, ok, webshop=w, **kw)
+        assert by_name == action_filter(sel, sim, ok, ok, rule=webshop_actions_agree if w else None, **kw)
+    assert not webshop_actions_agree("click[A]", "Click[A]") and webshop_actions_agree("search[a]", " search[b] ")
+    with pytest.raises(ValueError, match="rule: give webshop=True"):
+        action_filter(sel, sim, ok, ok, webshop=True, rule=same_verb, **kw)
+    with pytest.raises(ValueError, match="rule: expected a function"):
+        action_filter(sel, sim, ok, ok, rule="webshop", **kw)
+    with pytest.raises(ValueError, match="source_actions"):
+        action_filter(sel, sim, ok, ok, rule=same_verb)

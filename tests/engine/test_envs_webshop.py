@@ -222,7 +222,7 @@ def test_parse_action_forms():
     assert read_action("  click[ Buy  Now ] ") == ("click", "buy now")
     assert read_action("Search[Red Shoes]") == ("search", "red shoes")
     assert read_action("buy now") == (None, None)
-    assert read_action("click [a]") == (None, None)  # the action filter's grammar: no space before the bracket
+    assert read_action("click [a]") == (None, None)  # no space before the bracket
     assert read_action("search[   ]") == (None, None)  # an empty argument is no action
 
 

@@ -3,6 +3,8 @@ sync, its log-prob gap measured by the step's mismatch metrics and corrected by 
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,65 @@ def test_a_step_with_int8_rollouts_measures_and_corrects_the_gap(tmp_path):
     assert tr.parts.generator.quantizations > before  # the update's weights were pushed and quantized
     assert rec["mismatch/tokens"] > 0 and rec["mismatch/abs_diff_max"] > 0
     assert "rollout_is/mean" in rec
+
+
+def test_logprob_reuse_only_where_the_generator_samples_from_the_policy(tok, tmp_path):
+    """``trainer.logprob_reuse`` would make the sampler's log-probs PPO's old log-probs: refused at load where the
+    generator is known to sample from another model (int8, ``auto`` on a float32 CPU policy, Megatron's Hugging Face
+    copy), and, where the parts are built, whenever the generator does not sample from the scoring model itself."""
+    from alignopsd.engine.run.components import build_generator, build_policy, build_rescorer
+
+    reuse = ["trainer.logprob_reuse=true", "trainer.device=cpu", f"output_dir={tmp_path}"]
+    for extra, other in (
+        (["generation.quantize=int8"], "generation.quantize='int8'"),
+        (["generation.quantize=auto", "model.dtype=float32"], "generation.quantize='auto'"),
+        (["policy.backend=megatron"], "policy.backend='megatron'"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^trainer\.logprob_reuse: [^\n]*{re.escape(other)}[^\n]*$"):
+            load_config(TINY, [*reuse, *extra])
+    assert not load_config(TINY, [*reuse, "generation.quantize=auto", "model.dtype=bfloat16"]).samples_int8()
+    cpu = torch.device("cpu")
+    cfg = load_config(TINY, reuse)
+    policy = build_policy(cfg, cpu)
+    own = build_generator(cfg, policy, tok, cpu)
+    assert samples_from(own, policy.model) and build_rescorer(cfg, policy, cpu, own).reuse_rollout_logp
+    copy = Int8Generator(policy.model, tok)
+    with pytest.raises(ConfigError, match=r"^trainer\.logprob_reuse: .*\(Int8Generator\) does not"):
+        build_rescorer(cfg, policy, cpu, copy)
+    assert not build_rescorer(load_config(TINY, reuse[1:]), policy, cpu, copy).reuse_rollout_logp
+
+
+def test_logprob_reuse_with_int8_sampling_exits_2_naming_both_settings(tmp_path, capsys):
+    from alignopsd.engine.commands.cli import main
+
+    sets = ["trainer.logprob_reuse=true", "generation.quantize=int8", f"output_dir={tmp_path}"]
+    assert main(["train", "--config", TINY, *[x for s in sets for x in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if "trainer.logprob_reuse" in ln]
+    assert len(line) == 1 and "generation.quantize" in line[0], err
+    assert not any(tmp_path.iterdir())  # refused before the run wrote anything
+
+
+@pytest.mark.slow
+def test_a_lora_policy_samples_from_an_int8_copy_of_its_merged_weights(tmp_path):
+    """LoRA with int8 generation end to end: the int8 copy is made from the merged weights in the plain architecture
+    (no LoRA layers), every update's merged weights are pushed and quantized again, and the run trains."""
+    pytest.importorskip("peft")
+    from alignopsd.engine.run.trainer import Trainer
+
+    torch.set_num_threads(1)
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=1e-3"]
+    ov = ["trainer.total_steps=2", f"output_dir={tmp_path}", "generation.quantize=int8", "env.tasks_per_step=1"]
+    tr = Trainer(load_config(TINY, [*lora, *ov, "generation.max_response_length=8"]))
+    gen, policy = tr.parts.generator, tr.parts.policy
+    assert isinstance(gen, Int8Generator) and policy.adapter is not None
+    assert not any("lora" in name for name, _ in gen.float_model.named_modules())
+    assert any(isinstance(m, Int8Linear) for m in gen.model.modules())
+    before = gen.quantizations
+    rec = tr.fit()
+    assert gen.quantizations == before + 2  # one sync per update
+    merged = policy.hf_state_dict()
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in policy.model.state_dict().items())  # adapters trained
+    for name, value in gen.float_model.state_dict().items():
+        assert torch.equal(value, merged[name]), name  # the sampler holds the trained (merged) weights
+    assert rec["mismatch/tokens"] > 0 and math.isfinite(rec["actor/loss"])

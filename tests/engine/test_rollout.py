@@ -228,9 +228,10 @@ def test_tiny_model_hf_backend_codeword(tok):
     assert b.extras["rollout_metrics"]["generated_tokens"] == 48
     # log-prob reuse (the HF backend samples from the trainer's own model): the engine's log-probs are the
     # trainer's old log-probs; the mismatch is measured when both are computed
-    from alignopsd.engine.step.rescoring import Rescorer, can_reuse_rollout_logprobs
+    from alignopsd.engine.generation.base import samples_from
+    from alignopsd.engine.step.rescoring import Rescorer
 
-    assert can_reuse_rollout_logprobs(gen, model)
+    assert samples_from(gen, model)
     out = Rescorer(model, reuse_rollout_logp=True, check_reuse=True)(b, None, teacher=False)
     assert out.stats["student/reused"] and torch.equal(out.old_logp, b.rollout_logp)
     assert out.stats["mismatch/abs_diff_max"] < 1e-4

@@ -57,3 +57,39 @@ def test_select_pairs_runs_the_fused_kernel_entry_and_equals_the_core(monkeypatc
     valid_cells = enc.teacher_valid[:, None] & enc.student_valid[None, :]
     torch.testing.assert_close(H1[valid_cells], H0[valid_cells], rtol=0, atol=1e-6)
     assert bool((H1[~valid_cells] == 0).all())  # the kernel's H: 0 where a side is invalid
+
+
+def only_right_agrees(source_action, target_action) -> bool:
+    """A plugin environment's pair rule (named by its registry row): both actions are ``right``."""
+    return source_action == target_action == "right"
+
+
+def test_select_pairs_applies_the_environments_own_action_rule():
+    """The action filter takes the rule of the environment's registry row: none (ALFWorld), the method's WebShop
+    rule, or a plugin environment's own, registered with no edit of the core or the engine."""
+    from alignopsd.engine.envs.registry import EnvEntry, register_env
+
+    from alignopsd import action_filter, select_sources, similarity_matrix
+    from alignopsd.actions import webshop_actions_agree
+
+    register_env(EnvEntry("pairs_rule", "m:f", "m:t", "m:p", action_rule=f"{__name__}:only_right_agrees"), replace=True)
+    parts, cb, enc = _inputs()
+    m = enc.student.shape[0]
+    g = torch.Generator().manual_seed(3)
+    words = ["right", "left", "click[a]", "click[A]", "search[b]"]
+    enc.teacher_actions = [words[i] for i in torch.randint(0, 5, (m,), generator=g).tolist()]
+    enc.student_actions = [words[i] for i in torch.randint(0, 5, (m,), generator=g).tolist()]
+    enc.action_sim = torch.ones(m, m)
+    enc.teacher_action_valid = enc.student_action_valid = torch.ones(m, dtype=torch.bool)
+    H = similarity_matrix(enc.teacher, enc.student, cb.task)
+    B = TP.eligibility(cb.task, cb.rollout, enc.teacher_valid, enc.student_valid)
+    selected = select_sources(H, B, cb.task, cb.rollout, cb.turn, gamma=0.2, top_k=2)
+    kw = dict(threshold=0.5, source_actions=enc.teacher_actions, target_actions=enc.student_actions)
+    for env, rule in (("alfworld", None), ("webshop", webshop_actions_agree), ("pairs_rule", only_right_agrees)):
+        parts.cfg.env.name = env
+        _, _, pairs, _ = TP.select_pairs(parts, cb, enc)
+        want = action_filter(selected, enc.action_sim, *(torch.ones(m, dtype=torch.bool),) * 2, rule=rule, **kw)
+        assert pairs.tolist() == [[s, t] for t, srcs in enumerate(want) for s in srcs], env
+        if rule is not None:
+            assert all(rule(enc.teacher_actions[s], enc.student_actions[t]) for s, t in pairs.tolist())
+    assert 0 < len(pairs) < sum(map(len, selected))  # the plugin's rule removed some pairs and kept some

@@ -14,10 +14,13 @@ import torch
 from alignopsd.engine.generation import decode_cache as dc
 from alignopsd.engine.generation.decode_cache import SharedPrefixKV
 from alignopsd.kernels import attention_native as an
-from alignopsd.kernels.lse_native import native_ready
+from alignopsd.kernels.lse_native import elements_from, native_ready
 
 needs_native = pytest.mark.skipif(
     not native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
+)
+needs_extension = pytest.mark.skipif(
+    an._C is None or not hasattr(an._C, "attention_prefix_bf16"), reason="the C++ extension is not built"
 )
 
 
@@ -111,15 +114,75 @@ def test_applies_only_to_what_the_kernel_runs(monkeypatch):
         _native(kv, q, 0.125)
 
 
-@needs_native
 def test_bad_inputs_are_named():
+    """Shapes that do not fit together are named before any native call (so on any CPU): the query's head size,
+    rows or heads against the keys', the keys' against the values', the prefix's against the keys', row_prefix,
+    bias."""
     kv, q = _prefixed_cache()
     k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
+    pk, pv, rows, bias = kv.pk[0], kv.pv[0], kv.row_prefix, kv.bias
+
+    def call(q=q, k=k, v=v, pk=pk, pv=pv, rows=rows, bias=bias):
+        return an.prefix_attention(q, k, v, pk, pv, rows, bias, 0.125)
+
     with pytest.raises(ValueError, match="bias: expected shape"):
-        an.prefix_attention(q, k, v, kv.pk[0], kv.pv[0], kv.row_prefix, kv.bias[:, :, :, 1:], 0.125)
-    bad_rows = kv.row_prefix.clone()
+        call(bias=bias[:, :, :, 1:])
+    bad_rows = rows.clone()
     bad_rows[0] = 7
     with pytest.raises(ValueError, match="row_prefix: row 0 reads prefix 7 of 3"):
-        an.prefix_attention(q, k, v, kv.pk[0], kv.pv[0], bad_rows, kv.bias, 0.125)
+        call(rows=bad_rows)
+    bad_rows[0] = -2
+    with pytest.raises(ValueError, match="row_prefix: row 0 reads prefix -2 of 3"):
+        call(rows=bad_rows)
+    with pytest.raises(ValueError, match=r"row_prefix: expected shape \(8,\)"):
+        call(rows=rows[:5])
     with pytest.raises(ValueError, match="heads: query heads 5"):
-        an.prefix_attention(q[:, :5], k, v, kv.pk[0], kv.pv[0], kv.row_prefix, kv.bias, 0.125)
+        call(q=q[:, :5])
+    with pytest.raises(ValueError, match=r"k: expected \[B=8, K, n, D=64\]"):
+        call(k=k[..., :32], v=v[..., :32])  # the keys' head size is not the query's
+    with pytest.raises(ValueError, match=r"k: expected \[B=8, K, n, D=64\]"):
+        call(k=k[:6], v=v[:6])  # fewer rows of keys than of queries
+    with pytest.raises(ValueError, match="v: expected the shape of k"):
+        call(v=v[:, :, :-1])
+    with pytest.raises(ValueError, match=r"pk: expected \[G, K=2, P, D=64\]"):
+        call(pk=pk[..., :32], pv=pv[..., :32])
+    with pytest.raises(ValueError, match="pv: expected the shape of pk"):
+        call(pv=pv[:, :, :-1])
+    with pytest.raises(ValueError, match="pk, pv: give both"):
+        call(pv=None)
+
+
+@needs_extension
+def test_extension_refuses_sizes_past_its_buffers():
+    """The C++ boundary checks the sizes and strides it is given against the elements each buffer holds, before it
+    asks the CPU: the heap-buffer-overflow of a mismatched head size becomes a ValueError naming the buffer."""
+    kv, q = _prefixed_cache(b=2, s=3, h=2, k=1, d=32, g_count=1, p=4)
+    k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
+    pk, pv = kv.pk[0].contiguous(), kv.pv[0].contiguous()
+    rows = kv.row_prefix.long().contiguous()
+    bias = kv.bias.float().contiguous()
+    out = torch.empty(2, 3, 2, 32)
+    ptrs = (q.data_ptr(), list(q.stride()[:3]), k.data_ptr(), v.data_ptr(), list(k.stride()[:3]), pk.data_ptr())
+    ptrs += (pv.data_ptr(), list(pk.stride()[:3]), rows.data_ptr(), bias.data_ptr(), out.data_ptr())
+    held = [elements_from(t) for t in (q, k, v, pk, pv, rows, bias, out)]
+    sizes = dict(B=2, H=2, S=3, D=32, K=1, n=3, P=4, G=1)
+
+    def call(elements=held, **over):
+        args = {**sizes, **over}
+        return an._C.attention_prefix_bf16(*ptrs, *args.values(), 0.125, 1, elements)
+
+    with pytest.raises(ValueError, match="q: the sizes and strides given reach 416 elements, the buffer holds 384"):
+        call(D=64)  # a head size past the buffers (what an ASan build reported as a heap-buffer-overflow)
+    with pytest.raises(ValueError, match="pk: .* reach 128 elements, the buffer holds 64"):
+        call(elements=[*held[:3], 64, *held[4:]])  # prefix keys of head size 16 read as 32
+    with pytest.raises(ValueError, match="bias: .* reach 42 elements, the buffer holds 21"):
+        call(B=2, n=3, elements=[*held[:6], 21, held[7]])
+    with pytest.raises(ValueError, match="out: .* reach"):
+        call(elements=[*held[:7], 10])
+    with pytest.raises(ValueError, match="row_prefix: .* reach 2 elements, the buffer holds 1"):
+        call(elements=[*held[:5], 1, *held[6:]])
+    with pytest.raises(ValueError, match="elements: expected 8 counts"):
+        call(elements=held[:7])
+    if not native_ready():
+        with pytest.raises(ValueError, match="no AVX512-BF16"):
+            call()  # valid arguments: then the CPU is asked

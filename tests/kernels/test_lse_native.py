@@ -15,6 +15,9 @@ from alignopsd.kernels.lse_partials import finish_partials, torch_partials
 needs_native = pytest.mark.skipif(
     not lse_native.native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
 )
+needs_extension = pytest.mark.skipif(
+    lse_native._C is None or not hasattr(lse_native._C, "head_partials_bf16"), reason="the C++ extension is not built"
+)
 
 
 def _operands(n, v, h, *, seed=0, scale=0.08):
@@ -115,14 +118,62 @@ def test_native_partials_rejects_what_it_cannot_run(monkeypatch):
         lse_native.native_partials(hid, w, t, 1.0, 0)
 
 
-@needs_native
+@needs_extension
 def test_extension_checks_its_arguments():
+    """The C++ boundary checks every argument, the buffers' sizes among them, before it asks the CPU (so on any
+    CPU): sizes that would read past a buffer are refused, naming it."""
     hid, w, t = _operands(2, 10, 8)
     out = torch.empty(4, 2)
     ptrs = [hid.data_ptr(), w.data_ptr(), t.data_ptr(), *(r.data_ptr() for r in out)]
+    held = [16, 80, 2, 2]  # elements of hidden, weight, targets, each output
+
+    def call(n=2, v=10, h=8, inv_t=1.0, threads=1, elements=held):
+        return lse_native._C.head_partials_bf16(*ptrs, n, v, h, inv_t, True, threads, elements)
+
     with pytest.raises(ValueError, match="hidden_size: must be even"):
-        lse_native._C.head_partials_bf16(*ptrs, 2, 10, 7, 1.0, True, 1)
+        call(h=7)
     with pytest.raises(ValueError, match="inv_t"):
-        lse_native._C.head_partials_bf16(*ptrs, 2, 10, 8, float("inf"), True, 1)
+        call(inv_t=float("inf"))
     with pytest.raises(ValueError, match="threads"):
-        lse_native._C.head_partials_bf16(*ptrs, 2, 10, 8, 1.0, True, 0)
+        call(threads=0)
+    with pytest.raises(ValueError, match="weight: the sizes and strides given reach 96 elements, the buffer holds 80"):
+        call(v=12)  # a vocabulary larger than the weight
+    with pytest.raises(ValueError, match="hidden: .* reach 20 elements, the buffer holds 16"):
+        call(h=10, v=8)  # a hidden size larger than the rows hold
+    with pytest.raises(ValueError, match="targets: .* reach 3 elements, the buffer holds 2"):
+        call(n=3, elements=[24, 80, 2, 3])
+    with pytest.raises(ValueError, match="elements: expected 4 counts"):
+        call(elements=held[:3])
+    if not lse_native.native_ready():
+        with pytest.raises(ValueError, match="no AVX512-BF16"):
+            call()  # valid arguments: then the CPU is asked
+
+
+def test_native_partials_checks_shapes_before_anything_runs():
+    """Mismatched shapes are named by the wrapper before any native call (on any CPU)."""
+    hid, w, t = _operands(3, 70, 8)
+    with pytest.raises(ValueError, match="w_VH: hidden size 6 does not match h_NH's 8"):
+        lse_native.native_partials(hid, w[:, :6], t, 1.0, 0)
+    with pytest.raises(ValueError, match="t_N: expected 3 targets"):
+        lse_native.native_partials(hid, w, t[:2], 1.0, 0)
+    with pytest.raises(ValueError, match=r"h_NH, w_VH: expected hidden \[N, H\]"):
+        lse_native.native_partials(hid[None], w, t, 1.0, 0)
+
+
+def test_impl_torch_forces_the_torch_tiles(monkeypatch):
+    """``impl="torch"`` never takes the C++ forward; ``impl="auto"`` takes it where it applies (here made to apply,
+    with the torch tiles standing in for the kernel this CPU cannot run)."""
+    calls = []
+
+    def stand_in(h, w, t, inv_t, vocab_start, need_u=True):
+        calls.append(h.dtype)
+        return torch_partials(h, w, None, t, inv_t, vocab_start, need_u=need_u)
+
+    monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: b is None and h.dtype == torch.bfloat16)
+    monkeypatch.setattr(lse_partials, "native_partials", stand_in)
+    hid, w, t = _operands(5, 90, 16)
+    want = logprob_ref(hid, w, t)
+    torch.testing.assert_close(logprob(hid, w, t, impl="torch"), want, rtol=0, atol=3e-5)
+    assert calls == []
+    torch.testing.assert_close(logprob(hid, w, t), want, rtol=0, atol=3e-5)
+    assert calls == [torch.bfloat16]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,6 @@ from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.envs.webshop.data import Catalogue, get_catalogue, normalise_source
 from alignopsd.engine.envs.webshop.reward import get_reward
-
-from alignopsd.rectification import parse_webshop_action
 
 SUCCESS_REWARD = 10.0
 RESULTS_PER_PAGE = 10
@@ -45,18 +44,22 @@ SEP = " [SEP] "
 # ------------------------------------------------------------------------------------------ environment
 
 
+ACTION_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
+"""WebShop's action grammar, matched against the lower-cased action: the whole action is ``search[...]`` or
+``click[...]`` (no space before the bracket), with optional spaces around it."""
+
+
 def read_action(action: str) -> tuple[str | None, str | None]:
     """``search[x]`` / ``click[x]`` -> (verb, lower-cased argument with whitespace runs collapsed), else (None, None).
 
-    One grammar for the environment and the action filter (ALGORITHM.md §2.5): the action is read by the core's
-    :func:`alignopsd.rectification.parse_webshop_action`. The environment is case-insensitive (its catalogue text is
-    lower-cased), so it lower-cases the action first; the filter reads the raw text, case-sensitively (§6 case 18).
+    The environment's grammar (:data:`ACTION_RE`): case-insensitive, as its catalogue text is lower-cased; an empty
+    argument is no action. The teacher pass's action filter compares two actions by the method's own WebShop rule
+    (``alignopsd.actions.webshop_actions_agree``, this environment's registry row), which reads the raw text
+    case-sensitively (ALGORITHM.md §2.5, §7.18).
     """
-    parsed = parse_webshop_action(action.lower()) if isinstance(action, str) else None
-    if parsed is None:
-        return None, None
-    verb, arg = parsed
-    return verb, " ".join(arg.split())
+    m = ACTION_RE.fullmatch(action.lower()) if isinstance(action, str) else None
+    arg = " ".join(m.group(2).split()) if m is not None else ""
+    return (m.group(1), arg) if m is not None and arg else (None, None)
 
 
 class WebShopEnv:
