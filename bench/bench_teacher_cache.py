@@ -108,7 +108,7 @@ def run(config: str, overrides: list[str], *, profile: bool, fp32_reference: boo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from alignopsd.engine.run.trainer import add_run_args
+    from alignopsd.engine.commands.options import add_run_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(ap)

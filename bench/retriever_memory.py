@@ -5,7 +5,7 @@
 
 A synthetic corpus (``--docs`` documents of about 250 characters, every one containing the query words, so
 every query fills its top-k) is written to a temporary folder; the server runs in a child process
-(``alignopsd.engine.envs.search.retrieval_server`` on a free loopback port); ``--clients`` threads each send
+(``alignopsd serve-retriever`` on a free loopback port); ``--clients`` threads each send
 ``--requests`` identical requests (``--queries`` queries, ``--topk``, scores returned) one after the other,
 reading each answer to the end (the client keeps only its length). The server's VmRSS before the load
 (after one small warm-up request) and its VmHWM after it are read from ``/proc/<pid>/status``.

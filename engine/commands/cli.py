@@ -16,28 +16,9 @@ subcommand is chosen.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever", "memory", "plan")
-
-
-def games_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="alignopsd games", description="Generate expert-verified game files.")
-    p.add_argument("env", choices=["alfworld"], help="which environment's games to generate")
-    p.add_argument("--n", type=int, required=True, help="number of games")
-    p.add_argument("--out", required=True, help="output directory (alfworld layout: OUT/json_2.1.1/<split>/)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", default="train", choices=["train", "valid_seen", "valid_unseen"])
-    p.add_argument("--workers", type=int, default=1, help="processes generating and verifying games")
-    args = p.parse_args(argv)
-    if args.n < 1:
-        p.error(f"--n: must be >= 1, got {args.n}")
-    from alignopsd.engine.envs.alfworld.gen import generate_games
-
-    paths = generate_games(args.n, args.out, seed=args.seed, split=args.split, workers=args.workers)
-    print(f"wrote {len(paths)} {args.split} games under {args.out}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        from alignopsd.engine.run.trainer import main as run
+        from alignopsd.engine.commands.train import main as run
     elif cmd == "eval":
         from alignopsd.engine.commands.evaluate import main as run
     elif cmd == "profile":
@@ -57,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "sft":
         from alignopsd.engine.commands.sft import main as run
     elif cmd == "games":
-        run = games_main
+        from alignopsd.engine.commands.games import main as run
     elif cmd == "serve-retriever":
-        from alignopsd.engine.envs.search.retriever import main as run
+        from alignopsd.engine.commands.serve_retriever import main as run
     elif cmd == "memory":
-        from alignopsd.engine.policy.megatron.memory import main as run
+        from alignopsd.engine.commands.memory import main as run
     elif cmd == "plan":
         from alignopsd.engine.commands.plan import main as run
     else:

@@ -270,7 +270,7 @@ def _close_process_group() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from alignopsd.engine.run.trainer import add_run_args
+    from alignopsd.engine.commands.options import add_run_args
 
     p = argparse.ArgumentParser(
         prog="alignopsd compare",

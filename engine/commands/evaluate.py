@@ -24,13 +24,14 @@ from pathlib import Path
 from alignopsd.engine.checkpoint.manifest import ManifestError, verify_manifest
 from alignopsd.engine.checkpoint.trainer_state import STATE_FILE, read_trainer_state
 from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, load_weights
+from alignopsd.engine.commands.options import add_run_args
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.envs.registry import get_entry, resolve
 from alignopsd.engine.infra.writes import WriteFailure, writing
 from alignopsd.engine.infra.writes import report as report_write_failure
-from alignopsd.engine.run.trainer import Trainer, add_run_args
+from alignopsd.engine.run.trainer import Trainer
 from alignopsd.engine.step.episodes import run_validation
 
 

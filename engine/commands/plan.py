@@ -131,8 +131,8 @@ def run_plan(cfg, gpu: str, world_size: int, cf: float, bf: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from alignopsd.engine.commands.options import add_run_args
     from alignopsd.engine.config.schema import ConfigError, load_config
-    from alignopsd.engine.run.trainer import add_run_args
 
     ap = argparse.ArgumentParser(prog="alignopsd plan", description="Per-phase cost of a step at full scale.")
     add_run_args(ap)

@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
+from alignopsd.engine.commands.options import add_run_args
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.observe.cuda_syncs import CudaSyncCounter
 from alignopsd.engine.observe.profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from alignopsd.engine.run.process import Dist, pick_device
-from alignopsd.engine.run.trainer import Trainer, add_run_args
+from alignopsd.engine.run.trainer import Trainer
 from alignopsd.engine.step.recipe import run_step
 
 # step metrics kept in the summary as ``counts`` (per step, reduced over data-parallel ranks): batch size and lengths

@@ -414,10 +414,10 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from alignopsd.engine.commands.options import add_run_args
     from alignopsd.engine.config.schema import ConfigError, load_config
     from alignopsd.engine.infra.writes import WriteFailure
     from alignopsd.engine.infra.writes import report as report_write_failure
-    from alignopsd.engine.run.trainer import add_run_args
 
     p = argparse.ArgumentParser(prog="alignopsd sft", description="Supervised warm start on expert walkthroughs.")
     add_run_args(p)

@@ -1,4 +1,4 @@
-"""Training entry point: ``python -m alignopsd.engine train --config FILE [--set k=v ...] [--resume auto]``.
+"""The training loop (``Trainer``) of ``alignopsd train`` (engine/commands/train.py).
 
 Also runs under ``torchrun --nproc_per_node=N`` (data parallel: gloo on CPU, NCCL on CUDA). Each rank
 plays ``tasks_per_step / N`` tasks per step (a task's sibling group stays on one rank, so group
@@ -32,7 +32,6 @@ signal came again before that checkpoint was complete: exited at once, the previ
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -43,7 +42,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignopsd.engine.checkpoint.checkpoint import (
-    UnsafeStateError,
     derived_rng_state,
     is_complete,
     load_checkpoint,
@@ -54,10 +52,8 @@ from alignopsd.engine.checkpoint.checkpoint import (
 from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
 from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.dump import dump_config
-from alignopsd.engine.config.preflight import preflight
-from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
-from alignopsd.engine.infra.writes import WriteFailure, writing
-from alignopsd.engine.infra.writes import report as report_write_failure
+from alignopsd.engine.config.schema import ConfigError, RunConfig
+from alignopsd.engine.infra.writes import writing
 from alignopsd.engine.observe.audit import Auditor, header_of
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import report_files, report_numbers, write_report
@@ -66,7 +62,7 @@ from alignopsd.engine.parallel.collectives import reduce_metrics
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.loggers import open_sinks
-from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatch
+from alignopsd.engine.run.preemption import Preempted, PreemptionWatch
 from alignopsd.engine.run.process import Dist, pick_device, seed_everything
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
@@ -412,80 +408,3 @@ class Trainer:
         lead = self.parts.policy.layout.is_group_lead
         got = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
         return reduce_metrics(got, strict=strict())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# command line
-
-
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML run config (configs/*.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set algorithm.estimator=grpo (repeatable)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="alignopsd train", description="Train a policy with AlignOPSD or a baseline.")
-    add_run_args(p)
-    p.add_argument("--resume", default=None, help="'auto' (newest verified checkpoint), a checkpoint path, or none")
-    p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
-    p.add_argument(
-        "--allow-config-change",
-        action="store_true",
-        help="resume even though the config differs from the checkpoint's in settings that change training",
-    )
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f"output_dir={args.output_dir}")
-
-    rank0 = os.environ.get("RANK", "0") == "0"
-    try:  # every config error before anything heavy loads: the config, the machine, the checkpoint to resume
-        cfg = load_config(args.config, overrides)
-        preflight(cfg)
-        resume, _ = prepare_resume(
-            cfg,
-            args.resume,
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            allow_changes=args.allow_config_change,
-            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None,
-        )
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    if rank0:
-        print(cfg.dtype_line(), flush=True)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        trainer = Trainer(cfg)
-    except ConfigError as exc:  # the output folder's lock, the data-parallel split, the device
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
-    except UnsafeStateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
-        return report_write_failure(exc, "alignopsd train")
-    except Preempted as exc:
-        if trainer.rank == 0:
-            print(f"[train] {exc}", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
-    finally:
-        trainer.dist.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

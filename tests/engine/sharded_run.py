@@ -3,7 +3,7 @@
 ``torchrun --nproc_per_node=N tests/engine/sharded_run.py [--stop-after K] [--dump-save F] [--dump-load F] ARGS``
 registers the guess environment and the candidate-choice generator (learn_helpers: a random tiny model cannot
 write the tag format, so the steps would carry no learning signal), then runs
-``alignopsd.engine.run.trainer.main(ARGS)``:
+``alignopsd.engine.commands.train.main(ARGS)``:
 the real command line (pre-flight, resume checks, Trainer, saves and loads).
 
 ``--stop-after K``: every rank exits at once (``os._exit``, no clean-up, like a kill) right after step K's
@@ -67,7 +67,9 @@ def main(argv: list[str]) -> int:
             dump(self.parts.policy, args.dump_load)
 
     train.Trainer.save, train.Trainer.load = save_then, load_then
-    return train.main(train_args)
+    from alignopsd.engine.commands.train import main as train_main
+
+    return train_main(train_args)
 
 
 if __name__ == "__main__":

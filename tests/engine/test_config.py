@@ -144,7 +144,7 @@ def test_cli_rejects_before_loading_anything(tmp_path, capsys):
 
     code = (
         "import sys\n"
-        "from alignopsd.engine.run.trainer import main\n"
+        "from alignopsd.engine.commands.train import main\n"
         "rc = main(['--config', sys.argv[1], '--set', 'trainer.bogus=1'])\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
         "sys.exit(rc)\n"

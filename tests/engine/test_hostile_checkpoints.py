@@ -137,7 +137,7 @@ def test_commands_refuse_hostile_checkpoints_with_exit_2(tmp_path, command):
             calls.append(["--config", TINY, "--set", f"output_dir={out}", "--resume", "auto"])
         else:
             calls.append(["--config", TINY, "--checkpoint", str(path)])
-    module = "run.trainer" if command == "train" else "commands.evaluate"
+    module = "commands.train" if command == "train" else "commands.evaluate"
     r = subprocess.run([sys.executable, "-c", _DRIVER.format(module=module), json.dumps(calls)], capture_output=True,
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -213,7 +213,7 @@ def test_forged_sharded_index_runs_nothing(tmp_path, forgery):
         ck.verify_checkpoint(path)
     with pytest.raises(safe_dcp.UnsafeCheckpointError, match=match):  # the backend's load path
         safe_dcp.load({"w": torch.zeros(6)}, path / "shards", {"__0_0.distcp"})
-    r = subprocess.run([sys.executable, "-c", _DRIVER.format(module="run.trainer"),
+    r = subprocess.run([sys.executable, "-c", _DRIVER.format(module="commands.train"),
                         json.dumps([["--config", TINY, "--set", f"output_dir={tmp_path}", "--resume", "auto"]])],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     res = json.loads(r.stdout.splitlines()[-1])[0]

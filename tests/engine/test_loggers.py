@@ -16,6 +16,7 @@ import wandb_records as wr
 from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.checkpoint.manifest import ManifestError
 from alignopsd.engine.checkpoint.trainer_state import STATE_FILE, TrainerState, read_trainer_state
+from alignopsd.engine.commands.train import main as train_main
 from alignopsd.engine.config import logger_check
 from alignopsd.engine.config.logger_check import check_loggers
 from alignopsd.engine.config.schema import ConfigError, load_config
@@ -25,7 +26,6 @@ from alignopsd.engine.observe.sinks import Sink, series_name
 from alignopsd.engine.observe.strict import STRICT_ENV
 from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.resume import config_changes, stored_config, with_loggers
-from alignopsd.engine.run.trainer import main as train_main
 
 TINY = str(lh.TINY_CONFIG)
 

@@ -149,7 +149,7 @@ def _preempted_at(out: Path) -> int:
 def test_sigterm_saves_exits_143_and_resume_is_exact(tmp_path, capsys):
     """3 steps straight == SIGTERM during the run (exit 143 with the checkpoint of the step it ended) + --resume
     auto; meanwhile a second run on the folder is refused with exit code 2 naming the holder."""
-    from alignopsd.engine.run.trainer import main
+    from alignopsd.engine.commands.train import main
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     torch.set_num_threads(1)

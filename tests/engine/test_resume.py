@@ -107,7 +107,7 @@ def test_span_lengths_side_file(tmp_path):
 
 _MAIN = (
     "import sys\n"
-    "from alignopsd.engine.run.trainer import main\n"
+    "from alignopsd.engine.commands.train import main\n"
     "rc = main(sys.argv[1:])\n"
     "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     "sys.exit(rc)\n"

@@ -57,7 +57,7 @@ def test_logprob_reuse_with_rollout_is_is_refused_naming_both_keys(tmp_path):
     import subprocess
     import sys
 
-    code = "import sys\nfrom alignopsd.engine.run.trainer import main\nsys.exit(main(sys.argv[1:]))\n"
+    code = "import sys\nfrom alignopsd.engine.commands.train import main\nsys.exit(main(sys.argv[1:]))\n"
     tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
     argv = ["--config", tiny, *[x for s in sets for x in ("--set", s)]]
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)

@@ -41,7 +41,7 @@ def _holder(out: Path, *, fork_child: bool = False) -> subprocess.Popen:
 
 
 def test_second_run_is_refused_with_exit_2_naming_the_holder(tmp_path, capsys):
-    from alignopsd.engine.run.trainer import main
+    from alignopsd.engine.commands.train import main
 
     holder = _holder(tmp_path)
     try:

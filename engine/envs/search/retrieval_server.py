@@ -33,14 +33,12 @@ FastAPI and uvicorn are the ``serve`` extra; they are imported only when a serve
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +60,6 @@ __all__ = [
     "ServerLimits",
     "body_charge",
     "build_app",
-    "main",
     "parse_retrieve_request",
     "render_result",
     "serve_retriever",
@@ -328,49 +325,3 @@ def serve_retriever(
         pass
     finally:
         server.sock.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    d = ServerLimits()
-    ap = argparse.ArgumentParser(description="Search-R1 compatible BM25 retrieval server")
-    ap.add_argument("--corpus", required=True, help="corpus jsonl with {id, contents} per line")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--parent-pid", type=int, default=None)
-    ap.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    ap.add_argument("--max-queries", type=int, default=d.max_queries)
-    ap.add_argument("--max-topk", type=int, default=d.max_topk)
-    ap.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
-    ap.add_argument("--max-results", type=int, default=d.max_results, help="queries x topk per request")
-    ap.add_argument("--max-response-bytes", type=int, default=d.max_response_bytes)
-    ap.add_argument("--body-budget-bytes", type=int, default=d.body_budget_bytes)
-    ap.add_argument("--work-budget-bytes", type=int, default=d.work_budget_bytes, help="default: see ServerLimits")
-    ap.add_argument("--admission-wait", type=float, default=d.admission_wait_s, help="seconds before a 503")
-    args = ap.parse_args(argv)
-    try:
-        limits = ServerLimits(
-            max_body_bytes=args.max_body_bytes,
-            max_queries=args.max_queries,
-            max_topk=args.max_topk,
-            request_timeout_s=args.request_timeout,
-            max_results=args.max_results,
-            max_response_bytes=args.max_response_bytes,
-            body_budget_bytes=args.body_budget_bytes,
-            work_budget_bytes=args.work_budget_bytes,
-            admission_wait_s=args.admission_wait,
-        )
-    except ValueError as exc:
-        ap.error(str(exc))
-    try:
-        serve_retriever(
-            args.corpus, args.host, args.port, cache_dir=args.cache_dir, parent_pid=args.parent_pid, limits=limits
-        )
-    except ValueError as exc:  # the corpus, or limits that do not fit it (work_budget)
-        print(f"serve-retriever: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

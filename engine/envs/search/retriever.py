@@ -8,7 +8,6 @@ Protocol and server: retrieval_server.py (FastAPI on uvicorn); corpus and BM25 i
 - ``ensure_retriever``: returns a URL: the configured one, else one already started for this process tree
   (environment variable ``ALIGNOPSD_RETRIEVER_URL``), else starts our server in a child process on a free
   loopback port and exports the variable, so worker processes created afterwards share that one server.
-- ``main``: the server's command line (``alignopsd serve-retriever``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from typing import Any
 
 from alignopsd.engine.envs.search.corpus_index import Document
 from alignopsd.engine.envs.search.data import default_corpus_path
-from alignopsd.engine.envs.search.retrieval_server import main
 from alignopsd.engine.infra.cache import cache_root
 
 __all__ = [
@@ -41,7 +39,6 @@ __all__ = [
     "RetrieverError",
     "ensure_retriever",
     "format_passages",
-    "main",
     "start_retriever_process",
 ]
 
@@ -166,7 +163,8 @@ def start_retriever_process(
     cmd = [
         sys.executable,
         "-m",
-        "alignopsd.engine.envs.search.retrieval_server",
+        "alignopsd.engine",
+        "serve-retriever",
         "--corpus",
         str(corpus_path),
         "--host",
@@ -282,7 +280,3 @@ def ensure_retriever(config: Any = None, *, corpus_path: str | os.PathLike[str] 
             fcntl.flock(lock, fcntl.LOCK_UN)
     os.environ[URL_ENV_VAR] = url
     return url
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

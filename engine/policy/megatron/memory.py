@@ -33,7 +33,6 @@ recomputation).
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,21 +223,3 @@ def describe(layout: Layout, source: str) -> str:
             else ""
         )
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="alignopsd memory", description="Per-rank memory of a Megatron run's config.")
-    p.add_argument("--config", required=True, help="run config (YAML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V", help="config override")
-    p.add_argument("--world-size", type=int, default=None, help="ranks in all (default: tensor_parallel_size)")
-    p.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one accelerator in GiB (default 80)")
-    args = p.parse_args(argv)
-    from alignopsd.engine.config.schema import load_config
-
-    cfg = load_config(args.config, args.overrides)
-    world = args.world_size if args.world_size is not None else cfg.policy.tensor_parallel_size
-    layout, source = layout_from_config(cfg, world, args.gpu_gib)
-    print(describe(layout, source))
-    print()
-    print(format_table(layout))
-    return 0

@@ -1,0 +1,85 @@
+"""``alignopsd train --config FILE [--set k=v ...] [--resume auto]``: one run of the training loop.
+
+Also runs under ``torchrun --nproc_per_node=N``. The loop itself, its files and its exit statuses:
+engine/run/trainer.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from alignopsd.engine.checkpoint.checkpoint import UnsafeStateError
+from alignopsd.engine.commands.options import add_run_args
+from alignopsd.engine.config.preflight import preflight
+from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.infra.writes import WriteFailure
+from alignopsd.engine.infra.writes import report as report_write_failure
+from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted
+from alignopsd.engine.run.resume import prepare_resume
+from alignopsd.engine.run.trainer import Trainer
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="alignopsd train", description="Train a policy with AlignOPSD or a baseline.")
+    add_run_args(p)
+    p.add_argument("--resume", default=None, help="'auto' (newest verified checkpoint), a checkpoint path, or none")
+    p.add_argument("--output-dir", default=None, help="override output_dir (default runs/<config name>)")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though the config differs from the checkpoint's in settings that change training",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:  # every config error before anything heavy loads: the config, the machine, the checkpoint to resume
+        cfg = load_config(args.config, overrides)
+        preflight(cfg)
+        resume, _ = prepare_resume(
+            cfg,
+            args.resume,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            allow_changes=args.allow_config_change,
+            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None,
+        )
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if rank0:
+        print(cfg.dtype_line(), flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as exc:  # the output folder's lock, the data-parallel split, the device
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
+    except UnsafeStateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
+        return report_write_failure(exc, "alignopsd train")
+    except Preempted as exc:
+        if trainer.rank == 0:
+            print(f"[train] {exc}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    finally:
+        trainer.dist.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
