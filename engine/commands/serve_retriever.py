@@ -1,6 +1,8 @@
-"""``alignopsd serve-retriever --corpus FILE [--host H] [--port P]``: the Search-R1 retrieval server.
+"""``alignopsd serve-retriever --corpus FILE [--host H] [--port P] [--token-file F]``: the Search-R1 retrieval server.
 
-The server, its protocol and limits: engine/envs/search/retrieval_server.py.
+The server, its protocol and limits: engine/envs/search/retrieval_server.py. Its token (``--token-file`` or
+``$ALIGNOPSD_RETRIEVER_TOKEN``, never a command-line value) and the loopback rule: engine/envs/search/retriever_auth.py;
+a host beyond loopback without a token ends the command with exit status 2 and one line, before anything loads.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from alignopsd.engine.envs.search.retrieval_server import ServerLimits, serve_retriever
+from alignopsd.engine.envs.search.retriever_auth import TOKEN_ENV_VAR, check_exposure, resolve_token
 
 __all__ = ["main"]
 
@@ -18,7 +21,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     d = ServerLimits()
     ap = argparse.ArgumentParser(description="Search-R1 compatible BM25 retrieval server")
     ap.add_argument("--corpus", required=True, help="corpus jsonl with {id, contents} per line")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="beyond loopback only with a token")
+    ap.add_argument(
+        "--token-file",
+        default=None,
+        help=f"file holding the bearer token every request must present (default: ${TOKEN_ENV_VAR} if set)",
+    )
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
@@ -32,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work-budget-bytes", type=int, default=d.work_budget_bytes, help="default: see ServerLimits")
     ap.add_argument("--admission-wait", type=float, default=d.admission_wait_s, help="seconds before a 503")
     args = ap.parse_args(argv)
+    try:
+        token = resolve_token(args.token_file)
+        check_exposure(args.host, token)
+    except ValueError as exc:
+        print(f"serve-retriever: {exc}", file=sys.stderr)
+        return 2
     try:
         limits = ServerLimits(
             max_body_bytes=args.max_body_bytes,
@@ -48,7 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(exc))
     try:
         serve_retriever(
-            args.corpus, args.host, args.port, cache_dir=args.cache_dir, parent_pid=args.parent_pid, limits=limits
+            args.corpus,
+            args.host,
+            args.port,
+            cache_dir=args.cache_dir,
+            parent_pid=args.parent_pid,
+            limits=limits,
+            token=token,
         )
     except ValueError as exc:  # the corpus, or limits that do not fit it (work_budget)
         print(f"serve-retriever: {exc}", file=sys.stderr)

@@ -16,7 +16,9 @@ Reward: 10 · EM, the same success scale as ALFWorld (10 · won) and WebShop (10
 Retrieval: ``retriever_url`` (any Search-R1 ``/retrieve`` server); else ``$ALIGNOPSD_RETRIEVER_URL``
 (exported by ``retriever.ensure_retriever`` in the parent before the workers start: one shared server);
 else this process starts our server for the corpus (``corpus_path``, default: the generated KB of the
-task's ``kb_seed``). ``retriever_url="local"`` searches in-process without HTTP.
+task's ``kb_seed``). ``retriever_url="local"`` searches in-process without HTTP. A server that needs a bearer
+token gets the one in ``retriever_token_file`` (``env.options``), else ``$ALIGNOPSD_RETRIEVER_TOKEN``
+(engine/envs/search/retriever_auth.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from alignopsd.engine.envs.search.data import (
     split_questions,
 )
 from alignopsd.engine.envs.search.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
+from alignopsd.engine.envs.search.retriever_auth import resolve_token
 
 SUCCESS_REWARD = 10.0
 TOPK = 3
@@ -101,6 +104,7 @@ class SearchEnv:
         max_steps: int = 4,
         timeout: float = 15.0,
         retries: int = 3,
+        retriever_token_file: str | os.PathLike[str] | None = None,
         **_: Any,
     ) -> None:
         if not isinstance(max_steps, int) or max_steps <= 0:
@@ -110,6 +114,7 @@ class SearchEnv:
         self.retriever_url = retriever_url
         self.corpus_path = str(corpus_path) if corpus_path else None
         self.topk, self.max_steps, self.timeout, self.retries = topk, max_steps, timeout, retries
+        self.token = resolve_token(retriever_token_file)  # the file's, else $ALIGNOPSD_RETRIEVER_TOKEN's, else None
         self._clients: dict[str, RetrieverClient] = {}
         self.last_url = "local" if retriever_url == "local" else None
         self.task: TaskSpec | None = None
@@ -132,7 +137,7 @@ class SearchEnv:
                 corpus = str(default_corpus_path(int(self.task.payload["kb_seed"])))
             url = ensure_retriever(corpus_path=corpus)
         if url not in self._clients:
-            self._clients[url] = RetrieverClient(url, timeout=self.timeout, retries=self.retries)
+            self._clients[url] = RetrieverClient(url, timeout=self.timeout, retries=self.retries, token=self.token)
         self.last_url = url
         return self._clients[url].retrieve([query], self.topk)[0]
 

@@ -28,6 +28,9 @@ twice the largest answer it can produce plus 256 bytes per result and a score ar
 ``Retry-After: retry_after_s`` (2); the charges are released when the answer has been sent. So the server holds
 at most the two budgets beyond its corpus and index (measured: bench/results/retriever-memory-2026-12-02.md).
 
+Access (engine/envs/search/retriever_auth.py): with a token every request must carry ``Authorization: Bearer
+<token>`` (else 401, checked in constant time before the body is read); beyond loopback a token is required.
+
 FastAPI and uvicorn are the ``serve`` extra; they are imported only when a server is built.
 """
 
@@ -53,6 +56,7 @@ from alignopsd.engine.envs.search.retrieval_requests import (
     work_budget,
     work_charge,
 )
+from alignopsd.engine.envs.search.retriever_auth import BearerAuth, check_exposure
 
 __all__ = [
     "AnswerTooLarge",
@@ -110,8 +114,9 @@ class _Reject(Exception):
         self.status = status
 
 
-def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None) -> Any:
-    """The FastAPI application serving ``retriever`` over the Search-R1 protocol.
+def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None, token: str | None = None) -> Any:
+    """The FastAPI application serving ``retriever`` over the Search-R1 protocol (with ``token``: to requests that
+    present it as their bearer token only).
 
     The routes take the raw request (validated by :func:`parse_retrieve_request`), so they are added as
     plain routes rather than through FastAPI's parameter models.
@@ -179,6 +184,8 @@ def build_app(retriever: CorpusRetriever, limits: ServerLimits | None = None) ->
     app.add_exception_handler(HTTPException, http_error)
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/retrieve", retrieve, methods=["POST"])
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token)
     return app
 
 
@@ -227,7 +234,8 @@ def _listening_socket(host: str, port: int, backlog: int) -> socket.socket:
 
 
 class RetrievalServer:
-    """The server over a ``CorpusRetriever``, bound at construction (port 0: a free port).
+    """The server over a ``CorpusRetriever``, bound at construction (port 0: a free port); with ``token`` it
+    answers only requests bearing it, and beyond loopback it refuses (ValueError, before binding) to run without.
 
     ``start()`` serves in a daemon thread (tests, in-process use); ``serve_forever()`` serves in the
     calling thread until ``close()`` or a signal.
@@ -239,13 +247,15 @@ class RetrievalServer:
         host: str = "127.0.0.1",
         port: int = 0,
         limits: ServerLimits | None = None,
+        token: str | None = None,
     ) -> None:
         import uvicorn
 
+        check_exposure(host, token)
         self.retriever = retriever
         self.limits = limits or ServerLimits()
         self.sock = _listening_socket(host, port, self.limits.backlog)
-        self.app = build_app(retriever, self.limits)  # app.state.budgets: (body budget, work budget)
+        self.app = build_app(retriever, self.limits, token)  # app.state.budgets: (body budget, work budget)
         config = uvicorn.Config(
             self.app,
             http=_protocol_class(self.limits.request_timeout_s),
@@ -302,10 +312,13 @@ def serve_retriever(
     parent_pid: int | None = None,
     announce: Callable[[str], None] | None = None,
     limits: ServerLimits | None = None,
+    token: str | None = None,
 ) -> None:
-    """Serve ``corpus_path`` over the Search-R1 protocol until interrupted (or until ``parent_pid`` exits)."""
+    """Serve ``corpus_path`` over the Search-R1 protocol until interrupted (or until ``parent_pid`` exits); beyond
+    loopback only with a ``token`` (ValueError before the corpus loads)."""
+    check_exposure(host, token)
     retriever = CorpusRetriever.from_path(corpus_path, Path(cache_dir) if cache_dir else None)
-    server = RetrievalServer(retriever, host, port, limits)
+    server = RetrievalServer(retriever, host, port, limits, token)
     if parent_pid is not None:
 
         def _watch() -> None:

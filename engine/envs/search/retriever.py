@@ -2,12 +2,14 @@
 
 Protocol and server: retrieval_server.py (FastAPI on uvicorn); corpus and BM25 index: corpus_index.py.
 
-- ``RetrieverClient``: the client, with a timeout and retries.
+- ``RetrieverClient``: the client, with a timeout and retries; it sends the bearer token of
+  ``$ALIGNOPSD_RETRIEVER_TOKEN`` (or the one it is given: ``env.options.retriever_token_file``), see retriever_auth.py.
 - ``format_passages``: the Search-R1 rendering of retrieved documents.
 - ``start_retriever_process``: our server in a child process on a free loopback port.
 - ``ensure_retriever``: returns a URL: the configured one, else one already started for this process tree
   (environment variable ``ALIGNOPSD_RETRIEVER_URL``), else starts our server in a child process on a free
-  loopback port and exports the variable, so worker processes created afterwards share that one server.
+  loopback port and exports the variable, so worker processes created afterwards share that one server. That
+  server inherits ``$ALIGNOPSD_RETRIEVER_TOKEN`` when set (and requires it); without it, it runs without a token.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from alignopsd.engine.envs.search.corpus_index import Document
 from alignopsd.engine.envs.search.data import default_corpus_path
+from alignopsd.engine.envs.search.retriever_auth import TOKEN_ENV_VAR, resolve_token
 from alignopsd.engine.infra.cache import cache_root
 
 __all__ = [
@@ -53,9 +56,12 @@ class RetrieverError(RuntimeError):
 
 
 class RetrieverClient:
-    """Client of a Search-R1 ``/retrieve`` endpoint with a per-request timeout and retries."""
+    """Client of a Search-R1 ``/retrieve`` endpoint with a per-request timeout and retries. ``token``: the bearer
+    token to send (default: ``$ALIGNOPSD_RETRIEVER_TOKEN`` when set, else none)."""
 
-    def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.25) -> None:
+    def __init__(
+        self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.25, token: str | None = None
+    ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected an http(s) URL, got {url!r}")
         if timeout <= 0:
@@ -67,6 +73,7 @@ class RetrieverClient:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self._headers = _auth_headers(token)
 
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Document]]:
         """Top-``topk`` documents per query (scores dropped)."""
@@ -76,7 +83,8 @@ class RetrieverClient:
         body = json.dumps({"queries": list(queries), "topk": int(topk), "return_scores": True}).encode()
         last: Exception | None = None
         for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.endpoint, data=body, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json", **self._headers}
+            req = urllib.request.Request(self.endpoint, data=body, headers=headers)
             wait = self.backoff * (2**attempt)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -84,6 +92,12 @@ class RetrieverClient:
                 return _parse_result(payload, len(queries))
             except urllib.error.HTTPError as exc:
                 last = exc
+                if exc.code == 401:
+                    sent = "a token that it refused" if self._headers else "no token"
+                    raise RetrieverError(
+                        f"retrieval at {self.endpoint}: 401 unauthorized (sent {sent}); give the server's token in "
+                        f"${TOKEN_ENV_VAR} or env.options.retriever_token_file"
+                    ) from None
                 if 400 <= exc.code < 500:  # our request is wrong: retrying will not help
                     break
                 wait = max(wait, _retry_after(exc.headers.get("Retry-After")))  # a busy server says when
@@ -92,6 +106,11 @@ class RetrieverClient:
             if attempt < self.retries:
                 time.sleep(wait)
         raise RetrieverError(f"retrieval at {self.endpoint} failed after {self.retries + 1} attempt(s): {last}")
+
+
+def _auth_headers(token: str | None) -> dict[str, str]:
+    token = token if token is not None else resolve_token()
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _retry_after(value: str | None) -> float:
@@ -224,7 +243,8 @@ def _top_pid() -> int:
 
 def _healthy(url: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+        req = urllib.request.Request(url.rstrip("/") + "/health", headers=_auth_headers(None))
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
