@@ -115,6 +115,16 @@ class RunConfig(Section):
         t = self.env.teacher_max_response_length
         return self.generation.max_response_length if t is None else t
 
+    @property
+    def update_token_budget(self) -> int:
+        """Computed positions per micro-batch of the update (``trainer.ppo_max_token_len_per_gpu`` resolved; 0: the
+        fixed-row micro-batches)."""
+        t = self.trainer.ppo_max_token_len_per_gpu
+        if t == "auto":
+            width = self.env.max_prompt_length + self.generation.max_response_length
+            return self.trainer.ppo_micro_batch_size * width
+        return int(t or 0)
+
     @model_validator(mode="after")
     def _sections_agree(self) -> Self:
         """Rules over several sections; each names the key to change."""

@@ -404,7 +404,11 @@ class TrainerConfig(Section):
     ppo_mini_batch_size: Count = 256
     """Turn rows per optimiser step (global, over all ranks)."""
     ppo_micro_batch_size: Count = 16
-    """Turn rows per forward/backward on one rank."""
+    """Turn rows per forward/backward on one rank (when ppo_max_token_len_per_gpu is 0 or null)."""
+    ppo_max_token_len_per_gpu: Annotated[int, Field(ge=0)] | Literal["auto"] | None = "auto"
+    """Micro-batches by tokens (verl's name): rows sorted by length, as many per forward/backward on one rank as fit
+    in this many positions (rows x padded length; the old log-prob and reference passes sort their rows too).
+    auto: ppo_micro_batch_size x (env.max_prompt_length + generation.max_response_length); 0/null: fixed rows."""
     ppo_epochs: Annotated[int, AfterValidator(_one_epoch)] = 1
     """PPO epochs per step (the method uses 1)."""
     grad_clip: Positive = 1.0

@@ -29,7 +29,13 @@ columns per forward. Forwards are sized by ``max_tokens`` (tokens of context per
 + response) for a row forward, prompts x prompt length for a prompt forward), which bounds peak memory.
 
 Counts reported in ``stats``: ``prompt_tokens`` / ``response_tokens`` pushed through the model (padded
-positions included: that is what costs FLOPs), their sum ``token_forwards``, and ``forwards``.
+positions included: that is what costs FLOPs), their sum ``token_forwards``, ``real_tokens`` (those of them that
+carry a token: ``1 - real_tokens / token_forwards`` is the pass's padding fraction), and ``forwards``.
+
+``by_length`` (both modes; ``trainer.ppo_max_token_len_per_gpu`` on): rows are taken longest first instead of in
+batch order (plain: by prompt + response; shared_prefix: the responses of each prompt group by length, the groups
+as before, since ordering prompts by length alone was measured to pad more where a short prompt carries a long
+response), so each forward holds rows of like length and pads less; the results are the same, in batch order.
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ def _unique_prompts(prompt_ids_SL: Tensor, prompt_mask_SL: Tensor) -> tuple[Tens
 
 
 def new_stats() -> dict:
-    return {"prompt_tokens": 0, "response_tokens": 0, "token_forwards": 0, "forwards": 0, "rows": 0}
+    return {"prompt_tokens": 0, "response_tokens": 0, "token_forwards": 0, "real_tokens": 0, "forwards": 0, "rows": 0}
 
 
 def _left_starts(mask: Tensor) -> list[int]:
@@ -120,12 +126,13 @@ def score_plain(
     max_tokens: int = 16384,
     impl: str = "auto",
     stats: dict | None = None,
+    by_length: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference scorer: row r is the forward of ``[prompt row_prompt_R[r] | response r]``.
 
     prompt_ids_SP/prompt_mask_SP: [S, Lp] left-padded prompts; row_prompt_R: [R] prompt index of each row;
     response_ids_RL/response_mask_RL: [R, L]. Returns ([R, L] fp32 log-probs, [R, L] entropy or None).
-    Rows are taken in order, as many per forward as fit in ``max_tokens``.
+    Rows are taken in order (``by_length``: longest first), as many per forward as fit in ``max_tokens``.
     """
     stats = new_stats() if stats is None else stats
     r, lr = response_ids_RL.shape
@@ -133,6 +140,15 @@ def score_plain(
     ent = torch.zeros_like(out) if with_entropy else None
     lp_cols, right = int(prompt_mask_SP.shape[1]), right_extents(response_mask_RL)
     left = _left_starts(prompt_mask_SP[row_prompt_R])  # per row: its prompt's first attended column
+    if by_length and r > 1:  # longest first; the results are written back in batch order
+        order = sorted(range(r), key=lambda k: (left[k] - right[k], k))
+        idx = torch.tensor(order, dtype=torch.long, device=response_ids_RL.device)
+        row_prompt_R, response_ids_RL, response_mask_RL = row_prompt_R[idx], response_ids_RL[idx], response_mask_RL[idx]
+        left, right = [left[k] for k in order], [right[k] for k in order]
+    else:
+        idx = None
+    attended = prompt_mask_SP.long().sum(1).tolist()
+    resp_cum = response_mask_RL.long().cumsum(1) if lr else None
     i = 0
     while i < r:
         j, lo, hi = i + 1, left[i], right[i]
@@ -152,13 +168,18 @@ def score_plain(
             with_entropy=with_entropy,
             impl=impl,
         )
-        out[i:j] = lp
+        dst = idx[i:j] if idx is not None else slice(i, j)
+        out[dst] = lp
         if with_entropy:
-            ent[i:j] = en
+            ent[dst] = en
         p_cols = lp_cols - min(left[i:j])
         stats["prompt_tokens"] += (j - i) * p_cols
         stats["response_tokens"] += pushed - (j - i) * p_cols
         stats["token_forwards"] += pushed
+        if pushed:  # the attended prompt positions and the response tokens before the forward's last column
+            h = max(right[i:j])
+            resp = int(resp_cum[i:j, h - 2].sum()) if h >= 2 else 0
+            _add(stats, real_tokens=sum(attended[int(k)] for k in src.tolist()) + resp)
         stats["forwards"] += 1 if pushed else 0
         stats["rows"] += j - i
         i = j
@@ -208,6 +229,7 @@ def score_shared_prefix(
     dedupe: bool = True,
     max_prefix_tokens: int | None = None,
     stats: dict | None = None,
+    by_length: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Shared-prefix scorer: same contract and results as ``score_plain``, each distinct prompt forwarded once.
 
@@ -232,21 +254,24 @@ def score_shared_prefix(
         rep_U, inv_S = _unique_prompts(prompt_ids_SP, prompt_mask_SP)
         prompt_ids_SP, prompt_mask_SP = prompt_ids_SP[rep_U], prompt_mask_SP[rep_U]
         row_prompt_R = inv_S[row_prompt_R]
-    order = torch.argsort(row_prompt_R, stable=True)
-    counts = torch.bincount(row_prompt_R, minlength=int(prompt_ids_SP.shape[0]))
+    rows_of: dict[int, list[int]] = {}
+    for k, s in enumerate(row_prompt_R.tolist()):
+        rows_of.setdefault(s, []).append(k)
+    used = sorted(rows_of)
+    if by_length:  # each group's responses longest first (the groups stay in batch order: siblings' prompts)
+        right = right_extents(response_mask_RL)
     prefix_budget = max(1, max_tokens // 4) if max_prefix_tokens is None else int(max_prefix_tokens)
-    groups = _prompt_groups(row_prompt_R[order].unique_consecutive().tolist(), prompt_mask_SP, prefix_budget)
+    groups = _prompt_groups(used, prompt_mask_SP, prefix_budget)
     head = (transformer_body(model), logprob_head(model, temperature=temperature, with_entropy=with_entropy, impl=impl))
     rows = (row_prompt_R, response_ids_RL, response_mask_RL)
     kw = dict(with_entropy=with_entropy, max_tokens=max_tokens)
-    row_pos = 0
     for grp in groups:
-        g_idx = torch.tensor(grp, dtype=torch.long, device=dev)
-        n_rows = int(counts[g_idx].sum())
-        rows_g = order[row_pos : row_pos + n_rows]
-        row_pos += n_rows
+        rows_l = [k for s in grp for k in rows_of[s]]
+        if by_length:
+            rows_l.sort(key=lambda k: (-right[k], k))
+        rows_g = torch.tensor(rows_l, dtype=torch.long, device=dev)
         _score_group(head, prompt_ids_SP, prompt_mask_SP, grp, rows_g, rows, out, ent, stats, **kw)
-        stats["rows"] += n_rows
+        stats["rows"] += int(rows_g.numel())
     return out, ent
 
 
@@ -287,6 +312,7 @@ def _score_group(
     last_GD = res.last_hidden_state[:, -1]
     stats["prompt_tokens"] += int(p_ids.numel())
     stats["token_forwards"] += int(p_ids.numel())
+    _add(stats, real_tokens=int(p_mask.sum()))
     stats["forwards"] += 1
     local = {s: i for i, s in enumerate(grp)}
     n_rows = int(rows_g.numel())
@@ -314,6 +340,7 @@ def _score_group(
             del rc, hr
             stats["response_tokens"] += int(r_ids.numel())
             stats["token_forwards"] += int(r_ids.numel())
+            _add(stats, real_tokens=int(r_mask.sum()))
             stats["forwards"] += 1
         h_rLD = torch.cat(h_rows, dim=1)
         lp_rL, en_rL = scatter_response(h_rLD, response_ids_RL[sub], sel, head_fn)
@@ -374,6 +401,7 @@ def backend_row_logprobs(
             prompt_tokens=n * int(prompt_ids.shape[1]),
             response_tokens=n * (length - 1),
             token_forwards=n * (width - 1),
+            real_tokens=int(attn[:, :-1].sum()),
             forwards=1,
             attention_scores=n * (width - 1) ** 2,
         )

@@ -140,9 +140,11 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     as the old log-probs. A LoRA policy's reference is its own frozen base: the same module with the adapters
     disabled (the adapters start at zero, so the base is the initial policy; no second copy is loaded). The Hugging
     Face policy's reference is otherwise a second Hugging Face model read from disk."""
-    temperature = cfg.generation.temperature
+    temperature, by_length = cfg.generation.temperature, cfg.update_token_budget > 0
     if policy.adapter is not None:
-        return Rescorer(policy.model, mode="plain", temperature=temperature, scope=policy.adapter.disabled)
+        return Rescorer(
+            policy.model, mode="plain", temperature=temperature, scope=policy.adapter.disabled, by_length=by_length
+        )
     if policy.scores_itself:
         from alignopsd.engine.policy.megatron.scoring import FrozenShard
 
@@ -154,7 +156,7 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     )
     for p in ref_model.parameters():
         p.requires_grad_(False)
-    return Rescorer(ref_model, mode="plain", temperature=temperature)
+    return Rescorer(ref_model, mode="plain", temperature=temperature, by_length=by_length)
 
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
@@ -250,6 +252,7 @@ def build_rescorer(
         mode=cfg.trainer.rescoring_mode,
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=reuses_rollout_logprobs(cfg, generator, model),
+        by_length=cfg.update_token_budget > 0,  # rows longest first, like the update's micro-batches by tokens
         # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
         # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
         # (teacher minus student) compares two forwards of one implementation; in the same rescoring mode

@@ -147,6 +147,7 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
             metrics["actor/entropy_old"] = _masked_mean(out.entropy, cb.response_mask)
     if "student/token_forwards" in out.stats:  # positions the pass pushed (shared prompt prefixes once)
         metrics["actor/old_logprob_token_forwards"] = summed(out.stats["student/token_forwards"])
+    metrics.update(padding_fraction(out.stats, "actor/padding_fraction_old_logprob"))
     # the sampler's vs the trainer's log-probs: measured here, or by the rescorer when it reused the sampler's
     metrics.update({k: v for k, v in out.stats.items() if k.startswith("mismatch/")})  # declared where measured
     if cb.rollout_logp is not None and not out.stats.get("student/reused"):
@@ -154,8 +155,19 @@ def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | No
     ref_logp = None
     if parts.ref_scorer is not None:
         with parts.profiler.phase("reference"):
-            ref_logp = parts.ref_scorer(cb, student=True, teacher=False).old_logp
+            ref = parts.ref_scorer(cb, student=True, teacher=False)
+        ref_logp = ref.old_logp
+        metrics.update(padding_fraction(ref.stats, "actor/padding_fraction_ref"))
     return out.old_logp, ref_logp, metrics
+
+
+def padding_fraction(stats: dict, name: str) -> dict[str, float]:
+    """``{name: share of the positions a student pass pushed that carry no token}`` from its counts, over all ranks
+    (weighted by the positions); empty where the pass pushed nothing or its scorer counts no ``real_tokens``."""
+    pushed, real = stats.get("student/token_forwards", 0), stats.get("student/real_tokens", 0)
+    if not pushed or not real:
+        return {}
+    return {name: weighted_mean(1.0 - real / pushed, pushed)}
 
 
 def estimate(

@@ -77,6 +77,8 @@ class Rescorer:
     :func:`backend_scorer` was given (the same ``mode`` as here).
     scope: a context every forward of ``model`` runs in (a LoRA policy's reference: its adapters disabled,
     ``LoraAdapter.disabled``).
+    by_length: forwards take the rows longest first (engine/policy/row_scoring.py; ``trainer.ppo_max_token_len_per_gpu``
+    on), the same results with less padding; the counts in ``stats`` include ``real_tokens``.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Rescorer:
         check_reuse: bool = False,
         scorer=None,
         scope: Callable[[], contextlib.AbstractContextManager] | None = None,
+        by_length: bool = False,
     ) -> None:
         if mode not in RESCORING_MODES:
             raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
@@ -114,12 +117,19 @@ class Rescorer:
         self.scorer = scorer
         self.scope = scope or contextlib.nullcontext
         self.scoped = scope is not None
+        self.by_length = bool(by_length)
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
         """Score the rows on the model's device; results come back on the device of ``resp_ids``."""
         if self.scorer is not None:  # the training backend scores the rows itself (and counts its forwards)
             return self.scorer(prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats)
-        kw = dict(temperature=self.temperature, with_entropy=with_entropy, max_tokens=self.max_tokens, impl=self.impl)
+        kw = dict(
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            max_tokens=self.max_tokens,
+            impl=self.impl,
+            by_length=self.by_length,
+        )
         back = resp_ids.device
         dev = module_device(self.model)
         rows = [devices.to_device(t, dev) for t in (prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask)]

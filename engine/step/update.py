@@ -9,9 +9,11 @@ through ``policy.response_logprobs(grad=True)``. The fused head needs a loss tha
 each estimator declares whether its loss is (``EstimatorSpec.loss_separable``).
 
 Exact global token-mean: each rank splits its M rows into the same number of mini-batches (the maximum over
-ranks) and each mini-batch into the same number of micro-batches, adding zero-scale dummy micro-batches, so
-data-parallel gradient averaging stays in lock-step; each micro-batch's token-mean is scaled by
-:func:`alignopsd.losses.microbatch_scales` (its tokens / (all ranks' tokens of the mini-batch / world size)).
+ranks) and each mini-batch into the same number of micro-batches (engine/step/micro_batches.py: by tokens from
+rows sorted by length, ``trainer.ppo_max_token_len_per_gpu``, or by rows), so data-parallel gradient averaging stays
+in lock-step; each micro-batch's token-mean is scaled by :func:`alignopsd.losses.microbatch_scales` (its tokens /
+(all ranks' tokens of the mini-batch / world size)). ``actor/padding_fraction``: the share of the positions the
+update's forwards compute that carry no token; ``update/micro_batches``: forwards/backwards per rank.
 The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
 
 Rollout correction (``trainer.rollout_is``, off by default as in the authors' runs): truncated or masked
@@ -32,24 +34,15 @@ from dataclasses import dataclass
 
 import torch
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.parallel.collectives import all_reduce
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.micro_batches import MicroBatch, RowGeometry, plan_footprint, plan_update
 from torch import Tensor
 
 from alignopsd.estimators import get_estimator
-from alignopsd.losses import AuxTerm, actor_loss, microbatch_scales, rollout_is_weights
+from alignopsd.losses import AuxTerm, actor_loss, rollout_is_weights
 from alignopsd.reduction import same, summed, weighted_mean
 
 log = logging.getLogger("alignopsd.update")
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Rows of one micro-batch and the scale of its token-mean (0 for a lock-step dummy on row 0)."""
-
-    rows: list[int]
-    scale: float
-    dummy: bool = False
 
 
 @dataclass
@@ -74,36 +67,6 @@ def aux_to(term: AuxTerm, device: torch.device) -> AuxTerm:
     """The auxiliary term with its frozen tensors on ``device`` (where the micro-batch loss is computed)."""
     gap = term.gate_gap_ML.to(device) if term.gate_gap_ML is not None else None
     return dataclasses.replace(term, teacher_ML=term.teacher_ML.to(device), gate_gap_ML=gap)
-
-
-def _split(n: int, size: int) -> list[list[int]]:
-    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
-
-
-def plan_update(mask_ML: Tensor, mini_size: int, micro_size: int, world: int, group=None) -> list[list[MicroBatch]]:
-    """Mini-batches of micro-batches with their token-mean scales, equal in count on every data-parallel rank.
-
-    ``mini_size``: rows per mini-batch on this rank; ``micro_size``: rows per micro-batch. A mini-batch with no
-    policy token on any rank is left out (empty list)."""
-    m = int(mask_ML.shape[0])
-    row_tok = mask_ML.sum(1).tolist()  # one host transfer, not one per micro-batch
-    minis = _split(m, max(1, mini_size))
-    n_mini = int(all_reduce([float(len(minis))], "max", world, group)[0])
-    plan: list[list[MicroBatch]] = []
-    for i in range(n_mini):
-        rows = minis[i] if i < len(minis) else []
-        micros = [[rows[k] for k in mc] for mc in _split(len(rows), max(1, micro_size))]
-        n_micro = int(all_reduce([float(len(micros))], "max", world, group)[0])
-        w_tok = [float(sum(row_tok[r] for r in mc)) for mc in micros]
-        global_tok = all_reduce([sum(w_tok)], "sum", world, group)[0]
-        if global_tok <= 0:
-            plan.append([])
-            continue
-        scales = microbatch_scales(w_tok, global_weighted_tokens=global_tok, world_size=world)
-        mbs = [MicroBatch(mc, s) for mc, s in zip(micros, scales)]
-        mbs += [MicroBatch([0], 0.0, dummy=True) for _ in range(n_micro - len(micros))]
-        plan.append(mbs)
-    return plan
 
 
 def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
@@ -206,9 +169,19 @@ def ppo_update(
             cfg.algorithm.estimator,
         )
         fused = False
+    geo = RowGeometry.of(cb.prompt_mask, cb.response_mask)
     plan = plan_update(
-        inp.policy_mask(), cfg.trainer.ppo_mini_batch_size // world, cfg.trainer.ppo_micro_batch_size, world, group
+        inp.policy_mask(),
+        cfg.trainer.ppo_mini_batch_size // world,
+        cfg.trainer.ppo_micro_batch_size,
+        world,
+        group,
+        geometry=geo,
+        token_budget=cfg.update_token_budget,
     )
+    fp = plan_footprint(plan, geo)
+    out["actor/padding_fraction"] = weighted_mean(fp.padding_fraction, fp.computed)
+    out["update/micro_batches"] = same(sum(len(mbs) for mbs in plan))
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
