@@ -68,6 +68,11 @@ TRAJECTORY_NEUTRAL = frozenset(
 ADDED_SECTIONS = {"model.lora.": "model.lora.enabled"}
 # keys added after checkpoints were first written, with the value that runs as before they existed
 ADDED_KEYS = {"generation.quantize": "off"}
+# keys added after checkpoints were first written that only divide the same work another way (the objective is the
+# same exact token-mean; sums may round differently), with the values that divide it as before: absent from an older
+# checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is
+# refused like any other
+ADDED_DIVISIONS = {"trainer.ppo_max_token_len_per_gpu": (0, None)}
 NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
@@ -121,6 +126,10 @@ def config_changes(
         if a is missing and any(key.startswith(sec) and new.get(on) is False for sec, on in ADDED_SECTIONS.items()):
             continue
         if a is missing and key in ADDED_KEYS and b == ADDED_KEYS[key]:
+            continue
+        if a is missing and key in ADDED_DIVISIONS:
+            if b not in ADDED_DIVISIONS[key]:
+                neutral.append(f"{line} (the same objective divided another way; sums may round differently)")
             continue
         (neutral if key in TRAJECTORY_NEUTRAL or key.startswith(NEUTRAL_SECTIONS) else blocking).append(line)
     if saved_world != world:
