@@ -126,6 +126,7 @@ def warm_start(
         steps=steps,
         batch_size=batch_size,
         seed=cfg.trainer.seed,
+        fused=cfg.trainer.fused_head_loss,
         stream=stream,
     )
     meta = {

@@ -45,11 +45,13 @@ def train_supervised(
     batch_size: int = 4,
     seed: int = 0,
     log_every: int = 10,
+    fused: bool = True,
     stream=None,
 ) -> list[float]:
     """``steps`` supervised steps on shuffled mini-batches of ``examples`` (epochs as needed); returns the losses.
     A progress line every ``log_every`` steps (loss, tokens per second, elapsed time) goes to ``stream`` (None:
-    stdout; on the first data-parallel and tensor-parallel rank only)."""
+    stdout; on the first data-parallel and tensor-parallel rank only). ``fused``: through the fused head loss
+    (``trainer.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`)."""
     if not examples:
         raise ValueError("examples: expected at least one expert turn")
     if steps < 1 or batch_size < 1:
@@ -67,7 +69,7 @@ def train_supervised(
             order += more
         batch = [examples[i] for i in order[:batch_size]]
         del order[:batch_size]
-        out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP)
+        out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP, fused=fused)
         losses.append(out["loss"])
         tokens += sum(len(p) + len(r) for p, r in batch)
         if lead and (step % log_every == 0 or step == steps):

@@ -5,8 +5,9 @@ Legend: B = examples of this rank, Lp = padded prompt length, L = padded respons
 
 The rows are the layout every backend scores (engine/policy/base.py): ``[prompt (left-padded) | response
 (right-padded)]``; the loss goes through the backend's fused log-prob head (``policy.response_loss``: no
-``[B, T, V]`` logits), its optimizer, warm-up and clipping (``policy.optimizer_step``), so whatever the backend is
-(Hugging Face, LoRA adapters, Megatron tensor parallelism) the warm start trains it as RL does.
+``[B, T, V]`` logits; autograd through its log-probs where ``trainer.fused_head_loss`` is off), its optimizer,
+warm-up and clipping (``policy.optimizer_step``), so whatever the backend is (Hugging Face, LoRA adapters, Megatron
+tensor parallelism) the warm start trains it as RL does.
 
 Data parallelism: every rank is handed the same batch and scores its share (every ``dp_size``-th example from its
 ``dp_rank``); the loss is the sum of its response tokens' negative log-probs over the whole batch's response tokens,
@@ -51,8 +52,12 @@ def rank_share(batch: Sequence[Example], policy: PolicyBackend) -> list[Example]
     return list(batch[lay.dp_rank :: lay.dp_size])
 
 
-def supervised_step(policy: PolicyBackend, batch: Sequence[Example], *, pad_id: int, max_grad_norm: float) -> dict:
-    """One optimizer step on ``batch`` (every rank passes the whole batch; see the module doc). Returns
+def supervised_step(
+    policy: PolicyBackend, batch: Sequence[Example], *, pad_id: int, max_grad_norm: float, fused: bool = True
+) -> dict:
+    """One optimizer step on ``batch`` (every rank passes the whole batch; see the module doc): through the fused
+    head loss where ``fused`` and the backend has one (``trainer.fused_head_loss``, as the PPO update), else autograd
+    through the log-probs (``policy.response_logprobs(grad=True)``). Returns
     {"loss": the batch's mean response-token cross entropy (summed over the data-parallel ranks), "tokens": response
     tokens of the batch, "grad_norm", "skipped", "lr"}."""
     n_tokens = sum(len(r) for _, r in batch)
@@ -63,8 +68,13 @@ def supervised_step(policy: PolicyBackend, batch: Sequence[Example], *, pad_id: 
     def loss_fn(logp_BL: Tensor, ent_BL: Tensor | None) -> Tensor:
         return -logp_BL.float().sum() * scale  # masked-out positions hold 0: the sum is over response tokens
 
-    logp_BL, _, carrier = policy.response_loss(ids_BT, mask_BT, length, loss_fn)
-    carrier.backward()
+    if fused and policy.supports_fused_loss:
+        logp_BL, _, carrier = policy.response_loss(ids_BT, mask_BT, length, loss_fn)
+        carrier.backward()
+    else:
+        logp_BL, _ = policy.response_logprobs(ids_BT, mask_BT, length, grad=True)
+        loss_fn(logp_BL, None).backward()
+        logp_BL = logp_BL.detach()
     lay = policy.layout
     loss = all_reduce([float(-logp_BL.float().sum()) / n_tokens], "sum", lay.dp_size, lay.dp_group)[0]
     out = policy.optimizer_step(max_grad_norm)
