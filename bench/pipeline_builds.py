@@ -9,6 +9,7 @@ same at any model size (``make run``'s arguments give the same counts, in half a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -38,32 +39,38 @@ def _wrap(fn, name: str, counts: Counter):
     return counted
 
 
-def install_counters(counts: Counter) -> None:
-    """Wrap each :data:`COUNTED` function in its module and in every loaded module that imported it by name, and
-    ``Trainer.__init__``."""
+@contextlib.contextmanager
+def counting(counts: Counter):
+    """Within the block, each :data:`COUNTED` function (in its module and in every loaded module that imported it
+    by name) and ``Trainer.__init__`` count their calls into ``counts``; restored after."""
     import importlib
 
     import alignopsd.engine.commands.cli  # noqa: F401 - loads the command modules that import the counted names
     import alignopsd.engine.commands.sft  # noqa: F401
     from alignopsd.engine.run.trainer import Trainer
 
+    undo = [(Trainer, "__init__", Trainer.__init__)]
     for mod_name, attr, name in COUNTED:
         orig = getattr(importlib.import_module(mod_name), attr)
         wrapped = _wrap(orig, name, counts)
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("alignopsd") and getattr(mod, attr, None) is orig:
+                undo.append((mod, attr, orig))
                 setattr(mod, attr, wrapped)
     Trainer.__init__ = _wrap(Trainer.__init__, "Trainer constructions", counts)
+    try:
+        yield counts
+    finally:
+        for obj, attr, orig in reversed(undo):
+            setattr(obj, attr, orig)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = argv or DEFAULT_ARGS
-    counts: Counter = Counter()
-    install_counters(counts)
     from alignopsd.engine.commands.cli import main as cli_main
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, counting(Counter()) as counts:
         if not argv:
             args = [*args, "--set", f"output_dir={tmp}/run"]
         rc = cli_main(args)
