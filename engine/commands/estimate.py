@@ -11,13 +11,13 @@ Every stage's time is work x calibrated rate; the work comes from the config and
   action tag, fills ``generation.max_response_length``; a warm-started one stops after ``STEPS_PER_RESPONSE``
   (engine/cost/calibrated.py) x the mean response);
 - **warm start**: ``--steps`` optimizer steps of ``--batch-size`` expert examples of :data:`EXAMPLE_TOKENS`
-  (prompt) + response tokens each, at the warm start's own calibrated rate, plus playing the expert
-  walkthroughs of ``env.num_games`` games;
+  (prompt) + response tokens each, at the update's calibrated rate (the warm start's step runs the policy's same
+  fused-head loss and optimizer step), plus playing the expert walkthroughs of ``env.num_games`` games;
 - **RL steps**: ``trainer.total_steps`` steps whose phases' work is the plan's (engine/cost/step_plan.py: the
   config's batch with the quickstart's measured means where the config has only maxima), at the calibrated rates
   (engine/cost/calibrated.py), plus the environment, encoder and bookkeeping (:data:`STEP_OTHER_SECONDS`);
-- each stage that builds a model pays the calibration's measured load time (and :data:`SETUP_SECONDS` where it
-  starts environment workers).
+- the base evaluation and the RL steps, the two stages that build a model, pay the calibration's measured load time;
+  every stage pays :data:`SETUP_SECONDS` (environment workers, first batch).
 
 The constants are measured means of the quickstart's own runs (bench/results/quickstart-2026-12-02.md and
 bench/results/estimate-2026-12-03.md), stated as fractions of the config's maxima where the config has maxima, so
@@ -100,7 +100,7 @@ def warm_start_stage(cfg, shape: ModelShape, r: PhaseRates, *, steps: int, batch
     tokens_per_step = batch * min(EXAMPLE_TOKENS, cfg.env.max_prompt_length + RESPONSE_MEAN)
     fwd = shape.linear_flops(tokens_per_step) + shape.attention_flops(tokens_per_step, EXAMPLE_TOKENS / 2)
     fwd += shape.head_flops(batch * RESPONSE_MEAN)
-    step_s = 3.0 * fwd / r.warm_flops + r.warm_step_s
+    step_s = 3.0 * fwd / r.train_flops + r.optimizer_s  # the update's own micro-step and optimizer step
     play = cfg.env.num_games * EXPERT_SECONDS_PER_GAME
     t = load_s + play + steps * step_s + SAVE_SECONDS
     how = (
@@ -141,13 +141,15 @@ def estimate_pipeline(cfg, shape: ModelShape, r: PhaseRates, *, steps: int, batc
     out = [Stage("games", games * GAME_SECONDS, f"{games} games to generate")]
     t, how = eval_stage(cfg, shape, r, base=True, load_s=load_s)
     out.append(Stage("eval base", t, how))
-    t, how = warm_start_stage(cfg, shape, r, steps=steps, batch=batch, load_s=load_s)
+    # the base model's policy is the one the warm start trains and the next evaluation plays; the RL run's policy is
+    # the one its evaluation plays: two model loads (engine/commands/sft.py)
+    t, how = warm_start_stage(cfg, shape, r, steps=steps, batch=batch, load_s=0.0)
     out.append(Stage("warm start", t, how))
-    t, how = eval_stage(cfg, shape, r, base=False, load_s=load_s)
+    t, how = eval_stage(cfg, shape, r, base=False, load_s=0.0)
     out.append(Stage("eval warm start", t, how))
     t, how, _ = rl_stage(cfg, shape, r, load_s=load_s)
     out.append(Stage(f"RL steps ({cfg.trainer.total_steps})", t, how))
-    t, how = eval_stage(cfg, shape, r, base=False, load_s=load_s)
+    t, how = eval_stage(cfg, shape, r, base=False, load_s=0.0)
     out.append(Stage("eval RL", t, how))
     return out
 

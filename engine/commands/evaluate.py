@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +32,6 @@ from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.envs.registry import get_entry, resolve
 from alignopsd.engine.infra.writes import WriteFailure, writing
 from alignopsd.engine.infra.writes import report as report_write_failure
-from alignopsd.engine.run.trainer import Trainer
-from alignopsd.engine.step.episodes import run_validation
 
 
 def table_values(env: str, metrics: dict[str, float]) -> dict[str, float | None]:
@@ -49,19 +48,31 @@ def format_table(env: str, values: dict[str, float | None], row: str = "policy")
 
 
 def evaluate(cfg, checkpoint: str | None = None) -> dict:
-    """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}."""
-    trainer = Trainer(cfg, lock_output=False)  # reads a run, may run beside its training
-    parts = trainer.parts
+    """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}.
+
+    Builds the policy (the config's model, with the weights of ``checkpoint`` when given), the held-out games and a
+    generator over the policy, nothing else (engine/run/heldout.py); it takes no lock on the run's output folder, so
+    it may run beside the run's training."""
+    from alignopsd.engine.models.loading import load_tokenizer
+    from alignopsd.engine.run.components import build_policy
+    from alignopsd.engine.run.heldout import heldout_games, heldout_metrics
+    from alignopsd.engine.run.process import Dist, pick_device, process_settings
+
+    device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+    dist = Dist(device.type)
+    process_settings(cfg, dist.rank)
+    policy = build_policy(cfg, device, dist.world_size)
     if checkpoint:
         try:
-            parts.policy.load_hf_state_dict(load_weights(checkpoint))
+            policy.load_hf_state_dict(load_weights(checkpoint))
         except ValueError as exc:
             raise ValueError(f"--checkpoint: {exc}") from None
-        parts.sync_weights()
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    games = heldout_games(cfg)
     try:
-        metrics = trainer.reduce_metrics(run_validation(parts, 0))
+        metrics = heldout_metrics(cfg, policy, tokenizer, games, device=device, dist=dist)
     finally:
-        parts.close()
+        games.close()
     return {
         "env": cfg.env.name,
         "checkpoint": checkpoint,

@@ -17,7 +17,9 @@ through the same chat template, tokenisation and left truncation as in ``rollout
 short reasoning written from the game's own facts (task, target object and receptacle, what is held, the next
 sub-goal). The loss is the next-token cross entropy on the response tokens only, averaged over them.
 
-Legend: B = examples in a micro-batch, T = padded length (prompt + response).
+The training is the RL run's machinery with a supervised step recipe: the config's policy backend (Hugging Face,
+its LoRA adapters, Megatron under tensor parallelism), its optimizer, and the engine's weight writer
+(engine/run/warm_start.py, engine/step/supervised.py).
 """
 
 from __future__ import annotations
@@ -25,18 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-import torch
 from alignopsd.engine.envs.alfworld.expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
-from alignopsd.engine.observe.progress import time_left
+from alignopsd.engine.run.warm_start import SFT_MARKER
 from alignopsd.engine.tokens.layout import truncate_left
-
-SFT_MARKER = "alignopsd_sft.json"
 
 
 def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int) -> tuple[list[int], list[int]]:
@@ -45,139 +43,6 @@ def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int) -> tuple[li
     ids, _ = truncate_left(ids, max_prompt_length)
     resp = tokenizer(turn.response, add_special_tokens=False)["input_ids"] + [int(tokenizer.eos_token_id)]
     return ids, resp
-
-
-def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-padded (input_ids_BT, attention_BT, labels_BT); labels -100 outside the responses."""
-    width = max(len(p) + len(r) for p, r in examples)
-    ids_BT = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    att_BT = torch.zeros((len(examples), width), dtype=torch.long)
-    lab_BT = torch.full((len(examples), width), -100, dtype=torch.long)
-    for b, (p, r) in enumerate(examples):
-        n = len(p) + len(r)
-        ids_BT[b, :n] = torch.tensor(p + r)
-        att_BT[b, :n] = 1
-        lab_BT[b, len(p) : n] = torch.tensor(r)
-    return ids_BT, att_BT, lab_BT
-
-
-def response_loss(model, examples: list[tuple[list[int], list[int]]], pad_id: int, compute_dtype=None):
-    """Mean next-token cross entropy over the response tokens of ``examples``."""
-    ids_BT, att_BT, lab_BT = _batch(examples, pad_id)
-    dev = next(model.parameters()).device
-    ids_BT, att_BT, lab_BT = ids_BT.to(dev), att_BT.to(dev), lab_BT.to(dev)
-    tgt_BT = lab_BT[:, 1:]
-    keep_BT = tgt_BT != -100
-    with torch.autocast(dev.type, dtype=compute_dtype, enabled=compute_dtype is not None):
-        hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=att_BT).last_hidden_state
-        # the LM head only where a response token is predicted (a tenth of the positions)
-        logits_NV = model.get_output_embeddings()(hidden_BTH[:, :-1][keep_BT])
-    return torch.nn.functional.cross_entropy(logits_NV.float(), tgt_BT[keep_BT])
-
-
-def sft_train(
-    model,
-    examples: list[tuple[list[int], list[int]]],
-    *,
-    pad_id: int,
-    steps: int,
-    lr: float = 1e-4,
-    batch_size: int = 4,
-    seed: int = 0,
-    compute_dtype: torch.dtype | None = None,
-    log_every: int = 10,
-    stream=None,
-) -> list[float]:
-    """``steps`` AdamW steps on shuffled mini-batches of ``examples`` (epochs as needed); returns the losses.
-
-    Linear warm-up over the first 10% of the steps, then constant; gradients clipped to norm 1. A progress line
-    every ``log_every`` steps (loss, tokens per second, elapsed time) goes to ``stream``.
-    """
-    if not examples:
-        raise ValueError("examples: expected at least one expert turn")
-    if steps < 1 or batch_size < 1:
-        raise ValueError(f"steps/batch_size: expected >= 1, got {steps}/{batch_size}")
-    stream = stream if stream is not None else sys.stdout
-    rng = random.Random(seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warm = max(1, steps // 10)
-    order: list[int] = []
-    losses: list[float] = []
-    tokens, t0 = 0, time.perf_counter()
-    model.train()
-    for step in range(1, steps + 1):
-        if len(order) < batch_size:
-            more = list(range(len(examples)))
-            rng.shuffle(more)
-            order += more
-        batch = [examples[i] for i in order[:batch_size]]
-        del order[:batch_size]
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, step / warm)
-        loss = response_loss(model, batch, pad_id, compute_dtype)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        tokens += sum(len(p) + len(r) for p, r in batch)
-        if step % log_every == 0 or step == steps:
-            dt = time.perf_counter() - t0
-            print(
-                f"[sft] step {step:4d}/{steps} | loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f} | "
-                f"{tokens / dt:.0f} tok/s | {dt:.0f}s" + (f" | {left}" if (left := time_left(dt, step, steps)) else ""),
-                file=stream,
-                flush=True,
-            )
-    model.eval()
-    return losses
-
-
-def warm_start_rates(cfg, *, prompt: int = 320, response: int = 40) -> tuple[float, float]:
-    """(FLOP/s of the warm start's forward + backward, seconds of its optimizer step): two steps of
-    :func:`response_loss` and AdamW on one example of random ids, with the model, device and compute dtype
-    :func:`run_sft` uses (the faster of the two counts; the first pays for allocation)."""
-    from alignopsd.engine.cost.model_shapes import resolve_shape
-    from alignopsd.engine.models.loading import load_causal_lm, parse_dtype
-    from alignopsd.engine.run.calibration import best_of, forward_flops, random_ids
-    from alignopsd.engine.run.process import pick_device
-
-    shape = resolve_shape(cfg.model.name)
-    model = load_causal_lm(cfg.model.name, dtype="float32", attn_implementation=cfg.model.attn_implementation)
-    model.to(pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))))
-    compute = parse_dtype(cfg.model.dtype)
-    ids = random_ids(1, prompt + response, shape.vocab, seed=4)[0].tolist()
-    example = [(ids[:prompt], ids[prompt:])]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-9)
-    model.train()
-
-    def micro() -> None:
-        response_loss(model, example, 0, None if compute == torch.float32 else compute).backward()
-
-    t_fb = best_of(micro)
-    t_opt = best_of(opt.step)
-    n = prompt + response
-    return 3.0 * forward_flops(shape, n, n / 2, response) / t_fb, t_opt
-
-
-def save_warm_start(model, tokenizer, out_dir: str | Path, *, base: str, meta: dict) -> Path:
-    """Write the fine-tuned model as a Hugging Face folder (fp32 safetensors + tokenizer + a marker) through the
-    engine's one weight writer (engine/checkpoint/weights.py): built beside ``out_dir``, listed in its manifest, then
-    renamed into place (an earlier folder there is replaced whole)."""
-    from alignopsd.engine.checkpoint.weights import publish_folder, save_model_files
-    from alignopsd.engine.infra.writes import writing
-
-    model.to(torch.float32)
-
-    def fill(tmp: Path) -> None:
-        save_model_files(tmp, model)
-        with writing(tmp / "tokenizer.json"):  # and the tokenizer's other files
-            tokenizer.save_pretrained(tmp)
-        with writing(tmp / SFT_MARKER):
-            (tmp / SFT_MARKER).write_text(json.dumps({"base": base, **meta}, indent=1))
-
-    return publish_folder(Path(out_dir), fill)
 
 
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -242,31 +107,26 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
     return turns, [encode_turn(tokenizer, t, cfg.env.max_prompt_length) for t in turns]
 
 
-def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
-    """The warm start: expert examples of ``cfg``'s training games -> fine-tuned checkpoint in ``out_dir``."""
-    from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype
+def warm_start(
+    cfg, policy, tokenizer, out_dir: str | Path, *, steps: int, batch_size: int, lr: float, stream=None, write=True
+) -> Path:
+    """The warm start of a built policy (engine/run/warm_start.py): expert examples of ``cfg``'s training games,
+    ``steps`` supervised steps, the checkpoint in ``out_dir`` (written where ``write``; every rank gathers)."""
+    from alignopsd.engine.run.warm_start import save_warm_start, train_supervised
 
     stream = stream if stream is not None else sys.stdout
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     turns, examples = build_examples(cfg, tokenizer)
     n_tok = sum(len(p) + len(r) for p, r in examples)
     print(f"[sft] {len(turns)} expert turns, {n_tok} tokens ({time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
-    from alignopsd.engine.run.process import pick_device
-
-    model = load_causal_lm(cfg.model.name, dtype="float32", attn_implementation=cfg.model.attn_implementation)
-    model.to(pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))))  # trainer.device, as the RL run's
-    compute = parse_dtype(cfg.model.dtype)
-    torch.manual_seed(cfg.trainer.seed)
-    losses = sft_train(
-        model,
+    losses = train_supervised(
+        policy,
         examples,
         pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id),
         steps=steps,
-        lr=lr,
         batch_size=batch_size,
         seed=cfg.trainer.seed,
-        compute_dtype=None if compute == torch.float32 else compute,
+        fused=cfg.trainer.fused_head_loss,
         stream=stream,
     )
     meta = {
@@ -278,7 +138,44 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
         "loss_last": losses[-1],
         "seconds": time.perf_counter() - t0,
     }
-    return save_warm_start(model, tokenizer, out_dir, base=cfg.model.name, meta=meta)
+    return save_warm_start(policy, tokenizer, out_dir, base=cfg.model.name, meta=meta, write=write)
+
+
+def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
+    """``alignopsd sft``: the config's policy (its backend, LoRA adapters, tensor parallelism; every process of a
+    ``torchrun`` launch) built with the warm start's optimizer, warm-started, written to ``out_dir``."""
+    from alignopsd.engine.models.loading import load_tokenizer
+    from alignopsd.engine.run.process import Dist, pick_device, process_settings
+    from alignopsd.engine.run.warm_start import build_warm_start_policy
+
+    device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))  # trainer.device, as the RL run's
+    dist = Dist(device.type)
+    try:
+        process_settings(cfg, dist.rank)
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+        policy = build_warm_start_policy(cfg, device, steps=steps, lr=lr, world_size=dist.world_size)
+        out = warm_start(
+            cfg,
+            policy,
+            tokenizer,
+            out_dir,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            stream=stream,
+            write=dist.rank == 0,
+        )
+        dist.barrier()  # the folder is complete before any rank returns
+    finally:
+        dist.close()
+    return out
+
+
+def derived_config(cfg, **sections: dict):
+    """``cfg`` with fields of its sections changed (``model={"name": ...}``), checked again as loading checks it:
+    the pipeline's configs come from the one it parsed, the file is not read again."""
+    update = {name: getattr(cfg, name).model_copy(update=values) for name, values in sections.items()}
+    return cfg.model_copy(update=update).validate()
 
 
 EASY_MAX_WALKTHROUGH = 8  # turn limit of the quickstart; the easy games' expert wins within it
@@ -321,61 +218,110 @@ def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
     return root, missing
 
 
-def _heldout(cfg, checkpoint: str | None, label: str, times: dict, stream) -> dict:
-    from alignopsd.engine.commands.evaluate import evaluate
+def _heldout(cfg, policy, tokenizer, games, label: str, times: dict, stream, *, device, dist) -> dict:
+    from alignopsd.engine.run.heldout import heldout_metrics
 
     t0 = time.perf_counter()
     print(f"[quickstart] held-out evaluation: {label} ({cfg.env.val_tasks} games)", file=stream, flush=True)
-    res = evaluate(cfg, checkpoint)
+    m = heldout_metrics(cfg, policy, tokenizer, games, device=device, dist=dist)
     times[f"eval {label}"] = time.perf_counter() - t0
-    m = res["metrics"]
     row = {
         "success": m.get("episode/success_rate"),
         "valid": m.get("episode/valid_action_rate"),
         "turns": m.get("episode/turns_mean"),
-        "episodes": res["episodes"],
+        "episodes": int(m.get("episode/count", 0)),
     }
     print(f"[quickstart] {label}: {row}", file=stream, flush=True)
     return row
 
 
-def run_pipeline(config: str, overrides: list[str], args, sft_out: Path, *, times=None, stream=None) -> dict:
+def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
     """The quickstart: base eval -> warm start -> eval -> RL from the warm start -> eval; report.md gets the
     three held-out rows and the stage times (added to ``times``). Returns {"heldout": {stage: row}, "times":
-    {stage: seconds}}. ``args``: ``steps``, ``lr``, ``batch_size``, ``warm_start`` (see :func:`add_sft_args`)."""
-    from alignopsd.engine.checkpoint.checkpoint import step_dir_name
-    from alignopsd.engine.config.schema import load_config
+    {stage: seconds}}. ``args``: ``steps``, ``lr``, ``batch_size``, ``warm_start`` (see :func:`add_sft_args`).
+
+    Each part is built once: ``cfg`` (parsed by the caller) gives the RL run's config by :func:`derived_config`;
+    one environment plays the held-out games of the three evaluations (engine/run/heldout.py, no Trainer); the base
+    model's policy is evaluated, warm-started and evaluated again (with ``--warm-start DIR`` the warm start's own
+    policy is built for its evaluation instead); the RL run's policy trains and is evaluated."""
+    from alignopsd.engine.models.loading import load_tokenizer
     from alignopsd.engine.observe.report import heldout_table, write_report
-    from alignopsd.engine.run.trainer import Trainer
+    from alignopsd.engine.run.heldout import heldout_games
+    from alignopsd.engine.run.process import Dist, pick_device, process_settings
 
     stream = stream if stream is not None else sys.stdout
-    cfg = load_config(config, overrides)
     times = {} if times is None else times
-    rows: dict[str, dict] = {}
-    rows[f"base ({cfg.model.name})"] = _heldout(cfg, None, "base", times, stream)
-    if args.warm_start:
-        sft_out = Path(args.warm_start)
-    else:
-        t0 = time.perf_counter()
-        run_sft(cfg, sft_out, steps=args.steps, lr=args.lr, batch_size=args.batch_size, stream=stream)
-        times["warm start"] = time.perf_counter() - t0
-    rl_over = overrides + [f"model.name={sft_out}", "trainer.val_after_train=false"]
-    rl_cfg = load_config(config, rl_over)
-    rows["after warm start"] = _heldout(rl_cfg, None, "warm start", times, stream)
-    t0 = time.perf_counter()
-    trainer = Trainer(rl_cfg, stream=stream)
+    sft_out = Path(args.warm_start) if args.warm_start else sft_out
+    rl_cfg = derived_config(cfg, model={"name": str(sft_out)}, trainer={"val_after_train": False})
+    device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+    dist = Dist(device.type)
+    process_settings(cfg, dist.rank)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    games = heldout_games(cfg)
     try:
-        trainer.fit()
+        rows = _warm_stages(cfg, rl_cfg, args, sft_out, tokenizer, games, times, stream, device=device, dist=dist)
+        rows.update(_rl_stage(rl_cfg, games, times, stream, dist=dist))
     finally:
-        trainer.dist.close()
-    times["RL steps"] = time.perf_counter() - t0
-    ckpt = rl_cfg.out_dir / "checkpoints" / step_dir_name(rl_cfg.trainer.total_steps)
-    rows[f"after {rl_cfg.trainer.total_steps} RL steps"] = _heldout(rl_cfg, str(ckpt), "RL", times, stream)
+        games.close()
+        dist.close()
     table = heldout_table(rows, times)
     print(table, file=stream, flush=True)
     if rl_cfg.trainer.report:
         write_report(rl_cfg.out_dir, title=f"{rl_cfg.name}: {rl_cfg.algorithm_name()}", extra=table)
     return {"heldout": rows, "times": times}
+
+
+def _warm_stages(cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stream, *, device, dist) -> dict:
+    """The base model's evaluation, the warm start and its evaluation, on one policy (see :func:`run_pipeline`)."""
+    from alignopsd.engine.run.components import build_policy
+    from alignopsd.engine.run.warm_start import build_warm_start_policy
+
+    policy = build_warm_start_policy(cfg, device, steps=args.steps, lr=args.lr, world_size=dist.world_size)
+    rows = {
+        f"base ({cfg.model.name})": _heldout(
+            cfg, policy, tokenizer, games, "base", times, stream, device=device, dist=dist
+        )
+    }
+    if args.warm_start:  # given: its own weights, loaded as the RL run will load them
+        del policy
+        policy = build_policy(rl_cfg, device, dist.world_size)
+    else:
+        t0 = time.perf_counter()
+        warm_start(
+            cfg,
+            policy,
+            tokenizer,
+            sft_out,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            stream=stream,
+            write=dist.rank == 0,
+        )
+        dist.barrier()
+        times["warm start"] = time.perf_counter() - t0
+    rows["after warm start"] = _heldout(
+        rl_cfg, policy, tokenizer, games, "warm start", times, stream, device=device, dist=dist
+    )
+    return rows
+
+
+def _rl_stage(rl_cfg, games, times: dict, stream, *, dist) -> dict:
+    """The RL run from the warm start, its policy's evaluation and the report (see :func:`run_pipeline`)."""
+    from alignopsd.engine.run.trainer import Trainer
+
+    t0 = time.perf_counter()
+    trainer = Trainer(rl_cfg, dist=dist, stream=stream)
+    trainer.fit()
+    times["RL steps"] = time.perf_counter() - t0
+    parts = trainer.parts  # its environment and generator closed with the run; the trained policy stays
+    label = f"after {rl_cfg.trainer.total_steps} RL steps"
+    rows = {
+        label: _heldout(
+            rl_cfg, parts.policy, parts.tokenizer, games, "RL", times, stream, device=trainer.device, dist=dist
+        )
+    }
+    return rows
 
 
 def pipeline_estimate(cfg, args) -> str:
@@ -388,10 +334,7 @@ def pipeline_estimate(cfg, args) -> str:
 
     device = pick_device(cfg)
     games = easy_games_root(cfg, generate=False)[1] if args.easy_games else 0
-    rates = calibrate_phases(cfg, device)
-    t0 = time.perf_counter()
-    rates.warm_flops, rates.warm_step_s = warm_start_rates(cfg)
-    rates.seconds += time.perf_counter() - t0
+    rates = calibrate_phases(cfg, device)  # the warm start's step runs the update's calibrated paths
     stages = estimate_pipeline(
         cfg, resolve_shape(cfg.model.name), rates, steps=args.steps, batch=args.batch_size, games=games
     )
@@ -448,16 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, float] = {}
     if args.easy_games:
         t0 = time.perf_counter()
-        overrides.append(f"env.data_dir={easy_games_root(cfg)[0]}")
+        cfg = derived_config(cfg, env={"data_dir": str(easy_games_root(cfg)[0])})
         times["games"] = time.perf_counter() - t0
-        cfg = load_config(args.config, overrides)
     out = Path(args.out) if args.out else cfg.out_dir / "sft"
     try:
         if not args.pipeline:
             run_sft(cfg, out, steps=args.steps, lr=args.lr, batch_size=args.batch_size)
             print(f"[sft] checkpoint: {out}")
             return 0
-        run_pipeline(args.config, overrides, args, out, times=times)
+        run_pipeline(cfg, args, out, times=times)
     except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
         return report_write_failure(exc, "alignopsd sft")
     return 0

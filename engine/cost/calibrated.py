@@ -13,8 +13,8 @@ calibration measured by running the engine's own code paths at the phase's shape
 - ``score_flops``: the scoring forward (old log-prob, reference): the run's rescorer on one micro-batch of rows;
 - ``forcing_flops``: the teacher forcing behind kept prompt keys/values (engine/step/cached_scoring.py);
 - ``train_flops`` and ``optimizer_s``: the update's forward + backward (FLOPs: 3x the forward's, 4x with
-  recomputation) through the policy's fused-head loss, and one optimizer step;
-- ``warm_flops`` and ``warm_step_s``: the same for the supervised warm start's own path (engine/commands/sft.py).
+  recomputation) through the policy's fused-head loss, and one optimizer step (the supervised warm start's steps
+  run the same two: engine/step/supervised.py).
 
 :func:`predict_phases` turns a step's :class:`~alignopsd.engine.cost.cost_model.PhaseWork` (the FLOPs of the same
 cost model) into seconds at these rates: the prediction the profiler checks against the measured phases.
@@ -43,22 +43,17 @@ class PhaseRates:
     forcing_flops: float
     train_flops: float
     optimizer_s: float
-    warm_flops: float = 0.0
-    warm_step_s: float = 0.0
     seconds: float = 0.0  # the calibration's own wall time
     probes: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         g = 1e9
-        warm = (
-            f", warm start {self.warm_flops / g:.0f} GFLOP/s + {self.warm_step_s:.2f} s/step" if self.warm_flops else ""
-        )
         return (
             f"{self.device}, {self.dtype}, {self.threads} threads (calibrated in {self.seconds:.1f} s on the run's own "
             f"code paths): prefill {self.prefill_flops / g:.0f} GFLOP/s; decoding {1e3 * self.step_s:.0f} ms/step + "
             f"{self.decode_flops / g:.0f} GFLOP/s; scoring {self.score_flops / g:.0f} GFLOP/s; teacher forcing "
             f"{self.forcing_flops / g:.0f} GFLOP/s; update {self.train_flops / g:.0f} GFLOP/s + "
-            f"{self.optimizer_s:.2f} s/optimizer step{warm}"
+            f"{self.optimizer_s:.2f} s/optimizer step"
         )
 
 

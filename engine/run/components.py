@@ -8,6 +8,7 @@ step.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,11 +55,30 @@ def megatron_layer_spec(cfg: RunConfig) -> str:
     return cfg.policy.layer_spec
 
 
-def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> PolicyBackend:
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What a policy's optimizer is started with apart from the config's betas: learning rate, weight decay and the
+    linear warm-up's optimizer steps (then constant)."""
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig) -> OptimizerSettings:
+        """The RL run's: ``trainer.lr``, ``trainer.weight_decay``, warm-up over ``trainer.warmup_ratio`` of
+        ``trainer.total_steps``."""
+        warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+        return cls(lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, warmup_steps=warmup)
+
+
+def build_policy(
+    cfg: RunConfig, device: torch.device, world_size: int = 1, *, optim: OptimizerSettings | None = None
+) -> PolicyBackend:
     """Policy backend factory (``policy.backend``): hf | megatron.
 
-    Every optimisation setting reaches the backend: lr, weight decay, betas, the warm-up
-    (``trainer.warmup_ratio`` of ``trainer.total_steps``), gradient checkpointing (megatron: activation
+    Every optimisation setting reaches the backend: lr, weight decay, betas, the warm-up (``optim``, by default
+    :meth:`OptimizerSettings.of_run`), gradient checkpointing (megatron: activation
     recomputation as ``policy.recompute`` says) and, for megatron, the distributed optimizer. A tensor-parallel
     layout that does not fit the model (heads, key/value heads, MLP width, vocabulary) or the world size
     (``world_size``: all processes) fails before the weights load.
@@ -69,7 +89,7 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
     :meth:`Components.sync_weights`), on the first rank of each tensor-parallel group only; elsewhere, and with
     vLLM everywhere, the full model read from disk is loaded on the CPU and dropped once the rank holds its shard.
     """
-    warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
+    optim = optim if optim is not None else OptimizerSettings.of_run(cfg)
     load_on, keep_copy = device, False
     if cfg.policy.backend == "megatron":  # pre-flight: the layout must fit before any weight loads
         from alignopsd.engine.policy.megatron.backend import tensor_parallel_rank
@@ -96,12 +116,12 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
             model.config,
             model.state_dict(),
             tp=cfg.policy.tensor_parallel_size,
-            lr=cfg.trainer.lr,
-            weight_decay=cfg.trainer.weight_decay,
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
             betas=cfg.trainer.betas,
             params_dtype=model.dtype,
             seed=cfg.trainer.seed,
-            warmup_steps=warmup,
+            warmup_steps=optim.warmup_steps,
             recompute=cfg.policy.recompute if cfg.policy.gradient_checkpointing else "none",
             distributed_optimizer=cfg.policy.distributed_optimizer,
             layer_spec=megatron_layer_spec(cfg),
@@ -123,10 +143,10 @@ def build_policy(cfg: RunConfig, device: torch.device, world_size: int = 1) -> P
         )
     return HFPolicy(
         model,
-        lr=cfg.trainer.lr,
-        weight_decay=cfg.trainer.weight_decay,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
         betas=cfg.trainer.betas,
-        warmup_steps=warmup,
+        warmup_steps=optim.warmup_steps,
         gradient_checkpointing=cfg.policy.gradient_checkpointing,
         adapter=adapter,
     )

@@ -7,7 +7,8 @@ import random
 from typing import Any
 
 from alignopsd.engine.config.schema import ConfigError, RunConfig
-from alignopsd.engine.parallel.collectives import all_reduce
+from alignopsd.engine.observe.strict import strict
+from alignopsd.engine.parallel.collectives import all_reduce, reduce_metrics
 from alignopsd.engine.parallel.hardware import device_type
 
 
@@ -45,6 +46,18 @@ class Dist:
         self._dist.all_gather_object(out, obj)
         return out
 
+    def reduce_metrics(self, metrics: dict[str, float], *, lead: bool = True) -> dict[str, float]:
+        """Metrics over the run's ranks (``collectives.reduce_metrics``: each key by the reduction its value
+        declares, the percentiles from the samples the values carry; an undeclared value raises in strict mode).
+
+        Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
+        (``lead``) contributes (otherwise counts would be multiplied by the tensor-parallel size). Single-process the
+        values are this process's own, and their declarations are checked all the same. Collective."""
+        if not self.enabled:
+            return reduce_metrics([metrics], strict=strict())
+        got = [g for g, first in self.gather_objects((metrics, lead)) if first]
+        return reduce_metrics(got, strict=strict())
+
     def close(self) -> None:
         """Destroy the default process group if this context made it (a caller's own group is left to it)."""
         if self.owns_group and self._dist.is_initialized():
@@ -69,3 +82,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def process_settings(cfg: RunConfig, rank: int = 0) -> None:
+    """This process's torch threads (``trainer.torch_threads``), deterministic algorithms on the CPU
+    (``trainer.deterministic``) and seeds (``trainer.seed`` + 1000 x ``rank``): set before a run's parts are built."""
+    import torch
+
+    if cfg.trainer.torch_threads:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    if cfg.trainer.deterministic and device_type(cfg.trainer.device) == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_everything(cfg.trainer.seed + 1000 * rank)

@@ -57,13 +57,11 @@ from alignopsd.engine.infra.writes import writing
 from alignopsd.engine.observe.audit import Auditor, header_of
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import report_files, report_numbers, write_report
-from alignopsd.engine.observe.strict import strict
-from alignopsd.engine.parallel.collectives import reduce_metrics
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.preemption import Preempted, PreemptionWatch
-from alignopsd.engine.run.process import Dist, pick_device, seed_everything
+from alignopsd.engine.run.process import Dist, pick_device, process_settings
 from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
 from alignopsd.engine.step.episodes import run_validation
@@ -113,13 +111,7 @@ class Trainer:
             self.lock.release()
 
     def _build(self, cfg: RunConfig) -> None:
-        import torch
-
-        if cfg.trainer.torch_threads:
-            torch.set_num_threads(cfg.trainer.torch_threads)
-        if cfg.trainer.deterministic and self.device.type == "cpu":
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        seed_everything(cfg.trainer.seed + 1000 * self.rank)
+        process_settings(cfg, self.rank)
         self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
         self.step = 0
         self.span_lengths: list[int] = []
@@ -397,14 +389,6 @@ class Trainer:
         return flat
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Metrics over data-parallel ranks (``collectives.reduce_metrics``: each key by the reduction its value
-        declares, the percentiles from the samples the values carry; an undeclared value raises in strict mode).
-
-        Under tensor parallelism the ranks of one group play the same tasks, so only the group's first rank
-        contributes (otherwise counts would be multiplied by the tensor-parallel size). Single-process the values
-        are this process's own, and their declarations are checked all the same."""
-        if not self.dist.enabled:
-            return reduce_metrics([metrics], strict=strict())
-        lead = self.parts.policy.layout.is_group_lead
-        got = [g for g, first in self.dist.gather_objects((metrics, lead)) if first]
-        return reduce_metrics(got, strict=strict())
+        """Metrics over data-parallel ranks (:meth:`Dist.reduce_metrics`; under tensor parallelism only the first rank
+        of each group contributes)."""
+        return self.dist.reduce_metrics(metrics, lead=self.parts.policy.layout.is_group_lead)

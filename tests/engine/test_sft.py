@@ -9,14 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine.commands.sft import (
-    SFT_MARKER,
-    check_warm_start,
-    encode_turn,
-    response_loss,
-    save_warm_start,
-    sft_train,
-)
+from alignopsd.engine.commands.sft import SFT_MARKER, check_warm_start, derived_config, encode_turn
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.envs.alfworld.env import collect_games
 from alignopsd.engine.envs.alfworld.expert import expert_turns
@@ -24,7 +17,10 @@ from alignopsd.engine.envs.alfworld.gen import game_facts, generate_games
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import GenerationOutput
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
+from alignopsd.engine.policy.hf import HFPolicy
+from alignopsd.engine.run.warm_start import save_warm_start, train_supervised
 from alignopsd.engine.step.rollout import collect_rollouts
+from alignopsd.engine.step.supervised import example_rows, response_nll, supervised_step
 from generator_double import GeneratorDouble
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,8 +132,9 @@ def test_examples_render_prompts_exactly_as_the_rollout(expert, games, tok):
 
     env = EnvManager("alfworld", num_workers=0, history_length=1, max_steps=8, data_dir=str(games))
     try:
-        batch = collect_rollouts(env, Expert(), tok, tasks, group_n=1, max_prompt_length=1024, max_response_length=64,
-                                 teacher_prompts=False)  # fmt: skip
+        batch = collect_rollouts(
+            env, Expert(), tok, tasks, group_n=1, max_prompt_length=1024, max_response_length=64, teacher_prompts=False
+        )
     finally:
         env.close()
     assert batch.size == len(examples)
@@ -148,19 +145,70 @@ def test_examples_render_prompts_exactly_as_the_rollout(expert, games, tok):
     assert batch.extras["rollout_metrics"]["valid_action_rate"] == 1.0
 
 
+def _reference_nll(model, examples, pad: int) -> torch.Tensor:
+    """The mean response-token cross entropy by the plain route: right-padded rows, full logits, torch's loss."""
+    width = max(len(p) + len(r) for p, r in examples)
+    ids = torch.full((len(examples), width), pad)
+    att = torch.zeros_like(ids)
+    lab = torch.full_like(ids, -100)
+    for b, (p, r) in enumerate(examples):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        att[b, : len(p) + len(r)] = 1
+        lab[b, len(p) : len(p) + len(r)] = torch.tensor(r)
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1))
+
+
+def test_example_rows_lay_out_prompts_left_and_responses_right():
+    ids, mask, length = example_rows([([5, 6], [7]), ([8], [9, 10, 11])], pad_id=0)
+    assert length == 3
+    assert ids.tolist() == [[5, 6, 7, 0, 0], [0, 8, 9, 10, 11]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    with pytest.raises(ValueError, match=r"examples\[1\]: the prompt and the response"):
+        example_rows([([1], [2]), ([3], [])], pad_id=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, tok, fused):
+    """The backend's loss and update equal the plain route's: cross entropy over full logits of right-padded rows,
+    one AdamW step at the same settings (the same clipping). Weights are compared at 0.1 * lr (Adam's first step
+    moves each weight by about lr * g / |g|, so a gradient that differs by rounding moves a weight by a fraction of
+    lr), the loss and the gradient norm at 1e-5 and 1e-4 relative."""
+    _, _, examples = expert
+    batch, pad = examples[:3], int(tok.eos_token_id)
+    ours = load_causal_lm("tiny", dtype="float32")
+    ref = load_causal_lm("tiny", dtype="float32")
+    policy = HFPolicy(ours, lr=1e-3, weight_decay=0.0)
+    with torch.no_grad():
+        want = float(_reference_nll(ref, batch, pad))
+    assert response_nll(policy, batch, pad_id=pad) == pytest.approx(want, rel=1e-5)
+    out = supervised_step(policy, batch, pad_id=pad, max_grad_norm=1.0, fused=fused)
+    loss = _reference_nll(ref, batch, pad)
+    assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5) and not out["skipped"]
+    assert out["tokens"] == sum(len(r) for _, r in batch)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    loss.backward()
+    assert out["grad_norm"] == pytest.approx(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)), rel=1e-4)
+    opt.step()
+    theirs = ref.state_dict()
+    for k, v in ours.state_dict().items():  # Adam's first step moves a weight by ~lr whatever its gradient's size:
+        assert (v - theirs[k]).abs().max().item() <= 0.1 * 1e-3, k  # a rounding of a tiny gradient moves it less
+
+
 def test_sft_lowers_the_loss_and_writes_a_checkpoint_the_trainer_loads(expert, tok, tmp_path):
     _, _, examples = expert
     model = load_causal_lm("tiny", dtype="float32")
+    policy = HFPolicy(model, lr=3e-3, weight_decay=0.0, warmup_steps=3)
     pad = int(tok.eos_token_id)
-    with torch.no_grad():
-        before = float(response_loss(model, examples, pad))
-    losses = sft_train(model, examples, pad_id=pad, steps=30, lr=3e-3, batch_size=4, log_every=10,
-                       compute_dtype=torch.bfloat16, stream=open("/dev/null", "w"))  # fmt: skip
-    with torch.no_grad():
-        after = float(response_loss(model, examples, pad))
+    before = response_nll(policy, examples, pad_id=pad)
+    losses = train_supervised(
+        policy, examples, pad_id=pad, steps=30, batch_size=4, log_every=10, stream=open("/dev/null", "w")
+    )
+    after = response_nll(policy, examples, pad_id=pad)
     assert len(losses) == 30 and after < 0.7 * before
-    out = save_warm_start(model, tok, tmp_path / "sft", base="tiny", meta={"steps": 30})
+    out = save_warm_start(policy, tok, tmp_path / "sft", base="tiny", meta={"steps": 30})
     assert json.loads((out / SFT_MARKER).read_text())["base"] == "tiny"
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(model).__name__]
     assert check_warm_start(out, "tiny") == out
 
     from alignopsd.engine.run.trainer import Trainer
@@ -174,6 +222,98 @@ def test_sft_lowers_the_loss_and_writes_a_checkpoint_the_trainer_loads(expert, t
         assert trainer.parts.tokenizer.chat_template == tok.chat_template
     finally:
         trainer.parts.close()
+
+
+def _sft_argv(games: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "sft",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--set",
+        "env.name=alfworld",
+        "--set",
+        f"env.data_dir={games}",
+        "--set",
+        "env.split=train",
+        "--set",
+        "env.num_games=3",
+        "--set",
+        "env.val_split=train",
+        "--set",
+        "env.val_tasks=2",
+        "--set",
+        "env.max_turns=8",
+        "--set",
+        f"output_dir={out.parent / 'run'}",
+        "--out",
+        str(out),
+        "--steps",
+        "12",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        *extra,
+    ]
+
+
+def test_lora_warm_start_end_to_end(games, tok, tmp_path, capsys):
+    """``alignopsd sft`` with ``model.lora``: only the adapters train (the targeted layers' merged weights move,
+    nothing else does), the loss goes down, and the folder (merged weights) is what a LoRA RL run starts from."""
+    from alignopsd.engine.commands.cli import main
+    from alignopsd.engine.run.trainer import Trainer
+
+    out = tmp_path / "sft"
+    rc = main(
+        _sft_argv(
+            games,
+            out,
+            "--set",
+            "model.lora.enabled=true",
+            "--set",
+            "model.lora.rank=8",
+            "--set",
+            "model.lora.target_modules=[q_proj,v_proj]",
+        )
+    )
+    assert rc == 0, capsys.readouterr().err
+    meta = json.loads((out / SFT_MARKER).read_text())
+    assert meta["base"] == "tiny" and meta["loss_last"] < meta["loss_first"]
+    base = load_causal_lm("tiny", dtype="float32").state_dict()
+    tuned = load_causal_lm(str(out), dtype="float32").state_dict()
+    assert set(tuned) == set(base)
+    moved = {k for k in base if not torch.equal(base[k], tuned[k])}
+    assert moved and all(".q_proj." in k or ".v_proj." in k for k in moved), sorted(moved)[:4]
+    assert check_warm_start(out, "tiny") == out
+    cfg = load_config(
+        str(ROOT / "configs" / "tiny.yaml"),
+        [f"model.name={out}", f"output_dir={tmp_path / 'run'}", "model.lora.enabled=true"],
+    )
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.parts.policy.adapter is not None
+        merged = trainer.parts.policy.hf_state_dict()
+        for k in moved:
+            assert torch.equal(merged[k].float(), tuned[k]), k
+    finally:
+        trainer.parts.close()
+
+
+def test_derived_config_is_the_loaded_config_with_the_overrides():
+    """The pipeline derives its RL config from the one it parsed; it equals reading the file with the overrides."""
+    path = str(ROOT / "configs" / "quickstart_cpu.yaml")
+    cfg = load_config(path, ["trainer.total_steps=2"])
+    got = derived_config(cfg, model={"name": "/tmp/x/sft"}, trainer={"val_after_train": False}, env={"data_dir": "/d"})
+    want = load_config(
+        path, ["trainer.total_steps=2", "model.name=/tmp/x/sft", "trainer.val_after_train=false", "env.data_dir=/d"]
+    )
+    from alignopsd.engine.config.dump import dump_config
+
+    assert got == want and dump_config(got) == dump_config(want)  # the stored config too
+    from alignopsd.engine.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.total_steps"):
+        derived_config(cfg, trainer={"total_steps": 0})
 
 
 def test_bad_warm_start_fails_clearly(tmp_path):
@@ -196,6 +336,7 @@ def test_cli_rejects_a_missing_warm_start_before_loading(tmp_path, capsys, monke
     monkeypatch.setattr(sft, "run_pipeline", lambda *a, **k: pytest.fail("pipeline started"))
     from alignopsd.engine.commands.cli import main
 
-    rc = main(["sft", "--config", str(ROOT / "configs" / "tiny.yaml"), "--pipeline", "--warm-start",
-               str(tmp_path / "nope")])  # fmt: skip
+    rc = main(
+        ["sft", "--config", str(ROOT / "configs" / "tiny.yaml"), "--pipeline", "--warm-start", str(tmp_path / "nope")]
+    )
     assert rc == 2 and "not a checkpoint folder" in capsys.readouterr().err

@@ -123,11 +123,12 @@ def test_warm_start_output_past_the_limit(tmp_path):
     r = _run_limited(
         """
 from transformers import LlamaConfig, LlamaForCausalLM
-from alignopsd.engine.commands.sft import save_warm_start
+from alignopsd.engine.policy.hf import HFPolicy
+from alignopsd.engine.run.warm_start import save_warm_start
 model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=2))
 limit(4096)
-save_warm_start(model, None, d, base="tiny", meta={})
+save_warm_start(HFPolicy(model), None, d, base="tiny", meta={})
 """,
         tmp_path / "sft",
     )
