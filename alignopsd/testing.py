@@ -14,6 +14,9 @@
   pick the torch paths even for CUDA tensors: a CUDA device that cannot launch kernels) and
   :func:`launches_on_host` (every kernel launch runs on the host, on its arguments mapped by a function: a fake CUDA
   device over CPU memory, as the test suite's tests/engine/fake_cuda.py).
+* The custom CPU kernels' measured choice (``alignopsd.kernels.native_choice``): :func:`record_kernel_choice` sets the
+  choice a test wants (a :class:`KernelChoice` of injected times), :func:`forget_kernel_choices` drops them all so the
+  next use measures again.
 
 Legend: M = canonical turns, L = response length.
 """
@@ -28,10 +31,16 @@ from torch import Tensor
 
 from alignopsd.credit_config import CreditConfig
 from alignopsd.kernels._dispatch import force_kernels, launches_on_host, torch_paths_only
+from alignopsd.kernels.native_choice import KernelChoice
+from alignopsd.kernels.native_choice import forget as forget_kernel_choices
+from alignopsd.kernels.native_choice import record as record_kernel_choice
 from alignopsd.projection import project_one
 from alignopsd.segmentation import random_lists, segment_lists
 
 __all__ = [
+    "KernelChoice",
+    "forget_kernel_choices",
+    "record_kernel_choice",
     "force_kernels",
     "launches_on_host",
     "torch_paths_only",

@@ -10,12 +10,17 @@ products of bf16 pairs with fp32 accumulation: the model's queries and keys are 
 them in fp32), so every product is exact, as in fp32; softmax and probabilities x values are fp32. Equal to the
 torch path up to floating-point reassociation (tests/kernels/test_attention_native.py). On the quickstart's teacher
 forcing (SmolLM2-135M, rows of ~45-56 queries behind ~670-690 kept prompt positions), 2.2-2.5x the torch path.
+
+The cache takes it only where it was measured faster than the torch path it replaces (:func:`torch_prefix_attention`,
+the gathered fp32 scaled-dot-product attention) in this process (:func:`measure_attention`, ``native_choice.py``).
 """
 
 from __future__ import annotations
 
 import torch
-from alignopsd.kernels.lse_native import elements_from, native_ready
+import torch.nn.functional as F
+from alignopsd.kernels.lse_native import elements_from, native_ready, why_not_ready
+from alignopsd.kernels.native_choice import ATTENTION, KernelChoice, measure
 from torch import Tensor
 
 try:  # the C++ extension is optional (a build without a compiler falls back to the torch path)
@@ -23,7 +28,7 @@ try:  # the C++ extension is optional (a build without a compiler falls back to 
 except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
-__all__ = ["prefix_attention", "prefix_attention_applies"]
+__all__ = ["measure_attention", "prefix_attention", "prefix_attention_applies", "torch_prefix_attention"]
 
 
 def _fp32_rows(t: Tensor) -> bool:
@@ -96,6 +101,51 @@ def prefix_attention(
         [elements_from(t) if t is not None else 0 for t in (query_BHSD, k, v, pk, pv, rp, bias, out)],
     )
     return out
+
+
+def torch_prefix_attention(
+    query_BHSD: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pk: Tensor | None,
+    pv: Tensor | None,
+    row_prefix: Tensor | None,
+    bias: Tensor,
+    scale: float,
+) -> Tensor:
+    """The torch path of :func:`prefix_attention` (same arguments, ``[B, S, H, D]`` fp32): each row's prefix
+    gathered next to its own keys (a row without one reads prefix 0, masked by ``bias``), fp32 scaled-dot-product
+    attention."""
+    q = query_BHSD.float()
+    if pk is not None:
+        idx = row_prefix.clamp_min(0)
+        k = torch.cat([pk[idx], k], dim=2)
+        v = torch.cat([pv[idx], v], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+def measure_attention(query_BHSD, k, v, pk, pv, row_prefix, bias, scale, *, timer=None) -> KernelChoice:
+    """Time :func:`prefix_attention` and :func:`torch_prefix_attention` on these operands and record which the
+    decoding cache takes (``native_choice.measure``; ``timer`` replaces its clock). Operands the kernel cannot take,
+    or a process where it cannot run, record the torch path with the reason."""
+    b, h, s, d = query_BHSD.shape
+    kv, n = k.shape[1], k.shape[2]
+    p = 0 if pk is None else pk.shape[2]
+    shape = f"{b} rows x {s} queries over {p} prefix + {n} own positions, {h}/{kv} heads of {d}"
+    args = (query_BHSD, k, v, pk, pv, row_prefix, bias, scale)
+    native = None
+    if prefix_attention_applies(query_BHSD, k, v, pk, pv):
+
+        def native():
+            return prefix_attention(*args)
+
+    why = why_not_ready() or "the operands are not bf16 queries over fp32 keys with a head size multiple of 32"
+    flops = 4.0 * b * h * s * (p + n) * d  # scores and probabilities x values
+
+    def torch_path():
+        return torch_prefix_attention(*args)
+
+    return measure(ATTENTION, native, torch_path, shape, flops=flops, why=why, timer=timer)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, pk, pv, row_prefix, bias: Tensor) -> None:

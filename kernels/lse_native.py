@@ -11,7 +11,8 @@ reassociation (tests/kernels/test_lse_native.py). On a 2-core AVX512-BF16 CPU, [
 ~410 GFLOP/s against ~125 for the torch path.
 
 ``lse_partials.cpu_partials``, the CPU forward of the fused log-prob (``logprob.py``), takes this path when
-:func:`native_applies` and the torch path otherwise.
+:func:`native_applies` and the kernel was measured faster than the torch path on this CPU, dtype and shape
+(``native_choice.py``: on a Xeon with AMX it is not), and the torch path otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ try:  # the C++ extension is optional (a build without a compiler falls back to 
 except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
-__all__ = ["elements_from", "native_applies", "native_partials", "native_ready"]
+__all__ = ["elements_from", "native_applies", "native_partials", "native_ready", "why_not_ready"]
 
 _READY: bool | None = None
 
@@ -42,6 +43,17 @@ def native_ready() -> bool:
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         )
     return _READY
+
+
+def why_not_ready() -> str:
+    """Why the bf16 kernels cannot run in this process ("" when :func:`native_ready`), for the run's log."""
+    if native_ready():
+        return ""
+    if _C is None or not hasattr(_C, "attention_prefix_bf16"):
+        return "the C++ extension was built without the bf16 kernels"
+    if not _C.has_avx512_bf16():
+        return "this CPU has no AVX512-BF16"
+    return f"torch's CPU code runs at {torch.backends.cpu.get_cpu_capability()}, below AVX512"
 
 
 def elements_from(t: Tensor) -> int:

@@ -7,8 +7,8 @@ Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the loc
   (:func:`merge_partials`), S vocabulary splits (:func:`combine_splits`), tensor-parallel ranks
   (:func:`all_reduce_partials`), and the final (logp, lse, entropy) (:func:`finish_partials`);
 - the tiled torch CPU path: :func:`torch_partials` (forward) and :func:`torch_backward`;
-- :func:`cpu_partials`, the CPU forward: the C++ bf16 kernel where it applies (``lse_native.py``), else
-  :func:`torch_partials`.
+- :func:`cpu_partials`, the CPU forward: the C++ bf16 kernel where it applies (``lse_native.py``) and was measured
+  faster than :func:`torch_partials` (:func:`measure_head`, ``native_choice.py``), else :func:`torch_partials`.
 
 The algorithm and the tuning measurements are described in ``logprob.py``'s docstring.
 """
@@ -19,7 +19,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from alignopsd.kernels.lse_native import native_applies, native_partials
+from alignopsd.kernels.lse_native import native_applies, native_partials, why_not_ready
+from alignopsd.kernels.native_choice import HEAD, KernelChoice, measure, takes_native
 from torch import Tensor
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "combine_splits",
     "cpu_partials",
     "finish_partials",
+    "measure_head",
     "merge_partials",
     "torch_backward",
     "torch_partials",
@@ -132,10 +134,34 @@ def _vocab_chunk(weight: Tensor, n_rows: int, *, backward: bool = False) -> int:
 
 def cpu_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
     """The forward partials on the CPU: the C++ bf16 kernel (bf16 products, fp32 accumulation) when
-    ``lse_native.native_applies``, else :func:`torch_partials` (fp32 products of upcast tiles)."""
-    if native_applies(h_NH, w_VH, b_V):
+    ``lse_native.native_applies`` and it was measured faster than the torch path in this process (measured now, on
+    these operands, if nothing was: :func:`measure_head`), else :func:`torch_partials` (fp32 products of upcast
+    tiles)."""
+    if native_applies(h_NH, w_VH, b_V) and takes_native(
+        HEAD, lambda: measure_head(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
+    ):
         return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start, need_u=need_u)
     return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=need_u)
+
+
+def measure_head(h_NH, w_VH, b_V, t_N, inv_t=1.0, vocab_start=0, *, timer=None) -> KernelChoice:
+    """Time the C++ head kernel and :func:`torch_partials` on these operands and record which :func:`cpu_partials`
+    takes (``native_choice.measure``; ``timer`` replaces its clock). Operands the kernel cannot take, or a process
+    where it cannot run, record the torch path with the reason."""
+    n, hid, v = h_NH.shape[0], h_NH.shape[1], w_VH.shape[0]
+    shape = f"[{n}, {hid}] x [{v}, {hid}] {str(h_NH.dtype).removeprefix('torch.')}"
+
+    def torch_path():
+        return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
+
+    native = None
+    if native_applies(h_NH, w_VH, b_V):
+
+        def native():
+            return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start)
+
+    why = why_not_ready() or "the operands are not bf16 CPU tensors of an even hidden size without a bias"
+    return measure(HEAD, native, torch_path, shape, flops=2.0 * n * hid * v, why=why, timer=timer)
 
 
 def torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):

@@ -50,6 +50,7 @@ class TrainerState:
     sharded: bool = False  # the policy's state is in shards/ (the backend's torch.distributed.checkpoint)
     complete: bool = True
     logger_runs: dict[str, str] | None = None  # logger name -> its tracker run's id (wandb, mlflow): resumed there
+    paths: dict[str, bool] | None = None  # measured CPU path choices (kernels/native_choice.py): taken again on resume
 
 
 # field -> (accepted types, lowest value or None); the file's keys are written in this order
@@ -63,6 +64,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], int | None]] = {
     "sharded": ((bool,), None),
     "complete": ((bool,), None),
     "logger_runs": ((dict,), None),
+    "paths": ((dict,), None),
 }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from alignopsd.engine.config.errors import ConfigError
-from alignopsd.engine.config.sections import MlflowConfig, TrainerConfig, WandbConfig
+from alignopsd.engine.config.trainer_section import MlflowConfig, TrainerConfig, WandbConfig
 
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # logger -> the module it imports
 WANDB_MODES = ("online", "offline", "disabled", "dryrun")

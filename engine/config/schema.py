@@ -33,8 +33,8 @@ from alignopsd.engine.config.sections import (
     ModelConfig,
     PolicyConfig,
     Section,
-    TrainerConfig,
 )
+from alignopsd.engine.config.trainer_section import TrainerConfig
 from alignopsd.engine.parallel.hardware import check_device_dtype, choose_dtype, device_type, int8_sampling
 from pydantic import AfterValidator, Field, PlainValidator, model_validator
 from typing_extensions import Self

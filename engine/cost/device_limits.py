@@ -4,7 +4,8 @@
   datasheets cited there; bench/gpu_check.py reads the same table), optionally with measured probes.
 - **CPUs** (and a GPU that is present): :func:`calibrate` measures, in the model's dtype with the threads the
   run uses, the GEMMs of the model's MLP (``[M, hidden] x [hidden, intermediate]`` and the down projection, the
-  better of the two) for several row counts M
+  better of the two; for bf16 on a CPU also the engine's own C++ bf16 GEMM where it runs: the limit is the fastest
+  GEMM this CPU offers in that dtype, torch's AMX path included) for several row counts M
   (decoding multiplies a few rows by every weight; prefill and training many), and a read-bandwidth probe (a sum) over
   a buffer larger than the last-level cache. The results name the device and the numbers used.
 
@@ -128,18 +129,37 @@ def calibrate(
                 s = _best(lambda x=x, w=w: torch.mm(x, w), dev, min_time, max_reps)
                 flops[m] = max(flops.get(m, 0.0), 2.0 * m * k * n / s)
                 probes[f"gemm M={m} K={k}"] = s
+        if dev.type == "cpu" and dtype == torch.bfloat16:  # the engine's own bf16 GEMM, where it runs
+            _native_gemm(hidden, intermediate, max(rows), g, flops, probes, min_time, max_reps)
         esize = torch.empty((), dtype=dtype).element_size()
         buf = torch.ones(bandwidth_bytes // esize, dtype=dtype, device=dev)
         s = _best(lambda: buf.sum(), dev, min_time, max_reps)  # native accumulation: no conversion pass
         probes["read"] = s
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     where = (
-        f"measured: best of the GEMMs [M, {hidden}] x [{hidden}, {intermediate}] and its transpose, "
-        f"read of {bandwidth_bytes >> 20} MiB"
+        f"measured: best of the GEMMs [M, {hidden}] x [{hidden}, {intermediate}] and its transpose"
+        + (" and the C++ bf16 kernel" if any(k.startswith("native") for k in probes) else "")
+        + f", read of {bandwidth_bytes >> 20} MiB"
     )
     return DeviceLimits(
         name, flops, buf.numel() * esize / s, where, torch.get_num_threads(), str(dtype).removeprefix("torch."), probes
     )
+
+
+def _native_gemm(hidden, intermediate, m, g, flops, probes, min_time, max_reps) -> None:
+    """The C++ head kernel's rate on ``[m, hidden] x [intermediate, hidden]`` (bf16 products, fp32 accumulation,
+    its online logsumexp counted as nothing) where it can run: on a CPU with AVX512-BF16 and no AMX it is the
+    fastest bf16 GEMM the engine has, faster than torch's, so the limit must include it."""
+    from alignopsd.kernels.lse_native import native_partials, native_ready
+
+    if not native_ready():
+        return
+    h = torch.randn(m, hidden, generator=g).bfloat16()
+    w = (torch.randn(intermediate, hidden, generator=g) * hidden**-0.5).bfloat16()
+    t = torch.zeros(m, dtype=torch.long)
+    s = _best(lambda: native_partials(h, w, t, 1.0, 0, need_u=False), torch.device("cpu"), min_time, max_reps)
+    probes[f"native head M={m} K={hidden}"] = s
+    flops[m] = max(flops.get(m, 0.0), 2.0 * m * hidden * intermediate / s)
 
 
 def part_seconds(p: Part, lim: DeviceLimits, compute_fraction: float = 1.0, bandwidth_fraction: float = 1.0) -> float:

@@ -31,8 +31,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
-from alignopsd.kernels.attention_native import prefix_attention, prefix_attention_applies
+from alignopsd.kernels.attention_native import (
+    measure_attention,
+    prefix_attention,
+    prefix_attention_applies,
+    torch_prefix_attention,
+)
+from alignopsd.kernels.native_choice import ATTENTION, takes_native
 from torch import Tensor
 
 ATTN_NAME = "alignopsd_shared_prefix"
@@ -233,30 +238,22 @@ class SharedPrefixKV:
     def attend(self, layer: int, query_BHSD: Tensor, scaling: float) -> Tensor:
         """Attention output ``[B, S, H, D]`` (query dtype) of this push's queries over prefix + own keys: a push of
         several positions of a bf16 model runs in the C++ kernel where it applies (kernels/attention_native.py:
-        the prefix read in place), else in :meth:`_prefill`."""
+        the prefix read in place) where it was measured faster here, else in its torch path (the gathered prefix, fp32
+        scaled-dot-product attention)."""
         if query_BHSD.shape[2] == 1:
             out = self._decode(layer, query_BHSD.float(), scaling)
         else:
             k, v = self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
             pk, pv = (self.pk[layer], self.pv[layer]) if self.prefix_valid is not None else (None, None)
-            if prefix_attention_applies(query_BHSD, k, v, pk, pv):
-                rows = self.row_prefix if pk is not None else None
-                out = prefix_attention(query_BHSD, k, v, pk, pv, rows, self.bias, scaling)
+            rows = self.row_prefix if pk is not None else None
+            args = (query_BHSD, k, v, pk, pv, rows, self.bias, scaling)
+            if prefix_attention_applies(query_BHSD, k, v, pk, pv) and takes_native(
+                ATTENTION, lambda: measure_attention(*args)
+            ):
+                out = prefix_attention(*args)
             else:
-                out = self._prefill(layer, query_BHSD.float(), scaling)
+                out = torch_prefix_attention(*args)
         return out.to(query_BHSD.dtype)
-
-    def _prefill(self, layer: int, q: Tensor, scaling: float) -> Tensor:
-        k, v = self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
-        if self.prefix_valid is not None:
-            idx = self._row_prefix_index()
-            k = torch.cat([self.pk[layer][idx], k], dim=2)
-            v = torch.cat([self.pv[layer][idx], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)
-
-    def _row_prefix_index(self) -> Tensor:
-        return self.row_prefix.clamp_min(0)  # a row without a prefix reads prefix 0, all masked
 
     def _decode(self, layer: int, q: Tensor, scaling: float) -> Tensor:
         B, H, _, D = q.shape

@@ -64,6 +64,10 @@ class PolicyBackend(Protocol):
     model: nn.Module
     """The module it trains: the Hugging Face causal LM, or this rank's Megatron ``GPTModel`` shard."""
 
+    packed_rows: bool | None
+    """Its training and scoring forwards run in padding-free rows: True, False, or None for where measured faster
+    on this CPU (``trainer.use_remove_padding``; engine/policy/lm_head.py ``score_rows``)."""
+
     scores_itself: bool
     """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself
     (:meth:`response_logprobs`, :meth:`prefix_logprobs`) and the rescorer goes through it; False: the rescorer scores

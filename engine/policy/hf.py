@@ -40,10 +40,11 @@ log = logging.getLogger(__name__)
 class ResponseScorer(nn.Module):
     """Wraps a causal LM so that one ``forward`` yields response log-probs (the unit DDP wraps)."""
 
-    def __init__(self, model: nn.Module, impl: str = "auto") -> None:
+    def __init__(self, model: nn.Module, impl: str = "auto", packed: bool | None = False) -> None:
         super().__init__()
         self.model = model
         self.impl = impl
+        self.packed = packed
 
     def forward(
         self,
@@ -67,6 +68,7 @@ class ResponseScorer(nn.Module):
             impl=self.impl,
             loss_fn=loss_fn,
             loss_fill=loss_fill,
+            packed=self.packed,
         )
         if loss_fn is not None:
             return out[0], out[1], out[3]
@@ -104,6 +106,9 @@ class HFPolicy:
     adapter: LoRA adapters injected into ``model`` (engine/policy/lora.py; ``model`` is then ``adapter.model``):
     only the adapters train (fp32, a plain AdamW: they are their own fp32 masters), :meth:`hf_state_dict` and
     :meth:`hf_weights` give the merged weights, and checkpoints hold the adapter (:attr:`adapter`).
+
+    packed: forwards in padding-free rows (engine/policy/lm_head.py ``score_rows``): True, False, or None for where
+    measured faster here.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class HFPolicy:
         gradient_checkpointing: bool = False,
         impl: str = "auto",
         adapter: LoraAdapter | None = None,
+        packed: bool | None = False,
     ) -> None:
         if not lr > 0:
             raise ValueError(f"lr: must be > 0, got {lr}")
@@ -136,7 +142,8 @@ class HFPolicy:
         self.hf_model = model
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.scorer = ResponseScorer(model, impl=impl)
+        self.packed_rows = packed
+        self.scorer = ResponseScorer(model, impl=impl, packed=packed)
         self.distributed = bool(ddp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         self.layout = (
             ParallelLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size())

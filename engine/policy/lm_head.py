@@ -20,6 +20,7 @@ import torch
 from alignopsd.engine.tokens.layout import position_ids
 from alignopsd.kernels.fused_loss import fused_token_loss
 from alignopsd.kernels.logprob import logprob as kernel_logprob
+from alignopsd.kernels.native_choice import PACKING, measure, recorded, takes_native
 from torch import Tensor, nn
 
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
@@ -175,6 +176,57 @@ def _check_rows(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, r
         raise ValueError("prompt_mask: every prompt must be non-empty and left-padded (last column attended)")
 
 
+def packable(response_mask: Tensor) -> bool:
+    """Whether packed rows give the padded forward's results: no response row has a masked column followed by an
+    attended one (right padding only)."""
+    m = response_mask.bool()
+    return not bool((m[:, 1:] & ~m[:, :-1]).any()) if m.shape[1] > 1 else True
+
+
+def packed_inputs(ids_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Padding-free rows: (``[1, N]`` ids of the attended positions of ``ids_BT``, row after row; ``[1, N]`` position
+    ids restarting at 0 in every row; ``[B, T]`` slot of each attended position in the packed sequence). Built with
+    tensor operations on the rows' device (one size read: N)."""
+    keep = mask_BT.bool()
+    flat = keep.reshape(-1)
+    slot = flat.long().cumsum(0).sub_(1).view_as(keep)
+    sel = flat.nonzero().squeeze(1)
+    ids = ids_BT.reshape(-1).index_select(0, sel).unsqueeze(0)
+    pos = position_ids(keep).reshape(-1).index_select(0, sel).unsqueeze(0)
+    return ids, pos, slot
+
+
+def rows_packed(packed: bool | None) -> bool:
+    """Whether forwards given ``packed`` (``score_rows``) run padding-free: None reads the choice measured in this
+    process (not measured yet: padded)."""
+    if packed is None:
+        c = recorded(PACKING)
+        return bool(c is not None and c.native)
+    return bool(packed)
+
+
+def measured_packing(body: nn.Module, ids_BT: Tensor, mask_BT: Tensor) -> bool:
+    """Whether packed rows are the faster forward here (``native_choice.PACKING``): the recorded choice, or, the
+    first time, both forwards of these rows timed without gradients (the model's own shapes and lengths)."""
+
+    def first_use():
+        ids_1N, pos_1N, _ = packed_inputs(ids_BT, mask_BT)
+        pos_BT = position_ids(mask_BT)
+
+        def native():
+            with torch.no_grad():
+                return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+
+        def torch_path():
+            with torch.no_grad():
+                return body(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=False)
+
+        b, t = ids_BT.shape
+        return measure(PACKING, native, torch_path, f"{b} rows, {ids_1N.shape[1]} of {b * t} positions attended")
+
+    return takes_native(PACKING, first_use)
+
+
 def score_rows(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -187,12 +239,21 @@ def score_rows(
     impl: str = "auto",
     loss_fn: LossFn | None = None,
     loss_fill: Tensor | None = None,
+    packed: bool | None = False,
 ) -> tuple[Tensor, Tensor | None, int] | tuple[Tensor, Tensor | None, int, Tensor]:
     """One forward of ``[prompt | response]`` rows of a Hugging Face causal LM; returns ([B, L] fp32 log-probs,
     [B, L] entropy or None, number of token positions pushed through the model).
 
     prompt_ids/prompt_mask: [B, Lp] left-padded; response_ids/response_mask: [B, L] right-padded. Columns
     that are padding in every row are trimmed before the forward; the output keeps the full width L.
+
+    ``packed``: padding-free rows (:func:`packed_inputs`): the attended positions of all rows in one sequence whose
+    position ids restart at 0 in every row, so the model's attention (Hugging Face builds a block-diagonal causal
+    mask from such position ids for SDPA and eager attention, and flash attention's variable-length path reads them)
+    keeps each row to itself and no position of padding is computed; the counted positions are the attended ones.
+    Taken when more than one row and every response mask has no hole (a masked column between attended ones:
+    the position before an attended response token must itself be attended); otherwise the padded forward.
+    ``packed=None``: packed where measured faster than padded rows in this process (:func:`measured_packing`).
 
     Fused loss: with ``loss_fn(logp_BL, ent_BL or None) -> scalar`` the head goes through
     :func:`fused_head_loss` (gradients formed with the log-probs: three head matmuls instead of four) and a
@@ -215,11 +276,18 @@ def score_rows(
     lp = int(p_ids.shape[1])
     ids = torch.cat([p_ids, response_ids[:, : lr_used - 1]], dim=1)
     mask = torch.cat([p_mask, response_mask[:, : lr_used - 1].long()], dim=1)
-    hidden = transformer_body(model)(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False
-    )
-    hidden_BTD = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-    h_BUD = hidden_BTD[:, lp - 1 : lp - 1 + lr_used]
+    body = transformer_body(model)
+    if b > 1 and packed is not False and packable(rmask) and (packed or measured_packing(body, ids, mask)):
+        ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
+        hidden = body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+        h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+        h_BUD = h_ND[0][slot_BT[:, lp - 1 : lp - 1 + lr_used]]  # each response column's predicting position
+        pushed = int(ids_1N.shape[1])
+    else:
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
+        hidden_BTD = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+        h_BUD = hidden_BTD[:, lp - 1 : lp - 1 + lr_used]
+        pushed = int(ids.numel())
     weight, bias = output_head(model)
     if loss_fn is not None:
 
@@ -229,7 +297,7 @@ def score_rows(
             )
 
         logp_BL, ent_BL, carrier = scatter_response(h_BUD, response_ids, rmask, head)
-        return logp_BL, ent_BL, int(ids.numel()), carrier
+        return logp_BL, ent_BL, pushed, carrier
 
     def head(h_ND, t_N):
         return token_logprobs(
@@ -237,4 +305,4 @@ def score_rows(
         )
 
     logp_BL, ent_BL = scatter_response(h_BUD, response_ids, rmask, head)
-    return logp_BL, ent_BL, int(ids.numel())
+    return logp_BL, ent_BL, pushed

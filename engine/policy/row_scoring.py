@@ -127,12 +127,14 @@ def score_plain(
     impl: str = "auto",
     stats: dict | None = None,
     by_length: bool = False,
+    packed: bool | None = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference scorer: row r is the forward of ``[prompt row_prompt_R[r] | response r]``.
 
     prompt_ids_SP/prompt_mask_SP: [S, Lp] left-padded prompts; row_prompt_R: [R] prompt index of each row;
     response_ids_RL/response_mask_RL: [R, L]. Returns ([R, L] fp32 log-probs, [R, L] entropy or None).
-    Rows are taken in order (``by_length``: longest first), as many per forward as fit in ``max_tokens``.
+    Rows are taken in order (``by_length``: longest first), as many per forward as fit in ``max_tokens``;
+    ``packed``: each forward in padding-free rows (``score_rows``).
     """
     stats = new_stats() if stats is None else stats
     r, lr = response_ids_RL.shape
@@ -167,19 +169,21 @@ def score_plain(
             temperature=temperature,
             with_entropy=with_entropy,
             impl=impl,
+            packed=packed,
         )
         dst = idx[i:j] if idx is not None else slice(i, j)
         out[dst] = lp
         if with_entropy:
             ent[dst] = en
-        p_cols = lp_cols - min(left[i:j])
-        stats["prompt_tokens"] += (j - i) * p_cols
-        stats["response_tokens"] += pushed - (j - i) * p_cols
+        p_cols, h = lp_cols - min(left[i:j]), max(right[i:j])
+        real_prompt = sum(attended[int(k)] for k in src.tolist())
+        padded = pushed == (j - i) * (p_cols + h - 1)  # else packed: only the attended positions were pushed
+        stats["prompt_tokens"] += (j - i) * p_cols if padded else real_prompt
+        stats["response_tokens"] += pushed - ((j - i) * p_cols if padded else real_prompt)
         stats["token_forwards"] += pushed
         if pushed:  # the attended prompt positions and the response tokens before the forward's last column
-            h = max(right[i:j])
             resp = int(resp_cum[i:j, h - 2].sum()) if h >= 2 else 0
-            _add(stats, real_tokens=sum(attended[int(k)] for k in src.tolist()) + resp)
+            _add(stats, real_tokens=real_prompt + resp)
         stats["forwards"] += 1 if pushed else 0
         stats["rows"] += j - i
         i = j

@@ -8,6 +8,7 @@ step.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +25,14 @@ from alignopsd.engine.parallel.hardware import int8_sampling
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
+from alignopsd.engine.run.kernel_probe import choose_cpu_kernels, packing_probe
 from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.rescoring import Rescorer
 from torch import nn
 
 from alignopsd.estimators import get_estimator
+
+log = logging.getLogger(__name__)
 
 
 def hf_model_of(policy: PolicyBackend) -> nn.Module:
@@ -72,6 +76,26 @@ class OptimizerSettings:
         return cls(lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, warmup_steps=warmup)
 
 
+def packed_rows(cfg: RunConfig, device: torch.device) -> bool | None:
+    """``trainer.use_remove_padding`` resolved: ``auto`` is padding-free rows on CUDA and, on a CPU, None (where
+    measured faster than padded rows: engine/policy/lm_head.py ``measured_packing``)."""
+    setting = cfg.trainer.use_remove_padding
+    if setting == "auto":
+        return True if device.type == "cuda" else None
+    return bool(setting)
+
+
+def choose_cpu_paths(cfg: RunConfig, model: nn.Module, device: torch.device) -> None:
+    """The custom CPU paths this process takes, measured on ``model`` once before any step and stated in the log
+    (engine/run/kernel_probe.py): the C++ kernels, and packed or padded rows where ``use_remove_padding`` is auto."""
+    packing = None
+    if cfg.policy.backend == "hf" and packed_rows(cfg, device) is None:
+        width = cfg.env.max_prompt_length + cfg.generation.max_response_length
+        packing = functools.partial(packing_probe, model, cfg.trainer.ppo_micro_batch_size, width)
+    for line in choose_cpu_kernels(model.config, model.dtype, device, packing=packing):
+        log.info("kernels: %s", line)
+
+
 def build_policy(
     cfg: RunConfig, device: torch.device, world_size: int = 1, *, optim: OptimizerSettings | None = None
 ) -> PolicyBackend:
@@ -107,6 +131,7 @@ def build_policy(
         attn_implementation=cfg.model.attn_implementation,
         device=load_on,
     )
+    choose_cpu_paths(cfg, model, device)
     if cfg.policy.backend == "megatron":
         from alignopsd.engine.policy.megatron.backend import (
             MegatronPolicy,  # megatron-core is imported only when asked for
@@ -143,6 +168,7 @@ def build_policy(
         )
     return HFPolicy(
         model,
+        packed=packed_rows(cfg, device),
         lr=optim.lr,
         weight_decay=optim.weight_decay,
         betas=cfg.trainer.betas,
@@ -161,9 +187,15 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     disabled (the adapters start at zero, so the base is the initial policy; no second copy is loaded). The Hugging
     Face policy's reference is otherwise a second Hugging Face model read from disk."""
     temperature, by_length = cfg.generation.temperature, cfg.update_token_budget > 0
+    packed = policy.packed_rows  # the policy's own forwards' choice (the reference has the same architecture)
     if policy.adapter is not None:
         return Rescorer(
-            policy.model, mode="plain", temperature=temperature, scope=policy.adapter.disabled, by_length=by_length
+            policy.model,
+            mode="plain",
+            temperature=temperature,
+            scope=policy.adapter.disabled,
+            by_length=by_length,
+            packed=packed,
         )
     if policy.scores_itself:
         from alignopsd.engine.policy.megatron.scoring import FrozenShard
@@ -176,7 +208,7 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
     )
     for p in ref_model.parameters():
         p.requires_grad_(False)
-    return Rescorer(ref_model, mode="plain", temperature=temperature, by_length=by_length)
+    return Rescorer(ref_model, mode="plain", temperature=temperature, by_length=by_length, packed=packed)
 
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
@@ -273,6 +305,7 @@ def build_rescorer(
         temperature=cfg.generation.temperature,
         reuse_rollout_logp=reuses_rollout_logprobs(cfg, generator, model),
         by_length=cfg.update_token_budget > 0,  # rows longest first, like the update's micro-batches by tokens
+        packed=policy.packed_rows,  # plain mode's rows padding-free where the policy's are
         # a policy trained apart from its Hugging Face copy (Megatron) scores the rows itself, old log-probs and
         # teacher forcing alike: the first PPO ratio compares the trained model with itself and the evidence
         # (teacher minus student) compares two forwards of one implementation; in the same rescoring mode

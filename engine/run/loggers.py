@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from alignopsd.engine.config.logger_check import mlflow_uri, wandb_dir, wandb_mode
-from alignopsd.engine.config.sections import TrainerConfig
+from alignopsd.engine.config.trainer_section import TrainerConfig
 from alignopsd.engine.observe.mlflow_sink import MlflowSink
 from alignopsd.engine.observe.sinks import Sink, TensorBoardSink, guarded
 from alignopsd.engine.observe.wandb_sink import WandbSink

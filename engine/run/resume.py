@@ -40,7 +40,7 @@ from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
-from alignopsd.engine.config.sections import MlflowConfig, WandbConfig
+from alignopsd.engine.config.trainer_section import MlflowConfig, WandbConfig
 from alignopsd.engine.infra.mappings import flatten_config
 
 # dotted keys whose change leaves the training trajectory as it is
@@ -72,7 +72,7 @@ ADDED_KEYS = {"generation.quantize": "off"}
 # same exact token-mean; sums may round differently), with the values that divide it as before: absent from an older
 # checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is
 # refused like any other
-ADDED_DIVISIONS = {"trainer.ppo_max_token_len_per_gpu": (0, None)}
+ADDED_DIVISIONS = {"trainer.ppo_max_token_len_per_gpu": (0, None), "trainer.use_remove_padding": (False,)}
 NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)

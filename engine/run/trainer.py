@@ -66,6 +66,7 @@ from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, store
 from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
 from alignopsd.engine.step.episodes import run_validation
 from alignopsd.engine.step.recipe import run_step
+from alignopsd.kernels.native_choice import choices_state, restore_choices
 
 log = logging.getLogger("alignopsd.train")
 
@@ -113,6 +114,10 @@ class Trainer:
     def _build(self, cfg: RunConfig) -> None:
         process_settings(cfg, self.rank)
         self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
+        if self.dist.enabled:  # every rank computes with rank 0's measured CPU paths (kernels/native_choice.py)
+            chosen = self.dist.gather_objects(choices_state())[0]
+            if self.rank:
+                restore_choices(chosen, "rank 0's measurement")
         self.step = 0
         self.span_lengths: list[int] = []
         self.logger_runs: dict[str, str] = {}  # logger name -> its W&B / MLflow run, stored with every checkpoint
@@ -141,6 +146,7 @@ class Trainer:
                 run_config=stored_config(self.cfg),
                 span_lengths_count=len(self.span_lengths),
                 logger_runs=self.logger_runs or None,
+                paths=choices_state() or None,
             ),
             hf_config=policy.hf_config,
             keep_last=self.cfg.trainer.keep_last,
@@ -180,6 +186,8 @@ class Trainer:
         self.parts.sync_weights()
         self.step = ck.trainer_state.step
         self.logger_runs = dict(ck.trainer_state.logger_runs or {})
+        for choice in restore_choices(ck.trainer_state.paths or {}, "as the run that wrote the checkpoint measured"):
+            self._say(f"[train] kernels: {choice.describe()}")  # the paths it computed with: a resume is exact
         n = ck.trainer_state.span_lengths_count or 0
         self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
         if warning:

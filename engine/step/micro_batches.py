@@ -75,16 +75,17 @@ class Footprint:
     computed: int = 0
     real: int = 0
 
-    def add(self, geo: RowGeometry, rows: list[int]) -> None:
+    def add(self, geo: RowGeometry, rows: list[int], packed: bool = False) -> None:
         """The positions of one forward of ``rows`` (trimmed like ``score_rows``: no column of padding only, no
-        last response column)."""
+        last response column; ``packed``: padding-free rows of several rows push only their real positions)."""
         r_ext = max((geo.response[r] for r in rows), default=0)
         if not rows or r_ext == 0:  # nothing to score: the policy pushes nothing
             return
         p_w = max(geo.prompt[r] for r in rows)
-        self.computed += len(rows) * (p_w + r_ext - 1)
         resp = int(geo.resp_cum[rows, r_ext - 2].sum()) if r_ext >= 2 else 0
-        self.real += sum(geo.prompt[r] for r in rows) + resp
+        real = sum(geo.prompt[r] for r in rows) + resp
+        self.computed += real if packed and len(rows) > 1 else len(rows) * (p_w + r_ext - 1)
+        self.real += real
 
     @property
     def padding_fraction(self) -> float:
@@ -170,10 +171,11 @@ def plan_update(
     return plan
 
 
-def plan_footprint(plan: list[list[MicroBatch]], geo: RowGeometry) -> Footprint:
-    """The positions the update's forwards push for ``plan`` (dummies included: they are computed too)."""
+def plan_footprint(plan: list[list[MicroBatch]], geo: RowGeometry, packed: bool = False) -> Footprint:
+    """The positions the update's forwards push for ``plan`` (dummies included: they are computed too; ``packed``:
+    in padding-free rows)."""
     fp = Footprint()
     for mbs in plan:
         for mb in mbs:
-            fp.add(geo, mb.rows)
+            fp.add(geo, mb.rows, packed)
     return fp

@@ -79,6 +79,8 @@ class Rescorer:
     ``LoraAdapter.disabled``).
     by_length: forwards take the rows longest first (engine/policy/row_scoring.py; ``trainer.ppo_max_token_len_per_gpu``
     on), the same results with less padding; the counts in ``stats`` include ``real_tokens``.
+    packed: plain mode's forwards in padding-free rows (engine/policy/lm_head.py ``score_rows``: True, False, or
+    None for where measured faster; ``trainer.use_remove_padding``).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class Rescorer:
         scorer=None,
         scope: Callable[[], contextlib.AbstractContextManager] | None = None,
         by_length: bool = False,
+        packed: bool | None = False,
     ) -> None:
         if mode not in RESCORING_MODES:
             raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
@@ -118,6 +121,7 @@ class Rescorer:
         self.scope = scope or contextlib.nullcontext
         self.scoped = scope is not None
         self.by_length = bool(by_length)
+        self.packed = packed
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
         """Score the rows on the model's device; results come back on the device of ``resp_ids``."""
@@ -135,7 +139,7 @@ class Rescorer:
         rows = [devices.to_device(t, dev) for t in (prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask)]
         with self.scope():
             if self.mode == "plain":
-                lp, en = score_plain(self.model, *rows, **kw, stats=stats)
+                lp, en = score_plain(self.model, *rows, **kw, stats=stats, packed=self.packed)
             else:
                 lp, en = score_shared_prefix(
                     self.model, *rows, **kw, dedupe=self.dedupe, max_prefix_tokens=self.max_prefix_tokens, stats=stats

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 from alignopsd.engine.parallel import devices
+from alignopsd.engine.policy.lm_head import rows_packed
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.micro_batches import MicroBatch, RowGeometry, plan_footprint, plan_update
 from torch import Tensor
@@ -179,8 +180,6 @@ def ppo_update(
         geometry=geo,
         token_budget=cfg.update_token_budget,
     )
-    fp = plan_footprint(plan, geo)
-    out["actor/padding_fraction"] = weighted_mean(fp.padding_fraction, fp.computed)
     out["update/micro_batches"] = same(sum(len(mbs) for mbs in plan))
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     totals: dict[str, float] = {}
@@ -204,6 +203,8 @@ def ppo_update(
         skipped += int(bool(res.get("skipped")))
         grad_norms.append(float(res.get("grad_norm", 0.0)))
         out["actor/lr"] = same(res.get("lr", cfg.trainer.lr))
+    fp = plan_footprint(plan, geo, packed=rows_packed(policy.packed_rows))  # after the forwards: a choice measured
+    out["actor/padding_fraction"] = weighted_mean(fp.padding_fraction, fp.computed)
     # each rank's share is scaled to the global token-mean (microbatch_scales): the mean over the ranks is the whole
     out.update({k: weighted_mean(v, 1) for k, v in totals.items()})
     finite = [g for g in grad_norms if math.isfinite(g)]

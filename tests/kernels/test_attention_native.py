@@ -15,6 +15,9 @@ from alignopsd.engine.generation import decode_cache as dc
 from alignopsd.engine.generation.decode_cache import SharedPrefixKV
 from alignopsd.kernels import attention_native as an
 from alignopsd.kernels.lse_native import elements_from, native_ready
+from alignopsd.kernels.native_choice import ATTENTION
+
+from alignopsd.testing import KernelChoice, record_kernel_choice
 
 needs_native = pytest.mark.skipif(
     not native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
@@ -28,7 +31,7 @@ def _bf16_values(*shape, g):
     return torch.randn(*shape, generator=g).bfloat16().float()  # what a bf16 model stores in the fp32 cache
 
 
-def _prefixed_cache(*, b=8, s=13, h=6, k=2, d=64, g_count=3, p=70, seed=0):
+def prefixed_cache(*, b=8, s=13, h=6, k=2, d=64, g_count=3, p=70, seed=0):
     """A cache whose rows read kept prefixes (the teacher forcing's layout), its one push stored; the query."""
     g = torch.Generator().manual_seed(seed)
     pk, pv = [_bf16_values(g_count, k, p, d, g=g)], [_bf16_values(g_count, k, p, d, g=g)]
@@ -45,11 +48,20 @@ def _prefixed_cache(*, b=8, s=13, h=6, k=2, d=64, g_count=3, p=70, seed=0):
     return kv, q
 
 
-def _native(kv, q, scale):
+def _operands(kv, q, scale):
+    """The arguments the cache's layer 0 gives the kernel and its torch path."""
     k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
     pk, pv = (kv.pk[0], kv.pv[0]) if kv.prefix_valid is not None else (None, None)
     rows = kv.row_prefix if pk is not None else None
-    return an.prefix_attention(q, k, v, pk, pv, rows, kv.bias, scale)
+    return q, k, v, pk, pv, rows, kv.bias, scale
+
+
+def _native(kv, q, scale):
+    return an.prefix_attention(*_operands(kv, q, scale))
+
+
+def _torch(kv, q, scale):
+    return an.torch_prefix_attention(*_operands(kv, q.float(), scale))
 
 
 @needs_native
@@ -57,10 +69,10 @@ def _native(kv, q, scale):
     ("b", "s", "h", "k", "d", "p"), [(8, 13, 6, 2, 64, 70), (3, 50, 9, 3, 32, 129), (5, 7, 4, 4, 128, 64)]
 )
 def test_prefixed_rows_equal_torch_path(b, s, h, k, d, p):
-    kv, q = _prefixed_cache(b=b, s=s, h=h, k=k, d=d, p=p)
+    kv, q = prefixed_cache(b=b, s=s, h=h, k=k, d=d, p=p)
     scale = d**-0.5
     got = _native(kv, q, scale)
-    want = kv._prefill(0, q.float(), scale)
+    want = _torch(kv, q, scale)
     assert got.shape == (b, s, h, d) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
@@ -78,12 +90,12 @@ def test_rows_without_prefixes_and_a_second_push_equal_torch_path():
     kv.push(torch.ones(b, 5, dtype=torch.long))
     kv.update(_bf16_values(b, k, 5, d, g=g), _bf16_values(b, k, 5, d, g=g), 0)
     q = torch.randn(b, h, 5, d, generator=g).bfloat16()
-    torch.testing.assert_close(_native(kv, q, 0.125), kv._prefill(0, q.float(), 0.125), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(_native(kv, q, 0.125), _torch(kv, q, 0.125), rtol=1e-5, atol=2e-6)
 
 
 @needs_native
 def test_cache_routes_bf16_prefill_to_native(monkeypatch):
-    kv, q = _prefixed_cache()
+    kv, q = prefixed_cache()
     calls = []
     real = dc.prefix_attention
 
@@ -92,20 +104,21 @@ def test_cache_routes_bf16_prefill_to_native(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(dc, "prefix_attention", spy)
+    record_kernel_choice(KernelChoice(ATTENTION, True, 0.1, 0.2, "injected: measured faster"))
     out = kv.attend(0, q, 0.125)
     assert calls == [13] and out.dtype == torch.bfloat16 and out.shape == (8, 13, 6, 64)
-    torch.testing.assert_close(out.float(), kv._prefill(0, q.float(), 0.125).bfloat16().float(), rtol=0.02, atol=2e-3)
+    torch.testing.assert_close(out.float(), _torch(kv, q, 0.125).bfloat16().float(), rtol=0.02, atol=2e-3)
     kv.attend(0, q.float(), 0.125)  # an fp32 model: the torch path
     assert calls == [13]
 
 
 def test_applies_only_to_what_the_kernel_runs(monkeypatch):
-    kv, q = _prefixed_cache(d=64)
+    kv, q = prefixed_cache(d=64)
     k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
     assert an.prefix_attention_applies(q, k, v, kv.pk[0], kv.pv[0]) == native_ready()
     assert not an.prefix_attention_applies(q.float(), k, v, kv.pk[0], kv.pv[0])
     assert not an.prefix_attention_applies(q, k.bfloat16(), v, kv.pk[0], kv.pv[0])
-    kv48, q48 = _prefixed_cache(d=48)
+    kv48, q48 = prefixed_cache(d=48)
     k48, v48 = kv48.k[0][:, :, : kv48.length], kv48.v[0][:, :, : kv48.length]
     assert not an.prefix_attention_applies(q48, k48, v48, kv48.pk[0], kv48.pv[0])
     monkeypatch.setattr(an, "native_ready", lambda: False)
@@ -118,7 +131,7 @@ def test_bad_inputs_are_named():
     """Shapes that do not fit together are named before any native call (so on any CPU): the query's head size,
     rows or heads against the keys', the keys' against the values', the prefix's against the keys', row_prefix,
     bias."""
-    kv, q = _prefixed_cache()
+    kv, q = prefixed_cache()
     k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
     pk, pv, rows, bias = kv.pk[0], kv.pv[0], kv.row_prefix, kv.bias
 
@@ -156,7 +169,7 @@ def test_bad_inputs_are_named():
 def test_extension_refuses_sizes_past_its_buffers():
     """The C++ boundary checks the sizes and strides it is given against the elements each buffer holds, before it
     asks the CPU: the heap-buffer-overflow of a mismatched head size becomes a ValueError naming the buffer."""
-    kv, q = _prefixed_cache(b=2, s=3, h=2, k=1, d=32, g_count=1, p=4)
+    kv, q = prefixed_cache(b=2, s=3, h=2, k=1, d=32, g_count=1, p=4)
     k, v = kv.k[0][:, :, : kv.length], kv.v[0][:, :, : kv.length]
     pk, pv = kv.pk[0].contiguous(), kv.pv[0].contiguous()
     rows = kv.row_prefix.long().contiguous()

@@ -11,6 +11,9 @@ import pytest
 import torch
 from alignopsd.kernels import logprob, logprob_ref, lse_native, lse_partials
 from alignopsd.kernels.lse_partials import finish_partials, torch_partials
+from alignopsd.kernels.native_choice import HEAD
+
+from alignopsd.testing import KernelChoice, record_kernel_choice
 
 needs_native = pytest.mark.skipif(
     not lse_native.native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
@@ -84,6 +87,7 @@ def test_logprob_cpu_forward_routes_to_native_exactly_when_it_applies(monkeypatc
         return real(*a, **k)
 
     monkeypatch.setattr(lse_partials, "native_partials", spy)
+    record_kernel_choice(KernelChoice(HEAD, True, 0.1, 0.2, "injected: measured faster"))
     hid, w, t = _operands(9, 300, 32)
     lp = logprob(hid, w, t, temperature=0.5)
     assert calls == [torch.bfloat16]
@@ -171,6 +175,7 @@ def test_impl_torch_forces_the_torch_tiles(monkeypatch):
 
     monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: b is None and h.dtype == torch.bfloat16)
     monkeypatch.setattr(lse_partials, "native_partials", stand_in)
+    record_kernel_choice(KernelChoice(HEAD, True, 0.1, 0.2, "injected: measured faster"))
     hid, w, t = _operands(5, 90, 16)
     want = logprob_ref(hid, w, t)
     torch.testing.assert_close(logprob(hid, w, t, impl="torch"), want, rtol=0, atol=3e-5)

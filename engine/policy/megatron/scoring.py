@@ -119,6 +119,7 @@ class ShardScoring:
 
     model: torch.nn.Module
     scores_itself = True  # ``PolicyBackend.scores_itself``: rows are scored through this shard, never a full module
+    packed_rows = False  # ``PolicyBackend.packed_rows``: its plain rows are padded (its prefix rows are packed already)
     spec: str
     tp: int
     tp_rank: int

@@ -1,0 +1,224 @@
+"""The trainer section of a run config (optimisation, schedule, bookkeeping) and its loggers' sections.
+
+Strict pydantic models like the other sections (engine/config/sections.py): unknown keys, values of the wrong type,
+NaN and infinities, out-of-range values and contradicting fields raise ConfigError naming the dotted key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from alignopsd.engine.config.errors import rule
+from alignopsd.engine.config.sections import (
+    SEED_LIMIT,
+    Count,
+    Name,
+    NonNegative,
+    OffOrCount,
+    Positive,
+    Real,
+    Section,
+)
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from typing_extensions import Self
+
+
+def _pair(value: Any) -> Any:
+    """Two values, as a tuple (YAML gives a list)."""
+    if isinstance(value, (list, tuple)) and len(value) != 2:
+        raise ValueError(f"expected 2 entries, got {len(value)}")
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _one_epoch(value: int) -> int:
+    if value != 1:
+        raise ValueError(f"the method uses exactly 1 PPO epoch, got {value}")
+    return value
+
+
+Beta = Annotated[Real, Field(ge=0, lt=1)]
+
+
+LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class WandbConfig(Section):
+    """Weights & Biases (``trainer.loggers`` holds ``wandb``; ``pip install alignopsd[wandb]``). A field left unset
+    follows wandb's own conventions: the ``WANDB_*`` environment variables, then wandb's defaults."""
+
+    KEY: ClassVar[str] = "trainer.wandb"
+    project: str | None = None
+    """W&B project (None: WANDB_PROJECT, else wandb's default)."""
+    entity: str | None = None
+    """Team or user (None: WANDB_ENTITY, else the account's default)."""
+    name: str | None = None
+    """Display name of the run (None: WANDB_NAME, else the run config's ``name``)."""
+    tags: list[Name] = Field(default_factory=list)
+    """Tags of the run (empty: WANDB_TAGS, comma-separated)."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online | offline (sync later with ``wandb sync``) | disabled (None: WANDB_MODE, else online)."""
+    dir: str | None = None
+    """Folder of wandb's local files (None: WANDB_DIR, else the run's output folder)."""
+
+
+class MlflowConfig(Section):
+    """MLflow tracking (``trainer.loggers`` holds ``mlflow``; ``pip install alignopsd[mlflow]``). A field left unset
+    follows MLflow's own conventions: the ``MLFLOW_*`` environment variables, then MLflow's defaults."""
+
+    KEY: ClassVar[str] = "trainer.mlflow"
+    tracking_uri: str | None = None
+    """Tracking server or store (``http://host:5000``, ``file:///path/mlruns``, ...; None: MLFLOW_TRACKING_URI,
+    else MLflow's default). MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true."""
+    experiment: str | None = None
+    """Experiment name, created when missing (None: MLFLOW_EXPERIMENT_NAME or MLFLOW_EXPERIMENT_ID, else MLflow's
+    Default experiment)."""
+    run_name: str | None = None
+    """Name of the MLflow run (None: the run config's ``name``)."""
+    tags: dict[Name, str] = Field(default_factory=dict)
+    """Tags set on the run when it is created."""
+
+
+def _loggers(value: list[str]) -> list[str]:
+    if len(set(value)) != len(value):
+        raise ValueError(f"lists a logger twice: {value}")
+    if "jsonl" not in value:
+        raise ValueError(
+            f"must hold 'jsonl' (metrics.jsonl is the run's own record: the report, compare and resume "
+            f"read it), got {value}"
+        )
+    return value
+
+
+def _tensorboard_switch(data: Any) -> Any:
+    """The earlier ``trainer.tensorboard: bool`` switch, as the ``tensorboard`` entry of ``trainer.loggers``."""
+    if not isinstance(data, dict) or "tensorboard" not in data:
+        return data
+    data = dict(data)
+    on = data.pop("tensorboard")
+    if not isinstance(on, bool):
+        raise rule("tensorboard", f"must be true or false, got {on!r} (it is now an entry of trainer.loggers)")
+    if "loggers" in data:  # both: they must agree
+        if isinstance(data["loggers"], list) and on == ("tensorboard" in data["loggers"]):
+            return data
+        raise rule("tensorboard", f"{on} contradicts trainer.loggers {data['loggers']!r} (set trainer.loggers alone)")
+    data["loggers"] = ["jsonl", "tensorboard"] if on else ["jsonl"]
+    return data
+
+
+class TrainerConfig(Section):
+    """Optimisation, schedule and bookkeeping."""
+
+    KEY: ClassVar[str] = "trainer"
+    total_steps: Count = 150
+    """Training steps (one PPO update epoch per step)."""
+    lr: Positive = 1e-6
+    """AdamW learning rate (constant after warm-up)."""
+    warmup_ratio: Annotated[Real, Field(ge=0, lt=1)] = 0.0
+    """Linear warm-up as a fraction of total_steps."""
+    weight_decay: NonNegative = 0.01
+    """AdamW weight decay."""
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_pair)] = (0.9, 0.999)
+    """AdamW betas, two numbers in [0, 1)."""
+    ppo_mini_batch_size: Count = 256
+    """Turn rows per optimiser step (global, over all ranks)."""
+    ppo_micro_batch_size: Count = 16
+    """Turn rows per forward/backward on one rank (when ppo_max_token_len_per_gpu is 0 or null)."""
+    ppo_max_token_len_per_gpu: Annotated[int, Field(ge=0)] | Literal["auto"] | None = "auto"
+    """Micro-batches by tokens (verl's name): rows sorted by length, as many per forward/backward on one rank as fit
+    in this many positions (rows x padded length; the old log-prob and reference passes sort their rows too).
+    auto: ppo_micro_batch_size x (env.max_prompt_length + generation.max_response_length); 0/null: fixed rows."""
+    use_remove_padding: bool | Literal["auto"] = "auto"
+    """Padding-free rows (verl's name) in the Hugging Face policy's forwards (the update, and the old log-prob and
+    reference passes in plain mode): each forward's attended positions packed into one sequence whose position ids
+    restart at 0 in every row, so no padding is computed (SDPA and eager attention keep each row to itself through
+    Hugging Face's block-diagonal mask, flash attention through its variable-length path). auto: on CUDA; on a CPU
+    where measured faster than padded rows of similar lengths (once per run, on its first forward of several rows);
+    true: always; false: padded rows. The Megatron backend pads its plain rows."""
+    ppo_epochs: Annotated[int, AfterValidator(_one_epoch)] = 1
+    """PPO epochs per step (the method uses 1)."""
+    grad_clip: Positive = 1.0
+    """Global gradient-norm clip."""
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] = 0
+    """Seed of tasks, rollouts and model initialisation, in [0, 2**32)."""
+    save_freq: OffOrCount = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    test_freq: OffOrCount = -1
+    """Validate every N steps (-1: never during training)."""
+    val_start_step: Annotated[int, Field(ge=0)] = 0
+    """Periodic validation (test_freq) only from this step on (Search-3B: 70)."""
+    val_before_train: bool = False
+    """Run a validation pass before the first step."""
+    val_after_train: bool = True
+    """Run a validation pass after the last step."""
+    keep_last: Count = 2
+    """Checkpoints kept on disk."""
+    export_hf_freq: OffOrCount = -1
+    """Sharded checkpoints (policy.backend megatron) and LoRA checkpoints (model.lora): also write the gathered
+    (LoRA: merged) Hugging Face weights (model.safetensors + config.json, for eval and serving) into every Nth step's
+    checkpoint; -1: only the last step's."""
+    logprob_reuse: bool = False
+    """Take old log-probs from the rollout engine (hf backend only) instead of a trainer forward."""
+    fused_head_loss: bool = True
+    """PPO forward through the fused head loss (hf and megatron backends, vocab-parallel under tensor
+    parallelism): the LM head's gradients are formed with the log-probs, three head matmuls instead of four
+    (the policy loss is a sum of per-token terms). Off: autograd through alignopsd.kernels.logprob."""
+    rescoring_mode: Literal["shared_prefix", "plain"] = "shared_prefix"
+    """Teacher scoring: shared_prefix (prompt KV cache shared by diagonal and cross rows) | plain."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto | cpu | cuda."""
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms (CPU) for exact resume."""
+    torch_threads: Annotated[int, Field(ge=0)] = 0
+    """torch intra-op threads (0: leave the default)."""
+    loggers: Annotated[list[LoggerName], AfterValidator(_loggers)] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"]
+    )
+    """Where the metrics go: jsonl (metrics.jsonl, required) | tensorboard (<output>/tb) | wandb | mlflow; every logger
+    gets the same names and steps (engine/observe/sinks.py). The former switch ``tensorboard: false`` is read as
+    ``loggers: [jsonl]``."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases settings (used when loggers holds wandb)."""
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    """MLflow settings (used when loggers holds mlflow)."""
+    report: bool = True
+    """Write report.md and plots at the end."""
+    skip_no_signal: bool = False
+    """Skip the rest of a step whose advantages are provably all zero and that has no auxiliary term (logged as
+    update/skipped). Off by default, as in the authors' runs: their entropy (and KL) terms update the policy on
+    every step, a step with zero advantages included."""
+    audit: bool = True
+    """Write the audit records of ALGORITHM.md §4.3 under <output>/audit/ (per-turn JSONL every step, token
+    snapshots on the first, every 10th and the last step; see observe/audit.py). Training is identical either way."""
+    audit_max_bytes: Count = 1 << 30
+    """Cap on the audit's bytes over the whole run (all ranks together); past it, nothing more is written."""
+    rollout_is: Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "off"
+    """Rollout-trainer mismatch correction (alignopsd.losses.rollout_is_weights): off | token_truncate |
+    token_mask | sequence_truncate | sequence_mask. The ratio is pi_trainer(old) / pi_rollout of each sampled
+    token (a row's product for sequence level); truncate multiplies the policy loss by min(ratio, threshold),
+    mask drops tokens (rows) whose ratio is outside [rollout_is_lower, rollout_is_threshold] from the loss and
+    its token-mean denominator. Off as in the authors' runs."""
+    rollout_is_threshold: Annotated[Real, Field(gt=1)] = 2.0
+    """Upper bound of the importance ratio (the truncation cap, or the mask's upper bound); > 1."""
+    rollout_is_lower: Annotated[Real, Field(ge=0, lt=1)] | None = None
+    """Lower bound of the mask's accepted ratio range; None: 1 / rollout_is_threshold. In [0, 1)."""
+    preempt_grace_s: Annotated[Real, Field(gt=0, le=3600)] = 20.0
+    """Seconds a run has, after SIGTERM or SIGUSR1, to finish its step and write a checkpoint before it exits at once
+    (engine/run/preemption.py); keep it below the scheduler's grace and torchrun's --shutdown_timeout (30 s)."""
+
+    _tensorboard = model_validator(mode="before")(_tensorboard_switch)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.ppo_micro_batch_size > self.ppo_mini_batch_size:
+            raise rule(
+                "ppo_micro_batch_size",
+                f"{self.ppo_micro_batch_size} exceeds trainer.ppo_mini_batch_size {self.ppo_mini_batch_size}",
+            )
+        if self.logprob_reuse is True and self.rollout_is != "off":  # old log-probs would be the rollout's: ratio 1
+            raise rule(
+                "rollout_is",
+                f"{self.rollout_is!r} with trainer.logprob_reuse=true corrects nothing (the old log-probs are the "
+                "rollout engine's own, so every importance weight is 1); set trainer.logprob_reuse=false to correct "
+                "the mismatch, or trainer.rollout_is=off",
+            )
+        return self

@@ -1,0 +1,89 @@
+"""The run's custom CPU kernels, chosen by measured speed before its first step (kernels/native_choice.py).
+
+:func:`choose_cpu_kernels` times each C++ kernel against the torch path it replaces at the model's own shapes, in
+the model's dtype and with the run's threads, and returns one line per kernel for the run's first lines:
+
+- the LM head's partials (the fused log-prob and loss of every scoring and update pass): ``PROBE_ROWS`` token
+  rows against the model's head ``[V, H]`` (at most ``PROBE_VOCAB`` rows of it: the rate does not depend on the
+  vocabulary's length past a few tiles, and a 7B model's head need not be copied);
+- the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
+  ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
+- packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU, :func:`packing_probe`): a micro-batch of
+  the run's rows whose lengths spread from half the longest row to the longest, as rows sorted by length are.
+
+A kernel already chosen in this process (an earlier policy build, a first use) keeps its choice. On an accelerator
+there is nothing to choose (the Triton kernels run there), and a kernel that cannot run here says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from alignopsd.engine.policy.lm_head import measured_packing, transformer_body
+from alignopsd.kernels.attention_native import measure_attention
+from alignopsd.kernels.lse_partials import measure_head
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, PACKING, recorded
+
+PROBE_ROWS, PROBE_VOCAB = 256, 32768
+# the quickstart's teacher forcing: rows of ~45-56 queries behind ~670-690 kept prompt positions
+ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX = 4, 48, 640
+PACKING_ROWS, PACKING_WIDTH = 4, 512  # the packing probe's most rows and positions (six forwards of it, no gradients)
+
+
+def choose_cpu_kernels(
+    hf_config, dtype: torch.dtype, device: torch.device | str = "cpu", *, packing: Callable[[], object] | None = None
+) -> list[str]:
+    """Measure (or read back) the choice of each custom CPU kernel for a model of ``hf_config`` in ``dtype`` and
+    return the lines that state it; none on an accelerator. ``packing`` (:func:`packing_probe` bound to the model):
+    also choose between packed and padded rows."""
+    if torch.device(device).type != "cpu":
+        return []
+    lines = []
+    if packing is not None:
+        lines.append((recorded(PACKING) or packing()).describe())
+    for kernel, probe in ((HEAD, _head_probe), (ATTENTION, _attention_probe)):
+        choice = recorded(kernel)
+        if choice is None and dtype != torch.bfloat16:
+            run_dtype = str(dtype).removeprefix("torch.")
+            lines.append(f"{kernel}: torch path (the model runs in {run_dtype}; the C++ kernels are for bf16)")
+            continue
+        lines.append((choice or probe(hf_config, dtype)).describe())
+    return lines
+
+
+def _head_probe(cfg, dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden, vocab = cfg.hidden_size, min(cfg.vocab_size, PROBE_VOCAB)
+    h = torch.randn(PROBE_ROWS, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(dtype)
+    t = torch.randint(0, vocab, (PROBE_ROWS,), generator=g)
+    return measure_head(h, w, None, t)
+
+
+def _attention_probe(cfg, dtype):
+    g = torch.Generator().manual_seed(0)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    b, s, p = ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX
+    q = torch.randn(b, s, heads, d, generator=g).to(dtype).transpose(1, 2)  # [B, H, S, D], strided as the model's
+    k, v = (torch.randn(b, kv_heads, s, d, generator=g).to(dtype).float() for _ in range(2))  # the cache keeps fp32
+    pk, pv = (torch.randn(1, kv_heads, p, d, generator=g).to(dtype).float() for _ in range(2))
+    causal = torch.full((s, s), float("-inf")).triu(1)
+    bias = torch.cat([torch.zeros(s, p), causal], dim=1).expand(b, 1, s, p + s).contiguous()
+    return measure_attention(q, k, v, pk, pv, torch.zeros(b, dtype=torch.long), bias, d**-0.5)
+
+
+def packing_probe(model, rows: int, width: int) -> object:
+    """Time the model's forward of ``rows`` rows (2 to ``PACKING_ROWS``) of lengths from ``width // 2`` to ``width``
+    (at most ``PACKING_WIDTH``; left-padded random ids) packed and padded, without gradients (engine/policy/lm_head.py
+    ``measured_packing``: recorded)."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = min(max(2, rows), PACKING_ROWS), min(max(2, width), PACKING_WIDTH)
+    lengths = torch.linspace(width // 2, width, rows).round().long().clamp_min(1)
+    mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()  # left padding
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=g) * mask
+    dev = next(model.parameters()).device
+    measured_packing(transformer_body(model), ids.to(dev), mask.to(dev))
+    return recorded(PACKING)

@@ -1,0 +1,165 @@
+"""Which custom CPU path a process takes: the faster one, measured on this CPU, dtype and shape, not a CPU flag.
+
+The C++ kernels (the LM head's bf16 partials, ``lse_native.py``; the shared-prefix prefill attention,
+``attention_native.py``) run on any x86 CPU with AVX512-BF16, but being able to run is not being faster: on a Xeon with
+AMX, torch's own paths reach more than the head kernel (torch's fp32 matmul 270 GFLOP/s, the kernel 211, on
+``[3800, 576] x [49152, 576]``). So each kernel is taken only where it was measured faster than the torch path it
+replaces, here, in the operands' dtype and at the run's shape, once per process:
+
+- :func:`measure` times both paths on the same operands (``timer``: the best of two calls each, after a warm-up)
+  and records a :class:`KernelChoice`; the run does this before its first step for the model's own head and
+  attention shapes (:func:`engine.policy.kernel_probe.choose_cpu_kernels`, stated in the run's first lines);
+- :func:`takes_native` is what the kernels' dispatch asks: True only when the kernel can run and a recorded
+  choice says it is faster. A kernel asked before anything was measured is measured then, on its first real
+  operands (:func:`first_use`), so no path is ever taken on a flag alone.
+
+The same rule picks padding-free (packed) rows against padded rows of similar lengths for the policy's forwards on
+a CPU (``PACKING``, engine/policy/lm_head.py): SDPA on a CPU computes a packed sequence's whole block-diagonal
+mask, so packing wins only where the padding it removes costs more than the attention it adds.
+
+A data-parallel run takes rank 0's choices on every rank, and a checkpoint stores them (:func:`choices_state`):
+a resumed run takes them again (:func:`restore_choices`), so it computes exactly as the run it continues.
+``ALIGNOPSD_CPU_PATHS=torch`` measures nothing and takes the torch paths everywhere (:func:`pinned`: the test
+suite's setting, and a user's for bit-identical reruns).
+
+A choice is recorded per name (``HEAD``, ``ATTENTION``, ``PACKING``); the choice a test or a check wants is recorded
+with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+HEAD = "head partials"  # kernels/lse_native.py against lse_partials.torch_partials
+ATTENTION = "prefix attention"  # kernels/attention_native.py against decode_cache's gathered sdpa
+PACKING = "packed rows"  # padding-free rows (engine/policy/lm_head.py) against padded rows of similar lengths
+KERNELS = (HEAD, ATTENTION, PACKING)
+# what each choice's two sides are called in the run's log: (the custom path, the path it replaces)
+LABELS = {PACKING: ("packed rows", "padded rows")}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The measured choice of one custom kernel: ``native`` when it was faster than the torch path."""
+
+    kernel: str
+    native: bool
+    native_s: float | None  # seconds of the kernel on the probe (None: it could not run here)
+    torch_s: float | None  # seconds of the torch path on the same probe
+    shape: str  # the probe's operands, e.g. "[256, 576] x [49152, 576] bf16"
+    flops: float = 0.0  # FLOPs of one call at ``shape`` (0: not counted), for the rates in :meth:`describe`
+    why: str = ""  # why the kernel could not run, when ``native_s`` is None
+
+    def describe(self) -> str:
+        """One line for the run's log, e.g. ``head partials: torch path (71.0 ms, 110 GFLOP/s) over C++ kernel
+        (83.0 ms, 94 GFLOP/s) at [256, 576] x [32768, 576] bfloat16``."""
+        custom, plain = LABELS.get(self.kernel, ("C++ kernel", "torch path"))
+        pick, other = (custom, plain) if self.native else (plain, custom)
+        if self.why or self.native_s is None or self.torch_s is None:
+            return f"{self.kernel}: {pick} ({self.why or 'not measured'})"
+        fast, slow = (self.native_s, self.torch_s) if self.native else (self.torch_s, self.native_s)
+        rates = f"{pick} ({_rate(fast, self.flops)}) over {other} ({_rate(slow, self.flops)})"
+        return f"{self.kernel}: {rates} at {self.shape}"
+
+
+def _rate(seconds: float | None, flops: float) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.1f} ms" + (f", {flops / seconds / 1e9:.0f} GFLOP/s" if flops else "")
+
+
+_CHOICES: dict[str, KernelChoice] = {}
+PIN_ENV = "ALIGNOPSD_CPU_PATHS"  # "torch": every choice is the torch path / padded rows, nothing is measured
+
+
+def pinned() -> str:
+    """Why nothing is measured in this process ("" when choices are measured): ``ALIGNOPSD_CPU_PATHS=torch`` takes
+    the torch paths and padded rows everywhere, so two runs of one config on one machine compute bit-identically
+    (a measured choice may differ between processes; a resumed run takes its checkpoint's, so resuming is exact
+    either way)."""
+    value = os.environ.get(PIN_ENV, "")
+    if value not in ("", "torch", "measured"):
+        raise ValueError(f"{PIN_ENV}: expected 'torch' or 'measured', got {value!r}")
+    return f"{PIN_ENV}=torch" if value == "torch" else ""
+
+
+def choices_state() -> dict[str, bool]:
+    """The choices recorded in this process, by name: True for the custom path (what a checkpoint stores)."""
+    return {k: c.native for k, c in sorted(_CHOICES.items())}
+
+
+def restore_choices(state: dict, why: str) -> list[KernelChoice]:
+    """Record the choices of ``state`` (:func:`choices_state` of another process: rank 0, or the run that wrote a
+    checkpoint), replacing this process's; unknown names are refused, missing ones keep what was recorded."""
+    out = []
+    for kernel, native in state.items():
+        if kernel not in KERNELS or not isinstance(native, bool):
+            raise ValueError(f"paths: unknown choice {kernel!r}: {native!r} (known: {', '.join(KERNELS)})")
+        out.append(record(KernelChoice(kernel, native, None, None, "", why=why)))
+    return out
+
+
+def record(choice: KernelChoice) -> KernelChoice:
+    """Keep ``choice`` for the rest of the process (a later measurement of the same kernel replaces it)."""
+    if choice.kernel not in KERNELS:
+        raise ValueError(f"kernel: unknown custom kernel {choice.kernel!r}; known: {', '.join(KERNELS)}")
+    _CHOICES[choice.kernel] = choice
+    return choice
+
+
+def recorded(kernel: str) -> KernelChoice | None:
+    """The choice recorded for ``kernel`` in this process, if any."""
+    return _CHOICES.get(kernel)
+
+
+def forget(kernel: str | None = None) -> None:
+    """Drop the recorded choice of ``kernel`` (every kernel's when None): the next use measures again."""
+    if kernel is None:
+        _CHOICES.clear()
+    else:
+        _CHOICES.pop(kernel, None)
+
+
+def best_seconds(fn: Callable[[], object], reps: int = 2) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` after one untimed call (allocation, first-touch)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(
+    kernel: str,
+    native: Callable[[], object] | None,
+    torch_path: Callable[[], object],
+    shape: str,
+    *,
+    flops: float = 0.0,
+    why: str = "",
+    timer: Callable[[Callable[[], object]], float] | None = None,
+) -> KernelChoice:
+    """Time ``native`` (None: the kernel cannot run here, ``why`` says why) and ``torch_path`` on the same operands
+    (``timer``, by default :func:`best_seconds`) and record the choice: the kernel is taken only when it was strictly
+    faster."""
+    timer = timer or best_seconds
+    if pinned():
+        return record(KernelChoice(kernel, False, None, None, shape, flops, pinned()))
+    if native is None:
+        return record(KernelChoice(kernel, False, None, None, shape, flops, why or "the C++ kernel cannot run here"))
+    native_s, torch_s = timer(native), timer(torch_path)
+    return record(KernelChoice(kernel, native_s < torch_s, native_s, torch_s, shape, flops))
+
+
+def takes_native(kernel: str, first_use: Callable[[], KernelChoice]) -> bool:
+    """Whether the dispatch of ``kernel`` (whose C++ path can run on these operands) takes it: the recorded choice,
+    or, when none was recorded yet, the choice ``first_use`` measures now on the operands at hand."""
+    c = _CHOICES.get(kernel)
+    if c is None:
+        c = first_use()
+    return c.native
