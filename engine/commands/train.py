@@ -18,6 +18,14 @@ from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.infra.writes import WriteFailure
 from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted
+from alignopsd.engine.run.restarts import (
+    EXIT_REPEATED,
+    record_failure,
+    record_start,
+    repeated_failure,
+    restarted,
+    stop_agent,
+)
 from alignopsd.engine.run.resume import prepare_resume
 from alignopsd.engine.run.trainer import Trainer
 
@@ -43,31 +51,76 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
 
-    rank0 = os.environ.get("RANK", "0") == "0"
-    try:  # every config error before anything heavy loads: the config, the machine, the checkpoint to resume
+    rank = int(os.environ.get("RANK", "0"))
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else (lambda line: None)
+    try:
         cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    # a restart (not a person's launch) reads what the attempts before it died of; every rank reads the same file
+    repeated = repeated_failure(cfg.out_dir) if restarted() else None
+    if repeated is not None:
+        say(f"[train] {repeated}")
+        stop_agent()
+        return EXIT_REPEATED
+    attempt = _Attempt(cfg.out_dir, rank, record_start(cfg.out_dir) if rank == 0 else 0)
+    try:
+        return _run(args, cfg, say, attempt)
+    except BaseException as exc:
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            attempt.failed(exc)
+        raise
+
+
+class _Attempt:
+    """This process's part of one attempt: its trainer once built, and the record of its own failure
+    (engine/run/restarts.py) at the step it was running."""
+
+    def __init__(self, out_dir, rank: int, number: int) -> None:
+        self.out_dir, self.rank, self.number = out_dir, rank, number
+        self.trainer: Trainer | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        record_failure(self.out_dir, self.rank, 0 if self.trainer is None else self.trainer.step + 1, exc)
+
+
+def _run(args, cfg, say, attempt: _Attempt) -> int:
+    """The attempt after its start is recorded: config checks, the resume, the trainer and its steps; a failure the
+    command turns into an exit status is recorded all the same (``restarts.record_failure``)."""
+    try:  # every config error before anything heavy loads: the machine, the checkpoint to resume
         preflight(cfg)
         resume, _ = prepare_resume(
             cfg,
             args.resume,
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             allow_changes=args.allow_config_change,
-            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None,
+            say=say,
         )
     except ConfigError as exc:
+        attempt.failed(exc)
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    if rank0:
+    if resume is None and args.resume == "auto" and attempt.number > 1:
+        where = cfg.out_dir / "checkpoints"
+        say(
+            f"[train] attempt {attempt.number}: --resume auto found no checkpoint under {where} (no step was saved): "
+            "starting fresh"
+        )
+    if attempt.rank == 0:
         print(cfg.dtype_line(), flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         trainer = Trainer(cfg)
     except ConfigError as exc:  # the output folder's lock, the data-parallel split, the device
+        attempt.failed(exc)
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    attempt.trainer = trainer
     try:
         trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
     except UnsafeStateError as exc:
+        attempt.failed(exc)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)

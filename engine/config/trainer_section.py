@@ -142,6 +142,10 @@ class TrainerConfig(Section):
     """Seed of tasks, rollouts and model initialisation, in [0, 2**32)."""
     save_freq: OffOrCount = -1
     """Checkpoint every N steps (-1: only at the end)."""
+    save_every_s: Annotated[Real, Field(gt=0)] | None = None
+    """Also checkpoint at the end of the first step that finishes this many seconds after the last save (or the
+    start): bounds by time the work a fault can lose, as large runs do (None: save_freq alone). The ranks agree on
+    the longest elapsed time; the log says what each save cost."""
     test_freq: OffOrCount = -1
     """Validate every N steps (-1: never during training)."""
     val_start_step: Annotated[int, Field(ge=0)] = 0

@@ -9,6 +9,7 @@ from typing import Any
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.observe.strict import strict
 from alignopsd.engine.parallel.collectives import all_reduce, reduce_metrics
+from alignopsd.engine.parallel.group import start_process_group
 from alignopsd.engine.parallel.hardware import device_type
 
 
@@ -28,7 +29,7 @@ class Dist:
 
             torch.cuda.set_device(self.local_rank)
         if self.owns_group:
-            dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+            start_process_group("nccl" if device_kind == "cuda" else "gloo")  # this attempt's own (parallel/group.py)
         self._dist = dist
 
     def barrier(self) -> None:

@@ -49,6 +49,7 @@ TRAJECTORY_NEUTRAL = frozenset(
         "name",
         "output_dir",
         "trainer.save_freq",
+        "trainer.save_every_s",
         "trainer.keep_last",
         "trainer.export_hf_freq",
         "trainer.tensorboard",  # the switch checkpoints of earlier versions store

@@ -295,6 +295,7 @@ class Trainer:
         last: dict = {}
         if cfg.trainer.val_before_train and self.step == 0:
             self._validate(logger)
+        last_save = time.monotonic()
         while self.step < cfg.trainer.total_steps:
             t0 = time.perf_counter()
             result = run_step(self.parts, self.step)
@@ -309,11 +310,12 @@ class Trainer:
                 and self.step >= cfg.trainer.val_start_step
             ):
                 self._validate(logger)
-            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or (
-                self.step == cfg.trainer.total_steps
-            ):
+            if self._save_due(last_save):
+                t_save = time.perf_counter()
                 self._write_spans()
                 self.save()
+                last_save = time.monotonic()
+                self._say(f"[train] checkpoint of step {self.step}: {time.perf_counter() - t_save:.2f} s")
             self._stop_if_preempted(watch)
         if cfg.trainer.val_after_train and not (
             cfg.trainer.test_freq > 0
@@ -322,6 +324,19 @@ class Trainer:
         ):
             self._validate(logger)
         return last
+
+    def _save_due(self, last_save: float) -> bool:
+        """A checkpoint at this step's end: every ``trainer.save_freq`` steps, at the last step, and when
+        ``trainer.save_every_s`` seconds have passed since the last save on the slowest rank (all ranks agree)."""
+        t = self.cfg.trainer
+        if (t.save_freq > 0 and self.step % t.save_freq == 0) or self.step == t.total_steps:
+            return True
+        if t.save_every_s is None:
+            return False
+        elapsed = time.monotonic() - last_save
+        if self.dist.enabled:
+            elapsed = self.dist.all_reduce([elapsed], "max")[0]
+        return elapsed >= t.save_every_s
 
     def _stop_if_preempted(self, watch: PreemptionWatch) -> None:
         """At a step boundary: when any rank was asked to stop, every rank writes this step's checkpoint (unless

@@ -7,14 +7,21 @@ write the tag format, so the steps would carry no learning signal), then runs
 the real command line (pre-flight, resume checks, Trainer, saves and loads).
 
 ``--stop-after K``: every rank exits at once (``os._exit``, no clean-up, like a kill) right after step K's
-checkpoint is written. ``--dump-save F`` / ``--dump-load F``: rank 0 writes the policy's gathered weights and
-optimizer state (engine/checkpoint/statefile.py) right after the last save / right after a resume loaded the checkpoint.
-"""
+checkpoint is written. ``--kill-at K:R:FILE``: rank R SIGKILLs itself in step K unless FILE exists (it creates it
+first: one fault per run, the restarted attempt passes). ``--fail-at K``: every rank raises the same ValueError in
+step K, in every attempt (a deterministic failure). ``--chaos FILE``: the faults of a JSON schedule, each ``{"id",
+"step", "rank", "kind", "at"}`` fired once (a marker file ``FILE.<id>`` is created first): ``kill`` SIGKILLs the
+rank on entering phase ``at`` of the step (a profiler phase name, or ``save``: rank 0 in the middle of writing the
+checkpoint, its weights written, its trainer state not), ``term_agent`` sends SIGTERM to the torchrun agent (a
+preemption of the whole job) on entering the phase, ``disk_full`` makes rank 0's checkpoint write fail with ENOSPC.
+``--dump-save F`` / ``--dump-load F``: rank 0 writes the policy's gathered weights and optimizer state
+(engine/checkpoint/statefile.py) right after the last save / right after a resume loaded the checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -27,11 +34,68 @@ def dump(policy, path: str) -> None:
         save_state(path, state)
 
 
+NOW = {"step": 0, "rank": 0}  # the step being run (1-based) and this process's data-parallel rank
+
+
+def install_chaos(schedule: str) -> None:
+    """Fault hooks of the schedule in ``schedule`` around the profiler's phases and the checkpoint's writer."""
+    import contextlib
+    import errno
+    import json
+
+    from alignopsd.engine.checkpoint import checkpoint as ck
+    from alignopsd.engine.infra.writes import writing
+    from alignopsd.engine.observe import profiler
+
+    faults = json.loads(open(schedule).read())
+
+    def due(at: str) -> dict | None:
+        for f in faults:
+            marker = f"{schedule}.{f['id']}"
+            if f["step"] == NOW["step"] and f["rank"] == NOW["rank"] and f["at"] == at and not os.path.exists(marker):
+                open(marker, "w").close()
+                return f
+        return None
+
+    def act(f: dict | None) -> None:
+        if f is None:
+            return
+        sys.stdout.flush()
+        if f["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f["kind"] == "term_agent":
+            os.kill(os.getppid(), signal.SIGTERM)
+
+    phase = profiler.StepProfiler.phase
+
+    @contextlib.contextmanager
+    def chaos_phase(self, name):
+        act(due(name))
+        with phase(self, name):
+            yield
+
+    profiler.StepProfiler.phase = chaos_phase
+    write_state = ck.write_trainer_state
+
+    def chaos_write_state(folder, state):
+        f = due("save")
+        if f is not None and f["kind"] == "disk_full":
+            with writing(os.path.join(folder, "trainer_state.json")):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        act(f)
+        return write_state(folder, state)
+
+    ck.write_trainer_state = chaos_write_state
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--dump-save", default=None)
     p.add_argument("--dump-load", default=None)
+    p.add_argument("--kill-at", default=None)
+    p.add_argument("--fail-at", type=int, default=None)
+    p.add_argument("--chaos", default=None)
     args, train_args = p.parse_known_args(argv)  # the rest is the train command line
 
     import learn_helpers as lh
@@ -67,6 +131,22 @@ def main(argv: list[str]) -> int:
             dump(self.parts.policy, args.dump_load)
 
     train.Trainer.save, train.Trainer.load = save_then, load_then
+    run_step = train.run_step
+
+    def faulty_step(parts, step):
+        NOW.update(step=step + 1, rank=parts.rank)
+        if args.kill_at:
+            k, r, marker = args.kill_at.split(":", 2)
+            if step + 1 == int(k) and parts.rank == int(r) and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        if args.fail_at is not None and step + 1 == args.fail_at:
+            raise ValueError(f"an injected deterministic failure in step {step + 1}")
+        return run_step(parts, step)
+
+    train.run_step = faulty_step
+    if args.chaos:
+        install_chaos(args.chaos)
     from alignopsd.engine.commands.train import main as train_main
 
     return train_main(train_args)

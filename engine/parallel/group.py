@@ -1,0 +1,35 @@
+"""The process group of a run's processes, one per attempt under torchrun's restarts.
+
+torchrun's elastic agent restarts the whole worker group when a worker dies (``--max-restarts``). With the agent's
+store (``TORCHELASTIC_USE_AGENT_STORE=True``: the agent hosts the TCPStore that ``env://`` connects to, and it
+outlives the workers), the keys the dead attempt's ranks wrote (gloo's and NCCL's addresses, barriers' counters)
+are still there when the next attempt's ranks meet: a rank that reads its peer's address from the previous attempt
+connects to a dead socket (measured: gloo's ``connectFullMesh`` refused, then a group that never forms). So under
+torchrun each attempt meets under its own prefix of the store (``alignopsd/attempt_<TORCHELASTIC_RESTART_COUNT>``);
+outside torchrun, or with rank 0 hosting a new store every attempt, ``env://`` as usual.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+STORE_TIMEOUT = timedelta(minutes=10)  # how long a rank waits for its peers to reach the store
+
+
+def start_process_group(backend: str) -> None:
+    """``init_process_group(backend)`` from torchrun's environment, under this attempt's own store prefix when the
+    agent's store outlives the attempts."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=STORE_TIMEOUT
+    )
+    dist.init_process_group(
+        backend=backend, store=dist.PrefixStore(f"alignopsd/attempt_{restart}", store), rank=rank, world_size=world
+    )
