@@ -65,9 +65,12 @@ def peer_failure(exc: BaseException) -> bool:
 
 
 def _append(out_dir: Path, record: dict) -> bool:
-    """Append one line; False when the folder cannot take it (a full disk must not hide the failure it records)."""
+    """Append one line; False when the folder cannot take it (a full disk must not hide the failure it records), or
+    when it does not exist outside torchrun (a person's run that fails before it starts leaves no folder behind)."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     try:
+        if not out_dir.is_dir() and "TORCHELASTIC_RUN_ID" not in os.environ:
+            return False
         out_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(out_dir / ATTEMPTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:

@@ -68,7 +68,7 @@ TRAJECTORY_NEUTRAL = frozenset(
 # checkpoint's config they were off, so their keys are no change while the switch stays off
 ADDED_SECTIONS = {"model.lora.": "model.lora.enabled"}
 # keys added after checkpoints were first written, with the value that runs as before they existed
-ADDED_KEYS = {"generation.quantize": "off"}
+ADDED_KEYS = {"generation.quantize": "off", "trainer.save_every_s": None}
 # keys added after checkpoints were first written that only divide the same work another way (the objective is the
 # same exact token-mean; sums may round differently), with the values that divide it as before: absent from an older
 # checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is

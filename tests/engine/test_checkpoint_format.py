@@ -38,14 +38,18 @@ def test_a_first_format_checkpoint_loads():
 
 
 def test_a_first_format_checkpoint_resumes_its_config():
-    """Only the key added since (micro-batches by tokens) differs: shown, not refused; set to the fixed rows the
-    checkpoint ran with, nothing differs."""
+    """Only the keys added since that divide the same work another way (micro-batches by tokens, packed rows)
+    differ: shown, not refused; set to what the checkpoint ran with, nothing differs (a key added since that changes
+    nothing at its default, trainer.save_every_s, is no change)."""
     cfg = load_config(TINY, [])
     assert check_resume(V1, cfg) == [
         "trainer.ppo_max_token_len_per_gpu: (absent) -> 'auto' (the same objective divided another way; sums may "
-        "round differently)"
+        "round differently)",
+        "trainer.use_remove_padding: (absent) -> 'auto' (the same objective divided another way; sums may round "
+        "differently)",
     ]
-    assert check_resume(V1, load_config(TINY, ["trainer.ppo_max_token_len_per_gpu=0"])) == []
+    as_then = ["trainer.ppo_max_token_len_per_gpu=0", "trainer.use_remove_padding=false"]
+    assert check_resume(V1, load_config(TINY, as_then)) == []
 
 
 def test_the_files_are_those_of_the_first_format_and_the_manifest_says_the_version(tmp_path):
