@@ -6,12 +6,12 @@ AMX, torch's own paths reach more than the head kernel (torch's fp32 matmul 270 
 ``[3800, 576] x [49152, 576]``). So each kernel is taken only where it was measured faster than the torch path it
 replaces, here, in the operands' dtype and at the run's shape, once per process:
 
-- :func:`measure` times both paths on the same operands (``timer``: the best of two calls each, after a warm-up)
-  and records a :class:`KernelChoice`; the run does this before its first step for the model's own head and
-  attention shapes (:func:`engine.policy.kernel_probe.choose_cpu_kernels`, stated in the run's first lines);
+- :func:`measure` times both paths on the same operands (``timer``: the best of at least two calls each after a
+  warm-up, more for a probe of a few milliseconds) and records a :class:`KernelChoice`; the run does this before
+  its first step at the model's own shapes (engine/run/kernel_probe.py, stated in the run's first lines);
 - :func:`takes_native` is what the kernels' dispatch asks: True only when the kernel can run and a recorded
   choice says it is faster. A kernel asked before anything was measured is measured then, on its first real
-  operands (:func:`first_use`), so no path is ever taken on a flag alone.
+  operands (the dispatch's ``first_use``), so no path is ever taken on a flag alone.
 
 The same rule picks padding-free (packed) rows against padded rows of similar lengths for the policy's forwards on
 a CPU (``PACKING``, engine/policy/lm_head.py): SDPA on a CPU computes a packed sequence's whole block-diagonal
@@ -123,14 +123,17 @@ def forget(kernel: str | None = None) -> None:
         _CHOICES.pop(kernel, None)
 
 
-def best_seconds(fn: Callable[[], object], reps: int = 2) -> float:
-    """The fastest of ``reps`` timed calls of ``fn`` after one untimed call (allocation, first-touch)."""
+def best_seconds(fn: Callable[[], object], reps: int = 2, min_time: float = 0.1, max_reps: int = 20) -> float:
+    """The fastest timed call of ``fn`` after one untimed call (allocation, first-touch): at least ``reps`` calls,
+    more while they add up to less than ``min_time`` seconds (a probe of a few milliseconds is timed often enough
+    that one slow call of a busy machine does not decide), at most ``max_reps``."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
+    best, spent, n = float("inf"), 0.0, 0
+    while n < reps or (spent < min_time and n < max_reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        best, spent, n = min(best, dt), spent + dt, n + 1
     return best
 
 
