@@ -14,21 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
 HIDDEN, VOCAB, INTERMEDIATE = 576, 49152, 1536  # SmolLM2-135M
-
-
-def _best(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     from alignopsd.kernels import native_choice
     from alignopsd.kernels.lse_native import native_applies, native_partials, why_not_ready
     from alignopsd.kernels.lse_partials import torch_partials
+    from alignopsd.kernels.native_choice import best_seconds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=3800)
@@ -61,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| [{args.rows}, {HIDDEN}] x [{VOCAB}, {HIDDEN}] | ms | GFLOP/s |")
     print("|---|---:|---:|")
     for name, fn in cases.items():
-        s = _best(fn, args.reps)
+        s = best_seconds(fn, reps=args.reps, min_time=0.0)
         print(f"| {name} | {s * 1e3:.1f} | {flops / s / 1e9:.0f} |")
 
     class Smol:
