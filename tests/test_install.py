@@ -8,6 +8,7 @@ project's dependencies come from the test's own environment (a ``.pth`` line nam
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -47,13 +48,28 @@ def installed(tmp_path_factory):
     """(wheel, venv python, venv bin, a folder outside the repository, environment) of the installed wheel."""
     tmp = tmp_path_factory.mktemp("install")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    # built from the repository root, as a user runs it; the build tools come from this environment
-    _run(
-        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "dist")],
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-    )
+    # built from the repository root, as a user runs it; the build tools come from this environment. One build at a
+    # time: each pytest-xdist worker that runs a test of this module builds, and two builds in the root's build/ at
+    # once collide (setuptools' bdist folder: "File exists")
+    with open(tmp_path_factory.getbasetemp().parent / "alignopsd-wheel-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                ".",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(tmp / "dist"),
+            ],
+            cwd=ROOT,
+            env=env,
+            timeout=900,
+        )
     (wheel,) = (tmp / "dist").glob("alignopsd-*.whl")
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp, env=env)
