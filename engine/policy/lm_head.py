@@ -205,9 +205,10 @@ def rows_packed(packed: bool | None) -> bool:
     return bool(packed)
 
 
-def measured_packing(body: nn.Module, ids_BT: Tensor, mask_BT: Tensor) -> bool:
+def measured_packing(body: nn.Module, ids_BT: Tensor, mask_BT: Tensor, timer=None) -> bool:
     """Whether packed rows are the faster forward here (``native_choice.PACKING``): the recorded choice, or, the
-    first time, both forwards of these rows timed without gradients (the model's own shapes and lengths)."""
+    first time, both forwards of these rows timed without gradients (the model's own shapes and lengths; ``timer``:
+    ``native_choice.measure``'s)."""
 
     def first_use():
         ids_1N, pos_1N, _ = packed_inputs(ids_BT, mask_BT)
@@ -222,7 +223,8 @@ def measured_packing(body: nn.Module, ids_BT: Tensor, mask_BT: Tensor) -> bool:
                 return body(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=False)
 
         b, t = ids_BT.shape
-        return measure(PACKING, native, torch_path, f"{b} rows, {ids_1N.shape[1]} of {b * t} positions attended")
+        attended = f"{b} rows, {ids_1N.shape[1]} of {b * t} positions attended"
+        return measure(PACKING, native, torch_path, attended, timer=timer)
 
     return takes_native(PACKING, first_use)
 

@@ -91,7 +91,8 @@ def choose_cpu_paths(cfg: RunConfig, model: nn.Module, device: torch.device) -> 
     packing = None
     if cfg.policy.backend == "hf" and packed_rows(cfg, device) is None:
         width = cfg.env.max_prompt_length + cfg.generation.max_response_length
-        packing = functools.partial(packing_probe, model, cfg.trainer.ppo_micro_batch_size, width)
+        positions = cfg.update_token_budget or cfg.trainer.ppo_micro_batch_size * width  # the update's micro-batch
+        packing = functools.partial(packing_probe, model, positions, width)
     for line in choose_cpu_kernels(model.config, model.dtype, device, packing=packing):
         log.info("kernels: %s", line)
 

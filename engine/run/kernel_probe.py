@@ -8,8 +8,8 @@ the model's dtype and with the run's threads, and returns one line per kernel fo
   vocabulary's length past a few tiles, and a 7B model's head need not be copied);
 - the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
   ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
-- packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU, :func:`packing_probe`): a micro-batch of
-  the run's rows whose lengths spread from half the longest row to the longest, as rows sorted by length are.
+- packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU, :func:`packing_probe`): one micro-batch
+  of the update's size whose rows' lengths spread from half the longest row to the longest, as sorted rows are.
 
 A kernel already chosen in this process (an earlier policy build, a first use) keeps its choice. On an accelerator
 there is nothing to choose (the Triton kernels run there), and a kernel that cannot run here says why.
@@ -23,12 +23,11 @@ import torch
 from alignopsd.engine.policy.lm_head import measured_packing, transformer_body
 from alignopsd.kernels.attention_native import measure_attention
 from alignopsd.kernels.lse_partials import measure_head
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, PACKING, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, PACKING, best_seconds, recorded
 
 PROBE_ROWS, PROBE_VOCAB = 256, 32768
 # the quickstart's teacher forcing: rows of ~45-56 queries behind ~670-690 kept prompt positions
 ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX = 4, 48, 640
-PACKING_ROWS, PACKING_WIDTH = 4, 512  # the packing probe's most rows and positions (six forwards of it, no gradients)
 
 
 def choose_cpu_kernels(
@@ -75,15 +74,23 @@ def _attention_probe(cfg, dtype):
     return measure_attention(q, k, v, pk, pv, torch.zeros(b, dtype=torch.long), bias, d**-0.5)
 
 
-def packing_probe(model, rows: int, width: int) -> object:
-    """Time the model's forward of ``rows`` rows (2 to ``PACKING_ROWS``) of lengths from ``width // 2`` to ``width``
-    (at most ``PACKING_WIDTH``; left-padded random ids) packed and padded, without gradients (engine/policy/lm_head.py
-    ``measured_packing``: recorded)."""
+def packing_probe(model, positions: int, width: int) -> object:
+    """Time the model's forward, without gradients, of one micro-batch of the update's size packed and padded
+    (engine/policy/lm_head.py ``measured_packing``: recorded): ``positions // width`` rows (at least 2) of lengths from
+    ``width // 2`` to ``width``, left-padded random ids. The size is the run's own, not a small stand-in: a packed
+    sequence's attention grows with the square of its length, so a small probe would favour packing (measured on the
+    quickstart: a 4 x 512 probe found them equal where the update's 8,704-position micro-batches ran 2.5x slower
+    packed). One warm-up and one timed call each: the probe costs about four forwards of a micro-batch."""
     g = torch.Generator().manual_seed(0)
-    rows, width = min(max(2, rows), PACKING_ROWS), min(max(2, width), PACKING_WIDTH)
+    width = max(2, min(width, positions))
+    rows = max(2, positions // width)
     lengths = torch.linspace(width // 2, width, rows).round().long().clamp_min(1)
     mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()  # left padding
     ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=g) * mask
     dev = next(model.parameters()).device
-    measured_packing(transformer_body(model), ids.to(dev), mask.to(dev))
+    measured_packing(transformer_body(model), ids.to(dev), mask.to(dev), timer=_once)
     return recorded(PACKING)
+
+
+def _once(fn) -> float:
+    return best_seconds(fn, reps=1, min_time=0.0)

@@ -179,9 +179,9 @@ def test_policy_build_states_the_choice_in_the_run_log(caplog):
         "kernels: head partials: torch path (the model runs in float32; the C++ kernels are for bf16)",
         "kernels: prefix attention: torch path (the model runs in float32; the C++ kernels are for bf16)",
     ]
-    # trainer.use_remove_padding auto on a CPU: packed or padded rows, as measured on the run's model and rows
+    # trainer.use_remove_padding auto on a CPU: packed or padded rows, measured on one micro-batch of the update's size
     assert said[0].startswith(("kernels: packed rows: packed rows (", "kernels: packed rows: padded rows ("))
-    assert said[0].endswith("at 4 rows, 1536 of 2048 positions attended") and recorded(PACKING) is not None
+    assert said[0].endswith("at 16 rows, 6432 of 8576 positions attended") and recorded(PACKING) is not None
 
 
 def test_pinned_process_measures_nothing_and_restores_what_it_is_given(head, monkeypatch):
