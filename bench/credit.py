@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import json
 import os
@@ -76,6 +77,19 @@ BASE = [
     # longer in bf16 than in float32
     "model.dtype=float32",
 ]
+
+# per environment, after BASE: the drift family's episodes last up to 16 turns and show 2 turns of history
+# (bench/credit_drift.py; its run setup is fixed in bench/drift.py)
+ENV_BASE: dict[str, list[str]] = {
+    "credit_drift": [
+        "env.max_turns=18",
+        "env.history_length=2",
+        "env.group_n=4",
+        "env.tasks_per_step=2",
+        "env.num_games=2",
+        "algorithm.rectify.gamma=0.7",
+    ],
+}
 
 CASES: dict[str, list[str]] = {
     "grpo": ["algorithm.estimator=grpo"],
@@ -138,7 +152,8 @@ def refusal(case: str, env: str, skills_dir: str | None = None) -> str | None:
         return f"unknown estimator case {case!r}; known: {', '.join(CASES)}"
     entry = registry.get_entry(env)
     module = importlib.import_module(entry.factory.split(":", 1)[0])
-    if not (hasattr(module, "decisive_turns") and hasattr(module, "true_boundaries")):
+    per_task = hasattr(module, "decisive_turns") and hasattr(module, "true_boundaries")
+    if not (per_task or getattr(module, "TRUTH_PER_TURN", False)):
         return f"environment {env!r} reports no ground truth (decisive turns and decision-span boundaries)"
     if not entry.admissible_check:
         return f"environment {env!r} lists no admissible actions, which the candidate-choice backend samples among"
@@ -158,10 +173,19 @@ def check_cases(cases: list[str], env: str, skills_dir: str | None = None) -> No
 
 
 def run_one(
-    case: str, seed: int, steps: int, env: str, workdir: str, model: str, skills_dir: str | None = None
+    case: str,
+    seed: int,
+    steps: int,
+    env: str,
+    workdir: str,
+    model: str,
+    skills_dir: str | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict:
-    """Train one (case, seed) run from the model folder ``model``; its success curve, mechanism tallies, CPU and
-    wall seconds (its output folder lives in ``workdir`` while it runs)."""
+    """Train one (case, seed) run from the model folder ``model`` (``extra``: overrides after the case's); its
+    success curve, mechanism tallies, CPU and wall seconds, and where the environment reports its ground truth
+    per turn, the premise's tallies (bench/drift_metrics.py). Its output folder lives in ``workdir`` while it
+    runs."""
     import torch
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
@@ -170,12 +194,14 @@ def run_one(
     from alignopsd.engine.run.trainer import Trainer
 
     from bench.credit_metrics import mechanism_tallies
+    from bench.drift_metrics import premise_tallies
 
     torch.set_num_threads(1)
     register_envs()
     c0, w0 = time.process_time(), time.perf_counter()
-    out = Path(workdir) / f"{env}-{case}-s{seed}-n{steps}"
-    ov = [*BASE, f"model.name={model}", f"env.name={env}", *CASES[case]]
+    tag = hashlib.sha256(repr((model, extra)).encode()).hexdigest()[:8]
+    out = Path(workdir) / f"{env}-{case}-s{seed}-n{steps}-{tag}"
+    ov = [*BASE, *ENV_BASE.get(env, []), f"model.name={model}", f"env.name={env}", *CASES[case], *extra]
     ov += [f"trainer.seed={seed}", f"trainer.total_steps={steps}"]
     ov += [f"output_dir={out}", *([f"env.skills_dir={skills_dir}"] if skills_dir else [])]
     tr = Trainer(load_config(str(TINY), ov), stream=open(os.devnull, "w"))  # noqa: SIM115 - closed with the run
@@ -183,28 +209,35 @@ def run_one(
     tr.fit()
     recs = read_metrics(out / "metrics.jsonl")
     module = importlib.import_module(registry.get_entry(env).factory.split(":", 1)[0])
-    tallies = mechanism_tallies(
-        read_audit(out / "audit", kind="turn"),
-        lambda k: module.decisive_turns(tasks[k]),
-        lambda k: module.true_boundaries(tasks[k]),
-    )
+    records = read_audit(out / "audit", kind="turn")
+    if hasattr(module, "decisive_turns"):
+        tallies = mechanism_tallies(
+            records, lambda k: module.decisive_turns(tasks[k]), lambda k: module.true_boundaries(tasks[k])
+        )
+    else:
+        tallies = mechanism_tallies(records)
+    premise = premise_tallies(records) if getattr(module, "TRUTH_PER_TURN", False) else None
     shutil.rmtree(out, ignore_errors=True)
     return {
         "case": case,
         "env": env,
         "seed": seed,
+        "model": Path(model).name,
+        "extra": list(extra),
         "success": [float(r["episode/success_rate"]) for r in recs],
         "tallies": tallies,
+        "premise": premise,
         "cpu_s": time.process_time() - c0,
         "wall_s": time.perf_counter() - w0,
     }
 
 
 def register_envs() -> None:
-    """The benchmark's own environments (``credit_rules``) in this process's registry."""
-    from bench.credit_rules import register
+    """The benchmark's own environments (``credit_rules``, ``credit_drift``) in this process's registry."""
+    from bench import credit_drift, credit_rules
 
-    register()
+    credit_rules.register()
+    credit_drift.register()
 
 
 def _init_worker() -> None:
@@ -214,12 +247,21 @@ def _init_worker() -> None:
     register_envs()
 
 
-Work = tuple[str, int, int, str, str, "str | None"]  # case, seed, steps, environment, model folder, skill banks
+# case, seed, steps, environment, model folder, skill banks, extra overrides
+Work = tuple[str, int, int, str, str, "str | None", tuple[str, ...]]
 
 
-def plan(cases: list[str], seeds: list[int], steps: int, env: str, model: str, skills_dir: str | None) -> list[Work]:
+def plan(
+    cases: list[str],
+    seeds: list[int],
+    steps: int,
+    env: str,
+    model: str,
+    skills_dir: str | None,
+    extra: tuple[str, ...] = (),
+) -> list[Work]:
     """The (case, seed) runs of ``cases`` on ``env`` from the model folder ``model``, seed by seed."""
-    return [(c, s, steps, env, str(model), skills_dir) for s in seeds for c in cases]
+    return [(c, s, steps, env, str(model), skills_dir, tuple(extra)) for s in seeds for c in cases]
 
 
 @contextlib.contextmanager
@@ -248,8 +290,8 @@ def run_all(work: list[Work], pool: Executor | None) -> list[dict]:
 
     with tempfile.TemporaryDirectory(prefix="credit-bench-") as wd:
         if pool is None:
-            return [report(k + 1, run_one(c, s, n, e, wd, m, sk)) for k, (c, s, n, e, m, sk) in enumerate(work)]
-        futs = {pool.submit(run_one, c, s, n, e, wd, m, sk): i for i, (c, s, n, e, m, sk) in enumerate(work)}
+            return [report(k + 1, run_one(c, s, n, e, wd, m, sk, x)) for k, (c, s, n, e, m, sk, x) in enumerate(work)]
+        futs = {pool.submit(run_one, c, s, n, e, wd, m, sk, x): i for i, (c, s, n, e, m, sk, x) in enumerate(work)}
         runs: list[dict | None] = [None] * len(work)
         for k, f in enumerate(as_completed(futs)):
             runs[futs[f]] = report(k + 1, f.result())

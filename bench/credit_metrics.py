@@ -152,15 +152,32 @@ def _trajectories(records: Iterable[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
+def recorded_truth(traj: list[dict]) -> tuple[set[int], set[int]]:
+    """(decisive turns, true span boundaries) of one trajectory from its records' ``truth`` (an environment whose
+    decisions depend on the agent's actions reports it per turn): the turns marked ``decisive``, and the turns
+    whose ``goal`` differs from the previous turn's."""
+    traj = sorted(traj, key=lambda r: r["turn"])
+    truths = [r.get("truth") or {} for r in traj]
+    dec = {r["turn"] for r, tr in zip(traj, truths) if tr.get("decisive")}
+    cuts = {traj[k]["turn"] for k in range(1, len(traj)) if truths[k].get("goal") != truths[k - 1].get("goal")}
+    return dec, cuts
+
+
 def mechanism_tallies(
-    records: Iterable[dict], decisive: Callable[[str], list[int]], boundaries: Callable[[str], list[int]]
+    records: Iterable[dict],
+    decisive: Callable[[str], list[int]] | None = None,
+    boundaries: Callable[[str], list[int]] | None = None,
 ) -> dict[str, float]:
     """Sums over one run's audit ``turn`` records (every step); ``decisive(task_key)`` / ``boundaries(task_key)``:
-    the ground truth of a task. Combine with :func:`mechanism_metrics`."""
+    the ground truth of a task (None: each trajectory's recorded ``truth``, :func:`recorded_truth`). Combine with
+    :func:`mechanism_metrics`."""
     t: dict[str, float] = defaultdict(float)
     for traj in _trajectories(records).values():
         key = traj[0]["task_key"]
-        dec, truth = set(decisive(key)), set(boundaries(key))
+        if decisive is None or boundaries is None:
+            dec, truth = recorded_truth(traj)
+        else:
+            dec, truth = set(decisive(key)), set(boundaries(key))
         for r in traj:
             reg = r["regions"]["response"]
             side = "dec" if r["turn"] in dec else "oth"

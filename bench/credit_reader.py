@@ -1,6 +1,8 @@
 """The reader: the credit benchmark's tiny model trained, before any RL, to follow the rule its skill block states.
 
-Recipe (:data:`RECIPE`; the cache key hashes it with this module's and bench/credit_rules.py's source):
+Recipe (:data:`RECIPE`; the cache key hashes it with the source of this module and of the task families). A
+recipe's ``family`` names the tasks it reads (:data:`FAMILIES`; default ``credit_rules``, whose terms follow;
+``credit_drift``, bench/credit_drift.py, the same with its own kinds, variants and skills):
 
 * tokenizer: the engine's byte-level BPE trained on the ``credit`` corpus (bench/credit_model.py) plus the
   ``credit_rules`` episodes' student and teacher prompts and every variant's skill text, so each word is a token;
@@ -31,14 +33,22 @@ with and without the skill, scored exactly as the candidate-choice backend sampl
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import random
 import shutil
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from bench import credit_rules as rules
+
+# The task families a reader can be trained for (the recipe's ``family``; absent: ``credit_rules``). A family
+# module has KINDS, VARIANTS, GENERAL, skill_text(kind, variant), make_task(kind, variant, split, seed, i),
+# load_tasks(split, n, seed, rule), an environment whose instances answer rule_action() and winning_action() for
+# their current state, and the prompt builder (``new_env``/``prompt`` below look them up).
+FAMILIES = {"credit_rules": "bench.credit_rules", "credit_drift": "bench.credit_drift"}
 
 RECIPE: dict[str, Any] = {
     "version": 3,
@@ -59,60 +69,75 @@ RECIPE_FILE = "reader_recipe.json"
 LENGTH_PARTS = 2  # sub-batches of a training step, by length (measured: 2 beat 1, 4 and 8)
 
 
+def family(recipe: dict[str, Any] | str | None = None) -> ModuleType:
+    """The task family module of a recipe (or of a family's name); ``credit_rules`` by default."""
+    name = recipe if isinstance(recipe, str) else (recipe or {}).get("family", "credit_rules")
+    if name not in FAMILIES:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {name!r}")
+    return importlib.import_module(FAMILIES[name])
+
+
+def new_env(fam: ModuleType):
+    return fam.DriftEnv() if hasattr(fam, "DriftEnv") else fam.RuleEnv()
+
+
+def prompt_builder(fam: ModuleType):
+    if hasattr(fam, "drift_prompt"):
+        return fam.drift_prompt()
+    from alignopsd.engine.envs.credit.env import credit_prompt
+
+    return credit_prompt()
+
+
 def recipe_key(recipe: dict[str, Any] | None = None) -> str:
     """Hash of the recipe and of the code that applies it (16 hex digits)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(json.dumps(recipe or RECIPE, sort_keys=True).encode())
-    for name in ("credit_reader.py", "credit_rules.py", "credit_model.py"):
+    for name in ("credit_reader.py", "credit_rules.py", "credit_model.py", "credit_drift.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
 
-def _bank_skill(kind: str, variant: Any) -> str:
+def _bank_skill(kind: str, variant: Any, fam: ModuleType = rules) -> str:
     """The skill text the engine's bank lookup gives a prompt of ``kind`` (general rule + the kind's rule)."""
-    return rules.GENERAL.strip() + "\n\n" + rules.skill_text(kind, variant).strip()
+    return fam.GENERAL.strip() + "\n\n" + fam.skill_text(kind, variant).strip()
 
 
-def episode_turns(task, rng: random.Random) -> list[dict[str, Any]]:
+def episode_turns(task, rng: random.Random, fam: ModuleType = rules) -> list[dict[str, Any]]:
     """Every turn of one random-action episode: user text, admissible actions, the action the rule states
-    (``rule``) and the action that still wins (``win``; None where the rule leaves the turn free, and at the bridge
-    of ``agree`` after a wrong mark)."""
-    from alignopsd.engine.envs.credit.env import credit_prompt
+    (``rule``) and the action that still wins (``win``; None where the rule leaves the turn free, and where an
+    earlier choice already lost, e.g. the bridge of ``agree`` after a wrong mark)."""
     from alignopsd.engine.envs.prompts import PromptContext
 
-    builder, env = credit_prompt(), rules.RuleEnv()
+    builder, env = prompt_builder(fam), new_env(fam)
     obs, info = env.reset(task, 0)
     history: list[tuple[str, str]] = []
-    out, mark, done = [], None, False
+    out, done = [], False
     while not done:
         acts = info["admissible_actions"]
         user = builder.render(PromptContext(info["task"], obs, acts, history, info))
-        win, rule = rules.winning_action(task, len(history), mark), rules.rule_action(task, len(history))
-        out.append(
-            {"user": user, "actions": acts, "win": win, "rule": rule, "decisive": len(history) in task.payload["turns"]}
-        )
+        win, rule = env.winning_action(), env.rule_action()
+        out.append({"user": user, "actions": acts, "win": win, "rule": rule, "decisive": rule is not None})
         action = rng.choice(acts)
-        if action.startswith("paint "):
-            mark = action[len("paint ") :]
         res = env.step(action)
         history.append((obs, action))
         obs, info, done = res.observation, res.info, res.done
     return out
 
 
-def _random_task(rng: random.Random, i: int):
-    kind = rules.KINDS[i % len(rules.KINDS)]
-    variant = rng.choice(rules.VARIANTS[kind])
-    return rules.make_task(kind, variant, "reader", 0, i), variant
+def _random_task(rng: random.Random, i: int, fam: ModuleType = rules):
+    kind = fam.KINDS[i % len(fam.KINDS)]
+    variant = rng.choice(fam.VARIANTS[kind])
+    return fam.make_task(kind, variant, "reader", 0, i), variant
 
 
-def prompt_texts(tok, task, turn: dict[str, Any], variant: Any) -> tuple[str, str]:
+def prompt_texts(tok, task, turn: dict[str, Any], variant: Any, fam: ModuleType = rules) -> tuple[str, str]:
     """(student prompt, teacher prompt) of one turn, chat-formatted as the engine builds them."""
     from alignopsd.engine.envs.prompts import chat_text
     from alignopsd.engine.envs.skills import teacher_prompt_text
 
     student = chat_text(tok, turn["user"])
-    return student, teacher_prompt_text(_bank_skill(task.category, variant), student)
+    return student, teacher_prompt_text(_bank_skill(task.category, variant, fam), student)
 
 
 def corpus_lines(recipe: dict[str, Any]) -> list[str]:
@@ -121,12 +146,13 @@ def corpus_lines(recipe: dict[str, Any]) -> list[str]:
 
     from bench.credit_model import corpus
 
-    lines = [rules.GENERAL, *corpus()]
-    lines += [rules.skill_text(k, v) for k in rules.KINDS for v in rules.VARIANTS[k]]
+    fam = family(recipe)
+    lines = [fam.GENERAL, *corpus()]
+    lines += [fam.skill_text(k, v) for k in fam.KINDS for v in fam.VARIANTS[k]]
     rng = random.Random(recipe["seed"])
     for i in range(24):
-        task, _ = _random_task(rng, i)
-        for t in episode_turns(task, rng):
+        task, _ = _random_task(rng, i, fam)
+        for t in episode_turns(task, rng, fam):
             lines += [t["user"], *candidate_texts(t["user"])]
     return lines
 
@@ -146,17 +172,18 @@ def examples(tok, recipe: dict[str, Any]) -> list[tuple[list[int], list[int], in
     module docstring): the student view of a turn whose action the rule fixes learns the uniform choice."""
     from alignopsd.engine.generation.choice import candidate_texts
 
+    fam = family(recipe)
     rng = random.Random(recipe["seed"] + 1)
     texts: list[tuple[str, str, list[str], bool]] = []
     for i in range(recipe["episodes"]):
-        task, variant = _random_task(rng, i)
-        turns = episode_turns(task, rng)
+        task, variant = _random_task(rng, i, fam)
+        turns = episode_turns(task, rng, fam)
         corridor = [t for t in turns if not t["decisive"]]
         chosen = [t for t in turns if t["decisive"]] + rng.sample(corridor, recipe["corridor_per_episode"])
         for t in chosen:
             cands = candidate_texts(t["user"])
             k = rng.randrange(2)  # the phrasing: candidates come in (i will a, a looks good) pairs
-            for view, prompt in zip(("student", "teacher"), prompt_texts(tok, task, t, variant)):
+            for view, prompt in zip(("student", "teacher"), prompt_texts(tok, task, t, variant, fam)):
                 uniform = view == "student" and t["rule"] is not None
                 act = t["rule"] if t["rule"] and not uniform else rng.choice(t["actions"])
                 target = [c for c in cands if c.endswith(f"<action>{act}</action>")][k]
@@ -348,7 +375,9 @@ def choice_probs(model, tok, prompts: list[str], users: list[str]) -> list[dict[
     return out
 
 
-def decisive_choice(model_dir: str | Path, rule: dict[str, Any], seeds: list[int], episodes: int = 4) -> dict:
+def decisive_choice(
+    model_dir: str | Path, rule: dict[str, Any], seeds: list[int], episodes: int = 4, fam: ModuleType = rules
+) -> dict:
     """The premise on the benchmark's tasks (the tasks of each seed's run, under ``rule``): on decisive turns whose
     action the rule fixes, reached by random play, the probability that the policy picks the winning action
     with the skill in its prompt (teacher) and without (student), per kind and pooled, with chance beside it."""
@@ -360,17 +389,17 @@ def decisive_choice(model_dir: str | Path, rule: dict[str, Any], seeds: list[int
     rng = random.Random(12345)
     states: list[tuple[str, str, str, str, str, int]] = []  # kind, student, teacher, user, win, options
     for s in seeds:
-        for task in rules.load_tasks("train", 3, s, rule):
+        for task in fam.load_tasks("train", len(fam.KINDS), s, rule):
             for _ in range(episodes):
-                for t in episode_turns(task, rng):
+                for t in episode_turns(task, rng, fam):
                     if t["win"] is not None:
-                        st, te = prompt_texts(tok, task, t, rule[task.category])
+                        st, te = prompt_texts(tok, task, t, rule[task.category], fam)
                         states.append((task.category, st, te, t["user"], t["win"], len(t["actions"])))
     out: dict[str, Any] = {"states": len(states)}
     for view, col in (("student", 1), ("teacher", 2)):
         probs = choice_probs(model, tok, [x[col] for x in states], [x[3] for x in states])
         wins = [p.get(x[4], 0.0) for p, x in zip(probs, states)]
-        for kind in (*rules.KINDS, "all"):
+        for kind in (*fam.KINDS, "all"):
             sel = [w for w, x in zip(wins, states) if kind in ("all", x[0])]
             chance = [1 / x[5] for x in states if kind in ("all", x[0])]
             out.setdefault(kind, {"n": len(sel), "chance": sum(chance) / max(1, len(chance))})
@@ -385,10 +414,10 @@ PREMISE_MIN = 0.8  # the winning action's probability with the skill, on decisiv
 PREMISE_TOL = 0.1  # without the skill: chance within this
 
 
-def premise_failures(choice: dict) -> list[str]:
+def premise_failures(choice: dict, fam: ModuleType = rules) -> list[str]:
     """Where the premise fails (empty: it holds), per task kind and pooled over them."""
     out = []
-    for kind in (*rules.KINDS, "all"):
+    for kind in (*fam.KINDS, "all"):
         c = choice.get(kind)
         if not c or not c.get("n"):
             out.append(f"{kind}: no decisive turn whose action the rule fixes was reached")

@@ -154,6 +154,17 @@ class RuleEnv(credit.CreditEnv):
             return f"Four bridges cross the river. Your mark is {mark}."
         return super()._observation()
 
+    def rule_action(self) -> str | None:
+        """The action the rule states for the current turn (None: a turn it leaves free)."""
+        assert self.task is not None
+        return rule_action(self.task, self.t)
+
+    def winning_action(self) -> str | None:
+        """The action that still wins at the current turn (:func:`winning_action`, with the mark painted so far)."""
+        assert self.task is not None
+        paint = self.choices.get(self.task.payload["turns"][0], "")
+        return winning_action(self.task, self.t, paint[len("paint ") :] if paint.startswith("paint ") else None)
+
     def _info(self, won: bool = False, played: int | None = None) -> dict[str, Any]:
         info = super()._info(won, played)
         assert self.task is not None

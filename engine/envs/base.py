@@ -28,7 +28,8 @@ class StepResult:
     observation: str  # raw environment text after the action
     reward: float
     done: bool
-    info: dict[str, Any]  # won, admissible_actions, task_score, ...
+    info: dict[str, Any]  # won, admissible_actions, task_score, ... and optionally ``truth``: a JSON-able dict of
+    # ground truth about the state the next turn is played in, which the rows and the audit carry per turn
 
 
 class Environment(Protocol):

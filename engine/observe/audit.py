@@ -19,7 +19,9 @@ Records (one JSON object per line, ``kind`` first):
   and the step-level constants (γ, α_max, K, the M2 threshold τ or null).
 * ``turn``: one per canonical turn, every step, and ``snapshot``: token records of up to 8 turns, on the first
   step, every 10th step and the last step; their fields, and how the snapshot's turns are chosen, are described
-  in engine/observe/audit_records.py, which builds them.
+  in engine/observe/audit_records.py, which builds them. A turn record carries ``truth`` where the environment
+  reported one for the state the turn was played in (its info's ``truth`` dict, e.g. which functional decision
+  the turn is and whether it decided the outcome): the ground truth a benchmark scores the mechanisms against.
 
 Budget: at most ``trainer.audit_max_bytes`` (1 GiB) over the run, split evenly over the writing ranks
 (no collective). A step whose file would cross the cap is not written; from then on nothing is, a

@@ -132,6 +132,7 @@ def _identity_records(step: int, rank: int, cb, counts: Tensor, reg_lists: dict[
     valid = cb.action_valid.bool().tolist()
     keys = list(cb.task_key) if len(cb.task_key) == m else [""] * m
     srcs = list(cb.data_source) if len(cb.data_source) == m else [None] * m
+    truth = list(cb.truth) if len(cb.truth) == m else [None] * m
     recs: list[dict] = []
     for i in range(m):
         rec: dict[str, Any] = {
@@ -149,6 +150,8 @@ def _identity_records(step: int, rank: int, cb, counts: Tensor, reg_lists: dict[
             "action_valid": valid[i],
             "regions": {name: {c: v[i] for c, v in cols.items()} for name, cols in reg_lists.items()},
         }
+        if truth[i] is not None:
+            rec["truth"] = truth[i]
         recs.append(rec)
     return recs
 

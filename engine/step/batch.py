@@ -41,6 +41,7 @@ class TurnBatch:
     response_text: list[str] = field(default_factory=list)
     prompt_text: list[str] = field(default_factory=list)
     task_key: list[str] = field(default_factory=list)  # human-readable task name per row
+    truth: list[dict | None] = field(default_factory=list)  # the environment's per-turn ground truth (info "truth")
     rollout_logp: Tensor | None = None  # [M, L] fp32: log-probs reported by the generation engine
     extras: dict = field(default_factory=dict)  # step-specific tensors (old_logp, ref_logp, ...)
 

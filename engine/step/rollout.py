@@ -94,6 +94,17 @@ class _Row:
     gamefile: str | None
     task_key: str
     meta: dict
+    truth: dict | None = None  # the environment's ground truth of the state this turn was played in
+
+
+def _truth(info: dict) -> dict | None:
+    """The ``truth`` an environment reports in its info for the state a turn is played in (a JSON-able dict; the
+    audit records it per turn), or None; anything else is dropped with a warning rather than ending the run."""
+    truth = info.get("truth")
+    if truth is None or isinstance(truth, dict):
+        return truth
+    log.warning("environment info: 'truth' must be a dict, got %s; not recorded", type(truth).__name__)
+    return None
 
 
 def _end_of_turn_id(tokenizer, generator) -> int:
@@ -248,6 +259,7 @@ def _record_turn(ep: _Episodes, st: _Settings, turn: int, act, prompts, out, inf
                 gamefile=info_before.get("gamefile", info.get("gamefile")),
                 task_key=str(info.get("task_key") or info_before.get("task_key") or ""),
                 meta={**info_before, "prompt_text": prompt_texts[k]},
+                truth=_truth(info_before),
             )
         )
         ep.reward[i] += float(rewards[i])
@@ -330,6 +342,7 @@ def _to_batch(rows: list[_Row], outcome: list[float], won: list[bool], st: _Sett
         response_text=[r.response_text for r in rows],
         prompt_text=[r.prompt_text for r in rows],
         task_key=[r.task_key for r in rows],
+        truth=[r.truth for r in rows] if any(r.truth is not None for r in rows) else [],
         rollout_logp=r_lp * r_mask,
     )
 
