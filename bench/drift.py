@@ -154,6 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reader-steps", type=int, default=None, help="the readers' training steps (default: recipe's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     p.add_argument("--ignore-premise", action="store_true", help="compare even where the premise fails (stated)")
+    p.add_argument("--render", default=None, help="write the results file again from this run's JSON; run nothing")
     return p.parse_args(argv)
 
 
@@ -176,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     from bench.provenance import commit_line
 
     a = parse_args(argv)
+    if a.render:  # the same runs read again (a report fixed after the run): the file says when
+        raw = json.loads(Path(a.render).read_text())
+        meta = {**raw["meta"], "rendered": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {commit_line()}"}
+        out = write_results(Path(a.out), raw["runs"], raw["sensitivity_runs"], meta, NO_DRIFT)
+        print(f"bench.drift: wrote {out} from {a.render}")
+        return 0
     cases = [c.strip() for c in a.estimators.split(",") if c.strip()]
     credit.register_envs()
     with tempfile.TemporaryDirectory(prefix="drift-skills-") as bank:

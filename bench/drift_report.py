@@ -291,7 +291,8 @@ def _sensitivity_lines(sruns: list[dict], runs: list[dict], meta: dict) -> list[
         m, h = mean_ci(list(vals.values()))
         d = [vals[k] - base[k] for k in vals if k in base]
         dm, dh = mean_ci(d)
-        lines.append(f"| {setting.split('.')[-1]} | {_p(m)} ± {_p(h)} | {_f(dm)} ± {_p(dh)} |")
+        key, _, value = setting.partition("=")
+        lines.append(f"| {key.rsplit('.', 1)[-1]}={value} | {_p(m)} ± {_p(h)} | {_f(dm)} ± {_p(dh)} |")
     return lines
 
 
@@ -347,6 +348,15 @@ def plot(summary: dict[str, dict], no_drift: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _setup(overrides: list[str]) -> str:
+    """The overrides as they take effect: one per key, the last value given, in first-given order."""
+    eff: dict[str, str] = {}
+    for o in overrides:
+        k, _, v = o.partition("=")
+        eff[k] = v
+    return " ".join(f"{k}={v}" for k, v in eff.items())
+
+
 def load_no_drift(path: Path) -> dict:
     """The ``credit_rules`` comparison's summary from its committed results (empty if the file is missing)."""
     try:
@@ -374,7 +384,8 @@ def write_results(path: Path, runs: list[dict], sruns: list[dict], meta: dict, n
         f"- wall time: {meta['wall_s'] / 60:.1f} min (readers: {meta['reader_s'] / 60:.1f} min); CPU time "
         f"{meta['cpu_s'] / 60:.1f} min; {len(runs)} comparison runs ({len(meta['readers'])} readers × "
         f"{meta['seeds']} seeds × {len(summary)} estimators × {meta['steps']} steps), {len(sruns)} sensitivity runs",
-        f"- rule: {meta['rule']}; run setup: `{' '.join(meta['run_setup'])}`",
+        f"- rule: {meta['rule']}; run setup (effective overrides of configs/tiny.yaml): `{_setup(meta['run_setup'])}`",
+        *([f"- rendered again from the run's JSON at {meta['rendered']}"] if meta.get("rendered") else []),
         "",
     ]
     body = _premise_lines(meta)

@@ -193,3 +193,9 @@ def test_short_drift_benchmark_reports_the_premise_and_compares_only_when_told(t
         assert r["tallies"]["tokens_dec"] >= 0 and r["tallies"]["tokens_oth"] > 0
     v = raw["summary"]["alignopsd"]["vs_grpo"]
     assert v["n"] == 4 and not math.isnan(v["diff"])
+    again = tmp_path / "again.md"  # the report read again from the run's JSON, nothing run
+    assert bench_drift.main(["--render", str(out.with_suffix(".json")), "--out", str(again)]) == 0
+    text_again = again.read_text()
+    assert "rendered again from the run's JSON" in text_again and "| credit_temperature=0.25 |" in text_again
+    assert text_again.split("## The premise")[1].split("![")[0] == text.split("## The premise")[1].split("![")[0]
+    assert text_again.split("## Both families")[1] == text.split("## Both families")[1]
