@@ -130,8 +130,9 @@ class TrainerConfig(Section):
     use_remove_padding: bool | Literal["auto"] = "auto"
     """Padding-free rows (verl's name) in the Hugging Face policy's forwards (the update, and the old log-prob and
     reference passes in plain mode): each forward's attended positions packed into one sequence whose position ids
-    restart at 0 in every row, so no padding is computed (SDPA and eager attention keep each row to itself through
-    Hugging Face's block-diagonal mask, flash attention through its variable-length path). auto: on CUDA; on a CPU
+    restart at 0 in every row, so no padding is computed (on the CPU a Llama/Qwen model attends row by row,
+    engine/policy/varlen_attention.py; elsewhere SDPA and eager attention keep each row to itself through Hugging
+    Face's block-diagonal mask, flash attention through its variable-length path). auto: on CUDA; on a CPU
     where measured faster than padded rows of similar lengths (once per run, on its first forward of several rows);
     true: always; false: padded rows. The Megatron backend pads its plain rows."""
     ppo_epochs: Annotated[int, AfterValidator(_one_epoch)] = 1

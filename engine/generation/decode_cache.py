@@ -31,6 +31,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from alignopsd.engine.policy.varlen_attention import plain_causal_attention
 from alignopsd.kernels.attention_native import (
     measure_attention,
     prefix_attention,
@@ -41,18 +42,12 @@ from alignopsd.kernels.native_choice import ATTENTION, takes_native
 from torch import Tensor
 
 ATTN_NAME = "alignopsd_shared_prefix"
-_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # attention called with RoPE'd q/k and no extra score terms
 
 
 def shared_prefix_supported(model) -> bool:
     """Whether :class:`SharedPrefixKV` can serve ``model``: on the CPU, a Llama/Qwen2/Qwen3 causal LM whose
     layers all use full attention (no sliding window)."""
-    cfg = model.config
-    if next(model.parameters()).device.type != "cpu" or getattr(cfg, "model_type", None) not in _MODEL_TYPES:
-        return False
-    if getattr(cfg, "use_sliding_window", False):
-        return False
-    return all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
+    return plain_causal_attention(model)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from alignopsd.engine.policy.varlen_attention import varlen_attention_on, varlen_supported
 from alignopsd.engine.tokens.layout import position_ids
 from alignopsd.kernels.fused_loss import fused_token_loss
 from alignopsd.kernels.logprob import logprob as kernel_logprob
@@ -196,6 +197,15 @@ def packed_inputs(ids_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor, Tens
     return ids, pos, slot
 
 
+def packed_forward(body: nn.Module, ids_1N: Tensor, pos_1N: Tensor):
+    """The transformer body's forward of one packed sequence: on the CPU each row's attention on its own where the
+    model allows it (engine/policy/varlen_attention.py), else transformers' own (its block-diagonal mask)."""
+    if varlen_supported(body):
+        with varlen_attention_on(body):
+            return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+    return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+
+
 def rows_packed(packed: bool | None) -> bool:
     """Whether forwards given ``packed`` (``score_rows``) run padding-free: None reads the choice measured in this
     process (not measured yet: padded)."""
@@ -216,7 +226,7 @@ def measured_packing(body: nn.Module, ids_BT: Tensor, mask_BT: Tensor, timer=Non
 
         def native():
             with torch.no_grad():
-                return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+                return packed_forward(body, ids_1N, pos_1N)
 
         def torch_path():
             with torch.no_grad():
@@ -281,7 +291,7 @@ def score_rows(
     body = transformer_body(model)
     if b > 1 and packed is not False and packable(rmask) and (packed or measured_packing(body, ids, mask)):
         ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
-        hidden = body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+        hidden = packed_forward(body, ids_1N, pos_1N)
         h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
         h_BUD = h_ND[0][slot_BT[:, lp - 1 : lp - 1 + lr_used]]  # each response column's predicting position
         pushed = int(ids_1N.shape[1])

@@ -77,6 +77,56 @@ def test_packed_update_equals_padded_and_pushes_no_padding():
     assert pushed_packed == int(p_mask.sum()) + int(r_mask[:, :-1].sum()) < pushed_padded
 
 
+def test_packed_rows_on_the_cpu_attend_row_by_row_with_grouped_heads(monkeypatch):
+    """On the CPU a packed forward runs each row's causal attention on its own (no [N, N] mask is built or read),
+    with grouped key/value heads, and gives the padded forward's log-probs; the model's own attention is restored."""
+    from alignopsd.engine.policy import varlen_attention as va
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    calls = []
+    real = va.varlen_attention
+
+    def spy(module, q, k, v, mask, *args, **kwargs):
+        calls.append((q.shape[1], k.shape[1], mask, va.segment_starts(kwargs["position_ids"])))
+        return real(module, q, k, v, mask, *args, **kwargs)
+
+    monkeypatch.setattr(va, "varlen_attention", spy)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids, mask = rows(2)
+    ids = ids % 64
+    args = (model, ids[:, :6], mask[:, :6], ids[:, 6:], mask[:, 6:])
+    padded = lm_head.score_rows(*args, packed=False)[0]
+    assert not calls  # the padded forward keeps the model's own attention
+    packed = lm_head.score_rows(*args, packed=True)[0]
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    assert len(calls) == 2 and all(c[:3] == (4, 2, None) for c in calls)  # one call per layer, no mask
+    lengths = [b - a for a, b in zip(calls[0][3][:-1], calls[0][3][1:])]
+    assert lengths == mask[:, :-1].sum(1).tolist()  # one segment per row: its attended positions
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_segment_starts_refuse_what_is_not_one_packed_sequence():
+    from alignopsd.engine.policy.varlen_attention import segment_starts
+
+    assert segment_starts(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [0, 3, 5, 6]
+    with pytest.raises(ValueError, match="start a row at position 0"):
+        segment_starts(torch.tensor([[1, 2, 0]]))
+    with pytest.raises(ValueError, match=r"one packed sequence \[1, N\]"):
+        segment_starts(torch.tensor([[0, 1], [0, 1]]))
+
+
 def test_a_response_with_a_hole_is_scored_padded():
     """A masked column between attended response columns: packing would read the wrong predicting position, so the
     forward is padded (same result as packed=False)."""

@@ -1,0 +1,106 @@
+"""Packed rows on the CPU without the packed sequence's whole mask: each row's causal attention on its own.
+
+A packed forward (``lm_head.packed_inputs``: the attended positions of all rows in one ``[1, N]`` sequence, position
+ids restarting at 0 in every row) needs attention that does not cross rows. transformers builds it from the
+position ids as one ``[N, N]`` block-diagonal mask, and SDPA on a CPU then computes every one of the N^2 scores: on
+the quickstart's micro-batches of 8,704 positions that made packed rows 2.5x slower than padded ones
+(bench/results/update-cpu-paths-2026-12-06.md), where CUDA's flash-attention varlen computes only each row's
+own block. :func:`varlen_attention` does what varlen does, row by row: SDPA with ``is_causal`` on each row's
+segment of the packed queries, keys and values (the segments start where the position ids restart), so a packed
+forward computes Σ_rows len² attention scores, fewer than padded rows (B × T²), and its projections and MLPs
+touch no padding at all. Registered with transformers as ``ATTN_NAME`` with no mask (the segments are the mask);
+:func:`varlen_attention_on` switches a model to it for one forward, where :func:`varlen_supported` says the
+model's attention is a plain causal attention over RoPE'd queries and keys (Llama, Qwen2, Qwen3 without sliding
+windows) on the CPU. The log-probs equal the padded forward's (fp32, 1e-5; tests/engine/test_packed_rows.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ATTN_NAME = "alignopsd_varlen"
+MODEL_TYPES = ("llama", "qwen2", "qwen3")  # attention called with RoPE'd q/k and no extra score terms
+
+
+def plain_causal_attention(model) -> bool:
+    """Whether ``model`` (a causal LM or its body) is a Llama/Qwen2/Qwen3 whose layers all use full causal attention
+    (no sliding window), on the CPU: the models whose attention a custom CPU attention may replace."""
+    cfg = model.config
+    if next(model.parameters()).device.type != "cpu" or getattr(cfg, "model_type", None) not in MODEL_TYPES:
+        return False
+    if getattr(cfg, "use_sliding_window", False):
+        return False
+    return all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
+
+
+varlen_supported = plain_causal_attention
+
+
+def segment_starts(position_ids: Tensor) -> list[int]:
+    """Start of every row's segment in a packed ``[1, N]`` sequence (where the position ids restart), then N."""
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        raise ValueError(f"position_ids: expected one packed sequence [1, N], got {tuple(position_ids.shape)}")
+    pos = position_ids[0]
+    starts = (pos == 0).nonzero().squeeze(1).tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError("position_ids: a packed sequence must start a row at position 0")
+    return [*starts, int(pos.shape[0])]
+
+
+def varlen_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention interface over one packed sequence: ``query`` ``[1, H, N, D]``, ``key``/``value``
+    ``[1, K, N, D]`` (K divides H), the rows' segments read from ``position_ids``; returns ``([1, N, H, D], None)``."""
+    pos = kwargs.get("position_ids")
+    if pos is None or query.shape[0] != 1:
+        raise ValueError(f"{ATTN_NAME}: needs one packed sequence and its position_ids (got {tuple(query.shape)})")
+    bounds = segment_starts(pos)
+    p = dropout if module.training else 0.0
+    gqa = key.shape[1] != query.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            dropout_p=p,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+@contextmanager
+def varlen_attention_on(model):
+    """Run ``model``'s attention as :func:`varlen_attention` inside the block (its own restored after it)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, varlen_attention)  # idempotent: one dict entry each
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    cfg = model.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
