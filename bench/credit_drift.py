@@ -39,7 +39,6 @@ the reader (bench/credit_reader.py) learns to follow whatever rule its skill sta
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -71,12 +70,9 @@ REPEAT = 8
 
 def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
     """``rule`` if it names one known colour per kind (ValueError naming the culprit otherwise)."""
-    if not isinstance(rule, dict) or set(rule) != set(KINDS):
-        raise ValueError(f"rule: expected one variant for each of {KINDS}, got {rule!r}")
-    for kind, v in rule.items():
-        if v not in VARIANTS[kind]:
-            raise ValueError(f"rule: {kind} variant {v!r} is not one of {VARIANTS[kind]}")
-    return rule
+    from bench.credit_rules import check_variants
+
+    return check_variants(rule, VARIANTS)
 
 
 def _action(kind: str, step: int, colour: str) -> str:
@@ -288,14 +284,10 @@ def skill_mapping() -> dict[str, Any]:
 
 def write_skill_bank(root: str | Path, rule: dict[str, Any] | None = None) -> Path:
     """The skill bank stating ``rule`` (default :data:`BENCH_RULE`) under ``root/credit_drift``; returns ``root``."""
+    from bench.credit_rules import write_bank
+
     r = check_rule(dict(BENCH_RULE if rule is None else rule))
-    folder = Path(root) / ENV
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "general.md").write_text(GENERAL + "\n")
-    for k in KINDS:
-        (folder / f"{k}.md").write_text(skill_text(k, r[k]) + "\n")
-    (folder / "skill_mapping.json").write_text(json.dumps(skill_mapping(), indent=2) + "\n")
-    return Path(root)
+    return write_bank(root, ENV, GENERAL, {k: skill_text(k, r[k]) for k in KINDS}, skill_mapping())
 
 
 def register() -> None:

@@ -58,14 +58,19 @@ GENERAL = "## General rule\nOnly the turns that offer a real choice decide wheth
 REPEAT = 8
 
 
+def check_variants(rule: dict[str, Any], variants: dict[str, tuple]) -> dict[str, Any]:
+    """``rule`` if it names one of ``variants[kind]`` for every kind (ValueError naming the culprit otherwise)."""
+    if not isinstance(rule, dict) or set(rule) != set(variants):
+        raise ValueError(f"rule: expected one variant for each of {tuple(variants)}, got {rule!r}")
+    for kind, v in rule.items():
+        if v not in variants[kind]:
+            raise ValueError(f"rule: {kind} variant {v!r} is not one of {variants[kind]}")
+    return rule
+
+
 def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
     """``rule`` if it names one known variant per kind (ValueError naming the culprit otherwise)."""
-    if not isinstance(rule, dict) or set(rule) != set(KINDS):
-        raise ValueError(f"rule: expected one variant for each of {KINDS}, got {rule!r}")
-    for kind, v in rule.items():
-        if v not in VARIANTS[kind]:
-            raise ValueError(f"rule: {kind} variant {v!r} is not one of {VARIANTS[kind]}")
-    return rule
+    return check_variants(rule, VARIANTS)
 
 
 def skill_text(kind: str, variant: Any) -> str:
@@ -188,16 +193,22 @@ def skill_mapping() -> dict[str, Any]:
     }
 
 
+def write_bank(root: str | Path, env: str, general: str, skills: dict[str, str], mapping: dict[str, Any]) -> Path:
+    """A skill bank under ``root/env``: the general rule, one file per kind (``skills``: kind -> text) and the
+    mapping the engine's lookup reads; returns ``root``."""
+    folder = Path(root) / env
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "general.md").write_text(general + "\n")
+    for kind, text in skills.items():
+        (folder / f"{kind}.md").write_text(text + "\n")
+    (folder / "skill_mapping.json").write_text(json.dumps(mapping, indent=2) + "\n")
+    return Path(root)
+
+
 def write_skill_bank(root: str | Path, rule: dict[str, Any] | None = None) -> Path:
     """The skill bank stating ``rule`` (default :data:`BENCH_RULE`) under ``root/credit_rules``; returns ``root``."""
     r = check_rule(dict(BENCH_RULE if rule is None else rule))
-    folder = Path(root) / ENV
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "general.md").write_text(GENERAL + "\n")
-    for k in KINDS:
-        (folder / f"{k}.md").write_text(skill_text(k, r[k]) + "\n")
-    (folder / "skill_mapping.json").write_text(json.dumps(skill_mapping(), indent=2) + "\n")
-    return Path(root)
+    return write_bank(root, ENV, GENERAL, {k: skill_text(k, r[k]) for k in KINDS}, skill_mapping())
 
 
 def register() -> None:

@@ -28,10 +28,8 @@ In fp32 both give the same tokens for the same seed up to float rounding (tests/
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
-from alignopsd.engine.policy.varlen_attention import plain_causal_attention
+from alignopsd.engine.policy.varlen_attention import attention_swapped, plain_causal_attention
 from alignopsd.kernels.attention_native import (
     measure_attention,
     prefix_attention,
@@ -50,19 +48,9 @@ def shared_prefix_supported(model) -> bool:
     return plain_causal_attention(model)
 
 
-@contextmanager
 def shared_prefix_attention_on(model):
     """Run the model's attention as :func:`shared_prefix_attention` inside the block (restored after it)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, shared_prefix_attention)  # idempotent: one dict entry
-    cfg = model.config
-    before = cfg._attn_implementation
-    cfg._attn_implementation = ATTN_NAME
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = before
+    return attention_swapped(model, ATTN_NAME, shared_prefix_attention)
 
 
 class ModelKV:

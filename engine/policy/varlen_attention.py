@@ -90,17 +90,24 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 @contextmanager
-def varlen_attention_on(model):
-    """Run ``model``'s attention as :func:`varlen_attention` inside the block (its own restored after it)."""
+def attention_swapped(model, name: str, fn, mask_fn=None):
+    """Run ``model``'s attention as ``fn`` (registered with transformers as ``name``; ``mask_fn``: its mask builder,
+    None: the model's own) inside the block, its own attention restored after it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_NAME, varlen_attention)  # idempotent: one dict entry each
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    AttentionInterface.register(name, fn)  # idempotent: one dict entry each
+    if mask_fn is not None:
+        AttentionMaskInterface.register(name, mask_fn)
     cfg = model.config
     before = cfg._attn_implementation
-    cfg._attn_implementation = ATTN_NAME
+    cfg._attn_implementation = name
     try:
         yield
     finally:
         cfg._attn_implementation = before
+
+
+def varlen_attention_on(model):
+    """Run ``model``'s attention as :func:`varlen_attention` inside the block (its own restored after it)."""
+    return attention_swapped(model, ATTN_NAME, varlen_attention, _no_mask)
