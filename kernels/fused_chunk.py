@@ -9,14 +9,29 @@ gradient into the hidden, weight and bias gradients. The algorithm is described 
 from __future__ import annotations
 
 import torch
+from alignopsd.kernels.bf16_gemm import mm_bf16
 from alignopsd.kernels.lse_partials import all_reduce_partials
 from torch import Tensor
 
 __all__ = ["accumulate_grads", "combine_partials", "exp_sums", "fill_logits", "logits_grad"]
 
 
-def fill_logits(z: Tensor, w: Tensor, hs_T: Tensor, b32: Tensor | None, vb: int) -> None:
-    """z[v, i] = w[v] . hs[:, i] (+ bias[v] / T), in vocabulary blocks of ``vb`` rows (fp32 upcast per block)."""
+def fill_logits(
+    z: Tensor,
+    w: Tensor,
+    hs_T: Tensor | None,
+    b32: Tensor | None,
+    vb: int,
+    *,
+    h_bf16: Tensor | None = None,
+    inv_t: float = 1.0,
+) -> None:
+    """z[v, i] = w[v] . hs[:, i] (+ bias[v] / T), in vocabulary blocks of ``vb`` rows (fp32 upcast per block); with
+    ``h_bf16`` (the chunk's bf16 hidden states [n, H], bf16 ``w``, no bias), ``(w @ h_bf16.T) / T`` in one bf16
+    GEMM with fp32 results (``bf16_gemm.mm_bf16``) and ``hs_T`` unused."""
+    if h_bf16 is not None:
+        mm_bf16(w, h_bf16.T, z, alpha=inv_t)
+        return
     V = w.shape[0]
     fp32_w = w.dtype == torch.float32
     for v0 in range(0, V, vb):  # one block for fp32 weights
@@ -46,10 +61,22 @@ def exp_sums(z: Tensor, m: Tensor, blk: int, with_entropy: bool) -> tuple[Tensor
 
 
 def accumulate_grads(
-    gz: Tensor, w: Tensor, h_c: Tensor, vb: int, dH_n: Tensor | None, dW: Tensor | None, dB: Tensor | None
+    gz: Tensor,
+    w: Tensor,
+    h_c: Tensor | None,
+    vb: int,
+    dH_n: Tensor | None,
+    dW: Tensor | None,
+    dB: Tensor | None,
+    *,
+    h_bf16: Tensor | None = None,
 ) -> None:
     """From the chunk's logits gradient gz [V, n]: dH_n = gz.T @ W (written), dW += gz @ h, dB += gz.sum(1), in
-    vocabulary blocks of ``vb`` rows."""
+    vocabulary blocks of ``vb`` rows of fp32 tiles; with ``h_bf16`` (the chunk's bf16 hidden states, bf16 ``w``, no
+    bias), the two GEMMs on bf16 operands (gz rounded to bf16) with fp32 sums, ``h_c`` unused."""
+    if h_bf16 is not None:
+        _bf16_grads(gz, w, h_bf16, dH_n, dW)
+        return
     V = w.shape[0]
     fp32_w = w.dtype == torch.float32
     for v0 in range(0, V, vb):
@@ -69,6 +96,17 @@ def accumulate_grads(
                 dW[v0:v1] += (g_blk @ h_c).to(dW.dtype)
         if dB is not None:
             dB[v0:v1] += g_blk.sum(1).to(dB.dtype)
+
+
+def _bf16_grads(gz: Tensor, w: Tensor, h_bf16: Tensor, dH_n: Tensor | None, dW: Tensor | None) -> None:
+    gz_b = gz.to(torch.bfloat16)
+    if dH_n is not None:
+        mm_bf16(gz_b.T, w, dH_n)
+    if dW is not None:
+        if dW.dtype == torch.float32 and dW.stride(1) == 1:
+            mm_bf16(gz_b, h_bf16, dW, beta=1.0)
+        else:
+            dW += mm_bf16(gz_b, h_bf16, torch.empty(dW.shape, dtype=torch.float32)).to(dW.dtype)
 
 
 def combine_partials(m, s, u, tz, hit, group, with_entropy: bool):

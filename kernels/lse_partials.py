@@ -19,6 +19,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from alignopsd.kernels.bf16_gemm import mm_bf16, takes_bf16_gemm
 from alignopsd.kernels.lse_native import native_applies, native_partials, why_not_ready
 from alignopsd.kernels.native_choice import HEAD, KernelChoice, measure, takes_native
 from torch import Tensor
@@ -178,9 +179,10 @@ def torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
     tz = torch.zeros(N, dtype=torch.float32, device=dev)
     local_t = t_N.long() - vocab_start
     vc = _vocab_chunk(w_VH, N)
+    bf16 = takes_bf16_gemm(h_NH, w_VH, b_V)  # bf16 GEMM with fp32 results where measured faster (bf16_gemm.py)
     for v0 in range(0, V, vc):
         v1 = min(V, v0 + vc)
-        w_c = w_VH[v0:v1].float()
+        w_c = w_VH[v0:v1] if bf16 else w_VH[v0:v1].float()
         b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
         for n0 in range(0, N, _TORCH_ROWS):
             n1 = min(N, n0 + _TORCH_ROWS)
@@ -199,7 +201,11 @@ def torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
 
 
 def _tile_logits(h_c, w_c, b_c, inv_t):
-    """(h_c @ w_c.T + b) * inv_t for one tile, fp32; the temperature is folded into the small h_c."""
+    """(h_c @ w_c.T + b) * inv_t for one tile, fp32; the temperature is folded into the small h_c. A bf16 ``w_c``
+    (no bias) takes the bf16 GEMM with fp32 results on the bf16 ``h_c`` (``bf16_gemm.mm_bf16``)."""
+    if w_c.dtype == torch.bfloat16:
+        out = torch.empty(h_c.shape[0], w_c.shape[0], dtype=torch.float32, device=h_c.device)
+        return mm_bf16(h_c, w_c.T, out, alpha=inv_t)
     h_c = h_c.float()
     if inv_t != 1.0:
         h_c = h_c * inv_t
@@ -219,13 +225,14 @@ def torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_e
     glp = g_lp.float() if g_lp is not None else torch.zeros(N, device=dev)
     h32 = h_NH if h_NH.dtype == torch.float32 else None
     vc = _vocab_chunk(w_VH, N, backward=True)
+    bf16 = takes_bf16_gemm(h_NH, w_VH, b_V)  # bf16 GEMMs with fp32 results where measured faster (bf16_gemm.py)
     for v0 in range(0, V, vc):
         v1 = min(V, v0 + vc)
-        w_c = w_VH[v0:v1].float()
+        w_c = w_VH[v0:v1] if bf16 else w_VH[v0:v1].float()
         b_c = b_V[v0:v1].float() * inv_t if b_V is not None else None
         for n0 in range(0, N, _TORCH_ROWS):
             n1 = min(N, n0 + _TORCH_ROWS)
-            h_c = h32[n0:n1] if h32 is not None else h_NH[n0:n1].float()
+            h_c = h_NH[n0:n1] if bf16 else h32[n0:n1] if h32 is not None else h_NH[n0:n1].float()
             z = _tile_logits(h_c, w_c, b_c, inv_t)
             z.sub_(lse[n0:n1].unsqueeze(1))  # z - lse = log p
             p = torch.exp(z)
@@ -242,9 +249,11 @@ def torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_e
                 rows = hit.nonzero().squeeze(1)
                 gz[rows, lt[rows] - v0] += glp[n0 + rows]
             gz.mul_(inv_t)
-            if need_h:
+            if bf16:
+                _bf16_tile_grads(gz, w_c, h_c, dh[n0:n1] if need_h else None, dw[v0:v1] if need_w else None, n0)
+            if need_h and not bf16:
                 dh[n0:n1].addmm_(gz, w_c)
-            if need_w:
+            if need_w and not bf16:
                 if n0 == 0:
                     torch.mm(gz.T, h_c, out=dw[v0:v1])
                 else:
@@ -252,6 +261,15 @@ def torch_backward(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, lse, ent, g_lp, g_e
             if need_b:
                 db[v0:v1] += gz.sum(0)
     return dh, dw, db
+
+
+def _bf16_tile_grads(gz, w_c, h_c, dh_n, dw_v, n0):
+    """dh_n += gz @ w_c and dw_v (+)= gz.T @ h_c (written when ``n0`` is 0) on bf16 operands, gz rounded to bf16."""
+    gz_b = gz.to(torch.bfloat16)
+    if dh_n is not None:
+        mm_bf16(gz_b, w_c, dh_n, beta=1.0)
+    if dw_v is not None:
+        mm_bf16(gz_b.T, h_c, dw_v, beta=0.0 if n0 == 0 else 1.0)
 
 
 # --------------------------------------------------------------------------------------

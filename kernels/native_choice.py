@@ -13,17 +13,19 @@ replaces, here, in the operands' dtype and at the run's shape, once per process:
   choice says it is faster. A kernel asked before anything was measured is measured then, on its first real
   operands (the dispatch's ``first_use``), so no path is ever taken on a flag alone.
 
-The same rule picks padding-free (packed) rows against padded rows of similar lengths for the policy's forwards on
-a CPU (``PACKING``, engine/policy/lm_head.py): SDPA on a CPU computes a packed sequence's whole block-diagonal
-mask, so packing wins only where the padding it removes costs more than the attention it adds.
+The same rule picks the LM head's GEMMs on bf16 operands with fp32 results (``HEAD_GEMM``, ``bf16_gemm.py``: the
+forward's logits tiles and the backward's two GEMMs) against fp32 tiles of upcast weights, and padding-free
+(packed) rows against padded rows of similar lengths for the policy's forwards on a CPU (``PACKING``,
+engine/policy/lm_head.py): a packed forward attends row by row (engine/policy/varlen_attention.py), so packing wins
+where the padding it removes costs more than the per-row attention calls it adds.
 
 A data-parallel run takes rank 0's choices on every rank, and a checkpoint stores them (:func:`choices_state`):
 a resumed run takes them again (:func:`restore_choices`), so it computes exactly as the run it continues.
 ``ALIGNOPSD_CPU_PATHS=torch`` measures nothing and takes the torch paths everywhere (:func:`pinned`: the test
 suite's setting, and a user's for bit-identical reruns).
 
-A choice is recorded per name (``HEAD``, ``ATTENTION``, ``PACKING``); the choice a test or a check wants is recorded
-with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
+A choice is recorded per name (``HEAD``, ``HEAD_GEMM``, ``ATTENTION``, ``PACKING``); the choice a test or a check
+wants is recorded with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 HEAD = "head partials"  # kernels/lse_native.py against lse_partials.torch_partials
+HEAD_GEMM = "head GEMMs"  # kernels/bf16_gemm.py: bf16 operands, fp32 results, against fp32 tiles of upcast weights
 ATTENTION = "prefix attention"  # kernels/attention_native.py against decode_cache's gathered sdpa
 PACKING = "packed rows"  # padding-free rows (engine/policy/lm_head.py) against padded rows of similar lengths
-KERNELS = (HEAD, ATTENTION, PACKING)
+KERNELS = (HEAD, HEAD_GEMM, ATTENTION, PACKING)
 # what each choice's two sides are called in the run's log: (the custom path, the path it replaces)
-LABELS = {PACKING: ("packed rows", "padded rows")}
+LABELS = {PACKING: ("packed rows", "padded rows"), HEAD_GEMM: ("bf16 GEMM", "fp32 tiles")}
 
 
 @dataclass(frozen=True)

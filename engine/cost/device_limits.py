@@ -4,8 +4,9 @@
   datasheets cited there; bench/gpu_check.py reads the same table), optionally with measured probes.
 - **CPUs** (and a GPU that is present): :func:`calibrate` measures, in the model's dtype with the threads the
   run uses, the GEMMs of the model's MLP (``[M, hidden] x [hidden, intermediate]`` and the down projection, the
-  better of the two; for bf16 on a CPU also the engine's own C++ bf16 GEMM where it runs: the limit is the fastest
-  GEMM this CPU offers in that dtype, torch's AMX path included) for several row counts M
+  better of the two; for bf16 on a CPU also the engine's own C++ bf16 GEMM and the bf16 GEMM with fp32 results of
+  the LM head, where they run: the limit is the fastest GEMM this CPU offers in that dtype, torch's AMX path
+  included) for several row counts M
   (decoding multiplies a few rows by every weight; prefill and training many), and a read-bandwidth probe (a sum) over
   a buffer larger than the last-level cache. The results name the device and the numbers used.
 
@@ -129,8 +130,9 @@ def calibrate(
                 s = _best(lambda x=x, w=w: torch.mm(x, w), dev, min_time, max_reps)
                 flops[m] = max(flops.get(m, 0.0), 2.0 * m * k * n / s)
                 probes[f"gemm M={m} K={k}"] = s
-        if dev.type == "cpu" and dtype == torch.bfloat16:  # the engine's own bf16 GEMM, where it runs
+        if dev.type == "cpu" and dtype == torch.bfloat16:  # the engine's own bf16 GEMMs, where they run
             _native_gemm(hidden, intermediate, max(rows), g, flops, probes, min_time, max_reps)
+            _fp32_result_gemm(hidden, intermediate, max(rows), g, flops, probes, min_time, max_reps)
         esize = torch.empty((), dtype=dtype).element_size()
         buf = torch.ones(bandwidth_bytes // esize, dtype=dtype, device=dev)
         s = _best(lambda: buf.sum(), dev, min_time, max_reps)  # native accumulation: no conversion pass
@@ -139,6 +141,7 @@ def calibrate(
     where = (
         f"measured: best of the GEMMs [M, {hidden}] x [{hidden}, {intermediate}] and its transpose"
         + (" and the C++ bf16 kernel" if any(k.startswith("native") for k in probes) else "")
+        + (" and the bf16 GEMM with fp32 results" if any(k.startswith("bf16 gemm") for k in probes) else "")
         + f", read of {bandwidth_bytes >> 20} MiB"
     )
     return DeviceLimits(
@@ -159,6 +162,22 @@ def _native_gemm(hidden, intermediate, m, g, flops, probes, min_time, max_reps) 
     t = torch.zeros(m, dtype=torch.long)
     s = _best(lambda: native_partials(h, w, t, 1.0, 0, need_u=False), torch.device("cpu"), min_time, max_reps)
     probes[f"native head M={m} K={hidden}"] = s
+    flops[m] = max(flops.get(m, 0.0), 2.0 * m * hidden * intermediate / s)
+
+
+def _fp32_result_gemm(hidden, intermediate, m, g, flops, probes, min_time, max_reps) -> None:
+    """The rate of the LM head's bf16 GEMM with fp32 results (kernels/bf16_gemm.py) on ``[m, hidden] x [hidden,
+    intermediate]`` where it runs: the engine's head takes it where it is faster than fp32 tiles, so the limit
+    includes it."""
+    from alignopsd.kernels.bf16_gemm import gemm_ready, mm_bf16
+
+    if not gemm_ready():
+        return
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    w = torch.randn(hidden, intermediate, generator=g).bfloat16()
+    out = torch.empty(m, intermediate)
+    s = _best(lambda: mm_bf16(x, w, out), torch.device("cpu"), min_time, max_reps)
+    probes[f"bf16 gemm fp32 out M={m} K={hidden}"] = s
     flops[m] = max(flops.get(m, 0.0), 2.0 * m * hidden * intermediate / s)
 
 

@@ -6,6 +6,9 @@ the model's dtype and with the run's threads, and returns one line per kernel fo
 - the LM head's partials (the fused log-prob and loss of every scoring and update pass): ``PROBE_ROWS`` token
   rows against the model's head ``[V, H]`` (at most ``PROBE_VOCAB`` rows of it: the rate does not depend on the
   vocabulary's length past a few tiles, and a 7B model's head need not be copied);
+- the LM head's GEMMs on bf16 operands with fp32 results against fp32 tiles (the logits tile and the backward's two
+  GEMMs of one chunk of the fused loss, ``kernels/bf16_gemm.py``): ``PROBE_ROWS`` rows against ``GEMM_PROBE_VOCAB``
+  rows of the head, measured before the head's partials, whose torch path takes the chosen GEMM;
 - the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
   ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
 - packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU, :func:`packing_probe`): one micro-batch
@@ -22,10 +25,12 @@ from collections.abc import Callable
 import torch
 from alignopsd.engine.policy.lm_head import measured_packing, transformer_body
 from alignopsd.kernels.attention_native import measure_attention
+from alignopsd.kernels.bf16_gemm import measure_head_gemm
 from alignopsd.kernels.lse_partials import measure_head
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, PACKING, best_seconds, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, PACKING, best_seconds, recorded
 
 PROBE_ROWS, PROBE_VOCAB = 256, 32768
+GEMM_PROBE_VOCAB = 8192  # three GEMMs per call: a quarter of the partials' probe keeps it as short
 # the quickstart's teacher forcing: rows of ~45-56 queries behind ~670-690 kept prompt positions
 ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX = 4, 48, 640
 
@@ -41,11 +46,12 @@ def choose_cpu_kernels(
     lines = []
     if packing is not None:
         lines.append((recorded(PACKING) or packing()).describe())
-    for kernel, probe in ((HEAD, _head_probe), (ATTENTION, _attention_probe)):
+    for kernel, probe in ((HEAD_GEMM, _gemm_probe), (HEAD, _head_probe), (ATTENTION, _attention_probe)):
         choice = recorded(kernel)
         if choice is None and dtype != torch.bfloat16:
             run_dtype = str(dtype).removeprefix("torch.")
-            lines.append(f"{kernel}: torch path (the model runs in {run_dtype}; the C++ kernels are for bf16)")
+            plain = LABELS.get(kernel, ("", "torch path"))[1]
+            lines.append(f"{kernel}: {plain} (the model runs in {run_dtype}; the custom path is for bf16)")
             continue
         lines.append((choice or probe(hf_config, dtype)).describe())
     return lines
@@ -58,6 +64,14 @@ def _head_probe(cfg, dtype):
     w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(dtype)
     t = torch.randint(0, vocab, (PROBE_ROWS,), generator=g)
     return measure_head(h, w, None, t)
+
+
+def _gemm_probe(cfg, dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden, vocab = cfg.hidden_size, min(cfg.vocab_size, GEMM_PROBE_VOCAB)
+    h = torch.randn(PROBE_ROWS, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(dtype)
+    return measure_head_gemm(h, w)
 
 
 def _attention_probe(cfg, dtype):

@@ -110,29 +110,33 @@ def test_gpu_table_and_calibration():
     assert "GEMMs [M, 32] x [32, 64] and its transpose" in lim.source and "gemm M=8 K=64" in lim.probes
 
 
-@pytest.mark.parametrize("kernel_runs", [True, False])
-def test_bf16_cpu_limit_is_the_fastest_gemm_the_engine_has(monkeypatch, kernel_runs):
-    """bf16 on a CPU: the limit is the best of torch's GEMMs (AMX where present) and the C++ bf16 kernel where it
-    runs (times injected: torch's GEMMs 1 s each, the kernel 1 ms at the largest M)."""
+@pytest.mark.parametrize(("kernel_runs", "gemm_runs"), [(True, False), (False, False), (False, True)])
+def test_bf16_cpu_limit_is_the_fastest_gemm_the_engine_has(monkeypatch, kernel_runs, gemm_runs):
+    """bf16 on a CPU: the limit is the best of torch's GEMMs (AMX where present), the C++ bf16 kernel and the head's
+    bf16 GEMM with fp32 results where they run (times injected: torch's GEMMs 1 s each, the engine's own 1 ms)."""
     from alignopsd.engine.cost import device_limits as dl
-    from alignopsd.kernels import lse_native
+    from alignopsd.kernels import bf16_gemm, lse_native
 
     seen = []
 
     def injected(fn, device, min_time, max_reps):
         fn()
         seen.append(len(seen))
-        return 1e-3 if kernel_runs and len(seen) == 5 else 1.0  # 4 torch GEMMs, then the kernel, then the read
+        return 1e-3 if (kernel_runs or gemm_runs) and len(seen) == 5 else 1.0  # 4 torch GEMMs, the engine's, the read
 
     monkeypatch.setattr(dl, "_best", injected)
     monkeypatch.setattr(lse_native, "native_ready", lambda: kernel_runs)
     monkeypatch.setattr(lse_native, "native_partials", lambda h, w, t, inv_t, v0, need_u=True: None)
+    monkeypatch.setattr(bf16_gemm, "gemm_ready", lambda: gemm_runs)
+    monkeypatch.setattr(bf16_gemm, "mm_bf16", lambda a, b, out: None)
     lim = calibrate(32, 64, torch.bfloat16, rows=(1, 8), bandwidth_bytes=1 << 20)
-    assert len(seen) == (6 if kernel_runs else 5)
+    assert len(seen) == 5 + kernel_runs + gemm_runs
     torch_rate = 2.0 * 8 * 32 * 64 / 1.0
-    assert lim.flops[8] == (2.0 * 8 * 32 * 64 / 1e-3 if kernel_runs else torch_rate)
+    assert lim.flops[8] == (2.0 * 8 * 32 * 64 / 1e-3 if kernel_runs or gemm_runs else torch_rate)
     assert ("native head M=8 K=32" in lim.probes) is kernel_runs
     assert ("and the C++ bf16 kernel" in lim.source) is kernel_runs
+    assert ("bf16 gemm fp32 out M=8 K=32" in lim.probes) is gemm_runs
+    assert ("and the bf16 GEMM with fp32 results" in lim.source) is gemm_runs
 
 
 def _summary(phases: dict, counts: dict) -> dict:

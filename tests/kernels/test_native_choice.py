@@ -15,9 +15,9 @@ from alignopsd.engine.generation import decode_cache as dc
 from alignopsd.engine.run import components
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.kernels import attention_native as an
-from alignopsd.kernels import lse_partials, native_choice
+from alignopsd.kernels import bf16_gemm, lse_partials, native_choice
 from alignopsd.kernels.logprob import logprob, logprob_ref
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, PACKING, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, PACKING, recorded
 from test_attention_native import prefixed_cache
 
 from alignopsd.testing import KernelChoice, record_kernel_choice
@@ -78,6 +78,7 @@ def test_first_use_measures_once_on_the_operands_at_hand(head, monkeypatch):
     hid, w, t, calls = head
     timed: list[str] = []
     monkeypatch.setattr(native_choice, "best_seconds", _timer({"native": 1.0, "torch_path": 0.5}, timed))
+    record_kernel_choice(KernelChoice(HEAD_GEMM, False, None, None, "chosen by the test"))  # the tiles' GEMMs: fp32
     assert recorded(HEAD) is None
     logprob(hid, w, t)
     logprob(hid, w, t)
@@ -139,30 +140,40 @@ def test_probe_states_each_kernel(monkeypatch):
     run: both measured at the model's shapes (times injected) and the choices recorded for the run."""
     lines = choose_cpu_kernels(_Config, torch.float32)
     assert lines == [
-        "head partials: torch path (the model runs in float32; the C++ kernels are for bf16)",
-        "prefix attention: torch path (the model runs in float32; the C++ kernels are for bf16)",
+        "head GEMMs: fp32 tiles (the model runs in float32; the custom path is for bf16)",
+        "head partials: torch path (the model runs in float32; the custom path is for bf16)",
+        "prefix attention: torch path (the model runs in float32; the custom path is for bf16)",
     ]
-    assert recorded(HEAD) is None and recorded(ATTENTION) is None
+    assert recorded(HEAD) is None and recorded(ATTENTION) is None and recorded(HEAD_GEMM) is None
     assert choose_cpu_kernels(_Config, torch.bfloat16, torch.device("meta")) == []  # not a CPU: nothing to choose
     for mod in (lse_partials, an):
         monkeypatch.setattr(mod, "why_not_ready", lambda: "this CPU has no AVX512-BF16")
     monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: False)
     monkeypatch.setattr(an, "prefix_attention_applies", lambda *a: False)
+    monkeypatch.setattr(bf16_gemm, "gemm_applies", lambda h, w, b=None: False)
+    monkeypatch.setattr(bf16_gemm, "why_no_gemm", lambda: "no bf16 GEMM here")
     assert choose_cpu_kernels(_Config, torch.bfloat16) == [
+        "head GEMMs: fp32 tiles (no bf16 GEMM here)",
         "head partials: torch path (this CPU has no AVX512-BF16)",
         "prefix attention: torch path (this CPU has no AVX512-BF16)",
     ]
     native_choice.forget()
+    monkeypatch.undo()
+    monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
     monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: True)
     monkeypatch.setattr(lse_partials, "native_partials", lambda h, w, t, inv_t, v0: None)
     monkeypatch.setattr(an, "prefix_attention_applies", lambda *a: True)
     monkeypatch.setattr(an, "prefix_attention", lambda *a: None)
     monkeypatch.setattr(native_choice, "best_seconds", _timer({"native": 0.004, "torch_path": 0.008}))
     lines = choose_cpu_kernels(_Config, torch.bfloat16)
-    assert lines[0].startswith("head partials: C++ kernel (4.0 ms, 151 GFLOP/s) over torch path (8.0 ms")
-    assert lines[0].endswith("at [256, 576] x [2048, 576] bfloat16")
-    assert lines[1].startswith("prefix attention: C++ kernel (4.0 ms")
-    assert "4 rows x 48 queries over 640 prefix + 48 own positions, 9/3 heads of 64" in lines[1]
+    if bf16_gemm.gemm_ready():  # torch's CPU library has the bf16 GEMM: measured like the kernels
+        assert lines[0].startswith("head GEMMs: bf16 GEMM (4.0 ms, 453 GFLOP/s) over fp32 tiles (8.0 ms")
+        assert lines[0].endswith("at [256, 576] x [2048, 576] bfloat16, forward and backward")
+        assert recorded(HEAD_GEMM).native
+    assert lines[1].startswith("head partials: C++ kernel (4.0 ms, 151 GFLOP/s) over torch path (8.0 ms")
+    assert lines[1].endswith("at [256, 576] x [2048, 576] bfloat16")
+    assert lines[2].startswith("prefix attention: C++ kernel (4.0 ms")
+    assert "4 rows x 48 queries over 640 prefix + 48 own positions, 9/3 heads of 64" in lines[2]
     assert recorded(HEAD).native and recorded(ATTENTION).native
 
 
@@ -176,8 +187,9 @@ def test_policy_build_states_the_choice_in_the_run_log(caplog):
         components.build_policy(cfg, torch.device("cpu"))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
     assert said[1:] == [
-        "kernels: head partials: torch path (the model runs in float32; the C++ kernels are for bf16)",
-        "kernels: prefix attention: torch path (the model runs in float32; the C++ kernels are for bf16)",
+        "kernels: head GEMMs: fp32 tiles (the model runs in float32; the custom path is for bf16)",
+        "kernels: head partials: torch path (the model runs in float32; the custom path is for bf16)",
+        "kernels: prefix attention: torch path (the model runs in float32; the custom path is for bf16)",
     ]
     # trainer.use_remove_padding auto on a CPU: packed or padded rows, measured on one micro-batch of the update's size
     assert said[0].startswith(("kernels: packed rows: packed rows (", "kernels: packed rows: padded rows ("))
@@ -192,7 +204,7 @@ def test_pinned_process_measures_nothing_and_restores_what_it_is_given(head, mon
     monkeypatch.setattr(native_choice, "best_seconds", lambda fn: pytest.fail("a pinned process timed a path"))
     logprob(hid, w, t)
     assert calls == [] and recorded(HEAD).describe() == "head partials: torch path (ALIGNOPSD_CPU_PATHS=torch)"
-    assert native_choice.choices_state() == {HEAD: False}
+    assert native_choice.choices_state() == {HEAD: False, HEAD_GEMM: False}  # the torch tiles asked for theirs
     (c,) = native_choice.restore_choices({HEAD: True}, "as the run that wrote the checkpoint measured")
     assert c.describe() == "head partials: C++ kernel (as the run that wrote the checkpoint measured)"
     logprob(hid, w, t)
