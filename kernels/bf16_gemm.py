@@ -17,7 +17,7 @@ torch tensors; the head uses it for
   GEMM, as a bf16 autograd backward of the logits has it) and the weight gradient accumulated in fp32.
 
 The path is taken only where it was measured faster than the fp32 tiles, on this CPU, at the run's shapes
-(:func:`measure_head_gemm`, ``native_choice.HEAD_GEMM``; the run measures it before its first step,
+(``head_gemm.measure_head_gemm``, ``native_choice.HEAD_GEMM``; the run measures it before its first step,
 engine/run/kernel_probe.py), never because of a CPU flag; ``ALIGNOPSD_CPU_PATHS=torch`` keeps the fp32 tiles.
 :func:`gemm_ready` says whether it can run at all (torch built with that BLAS, a first call checked against an exact
 reference).
@@ -29,10 +29,9 @@ import ctypes
 import os
 
 import torch
-from alignopsd.kernels.native_choice import HEAD_GEMM, KernelChoice, measure, takes_native
 from torch import Tensor
 
-__all__ = ["gemm_applies", "gemm_ready", "measure_head_gemm", "mm_bf16", "takes_bf16_gemm", "why_no_gemm"]
+__all__ = ["gemm_applies", "gemm_ready", "mm_bf16", "why_no_gemm"]
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _INT_MAX = 2**31 - 1
@@ -133,46 +132,3 @@ def mm_bf16(a: Tensor, b: Tensor, out: Tensor, *, alpha: float = 1.0, beta: floa
         return out.mul_(beta) if beta != 0.0 else out.zero_()
     _call(a, b, out, float(alpha), float(beta))
     return out
-
-
-def chunk_gemms(h_nH: Tensor, w_VH: Tensor, z_Vn: Tensor, dH: Tensor, dW: Tensor, bf16: bool) -> None:
-    """The three GEMMs of one chunk of the fused loss (``fused_chunk``): the logits tile, then the hidden and weight
-    gradients of a logits gradient the size of the tile, on bf16 operands (``bf16``) or fp32 tiles: what
-    :func:`measure_head_gemm` times."""
-    from alignopsd.kernels.fused_chunk import accumulate_grads, fill_logits
-
-    vb = w_VH.shape[0] if bf16 else max(1, min(w_VH.shape[0], (32 << 20) // (4 * max(1, w_VH.shape[1]))))
-    fill_logits(z_Vn, w_VH, h_nH.float().T, None, vb, h_bf16=h_nH if bf16 else None)
-    accumulate_grads(z_Vn, w_VH, h_nH.float(), vb, dH, dW, None, h_bf16=h_nH if bf16 else None)
-
-
-def measure_head_gemm(h_nH: Tensor, w_VH: Tensor, *, timer=None) -> KernelChoice:
-    """Time the head's chunk GEMMs (:func:`chunk_gemms`: logits tile, hidden and weight gradients) on bf16 operands
-    against fp32 tiles on these operands and record which the head takes (``native_choice.measure``; ``timer``
-    replaces its clock). Operands it cannot take, or a process where it cannot run, record the fp32 tiles with the
-    reason."""
-    n, hid, v = h_nH.shape[0], h_nH.shape[1], w_VH.shape[0]
-    shape = f"[{n}, {hid}] x [{v}, {hid}] {str(h_nH.dtype).removeprefix('torch.')}, forward and backward"
-    z = torch.empty(v, n)
-    dH = torch.empty(n, hid)
-    dW = torch.zeros(v, hid)
-
-    def torch_path():
-        chunk_gemms(h_nH, w_VH, z, dH, dW, False)
-
-    native = None
-    if gemm_applies(h_nH, w_VH):
-
-        def native():
-            chunk_gemms(h_nH, w_VH, z, dH, dW, True)
-
-    why = why_no_gemm() or "the operands are not bf16 CPU tensors without a bias"
-    return measure(HEAD_GEMM, native, torch_path, shape, flops=3 * 2.0 * n * hid * v, why=why, timer=timer)
-
-
-def takes_bf16_gemm(h: Tensor, w: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether the head's GEMMs on these operands take :func:`mm_bf16`: it applies and the recorded choice says it
-    is faster (measured now on these operands, at most 256 of their rows, if nothing was recorded)."""
-    if not gemm_applies(h, w, bias):
-        return False
-    return takes_native(HEAD_GEMM, lambda: measure_head_gemm(h.reshape(-1, h.shape[-1])[:256], w))

@@ -52,8 +52,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from alignopsd.kernels.bf16_gemm import takes_bf16_gemm
 from alignopsd.kernels.fused_chunk import accumulate_grads, combine_partials, exp_sums, fill_logits, logits_grad
+from alignopsd.kernels.head_gemm import takes_bf16_gemm
 from alignopsd.kernels.lse_partials import check_lm_head_inputs, check_target_range
 from torch import Tensor
 

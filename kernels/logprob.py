@@ -56,9 +56,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from alignopsd.kernels._dispatch import resolve_impl
+from alignopsd.kernels.fused_chunk import all_reduce_partials
 from alignopsd.kernels.logprob_triton import triton_backward, triton_partials
 from alignopsd.kernels.lse_partials import (
-    all_reduce_partials,
     check_lm_head_inputs,
     check_target_range,
     cpu_partials,

@@ -4,8 +4,8 @@ Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the loc
 
 - input checks of (hidden, weight, targets, bias, temperature);
 - online-logsumexp partials (m, s, u, tz) per row and their exact combination: two partials
-  (:func:`merge_partials`), S vocabulary splits (:func:`combine_splits`), tensor-parallel ranks
-  (:func:`all_reduce_partials`), and the final (logp, lse, entropy) (:func:`finish_partials`);
+  (:func:`merge_partials`), S vocabulary splits (:func:`combine_splits`) (tensor-parallel ranks:
+  ``fused_chunk.all_reduce_partials``), and the final (logp, lse, entropy) (:func:`finish_partials`);
 - the tiled torch CPU path: :func:`torch_partials` (forward) and :func:`torch_backward`;
 - :func:`cpu_partials`, the CPU forward: the C++ bf16 kernel where it applies (``lse_native.py``) and was measured
   faster than :func:`torch_partials` (:func:`measure_head`, ``native_choice.py``), else :func:`torch_partials`.
@@ -18,14 +18,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from alignopsd.kernels.bf16_gemm import mm_bf16, takes_bf16_gemm
+from alignopsd.kernels.bf16_gemm import mm_bf16
+from alignopsd.kernels.head_gemm import takes_bf16_gemm
 from alignopsd.kernels.lse_native import native_applies, native_partials, why_not_ready
 from alignopsd.kernels.native_choice import HEAD, KernelChoice, measure, takes_native
 from torch import Tensor
 
 __all__ = [
-    "all_reduce_partials",
     "check_lm_head_inputs",
     "check_target_range",
     "combine_splits",
@@ -275,11 +274,3 @@ def _bf16_tile_grads(gz, w_c, h_c, dh_n, dw_v, n0):
 # --------------------------------------------------------------------------------------
 # tensor parallel
 # --------------------------------------------------------------------------------------
-def all_reduce_partials(m, s, u, tz, hit, group):
-    """Combine per-rank partials across ``group`` (vocab parallel). Returns global (m, s, u, tz, hits)."""
-    m_g = m.clone()
-    dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
-    a = torch.exp(m - m_g)
-    packed = torch.stack([s * a, a * (u + s * (m - m_g)), tz, hit.float()])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return m_g, packed[0], packed[1], packed[2], packed[3]

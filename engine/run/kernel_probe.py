@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from alignopsd.engine.policy.lm_head import measured_packing, transformer_body
 from alignopsd.kernels.attention_native import measure_attention
-from alignopsd.kernels.bf16_gemm import measure_head_gemm
+from alignopsd.kernels.head_gemm import measure_head_gemm
 from alignopsd.kernels.lse_partials import measure_head
 from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, PACKING, best_seconds, recorded
 

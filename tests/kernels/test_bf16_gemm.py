@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from alignopsd.kernels import bf16_gemm, logprob_loss_and_grad, logprob_ref, native_choice
-from alignopsd.kernels.bf16_gemm import measure_head_gemm, mm_bf16
+from alignopsd.kernels.bf16_gemm import mm_bf16
+from alignopsd.kernels.head_gemm import measure_head_gemm, takes_bf16_gemm
 from alignopsd.kernels.lse_partials import torch_backward, torch_partials
 from alignopsd.kernels.native_choice import HEAD_GEMM, recorded
 
@@ -174,5 +175,5 @@ def test_operands_it_cannot_take_keep_fp32_tiles():
     """fp32 or biased heads are never routed to the bf16 GEMM, whatever was recorded."""
     _choose(True)
     h, w = torch.zeros(4, 8), torch.zeros(16, 8)
-    assert not bf16_gemm.takes_bf16_gemm(h, w)
-    assert not bf16_gemm.takes_bf16_gemm(h.bfloat16(), w.bfloat16(), torch.zeros(16).bfloat16())
+    assert not takes_bf16_gemm(h, w)
+    assert not takes_bf16_gemm(h.bfloat16(), w.bfloat16(), torch.zeros(16).bfloat16())

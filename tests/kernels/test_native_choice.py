@@ -15,7 +15,7 @@ from alignopsd.engine.generation import decode_cache as dc
 from alignopsd.engine.run import components
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.kernels import attention_native as an
-from alignopsd.kernels import bf16_gemm, lse_partials, native_choice
+from alignopsd.kernels import bf16_gemm, head_gemm, lse_partials, native_choice
 from alignopsd.kernels.logprob import logprob, logprob_ref
 from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, PACKING, recorded
 from test_attention_native import prefixed_cache
@@ -150,8 +150,8 @@ def test_probe_states_each_kernel(monkeypatch):
         monkeypatch.setattr(mod, "why_not_ready", lambda: "this CPU has no AVX512-BF16")
     monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: False)
     monkeypatch.setattr(an, "prefix_attention_applies", lambda *a: False)
-    monkeypatch.setattr(bf16_gemm, "gemm_applies", lambda h, w, b=None: False)
-    monkeypatch.setattr(bf16_gemm, "why_no_gemm", lambda: "no bf16 GEMM here")
+    monkeypatch.setattr(head_gemm, "gemm_applies", lambda h, w, b=None: False)
+    monkeypatch.setattr(head_gemm, "why_no_gemm", lambda: "no bf16 GEMM here")
     assert choose_cpu_kernels(_Config, torch.bfloat16) == [
         "head GEMMs: fp32 tiles (no bf16 GEMM here)",
         "head partials: torch path (this CPU has no AVX512-BF16)",
