@@ -2,10 +2,10 @@
 
     python -m bench.padding_profile [--config configs/alfworld_7b.yaml] [--rows 2048] [--seed 0]
 
-The rows' lengths follow the config's maxima scaled by the quickstart's measured means (the cost plan's rule,
-engine/cost/step_plan.py ``QUICKSTART_MEANS``: prompt mean 400 of 1,024, response mean 41 of 64), spread as a
-normal of standard deviation 35 % (prompts: the history grows turn by turn, then is cut at the maximum) and 50 %
-(responses) of the mean, clipped to [64, max] and [8, max]; the recipe is fixed here, before any result. The plan
+The rows' lengths are the cost plan's synthetic batch (engine/step/padding_plan.py ``synthetic_row_masks``: the
+config's maxima scaled by the quickstart's measured means, prompt mean 400 of 1,024, response mean 41 of 64, spread
+as a normal of standard deviation 35 % (prompts) and 50 % (responses) of the mean, clipped to [64, max] and [8,
+max]); the recipe was fixed before any result. The plan
 is the update's own (engine/step/micro_batches.py ``plan_update`` on one rank, the config's mini- and micro-batch
 sizes and ``ppo_max_token_len_per_gpu``), and the positions are its ``Footprint``: the padded forwards of fixed rows
 (``ppo_max_token_len_per_gpu: 0``, the plan before micro-batches by tokens), of micro-batches by tokens (rows
@@ -16,29 +16,13 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS
 from alignopsd.engine.step.micro_batches import RowGeometry, plan_footprint, plan_update
-
-PROMPT_SPREAD, RESPONSE_SPREAD = 0.35, 0.5
-
-
-def synthetic_masks(cfg, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, max prompt] left-padded prompt masks and [rows, max response] right-padded response masks."""
-    q = QUICKSTART_MEANS
-    lp, lr = cfg.env.max_prompt_length, cfg.generation.max_response_length
-    p_mean, r_mean = lp * q["prompt_mean"] / q["max_prompt_length"], lr * q["response_mean"] / q["max_response_length"]
-    g = torch.Generator().manual_seed(seed)
-    p = (p_mean * (1 + PROMPT_SPREAD * torch.randn(rows, generator=g))).round().clamp(64, lp).long()
-    r = (r_mean * (1 + RESPONSE_SPREAD * torch.randn(rows, generator=g))).round().clamp(8, lr).long()
-    pmask = (torch.arange(lp)[None] >= (lp - p)[:, None]).long()
-    rmask = (torch.arange(lr)[None] < r[:, None]).long()
-    return pmask, rmask
+from alignopsd.engine.step.padding_plan import synthetic_row_masks
 
 
 def measure(cfg, rows: int, seed: int) -> dict[str, dict[str, float]]:
-    pmask, rmask = synthetic_masks(cfg, rows, seed)
+    pmask, rmask = synthetic_row_masks(cfg, rows, seed)
     geo = RowGeometry.of(pmask, rmask)
     mini, micro = cfg.trainer.ppo_mini_batch_size, cfg.trainer.ppo_micro_batch_size
     out = {}

@@ -33,7 +33,8 @@ import torch
 from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
 from alignopsd.engine.cost.cost_model import step_work
 from alignopsd.engine.cost.model_shapes import ModelShape
-from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, layout, plan_counts
+from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, layout
+from alignopsd.engine.step.padding_plan import planned_counts
 
 GAME_SECONDS = 0.3  # one generated easy game (10 s for 48 on the 2-core EPYC; Python work, not calibrated)
 PROMPT_MEAN = 350.0  # an ALFWorld turn's prompt (history 1), tokens (rollout/prompt_length_mean of the quickstart)
@@ -114,7 +115,7 @@ def rl_stage(cfg, shape: ModelShape, r: PhaseRates, *, load_s: float) -> tuple[f
     q = QUICKSTART_MEANS
     # the quickstart's warm-started turns and prompts (history 1) rather than the plan's budget-filling means
     means = {**q, "turns_mean": q["max_turns"] * TURNS_FRACTION, "prompt_mean": PROMPT_MEAN}
-    counts, _ = plan_counts(cfg, layout(cfg, 1), means)
+    counts, _ = planned_counts(cfg, layout(cfg, 1), means, device_type="cpu")  # padded rows unless set free
     calls = counts.rows / max(counts.rows_per_call, 1.0)
     steps_per_call = min(cfg.generation.max_response_length, STEPS_PER_RESPONSE * counts.response_mean)
     t_resp = cfg.teacher_budget * q["teacher_response_mean"] / q["teacher_budget"]

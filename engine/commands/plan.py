@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from alignopsd.engine.cost.cost_model import PhaseWork, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, gpu_limits, phase_seconds
@@ -71,19 +72,36 @@ def format_phases(work: dict[str, PhaseWork], times: dict[str, float]) -> list[s
     return lines
 
 
+def padding_line(fraction: float, times: dict[str, float], free: dict[str, float]) -> str:
+    """What the padded positions cost: the step against the same step in padding-free rows."""
+    if fraction <= 0.0:
+        return "padding: none (padding-free rows)"
+    saved = sum(times.values()) - sum(free.values())
+    parts = ", ".join(
+        f"{LABELS[k]} {times[k]:,.1f} -> {free[k]:,.1f} s" for k in ORDER if k in times and times[k] != free[k]
+    )
+    return (
+        f"padding: {fraction:.1%} of the scoring and update positions; in padding-free rows {parts}: the step "
+        f"{sum(free.values()):,.1f} s ({saved:,.1f} s, {saved / sum(times.values()):.1%} less)"
+    )
+
+
 def run_plan(cfg, gpu: str, world_size: int, cf: float, bf: float) -> str:
     """The plan's text (ValueError naming a bad GPU, world size or model)."""
     from alignopsd.engine.cost.model_shapes import resolve_shape
-    from alignopsd.engine.cost.step_plan import NEMO_RL_REFERENCE, layout, plan_counts
+    from alignopsd.engine.cost.step_plan import NEMO_RL_REFERENCE, layout
+    from alignopsd.engine.step.padding_plan import planned_counts
 
     lim = gpu_limits(gpu)
     lay = layout(cfg, world_size)
     shape = resolve_shape(cfg.model.name)
-    counts, notes = plan_counts(cfg, lay)
-    work = step_work(shape, counts, dtype_bytes=2, kv_bytes=2, train_parallel=lay.tensor_parallel)
+    counts, notes = planned_counts(cfg, lay)
+    kw = {"dtype_bytes": 2, "kv_bytes": 2, "train_parallel": lay.tensor_parallel}
+    work = step_work(shape, counts, **kw)
     times = plan_times(work, lim, cf, bf)
     tokens = counts.train_rows * (counts.prompt_mean + counts.response_mean) * lay.data_parallel
     s = summary(work, times, world=world_size, tokens=tokens, total_steps=cfg.trainer.total_steps)
+    free = plan_times(step_work(shape, replace(counts, padding_fraction=0.0), **kw), lim, cf, bf)
     out = [
         f"plan: {cfg.name} on {world_size} x {lim.name} (tensor parallel {lay.tensor_parallel}, "
         f"data parallel {lay.data_parallel}); bf16 weights and keys/values",
@@ -100,6 +118,7 @@ def run_plan(cfg, gpu: str, world_size: int, cf: float, bf: float) -> str:
         f"training tokens/s/GPU {s['tokens_per_s_gpu']:,.0f} ({tokens:,.0f} tokens per step); "
         f"{cfg.trainer.total_steps} steps: {s['step'] * cfg.trainer.total_steps / 3600:,.1f} h, "
         f"{s['gpu_hours']:,.0f} GPU-hours",
+        padding_line(counts.padding_fraction, times, free),
         "",
         "assumptions:",
         *[f"- {n}" for n in notes],

@@ -125,6 +125,16 @@ class RunConfig(Section):
             return self.trainer.ppo_micro_batch_size * width
         return int(t or 0)
 
+    def remove_padding_on(self, device_type: str) -> bool | None:
+        """``trainer.use_remove_padding`` resolved for a Hugging Face policy on ``device_type``: ``auto`` is
+        padding-free rows on CUDA (flash-attention's varlen) and, on a CPU, None (where measured faster than padded
+        rows: engine/policy/lm_head.py ``measured_packing``). The Megatron backend pads its plain rows whatever this
+        says (``ShardScoring.packed_rows``)."""
+        setting = self.trainer.use_remove_padding
+        if setting == "auto":
+            return True if device_type == "cuda" else None
+        return bool(setting)
+
     @model_validator(mode="after")
     def _sections_agree(self) -> Self:
         """Rules over several sections; each names the key to change."""

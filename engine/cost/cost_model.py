@@ -90,6 +90,7 @@ class StepCounts:
     rollout_steps: float = 0.0  # decoding steps of the rollout (0: rows / rows_per_call x response_mean)
     teacher_steps: float = 0.0  # decoding steps of the teacher generation (0: its mean response, one call)
     scoring_positions: float = 0.0  # positions the old log-prob pass pushes (0: every row's prompt and response)
+    padding_fraction: float = 0.0  # share of the plain rows' computed positions that are padding (scoring, update)
 
 
 def _forward(shape: ModelShape, label: str, positions: float, context: float, logits: float, tp: float) -> Part:
@@ -124,7 +125,9 @@ def step_work(
         _forward(shape, "prefill", c.rollout_prefill, p / 2, calls, 1.0),
         _decode(shape, c.rows * r, c.rows_per_call, p + r / 2, dtype_bytes, kv_bytes, c.rollout_steps),
     ]
-    seq = c.train_rows * (p + r)
+    if not 0.0 <= c.padding_fraction < 1.0:
+        raise ValueError(f"padding_fraction: {c.padding_fraction} is outside [0, 1)")
+    seq = c.train_rows * (p + r) / (1.0 - c.padding_fraction)  # positions computed, padded ones included
     ctx = (p + r) / 2
     scored = c.scoring_positions or seq  # the pass pushes shared prompt prefixes once (engine/policy/row_scoring.py)
     out["old_logprob"].parts = [_forward(shape, "forward", scored, ctx, c.train_rows * r, tp)]

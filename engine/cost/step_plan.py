@@ -8,6 +8,10 @@ after prefix sharing, the distinct teacher prompts and the cross rows per turn. 
 per-generation-group :class:`StepCounts` of ``cfg`` at ``world_size`` devices and the assumptions it made, in
 words, so the plan can print them.
 
+Padding: the counts here are real positions; engine/step/padding_plan.py ``planned_counts`` adds the share of
+padded positions the config's forwards compute (the update's own planner over a synthetic batch) and is what the
+plan and the estimate read.
+
 :data:`NEMO_RL_REFERENCE` is a published GRPO measurement (NeMo-RL's performance summary: Llama-3.1-8B, on-policy,
 16 x H100, 2,048 samples per step, training batch 512) with the counts the same model is evaluated at.
 """
@@ -62,13 +66,20 @@ def layout(cfg, world_size: int) -> Layout:
     return Layout(world_size, tp, dp)
 
 
+def group_rows(cfg, lay: Layout, means: dict | None = None) -> tuple[float, float, float]:
+    """(turn rows, episodes, turns per episode) of one step per data-parallel group."""
+    q = QUICKSTART_MEANS if means is None else means
+    episodes = cfg.env.tasks_per_step * cfg.env.group_n / lay.data_parallel
+    turns = cfg.env.max_turns * q["turns_mean"] / q["max_turns"]
+    return episodes * turns, episodes, turns
+
+
 def plan_counts(cfg, lay: Layout, means: dict | None = None) -> tuple[StepCounts, list[str]]:
-    """Per-group step counts of ``cfg`` at layout ``lay``, and the assumptions made (one line each)."""
+    """Per-group step counts of ``cfg`` at layout ``lay`` (real positions, no padding), and the assumptions made
+    (one line each)."""
     q = QUICKSTART_MEANS if means is None else means
     e, g = cfg.env, cfg.generation
-    episodes = e.tasks_per_step * e.group_n / lay.data_parallel
-    turns = e.max_turns * q["turns_mean"] / q["max_turns"]
-    rows = episodes * turns
+    rows, episodes, turns = group_rows(cfg, lay, q)
     p = e.max_prompt_length * q["prompt_mean"] / q["max_prompt_length"]
     r = g.max_response_length * q["response_mean"] / q["max_response_length"]
     tp_len = min(e.max_prompt_length, e.max_prompt_length * q["teacher_prompt_mean"] / q["max_prompt_length"])

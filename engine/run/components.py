@@ -77,12 +77,8 @@ class OptimizerSettings:
 
 
 def packed_rows(cfg: RunConfig, device: torch.device) -> bool | None:
-    """``trainer.use_remove_padding`` resolved: ``auto`` is padding-free rows on CUDA and, on a CPU, None (where
-    measured faster than padded rows: engine/policy/lm_head.py ``measured_packing``)."""
-    setting = cfg.trainer.use_remove_padding
-    if setting == "auto":
-        return True if device.type == "cuda" else None
-    return bool(setting)
+    """``trainer.use_remove_padding`` resolved on ``device`` (``RunConfig.remove_padding_on``)."""
+    return cfg.remove_padding_on(device.type)
 
 
 def choose_cpu_paths(cfg: RunConfig, model: nn.Module, device: torch.device) -> None:

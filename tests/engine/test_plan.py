@@ -65,3 +65,53 @@ def test_plan_bad_input_exits_2_with_one_line(args, message, capsys):
     assert cli.main(["plan", "--config", CFG, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_padded_rows_cost_what_their_positions_cost(capsys):
+    """The Megatron backend pads its plain rows: the plan's scoring and update forwards compute the padded positions
+    (the update's own plan over the synthetic batch) and say what padding-free rows would save; a Hugging Face
+    policy on CUDA with ``use_remove_padding`` auto computes none, and ``false`` pads again."""
+    from dataclasses import replace
+
+    from alignopsd.engine.cost.cost_model import step_work
+    from alignopsd.engine.cost.model_shapes import resolve_shape
+    from alignopsd.engine.step.padding_plan import planned_counts
+
+    cli.main(["plan", "--config", CFG, "--gpu", "a800", "--world-size", "8"])
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("padding: "))
+    frac = float(line.split("%")[0].removeprefix("padding: ")) / 100
+    assert 0.2 < frac < 0.6 and "PPO update" in line and "rollout generation" not in line
+    assert "rows padded (policy.backend megatron" in out
+    cfg = load_config(CFG)
+    counts, _ = planned_counts(cfg, layout(cfg, 8))
+    assert plan_counts(cfg, layout(cfg, 8))[0] == replace(counts, padding_fraction=0.0)  # only the share added
+    assert counts.padding_fraction == pytest.approx(frac, abs=5e-4)
+    shape = resolve_shape(cfg.model.name)
+    padded = step_work(shape, counts, dtype_bytes=2, kv_bytes=2, train_parallel=2)
+    free = step_work(shape, replace(counts, padding_fraction=0.0), dtype_bytes=2, kv_bytes=2, train_parallel=2)
+    pos = {k: sum(p.tokens for p in padded[k].parts if not p.decode) for k in ("update", "reference")}
+    pos0 = {k: sum(p.tokens for p in free[k].parts if not p.decode) for k in ("update", "reference")}
+    for k in pos:
+        assert pos[k] * (1 - counts.padding_fraction) == pytest.approx(pos0[k])  # real positions over computed
+    assert padded["rollout_generation"].flops == free["rollout_generation"].flops  # generation never pads rows
+    hf = ["--set", "policy.backend=hf", "--set", "policy.tensor_parallel_size=1"]
+    cli.main(["plan", "--config", CFG, "--gpu", "a800", "--world-size", "8", *hf])
+    assert "padding: none (padding-free rows)" in capsys.readouterr().out
+    cli.main(
+        [
+            "plan",
+            "--config",
+            CFG,
+            "--gpu",
+            "a800",
+            "--world-size",
+            "8",
+            *hf,
+            "--set",
+            "trainer.use_remove_padding=false",
+        ]
+    )
+    assert "rows padded (policy.backend hf, trainer.use_remove_padding False)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"padding_fraction: 1.0 is outside \[0, 1\)"):
+        step_work(shape, replace(counts, padding_fraction=1.0), dtype_bytes=2, kv_bytes=2)
