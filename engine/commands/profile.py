@@ -43,6 +43,8 @@ COUNT_METRICS = (
     "m1/teacher_tokens_generated",
     "m1/teacher_response_length_mean",
     "m1/teacher_forcing_cached_prompts",
+    "actor/padding_fraction",  # computed positions that carry no token: the update's forwards
+    "actor/padding_fraction_old_logprob",  # and the old log-prob pass's
 )
 
 

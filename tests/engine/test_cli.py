@@ -152,6 +152,7 @@ def test_profile_and_eval_end_to_end(tmp_path, capsys):
     assert "m1/teacher_prefill_token_forwards" not in g["counts"]
     rows_positions = c["batch/turns"] * (c["rollout/prompt_length_mean"] + c["rollout/response_length_mean"])
     assert 0 < c["actor/old_logprob_token_forwards"] < rows_positions  # siblings' prompt pushed once
+    assert 0 <= c["actor/padding_fraction"] < 1 and 0 <= c["actor/padding_fraction_old_logprob"] < 1
     assert a["overhead_vs_grpo"] == pytest.approx(a["alignment_seconds"] / (a["step_seconds"] - a["alignment_seconds"]))
     trace = tmp_path / "profile" / "trace_alignopsd.json"
     assert trace.is_file() and "phase/teacher_generation" in trace.read_text()
