@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in VARIANTS:
                 row = run_variant(name, args, Path(tmp), r)
                 rows.append(row)
-                print(f"{name} round {r}: step {row['step']:.1f} s, update {row['update']:.1f} s", flush=True)
+                print(f"{name} round {r}: {row}", flush=True)
     print("\n| run | load at start | step s | update s | old log-prob s | update GFLOP/s | of the limit | "
           "padding (update) | padding (old log-prob) | command s |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
