@@ -31,7 +31,7 @@ import os
 import torch
 from torch import Tensor
 
-__all__ = ["gemm_applies", "gemm_ready", "mm_bf16", "why_no_gemm"]
+__all__ = ["bf16_cpu_head", "gemm_applies", "gemm_ready", "mm_bf16", "why_no_gemm"]
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _INT_MAX = 2**31 - 1
@@ -78,17 +78,16 @@ def gemm_ready() -> bool:
     return why_no_gemm() == ""
 
 
+def bf16_cpu_head(h: Tensor, w: Tensor, bias: Tensor | None) -> bool:
+    """Whether (hidden ``h``, weight ``w``, ``bias``) is a head the engine's bf16 CPU paths take: bf16 CPU operands
+    and no bias (a bias is added to fp32 tiles)."""
+    return bias is None and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (h, w))
+
+
 def gemm_applies(h: Tensor, w: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether the head's GEMMs on (hidden ``h``, weight ``w``) can take :func:`mm_bf16`: bf16 CPU operands, no
-    bias (a bias is added to fp32 tiles), and the GEMM can run here."""
-    return (
-        bias is None
-        and h.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and h.device.type == "cpu"
-        and w.device.type == "cpu"
-        and gemm_ready()
-    )
+    """Whether the head's GEMMs on (hidden ``h``, weight ``w``) can take :func:`mm_bf16`: a bf16 CPU head
+    (:func:`bf16_cpu_head`) and the GEMM can run here."""
+    return bf16_cpu_head(h, w, bias) and gemm_ready()
 
 
 def _operand(t: Tensor) -> tuple[Tensor, int, int]:

@@ -18,6 +18,7 @@ reassociation (tests/kernels/test_lse_native.py). On a 2-core AVX512-BF16 CPU, [
 from __future__ import annotations
 
 import torch
+from alignopsd.kernels.bf16_gemm import bf16_cpu_head
 from torch import Tensor
 
 try:  # the C++ extension is optional (a build without a compiler falls back to the torch path)
@@ -65,15 +66,7 @@ def elements_from(t: Tensor) -> int:
 def native_applies(h_NH: Tensor, w_VH: Tensor, b_V: Tensor | None) -> bool:
     """Whether ``lse_partials.cpu_partials`` takes the C++ path for these operands: bf16 CPU hidden states and
     weight of an even hidden size, no bias, and :func:`native_ready`."""
-    return (
-        b_V is None
-        and h_NH.dtype == torch.bfloat16
-        and w_VH.dtype == torch.bfloat16
-        and h_NH.device.type == "cpu"
-        and w_VH.device.type == "cpu"
-        and h_NH.shape[-1] % 2 == 0
-        and native_ready()
-    )
+    return bf16_cpu_head(h_NH, w_VH, b_V) and h_NH.shape[-1] % 2 == 0 and native_ready()
 
 
 def native_partials(h_NH: Tensor, w_VH: Tensor, t_N: Tensor, inv_t: float, vocab_start: int, need_u: bool = True):
