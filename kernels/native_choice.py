@@ -15,9 +15,10 @@ replaces, here, in the operands' dtype and at the run's shape, once per process:
 
 The same rule picks the LM head's GEMMs on bf16 operands with fp32 results (``HEAD_GEMM``, ``bf16_gemm.py``: the
 forward's logits tiles and the backward's two GEMMs) against fp32 tiles of upcast weights, and padding-free
-(packed) rows against padded rows of similar lengths for the policy's forwards on a CPU (``PACKING``,
-engine/policy/lm_head.py): a packed forward attends row by row (engine/policy/varlen_attention.py), so packing wins
-where the padding it removes costs more than the per-row attention calls it adds.
+(packed) rows against padded rows for the policy's forwards on a CPU (``PACKING``, engine/policy/lm_head.py): a
+packed forward attends row by row (engine/policy/varlen_attention.py), so packing wins where the padding it removes
+costs more than the per-row attention calls it adds, forward and backward; the run's first update times the two on
+its own micro-batches (engine/step/packing_trial.py).
 
 A data-parallel run takes rank 0's choices on every rank, and a checkpoint stores them (:func:`choices_state`):
 a resumed run takes them again (:func:`restore_choices`), so it computes exactly as the run it continues.

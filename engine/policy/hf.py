@@ -235,6 +235,16 @@ class HFPolicy:
             return self.module.no_sync()
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def rows_as(self, packed: bool):
+        """Forwards in packed (True) or padded rows while the context lasts, whatever ``packed_rows`` says (the
+        update's measurement of the two, engine/step/packing_trial.py)."""
+        before, self.scorer.packed = self.scorer.packed, packed
+        try:
+            yield
+        finally:
+            self.scorer.packed = before
+
     def gradients(self) -> list[Tensor]:
         """The accumulated gradients (the fp32 buffers with master weights, else ``.grad``), None skipped."""
         if self.master:

@@ -21,7 +21,7 @@ from alignopsd.engine.policy.varlen_attention import varlen_attention_on, varlen
 from alignopsd.engine.tokens.layout import position_ids
 from alignopsd.kernels.fused_loss import fused_token_loss
 from alignopsd.kernels.logprob import logprob as kernel_logprob
-from alignopsd.kernels.native_choice import PACKING, measure, recorded, takes_native
+from alignopsd.kernels.native_choice import PACKING, recorded
 from torch import Tensor, nn
 
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
@@ -215,30 +215,6 @@ def rows_packed(packed: bool | None) -> bool:
     return bool(packed)
 
 
-def measured_packing(body: nn.Module, ids_BT: Tensor, mask_BT: Tensor, timer=None) -> bool:
-    """Whether packed rows are the faster forward here (``native_choice.PACKING``): the recorded choice, or, the
-    first time, both forwards of these rows timed without gradients (the model's own shapes and lengths; ``timer``:
-    ``native_choice.measure``'s)."""
-
-    def first_use():
-        ids_1N, pos_1N, _ = packed_inputs(ids_BT, mask_BT)
-        pos_BT = position_ids(mask_BT)
-
-        def native():
-            with torch.no_grad():
-                return packed_forward(body, ids_1N, pos_1N)
-
-        def torch_path():
-            with torch.no_grad():
-                return body(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=False)
-
-        b, t = ids_BT.shape
-        attended = f"{b} rows, {ids_1N.shape[1]} of {b * t} positions attended"
-        return measure(PACKING, native, torch_path, attended, timer=timer)
-
-    return takes_native(PACKING, first_use)
-
-
 def score_rows(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -265,7 +241,8 @@ def score_rows(
     keeps each row to itself and no position of padding is computed; the counted positions are the attended ones.
     Taken when more than one row and every response mask has no hole (a masked column between attended ones:
     the position before an attended response token must itself be attended); otherwise the padded forward.
-    ``packed=None``: packed where measured faster than padded rows in this process (:func:`measured_packing`).
+    ``packed=None``: the choice recorded in this process (``native_choice.PACKING``, measured by the update on its
+    own micro-batches, engine/step/packing_trial.py); padded rows until it is.
 
     Fused loss: with ``loss_fn(logp_BL, ent_BL or None) -> scalar`` the head goes through
     :func:`fused_head_loss` (gradients formed with the log-probs: three head matmuls instead of four) and a
@@ -289,7 +266,7 @@ def score_rows(
     ids = torch.cat([p_ids, response_ids[:, : lr_used - 1]], dim=1)
     mask = torch.cat([p_mask, response_mask[:, : lr_used - 1].long()], dim=1)
     body = transformer_body(model)
-    if b > 1 and packed is not False and packable(rmask) and (packed or measured_packing(body, ids, mask)):
+    if b > 1 and packed is not False and packable(rmask) and rows_packed(packed):
         ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
         hidden = packed_forward(body, ids_1N, pos_1N)
         h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]

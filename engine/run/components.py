@@ -25,7 +25,7 @@ from alignopsd.engine.parallel.hardware import int8_sampling
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
-from alignopsd.engine.run.kernel_probe import choose_cpu_kernels, packing_probe
+from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.rescoring import Rescorer
 from torch import nn
@@ -84,11 +84,7 @@ def packed_rows(cfg: RunConfig, device: torch.device) -> bool | None:
 def choose_cpu_paths(cfg: RunConfig, model: nn.Module, device: torch.device) -> None:
     """The custom CPU paths this process takes, measured on ``model`` once before any step and stated in the log
     (engine/run/kernel_probe.py): the C++ kernels, and packed or padded rows where ``use_remove_padding`` is auto."""
-    packing = None
-    if cfg.policy.backend == "hf" and packed_rows(cfg, device) is None:
-        width = cfg.env.max_prompt_length + cfg.generation.max_response_length
-        positions = cfg.update_token_budget or cfg.trainer.ppo_micro_batch_size * width  # the update's micro-batch
-        packing = functools.partial(packing_probe, model, positions, width)
+    packing = cfg.policy.backend == "hf" and packed_rows(cfg, device) is None
     for line in choose_cpu_kernels(model.config, model.dtype, device, packing=packing):
         log.info("kernels: %s", line)
 

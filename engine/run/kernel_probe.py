@@ -11,8 +11,8 @@ the model's dtype and with the run's threads, and returns one line per kernel fo
   rows of the head, measured before the head's partials, whose torch path takes the chosen GEMM;
 - the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
   ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
-- packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU, :func:`packing_probe`): one micro-batch
-  of the update's size whose rows' lengths spread from half the longest row to the longest, as sorted rows are.
+- packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU): not probed here but timed by the run's
+  first update on its own micro-batches, forward and backward (engine/step/packing_trial.py); the line says so.
 
 A kernel already chosen in this process (an earlier policy build, a first use) keeps its choice. On an accelerator
 there is nothing to choose (the Triton kernels run there), and a kernel that cannot run here says why.
@@ -20,14 +20,11 @@ there is nothing to choose (the Triton kernels run there), and a kernel that can
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from alignopsd.engine.policy.lm_head import measured_packing, transformer_body
 from alignopsd.kernels.attention_native import measure_attention
 from alignopsd.kernels.head_gemm import measure_head_gemm
 from alignopsd.kernels.lse_partials import measure_head
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, PACKING, best_seconds, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, PACKING, pinned, recorded
 
 PROBE_ROWS, PROBE_VOCAB = 256, 32768
 GEMM_PROBE_VOCAB = 8192  # three GEMMs per call: a quarter of the partials' probe keeps it as short
@@ -36,16 +33,18 @@ ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX = 4, 48, 640
 
 
 def choose_cpu_kernels(
-    hf_config, dtype: torch.dtype, device: torch.device | str = "cpu", *, packing: Callable[[], object] | None = None
+    hf_config, dtype: torch.dtype, device: torch.device | str = "cpu", *, packing: bool = False
 ) -> list[str]:
     """Measure (or read back) the choice of each custom CPU kernel for a model of ``hf_config`` in ``dtype`` and
-    return the lines that state it; none on an accelerator. ``packing`` (:func:`packing_probe` bound to the model):
-    also choose between packed and padded rows."""
+    return the lines that state it; none on an accelerator. ``packing``: also state the choice between packed and
+    padded rows (recorded: a checkpoint's or rank 0's; else the first update measures it)."""
     if torch.device(device).type != "cpu":
         return []
     lines = []
-    if packing is not None:
-        lines.append((recorded(PACKING) or packing()).describe())
+    if packing:
+        choice = recorded(PACKING)
+        why = pinned() or "until the first update has timed both, forward and backward, on its micro-batches"
+        lines.append(choice.describe() if choice is not None else f"{PACKING}: padded rows ({why})")
     for kernel, probe in ((HEAD_GEMM, _gemm_probe), (HEAD, _head_probe), (ATTENTION, _attention_probe)):
         choice = recorded(kernel)
         if choice is None and dtype != torch.bfloat16:
@@ -86,25 +85,3 @@ def _attention_probe(cfg, dtype):
     causal = torch.full((s, s), float("-inf")).triu(1)
     bias = torch.cat([torch.zeros(s, p), causal], dim=1).expand(b, 1, s, p + s).contiguous()
     return measure_attention(q, k, v, pk, pv, torch.zeros(b, dtype=torch.long), bias, d**-0.5)
-
-
-def packing_probe(model, positions: int, width: int) -> object:
-    """Time the model's forward, without gradients, of one micro-batch of the update's size packed and padded
-    (engine/policy/lm_head.py ``measured_packing``: recorded): ``positions // width`` rows (at least 2) of lengths from
-    ``width // 2`` to ``width``, left-padded random ids. The size is the run's own, not a small stand-in: a packed
-    sequence's attention grows with the square of its length, so a small probe would favour packing (measured on the
-    quickstart: a 4 x 512 probe found them equal where the update's 8,704-position micro-batches ran 2.5x slower
-    packed). One warm-up and one timed call each: the probe costs about four forwards of a micro-batch."""
-    g = torch.Generator().manual_seed(0)
-    width = max(2, min(width, positions))
-    rows = max(2, positions // width)
-    lengths = torch.linspace(width // 2, width, rows).round().long().clamp_min(1)
-    mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()  # left padding
-    ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=g) * mask
-    dev = next(model.parameters()).device
-    measured_packing(transformer_body(model), ids.to(dev), mask.to(dev), timer=_once)
-    return recorded(PACKING)
-
-
-def _once(fn) -> float:
-    return best_seconds(fn, reps=1, min_time=0.0)

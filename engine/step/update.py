@@ -13,7 +13,9 @@ ranks) and each mini-batch into the same number of micro-batches (engine/step/mi
 rows sorted by length, ``trainer.ppo_max_token_len_per_gpu``, or by rows), so data-parallel gradient averaging stays
 in lock-step; each micro-batch's token-mean is scaled by :func:`alignopsd.losses.microbatch_scales` (its tokens /
 (all ranks' tokens of the mini-batch / world size)). ``actor/padding_fraction``: the share of the positions the
-update's forwards compute that carry no token; ``update/micro_batches``: forwards/backwards per rank.
+update's forwards compute that carry no token; ``update/micro_batches``: forwards/backwards per rank. Where
+``trainer.use_remove_padding`` is auto on a CPU, the run's first update times packed against padded rows on its own
+micro-batches, forward and backward, and keeps the faster (engine/step/packing_trial.py).
 The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
 
 Rollout correction (``trainer.rollout_is``, off by default as in the authors' runs): truncated or masked
@@ -37,6 +39,7 @@ from alignopsd.engine.parallel import devices
 from alignopsd.engine.policy.lm_head import rows_packed
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.micro_batches import MicroBatch, RowGeometry, plan_footprint, plan_update
+from alignopsd.engine.step.packing_trial import PackingTrial
 from torch import Tensor
 
 from alignopsd.estimators import get_estimator
@@ -184,25 +187,29 @@ def ppo_update(
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
+    trial = PackingTrial(policy, group, world)  # packed or padded rows, timed here where auto on a CPU
+
+    def step(m: MicroBatch):
+        return micro_step(parts, inp, m, fused, input_ids, attn)
+
     for i, mbs in enumerate(plan):
         if not mbs:
             continue
         log.info("update: mini-batch %d/%d (%d micro-batches)", i + 1, n_mini, len(mbs))
         for j, mb in enumerate(mbs):
             last = j == len(mbs) - 1
-            ctx = contextlib.nullcontext() if last else policy.no_sync()
-            with ctx:
-                stats, loss = micro_step(parts, inp, mb, fused, input_ids, attn)
-            if loss is None:
-                out["update/nonfinite_loss"] = summed(out.get("update/nonfinite_loss", 0.0) + 1.0)
-            elif not mb.dummy:
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v * mb.scale / n_mini
+            for m, (stats, loss) in trial.run(step, mb, contextlib.nullcontext if last else policy.no_sync):
+                if loss is None:
+                    out["update/nonfinite_loss"] = summed(out.get("update/nonfinite_loss", 0.0) + 1.0)
+                elif not m.dummy:
+                    for k, v in stats.items():
+                        totals[k] = totals.get(k, 0.0) + v * m.scale / n_mini
         res = policy.optimizer_step(cfg.trainer.grad_clip)
         n_opt += 1
         skipped += int(bool(res.get("skipped")))
         grad_norms.append(float(res.get("grad_norm", 0.0)))
         out["actor/lr"] = same(res.get("lr", cfg.trainer.lr))
+    trial.settle()  # an update of fewer micro-batches than the trial wants chooses on those it ran
     fp = plan_footprint(plan, geo, packed=rows_packed(policy.packed_rows))  # after the forwards: a choice measured
     out["actor/padding_fraction"] = weighted_mean(fp.padding_fraction, fp.computed)
     # each rank's share is scaled to the global token-mean (microbatch_scales): the mean over the ranks is the whole

@@ -169,20 +169,18 @@ def test_footprint_of_packed_micro_batches_has_no_padding():
     assert single.computed == single.real
 
 
-@pytest.mark.parametrize(("packed_s", "padded_s"), [(0.5, 1.0), (1.0, 0.5)])
-def test_auto_takes_the_rows_measured_faster(monkeypatch, packed_s, padded_s):
-    """``packed=None`` (auto on a CPU): the first forward of several rows times both (times injected), records it,
-    and every forward after takes it."""
+def test_auto_forwards_take_padded_rows_until_a_choice_is_recorded(monkeypatch):
+    """``packed=None`` (auto on a CPU): a forward measures nothing (the update times both, forward and backward,
+    engine/step/packing_trial.py); padded rows until a choice is recorded, then the recorded rows."""
     monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
-    monkeypatch.setattr(
-        native_choice, "best_seconds", lambda fn: {"native": packed_s, "torch_path": padded_s}[fn.__name__]
-    )
     ids, mask = rows(0)
     model = tiny_model(0)
     args = (ids[:, :6], mask[:, :6], ids[:, 6:], mask[:, 6:])
     *_, pushed = lm_head.score_rows(model, *args, packed=None)
-    assert recorded(PACKING).native is (packed_s < padded_s) and lm_head.rows_packed(None) is (packed_s < padded_s)
-    assert pushed == (int(mask[:, :6].sum()) + int(mask[:, 6:-1].sum()) if packed_s < padded_s else 40)
+    assert pushed == 40 and recorded(PACKING) is None
+    native_choice.record(native_choice.KernelChoice(PACKING, True, 1.0, 2.0, "injected"))
+    *_, pushed = lm_head.score_rows(model, *args, packed=None)
+    assert pushed == int(mask[:, :6].sum()) + int(mask[:, 6:-1].sum())
 
 
 def test_packed_rows_on_the_fake_cuda_device(monkeypatch):

@@ -215,3 +215,59 @@ def test_padding_fraction_metric_of_a_pass():
 
     assert padding_fraction({"student/token_forwards": 200, "student/real_tokens": 150}, "x") == {"x": 0.25}
     assert padding_fraction({"student/token_forwards": 0}, "x") == {}
+
+
+@pytest.mark.parametrize(("packed_s", "padded_s"), [(0.5, 1.0), (1.0, 0.5)])
+def test_first_update_times_packed_against_padded_rows(monkeypatch, caplog, packed_s, padded_s):
+    """``use_remove_padding`` auto on a CPU (the policy's ``packed_rows`` None): the first update runs its first two
+    micro-batches both ways at half scale (seconds injected through the trial's clock, per the rows being run),
+    records the faster and takes it for the rest; every optimiser step's gradients and the metrics equal the padded
+    update's. A second update measures nothing."""
+    import logging
+
+    from alignopsd.engine.models.loading import build_tiny_model
+    from alignopsd.engine.policy import lm_head
+    from alignopsd.engine.policy.hf import HFPolicy
+    from alignopsd.engine.step import packing_trial
+    from alignopsd.kernels import native_choice
+
+    monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
+    torch.manual_seed(0)
+    model = build_tiny_model()
+    policy = HFPolicy(model, lr=1e-3, weight_decay=0.0, packed=None)
+    now = [0.0]
+
+    def clock():  # each read advances by the seconds of the rows in use: end - start = one path's seconds
+        now[0] += packed_s if policy.scorer.packed else padded_s
+        return now[0]
+
+    calls = []
+    real = lm_head.packed_forward
+    monkeypatch.setattr(packing_trial, "clock", clock)
+    monkeypatch.setattr(lm_head, "packed_forward", lambda *a: calls.append(1) or real(*a))
+    cb = _batch(PROMPTS, RESPONSES)
+    old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
+    old = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2)) * cb.response_mask
+    adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1))
+    over = {"trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 2, "trainer.ppo_max_token_len_per_gpu": 0}
+    with caplog.at_level(logging.INFO, logger=packing_trial.__name__):
+        a, ga = _update(policy, cb, old, adv, **over)
+    chose = native_choice.recorded(native_choice.PACKING)
+    assert chose.native is (packed_s < padded_s) and (chose.native_s, chose.torch_s) == (2 * packed_s, 2 * padded_s)
+    assert calls == [1] * (4 if chose.native else 2)  # the trial's two packed forwards, then the choice's
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"kernels: {chose.describe()}"] and said[0].endswith("(4 rows), forward and backward")
+    policy.packed_rows = policy.scorer.packed = False  # the same update in padded rows only
+    b, gb = _update(policy, cb, old, adv, **over)
+    assert len(ga) == len(gb) == 2
+    for sa, sb in zip(ga, gb):
+        for x, y in zip(sa, sb):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for k, v in b.items():
+        if k.startswith("actor/") and k != "actor/padding_fraction":
+            assert float(a[k]) == pytest.approx(float(v), abs=1e-5), k
+    assert (float(a["actor/padding_fraction"]) == 0.0) is chose.native
+    policy.packed_rows = policy.scorer.packed = None
+    calls.clear()
+    _update(policy, cb, old, adv, **over)
+    assert calls == [1] * (4 if chose.native else 0) and native_choice.recorded(native_choice.PACKING) is chose

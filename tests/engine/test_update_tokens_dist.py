@@ -59,3 +59,64 @@ def test_token_plan_lock_step_and_global_mean(budget):
         assert dummies == 0
     if budget == 1:  # one row each: rank 0 (3 rows) pads to rank 1's 7 micro-batches with zero-scale dummies
         assert dummies == (4 if rank == 0 else 0)
+
+
+@pytest.mark.distributed
+def test_packing_trial_takes_one_choice_on_every_rank(monkeypatch):
+    """``use_remove_padding`` auto on CPU ranks: each rank times its own micro-batches (injected: rank 0 finds packed
+    rows a little faster, rank 1 much slower), the seconds are summed over the ranks, and both take the same rows;
+    the DDP update (the trial's halves included) all-reduces the same gradients as a padded-only one."""
+    if os.environ.get("WORLD_SIZE") != "2":
+        pytest.skip("run under torchrun --nproc_per_node=2")
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.models.loading import build_tiny_model
+    from alignopsd.engine.policy.hf import HFPolicy
+    from alignopsd.engine.step import packing_trial
+    from alignopsd.engine.step.update import ppo_update
+    from alignopsd.kernels import native_choice
+    from test_update_tokens import PROMPTS, RESPONSES, TINY, _batch
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
+    native_choice.forget(native_choice.PACKING)
+    seconds = {0: (0.9, 1.0), 1: (3.0, 1.0)}[rank]  # (packed, padded) per timed call: summed, padded wins
+    cfg = load_config(TINY, ["trainer.ppo_mini_batch_size=8", "trainer.ppo_micro_batch_size=2"])
+    cb = _batch(PROMPTS, RESPONSES, seed=rank)
+    adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1 + rank))
+    weights = {}
+    for packed in (None, False):
+        torch.manual_seed(0)
+        policy = HFPolicy(build_tiny_model(), lr=1e-3, weight_decay=0.0, packed=packed)
+        now = [0.0]
+
+        def clock(policy=policy, now=now):
+            now[0] += seconds[0] if policy.scorer.packed else seconds[1]
+            return now[0]
+
+        monkeypatch.setattr(packing_trial, "clock", clock)
+        old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
+        parts = SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=2, dp_group=None)
+        steps = []
+
+        def capture(max_norm, policy=policy, steps=steps):  # the all-reduced gradients of each optimiser step
+            steps.append(torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]))
+            policy.zero_grad()
+            return {"grad_norm": 1.0, "skipped": False, "lr": 0.0}
+
+        policy.optimizer_step = capture
+        ppo_update(parts, cb, old + 0.05 * cb.response_mask, None, adv, [])
+        weights[packed] = steps
+    chose = native_choice.recorded(native_choice.PACKING)
+    assert chose is not None and not chose.native and (chose.native_s, chose.torch_s) == pytest.approx((7.8, 4.0))
+    assert len(weights[None]) == len(weights[False]) == 2
+    for a, b in zip(weights[None], weights[False]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    both = [None, None]
+    dist.all_gather_object(both, (chose.native, [float(g.sum()) for g in weights[None]]))
+    assert both[0] == both[1]  # one choice, one gradient on every rank
+    native_choice.forget(native_choice.PACKING)

@@ -1,0 +1,87 @@
+"""Packed or padded rows for the policy's forwards on a CPU (``trainer.use_remove_padding: auto``), measured by the
+update on its own micro-batches, forward and backward.
+
+A packed forward attends row by row (engine/policy/varlen_attention.py): it computes no padding but makes a call per
+row, and its backward differs from its forward in how much the per-row calls cost. A probe of the forward alone
+chose packed rows on an AVX2 CPU where the update then ran 12-23 % slower packed than padded
+(bench/results/update-avx2-2026-12-06.md). So the choice is timed on what the update runs, at no extra operands:
+the first ``TRIAL_MICRO_BATCHES`` micro-batches of the run's first update each run both ways at half of their
+token-mean scale (the gradient is the sum of two halves of the same gradient, which the two paths give equal to
+1e-5 in fp32; the metrics are their mean), in alternating order so that each path is the first call once, and the
+path with fewer seconds in sum is recorded (``native_choice.PACKING``) and taken by every later forward: the update's,
+the old-log-prob pass's and the rescoring's (which take padded rows until the update has chosen). On several
+data-parallel ranks the seconds are summed over the ranks before the choice, so every rank takes the same path.
+The trial costs about ``TRIAL_MICRO_BATCHES`` extra micro-batches once per run; a resumed run takes its checkpoint's
+choice and measures nothing, and ``ALIGNOPSD_CPU_PATHS=torch`` takes padded rows without timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from alignopsd.engine.step.micro_batches import MicroBatch
+from alignopsd.kernels.native_choice import PACKING, KernelChoice, pinned, record, recorded
+
+log = logging.getLogger(__name__)
+
+TRIAL_MICRO_BATCHES = 2
+clock = time.perf_counter  # the trial's clock (a test injects the seconds it wants measured)
+
+
+class PackingTrial:
+    """The update's measurement of packed against padded rows (see the module docstring). ``policy``: the backend
+    (measured only where its ``packed_rows`` is None: auto on a CPU, and nothing is recorded yet); ``group``: its
+    data-parallel group over ``world`` ranks."""
+
+    def __init__(self, policy, group=None, world: int = 1) -> None:
+        self.policy, self.group, self.world = policy, group, world
+        self.seconds = {True: 0.0, False: 0.0}
+        self.runs, self.rows = 0, 0
+        self.active = getattr(policy, "packed_rows", False) is None and recorded(PACKING) is None
+        if self.active and pinned():
+            record(KernelChoice(PACKING, False, None, None, "", why=pinned()))
+            self.active = False
+
+    def run(
+        self, step: Callable[[MicroBatch], tuple], mb: MicroBatch, sync: Callable[[], contextlib.AbstractContextManager]
+    ) -> list[tuple[MicroBatch, tuple]]:
+        """Forward and backward of ``mb`` by ``step``: once in the chosen rows, or, during the trial, packed and padded
+        at half scale each (``sync()``: the gradient synchronisation context of the micro-batch's last backward).
+        Returns the (micro-batch as run, ``step``'s output) pairs whose metrics count."""
+        if not self.active:
+            with sync():
+                return [(mb, step(mb))]
+        half = dataclasses.replace(mb, scale=mb.scale / 2)
+        order = (True, False) if self.runs % 2 == 0 else (False, True)
+        out = []
+        for i, packed in enumerate(order):
+            with self.policy.no_sync() if i == 0 else sync(), self.policy.rows_as(packed):
+                t = clock()
+                out.append((half, step(half)))
+                self.seconds[packed] += clock() - t
+        self.runs += 1
+        self.rows += len(mb.rows)
+        if self.runs == TRIAL_MICRO_BATCHES:
+            self.settle()
+        return out
+
+    def settle(self) -> KernelChoice | None:
+        """Record the faster rows from what was timed (at the update's end when it had fewer micro-batches than
+        the trial wants; nothing when nothing was timed)."""
+        if not self.active or not self.runs:
+            return None
+        t = torch.tensor([self.seconds[True], self.seconds[False]], dtype=torch.float64)
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(t, group=self.group)
+        packed_s, padded_s = float(t[0]), float(t[1])
+        shape = f"the first update's {self.runs} micro-batches ({self.rows} rows), forward and backward"
+        choice = record(KernelChoice(PACKING, packed_s < padded_s, packed_s, padded_s, shape))
+        self.active = False
+        log.info("kernels: %s", choice.describe())
+        return choice
