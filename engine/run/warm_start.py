@@ -20,6 +20,7 @@ import torch
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.run.components import OptimizerSettings, build_policy
+from alignopsd.engine.step.packing_trial import PackingTrial
 from alignopsd.engine.step.supervised import Example, supervised_step
 
 SFT_MARKER = "alignopsd_sft.json"
@@ -51,7 +52,9 @@ def train_supervised(
     """``steps`` supervised steps on shuffled mini-batches of ``examples`` (epochs as needed); returns the losses.
     A progress line every ``log_every`` steps (loss, tokens per second, elapsed time) goes to ``stream`` (None:
     stdout; on the first data-parallel and tensor-parallel rank only). ``fused``: through the fused head loss
-    (``trainer.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`)."""
+    (``trainer.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`). Where the policy's rows
+    are auto (``packed_rows`` None, a CPU), the first steps time packed against padded rows and keep the faster
+    (engine/step/packing_trial.py)."""
     if not examples:
         raise ValueError("examples: expected at least one expert turn")
     if steps < 1 or batch_size < 1:
@@ -62,6 +65,7 @@ def train_supervised(
     order: list[int] = []
     losses: list[float] = []
     tokens, t0 = 0, time.perf_counter()
+    trial = PackingTrial(policy, policy.layout.dp_group, policy.layout.dp_size, what="warm start")
     for step in range(1, steps + 1):
         if len(order) < batch_size:
             more = list(range(len(examples)))
@@ -69,7 +73,7 @@ def train_supervised(
             order += more
         batch = [examples[i] for i in order[:batch_size]]
         del order[:batch_size]
-        out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP, fused=fused)
+        out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP, fused=fused, trial=trial)
         losses.append(out["loss"])
         tokens += sum(len(p) + len(r) for p, r in batch)
         if lead and (step % log_every == 0 or step == steps):

@@ -11,7 +11,9 @@ token-mean scale (the gradient is the sum of two halves of the same gradient, wh
 path with fewer seconds in sum is recorded (``native_choice.PACKING``) and taken by every later forward: the update's,
 the old-log-prob pass's and the rescoring's (which take padded rows until the update has chosen). On several
 data-parallel ranks the seconds are summed over the ranks before the choice, so every rank takes the same path.
-The trial costs about ``TRIAL_MICRO_BATCHES`` extra micro-batches once per run; a resumed run takes its checkpoint's
+The supervised warm start (engine/run/warm_start.py) runs the same trial on its first steps, and the RL run that
+follows in the same process takes its choice. The trial costs about ``TRIAL_MICRO_BATCHES`` extra micro-batches once
+per process; a resumed run takes its checkpoint's
 choice and measures nothing, and ``ALIGNOPSD_CPU_PATHS=torch`` takes padded rows without timing.
 """
 
@@ -37,10 +39,11 @@ clock = time.perf_counter  # the trial's clock (a test injects the seconds it wa
 class PackingTrial:
     """The update's measurement of packed against padded rows (see the module docstring). ``policy``: the backend
     (measured only where its ``packed_rows`` is None: auto on a CPU, and nothing is recorded yet); ``group``: its
-    data-parallel group over ``world`` ranks."""
+    data-parallel group over ``world`` ranks; ``what``: the training it times, for the log line (the update, the warm
+    start)."""
 
-    def __init__(self, policy, group=None, world: int = 1) -> None:
-        self.policy, self.group, self.world = policy, group, world
+    def __init__(self, policy, group=None, world: int = 1, *, what: str = "update") -> None:
+        self.policy, self.group, self.world, self.what = policy, group, world, what
         self.seconds = {True: 0.0, False: 0.0}
         self.runs, self.rows = 0, 0
         self.active = getattr(policy, "packed_rows", False) is None and recorded(PACKING) is None
@@ -80,7 +83,7 @@ class PackingTrial:
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(t, group=self.group)
         packed_s, padded_s = float(t[0]), float(t[1])
-        shape = f"the first update's {self.runs} micro-batches ({self.rows} rows), forward and backward"
+        shape = f"the first {self.runs} micro-batches of the {self.what} ({self.rows} rows), forward and backward"
         choice = record(KernelChoice(PACKING, packed_s < padded_s, packed_s, padded_s, shape))
         self.active = False
         log.info("kernels: %s", choice.describe())

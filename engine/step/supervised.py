@@ -17,11 +17,14 @@ token-mean, as on one process. The ranks of a tensor-parallel group score the sa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 from alignopsd.engine.parallel.collectives import all_reduce
 from alignopsd.engine.policy.base import PolicyBackend
+from alignopsd.engine.step.micro_batches import MicroBatch
+from alignopsd.engine.step.packing_trial import PackingTrial
 from alignopsd.engine.tokens.layout import left_pad, right_pad
 from torch import Tensor
 
@@ -53,28 +56,39 @@ def rank_share(batch: Sequence[Example], policy: PolicyBackend) -> list[Example]
 
 
 def supervised_step(
-    policy: PolicyBackend, batch: Sequence[Example], *, pad_id: int, max_grad_norm: float, fused: bool = True
+    policy: PolicyBackend,
+    batch: Sequence[Example],
+    *,
+    pad_id: int,
+    max_grad_norm: float,
+    fused: bool = True,
+    trial: PackingTrial | None = None,
 ) -> dict:
     """One optimizer step on ``batch`` (every rank passes the whole batch; see the module doc): through the fused
     head loss where ``fused`` and the backend has one (``trainer.fused_head_loss``, as the PPO update), else autograd
-    through the log-probs (``policy.response_logprobs(grad=True)``). Returns
-    {"loss": the batch's mean response-token cross entropy (summed over the data-parallel ranks), "tokens": response
-    tokens of the batch, "grad_norm", "skipped", "lr"}."""
+    through the log-probs (``policy.response_logprobs(grad=True)``). ``trial``: the warm start's measurement of
+    packed against padded rows (engine/step/packing_trial.py: while it runs, the step's rows go through both ways at
+    half scale). Returns {"loss": the batch's mean response-token cross entropy (summed over the data-parallel
+    ranks), "tokens": response tokens of the batch, "grad_norm", "skipped", "lr"}."""
     n_tokens = sum(len(r) for _, r in batch)
     mine = rank_share(batch, policy)
     ids_BT, mask_BT, length = example_rows(mine, pad_id)
     scale = policy.layout.dp_size / n_tokens
 
-    def loss_fn(logp_BL: Tensor, ent_BL: Tensor | None) -> Tensor:
-        return -logp_BL.float().sum() * scale  # masked-out positions hold 0: the sum is over response tokens
+    def forward_backward(m: MicroBatch) -> Tensor:
+        def loss_fn(logp_BL: Tensor, ent_BL: Tensor | None) -> Tensor:
+            return -logp_BL.float().sum() * (scale * m.scale)  # masked-out positions hold 0: response tokens only
 
-    if fused and policy.supports_fused_loss:
-        logp_BL, _, carrier = policy.response_loss(ids_BT, mask_BT, length, loss_fn)
-        carrier.backward()
-    else:
+        if fused and policy.supports_fused_loss:
+            logp_BL, _, carrier = policy.response_loss(ids_BT, mask_BT, length, loss_fn)
+            carrier.backward()
+            return logp_BL
         logp_BL, _ = policy.response_logprobs(ids_BT, mask_BT, length, grad=True)
         loss_fn(logp_BL, None).backward()
-        logp_BL = logp_BL.detach()
+        return logp_BL.detach()
+
+    whole = MicroBatch(list(range(len(mine))), 1.0)
+    logp_BL = trial.run(forward_backward, whole, contextlib.nullcontext)[0][1] if trial else forward_backward(whole)
     lay = policy.layout
     loss = all_reduce([float(-logp_BL.float().sum()) / n_tokens], "sum", lay.dp_size, lay.dp_group)[0]
     out = policy.optimizer_step(max_grad_norm)

@@ -195,6 +195,42 @@ def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, 
         assert (v - theirs[k]).abs().max().item() <= 0.1 * 1e-3, k  # a rounding of a tiny gradient moves it less
 
 
+def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
+    """Auto rows on a CPU (``packed_rows`` None): the warm start's first two steps run both ways at half scale
+    (seconds injected through the trial's clock: packed rows faster here), record the faster and take it for the
+    rest; the losses are the padded-only run's."""
+    from alignopsd.engine.policy import lm_head
+    from alignopsd.engine.step import packing_trial
+    from alignopsd.kernels import native_choice
+
+    monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
+    _, _, examples = expert
+    pad = int(tok.eos_token_id)
+    calls, real = [], lm_head.packed_forward
+    monkeypatch.setattr(lm_head, "packed_forward", lambda *a: calls.append(1) or real(*a))
+    losses = {}
+    for packed in (None, False):
+        policy = HFPolicy(load_causal_lm("tiny", dtype="float32"), lr=1e-3, weight_decay=0.0, packed=packed)
+
+        now = [0.0]
+
+        def clock(policy=policy, now=now):  # one read per call's start and end: end - start = that path's seconds
+            now[0] += 0.5 if policy.scorer.packed else 1.0
+            return now[0]
+
+        monkeypatch.setattr(packing_trial, "clock", clock)
+        losses[packed] = train_supervised(
+            policy, examples, pad_id=pad, steps=4, batch_size=4, log_every=10, stream=open("/dev/null", "w")
+        )
+        if packed is None:
+            chose = native_choice.recorded(native_choice.PACKING)
+            assert chose.native and (chose.native_s, chose.torch_s) == (1.0, 2.0)
+            assert chose.shape == "the first 2 micro-batches of the warm start (8 rows), forward and backward"
+            assert len(calls) == 4  # two in the trial, then every step packed
+    assert calls == [1] * 4  # the padded-only run packs nothing
+    assert losses[None] == pytest.approx(losses[False], rel=1e-5)
+
+
 def test_sft_lowers_the_loss_and_writes_a_checkpoint_the_trainer_loads(expert, tok, tmp_path):
     _, _, examples = expert
     model = load_causal_lm("tiny", dtype="float32")
