@@ -66,7 +66,7 @@ class PolicyBackend(Protocol):
 
     packed_rows: bool | None
     """Its training and scoring forwards run in padding-free rows: True, False, or None for where measured faster
-    on this CPU (``trainer.use_remove_padding``; engine/policy/lm_head.py ``score_rows``)."""
+    on this CPU, forward and backward (``trainer.use_remove_padding``; engine/step/packing_trial.py)."""
 
     scores_itself: bool
     """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself
@@ -129,6 +129,11 @@ class PolicyBackend(Protocol):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip the data-parallel gradient reduction (every micro-batch of an update but the last)."""
+        ...
+
+    def rows_as(self, packed: bool) -> contextlib.AbstractContextManager:
+        """Forwards in packed (True) or padded rows while the context lasts, whatever :attr:`packed_rows` says (the
+        trial that times the two where :attr:`packed_rows` is None, engine/step/packing_trial.py)."""
         ...
 
     # -- weights and checkpoints: everything the trainer, evaluation and the checkpoint call ----------------------

@@ -46,7 +46,7 @@ class PackingTrial:
         self.policy, self.group, self.world, self.what = policy, group, world, what
         self.seconds = {True: 0.0, False: 0.0}
         self.runs, self.rows = 0, 0
-        self.active = getattr(policy, "packed_rows", False) is None and recorded(PACKING) is None
+        self.active = policy.packed_rows is None and recorded(PACKING) is None
         if self.active and pinned():
             record(KernelChoice(PACKING, False, None, None, "", why=pinned()))
             self.active = False

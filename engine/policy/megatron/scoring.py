@@ -126,6 +126,14 @@ class ShardScoring:
     tp_group: object
     padding_idx: int | None
 
+    @contextlib.contextmanager
+    def rows_as(self, packed: bool) -> Iterator[None]:
+        """``PolicyBackend.rows_as``: padded rows only (the trial that asks is never run here: ``packed_rows`` is
+        False)."""
+        if packed:
+            raise ValueError("rows_as: the Megatron backend scores its plain rows padded; packed rows are not built")
+        yield
+
     def _logprob(self, hidden_ND: Tensor, targets_N: Tensor, temperature: float, with_entropy: bool):
         from alignopsd.kernels.logprob import logprob, logprob_vocab_parallel  # noqa: PLC0415
 
