@@ -69,17 +69,12 @@ def varlen_attention(
     bounds = segment_starts(pos)
     p = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
+    # split, not one slice per row: a slice's backward zero-fills a tensor of the whole sequence for every row,
+    # the split's backward is one concatenation of the rows' gradients
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            dropout_p=p,
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
-        for a, b in zip(bounds[:-1], bounds[1:])
+        F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(*(t.split(sizes, dim=2) for t in (query, key, value)))
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
