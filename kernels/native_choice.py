@@ -20,8 +20,9 @@ packed forward attends row by row (engine/policy/varlen_attention.py), so packin
 costs more than the per-row attention calls it adds, forward and backward; the run's first update times the two on
 its own micro-batches (engine/step/packing_trial.py).
 
-A data-parallel run takes rank 0's choices on every rank, and a checkpoint stores them (:func:`choices_state`):
-a resumed run takes them again (:func:`restore_choices`), so it computes exactly as the run it continues.
+A data-parallel run takes rank 0's choices on every rank (packed rows: the choice of the ranks' summed seconds), and
+a checkpoint stores them (:func:`choices_state`): a resumed run takes them again (:func:`restore_choices`), so it
+computes exactly as the run it continues.
 ``ALIGNOPSD_CPU_PATHS=torch`` measures nothing and takes the torch paths everywhere (:func:`pinned`: the test
 suite's setting, and a user's for bit-identical reruns).
 

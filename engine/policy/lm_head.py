@@ -266,7 +266,7 @@ def score_rows(
     ids = torch.cat([p_ids, response_ids[:, : lr_used - 1]], dim=1)
     mask = torch.cat([p_mask, response_mask[:, : lr_used - 1].long()], dim=1)
     body = transformer_body(model)
-    if b > 1 and packed is not False and packable(rmask) and rows_packed(packed):
+    if b > 1 and rows_packed(packed) and packable(rmask):  # the choice first: packable reads the mask on the host
         ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
         hidden = packed_forward(body, ids_1N, pos_1N)
         h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]

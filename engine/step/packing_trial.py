@@ -13,8 +13,8 @@ the old-log-prob pass's and the rescoring's (which take padded rows until the up
 data-parallel ranks the seconds are summed over the ranks before the choice, so every rank takes the same path.
 The supervised warm start (engine/run/warm_start.py) runs the same trial on its first steps, and the RL run that
 follows in the same process takes its choice. The trial costs about ``TRIAL_MICRO_BATCHES`` extra micro-batches once
-per process; a resumed run takes its checkpoint's
-choice and measures nothing, and ``ALIGNOPSD_CPU_PATHS=torch`` takes padded rows without timing.
+per process; a resumed run takes its checkpoint's choice and measures nothing, and ``ALIGNOPSD_CPU_PATHS=torch``
+takes padded rows without timing.
 """
 
 from __future__ import annotations
