@@ -3,7 +3,7 @@
 Legend: B = rows, H = query heads, K = key/value heads, S = queries pushed, D = head size, G = prefixes, P = their
 width, n = the rows' own positions so far.
 
-The CPU decoding cache (engine/generation/decode_cache.py) keeps prefixes once and each row's own keys apart; its
+A CPU decoding cache (such as the engine's generation cache) keeps prefixes once and each row's own keys apart; its
 prefill attention gathered every row's prefix next to its own keys (a copy per row and layer) and ran fp32
 scaled-dot-product attention. :func:`prefix_attention` reads the prefix in place and computes the scores as
 products of bf16 pairs with fp32 accumulation: the model's queries and keys are bf16 values (the cache stores

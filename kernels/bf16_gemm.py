@@ -17,8 +17,8 @@ torch tensors; the head uses it for
   GEMM, as a bf16 autograd backward of the logits has it) and the weight gradient accumulated in fp32.
 
 The path is taken only where it was measured faster than the fp32 tiles, on this CPU, at the run's shapes
-(``head_gemm.measure_head_gemm``, ``native_choice.HEAD_GEMM``; the run measures it before its first step,
-engine/run/kernel_probe.py), never because of a CPU flag; ``ALIGNOPSD_CPU_PATHS=torch`` keeps the fp32 tiles.
+(``head_gemm.measure_head_gemm``, ``native_choice.HEAD_GEMM``; a training run measures it before its first step),
+never because of a CPU flag; ``ALIGNOPSD_CPU_PATHS=torch`` keeps the fp32 tiles.
 :func:`gemm_ready` says whether it can run at all (torch built with that BLAS, a first call checked against an exact
 reference).
 """

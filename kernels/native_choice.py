@@ -7,27 +7,23 @@ AMX, torch's own paths reach more than the head kernel (torch's fp32 matmul 270 
 replaces, here, in the operands' dtype and at the run's shape, once per process:
 
 - :func:`measure` times both paths on the same operands (``timer``: the best of at least two calls each after a
-  warm-up, more for a probe of a few milliseconds) and records a :class:`KernelChoice`; the run does this before
-  its first step at the model's own shapes (engine/run/kernel_probe.py, stated in the run's first lines);
+  warm-up, more for a probe of a few milliseconds) and records a :class:`KernelChoice`; a caller does this once
+  before its first real call, at its own shapes (a training run states the result in its first lines);
 - :func:`takes_native` is what the kernels' dispatch asks: True only when the kernel can run and a recorded
   choice says it is faster. A kernel asked before anything was measured is measured then, on its first real
   operands (the dispatch's ``first_use``), so no path is ever taken on a flag alone.
 
 The same rule picks the LM head's GEMMs on bf16 operands with fp32 results (``HEAD_GEMM``, ``bf16_gemm.py``: the
-forward's logits tiles and the backward's two GEMMs) against fp32 tiles of upcast weights, and padding-free
-(packed) rows against padded rows for the policy's forwards on a CPU (``PACKING``, engine/policy/lm_head.py): a
-packed forward attends row by row (engine/policy/varlen_attention.py), so packing wins where the padding it removes
-costs more than the per-row attention calls it adds, forward and backward; the run's first update times the two on
-its own micro-batches (engine/step/packing_trial.py).
+forward's logits tiles and the backward's two GEMMs) against fp32 tiles of upcast weights.
 
-A data-parallel run takes rank 0's choices on every rank (packed rows: the choice of the ranks' summed seconds), and
-a checkpoint stores them (:func:`choices_state`): a resumed run takes them again (:func:`restore_choices`), so it
-computes exactly as the run it continues.
+These are this package's own per-shape choices, kept for the process as Triton's autotune cache keeps its configs.
+A caller that runs several processes can hand one process's choices to the others (:func:`choices_state`,
+:func:`restore_choices`), and store them to take them again later, so every process computes alike.
 ``ALIGNOPSD_CPU_PATHS=torch`` measures nothing and takes the torch paths everywhere (:func:`pinned`: the test
 suite's setting, and a user's for bit-identical reruns).
 
-A choice is recorded per name (``HEAD``, ``HEAD_GEMM``, ``ATTENTION``, ``PACKING``); the choice a test or a check
-wants is recorded with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
+A choice is recorded per name (``HEAD``, ``HEAD_GEMM``, ``ATTENTION``); the choice a test or a check wants is
+recorded with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
 """
 
 from __future__ import annotations
@@ -40,10 +36,9 @@ from dataclasses import dataclass
 HEAD = "head partials"  # kernels/lse_native.py against lse_partials.torch_partials
 HEAD_GEMM = "head GEMMs"  # kernels/bf16_gemm.py: bf16 operands, fp32 results, against fp32 tiles of upcast weights
 ATTENTION = "prefix attention"  # kernels/attention_native.py against decode_cache's gathered sdpa
-PACKING = "packed rows"  # padding-free rows (engine/policy/lm_head.py) against padded rows of similar lengths
-KERNELS = (HEAD, HEAD_GEMM, ATTENTION, PACKING)
+KERNELS = (HEAD, HEAD_GEMM, ATTENTION)
 # what each choice's two sides are called in the run's log: (the custom path, the path it replaces)
-LABELS = {PACKING: ("packed rows", "padded rows"), HEAD_GEMM: ("bf16 GEMM", "fp32 tiles")}
+LABELS = {HEAD_GEMM: ("bf16 GEMM", "fp32 tiles")}
 
 
 @dataclass(frozen=True)
@@ -77,14 +72,14 @@ def _rate(seconds: float | None, flops: float) -> str:
 
 
 _CHOICES: dict[str, KernelChoice] = {}
-PIN_ENV = "ALIGNOPSD_CPU_PATHS"  # "torch": every choice is the torch path / padded rows, nothing is measured
+PIN_ENV = "ALIGNOPSD_CPU_PATHS"  # "torch": every choice is the torch path, nothing is measured
 
 
 def pinned() -> str:
     """Why nothing is measured in this process ("" when choices are measured): ``ALIGNOPSD_CPU_PATHS=torch`` takes
-    the torch paths and padded rows everywhere, so two runs of one config on one machine compute bit-identically
-    (a measured choice may differ between processes; a resumed run takes its checkpoint's, so resuming is exact
-    either way)."""
+    the torch paths everywhere (a caller's own measured choices may read it too), so two runs of one config on one
+    machine compute bit-identically (a measured choice may differ between processes; a resumed run takes its
+    checkpoint's, so resuming is exact either way)."""
     value = os.environ.get(PIN_ENV, "")
     if value not in ("", "torch", "measured"):
         raise ValueError(f"{PIN_ENV}: expected 'torch' or 'measured', got {value!r}")

@@ -6,6 +6,8 @@
   out); :func:`read_trainer_state` reads it back with every field checked (types, ranges): a field of the wrong type
   or out of range (``"step": "two"``) is refused as a damaged checkpoint would be (ManifestError naming the file and
   the field): ``--resume auto`` falls back past it, and the commands exit with code 2.
+- :class:`RowsChoice`: packed or padded rows for the policy's forwards, as the run measured them (the ``rows`` field
+  of ``trainer_state.json``): a resume takes it again instead of measuring.
 - :class:`LoadedCheckpoint`: what ``load_checkpoint`` (checkpoint.py) returns.
 - The format's version: ``format_version`` in the checkpoint's ``manifest.json`` (:data:`FORMAT_VERSION`; a manifest
   without one is the first format, :data:`FIRST_FORMAT`, which loads as it is). A checkpoint of a newer version
@@ -36,6 +38,51 @@ class CheckpointFormatError(ManifestError):
     """A checkpoint written by a newer version of the format than this code reads."""
 
 
+PACKED_ROWS_KEY = "packed rows"  # the packing choice's key among ``paths`` in checkpoints written before ``rows``
+
+
+@dataclass(frozen=True)
+class RowsChoice:
+    """Packed (padding-free) or padded rows for a policy's forwards on a CPU, where ``trainer.use_remove_padding`` is
+    auto: measured by the run's first update on its own micro-batches (engine/step/packing_trial.py), or taken again
+    (a checkpoint's, rank 0's, the warm start's in the same process: ``why`` says which)."""
+
+    packed: bool
+    packed_s: float | None = None  # seconds of the timed micro-batches in packed rows (None: not measured here)
+    padded_s: float | None = None  # the same micro-batches in padded rows
+    measured_on: str = ""  # what was timed, e.g. "the first 2 micro-batches of the update (24 rows), forward and ..."
+    why: str = ""  # how it was chosen when it was not measured here
+
+    def describe(self) -> str:
+        """One line for the run's log, e.g. ``packed rows: padded rows (3.9 s) over packed rows (8.9 s) at ...``."""
+        pick, other = ("packed rows", "padded rows") if self.packed else ("padded rows", "packed rows")
+        if self.packed_s is None or self.padded_s is None:
+            return f"packed rows: {pick} ({self.why or 'not measured'})"
+        fast, slow = (self.packed_s, self.padded_s) if self.packed else (self.padded_s, self.packed_s)
+        return f"packed rows: {pick} ({fast:.1f} s) over {other} ({slow:.1f} s) at {self.measured_on}"
+
+    def stored(self) -> dict:
+        """The ``rows`` field of ``trainer_state.json``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def of_stored(cls, value: dict, where: str = "rows") -> RowsChoice:
+        """A stored choice read back, checked (ManifestError naming ``where`` and the field)."""
+        if not isinstance(value.get("packed"), bool):
+            raise ManifestError(f"{where}: 'packed' must be true or false, got {json.dumps(value.get('packed'))}")
+        for key in ("packed_s", "padded_s"):
+            v = value.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise ManifestError(f"{where}: {key!r} must be a number of seconds >= 0 or null, got {v!r}")
+        return cls(
+            packed=value["packed"],
+            packed_s=value.get("packed_s"),
+            padded_s=value.get("padded_s"),
+            measured_on=str(value.get("measured_on", "")),
+            why=str(value.get("why", "")),
+        )
+
+
 @dataclass(frozen=True)
 class TrainerState:
     """``trainer_state.json``. None: not stored (a checkpoint written outside the trainer stores only the step and
@@ -50,7 +97,8 @@ class TrainerState:
     sharded: bool = False  # the policy's state is in shards/ (the backend's torch.distributed.checkpoint)
     complete: bool = True
     logger_runs: dict[str, str] | None = None  # logger name -> its tracker run's id (wandb, mlflow): resumed there
-    paths: dict[str, bool] | None = None  # measured CPU path choices (kernels/native_choice.py): taken again on resume
+    paths: dict[str, bool] | None = None  # measured CPU kernel choices (kernels/native_choice.py): taken on resume
+    rows: RowsChoice | None = None  # packed or padded rows, as measured (:class:`RowsChoice`): taken on resume
 
 
 # field -> (accepted types, lowest value or None); the file's keys are written in this order
@@ -65,12 +113,15 @@ _FIELDS: dict[str, tuple[tuple[type, ...], int | None]] = {
     "complete": ((bool,), None),
     "logger_runs": ((dict,), None),
     "paths": ((dict,), None),
+    "rows": ((dict,), None),
 }
 
 
 def write_trainer_state(folder: str | os.PathLike, state: TrainerState) -> None:
     """``trainer_state.json`` of the checkpoint being written in ``folder``."""
     body = {key: getattr(state, key) for key in _FIELDS if getattr(state, key) is not None}
+    if state.rows is not None:
+        body["rows"] = state.rows.stored()
     with writing(Path(folder) / STATE_FILE):
         (Path(folder) / STATE_FILE).write_text(json.dumps(body, indent=2, default=str))
 
@@ -115,7 +166,16 @@ def read_trainer_state(path: str | os.PathLike) -> TrainerState:
     if not all(isinstance(k, str) and isinstance(v, str) and v for k, v in runs.items()):
         raise ManifestError(f"{where}: 'logger_runs' must map logger names to run ids, got {json.dumps(runs)[:80]}")
     known = {f.name for f in dataclasses.fields(TrainerState)}
-    return TrainerState(**{k: v for k, v in state.items() if k in known})
+    fields = {k: v for k, v in state.items() if k in known}
+    paths = dict(fields.get("paths") or {})
+    if "rows" in fields:
+        fields["rows"] = RowsChoice.of_stored(fields["rows"], f"{where}: 'rows'")
+    elif isinstance(paths.get(PACKED_ROWS_KEY), bool):  # written before ``rows``: the choice among the kernels'
+        fields["rows"] = RowsChoice(paths[PACKED_ROWS_KEY])
+    if PACKED_ROWS_KEY in paths:
+        del paths[PACKED_ROWS_KEY]
+        fields["paths"] = paths or None
+    return TrainerState(**fields)
 
 
 @dataclass(frozen=True)

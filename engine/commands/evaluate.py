@@ -54,8 +54,8 @@ def evaluate(cfg, checkpoint: str | None = None) -> dict:
     generator over the policy, nothing else (engine/run/heldout.py); it takes no lock on the run's output folder, so
     it may run beside the run's training."""
     from alignopsd.engine.models.loading import load_tokenizer
-    from alignopsd.engine.run.components import build_policy
     from alignopsd.engine.run.heldout import heldout_games, heldout_metrics
+    from alignopsd.engine.run.policy_builders import build_policy
     from alignopsd.engine.run.process import Dist, pick_device, process_settings
 
     device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.envs.alfworld.expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.run.warm_start import SFT_MARKER
@@ -259,8 +260,10 @@ def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     games = heldout_games(cfg)
     try:
-        rows = _warm_stages(cfg, rl_cfg, args, sft_out, tokenizer, games, times, stream, device=device, dist=dist)
-        rows.update(_rl_stage(rl_cfg, games, times, stream, dist=dist))
+        rows, chosen = _warm_stages(
+            cfg, rl_cfg, args, sft_out, tokenizer, games, times, stream, device=device, dist=dist
+        )
+        rows.update(_rl_stage(rl_cfg, games, times, stream, dist=dist, chosen=chosen))
     finally:
         games.close()
         dist.close()
@@ -271,9 +274,13 @@ def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
     return {"heldout": rows, "times": times}
 
 
-def _warm_stages(cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stream, *, device, dist) -> dict:
-    """The base model's evaluation, the warm start and its evaluation, on one policy (see :func:`run_pipeline`)."""
-    from alignopsd.engine.run.components import build_policy
+def _warm_stages(
+    cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stream, *, device, dist
+) -> tuple[dict, RowsChoice | None]:
+    """The base model's evaluation, the warm start and its evaluation, on one policy (see :func:`run_pipeline`);
+    returns the held-out rows and the packed-or-padded rows the warm start measured (None: not measured), which the
+    RL run takes."""
+    from alignopsd.engine.run.policy_builders import build_policy
     from alignopsd.engine.run.warm_start import build_warm_start_policy
 
     policy = build_warm_start_policy(cfg, device, steps=args.steps, lr=args.lr, world_size=dist.world_size)
@@ -303,15 +310,15 @@ def _warm_stages(cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stre
     rows["after warm start"] = _heldout(
         rl_cfg, policy, tokenizer, games, "warm start", times, stream, device=device, dist=dist
     )
-    return rows
+    return rows, policy.rows.choice
 
 
-def _rl_stage(rl_cfg, games, times: dict, stream, *, dist) -> dict:
+def _rl_stage(rl_cfg, games, times: dict, stream, *, dist, chosen: RowsChoice | None = None) -> dict:
     """The RL run from the warm start, its policy's evaluation and the report (see :func:`run_pipeline`)."""
     from alignopsd.engine.run.trainer import Trainer
 
     t0 = time.perf_counter()
-    trainer = Trainer(rl_cfg, dist=dist, stream=stream)
+    trainer = Trainer(rl_cfg, dist=dist, stream=stream, rows=chosen)
     trainer.fit()
     times["RL steps"] = time.perf_counter() - t0
     parts = trainer.parts  # its environment and generator closed with the run; the trained policy stays

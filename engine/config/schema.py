@@ -129,7 +129,7 @@ class RunConfig(Section):
         """``trainer.use_remove_padding`` resolved for a Hugging Face policy on ``device_type``: ``auto`` is
         padding-free rows on CUDA (flash-attention's varlen) and, on a CPU, None (where measured faster than padded
         rows by the run's first update, forward and backward: engine/step/packing_trial.py). The Megatron backend
-        pads its plain rows whatever this says (``ShardScoring.packed_rows``)."""
+        pads its plain rows whatever this says (``ShardScoring.rows``)."""
         setting = self.trainer.use_remove_padding
         if setting == "auto":
             return True if device_type == "cuda" else None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.policy.lora import LoraAdapter
 from torch import Tensor, nn
 
@@ -57,6 +58,56 @@ class ParallelLayout:
         return self.tp_rank == 0
 
 
+class RowLayout:
+    """How a policy's training and scoring forwards lay out their rows, packed (padding-free) or padded: the one place
+    that says it. The policy owns it; the scorers of its architecture (the rescorer's plain rows, the reference) hold
+    the same object, so a choice set here is every forward's.
+
+    ``packed``: True or False as configured (``trainer.use_remove_padding`` resolved on the device), or None where it
+    is auto on a CPU and not chosen yet: padded rows until :meth:`choose` sets the choice the run's first update
+    measured (engine/step/packing_trial.py), a checkpoint stored or rank 0 made (:attr:`choice`, a
+    :class:`RowsChoice`, is what a checkpoint stores). ``can_pack``: False for a backend that builds no packed rows
+    (Megatron's plain rows): packed rows are refused.
+    """
+
+    def __init__(self, packed: bool | None, *, can_pack: bool = True) -> None:
+        if packed and not can_pack:
+            raise ValueError("packed: this backend builds no packed rows (can_pack is False)")
+        self.packed = packed
+        self.can_pack = can_pack
+        self.choice: RowsChoice | None = None
+        self.forcing: bool | None = None  # set by :meth:`forced` while it lasts
+
+    @property
+    def undecided(self) -> bool:
+        """Auto and not chosen yet (the packing trial measures it)."""
+        return self.packed is None
+
+    def packs(self) -> bool:
+        """Whether the next forward runs in packed rows."""
+        return self.forcing if self.forcing is not None else self.packed is True
+
+    def choose(self, choice: RowsChoice) -> RowsChoice:
+        """Take ``choice`` for every later forward (only where undecided: a configured True or False stays)."""
+        if choice.packed and not self.can_pack:
+            raise ValueError("rows: this backend builds no packed rows; a packed choice cannot be taken")
+        if self.undecided:
+            self.packed, self.choice = choice.packed, choice
+        return choice
+
+    @contextlib.contextmanager
+    def forced(self, packed: bool) -> Iterator[None]:
+        """Forwards in packed (True) or padded rows while the context lasts, whatever :attr:`packed` says (the trial
+        that times the two)."""
+        if packed and not self.can_pack:
+            raise ValueError("rows: this backend builds no packed rows; they cannot be forced")
+        before, self.forcing = self.forcing, packed
+        try:
+            yield
+        finally:
+            self.forcing = before
+
+
 class PolicyBackend(Protocol):
     layout: ParallelLayout
     """This process's place in the tensor- and data-parallel layout."""
@@ -64,9 +115,9 @@ class PolicyBackend(Protocol):
     model: nn.Module
     """The module it trains: the Hugging Face causal LM, or this rank's Megatron ``GPTModel`` shard."""
 
-    packed_rows: bool | None
-    """Its training and scoring forwards run in padding-free rows: True, False, or None for where measured faster
-    on this CPU, forward and backward (``trainer.use_remove_padding``; engine/step/packing_trial.py)."""
+    rows: RowLayout
+    """Whether its training and scoring forwards run in padding-free rows: configured, or measured faster on this CPU,
+    forward and backward (``trainer.use_remove_padding``; engine/step/packing_trial.py)."""
 
     scores_itself: bool
     """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself
@@ -129,11 +180,6 @@ class PolicyBackend(Protocol):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip the data-parallel gradient reduction (every micro-batch of an update but the last)."""
-        ...
-
-    def rows_as(self, packed: bool) -> contextlib.AbstractContextManager:
-        """Forwards in packed (True) or padded rows while the context lasts, whatever :attr:`packed_rows` says (the
-        trial that times the two where :attr:`packed_rows` is None, engine/step/packing_trial.py)."""
         ...
 
     # -- weights and checkpoints: everything the trainer, evaluation and the checkpoint call ----------------------

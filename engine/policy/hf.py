@@ -20,6 +20,7 @@ averaged over ranks in fp32 once per optimizer step (a bf16 all-reduce would rou
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -28,10 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, prompt_width
+from alignopsd.engine.policy.base import ParallelLayout, RowLayout, check_loss_fn, prompt_width
 from alignopsd.engine.policy.lm_head import LossFn, score_rows
 from alignopsd.engine.policy.lora import LoraAdapter
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
+from alignopsd.engine.policy.varlen_attention import recompute_as_run
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
@@ -40,11 +42,11 @@ log = logging.getLogger(__name__)
 class ResponseScorer(nn.Module):
     """Wraps a causal LM so that one ``forward`` yields response log-probs (the unit DDP wraps)."""
 
-    def __init__(self, model: nn.Module, impl: str = "auto", packed: bool | None = False) -> None:
+    def __init__(self, model: nn.Module, rows: RowLayout, impl: str = "auto") -> None:
         super().__init__()
         self.model = model
         self.impl = impl
-        self.packed = packed
+        self.rows = rows
 
     def forward(
         self,
@@ -68,7 +70,7 @@ class ResponseScorer(nn.Module):
             impl=self.impl,
             loss_fn=loss_fn,
             loss_fill=loss_fill,
-            packed=self.packed,
+            packed=self.rows.packs(),
         )
         if loss_fn is not None:
             return out[0], out[1], out[3]
@@ -108,7 +110,8 @@ class HFPolicy:
     :meth:`hf_weights` give the merged weights, and checkpoints hold the adapter (:attr:`adapter`).
 
     packed: forwards in padding-free rows (engine/policy/lm_head.py ``score_rows``): True, False, or None for where
-    measured faster here.
+    measured faster here (:attr:`rows`, a :class:`~alignopsd.engine.policy.base.RowLayout`, holds it and the
+    measured choice).
     """
 
     def __init__(
@@ -141,9 +144,13 @@ class HFPolicy:
         self.hf_config = getattr(model, "config", None)
         self.hf_model = model
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.packed_rows = packed
-        self.scorer = ResponseScorer(model, impl=impl, packed=packed)
+            # recomputed under the attention each forward ran (a packed forward's row-by-row attention)
+            context_fn = functools.partial(recompute_as_run, model.config)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn}
+            )
+        self.rows = RowLayout(packed)
+        self.scorer = ResponseScorer(model, self.rows, impl=impl)
         self.distributed = bool(ddp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         self.layout = (
             ParallelLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
@@ -234,16 +241,6 @@ class HFPolicy:
         if self.distributed and not self.master:
             return self.module.no_sync()
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def rows_as(self, packed: bool):
-        """Forwards in packed (True) or padded rows while the context lasts, whatever ``packed_rows`` says (the
-        update's measurement of the two, engine/step/packing_trial.py)."""
-        before, self.scorer.packed = self.scorer.packed, packed
-        try:
-            yield
-        finally:
-            self.scorer.packed = before
 
     def gradients(self) -> list[Tensor]:
         """The accumulated gradients (the fp32 buffers with master weights, else ``.grad``), None skipped."""

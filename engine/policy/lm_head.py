@@ -21,7 +21,6 @@ from alignopsd.engine.policy.varlen_attention import varlen_attention_on, varlen
 from alignopsd.engine.tokens.layout import position_ids
 from alignopsd.kernels.fused_loss import fused_token_loss
 from alignopsd.kernels.logprob import logprob as kernel_logprob
-from alignopsd.kernels.native_choice import PACKING, recorded
 from torch import Tensor, nn
 
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
@@ -206,15 +205,6 @@ def packed_forward(body: nn.Module, ids_1N: Tensor, pos_1N: Tensor):
     return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
 
 
-def rows_packed(packed: bool | None) -> bool:
-    """Whether forwards given ``packed`` (``score_rows``) run padding-free: None reads the choice measured in this
-    process (not measured yet: padded)."""
-    if packed is None:
-        c = recorded(PACKING)
-        return bool(c is not None and c.native)
-    return bool(packed)
-
-
 def score_rows(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -227,7 +217,7 @@ def score_rows(
     impl: str = "auto",
     loss_fn: LossFn | None = None,
     loss_fill: Tensor | None = None,
-    packed: bool | None = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None, int] | tuple[Tensor, Tensor | None, int, Tensor]:
     """One forward of ``[prompt | response]`` rows of a Hugging Face causal LM; returns ([B, L] fp32 log-probs,
     [B, L] entropy or None, number of token positions pushed through the model).
@@ -241,8 +231,8 @@ def score_rows(
     keeps each row to itself and no position of padding is computed; the counted positions are the attended ones.
     Taken when more than one row and every response mask has no hole (a masked column between attended ones:
     the position before an attended response token must itself be attended); otherwise the padded forward.
-    ``packed=None``: the choice recorded in this process (``native_choice.PACKING``, measured by the update on its
-    own micro-batches, engine/step/packing_trial.py); padded rows until it is.
+    A policy's forwards pass its ``RowLayout.packs()`` (engine/policy/base.py: configured, or measured by the update
+    on its own micro-batches, engine/step/packing_trial.py).
 
     Fused loss: with ``loss_fn(logp_BL, ent_BL or None) -> scalar`` the head goes through
     :func:`fused_head_loss` (gradients formed with the log-probs: three head matmuls instead of four) and a
@@ -266,7 +256,7 @@ def score_rows(
     ids = torch.cat([p_ids, response_ids[:, : lr_used - 1]], dim=1)
     mask = torch.cat([p_mask, response_mask[:, : lr_used - 1].long()], dim=1)
     body = transformer_body(model)
-    if b > 1 and rows_packed(packed) and packable(rmask):  # the choice first: packable reads the mask on the host
+    if b > 1 and packed and packable(rmask):  # the choice first: packable reads the mask on the host
         ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
         hidden = packed_forward(body, ids_1N, pos_1N)
         h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]

@@ -127,7 +127,7 @@ def score_plain(
     impl: str = "auto",
     stats: dict | None = None,
     by_length: bool = False,
-    packed: bool | None = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference scorer: row r is the forward of ``[prompt row_prompt_R[r] | response r]``.
 

@@ -16,6 +16,7 @@ windows) on the CPU. The log-probs equal the padded forward's (fp32, 1e-5; tests
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -101,6 +102,25 @@ def attention_swapped(model, name: str, fn, mask_fn=None):
         yield
     finally:
         cfg._attn_implementation = before
+
+
+def recompute_as_run(config) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """A ``torch.utils.checkpoint`` ``context_fn`` for a model with gradient checkpointing (``config``: its config):
+    the backward's recomputation of a layer runs the attention implementation the layer's forward ran. An attention
+    swapped in for one forward (:func:`attention_swapped`: a packed forward's row-by-row attention) is restored before
+    the backward, and the model's own attention would recompute other values (across the packed rows)."""
+    ran = config._attn_implementation
+
+    @contextmanager
+    def recompute():
+        before = config._attn_implementation
+        config._attn_implementation = ran
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
+
+    return contextlib.nullcontext(), recompute()
 
 
 def varlen_attention_on(model):

@@ -153,7 +153,8 @@ def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
     """Rates of the phases of ``cfg``'s run on ``device`` (see the module doc), measured with the policy, generator
     and sampling settings the run builds, in this process's threads."""
     from alignopsd.engine.models.loading import load_tokenizer
-    from alignopsd.engine.run.components import build_policy, build_rescorer, hf_generator
+    from alignopsd.engine.run.components import build_rescorer, hf_generator
+    from alignopsd.engine.run.policy_builders import build_policy
     from alignopsd.engine.step.episodes import sampling_params
 
     t0 = time.perf_counter()

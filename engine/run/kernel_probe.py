@@ -11,8 +11,9 @@ the model's dtype and with the run's threads, and returns one line per kernel fo
   rows of the head, measured before the head's partials, whose torch path takes the chosen GEMM;
 - the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
   ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
-- packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU): not probed here but timed by the run's
-  first update on its own micro-batches, forward and backward (engine/step/packing_trial.py); the line says so.
+Packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU) is not probed here: the run's first update
+times them on its own micro-batches, forward and backward (engine/step/packing_trial.py), and the policy's
+``RowLayout`` holds the choice.
 
 A kernel already chosen in this process (an earlier policy build, a first use) keeps its choice. On an accelerator
 there is nothing to choose (the Triton kernels run there), and a kernel that cannot run here says why.
@@ -24,7 +25,7 @@ import torch
 from alignopsd.kernels.attention_native import measure_attention
 from alignopsd.kernels.head_gemm import measure_head_gemm
 from alignopsd.kernels.lse_partials import measure_head
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, PACKING, pinned, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, recorded
 
 PROBE_ROWS, PROBE_VOCAB = 256, 32768
 GEMM_PROBE_VOCAB = 8192  # three GEMMs per call: a quarter of the partials' probe keeps it as short
@@ -32,19 +33,12 @@ GEMM_PROBE_VOCAB = 8192  # three GEMMs per call: a quarter of the partials' prob
 ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX = 4, 48, 640
 
 
-def choose_cpu_kernels(
-    hf_config, dtype: torch.dtype, device: torch.device | str = "cpu", *, packing: bool = False
-) -> list[str]:
+def choose_cpu_kernels(hf_config, dtype: torch.dtype, device: torch.device | str = "cpu") -> list[str]:
     """Measure (or read back) the choice of each custom CPU kernel for a model of ``hf_config`` in ``dtype`` and
-    return the lines that state it; none on an accelerator. ``packing``: also state the choice between packed and
-    padded rows (recorded: a checkpoint's or rank 0's; else the first update measures it)."""
+    return the lines that state it; none on an accelerator."""
     if torch.device(device).type != "cpu":
         return []
     lines = []
-    if packing:
-        choice = recorded(PACKING)
-        why = pinned() or "until the first update has timed both, forward and backward, on its micro-batches"
-        lines.append(choice.describe() if choice is not None else f"{PACKING}: padded rows ({why})")
     for kernel, probe in ((HEAD_GEMM, _gemm_probe), (HEAD, _head_probe), (ATTENTION, _attention_probe)):
         choice = recorded(kernel)
         if choice is None and dtype != torch.bfloat16:

@@ -50,7 +50,7 @@ from alignopsd.engine.checkpoint.checkpoint import (
     step_dir_name,
 )
 from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
-from alignopsd.engine.checkpoint.trainer_state import TrainerState
+from alignopsd.engine.checkpoint.trainer_state import RowsChoice, TrainerState
 from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.infra.writes import writing
@@ -74,10 +74,19 @@ log = logging.getLogger("alignopsd.train")
 class Trainer:
     """Builds the components of a run and drives steps, validation, checkpoints, metrics and the report."""
 
-    def __init__(self, cfg: RunConfig, *, dist: Dist | None = None, stream=None, lock_output: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        dist: Dist | None = None,
+        stream=None,
+        lock_output: bool = True,
+        rows: RowsChoice | None = None,
+    ) -> None:
         """``lock_output``: take the output folder's exclusive lock (engine/run/runlock.py) before anything is built;
         a run whose folder another live run holds is refused with OutputLockedError (exit code 2). Commands that
-        only read a run's folder (``eval``, ``profile``) pass False."""
+        only read a run's folder (``eval``, ``profile``) pass False. ``rows``: packed or padded rows chosen already
+        in this process (the warm start's, in the quickstart pipeline), taken instead of measured."""
         self.cfg = cfg
         self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist or Dist(self.device.type)
@@ -101,7 +110,7 @@ class Trainer:
             if self.lock is not None:
                 weakref.finalize(self, self.lock.release)
         try:
-            self._build(cfg)
+            self._build(cfg, rows)
         except BaseException:
             self.release_output()
             raise
@@ -111,9 +120,9 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
 
-    def _build(self, cfg: RunConfig) -> None:
+    def _build(self, cfg: RunConfig, rows: RowsChoice | None) -> None:
         process_settings(cfg, self.rank)
-        self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size)
+        self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size, rows=rows)
         if self.dist.enabled:  # every rank computes with rank 0's measured CPU paths (kernels/native_choice.py)
             chosen = self.dist.gather_objects(choices_state())[0]
             if self.rank:
@@ -147,6 +156,7 @@ class Trainer:
                 span_lengths_count=len(self.span_lengths),
                 logger_runs=self.logger_runs or None,
                 paths=choices_state() or None,
+                rows=policy.rows.choice,
             ),
             hf_config=policy.hf_config,
             keep_last=self.cfg.trainer.keep_last,
@@ -186,8 +196,12 @@ class Trainer:
         self.parts.sync_weights()
         self.step = ck.trainer_state.step
         self.logger_runs = dict(ck.trainer_state.logger_runs or {})
-        for choice in restore_choices(ck.trainer_state.paths or {}, "as the run that wrote the checkpoint measured"):
+        why = "as the run that wrote the checkpoint measured"
+        for choice in restore_choices(ck.trainer_state.paths or {}, why):
             self._say(f"[train] kernels: {choice.describe()}")  # the paths it computed with: a resume is exact
+        stored = ck.trainer_state.rows
+        if stored is not None and policy.rows.undecided:  # its rows too (a configured layout stays as configured)
+            self._say(f"[train] kernels: {policy.rows.choose(stored).describe()} ({why})")
         n = ck.trainer_state.span_lengths_count or 0
         self.span_lengths, warning = read_span_lengths(self.out_dir / "span_lengths.json", n)
         if warning:

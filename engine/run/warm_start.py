@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.policy.base import PolicyBackend
-from alignopsd.engine.run.components import OptimizerSettings, build_policy
+from alignopsd.engine.run.policy_builders import OptimizerSettings, build_policy
 from alignopsd.engine.step.packing_trial import PackingTrial
 from alignopsd.engine.step.supervised import Example, supervised_step
 
@@ -53,7 +53,7 @@ def train_supervised(
     A progress line every ``log_every`` steps (loss, tokens per second, elapsed time) goes to ``stream`` (None:
     stdout; on the first data-parallel and tensor-parallel rank only). ``fused``: through the fused head loss
     (``trainer.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`). Where the policy's rows
-    are auto (``packed_rows`` None, a CPU), the first steps time packed against padded rows and keep the faster
+    are auto (``rows`` undecided, a CPU), the first steps time packed against padded rows and keep the faster
     (engine/step/packing_trial.py)."""
     if not examples:
         raise ValueError("examples: expected at least one expert turn")

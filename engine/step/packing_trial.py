@@ -8,13 +8,14 @@ chose packed rows on an AVX2 CPU where the update then ran 12-23 % slower packed
 the first ``TRIAL_MICRO_BATCHES`` micro-batches of the run's first update each run both ways at half of their
 token-mean scale (the gradient is the sum of two halves of the same gradient, which the two paths give equal to
 1e-5 in fp32; the metrics are their mean), in alternating order so that each path is the first call once, and the
-path with fewer seconds in sum is recorded (``native_choice.PACKING``) and taken by every later forward: the update's,
-the old-log-prob pass's and the rescoring's (which take padded rows until the update has chosen). On several
-data-parallel ranks the seconds are summed over the ranks before the choice, so every rank takes the same path.
-The supervised warm start (engine/run/warm_start.py) runs the same trial on its first steps, and the RL run that
-follows in the same process takes its choice. The trial costs about ``TRIAL_MICRO_BATCHES`` extra micro-batches once
-per process; a resumed run takes its checkpoint's choice and measures nothing, and ``ALIGNOPSD_CPU_PATHS=torch``
-takes padded rows without timing.
+path with fewer seconds in sum is the trial's result (a ``RowsChoice``), set on the policy's ``RowLayout``
+(engine/policy/base.py) and so taken by every later forward: the update's, the old-log-prob pass's and the
+rescoring's (which take padded rows until the update has chosen). On several data-parallel ranks the seconds are
+summed over the ranks before the choice, so every rank takes the same path. The supervised warm start
+(engine/run/warm_start.py) runs the same trial on its first steps, and the RL run that follows in the same process is
+handed its choice. The trial costs about ``TRIAL_MICRO_BATCHES`` extra micro-batches once per process; a checkpoint
+stores the choice (``TrainerState.rows``), a resumed run takes it and measures nothing, and
+``ALIGNOPSD_CPU_PATHS=torch`` takes padded rows without timing (engine/run/components.py ``start_rows``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from alignopsd.engine.checkpoint.trainer_state import RowsChoice
+from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.step.micro_batches import MicroBatch
-from alignopsd.kernels.native_choice import PACKING, KernelChoice, pinned, record, recorded
 
 log = logging.getLogger(__name__)
 
@@ -38,35 +40,32 @@ clock = time.perf_counter  # the trial's clock (a test injects the seconds it wa
 
 class PackingTrial:
     """The update's measurement of packed against padded rows (see the module docstring). ``policy``: the backend
-    (measured only where its ``packed_rows`` is None: auto on a CPU, and nothing is recorded yet); ``group``: its
-    data-parallel group over ``world`` ranks; ``what``: the training it times, for the log line (the update, the warm
-    start)."""
+    (measured only where its ``rows`` are undecided: auto on a CPU, and not chosen yet); ``group``: its data-parallel
+    group over ``world`` ranks; ``what``: the training it times, for the log line (the update, the warm start).
+    :attr:`runs` counts the micro-batches it ran both ways (each a second forward and backward)."""
 
-    def __init__(self, policy, group=None, world: int = 1, *, what: str = "update") -> None:
+    def __init__(self, policy: PolicyBackend, group=None, world: int = 1, *, what: str = "update") -> None:
         self.policy, self.group, self.world, self.what = policy, group, world, what
         self.seconds = {True: 0.0, False: 0.0}
         self.runs, self.rows = 0, 0
-        self.active = policy.packed_rows is None and recorded(PACKING) is None
-        if self.active and pinned():
-            record(KernelChoice(PACKING, False, None, None, "", why=pinned()))
-            self.active = False
+        self.active = policy.rows.undecided
 
     def run(
         self, step: Callable[[MicroBatch], tuple], mb: MicroBatch, sync: Callable[[], contextlib.AbstractContextManager]
-    ) -> list[tuple[MicroBatch, tuple]]:
-        """Forward and backward of ``mb`` by ``step``: once in the chosen rows, or, during the trial, packed and padded
-        at half scale each (``sync()``: the gradient synchronisation context of the micro-batch's last backward).
-        Returns the (micro-batch as run, ``step``'s output) pairs whose metrics count."""
+    ) -> list[tuple[MicroBatch, tuple, bool]]:
+        """Forward and backward of ``mb`` by ``step``: once in the policy's rows, or, during the trial, packed and
+        padded at half scale each (``sync()``: the gradient synchronisation context of the micro-batch's last
+        backward). Returns a (micro-batch as run, ``step``'s output, whether its rows were packed) triple per pass."""
         if not self.active:
             with sync():
-                return [(mb, step(mb))]
+                return [(mb, step(mb), self.policy.rows.packs())]
         half = dataclasses.replace(mb, scale=mb.scale / 2)
         order = (True, False) if self.runs % 2 == 0 else (False, True)
         out = []
         for i, packed in enumerate(order):
-            with self.policy.no_sync() if i == 0 else sync(), self.policy.rows_as(packed):
+            with self.policy.no_sync() if i == 0 else sync(), self.policy.rows.forced(packed):
                 t = clock()
-                out.append((half, step(half)))
+                out.append((half, step(half), packed))
                 self.seconds[packed] += clock() - t
         self.runs += 1
         self.rows += len(mb.rows)
@@ -74,9 +73,9 @@ class PackingTrial:
             self.settle()
         return out
 
-    def settle(self) -> KernelChoice | None:
-        """Record the faster rows from what was timed (at the update's end when it had fewer micro-batches than
-        the trial wants; nothing when nothing was timed)."""
+    def settle(self) -> RowsChoice | None:
+        """The faster rows from what was timed, set on the policy's ``RowLayout`` (at the update's end when it had
+        fewer micro-batches than the trial wants; None when nothing was timed)."""
         if not self.active or not self.runs:
             return None
         t = torch.tensor([self.seconds[True], self.seconds[False]], dtype=torch.float64)
@@ -84,7 +83,7 @@ class PackingTrial:
             dist.all_reduce(t, group=self.group)
         packed_s, padded_s = float(t[0]), float(t[1])
         shape = f"the first {self.runs} micro-batches of the {self.what} ({self.rows} rows), forward and backward"
-        choice = record(KernelChoice(PACKING, packed_s < padded_s, packed_s, padded_s, shape))
+        choice = self.policy.rows.choose(RowsChoice(packed_s < padded_s, packed_s, padded_s, shape))
         self.active = False
         log.info("kernels: %s", choice.describe())
         return choice

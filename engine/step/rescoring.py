@@ -24,6 +24,7 @@ from alignopsd.engine.generation.base import samples_from
 from alignopsd.engine.generation.prompt_cache import PromptKV
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
+from alignopsd.engine.policy.base import RowLayout
 from alignopsd.engine.policy.row_scoring import (
     RESCORING_MODES,
     as_pairs,
@@ -79,8 +80,9 @@ class Rescorer:
     ``LoraAdapter.disabled``).
     by_length: forwards take the rows longest first (engine/policy/row_scoring.py; ``trainer.ppo_max_token_len_per_gpu``
     on), the same results with less padding; the counts in ``stats`` include ``real_tokens``.
-    packed: plain mode's forwards in padding-free rows (engine/policy/lm_head.py ``score_rows``: True, False, or
-    None for where measured faster; ``trainer.use_remove_padding``).
+    rows: plain mode's rows packed (padding-free, engine/policy/lm_head.py ``score_rows``) or padded, as the policy's
+    ``RowLayout`` says at each forward (``trainer.use_remove_padding``; the policy's own object, so a choice the update
+    measures is taken here too); None: padded.
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class Rescorer:
         scorer=None,
         scope: Callable[[], contextlib.AbstractContextManager] | None = None,
         by_length: bool = False,
-        packed: bool | None = False,
+        rows: RowLayout | None = None,
     ) -> None:
         if mode not in RESCORING_MODES:
             raise ValueError(f"mode: expected one of {RESCORING_MODES}, got {mode!r}")
@@ -121,7 +123,7 @@ class Rescorer:
         self.scope = scope or contextlib.nullcontext
         self.scoped = scope is not None
         self.by_length = bool(by_length)
-        self.packed = packed
+        self.rows = rows
 
     def _score(self, prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask, with_entropy, stats):
         """Score the rows on the model's device; results come back on the device of ``resp_ids``."""
@@ -139,12 +141,16 @@ class Rescorer:
         rows = [devices.to_device(t, dev) for t in (prompt_ids, prompt_mask, row_prompt, resp_ids, resp_mask)]
         with self.scope():
             if self.mode == "plain":
-                lp, en = score_plain(self.model, *rows, **kw, stats=stats, packed=self.packed)
+                lp, en = score_plain(self.model, *rows, **kw, stats=stats, packed=self.packs())
             else:
                 lp, en = score_shared_prefix(
                     self.model, *rows, **kw, dedupe=self.dedupe, max_prefix_tokens=self.max_prefix_tokens, stats=stats
                 )
         return lp.to(back), (en.to(back) if en is not None else None)
+
+    def packs(self) -> bool:
+        """Whether plain mode's next forward runs in packed rows (the policy's ``RowLayout``)."""
+        return self.rows is not None and self.rows.packs()
 
     def reads_prompt_cache(self, generator) -> bool:
         """Whether the teacher forcing can read the privileged prompts' keys and values that ``generator`` keeps

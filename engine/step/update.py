@@ -15,7 +15,8 @@ in lock-step; each micro-batch's token-mean is scaled by :func:`alignopsd.losses
 (all ranks' tokens of the mini-batch / world size)). ``actor/padding_fraction``: the share of the positions the
 update's forwards compute that carry no token; ``update/micro_batches``: forwards/backwards per rank. Where
 ``trainer.use_remove_padding`` is auto on a CPU, the run's first update times packed against padded rows on its own
-micro-batches, forward and backward, and keeps the faster (engine/step/packing_trial.py).
+micro-batches, forward and backward, and keeps the faster (engine/step/packing_trial.py); the counts include the
+trial's second passes, and a micro-batch it ran twice counts once in ``update/nonfinite_loss``.
 The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
 
 Rollout correction (``trainer.rollout_is``, off by default as in the authors' runs): truncated or masked
@@ -36,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.policy.lm_head import rows_packed
 from alignopsd.engine.step.batch import TurnBatch
-from alignopsd.engine.step.micro_batches import MicroBatch, RowGeometry, plan_footprint, plan_update
+from alignopsd.engine.step.micro_batches import Footprint, MicroBatch, RowGeometry, plan_update
 from alignopsd.engine.step.packing_trial import PackingTrial
 from torch import Tensor
 
@@ -183,11 +183,10 @@ def ppo_update(
         geometry=geo,
         token_budget=cfg.update_token_budget,
     )
-    out["update/micro_batches"] = same(sum(len(mbs) for mbs in plan))
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
-    totals: dict[str, float] = {}
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)
     trial = PackingTrial(policy, group, world)  # packed or padded rows, timed here where auto on a CPU
+    tally = PassTally(geo, n_mini)
 
     def step(m: MicroBatch):
         return micro_step(parts, inp, m, fused, input_ids, attn)
@@ -198,22 +197,14 @@ def ppo_update(
         log.info("update: mini-batch %d/%d (%d micro-batches)", i + 1, n_mini, len(mbs))
         for j, mb in enumerate(mbs):
             last = j == len(mbs) - 1
-            for m, (stats, loss) in trial.run(step, mb, contextlib.nullcontext if last else policy.no_sync):
-                if loss is None:
-                    out["update/nonfinite_loss"] = summed(out.get("update/nonfinite_loss", 0.0) + 1.0)
-                elif not m.dummy:
-                    for k, v in stats.items():
-                        totals[k] = totals.get(k, 0.0) + v * m.scale / n_mini
+            tally.add(trial.run(step, mb, contextlib.nullcontext if last else policy.no_sync))
         res = policy.optimizer_step(cfg.trainer.grad_clip)
         n_opt += 1
         skipped += int(bool(res.get("skipped")))
         grad_norms.append(float(res.get("grad_norm", 0.0)))
         out["actor/lr"] = same(res.get("lr", cfg.trainer.lr))
     trial.settle()  # an update of fewer micro-batches than the trial wants chooses on those it ran
-    fp = plan_footprint(plan, geo, packed=rows_packed(policy.packed_rows))  # after the forwards: a choice measured
-    out["actor/padding_fraction"] = weighted_mean(fp.padding_fraction, fp.computed)
-    # each rank's share is scaled to the global token-mean (microbatch_scales): the mean over the ranks is the whole
-    out.update({k: weighted_mean(v, 1) for k, v in totals.items()})
+    out.update(tally.metrics())
     finite = [g for g in grad_norms if math.isfinite(g)]
     # the norm of the all-reduced gradients, and the step plan every rank keeps in lock-step: whole-batch values
     out["actor/grad_norm"] = same(sum(finite) / len(finite) if finite else float("nan"))
@@ -222,6 +213,36 @@ def ppo_update(
     out["update/skipped_optimizer_steps"] = same(skipped)
     out["update/skipped"] = same(1.0 if n_opt and skipped == n_opt else 0.0)
     return out
+
+
+class PassTally:
+    """What the update's forwards and backwards ran, the packing trial's second passes included: the positions they
+    computed (``actor/padding_fraction``), their number (``update/micro_batches``), the micro-batches whose loss was
+    not finite (``update/nonfinite_loss``: once per micro-batch, however many passes) and the loss statistics."""
+
+    def __init__(self, geo: RowGeometry, n_mini: int) -> None:
+        self.geo, self.n_mini = geo, n_mini
+        self.fp, self.passes, self.nonfinite = Footprint(), 0, 0
+        self.totals: dict[str, float] = {}
+
+    def add(self, ran: list[tuple[MicroBatch, tuple, bool]]) -> None:
+        """One micro-batch's passes (``PackingTrial.run``: micro-batch as run, (stats, loss or None), packed)."""
+        self.nonfinite += any(loss is None for _, (_, loss), _ in ran)
+        for m, (stats, loss), packed in ran:
+            self.fp.add(self.geo, m.rows, packed)
+            self.passes += 1
+            if loss is not None and not m.dummy:
+                for k, v in stats.items():
+                    self.totals[k] = self.totals.get(k, 0.0) + v * m.scale / self.n_mini
+
+    def metrics(self) -> dict[str, float]:
+        out = {"update/micro_batches": same(self.passes)}  # forwards and backwards per rank (lock-step across ranks)
+        if self.nonfinite:
+            out["update/nonfinite_loss"] = summed(self.nonfinite)
+        out["actor/padding_fraction"] = weighted_mean(self.fp.padding_fraction, self.fp.computed)
+        # each rank's share is scaled to the global token-mean (microbatch_scales): the mean over the ranks is the whole
+        out.update({k: weighted_mean(v, 1) for k, v in self.totals.items()})
+        return out
 
 
 def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:

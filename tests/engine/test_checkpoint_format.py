@@ -101,3 +101,33 @@ def test_the_commands_exit_2_on_a_newer_format(tmp_path, capsys, command):
     assert main([command, "--config", TINY, "--set", f"output_dir={tmp_path}", *flag]) == 2
     err = capsys.readouterr().err
     assert f"format_version {FORMAT_VERSION + 1} is newer" in err and f"(format_version {FORMAT_VERSION})" in err
+
+
+def test_the_rows_choice_is_a_typed_record_and_older_checkpoints_map_theirs(tmp_path):
+    """``TrainerState.rows`` (packed or padded rows, as measured) round-trips as a typed record; a checkpoint written
+    before it kept the choice among the kernels' ``paths`` ("packed rows"), which reads back as ``rows`` and leaves
+    the kernels' own; a damaged record is refused naming the field."""
+    from alignopsd.engine.checkpoint.manifest import ManifestError, write_manifest
+    from alignopsd.engine.checkpoint.trainer_state import (
+        STATE_FILE,
+        RowsChoice,
+        TrainerState,
+        read_trainer_state,
+        write_trainer_state,
+    )
+
+    (tmp_path / "x.bin").write_bytes(b"x")
+    write_manifest(tmp_path)
+    chose = RowsChoice(False, 8.9, 3.9, "the first 2 micro-batches of the update (24 rows), forward and backward")
+    write_trainer_state(tmp_path, TrainerState(3, paths={"head partials": False}, rows=chose))
+    back = read_trainer_state(tmp_path)
+    assert back.rows == chose and back.paths == {"head partials": False}
+    assert chose.describe().startswith("packed rows: padded rows (3.9 s) over packed rows (8.9 s) at the first 2")
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 3, "paths": {"packed rows": True, "head partials": True}}))
+    old = read_trainer_state(tmp_path)
+    assert old.rows == RowsChoice(True) and old.paths == {"head partials": True}
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 3, "paths": {"packed rows": False}}))
+    assert read_trainer_state(tmp_path).rows == RowsChoice(False) and read_trainer_state(tmp_path).paths is None
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 3, "rows": {"packed": "yes"}}))
+    with pytest.raises(ManifestError, match="'rows'.*'packed' must be true or false"):
+        read_trainer_state(tmp_path)

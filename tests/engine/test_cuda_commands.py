@@ -25,7 +25,7 @@ import torch
 from alignopsd.engine.commands import cli
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.observe.profiler import StepProfiler
-from alignopsd.engine.run.components import hf_model_of
+from alignopsd.engine.run.policy_builders import hf_model_of
 from alignopsd.engine.step.rescoring import Rescorer
 from fake_cuda import FakeCuda
 

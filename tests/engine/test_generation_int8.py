@@ -103,7 +103,8 @@ def test_logprob_reuse_only_where_the_generator_samples_from_the_policy(tok, tmp
     """``trainer.logprob_reuse`` would make the sampler's log-probs PPO's old log-probs: refused at load where the
     generator is known to sample from another model (int8, ``auto`` on a float32 CPU policy, Megatron's Hugging Face
     copy), and, where the parts are built, whenever the generator does not sample from the scoring model itself."""
-    from alignopsd.engine.run.components import build_generator, build_policy, build_rescorer
+    from alignopsd.engine.run.components import build_generator, build_rescorer
+    from alignopsd.engine.run.policy_builders import build_policy
 
     reuse = ["trainer.logprob_reuse=true", "trainer.device=cpu", f"output_dir={tmp_path}"]
     for extra, other in (

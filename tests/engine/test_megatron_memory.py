@@ -73,7 +73,8 @@ def test_rank_holds_shards_and_a_hf_copy_only_for_hf_generation(generation):
     the reference's storage is its own, frozen and equal to the policy's initial shard."""
     from alignopsd.engine.policy.megatron.convert import Dims
     from alignopsd.engine.policy.megatron.memory import full_params, shard_params
-    from alignopsd.engine.run.components import build_policy, build_reference, hf_model_of
+    from alignopsd.engine.run.components import build_reference
+    from alignopsd.engine.run.policy_builders import build_policy, hf_model_of
 
     cfg = config(["policy.backend=megatron", "policy.tensor_parallel_size=2", f"generation.backend={generation}", *KL])
     before = live_hf_params()

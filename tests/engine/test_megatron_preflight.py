@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from transformers import LlamaConfig
 
 
@@ -33,20 +36,20 @@ def test_layout_errors_name_the_culprit(kw, tp, world, culprit):
 
 def test_build_policy_fails_before_loading_weights(monkeypatch):
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.run import components
+    from alignopsd.engine.run import policy_builders as components
 
     def no_load(*a, **k):
         raise AssertionError("weights loaded before the pre-flight")
 
     monkeypatch.setattr(components, "load_causal_lm", no_load)
-    cfg = load_config(str(components.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
                       ["policy.backend=megatron", "policy.tensor_parallel_size=2"])  # fmt: skip
     with pytest.raises(ValueError, match="world size 3 is not a multiple"):
-        components.build_policy(cfg, components.torch.device("cpu"), world_size=3)
-    cfg = load_config(str(components.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
+        components.build_policy(cfg, torch.device("cpu"), world_size=3)
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
                       ["policy.backend=megatron", "policy.tensor_parallel_size=4"])  # fmt: skip
     with pytest.raises(ValueError, match="does not divide num_attention_heads = 2"):
-        components.build_policy(cfg, components.torch.device("cpu"), world_size=4)
+        components.build_policy(cfg, torch.device("cpu"), world_size=4)
 
 
 def test_config_validates_megatron_fields():
@@ -64,9 +67,8 @@ def test_config_validates_megatron_fields():
 
 def _tiny(*overrides):
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.run import components
 
-    return load_config(str(components.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
+    return load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"),
                        ["policy.backend=megatron", *overrides])  # fmt: skip
 
 
@@ -88,12 +90,12 @@ def test_build_policy_passes_the_layer_spec(monkeypatch, spec, mode, built):
     """build_policy gives MegatronPolicy the configured spec, with ``auto`` resolved to ``local`` where packed
     shared prefixes need it (on a CUDA machine with Transformer Engine, ``auto`` alone would pick ``te``)."""
     from alignopsd.engine.policy.megatron import backend
-    from alignopsd.engine.run import components
+    from alignopsd.engine.run import policy_builders as components
 
     seen = {}
 
     class Model:
-        config, dtype = None, components.torch.float32
+        config, dtype = None, torch.float32
 
         def state_dict(self):
             return {}
@@ -102,5 +104,5 @@ def test_build_policy_passes_the_layer_spec(monkeypatch, spec, mode, built):
     monkeypatch.setattr(backend, "tensor_parallel_rank", lambda *a, **k: 1)
     monkeypatch.setattr(backend, "MegatronPolicy", lambda *a, **kw: seen.update(kw) or object())
     cfg = _tiny(f"policy.layer_spec={spec}", f"trainer.rescoring_mode={mode}")
-    components.build_policy(cfg, components.torch.device("cpu"), world_size=1)
+    components.build_policy(cfg, torch.device("cpu"), world_size=1)
     assert seen["layer_spec"] == built

@@ -238,7 +238,7 @@ def test_warmup_schedule_follows_hf_backend_and_resumes():
 def test_recomputation_recomputes_and_keeps_gradients(mode):
     """policy.gradient_checkpointing with policy.recompute: the recomputed module runs its forward twice per
     training step (once more in the backward pass) and the gradients equal those without recomputation."""
-    from alignopsd.engine.run.components import build_policy
+    from alignopsd.engine.run.policy_builders import build_policy
 
     ids = torch.randint(3, 200, (3, 14), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

@@ -12,7 +12,6 @@ from alignopsd.engine.policy.hf import HFPolicy
 from alignopsd.engine.policy.row_scoring import new_stats, score_plain
 from alignopsd.engine.step.micro_batches import Footprint, RowGeometry
 from alignopsd.kernels import native_choice
-from alignopsd.kernels.native_choice import PACKING, recorded
 from fake_cuda import FakeCuda
 from test_policy_hf import reference, rows, tiny_model
 
@@ -26,7 +25,7 @@ def _loss_inputs(seed: int = 3):
     return torch.randn(4, LR, generator=g) - 4.0, torch.randn(4, LR, generator=g)
 
 
-def _step(packed: bool, ids, mask, device="cpu"):
+def _step(packed: bool, ids, mask, device="cpu", checkpointing: bool = False):
     """One fused-loss micro-step of a fresh tiny policy: (log-probs, entropies, loss, grad norm, grads)."""
     old, adv = (t.to(device) for t in _loss_inputs())
     rmask = mask[:, 6:].float()
@@ -35,7 +34,7 @@ def _step(packed: bool, ids, mask, device="cpu"):
         loss, _ = ppo_loss(lp, old, adv, rmask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
         return loss + entropy_bonus(ent, rmask, coef=0.01)
 
-    pol = HFPolicy(tiny_model(4).to(device), lr=1e-3, packed=packed)
+    pol = HFPolicy(tiny_model(4).to(device), lr=1e-3, packed=packed, gradient_checkpointing=checkpointing)
     lp, ent, carrier = pol.response_loss(ids, mask, LR, loss_fn, loss_fill=old, temperature=0.8, with_entropy=True)
     carrier.backward()
     grads = {n: p.grad.detach().cpu() for n, p in pol.model.named_parameters() if p.grad is not None}
@@ -75,6 +74,16 @@ def test_packed_update_equals_padded_and_pushes_no_padding():
     *_, pushed_packed = lm_head.score_rows(model, p_ids, p_mask, r_ids, r_mask, packed=True)
     assert pushed_padded == 4 * (6 + 5 - 1)
     assert pushed_packed == int(p_mask.sum()) + int(r_mask[:, :-1].sum()) < pushed_padded
+
+
+def test_packed_rows_with_gradient_checkpointing_recompute_under_the_same_attention():
+    """``policy.gradient_checkpointing`` with packed rows on the CPU: the backward's recomputation of each layer runs
+    the row-by-row attention the forward ran (not the model's own, which would attend across rows of the packed
+    sequence), so the gradients equal the padded update's, checkpointed or not."""
+    ids, mask = rows(2)
+    padded = _step(False, ids, mask)
+    _assert_same(padded, _step(True, ids, mask, checkpointing=True))
+    _assert_same(padded, _step(False, ids, mask, checkpointing=True))
 
 
 def test_packed_rows_on_the_cpu_attend_row_by_row_with_grouped_heads(monkeypatch):
@@ -169,18 +178,36 @@ def test_footprint_of_packed_micro_batches_has_no_padding():
     assert single.computed == single.real
 
 
-def test_auto_forwards_take_padded_rows_until_a_choice_is_recorded(monkeypatch):
-    """``packed=None`` (auto on a CPU): a forward measures nothing (the update times both, forward and backward,
-    engine/step/packing_trial.py); padded rows until a choice is recorded, then the recorded rows."""
+def test_auto_forwards_take_padded_rows_until_the_policy_chooses(monkeypatch):
+    """Auto rows on a CPU (the policy's ``RowLayout`` undecided): a forward measures nothing (the update times both,
+    forward and backward, engine/step/packing_trial.py); padded rows until a choice is set on the policy, then the
+    chosen rows, in the policy's forwards and in a rescorer that holds the same layout. A configured layout keeps
+    what was configured; a backend without packed rows refuses them."""
+    from alignopsd.engine.checkpoint.trainer_state import RowsChoice
+    from alignopsd.engine.policy import hf
+    from alignopsd.engine.policy.base import RowLayout
+    from alignopsd.engine.policy.hf import HFPolicy
+    from alignopsd.engine.step.rescoring import Rescorer
+
     monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
     ids, mask = rows(0)
-    model = tiny_model(0)
-    args = (ids[:, :6], mask[:, :6], ids[:, 6:], mask[:, 6:])
-    *_, pushed = lm_head.score_rows(model, *args, packed=None)
-    assert pushed == 40 and recorded(PACKING) is None
-    native_choice.record(native_choice.KernelChoice(PACKING, True, 1.0, 2.0, "injected"))
-    *_, pushed = lm_head.score_rows(model, *args, packed=None)
-    assert pushed == int(mask[:, :6].sum()) + int(mask[:, 6:-1].sum())
+    policy = HFPolicy(tiny_model(0), lr=1e-3, packed=None)
+    scorer = Rescorer(policy.model, mode="plain", rows=policy.rows)
+    pushed = []
+    real = lm_head.score_rows
+    monkeypatch.setattr(hf, "score_rows", lambda *a, **k: pushed.append(k["packed"]) or real(*a, **k))
+    policy.response_logprobs(ids, mask, LR)
+    assert policy.rows.undecided and pushed == [False] and not scorer.packs()
+    policy.rows.choose(RowsChoice(True, 1.0, 2.0, "injected"))
+    policy.response_logprobs(ids, mask, LR)
+    assert pushed == [False, True] and scorer.packs() and policy.rows.choice.measured_on == "injected"
+    fixed = RowLayout(False)
+    fixed.choose(RowsChoice(True))
+    assert fixed.packed is False and fixed.choice is None and not fixed.packs()
+    with pytest.raises(ValueError, match="no packed rows"):
+        RowLayout(False, can_pack=False).choose(RowsChoice(True))
+    with pytest.raises(ValueError, match="no packed rows"), RowLayout(False, can_pack=False).forced(True):
+        pass
 
 
 def test_packed_rows_on_the_fake_cuda_device(monkeypatch):
@@ -198,7 +225,7 @@ def test_packed_rows_on_the_fake_cuda_device(monkeypatch):
     ids, mask = rows(2)
     with FakeCuda():
         from alignopsd.engine.config.schema import load_config
-        from alignopsd.engine.run.components import packed_rows
+        from alignopsd.engine.run.policy_builders import packed_rows
 
         assert packed_rows(load_config("configs/tiny.yaml", []), torch.device("cuda", 0)) is True
         dev_ids, dev_mask = ids.to("cuda"), mask.to("cuda")

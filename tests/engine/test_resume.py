@@ -168,3 +168,40 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_never_saves_nan(tmp_pa
     with pytest.raises(ck.UnsafeStateError, match="not finite.*last good checkpoint is .*step_000004"):
         tr.save()
     assert not (tmp_path / "checkpoints" / "step_000005").exists()
+
+
+def test_a_resume_takes_the_rows_the_run_measured(tmp_path, monkeypatch):
+    """Auto rows on a CPU, measured: the first update times packed against padded rows, the checkpoint stores the
+    choice (``TrainerState.rows``), and a resumed run takes it again (said in its log) instead of measuring."""
+    import io
+
+    from alignopsd.engine.checkpoint.trainer_state import read_trainer_state
+    from alignopsd.engine.step import packing_trial
+
+    monkeypatch.delenv("ALIGNOPSD_CPU_PATHS")  # measured, as on a user's machine (the suite pins the torch paths)
+    torch.set_num_threads(1)
+    ov = [*lh.GUESS_OVERRIDES, "trainer.save_freq=1", f"output_dir={tmp_path}", "trainer.use_remove_padding=auto"]
+    tr = lh.build_trainer(TINY, [*ov, "trainer.total_steps=1"])
+    assert tr.parts.policy.rows.undecided and tr.parts.rescorer.rows is tr.parts.policy.rows
+    timed = []
+    monkeypatch.setattr(packing_trial.PackingTrial, "settle", _spy(packing_trial.PackingTrial.settle, timed))
+    tr.fit()
+    chose = tr.parts.policy.rows.choice
+    assert timed and chose is not None and chose.packed_s is not None
+    assert read_trainer_state(tmp_path / "checkpoints" / "step_000001").rows == chose
+    again = lh.build_trainer(TINY, [*ov, "trainer.total_steps=2"])
+    again.stream = io.StringIO()
+    timed.clear()
+    again.fit(resume="auto")
+    assert again.parts.policy.rows.choice == chose and again.parts.policy.rows.packed is chose.packed
+    assert f"kernels: {chose.describe()} (as the run that wrote the checkpoint measured)" in again.stream.getvalue()
+    assert all(out is None for out in timed)  # the resumed run's trial had nothing to time
+
+
+def _spy(settle, seen: list):
+    def wrapped(self):
+        out = settle(self)
+        seen.append(out)
+        return out
+
+    return wrapped

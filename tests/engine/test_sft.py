@@ -196,9 +196,9 @@ def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, 
 
 
 def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
-    """Auto rows on a CPU (``packed_rows`` None): the warm start's first two steps run both ways at half scale
-    (seconds injected through the trial's clock: packed rows faster here), record the faster and take it for the
-    rest; the losses are the padded-only run's."""
+    """Auto rows on a CPU (the policy's rows undecided): the warm start's first two steps run both ways at half scale
+    (seconds injected through the trial's clock: packed rows faster here), set the faster on the policy and take it
+    for the rest; the losses are the padded-only run's."""
     from alignopsd.engine.policy import lm_head
     from alignopsd.engine.step import packing_trial
     from alignopsd.kernels import native_choice
@@ -215,7 +215,7 @@ def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
         now = [0.0]
 
         def clock(policy=policy, now=now):  # one read per call's start and end: end - start = that path's seconds
-            now[0] += 0.5 if policy.scorer.packed else 1.0
+            now[0] += 0.5 if policy.rows.packs() else 1.0
             return now[0]
 
         monkeypatch.setattr(packing_trial, "clock", clock)
@@ -223,9 +223,9 @@ def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
             policy, examples, pad_id=pad, steps=4, batch_size=4, log_every=10, stream=open("/dev/null", "w")
         )
         if packed is None:
-            chose = native_choice.recorded(native_choice.PACKING)
-            assert chose.native and (chose.native_s, chose.torch_s) == (1.0, 2.0)
-            assert chose.shape == "the first 2 micro-batches of the warm start (8 rows), forward and backward"
+            chose = policy.rows.choice
+            assert chose.packed and (chose.packed_s, chose.padded_s) == (1.0, 2.0)
+            assert chose.measured_on == "the first 2 micro-batches of the warm start (8 rows), forward and backward"
             assert len(calls) == 4  # two in the trial, then every step packed
     assert calls == [1] * 4  # the padded-only run packs nothing
     assert losses[None] == pytest.approx(losses[False], rel=1e-5)

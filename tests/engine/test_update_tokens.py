@@ -219,10 +219,11 @@ def test_padding_fraction_metric_of_a_pass():
 
 @pytest.mark.parametrize(("packed_s", "padded_s"), [(0.5, 1.0), (1.0, 0.5)])
 def test_first_update_times_packed_against_padded_rows(monkeypatch, caplog, packed_s, padded_s):
-    """``use_remove_padding`` auto on a CPU (the policy's ``packed_rows`` None): the first update runs its first two
-    micro-batches both ways at half scale (seconds injected through the trial's clock, per the rows being run),
-    records the faster and takes it for the rest; every optimiser step's gradients and the metrics equal the padded
-    update's. A second update measures nothing."""
+    """``use_remove_padding`` auto on a CPU (the policy's rows undecided): the first update runs its first two
+    micro-batches both ways at half scale (seconds injected through the trial's clock, per the rows being run), sets
+    the faster on the policy's ``RowLayout`` and takes it for the rest; every optimiser step's gradients and the
+    metrics equal the padded update's, and the counts include the trial's second passes. A second update measures
+    nothing."""
     import logging
 
     from alignopsd.engine.models.loading import build_tiny_model
@@ -238,7 +239,7 @@ def test_first_update_times_packed_against_padded_rows(monkeypatch, caplog, pack
     now = [0.0]
 
     def clock():  # each read advances by the seconds of the rows in use: end - start = one path's seconds
-        now[0] += packed_s if policy.scorer.packed else padded_s
+        now[0] += packed_s if policy.rows.packs() else padded_s
         return now[0]
 
     calls = []
@@ -252,12 +253,13 @@ def test_first_update_times_packed_against_padded_rows(monkeypatch, caplog, pack
     over = {"trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 2, "trainer.ppo_max_token_len_per_gpu": 0}
     with caplog.at_level(logging.INFO, logger=packing_trial.__name__):
         a, ga = _update(policy, cb, old, adv, **over)
-    chose = native_choice.recorded(native_choice.PACKING)
-    assert chose.native is (packed_s < padded_s) and (chose.native_s, chose.torch_s) == (2 * packed_s, 2 * padded_s)
-    assert calls == [1] * (4 if chose.native else 2)  # the trial's two packed forwards, then the choice's
+    chose = policy.rows.choice
+    assert chose.packed is (packed_s < padded_s) and (chose.packed_s, chose.padded_s) == (2 * packed_s, 2 * padded_s)
+    assert policy.rows.packed is chose.packed and native_choice.choices_state() == {}  # a value, not a global
+    assert calls == [1] * (4 if chose.packed else 2)  # the trial's two packed forwards, then the choice's
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"kernels: {chose.describe()}"] and said[0].endswith("(4 rows), forward and backward")
-    policy.packed_rows = policy.scorer.packed = False  # the same update in padded rows only
+    policy.rows.packed = False  # the same update in padded rows only (the scorer holds the same layout)
     b, gb = _update(policy, cb, old, adv, **over)
     assert len(ga) == len(gb) == 2
     for sa, sb in zip(ga, gb):
@@ -266,8 +268,40 @@ def test_first_update_times_packed_against_padded_rows(monkeypatch, caplog, pack
     for k, v in b.items():
         if k.startswith("actor/") and k != "actor/padding_fraction":
             assert float(a[k]) == pytest.approx(float(v), abs=1e-5), k
-    assert (float(a["actor/padding_fraction"]) == 0.0) is chose.native
-    policy.packed_rows = policy.scorer.packed = None
+    # the trial's two micro-batches ran twice; its padded passes computed padding, its packed ones none
+    assert float(a["update/micro_batches"]) == float(b["update/micro_batches"]) + 2 == 6
+    assert 0.0 < float(a["actor/padding_fraction"]) < float(b["actor/padding_fraction"])
+    policy.rows.packed = chose.packed
     calls.clear()
-    _update(policy, cb, old, adv, **over)
-    assert calls == [1] * (4 if chose.native else 0) and native_choice.recorded(native_choice.PACKING) is chose
+    c, _ = _update(policy, cb, old, adv, **over)
+    assert calls == [1] * (4 if chose.packed else 0) and policy.rows.choice is chose
+    assert float(c["update/micro_batches"]) == 4
+
+
+def test_a_bad_micro_batch_of_the_trial_counts_once(monkeypatch):
+    """A micro-batch whose loss is not finite counts once in ``update/nonfinite_loss`` though the packing trial ran it
+    twice (packed and padded)."""
+    from alignopsd.engine.models.loading import build_tiny_model
+    from alignopsd.engine.policy.hf import HFPolicy
+    from alignopsd.engine.step import update
+    from alignopsd.kernels import native_choice
+
+    monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
+    torch.manual_seed(0)
+    policy = HFPolicy(build_tiny_model(), lr=1e-3, weight_decay=0.0, packed=None)
+    real = update.micro_step
+    seen = []
+
+    def first_is_bad(parts, inp, mb, *rest):
+        seen.append(mb.rows)
+        stats, loss = real(parts, inp, mb, *rest)
+        return (stats, None) if mb.rows == seen[0] else (stats, loss)
+
+    monkeypatch.setattr(update, "micro_step", first_is_bad)
+    cb = _batch(PROMPTS, RESPONSES)
+    old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
+    adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1))
+    over = {"trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 2, "trainer.ppo_max_token_len_per_gpu": 0}
+    out, _ = _update(policy, cb, old, adv, **over)
+    assert seen[0] == seen[1]  # the trial ran the bad micro-batch both ways
+    assert float(out["update/nonfinite_loss"]) == 1.0

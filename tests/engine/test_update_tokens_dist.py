@@ -83,7 +83,6 @@ def test_packing_trial_takes_one_choice_on_every_rank(monkeypatch):
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
-    native_choice.forget(native_choice.PACKING)
     seconds = {0: (0.9, 1.0), 1: (3.0, 1.0)}[rank]  # (packed, padded) per timed call: summed, padded wins
     cfg = load_config(TINY, ["trainer.ppo_mini_batch_size=8", "trainer.ppo_micro_batch_size=2"])
     cb = _batch(PROMPTS, RESPONSES, seed=rank)
@@ -95,7 +94,7 @@ def test_packing_trial_takes_one_choice_on_every_rank(monkeypatch):
         now = [0.0]
 
         def clock(policy=policy, now=now):
-            now[0] += seconds[0] if policy.scorer.packed else seconds[1]
+            now[0] += seconds[0] if policy.rows.packs() else seconds[1]
             return now[0]
 
         monkeypatch.setattr(packing_trial, "clock", clock)
@@ -111,12 +110,12 @@ def test_packing_trial_takes_one_choice_on_every_rank(monkeypatch):
         policy.optimizer_step = capture
         ppo_update(parts, cb, old + 0.05 * cb.response_mask, None, adv, [])
         weights[packed] = steps
-    chose = native_choice.recorded(native_choice.PACKING)
-    assert chose is not None and not chose.native and (chose.native_s, chose.torch_s) == pytest.approx((7.8, 4.0))
+        if packed is None:
+            chose = policy.rows.choice
+    assert chose is not None and not chose.packed and (chose.packed_s, chose.padded_s) == pytest.approx((7.8, 4.0))
     assert len(weights[None]) == len(weights[False]) == 2
     for a, b in zip(weights[None], weights[False]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     both = [None, None]
-    dist.all_gather_object(both, (chose.native, [float(g.sum()) for g in weights[None]]))
+    dist.all_gather_object(both, (chose.packed, [float(g.sum()) for g in weights[None]]))
     assert both[0] == both[1]  # one choice, one gradient on every rank
-    native_choice.forget(native_choice.PACKING)

@@ -12,12 +12,12 @@ import logging
 import pytest
 import torch
 from alignopsd.engine.generation import decode_cache as dc
-from alignopsd.engine.run import components
+from alignopsd.engine.run import policy_builders as components
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.kernels import attention_native as an
 from alignopsd.kernels import bf16_gemm, head_gemm, lse_partials, native_choice
 from alignopsd.kernels.logprob import logprob, logprob_ref
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, PACKING, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, recorded
 from test_attention_native import prefixed_cache
 
 from alignopsd.testing import KernelChoice, record_kernel_choice
@@ -177,7 +177,7 @@ def test_probe_states_each_kernel(monkeypatch):
     assert recorded(HEAD).native and recorded(ATTENTION).native
 
 
-def test_policy_build_states_the_choice_in_the_run_log(caplog):
+def test_policy_build_states_the_choice_in_the_run_log(caplog, monkeypatch):
     """The policy build (the run's, the warm start's, the calibration's) states the kernels' choice in the run's
     first lines: the tiny config runs in float32 in the suite."""
     from alignopsd.engine.config.schema import load_config
@@ -186,14 +186,19 @@ def test_policy_build_states_the_choice_in_the_run_log(caplog):
     with caplog.at_level(logging.INFO, logger=components.__name__):
         components.build_policy(cfg, torch.device("cpu"))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
-    assert said[1:] == [
+    assert said[:3] == [
         "kernels: head GEMMs: fp32 tiles (the model runs in float32; the custom path is for bf16)",
         "kernels: head partials: torch path (the model runs in float32; the custom path is for bf16)",
         "kernels: prefix attention: torch path (the model runs in float32; the custom path is for bf16)",
     ]
     # trainer.use_remove_padding auto on a CPU: padded rows until the first update has timed both (packing_trial)
-    want = "padded rows (until the first update has timed both, forward and backward, on its micro-batches)"
-    assert said[0] == f"kernels: packed rows: {want}" and recorded(PACKING) is None
+    assert said[3] == "kernels: packed rows: padded rows (until the first update has timed both, forward and backward)"
+    monkeypatch.setenv(native_choice.PIN_ENV, "torch")  # pinned: padded rows, chosen at the build, timed never
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=components.__name__):
+        policy = components.build_policy(cfg, torch.device("cpu"))
+    assert "kernels: packed rows: padded rows (ALIGNOPSD_CPU_PATHS=torch)" in [r.getMessage() for r in caplog.records]
+    assert policy.rows.packed is False and policy.rows.choice.why == "ALIGNOPSD_CPU_PATHS=torch"
 
 
 def test_pinned_process_measures_nothing_and_restores_what_it_is_given(head, monkeypatch):

@@ -23,12 +23,13 @@ data-parallel wrapper.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
-from alignopsd.engine.policy.base import prompt_width
+from alignopsd.engine.policy.base import RowLayout, prompt_width
 from alignopsd.engine.policy.lm_head import scatter_response
 from alignopsd.engine.policy.megatron.model import build_gpt_model, forward_hidden, forward_layout, output_weight
 from torch import Tensor
@@ -119,20 +120,17 @@ class ShardScoring:
 
     model: torch.nn.Module
     scores_itself = True  # ``PolicyBackend.scores_itself``: rows are scored through this shard, never a full module
-    packed_rows = False  # ``PolicyBackend.packed_rows``: its plain rows are padded (its prefix rows are packed already)
     spec: str
     tp: int
     tp_rank: int
     tp_group: object
     padding_idx: int | None
 
-    @contextlib.contextmanager
-    def rows_as(self, packed: bool) -> Iterator[None]:
-        """``PolicyBackend.rows_as``: padded rows only (the trial that asks is never run here: ``packed_rows`` is
-        False)."""
-        if packed:
-            raise ValueError("rows_as: the Megatron backend scores its plain rows padded; packed rows are not built")
-        yield
+    @functools.cached_property
+    def rows(self) -> RowLayout:
+        """``PolicyBackend.rows``: padded plain rows only (its prefix rows are packed already); packed ones are
+        refused."""
+        return RowLayout(False, can_pack=False)
 
     def _logprob(self, hidden_ND: Tensor, targets_N: Tensor, temperature: float, with_entropy: bool):
         from alignopsd.kernels.logprob import logprob, logprob_vocab_parallel  # noqa: PLC0415
