@@ -95,7 +95,9 @@ def profile_run(
     hist, secs, syncs = p.history, p.step_seconds, p.sync_history
     if trace_path is not None and steps >= 2:  # the traced step carries the profiler's own overhead
         hist, secs, counts, syncs = hist[:-1], secs[:-1], counts[:-1], syncs[:-1]
-    return summarize(hist, secs, skip=min(warmup, len(hist) - 1), counts=counts, syncs=syncs or None)
+    return summarize(
+        hist, secs, skip=min(warmup, len(hist) - 1), counts=counts, syncs=syncs or None, peaks=p.peak_history
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

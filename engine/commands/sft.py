@@ -34,6 +34,7 @@ from pathlib import Path
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.envs.alfworld.expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
+from alignopsd.engine.observe.memory import StageLog
 from alignopsd.engine.run.warm_start import SFT_MARKER
 from alignopsd.engine.tokens.layout import truncate_left
 
@@ -219,13 +220,12 @@ def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
     return root, missing
 
 
-def _heldout(cfg, policy, tokenizer, games, label: str, times: dict, stream, *, device, dist) -> dict:
+def _heldout(cfg, policy, tokenizer, games, label: str, stages: StageLog, stream, *, device, dist) -> dict:
     from alignopsd.engine.run.heldout import heldout_metrics
 
-    t0 = time.perf_counter()
     print(f"[quickstart] held-out evaluation: {label} ({cfg.env.val_tasks} games)", file=stream, flush=True)
-    m = heldout_metrics(cfg, policy, tokenizer, games, device=device, dist=dist)
-    times[f"eval {label}"] = time.perf_counter() - t0
+    with stages.stage(f"eval {label}"):
+        m = heldout_metrics(cfg, policy, tokenizer, games, device=device, dist=dist)
     row = {
         "success": m.get("episode/success_rate"),
         "valid": m.get("episode/valid_action_rate"),
@@ -236,10 +236,11 @@ def _heldout(cfg, policy, tokenizer, games, label: str, times: dict, stream, *, 
     return row
 
 
-def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
+def run_pipeline(cfg, args, sft_out: Path, *, stages: StageLog | None = None, stream=None) -> dict:
     """The quickstart: base eval -> warm start -> eval -> RL from the warm start -> eval; report.md gets the
-    three held-out rows and the stage times (added to ``times``). Returns {"heldout": {stage: row}, "times":
-    {stage: seconds}}. ``args``: ``steps``, ``lr``, ``batch_size``, ``warm_start`` (see :func:`add_sft_args`).
+    three held-out rows and each stage's seconds and peak resident memory (added to ``stages``). Returns {"heldout":
+    {stage: row}, "times": {stage: seconds}, "peaks": {stage: bytes}}. ``args``: ``steps``, ``lr``, ``batch_size``,
+    ``warm_start`` (see :func:`add_sft_args`).
 
     Each part is built once: ``cfg`` (parsed by the caller) gives the RL run's config by :func:`derived_config`;
     one environment plays the held-out games of the three evaluations (engine/run/heldout.py, no Trainer); the base
@@ -251,7 +252,7 @@ def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
     from alignopsd.engine.run.process import Dist, pick_device, process_settings
 
     stream = stream if stream is not None else sys.stdout
-    times = {} if times is None else times
+    stages = StageLog() if stages is None else stages
     sft_out = Path(args.warm_start) if args.warm_start else sft_out
     rl_cfg = derived_config(cfg, model={"name": str(sft_out)}, trainer={"val_after_train": False})
     device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
@@ -261,21 +262,21 @@ def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
     games = heldout_games(cfg)
     try:
         rows, chosen = _warm_stages(
-            cfg, rl_cfg, args, sft_out, tokenizer, games, times, stream, device=device, dist=dist
+            cfg, rl_cfg, args, sft_out, tokenizer, games, stages, stream, device=device, dist=dist
         )
-        rows.update(_rl_stage(rl_cfg, games, times, stream, dist=dist, chosen=chosen))
+        rows.update(_rl_stage(rl_cfg, games, stages, stream, dist=dist, chosen=chosen))
     finally:
         games.close()
         dist.close()
-    table = heldout_table(rows, times)
+    table = heldout_table(rows, stages.seconds, stages.peaks)
     print(table, file=stream, flush=True)
     if rl_cfg.trainer.report:
         write_report(rl_cfg.out_dir, title=f"{rl_cfg.name}: {rl_cfg.algorithm_name()}", extra=table)
-    return {"heldout": rows, "times": times}
+    return {"heldout": rows, "times": stages.seconds, "peaks": stages.peaks}
 
 
 def _warm_stages(
-    cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stream, *, device, dist
+    cfg, rl_cfg, args, sft_out: Path, tokenizer, games, stages: StageLog, stream, *, device, dist
 ) -> tuple[dict, RowsChoice | None]:
     """The base model's evaluation, the warm start and its evaluation, on one policy (see :func:`run_pipeline`);
     returns the held-out rows and the packed-or-padded rows the warm start measured (None: not measured), which the
@@ -286,46 +287,44 @@ def _warm_stages(
     policy = build_warm_start_policy(cfg, device, steps=args.steps, lr=args.lr, world_size=dist.world_size)
     rows = {
         f"base ({cfg.model.name})": _heldout(
-            cfg, policy, tokenizer, games, "base", times, stream, device=device, dist=dist
+            cfg, policy, tokenizer, games, "base", stages, stream, device=device, dist=dist
         )
     }
     if args.warm_start:  # given: its own weights, loaded as the RL run will load them
         del policy
         policy = build_policy(rl_cfg, device, dist.world_size)
     else:
-        t0 = time.perf_counter()
-        warm_start(
-            cfg,
-            policy,
-            tokenizer,
-            sft_out,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            stream=stream,
-            write=dist.rank == 0,
-        )
-        dist.barrier()
-        times["warm start"] = time.perf_counter() - t0
+        with stages.stage("warm start"):
+            warm_start(
+                cfg,
+                policy,
+                tokenizer,
+                sft_out,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                stream=stream,
+                write=dist.rank == 0,
+            )
+            dist.barrier()
     rows["after warm start"] = _heldout(
-        rl_cfg, policy, tokenizer, games, "warm start", times, stream, device=device, dist=dist
+        rl_cfg, policy, tokenizer, games, "warm start", stages, stream, device=device, dist=dist
     )
     return rows, policy.rows.choice
 
 
-def _rl_stage(rl_cfg, games, times: dict, stream, *, dist, chosen: RowsChoice | None = None) -> dict:
+def _rl_stage(rl_cfg, games, stages: StageLog, stream, *, dist, chosen: RowsChoice | None = None) -> dict:
     """The RL run from the warm start, its policy's evaluation and the report (see :func:`run_pipeline`)."""
     from alignopsd.engine.run.trainer import Trainer
 
-    t0 = time.perf_counter()
-    trainer = Trainer(rl_cfg, dist=dist, stream=stream, rows=chosen)
-    trainer.fit()
-    times["RL steps"] = time.perf_counter() - t0
+    with stages.stage("RL steps"):
+        trainer = Trainer(rl_cfg, dist=dist, stream=stream, rows=chosen)
+        trainer.fit()
     parts = trainer.parts  # its environment and generator closed with the run; the trained policy stays
     label = f"after {rl_cfg.trainer.total_steps} RL steps"
     rows = {
         label: _heldout(
-            rl_cfg, parts.policy, parts.tokenizer, games, "RL", times, stream, device=trainer.device, dist=dist
+            rl_cfg, parts.policy, parts.tokenizer, games, "RL", stages, stream, device=trainer.device, dist=dist
         )
     }
     return rows
@@ -395,18 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `alignopsd train`
-    times: dict[str, float] = {}
+    stages = StageLog()
     if args.easy_games:
-        t0 = time.perf_counter()
-        cfg = derived_config(cfg, env={"data_dir": str(easy_games_root(cfg)[0])})
-        times["games"] = time.perf_counter() - t0
+        with stages.stage("games"):
+            cfg = derived_config(cfg, env={"data_dir": str(easy_games_root(cfg)[0])})
     out = Path(args.out) if args.out else cfg.out_dir / "sft"
     try:
         if not args.pipeline:
             run_sft(cfg, out, steps=args.steps, lr=args.lr, batch_size=args.batch_size)
             print(f"[sft] checkpoint: {out}")
             return 0
-        run_pipeline(cfg, args, out, times=times)
+        run_pipeline(cfg, args, out, stages=stages)
     except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
         return report_write_failure(exc, "alignopsd sft")
     return 0

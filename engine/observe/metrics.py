@@ -29,6 +29,7 @@ PROGRESS_KEYS = (
     ("episode/valid_action_rate", "valid", "{:.3f}"),
     ("actor/loss", "loss", "{:+.4f}"),
     ("time/step", "time", "{:.1f}s"),
+    ("memory/peak_rss_gib", "peak mem", "{:.1f} GiB"),
 )
 
 

@@ -32,6 +32,11 @@ tests/engine/fake_cuda.py): each step's counts come
 back as ``host_syncs/<phase>`` metrics and the profile summary reports their mean per step. The profiler's own
 synchronisations at the phase edges are not counted.
 
+Memory: each step and each phase records the process's peak resident memory while it ran (engine/observe/memory.py:
+the process's high-water mark, reset at each edge, so nested scopes stay exact): ``memory/peak_rss_gib`` for the step
+(shown on the progress line) and ``memory/peak_rss_gib/<phase>`` for each phase that ran, both the maximum over ranks;
+the profile summary keeps each phase's largest peak.
+
 ``overhead_vs_grpo = alignment_seconds / (step_seconds - alignment_seconds)``, where the
 alignment phases are those a GRPO step does not run. The ``alignopsd profile`` command that prints these
 tables lives in engine/commands/profile.py.
@@ -46,8 +51,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from alignopsd.engine.observe.memory import GIB, PeakScope
 
-from alignopsd.reduction import slowest, summed
+from alignopsd.reduction import extreme_max, slowest, summed
 
 PHASES = (
     "rollout_generation",
@@ -141,14 +147,21 @@ class StepProfiler:
         self.history: list[dict[str, float]] = []
         self.step_seconds: list[float] = []
         self.sync_history: list[dict[str, int]] = []  # host syncs per phase of each step (with a sync counter)
+        self.peak_history: list[dict[str, int]] = []  # peak resident bytes of each phase that ran ("step": the step's)
         self._current: dict[str, float] = defaultdict(float)
+        self._peaks: dict[str, int] = {}
         self._t0: float | None = None
         self._sync0: dict[str, int] | None = None
+        self._scope: PeakScope | None = None
 
     def start_step(self) -> None:
         self._current = defaultdict(float)
+        self._peaks = {}
         self._t0 = time.perf_counter()
         self._sync0 = _sync_totals()
+        if self._scope is not None:  # a step that raised before its end
+            self._scope.__exit__(None, None, None)
+        self._scope = PeakScope().__enter__()
 
     @contextmanager
     def phase(self, name: str):
@@ -159,13 +172,14 @@ class StepProfiler:
         synchronize()
         t = time.perf_counter()
         _PHASE.append(name)
-        with torch.profiler.record_function(f"phase/{name}"):
+        with torch.profiler.record_function(f"phase/{name}"), PeakScope() as mem:
             try:
                 yield
             finally:
                 _PHASE.pop()
                 synchronize()
                 self._current[name] += time.perf_counter() - t
+        self._peaks[name] = max(self._peaks.get(name, 0), mem.peak)
 
     def add(self, name: str, seconds: float) -> None:
         """Account time measured elsewhere (e.g. environment time inside the rollout loop)."""
@@ -186,6 +200,14 @@ class StepProfiler:
         self.step_seconds.append(total)
         self._t0 = None
         out = {**{f"time/{k}": slowest(v) for k, v in phases.items()}, "time/step": slowest(total)}
+        if self._scope is not None:
+            self._scope.__exit__(None, None, None)
+            self._peaks["step"], self._scope = self._scope.peak, None
+            self.peak_history.append(dict(self._peaks))
+            out["memory/peak_rss_gib"] = extreme_max(self._peaks["step"] / GIB, 1)
+            out.update(
+                {f"memory/peak_rss_gib/{k}": extreme_max(v / GIB, 1) for k, v in self._peaks.items() if k != "step"}
+            )
         now = _sync_totals()
         if self._sync0 is not None and now is not None:
             syncs = {k: now.get(k, 0) - self._sync0.get(k, 0) for k in (*PHASES, OUTSIDE)}
@@ -202,9 +224,12 @@ def summarize(
     skip: int = 0,
     counts: list[dict[str, float]] | None = None,
     syncs: list[dict[str, int]] | None = None,
+    peaks: list[dict[str, int]] | None = None,
 ) -> dict:
     """Mean seconds per step of each phase, the step time and the alignment overhead (profile JSON).
 
+    ``peaks``: peak resident bytes per phase of each step (``StepProfiler.peak_history``): the largest over the steps
+    (all of them, warm-up included: memory is not a rate) into ``summary["peak_rss_gib"]`` (``"step"``: the steps').
     ``counts``: per-step quantities (rows, token lengths; one dict per step, aligned with ``history``), averaged
     over the same steps into ``summary["counts"]`` (a key missing in a step is averaged over the steps that have it).
     ``syncs``: host syncs per phase of each step (``StepProfiler.sync_history``, aligned with ``history``),
@@ -238,6 +263,9 @@ def summarize(
         mean = {k: sum(s.get(k, 0) for s in kept_s) / len(kept_s) for k in (*PHASES, OUTSIDE)}
         out["host_syncs"] = {k: v for k, v in mean.items() if v}
         out["host_syncs_total"] = sum(mean.values())
+    if peaks:
+        names = [k for k in ("step", *PHASES) if any(k in p for p in peaks)]
+        out["peak_rss_gib"] = {k: max(p.get(k, 0) for p in peaks) / GIB for k in names}
     return out
 
 
@@ -266,6 +294,10 @@ def format_table(summary: dict, title: str = "") -> str:
     if "host_syncs_total" in summary:
         per = ", ".join(f"{LABELS.get(k, k)} {v:g}" for k, v in summary["host_syncs"].items())
         lines.append(f"host syncs per step (host waits for the device): {summary['host_syncs_total']:g} ({per})")
+    if summary.get("peak_rss_gib"):
+        mem = summary["peak_rss_gib"]
+        per = ", ".join(f"{LABELS.get(k, k)} {v:.2f}" for k, v in mem.items() if k != "step")
+        lines.append(f"peak resident memory (GiB): step {mem.get('step', 0.0):.2f} ({per})")
     return "\n".join(lines)
 
 
@@ -311,7 +343,7 @@ def format_side_by_side(summaries: dict[str, dict], *, ratio: bool = False) -> s
 
 
 SUMMARY_KEYS = ("phases", "step_seconds", "alignment_seconds", "overhead_vs_grpo", "counts", "host_syncs",
-                "host_syncs_total")  # fmt: skip
+                "host_syncs_total", "peak_rss_gib")  # fmt: skip
 
 
 def write_json(summary: dict, path: str | Path) -> None:

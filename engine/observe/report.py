@@ -15,6 +15,7 @@ import json
 import math
 from pathlib import Path
 
+from alignopsd.engine.observe.memory import gib
 from alignopsd.engine.observe.metrics import read_metrics
 from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, LABELS, PHASES
 
@@ -168,8 +169,11 @@ def final_table(train: list[dict], val: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def heldout_table(rows: dict[str, dict], times: dict[str, float] | None = None) -> str:
-    """Markdown section: held-out success per stage (same games for every row), then the stage times.
+def heldout_table(
+    rows: dict[str, dict], times: dict[str, float] | None = None, peaks: dict[str, int] | None = None
+) -> str:
+    """Markdown section: held-out success per stage (same games for every row), then the stage times and, when given,
+    each stage's peak resident memory (``peaks``: bytes) and the run's.
 
     ``rows``: stage label -> {"success", "valid", "turns", "episodes"} (None where unknown).
     """
@@ -184,7 +188,11 @@ def heldout_table(rows: dict[str, dict], times: dict[str, float] | None = None) 
             f"| {label} | {r.get('episodes', 0)} | {_fmt(r.get('success'))} | {_fmt(r.get('valid'))} | "
             f"{_fmt(r.get('turns'))} |"
         )
-    if times:
+    if times and peaks:
+        lines += ["", "| stage | seconds | peak resident memory |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v:.0f} | {gib(peaks.get(k))} |" for k, v in times.items()]
+        lines.append(f"| **total** | **{sum(times.values()):.0f}** | **{gib(max(peaks.values()))}** |")
+    elif times:
         lines += ["", "| stage | seconds |", "|---|---:|"]
         lines += [f"| {k} | {v:.0f} |" for k, v in times.items()]
         lines.append(f"| **total** | **{sum(times.values()):.0f}** |")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from alignopsd.engine.observe.memory import PeakScope, gib
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.run.policy_builders import OptimizerSettings, build_policy
@@ -66,24 +67,27 @@ def train_supervised(
     losses: list[float] = []
     tokens, t0 = 0, time.perf_counter()
     trial = PackingTrial(policy, policy.layout.dp_group, policy.layout.dp_size, what="warm start")
-    for step in range(1, steps + 1):
-        if len(order) < batch_size:
-            more = list(range(len(examples)))
-            rng.shuffle(more)
-            order += more
-        batch = [examples[i] for i in order[:batch_size]]
-        del order[:batch_size]
-        out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP, fused=fused, trial=trial)
-        losses.append(out["loss"])
-        tokens += sum(len(p) + len(r) for p, r in batch)
-        if lead and (step % log_every == 0 or step == steps):
-            dt = time.perf_counter() - t0
-            print(
-                f"[sft] step {step:4d}/{steps} | loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f} | "
-                f"{tokens / dt:.0f} tok/s | {dt:.0f}s" + (f" | {left}" if (left := time_left(dt, step, steps)) else ""),
-                file=stream,
-                flush=True,
-            )
+    with PeakScope() as mem:  # the peak resident memory since the first step, on every progress line
+        for step in range(1, steps + 1):
+            if len(order) < batch_size:
+                more = list(range(len(examples)))
+                rng.shuffle(more)
+                order += more
+            batch = [examples[i] for i in order[:batch_size]]
+            del order[:batch_size]
+            out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP, fused=fused, trial=trial)
+            losses.append(out["loss"])
+            tokens += sum(len(p) + len(r) for p, r in batch)
+            if lead and (step % log_every == 0 or step == steps):
+                dt = time.perf_counter() - t0
+                left = time_left(dt, step, steps)
+                print(
+                    f"[sft] step {step:4d}/{steps} | loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f} | "
+                    f"{tokens / dt:.0f} tok/s | {dt:.0f}s | peak mem {gib(mem.read())}"
+                    + (f" | {left}" if left else ""),
+                    file=stream,
+                    flush=True,
+                )
     return losses
 
 
