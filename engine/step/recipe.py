@@ -38,7 +38,7 @@ from alignopsd.engine.step.whole_batch import globalise_spans, whole_batch
 from torch import Tensor
 
 from alignopsd.canonical import canonicalize
-from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec, rectify_inputs
+from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorPhases, EstimatorSpec, rectify_inputs
 from alignopsd.losses import rollout_mismatch_metrics
 from alignopsd.reduction import same, summed, weighted_mean
 from alignopsd.samples import recording_samples
@@ -171,7 +171,13 @@ def padding_fraction(stats: dict, name: str) -> dict[str, float]:
 
 
 def estimate(
-    parts: Components, cb: TurnBatch, old_logp: Tensor, m1: M1Result | None, step: int, phases: dict, counts: Tensor
+    parts: Components,
+    cb: TurnBatch,
+    old_logp: Tensor,
+    m1: M1Result | None,
+    step: int,
+    phases: EstimatorPhases,
+    counts: Tensor,
 ) -> tuple[EstimatorOutput, list[int], dict[str, float]]:
     """Run the configured estimator; returns (its output, span lengths of the M2 segments, metrics).
 
