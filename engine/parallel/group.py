@@ -33,9 +33,11 @@ def restart_count() -> int | None:
         return 0
 
 
-def start_process_group(backend: str) -> None:
-    """``init_process_group(backend)`` from torchrun's environment, under this attempt's own store prefix when the
+def start_process_group(device_kind: str) -> None:
+    """The process group of processes on ``device_kind`` devices ("cuda", "cpu"), from torchrun's environment: NCCL
+    on CUDA, gloo elsewhere (the one place that choice is made); under this attempt's own store prefix when the
     agent's store outlives the attempts."""
+    backend = "nccl" if device_kind == "cuda" else "gloo"
     restart = restart_count()
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from alignopsd.engine.parallel.collectives import collective_device
 from torch import Tensor
 
 
@@ -87,17 +88,6 @@ class _LeadFailure:
         )
 
 
-def _object_device(group) -> torch.device | None:
-    """The device object collectives of ``group`` stage through: the current CUDA device under NCCL (torch
-    requires ``torch.cuda.set_device`` to have been called; it is, before the process group is made), else the
-    CPU (None: torch's default)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
 def broadcast_from_lead(policy, make: Callable[[], Any], device: torch.device | None = None) -> Any:
     """``make()`` on the group's first rank, its result (tensors on the CPU, or on ``device`` when given) on every
     rank of the group, the first included (so every rank holds the same bits).
@@ -118,7 +108,7 @@ def broadcast_from_lead(policy, make: Callable[[], Any], device: torch.device | 
             box[0] = _to_cpu(make())
         except Exception as exc:  # noqa: BLE001 - sent to the group, then raised here too
             failure, box[0] = exc, _LeadFailure(exc, src)
-    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    dist.broadcast_object_list(box, src=src, group=group, device=collective_device(group))
     if failure is not None:
         raise failure
     if isinstance(box[0], _LeadFailure):
@@ -139,7 +129,7 @@ def share_lead_outcome(policy, error: BaseException | None) -> None:
     import torch.distributed as dist
 
     box: list[Any] = [_LeadFailure(error, src) if (is_group_lead(policy) and error is not None) else None]
-    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    dist.broadcast_object_list(box, src=src, group=group, device=collective_device(group))
     if error is not None:
         raise error
     if isinstance(box[0], _LeadFailure):
