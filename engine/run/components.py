@@ -45,7 +45,7 @@ def hf_model_of(policy: PolicyBackend) -> nn.Module:
 def needs_hf_copy(cfg: RunConfig) -> bool:
     """A Megatron-trained policy keeps a full Hugging Face copy of its weights only for Hugging Face generation
     (student and teacher rollouts sample from it), and then only on the first rank of each tensor-parallel group,
-    which samples for the group (engine/parallel/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
+    which samples for the group (engine/step/group_sampling.py). Nothing else reads it: old log-probs, teacher forcing
     and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
     return cfg.generation.backend in ("hf", "choice")
 
@@ -206,7 +206,7 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
     """Generation backend factory (``generation.backend``): hf | vllm | choice. Under tensor parallelism only the
-    first rank of each group generates (engine/parallel/tp_broadcast.py), so only it builds an engine: None on the
+    first rank of each group generates (engine/step/group_sampling.py), so only it builds an engine: None on the
     group's
     other ranks.
     A vLLM engine starts from the weights on disk; :func:`build_components` pushes the policy's into it."""
