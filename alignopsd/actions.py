@@ -5,8 +5,8 @@ the environment has one, by a rule on the two action strings.
 The rule is a pair rule (:data:`ActionRule`): ``rule(source_action, target_action) -> keep``. An environment supplies
 its own (the engine's environment registry names it in the environment's row); the method itself defines one, the
 WebShop search/click rule of §2.5 (:func:`webshop_actions_agree`, also ``action_filter(..., webshop=True)``). That
-rule reads the action text as the method states it, case-sensitively (§7.18); how the WebShop environment reads its
-actions (case-insensitively, to step its pages) is the environment's own grammar.
+rule reads the action text as the method states it, case-sensitively (§7.18); the WebShop environment reads its actions
+with the same grammar (:data:`WEBSHOP_ACTION_RE`), case-insensitively, to step its pages.
 
 Legend: M = canonical turns, P = selected (source, target) pairs.
 """
@@ -23,13 +23,23 @@ from torch import Tensor
 from alignopsd._checks import as_tensor, check_ndim, check_shape, check_turn_vector
 from alignopsd.selection import pairs_from_selection
 
-__all__ = ["ActionRule", "action_filter", "parse_webshop_action", "validate_action_threshold", "webshop_actions_agree"]
+__all__ = [
+    "WEBSHOP_ACTION_RE",
+    "ActionRule",
+    "action_filter",
+    "parse_webshop_action",
+    "validate_action_threshold",
+    "webshop_actions_agree",
+]
 
 ActionRule = Callable[[str | None, str | None], bool]
 """A pair rule of the filter: (teacher action of the source, student action of the target) -> keep the pair. Either
 action may be None or whitespace only (an invalid action): the filter has already rejected such a pair."""
 
-_WEBSHOP_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
+WEBSHOP_ACTION_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
+"""WebShop's action grammar: the whole action is ``search[...]`` or ``click[...]`` (no space before the bracket), with
+optional spaces around it; group 1 is the verb, group 2 the argument. The method's rule matches it against the raw
+text (case-sensitive); the WebShop environment matches it against the lower-cased text (engine/envs/webshop/env.py)."""
 
 
 def validate_action_threshold(threshold) -> float:
@@ -49,7 +59,7 @@ def parse_webshop_action(action: str | None) -> tuple[str, str] | None:
     """
     if not isinstance(action, str):
         return None
-    m = _WEBSHOP_RE.fullmatch(action)
+    m = WEBSHOP_ACTION_RE.fullmatch(action)
     if m is None:
         return None
     arg = m.group(2).strip()

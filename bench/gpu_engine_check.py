@@ -23,6 +23,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from alignopsd.estimators import EstimatorPhases
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -71,7 +75,7 @@ def engine_cases() -> list[tuple[str, list[str]]]:
     return cases
 
 
-def expected_phases(declared) -> list[str]:
+def expected_phases(declared: EstimatorPhases) -> list[str]:
     """Profiler phases a step must spend time in, given the estimator's ``phases()`` declaration."""
     out = ["rollout_generation", "environment", "old_logprob", "update", "weight_sync"]
     out.append("m2" if declared.mechanism2 else "advantage")

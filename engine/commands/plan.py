@@ -26,12 +26,7 @@ from dataclasses import replace
 
 from alignopsd.engine.cost.cost_model import PhaseWork, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, gpu_limits, phase_seconds
-
-ORDER = ("rollout_generation", "old_logprob", "reference", "teacher_generation", "teacher_forcing", "update")
-LABELS = {"rollout_generation": "rollout generation", "old_logprob": "old log-prob", "reference": "reference log-prob",
-          "teacher_generation": "teacher generation *", "teacher_forcing": "teacher forcing *",
-          "update": "PPO update"}  # fmt: skip
-ALIGNMENT = ("teacher_generation", "teacher_forcing")
+from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, PHASES, phase_label
 
 
 def plan_times(work: dict[str, PhaseWork], lim: DeviceLimits, cf: float, bf: float) -> dict[str, float]:
@@ -42,7 +37,7 @@ def summary(work, times: dict[str, float], *, world: int, tokens: float, total_s
     """Step seconds, GRPO step, overhead, tokens/s/GPU and GPU-hours of a plan (``tokens``: training tokens per
     step over all groups)."""
     step = sum(times.values())
-    align = sum(times.get(k, 0.0) for k in ALIGNMENT)
+    align = sum(times.get(k, 0.0) for k in ALIGNMENT_PHASES)
     grpo = step - align
     return {
         "step": step,
@@ -59,13 +54,13 @@ def format_phases(work: dict[str, PhaseWork], times: dict[str, float]) -> list[s
         "| phase | GFLOP | GB read | decoded tokens | bound | s/step | share |",
         "|---|---:|---:|---:|---|---:|---:|",
     ]
-    for k in ORDER:
+    for k in PHASES:
         if k not in work:
             continue
         w, t = work[k], times[k]
         bound = "bytes (decode)" if w.decode_bound else "FLOPs"
         lines.append(
-            f"| {LABELS[k]} | {w.flops / 1e9:,.0f} | {w.bytes / 1e9:,.0f} | {w.decoded_tokens:,.0f} | "
+            f"| {phase_label(k, mark=True)} | {w.flops / 1e9:,.0f} | {w.bytes / 1e9:,.0f} | {w.decoded_tokens:,.0f} | "
             f"{bound} | {t:,.1f} | {100 * t / step:.1f}% |"
         )
     lines.append(f"| **step** | | | | | **{step:,.1f}** | 100% |")
@@ -78,7 +73,9 @@ def padding_line(fraction: float, times: dict[str, float], free: dict[str, float
         return "padding: none (padding-free rows)"
     saved = sum(times.values()) - sum(free.values())
     parts = ", ".join(
-        f"{LABELS[k]} {times[k]:,.1f} -> {free[k]:,.1f} s" for k in ORDER if k in times and times[k] != free[k]
+        f"{phase_label(k, mark=True)} {times[k]:,.1f} -> {free[k]:,.1f} s"
+        for k in PHASES
+        if k in times and times[k] != free[k]
     )
     return (
         f"padding: {fraction:.1%} of the scoring and update positions; in padding-free rows {parts}: the step "

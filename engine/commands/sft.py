@@ -37,13 +37,15 @@ from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.observe.memory import StageLog
 from alignopsd.engine.run.warm_start import SFT_MARKER
 from alignopsd.engine.tokens.layout import truncate_left
+from alignopsd.engine.tokens.special import token_ids
 
 
-def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids) of one example; the prompt exactly as the rollout tokenises it."""
+def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int, *, eos_id: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of one example; the prompt exactly as the rollout tokenises it, the response
+    closed with ``eos_id`` (the end-of-turn id of engine/tokens/special.py)."""
     ids = tokenizer(chat_text(tokenizer, turn.user_text), add_special_tokens=False)["input_ids"]
     ids, _ = truncate_left(ids, max_prompt_length)
-    resp = tokenizer(turn.response, add_special_tokens=False)["input_ids"] + [int(tokenizer.eos_token_id)]
+    resp = tokenizer(turn.response, add_special_tokens=False)["input_ids"] + [int(eos_id)]
     return ids, resp
 
 
@@ -106,7 +108,8 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
         )
     finally:
         manager.close()
-    return turns, [encode_turn(tokenizer, t, cfg.env.max_prompt_length) for t in turns]
+    eos = token_ids(tokenizer).end_of_turn("close an expert response")
+    return turns, [encode_turn(tokenizer, t, cfg.env.max_prompt_length, eos_id=eos) for t in turns]
 
 
 def warm_start(
@@ -124,7 +127,7 @@ def warm_start(
     losses = train_supervised(
         policy,
         examples,
-        pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id),
+        pad_id=token_ids(tokenizer).pad,
         steps=steps,
         batch_size=batch_size,
         seed=cfg.trainer.seed,

@@ -22,11 +22,8 @@ from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, pre
 from alignopsd.engine.cost.cost_model import PhaseWork, StepCounts, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, phase_seconds
 from alignopsd.engine.cost.model_shapes import ModelShape
+from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, phase_label
 
-LABELS = {"rollout_generation": "rollout generation", "old_logprob": "old log-prob", "reference": "reference log-prob",
-          "teacher_generation": "teacher generation", "teacher_forcing": "teacher forcing",
-          "update": "PPO update"}  # fmt: skip
-ALIGNMENT_WORK = ("teacher_generation", "teacher_forcing")
 RESEMBLES = {"teacher_generation": "rollout_generation", "teacher_forcing": "old_logprob"}
 EFFICIENCY_GOAL = 0.8  # an alignment phase's efficiency over its GRPO counterpart's
 PREDICTION_BAND = 0.3  # predicted within +-30 % of measured ...
@@ -125,15 +122,15 @@ def format_efficiency(
         bw = f"{r['bytes'] / s / 1e9:,.2f}" if s > 0 and r["bytes"] else "–"
         mark = " (decode-bound)" if r["decode_bound"] else ""
         out.append(
-            f"| {LABELS[r['phase']]}{mark} | {s:.3f} | {_g(r['flops'])} | {_g(r['bytes'])} | "
+            f"| {phase_label(r['phase'])}{mark} | {s:.3f} | {_g(r['flops'])} | {_g(r['bytes'])} | "
             f"{r['decoded']:,.0f} | {rate} | {bw} | {r['floor']:.3f} | "
             f"{100 * r['efficiency']:.1f}% |"
         )
     out += ["", f"limits: {lim.describe()}"]
     by = {r["phase"]: r for r in rows}
-    align_floor = sum(by[k]["floor"] for k in ALIGNMENT_WORK if k in by)
+    align_floor = sum(by[k]["floor"] for k in ALIGNMENT_PHASES if k in by)
     if align_floor > 0:
-        rest_floor = sum(r["floor"] for r in rows if r["phase"] not in ALIGNMENT_WORK)
+        rest_floor = sum(r["floor"] for r in rows if r["phase"] not in ALIGNMENT_PHASES)
         out.append(
             f"alignment overhead: measured {100 * summary['overhead_vs_grpo']:.1f}% "
             f"(alignment phases {summary['alignment_seconds']:.3f} s over the rest "
@@ -150,7 +147,7 @@ def format_efficiency(
             if a in by and g in by and by[g]["efficiency"] > 0:
                 ratio = by[a]["efficiency"] / by[g]["efficiency"]
                 out.append(
-                    f"| {LABELS[a]} | {100 * by[a]['efficiency']:.1f}% | {LABELS[g]} | "
+                    f"| {phase_label(a)} | {100 * by[a]['efficiency']:.1f}% | {phase_label(g)} | "
                     f"{100 * by[g]['efficiency']:.1f}% | {ratio:.2f} | "
                     f"{'met' if ratio >= EFFICIENCY_GOAL else 'not met'} |"
                 )
@@ -176,7 +173,9 @@ def format_prediction(summary: dict, rows: list[dict], predicted: dict[str, floa
             verdict = "yes" if abs(ratio - 1) <= PREDICTION_BAND else "no"
         else:
             verdict = "(under 5% of the step)"
-        out.append(f"| {LABELS[r['phase']]} | {s:.3f} | {100 * share:.1f}% | {pred:.3f} | {ratio:.2f} | {verdict} |")
+        out.append(
+            f"| {phase_label(r['phase'])} | {s:.3f} | {100 * share:.1f}% | {pred:.3f} | {ratio:.2f} | {verdict} |"
+        )
     return "\n".join(out)
 
 

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from alignopsd.engine.cost.cost_model import StepCounts
+from alignopsd.engine.parallel.split import check_split
 
 # The quickstart (configs/quickstart_cpu.yaml from its 60-step warm start), AlignOPSD step, per step: measured means
 # and the config's maxima they are read against (bench/results/overhead-2026-12-02-warm.md, last section: lengths,
@@ -57,12 +58,13 @@ def layout(cfg, world_size: int) -> Layout:
             f"allowed: a positive multiple of {tp}"
         )
     dp = world_size // tp
-    if cfg.env.tasks_per_step % dp:
-        raise ValueError(
-            f"--world-size: {world_size} gives {dp} data-parallel groups, which do not divide "
-            f"env.tasks_per_step {cfg.env.tasks_per_step}; allowed: world sizes {tp} x a divisor "
-            "of it"
-        )
+    check_split(
+        cfg.env.tasks_per_step,
+        dp,
+        key="env.tasks_per_step",
+        items="tasks per step",
+        groups_from=f"--world-size {world_size} / policy.tensor_parallel_size {tp}",
+    )
     return Layout(world_size, tp, dp)
 
 

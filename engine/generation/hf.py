@@ -43,6 +43,7 @@ from alignopsd.engine.generation.decode_cache import (
 from alignopsd.engine.generation.prefix import plan_prefixes
 from alignopsd.engine.generation.prompt_cache import PromptChunk, PromptKV, distinct_prompts
 from alignopsd.engine.policy.lm_head import transformer_body
+from alignopsd.engine.tokens.special import token_ids
 from torch import Tensor
 
 
@@ -131,7 +132,9 @@ class HFGenerator:
     """Batched sampling from a transformers causal LM (implements ``GenerationBackend``).
 
     ``model`` may be the trainer's own model object: generation runs under ``torch.inference_mode`` in eval
-    mode and restores the training flag afterwards, so weights are shared with no copy.
+    mode and restores the training flag afterwards, so weights are shared with no copy. It stops on
+    ``eos_token_ids`` (default: the model's and the tokenizer's EOS ids) and pads rows with the pad id of
+    engine/tokens/special.py (``pad_token_id`` wins where given).
     """
 
     def __init__(
@@ -151,10 +154,7 @@ class HFGenerator:
         self.max_batch_size = max_batch_size
         self.max_model_len = int(max_model_len or getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
-        pad = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = min(self.eos_token_ids) if self.eos_token_ids else 0
-        self.pad_token_id = int(pad)
+        self.pad_token_id = token_ids(tokenizer, stop=self.eos_token_ids, pad=pad_token_id).pad
         self.tokens_generated = 0  # running count, for throughput metrics
         self.share_prefixes = True  # push a prefix shared by several rows once (engine/generation/prefix.py)
         self.fast_decode = True  # keep shared prefixes once, decode by grouped matmuls where supported (the CPU)

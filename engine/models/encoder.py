@@ -24,6 +24,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -75,6 +76,15 @@ def _dtype_kwarg() -> str:
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+class TextEncoder(Protocol):
+    """What the step reads of a thinking encoder (:class:`ThinkingEncoder`, or the tensor-parallel group's wrapper
+    that hands every rank its first rank's embeddings: engine/step/group_sampling.py)."""
+
+    def encode(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        """``(emb [N, D] fp32 L2-normalised, valid [N] bool)`` of ``texts``."""
+        ...
 
 
 class ThinkingEncoder:

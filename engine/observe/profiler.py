@@ -25,6 +25,10 @@ update                 PPO forward/backward and optimiser steps                 
 weight_sync            pushing updated weights to the generation engine           yes
 =====================  =========================================================  ===========
 
+The names (:data:`PHASES`), their labels (:func:`phase_label`) and the alignment set (:data:`ALIGNMENT_PHASES`) are
+written here only: the report, the efficiency table (engine/cost/efficiency.py) and the plan
+(engine/commands/plan.py) read them from here.
+
 Host synchronisations (the host waiting for the device: ``.item()``, ``.tolist()``, copies to the host,
 data-dependent output sizes) are counted per phase when a sync counter is registered
 (:func:`register_sync_counter`: engine/observe/cuda_syncs.py on a CUDA device, or the test suite's fake CUDA device,
@@ -86,6 +90,18 @@ LABELS = {
     "update": "PPO update",
     "weight_sync": "weight sync",
 }
+
+
+def phase_label(name: str, *, mark: bool = False) -> str:
+    """The tables' label of phase ``name``; ``mark``: followed by `` *`` when it is an alignment phase (the tables'
+    footnote)."""
+    return LABELS[name] + (" *" if mark and name in ALIGNMENT_PHASES else "")
+
+
+def check_phase(name: str) -> None:
+    """Refuse a phase name the profiler does not know, naming the allowed ones."""
+    if name not in PHASES:
+        raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
 
 
 _PHASE: list[str] = []  # the phases being timed, innermost last
@@ -167,8 +183,7 @@ class StepProfiler:
     def phase(self, name: str):
         """Time the enclosed block as phase ``name``; CUDA work queued inside is waited for at both edges, so
         asynchronous kernels are booked to the phase that launched them."""
-        if name not in PHASES:
-            raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
+        check_phase(name)
         synchronize()
         t = time.perf_counter()
         _PHASE.append(name)
@@ -183,8 +198,7 @@ class StepProfiler:
 
     def add(self, name: str, seconds: float) -> None:
         """Account time measured elsewhere (e.g. environment time inside the rollout loop)."""
-        if name not in PHASES:
-            raise ValueError(f"phase: unknown name {name!r}; allowed: {', '.join(PHASES)}")
+        check_phase(name)
         self._current[name] += float(seconds)
 
     def move(self, src: str, dst: str, seconds: float) -> None:
@@ -278,8 +292,7 @@ def format_table(summary: dict, title: str = "") -> str:
     lines += ["| phase | s/step | share |", "|---|---:|---:|"]
     for k in PHASES:
         v = summary["phases"][k]
-        mark = " *" if k in ALIGNMENT_PHASES else ""
-        lines.append(f"| {LABELS[k]}{mark} | {v:.3f} | {100 * v / step if step > 0 else 0:.1f}% |")
+        lines.append(f"| {phase_label(k, mark=True)} | {v:.3f} | {100 * v / step if step > 0 else 0:.1f}% |")
     other = step - sum(summary["phases"].values())
     lines.append(f"| (other: bookkeeping, logging) | {other:.3f} | {100 * other / step if step > 0 else 0:.1f}% |")
     lines.append(f"| **step** | **{step:.3f}** | 100% |")
@@ -329,7 +342,7 @@ def format_side_by_side(summaries: dict[str, dict], *, ratio: bool = False) -> s
             v = s["phases"][k]
             vals.append(v)
             cells.append(f"{v:.3f} | {100 * v / s['step_seconds'] if s['step_seconds'] > 0 else 0:.1f}%")
-        lines.append(row(f"{LABELS[k]}{' *' if k in ALIGNMENT_PHASES else ''}", cells, vals))
+        lines.append(row(phase_label(k, mark=True), cells, vals))
     steps = [summaries[n]["step_seconds"] for n in names]
     lines.append(row("**step**", [f"**{v:.3f}** | 100%" for v in steps], steps))
     over = [summaries[n]["overhead_vs_grpo"] for n in names]

@@ -40,15 +40,15 @@ def all_reduce(values: list[float], op: str, world_size: int, group=None) -> lis
         return list(values)
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     dist.all_reduce(t, op=red, group=group)
     return t.cpu().tolist()
 
 
-def _collective_device(group=None) -> torch.device:
-    """Where tensors of a collective over ``group`` live: this rank's current CUDA device under NCCL (set with
-    ``torch.cuda.set_device`` before the group was made), else the CPU."""
+def collective_device(group=None) -> torch.device:
+    """Where tensors of a collective over ``group`` live, and where object collectives stage: this rank's current
+    CUDA device under NCCL (set with ``torch.cuda.set_device`` before the group was made), else the CPU."""
     import torch.distributed as dist
 
     if dist.get_backend(group) == "nccl":
@@ -70,7 +70,7 @@ def all_gather_tensors(t: torch.Tensor, world_size: int, group=None) -> list[tor
         return [t]
     import torch.distributed as dist
 
-    dev = _collective_device(group)
+    dev = collective_device(group)
     x = t.detach().to(dev).contiguous()
     n = torch.tensor([x.shape[0]], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(world_size)]

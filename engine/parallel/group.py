@@ -6,7 +6,8 @@ outlives the workers), the keys the dead attempt's ranks wrote (gloo's and NCCL'
 are still there when the next attempt's ranks meet: a rank that reads its peer's address from the previous attempt
 connects to a dead socket (measured: gloo's ``connectFullMesh`` refused, then a group that never forms). So under
 torchrun each attempt meets under its own prefix of the store (``alignopsd/attempt_<TORCHELASTIC_RESTART_COUNT>``);
-outside torchrun, or with rank 0 hosting a new store every attempt, ``env://`` as usual.
+outside torchrun, or with rank 0 hosting a new store every attempt, ``env://`` as usual. The restart count is read
+here only (:func:`restart_count`; the run's attempt records in engine/run/restarts.py read it from here).
 """
 
 from __future__ import annotations
@@ -17,12 +18,27 @@ from datetime import timedelta
 import torch.distributed as dist
 
 STORE_TIMEOUT = timedelta(minutes=10)  # how long a rank waits for its peers to reach the store
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of the restarts of its worker group
 
 
-def start_process_group(backend: str) -> None:
-    """``init_process_group(backend)`` from torchrun's environment, under this attempt's own store prefix when the
+def restart_count() -> int | None:
+    """This attempt's place in its launch: torchrun's restart count (0 on a new launch, and where the count does not
+    read as a number), None outside torchrun."""
+    raw = os.environ.get(RESTART_COUNT)
+    if raw is None:
+        return None
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        return 0
+
+
+def start_process_group(device_kind: str) -> None:
+    """The process group of processes on ``device_kind`` devices ("cuda", "cpu"), from torchrun's environment: NCCL
+    on CUDA, gloo elsewhere (the one place that choice is made); under this attempt's own store prefix when the
     agent's store outlives the attempts."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    restart = restart_count()
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend)
         return

@@ -1,32 +1,29 @@
-"""One rollout per tensor-parallel group: the group's first rank samples, the others receive its results.
+"""The tensor-parallel group's broadcast: its first rank runs a part, the others receive what it produced.
 
 The ranks of a tensor-parallel group must train on the same batch. Sampling is not bitwise reproducible across
 processes on GPUs (vLLM, one engine per rank), and an environment can time out on one rank and not on another, so
 "every rank samples the same thing" is not something to rely on. Instead the group's first rank (tensor-parallel
-rank 0) runs each sampling part and broadcasts what it produced over the group (``broadcast_object_list``; on CPU
-tensors, so it works under gloo and NCCL alike):
-
-    rollout (student generation + environments + episode metrics)  -> :func:`group_rollout`
-    teacher generation and thinking encoding of the teacher pass     -> :func:`group_sampling`
+rank 0) runs each sampling part and broadcasts what it produced over the group (:func:`broadcast_from_lead`,
+``broadcast_object_list``; on CPU tensors, so it works under gloo and NCCL alike). The step's sampling parts built on
+it (the rollout, the teacher pass's generation and encoding) are the step's: engine/step/group_sampling.py.
 
 The data-dependent decisions after it are made once per group too, on its first rank, and broadcast: the M1 pair
 selection (similarity matrix, eligibility, pairs: ``teacher_pass.mechanism1``) and the estimator's output (M2's
 spans and the token advantages: ``step.estimate``). On GPUs these use atomics (``index_add_``), so two ranks
 recomputing them could pick different pairs or spans and run different forwards inside one tensor-parallel step.
 Everything else (old log-probs, teacher forcing through the sharded model, the update) runs on every rank of the
-group with identical inputs. The other ranks never generate (they hold no generation
-engine: ``components.build_generator``), never step an environment during training and never load the thinking
-encoder. Without tensor parallelism (no group, or a group of one)
-every function here is the plain call.
+group with identical inputs. A part that only the first rank can fail in, after collectives every rank takes part
+in (the weight sync), shares its outcome with :func:`share_lead_outcome`. Without tensor parallelism (no group, or a
+group of one) every function here is the plain call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from alignopsd.engine.parallel.collectives import collective_device
 from torch import Tensor
 
 
@@ -87,17 +84,6 @@ class _LeadFailure:
         )
 
 
-def _object_device(group) -> torch.device | None:
-    """The device object collectives of ``group`` stage through: the current CUDA device under NCCL (torch
-    requires ``torch.cuda.set_device`` to have been called; it is, before the process group is made), else the
-    CPU (None: torch's default)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
 def broadcast_from_lead(policy, make: Callable[[], Any], device: torch.device | None = None) -> Any:
     """``make()`` on the group's first rank, its result (tensors on the CPU, or on ``device`` when given) on every
     rank of the group, the first included (so every rank holds the same bits).
@@ -118,7 +104,7 @@ def broadcast_from_lead(policy, make: Callable[[], Any], device: torch.device | 
             box[0] = _to_cpu(make())
         except Exception as exc:  # noqa: BLE001 - sent to the group, then raised here too
             failure, box[0] = exc, _LeadFailure(exc, src)
-    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    dist.broadcast_object_list(box, src=src, group=group, device=collective_device(group))
     if failure is not None:
         raise failure
     if isinstance(box[0], _LeadFailure):
@@ -139,87 +125,8 @@ def share_lead_outcome(policy, error: BaseException | None) -> None:
     import torch.distributed as dist
 
     box: list[Any] = [_LeadFailure(error, src) if (is_group_lead(policy) and error is not None) else None]
-    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(group))
+    dist.broadcast_object_list(box, src=src, group=group, device=collective_device(group))
     if error is not None:
         raise error
     if isinstance(box[0], _LeadFailure):
         raise box[0].error()
-
-
-def group_rollout(parts, run: Callable[[], tuple]) -> tuple:
-    """The rollout phase once per tensor-parallel group: ``run()`` (returning the turn batch and its metrics) on
-    the group's first rank, broadcast to the others."""
-    return broadcast_from_lead(parts.policy, run)
-
-
-class LeadGenerator:
-    """A generation backend for the duration of a teacher pass: the group's first rank generates with the real
-    backend (``inner``; None on the other ranks, which hold none), every rank returns its output. The ranks of the
-    group call it with the same prompts (their batches are the group's one batch), so the calls line up."""
-
-    # it hands every rank the lead's output: no module sampled on this rank, no prompt cache kept for it
-    model = None
-    keeps_prompt_cache: bool = False
-
-    def __init__(self, inner, policy) -> None:
-        self.inner = inner
-        self.policy = policy
-
-    # no limit checked here: the lead's backend checks its own, and its error reaches every rank of the group
-    max_model_len: int = 1 << 62
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """The real backend's on the lead; empty elsewhere (only the lead builds rollouts)."""
-        return set() if self.inner is None else set(self.inner.eos_token_ids)
-
-    def generate(self, prompts: list[list[int]], sampling, *, keep_prompt_cache: bool = False):
-        """The lead's output on every rank (``keep_prompt_cache`` is ignored: the cache would be the lead's)."""
-        return broadcast_from_lead(self.policy, lambda: self.inner.generate(prompts, sampling))
-
-    def load_weights(self, state_dict) -> None:
-        if self.inner is None:
-            raise ValueError("generator: this rank holds no generation engine (weights go through sync_weights)")
-        self.inner.load_weights(state_dict)
-
-    def sleep(self) -> None:
-        """The group's engine (on its first rank) gives back its memory (see ``Components.release_generation``)."""
-        if self.inner is not None:
-            self.inner.sleep()
-
-    def close(self) -> None:
-        """The wrapper holds nothing: the run closes the real backend."""
-
-    def prefill_counts(self) -> dict[str, int]:
-        """The real backend's counts on the lead; empty elsewhere (only the lead's metrics are written)."""
-        return {} if self.inner is None else self.inner.prefill_counts()
-
-
-class LeadEncoder:
-    """The thinking encoder for the duration of a teacher pass: the group's first rank encodes with the real
-    encoder (``inner``; loaded there only, None elsewhere), every rank gets the embeddings and validity on
-    ``device``."""
-
-    def __init__(self, inner, policy, device: torch.device) -> None:
-        self.inner = inner
-        self.policy = policy
-        self.device = device
-
-    def encode(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        emb, valid = broadcast_from_lead(self.policy, lambda: self.inner.encode(texts))
-        return emb.to(self.device), valid.to(self.device)
-
-
-def group_sampling(parts):
-    """The parts of a teacher pass: a copy of ``parts`` (a dataclass with ``policy``, ``generator``, ``encoder``,
-    ``device`` and ``get_encoder``; it is not changed) whose teacher generation and thinking encoding run once per
-    tensor-parallel group (see the module docstring); ``parts`` itself without tensor parallelism. Loads the encoder
-    on the group's first rank."""
-    if tp_layout(parts.policy)[0] is None:
-        return parts
-    encoder = parts.get_encoder() if is_group_lead(parts.policy) else parts.encoder
-    return dataclasses.replace(
-        parts,
-        generator=LeadGenerator(parts.generator, parts.policy),
-        encoder=LeadEncoder(encoder, parts.policy, parts.device),
-    )

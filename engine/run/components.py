@@ -70,7 +70,7 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
     """Generation backend factory (``generation.backend``): hf | vllm | choice. Under tensor parallelism only the
-    first rank of each group generates (engine/parallel/tp_broadcast.py), so only it builds an engine: None on the
+    first rank of each group generates (engine/step/group_sampling.py), so only it builds an engine: None on the
     group's
     other ranks.
     A vLLM engine starts from the weights on disk; :func:`build_components` pushes the policy's into it."""

@@ -58,7 +58,7 @@ def hf_model_of(policy: PolicyBackend) -> nn.Module:
 def needs_hf_copy(cfg: RunConfig) -> bool:
     """A Megatron-trained policy keeps a full Hugging Face copy of its weights only for Hugging Face generation
     (student and teacher rollouts sample from it), and then only on the first rank of each tensor-parallel group,
-    which samples for the group (engine/parallel/tp_broadcast.py). Nothing else reads it: old log-probs, teacher forcing
+    which samples for the group (engine/step/group_sampling.py). Nothing else reads it: old log-probs, teacher forcing
     and the reference are scored by the shards, and vLLM receives the weights gathered from the shards."""
     return cfg.generation.backend in ("hf", "choice")
 

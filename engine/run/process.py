@@ -29,7 +29,7 @@ class Dist:
 
             torch.cuda.set_device(self.local_rank)
         if self.owns_group:
-            start_process_group("nccl" if device_kind == "cuda" else "gloo")  # this attempt's own (parallel/group.py)
+            start_process_group(device_kind)  # NCCL or gloo, this attempt's own (parallel/group.py)
         self._dist = dist
 
     def barrier(self) -> None:

@@ -27,23 +27,17 @@ import signal
 import time
 from pathlib import Path
 
+from alignopsd.engine.parallel.group import restart_count
+
 ATTEMPTS_FILE = "attempts.jsonl"
 EXIT_REPEATED = 3  # the same failure at the same step in two attempts in a row: not restarted again
-
-
-def restart_count() -> int:
-    """This attempt's place in its launch: torchrun's restart count (0 outside torchrun or on a new launch)."""
-    try:
-        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    except ValueError:
-        return 0
 
 
 def restarted() -> bool:
     """Whether this attempt was started by a machine, not a person: a torchrun restart (``TORCHELASTIC_RESTART_COUNT``
     > 0) or a requeued Slurm job (``SLURM_RESTART_COUNT`` > 0). Only such an attempt is stopped by a repeated failure:
     a person who launches the run again (after fixing the cause) is never refused."""
-    if restart_count() > 0:
+    if (restart_count() or 0) > 0:
         return True
     try:
         return int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
@@ -103,7 +97,7 @@ def record_start(out_dir: Path) -> int:
     last recorded). Failures recorded after it are this attempt's (the previous attempt's processes are gone
     before a new one starts)."""
     attempt = 1 + sum(1 for r in read_attempts(out_dir) if r["event"] == "start")
-    _append(out_dir, {"event": "start", "attempt": attempt, "restart": restart_count(), "time": time.time()})
+    _append(out_dir, {"event": "start", "attempt": attempt, "restart": restart_count() or 0, "time": time.time()})
     return attempt
 
 

@@ -57,6 +57,7 @@ from alignopsd.engine.infra.writes import writing
 from alignopsd.engine.observe.audit import Auditor, header_of
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import report_files, report_numbers, write_report
+from alignopsd.engine.parallel.split import check_split
 from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.loggers import open_sinks
@@ -94,11 +95,14 @@ class Trainer:
         self.out_dir = cfg.out_dir
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.stream = stream if stream is not None else sys.stdout
-        if cfg.env.tasks_per_step % max(1, self.world_size // cfg.policy.tensor_parallel_size):
-            raise ConfigError(
-                f"env.tasks_per_step: {cfg.env.tasks_per_step} is not divisible by the data-parallel size "
-                f"{self.world_size // cfg.policy.tensor_parallel_size}"
-            )
+        tp = cfg.policy.tensor_parallel_size
+        check_split(
+            cfg.env.tasks_per_step,
+            max(1, self.world_size // tp),
+            key="env.tasks_per_step",
+            items="tasks per step",
+            groups_from=f"{self.world_size} processes / policy.tensor_parallel_size {tp}",
+        )
         self.lock = None
         if lock_output:
             self.lock = claim_output_dir(

@@ -14,7 +14,7 @@ from alignopsd.engine.config.schema import RunConfig
 from alignopsd.engine.envs.base import TaskSpec
 from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.generation.base import GenerationBackend, samples_from
-from alignopsd.engine.models.encoder import ThinkingEncoder
+from alignopsd.engine.models.encoder import TextEncoder
 from alignopsd.engine.observe.profiler import StepProfiler
 from alignopsd.engine.observe.strict import reraise_if_strict
 from alignopsd.engine.parallel.tp_broadcast import share_lead_outcome, tp_layout
@@ -50,18 +50,18 @@ class Components:
     estimator: EstimatorSpec
     rescorer: Rescorer | None = None
     ref_scorer: Rescorer | None = None
-    encoder: ThinkingEncoder | None = None
+    encoder: TextEncoder | None = None
     profiler: StepProfiler = field(default_factory=StepProfiler)
     dp_group: ProcessGroup | None = None  # data-parallel process group (None: the default group)
     audit: Auditor | None = None  # the run's audit records (set by the trainer; None: no audit records)
-    encoder_factory: Callable[[], ThinkingEncoder] | None = None
+    encoder_factory: Callable[[], TextEncoder] | None = None
     skill_lookup: Callable[[dict], str] | None = None  # env.skills_dir's bank (None: the packaged bank)
 
     def __post_init__(self) -> None:
         if self.encoder_factory is not None:  # one encoder per run however often it is asked for (and copies share it)
             object.__setattr__(self, "encoder_factory", functools.cache(self.encoder_factory))
 
-    def get_encoder(self) -> ThinkingEncoder:
+    def get_encoder(self) -> TextEncoder:
         """The thinking encoder, loaded on first use (estimators without alignment never load it)."""
         if self.encoder is not None:
             return self.encoder

@@ -13,8 +13,8 @@ from dataclasses import replace
 from alignopsd.engine.generation.base import SamplingParams, prefill_counts, prefill_delta
 from alignopsd.engine.generation.teacher import ACTION_STOPS
 from alignopsd.engine.observe.profiler import StepProfiler
-from alignopsd.engine.parallel.tp_broadcast import group_rollout
 from alignopsd.engine.step.batch import TurnBatch
+from alignopsd.engine.step.group_sampling import group_rollout
 from alignopsd.engine.step.rollout import collect_rollouts
 
 from alignopsd.reduction import extreme_max, summed, weighted_mean

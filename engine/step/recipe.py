@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 from alignopsd.engine.parallel.collectives import all_reduce
-from alignopsd.engine.parallel.tp_broadcast import broadcast_from_lead, group_rollout, group_sampling
+from alignopsd.engine.parallel.tp_broadcast import broadcast_from_lead
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.episodes import rollout_phase, step_seed, tasks_for_step
+from alignopsd.engine.step.group_sampling import group_rollout, group_sampling
 from alignopsd.engine.step.regions import region_metrics, response_regions
 from alignopsd.engine.step.teacher_pass import M1Result, mechanism1, teacher_diagonal
 from alignopsd.engine.step.update import ppo_update
@@ -38,7 +39,7 @@ from alignopsd.engine.step.whole_batch import globalise_spans, whole_batch
 from torch import Tensor
 
 from alignopsd.canonical import canonicalize
-from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorSpec, rectify_inputs
+from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorPhases, EstimatorSpec, rectify_inputs
 from alignopsd.losses import rollout_mismatch_metrics
 from alignopsd.reduction import same, summed, weighted_mean
 from alignopsd.samples import recording_samples
@@ -77,7 +78,7 @@ def _step(parts: Components, step: int) -> StepOutput:
     )
     seed = step_seed(cfg.trainer.seed, step, parts.rank)
     teacher_prompts = phases.alignment or phases.teacher_diag
-    # once per tensor-parallel group, the group's other ranks receive the batch (engine/parallel/tp_broadcast.py)
+    # once per tensor-parallel group, the group's other ranks receive the batch (engine/step/group_sampling.py)
     batch, roll_metrics = group_rollout(
         parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=False, teacher_prompts=teacher_prompts)
     )
@@ -171,7 +172,13 @@ def padding_fraction(stats: dict, name: str) -> dict[str, float]:
 
 
 def estimate(
-    parts: Components, cb: TurnBatch, old_logp: Tensor, m1: M1Result | None, step: int, phases: dict, counts: Tensor
+    parts: Components,
+    cb: TurnBatch,
+    old_logp: Tensor,
+    m1: M1Result | None,
+    step: int,
+    phases: EstimatorPhases,
+    counts: Tensor,
 ) -> tuple[EstimatorOutput, list[int], dict[str, float]]:
     """Run the configured estimator; returns (its output, span lengths of the M2 segments, metrics).
 

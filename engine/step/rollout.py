@@ -54,6 +54,7 @@ from alignopsd.engine.generation.base import SamplingParams
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.step.batch import TurnBatch
 from alignopsd.engine.tokens.layout import left_pad, right_pad, truncate_left
+from alignopsd.engine.tokens.special import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,6 @@ def _truth(info: dict) -> dict | None:
         return truth
     log.warning("environment info: 'truth' must be a dict, got %s; not recorded", type(truth).__name__)
     return None
-
-
-def _end_of_turn_id(tokenizer, generator) -> int:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        ids = sorted(generator.eos_token_ids)
-        if not ids:
-            raise ValueError("tokenizer: no eos_token_id to close an empty response")
-        eos = ids[0]
-    return int(eos)
 
 
 @dataclass
@@ -185,8 +176,7 @@ def _check_settings(
         sampling = replace(sampling, max_new_tokens=int(max_response_length))
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
-    pad_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
-    eot_id = _end_of_turn_id(tokenizer, generator)
+    ids = token_ids(tokenizer, stop=generator.eos_token_ids, pad=pad_token_id)
     return _Settings(
         group_n=group_n,
         sampling=sampling,
@@ -195,8 +185,8 @@ def _check_settings(
         max_turns=max_turns,
         base_seed=_seed(seed, "validation") if validation else int(seed),
         truncation=truncation,
-        pad_id=eot_id if pad_id is None else int(pad_id),
-        eot_id=eot_id,
+        pad_id=ids.pad,
+        eot_id=ids.end_of_turn("close an empty response"),
         env_name=env_name,
         failed_episodes=failed_episodes,
         task_offset=task_offset,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 from alignopsd.engine.parallel.collectives import all_reduce
+from alignopsd.engine.parallel.split import check_split
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.step.micro_batches import MicroBatch
 from alignopsd.engine.step.packing_trial import PackingTrial
@@ -50,8 +51,7 @@ def rank_share(batch: Sequence[Example], policy: PolicyBackend) -> list[Example]
     """The examples of ``batch`` this data-parallel rank scores (the same on every rank of a tensor-parallel
     group)."""
     lay = policy.layout
-    if len(batch) % lay.dp_size:
-        raise ValueError(f"--batch-size: {len(batch)} examples do not split over {lay.dp_size} data-parallel ranks")
+    check_split(len(batch), lay.dp_size, key="--batch-size", items="examples")
     return list(batch[lay.dp_rank :: lay.dp_size])
 
 

@@ -61,6 +61,7 @@ def _hf_reference(cfg, tokenizer) -> tuple[list[float], dict[str, torch.Tensor]]
     from alignopsd.engine.models.loading import load_causal_lm
     from alignopsd.engine.policy.hf import HFPolicy
     from alignopsd.engine.run.warm_start import train_supervised, warm_start_optimizer
+    from alignopsd.engine.tokens.special import token_ids
 
     _, examples = build_examples(cfg, tokenizer)
     opt = warm_start_optimizer(LR, STEPS)
@@ -74,7 +75,7 @@ def _hf_reference(cfg, tokenizer) -> tuple[list[float], dict[str, torch.Tensor]]
     losses = train_supervised(
         policy,
         examples,
-        pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id),
+        pad_id=token_ids(tokenizer).pad,
         steps=STEPS,
         batch_size=BATCH,
         seed=cfg.trainer.seed,

@@ -54,7 +54,8 @@ def test_plan_is_faster_on_h200_and_teacher_work_scales_with_its_budget(capsys):
         (["--gpu", "a800", "--world-size", "0"], "--world-size: 0 does not divide into policy.tensor_parallel_size 2"),
         (["--gpu", "a800", "--world-size", "3"], "--world-size: 3 does not divide into policy.tensor_parallel_size 2"),
         (["--gpu", "a800", "--world-size", "12"],
-         "gives 6 data-parallel groups, which do not divide env.tasks_per_step 16"),
+         "env.tasks_per_step: 16 tasks per step do not split evenly over 6 data-parallel groups "
+         "(--world-size 12 / policy.tensor_parallel_size 2); allowed: a multiple of 6"),
         (["--gpu", "a800", "--world-size", "8", "--set", "model.name=org/Mystery-9B"],
          "model.name: cannot size 'org/Mystery-9B'"),
         (["--gpu", "a800", "--world-size", "8", "--compute-fraction", "0"],

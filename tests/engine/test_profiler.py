@@ -12,6 +12,7 @@ from alignopsd.engine.observe.profiler import (
     StepProfiler,
     format_side_by_side,
     format_table,
+    phase_label,
     summarize,
     write_json,
 )
@@ -42,6 +43,13 @@ def test_phase_accounting_and_summary(tmp_path):
     assert "teacher generation *" in table and "overhead over GRPO" in table
     side = format_side_by_side({"grpo": s, "alignopsd": s})
     assert side.count("\n") == len(PHASES) + 3
+
+
+def test_phase_label_marks_only_alignment_phases():
+    assert phase_label("teacher_forcing") == "teacher forcing"
+    assert phase_label("teacher_forcing", mark=True) == "teacher forcing *"
+    assert phase_label("old_logprob", mark=True) == "old log-prob"
+    assert [k for k in PHASES if phase_label(k, mark=True).endswith(" *")] == list(ALIGNMENT_PHASES)
 
 
 def test_exact_overhead_numbers():

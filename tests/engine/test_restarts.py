@@ -21,6 +21,7 @@ import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.commands import train as train_cmd
 from alignopsd.engine.observe.metrics import read_metrics
+from alignopsd.engine.parallel.group import restart_count
 from alignopsd.engine.run import restarts
 from test_preemption import TIMING
 
@@ -33,6 +34,19 @@ GUESS = [a for kv in lh.GUESS_OVERRIDES for a in ("--set", kv)]
 
 def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / restarts.ATTEMPTS_FILE).read_text().splitlines()]
+
+
+def test_restart_count_is_read_once_for_the_group_and_the_attempt_records(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert restart_count() is None and not restarts.restarted()
+    restarts.record_start(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "not a number")
+    assert restart_count() == 0 and not restarts.restarted()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_count() == 2 and restarts.restarted()
+    restarts.record_start(tmp_path)
+    assert [e["restart"] for e in _events(tmp_path)] == [0, 2]
 
 
 def test_repeated_failure_needs_the_same_step_and_cause_in_two_attempts_in_a_row(tmp_path):

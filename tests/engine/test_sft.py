@@ -48,7 +48,7 @@ def expert(games, tok):
         turns = expert_turns(env, tasks)
     finally:
         env.close()
-    return tasks, turns, [encode_turn(tok, t, 1024) for t in turns]
+    return tasks, turns, [encode_turn(tok, t, 1024, eos_id=tok.eos_token_id) for t in turns]
 
 
 def test_easy_games_are_small_and_short(games):

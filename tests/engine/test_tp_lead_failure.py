@@ -37,7 +37,8 @@ def watchdog():
 
 
 def test_failing_lead_rollout_raises_on_every_rank(policy):
-    from alignopsd.engine.parallel.tp_broadcast import LeadRankError, group_rollout
+    from alignopsd.engine.parallel.tp_broadcast import LeadRankError
+    from alignopsd.engine.step.group_sampling import group_rollout
 
     calls = []
 

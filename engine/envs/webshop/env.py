@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,8 @@ from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
 from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.envs.webshop.data import Catalogue, get_catalogue, normalise_source
 from alignopsd.engine.envs.webshop.reward import get_reward
+
+from alignopsd.actions import WEBSHOP_ACTION_RE
 
 SUCCESS_REWARD = 10.0
 RESULTS_PER_PAGE = 10
@@ -44,20 +45,16 @@ SEP = " [SEP] "
 # ------------------------------------------------------------------------------------------ environment
 
 
-ACTION_RE = re.compile(r"\s*(search|click)\[(.*)\]\s*", re.DOTALL)
-"""WebShop's action grammar, matched against the lower-cased action: the whole action is ``search[...]`` or
-``click[...]`` (no space before the bracket), with optional spaces around it."""
-
-
 def read_action(action: str) -> tuple[str | None, str | None]:
     """``search[x]`` / ``click[x]`` -> (verb, lower-cased argument with whitespace runs collapsed), else (None, None).
 
-    The environment's grammar (:data:`ACTION_RE`): case-insensitive, as its catalogue text is lower-cased; an empty
+    The core's grammar (``alignopsd.actions.WEBSHOP_ACTION_RE``) matched against the lower-cased action: the
+    environment reads it case-insensitively, as its catalogue text is lower-cased; an empty
     argument is no action. The teacher pass's action filter compares two actions by the method's own WebShop rule
     (``alignopsd.actions.webshop_actions_agree``, this environment's registry row), which reads the raw text
     case-sensitively (ALGORITHM.md §2.5, §7.18).
     """
-    m = ACTION_RE.fullmatch(action.lower()) if isinstance(action, str) else None
+    m = WEBSHOP_ACTION_RE.fullmatch(action.lower()) if isinstance(action, str) else None
     arg = " ".join(m.group(2).split()) if m is not None else ""
     return (m.group(1), arg) if m is not None and arg else (None, None)
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel.group import start_process_group
+from alignopsd.engine.parallel.hardware import device_type
 from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, prompt_width
 from alignopsd.engine.policy.lm_head import fused_head_loss, scatter_response
 from alignopsd.engine.policy.megatron import cpu_shim
@@ -55,7 +56,7 @@ def init_parallel(tp: int, seed: int = 0) -> None:
     if torch.cuda.is_available():  # before the group is made: NCCL's object collectives use the current device
         torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        start_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        start_process_group(device_type("auto"))
     from megatron.core import parallel_state as ps  # noqa: PLC0415
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
