@@ -58,14 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    # a restart (not a person's launch) reads what the attempts before it died of; every rank reads the same file
-    repeated = repeated_failure(cfg.out_dir) if restarted() else None
-    if repeated is not None:
-        say(f"[train] {repeated}")
-        stop_agent()
-        return EXIT_REPEATED
-    attempt = _Attempt(cfg.out_dir, rank, record_start(cfg.out_dir) if rank == 0 else 0)
+    attempt = _Attempt(cfg.out_dir, rank, 0)
     try:
+        # a restart (not a person's launch) reads what the attempts before it died of; every rank reads the same file
+        repeated = repeated_failure(cfg.out_dir, say) if restarted() else None
+        if repeated is not None:
+            say(f"[train] {repeated}")
+            stop_agent()
+            return EXIT_REPEATED
+        attempt.number = record_start(cfg.out_dir) if rank == 0 else 0
         return _run(args, cfg, say, attempt)
     except BaseException as exc:
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Attempt:
-    """This process's part of one attempt: its trainer once built, and the record of its own failure
-    (engine/run/restarts.py) at the step it was running."""
+    """This process's part of one attempt: its trainer once built, and the record of its failure (its own, or a
+    peer's seen through a collective: engine/run/restarts.py) at the step it was running."""
 
     def __init__(self, out_dir, rank: int, number: int) -> None:
         self.out_dir, self.rank, self.number = out_dir, rank, number

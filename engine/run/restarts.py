@@ -8,10 +8,17 @@ per event, appended with one write):
 
 - ``{"event": "start", "attempt", "restart"}``: rank 0, before anything heavy: the attempt's number and
   ``TORCHELASTIC_RESTART_COUNT`` (0 for a new launch);
-- ``{"event": "failure", "rank", "step", "cause"}``: any rank whose own code raised, after its attempt's start: the
-  step it was running and the exception's type and first line, numbers masked (addresses, ports and sizes vary
-  between attempts; the cause does not). A rank that only saw a peer die (a collective failed:
-  ``torch.distributed.DistError``) records nothing: that is the peer's failure, not its own.
+- ``{"event": "failure", "kind", "rank", "step", "cause"}``: any rank whose code raised, after its attempt's start:
+  the step it was running and the exception's type and first line, numbers masked (addresses, ports and sizes vary
+  between attempts; the cause does not). ``kind`` is ``own``, or ``peer`` where the rank only saw another rank die:
+  a collective that failed (``torch.distributed.DistError``, or gloo's ``Connection closed by peer``, ``Connection
+  reset by peer``, ``Timed out waiting``), which is the dead rank's failure, not this one's.
+
+Each record is one ``write`` of its whole line, newline included, on a descriptor opened with ``O_APPEND``, so the
+lines of ranks that append at the same moment never interleave. The reader (:func:`read_attempt_log`) trusts no
+line: a line that is not a whole record (a write cut before its newline, by a kill or a full disk, followed by the
+next record on the same line), or whose fields have the wrong type (``"step": null``), is skipped and reported,
+and the whole record after a torn write on the same line is kept.
 
 :func:`repeated_failure` is read at the start of every restarted attempt (:func:`restarted`): when the last two
 attempts both failed at the same step with the same cause, a third would too (a deterministic bug, a config the run
@@ -25,6 +32,8 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -57,11 +66,24 @@ def cause_of(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {re.sub(r'[0-9]+', '#', first)}"
 
 
+# gloo's words for a peer that died or stopped answering (RuntimeError: "[.../gloo/transport/tcp/pair.cc:553]
+# Connection closed by peer [127.0.0.1]:18087 ...", "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
+_GLOO_PEER = re.compile(r"gloo.*(Connection closed by peer|Connection reset by peer|Timed out waiting)", re.S)
+
+
 def peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed because another rank died (not this rank's own failure)."""
+    """Whether ``exc`` (or an exception it was raised from or while handling) is a collective that failed because
+    another rank died: not this rank's own failure."""
     import torch.distributed as dist
 
-    return isinstance(exc, getattr(dist, "DistError", ())) or "Connection closed by peer" in str(exc)
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, dist.DistError) or (isinstance(cur, RuntimeError) and _GLOO_PEER.search(str(cur))):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _append(out_dir: Path, record: dict) -> bool:
@@ -81,21 +103,101 @@ def _append(out_dir: Path, record: dict) -> bool:
         return False
 
 
-def read_attempts(out_dir: Path) -> list[dict]:
-    """The events of ``attempts.jsonl`` (a torn last line, from a process killed while writing it, is skipped)."""
+def _count(value: object, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+# event -> field -> the check its value must pass (a record's other keys are not read)
+_FIELDS = {
+    "start": {"attempt": lambda v: _count(v, 1), "restart": lambda v: _count(v, 0), "time": _number},
+    "failure": {
+        "rank": lambda v: _count(v, 0),
+        "step": lambda v: _count(v, 0),
+        "cause": lambda v: isinstance(v, str),
+        "time": _number,
+        "kind": lambda v: v in ("own", "peer"),
+    },
+}
+_OPTIONAL = {"kind"}  # a failure recorded before peers' failures were recorded has none: its rank's own
+
+
+def _problem(rec: object) -> str | None:
+    """Why ``rec`` is not a record this module reads (None: it is one)."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    fields = _FIELDS.get(rec.get("event"))  # type: ignore[arg-type]
+    if fields is None:
+        return f"unknown event {json.dumps(rec.get('event'))[:40]}"
+    for key, ok in fields.items():
+        if key not in rec:
+            if key not in _OPTIONAL:
+                return f"{rec['event']} without {key!r}"
+        elif not ok(rec[key]):
+            return f"{key!r} of a {rec['event']} is {json.dumps(rec[key])[:40]}"
+    return None
+
+
+def _parse(line: str) -> tuple[dict | None, str | None]:
+    """(the record of ``line`` or None, what was wrong with it or None). A write cut before its newline leaves its
+    start in front of the next record on the same line: the whole record at the end of the line is kept."""
     try:
-        text = (out_dir / ATTEMPTS_FILE).read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
+        rec = json.loads(line)
+    except ValueError as exc:
+        why = f"not JSON ({exc.msg})"
+    else:
+        why = _problem(rec)
+        if why is None:
+            return rec, None
+    for i in (m.start() for m in re.finditer(r"\{", line) if m.start() > 0):
         try:
-            rec = json.loads(line)
+            tail = json.loads(line[i:])
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("event") in ("start", "failure"):
-            out.append(rec)
-    return out
+        if _problem(tail) is None:
+            return tail, f"a torn record ({i} characters) before a whole one, which is kept"
+    return None, why
+
+
+@dataclass(frozen=True)
+class AttemptLog:
+    """The readable records of ``attempts.jsonl`` in file order, and a line per damaged line skipped."""
+
+    records: list[dict]
+    damage: list[str]
+
+    def said(self, where: Path) -> str | None:
+        """One line about the damage (None without any)."""
+        if not self.damage:
+            return None
+        shown = "; ".join(self.damage[:3]) + ("; ..." if len(self.damage) > 3 else "")
+        return f"{where}: {len(self.damage)} damaged line(s) skipped ({shown})"
+
+
+def read_attempt_log(out_dir: Path) -> AttemptLog:
+    """Every record of ``attempts.jsonl`` that reads as one (no file: none); each damaged line skipped and named."""
+    try:
+        text = (out_dir / ATTEMPTS_FILE).read_text(errors="replace")
+    except OSError:
+        return AttemptLog([], [])
+    records, damage = [], []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        rec, why = _parse(line)
+        if rec is not None:
+            records.append(rec)
+        if why is not None:
+            damage.append(f"line {n}: {why}")
+    return AttemptLog(records, damage)
+
+
+def read_attempts(out_dir: Path) -> list[dict]:
+    """The records of ``attempts.jsonl`` (:func:`read_attempt_log`, damaged lines skipped)."""
+    return read_attempt_log(out_dir).records
 
 
 def record_start(out_dir: Path) -> int:
@@ -108,25 +210,27 @@ def record_start(out_dir: Path) -> int:
 
 
 def record_failure(out_dir: Path, rank: int, step: int, exc: BaseException) -> bool:
-    """Record this rank's own failure at ``step`` (a peer's, seen through a failed collective: False, nothing
-    written)."""
-    if peer_failure(exc):
-        return False
-    return _append(
-        out_dir, {"event": "failure", "rank": rank, "step": step, "cause": cause_of(exc), "time": time.time()}
-    )
+    """Record this rank's failure at ``step``: its own, or a peer's seen through a failed collective (kind
+    ``peer``); False when it could not be written."""
+    kind = "peer" if peer_failure(exc) else "own"
+    record = {"event": "failure", "kind": kind, "rank": rank, "step": step, "cause": cause_of(exc), "time": time.time()}
+    return _append(out_dir, record)
 
 
-def repeated_failure(out_dir: Path) -> str | None:
+def repeated_failure(out_dir: Path, say: Callable[[str], None] | None = None) -> str | None:
     """Read before an attempt records its start: the message that stops it when the last two attempts both failed
-    at the same step with the same cause (an attempt without a failure of its own in between clears it); None
-    otherwise."""
+    at the same step with the same cause, each rank's own failures only (an attempt without a failure of its own in
+    between clears it); None otherwise. Damaged lines of the file are skipped and said (``say``)."""
+    log = read_attempt_log(out_dir)
+    damage = log.said(out_dir / ATTEMPTS_FILE)
+    if damage and say is not None:
+        say(f"[train] {damage}")
     segments: list[set[tuple[int, str]]] = []
-    for r in read_attempts(out_dir):
+    for r in log.records:
         if r["event"] == "start":
             segments.append(set())
-        elif segments:
-            segments[-1].add((int(r.get("step", 0)), str(r.get("cause", ""))))
+        elif segments and r.get("kind", "own") == "own":
+            segments[-1].add((r["step"], r["cause"]))
     if len(segments) < 2:
         return None
     same = segments[-1] & segments[-2]

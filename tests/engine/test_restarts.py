@@ -52,13 +52,15 @@ def test_repeated_failure_needs_the_same_step_and_cause_in_two_attempts_in_a_row
     assert "resume with --resume auto" in msg
     restarts.record_start(tmp_path)  # an attempt without a failure of its own clears it
     assert restarts.repeated_failure(tmp_path) is None
-    # a rank that saw a peer die records nothing; a torn last line (a kill mid-write) is skipped
-    assert not restarts.record_failure(tmp_path, 1, 5, torch.distributed.DistBackendError("Connection closed by peer"))
+    # a rank that saw a peer die records a peer failure, which the rule does not count; a torn last line is skipped
+    assert restarts.record_failure(tmp_path, 1, 5, torch.distributed.DistBackendError("Connection closed by peer"))
     with open(tmp_path / restarts.ATTEMPTS_FILE, "a") as f:
         f.write('{"event": "failure", "st')
     assert [e["event"] for e in restarts.read_attempts(tmp_path)] == ["start", "failure"] * 2 + ["start", "failure"] + [
-        "start"
+        "start",
+        "failure",
     ]
+    assert restarts.read_attempts(tmp_path)[-1]["kind"] == "peer"
 
 
 def test_a_config_failure_that_repeats_stops_the_third_attempt(tmp_path, capsys, monkeypatch):
