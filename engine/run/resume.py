@@ -4,7 +4,8 @@ Every checkpoint stores the resolved config of its run (``trainer_state.json`` â
 section included). Resuming compares it key by key with the config of the new run:
 
 * changes that do not alter the trajectory of training are allowed and listed: the run's name and output directory,
-  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), validation
+  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), how restarts
+  wait and stop (``trainer.restarts``), validation
   before/after training, environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and
   the data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one keys
   its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same tensor-parallel
@@ -74,7 +75,9 @@ ADDED_KEYS = {"generation.quantize": "off", "trainer.save_every_s": None}
 # checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is
 # refused like any other
 ADDED_DIVISIONS = {"trainer.ppo_max_token_len_per_gpu": (0, None), "trainer.use_remove_padding": (False,)}
-NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
+NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.", "trainer.restarts.")  # loggers, restarts: every key under
+# neutral sections added after checkpoints were first written: absent from an older checkpoint's config, not listed
+ADDED_NEUTRAL_SECTIONS = ("trainer.restarts.",)
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
 SHARDED_LAYOUT = frozenset(
@@ -125,6 +128,8 @@ def config_changes(
                 continue
             line += " (changes the warm-up length)"
         if a is missing and any(key.startswith(sec) and new.get(on) is False for sec, on in ADDED_SECTIONS.items()):
+            continue
+        if a is missing and key.startswith(ADDED_NEUTRAL_SECTIONS):
             continue
         if a is missing and key in ADDED_KEYS and b == ADDED_KEYS[key]:
             continue
