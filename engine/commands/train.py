@@ -117,6 +117,10 @@ def _run(args, cfg, say, attempt: _Attempt) -> int:
         attempt.failed(exc)
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # what only the built run can check: the kind of checkpoint, a LoRA adapter's base
+        attempt.failed(exc)
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
         return report_write_failure(exc, "alignopsd train")
     except Preempted as exc:

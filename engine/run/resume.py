@@ -22,6 +22,12 @@ section included). Resuming compares it key by key with the config of the new ru
   a change of these is refused in any case, ``--allow-config-change`` included (:data:`SHARDED_LAYOUT`); the
   backend checks the model's shapes against the folder's ``layout.json`` again before it reads a shard.
 
+A LoRA checkpoint names its base (``trainer_state.json`` → ``lora_base``: ``model.name`` and the SHA-256 of the base's
+weights, engine/policy/lora.py): its adapter only means something over those weights. A resume over another base
+(another model, or the same name with other weights: a new revision, another dtype) is refused naming both, unless
+``--allow-config-change``; a LoRA checkpoint written before checkpoints named their base resumes with a one-line
+warning (:func:`check_lora_base`).
+
 The run's side file ``span_lengths.json`` (the M2 span lengths of every step so far, for the report) is cut back
 to the count the checkpoint records (:func:`read_span_lengths`).
 """
@@ -37,7 +43,7 @@ from typing import Any
 from alignopsd.engine.checkpoint.checkpoint import resolve_resume
 from alignopsd.engine.checkpoint.manifest import ManifestError
 from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer_state
-from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
+from alignopsd.engine.checkpoint.weights import ADAPTER_DIR, ADAPTER_FILE, WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
@@ -218,6 +224,32 @@ def prepare_resume(
     if path is None:
         return None, []
     return path, check_resume(path, cfg, world_size=world_size, allow_changes=allow_changes)
+
+
+def check_lora_base(path: Path, current: dict[str, str] | None, *, allow_changes: bool = False) -> list[str]:
+    """A resume's LoRA base (``current``: ``{"model", "digest"}`` of this run's base, None without LoRA) against the
+    one checkpoint ``path`` names: the lines to show (a warning for a checkpoint that names none, the override), or
+    ResumeConfigError naming both bases."""
+    if current is None or not (path / ADAPTER_DIR / ADAPTER_FILE).is_file():  # the load names a kind mismatch
+        return []
+    stored = read_trainer_state(path).lora_base
+    if stored is None:
+        return [
+            f"[resume] warning: {path} does not name the base its LoRA adapter was trained over (written before "
+            f"checkpoints did); resuming over {current['model']} ({current['digest'][:19]}) unchecked"
+        ]
+    if stored == current:
+        return []
+    both = (
+        f"it was trained over {stored['model']} ({stored['digest'][:19]}) and this run's base is {current['model']} "
+        f"({current['digest'][:19]})"
+    )
+    if not allow_changes:
+        raise ResumeConfigError(
+            f"--resume: the LoRA adapter of {path} belongs to another base: {both}; resume over the base it was "
+            "trained on, or pass --allow-config-change to apply it to this one anyway"
+        )
+    return [f"[resume] LoRA base: {both} (overridden: --allow-config-change)"]
 
 
 def read_span_lengths(path: Path, n: int) -> tuple[list[int], str | None]:
