@@ -7,6 +7,12 @@ are still there when the next attempt's ranks meet: a rank that reads its peer's
 connects to a dead socket (measured: gloo's ``connectFullMesh`` refused, then a group that never forms). So under
 torchrun each attempt meets under its own prefix of the store (``alignopsd/attempt_<TORCHELASTIC_RESTART_COUNT>``);
 outside torchrun, or with rank 0 hosting a new store every attempt, ``env://`` as usual.
+
+A node whose agent dies and is started again (a node that rebooted, or that the scheduler replaced) needs the
+latter: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in every agent's environment. With the shared store (torch 2.13),
+the surviving agent, rank 0 of the rendezvous, publishes the workers' address once, so the new agent waits for it
+until its rendezvous times out (measured: tests/engine/test_two_nodes.py); and the new agent's workers count no
+restart while the survivors' count one, so their prefixes would differ too.
 """
 
 from __future__ import annotations
