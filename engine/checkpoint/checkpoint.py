@@ -11,7 +11,8 @@ Layout of one checkpoint (``<run>/checkpoints/step_000012/``)::
                                format's version (trainer_state.py: ``format_version``), written last
 
 A LoRA checkpoint (engine/policy/lora.py) holds the adapter in peft's layout in ``adapter/`` (adapter_model.safetensors
-+ adapter_config.json, for ``PeftModel.from_pretrained``) and the optimizer file; its ``model.safetensors`` (+
++ adapter_config.json, for ``PeftModel.from_pretrained``) and the optimizer file, and its trainer state names the base
+the adapter was trained over (``lora_base``: the model and a digest of its weights); its ``model.safetensors`` (+
 ``config.json``) is the merged model, written only on the steps the caller asks for, never read back to resume.
 
 A sharded checkpoint (a backend with its own sharded save, the Megatron one) holds ``shards/`` instead of the

@@ -99,6 +99,7 @@ class TrainerState:
     logger_runs: dict[str, str] | None = None  # logger name -> its tracker run's id (wandb, mlflow): resumed there
     paths: dict[str, bool] | None = None  # measured CPU kernel choices (kernels/native_choice.py): taken on resume
     rows: RowsChoice | None = None  # packed or padded rows, as measured (:class:`RowsChoice`): taken on resume
+    lora_base: dict[str, str] | None = None  # a LoRA checkpoint's base: {"model": model.name, "digest": of its weights}
 
 
 # field -> (accepted types, lowest value or None); the file's keys are written in this order
@@ -114,6 +115,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], int | None]] = {
     "logger_runs": ((dict,), None),
     "paths": ((dict,), None),
     "rows": ((dict,), None),
+    "lora_base": ((dict,), None),
 }
 
 
@@ -165,6 +167,11 @@ def read_trainer_state(path: str | os.PathLike) -> TrainerState:
     runs = state.get("logger_runs") or {}
     if not all(isinstance(k, str) and isinstance(v, str) and v for k, v in runs.items()):
         raise ManifestError(f"{where}: 'logger_runs' must map logger names to run ids, got {json.dumps(runs)[:80]}")
+    base = state.get("lora_base")
+    if base is not None and not (set(base) == {"model", "digest"} and all(isinstance(v, str) for v in base.values())):
+        raise ManifestError(
+            f'{where}: \'lora_base\' must be {{"model": str, "digest": str}}, got {json.dumps(base)[:80]}'
+        )
     known = {f.name for f in dataclasses.fields(TrainerState)}
     fields = {k: v for k, v in state.items() if k in known}
     paths = dict(fields.get("paths") or {})

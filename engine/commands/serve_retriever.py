@@ -1,8 +1,11 @@
-"""``alignopsd serve-retriever --corpus FILE [--host H] [--port P] [--token-file F]``: the Search-R1 retrieval server.
+"""``alignopsd serve-retriever --corpus FILE [--host H] [--token-file F] [--ssl-certfile C --ssl-keyfile K]``:
+the Search-R1 retrieval server.
 
 The server, its protocol and limits: engine/envs/search/retrieval_server.py. Its token (``--token-file`` or
-``$ALIGNOPSD_RETRIEVER_TOKEN``, never a command-line value) and the loopback rule: engine/envs/search/retriever_auth.py;
-a host beyond loopback without a token ends the command with exit status 2 and one line, before anything loads.
+``$ALIGNOPSD_RETRIEVER_TOKEN``, never a command-line value) and the loopback rule: engine/envs/search/retriever_auth.py.
+With a certificate and its key it serves HTTPS. A host beyond loopback without a token, a token that cannot travel
+as a header (not one word of printable ASCII), or a certificate and key that do not load end the command with exit
+status 2 and one line, before anything loads.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from alignopsd.engine.envs.search.retrieval_server import ServerLimits, serve_retriever
+from alignopsd.engine.envs.search.retrieval_server import ServerLimits, TlsFiles, serve_retriever
 from alignopsd.engine.envs.search.retriever_auth import TOKEN_ENV_VAR, check_exposure, resolve_token
 
 __all__ = ["main"]
@@ -27,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help=f"file holding the bearer token every request must present (default: ${TOKEN_ENV_VAR} if set)",
     )
+    ap.add_argument("--ssl-certfile", default=None, help="PEM certificate (chain): serve HTTPS (with --ssl-keyfile)")
+    ap.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
@@ -43,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         token = resolve_token(args.token_file)
         check_exposure(args.host, token)
+        tls = _tls(args.ssl_certfile, args.ssl_keyfile)
     except ValueError as exc:
         print(f"serve-retriever: {exc}", file=sys.stderr)
         return 2
@@ -69,11 +75,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             parent_pid=args.parent_pid,
             limits=limits,
             token=token,
+            tls=tls,
         )
     except ValueError as exc:  # the corpus, or limits that do not fit it (work_budget)
         print(f"serve-retriever: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _tls(certfile: str | None, keyfile: str | None) -> TlsFiles | None:
+    """The certificate and key to serve HTTPS with (checked: they load), None for plain HTTP; ValueError when only
+    one is given or they do not load."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both to serve HTTPS, or neither")
+    tls = TlsFiles(certfile, keyfile)
+    tls.check()
+    return tls
 
 
 if __name__ == "__main__":

@@ -17,15 +17,9 @@ from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, load_config
 from alignopsd.engine.infra.writes import WriteFailure
 from alignopsd.engine.infra.writes import report as report_write_failure
+from alignopsd.engine.run.attempts import record_failure
 from alignopsd.engine.run.preemption import EXIT_PREEMPTED, Preempted
-from alignopsd.engine.run.restarts import (
-    EXIT_REPEATED,
-    record_failure,
-    record_start,
-    repeated_failure,
-    restarted,
-    stop_agent,
-)
+from alignopsd.engine.run.restarts import EXIT_REPEATED, begin_attempt, launch_identity, stop_agent
 from alignopsd.engine.run.resume import prepare_resume
 from alignopsd.engine.run.trainer import Trainer
 
@@ -58,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    # a restart (not a person's launch) reads what the attempts before it died of; every rank reads the same file
-    repeated = repeated_failure(cfg.out_dir) if restarted() else None
-    if repeated is not None:
-        say(f"[train] {repeated}")
-        stop_agent()
-        return EXIT_REPEATED
-    attempt = _Attempt(cfg.out_dir, rank, record_start(cfg.out_dir) if rank == 0 else 0)
+    attempt = _Attempt(cfg.out_dir, rank, 0)
     try:
+        # every rank reads what the attempts before it died of (a restart waits, or stops, by trainer.restarts)
+        number = begin_attempt(cfg.out_dir, cfg.trainer.restarts, launch_identity(cfg), rank, say)
+        if number is None:
+            stop_agent()
+            return EXIT_REPEATED
+        attempt.number = number
         return _run(args, cfg, say, attempt)
     except BaseException as exc:
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -74,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Attempt:
-    """This process's part of one attempt: its trainer once built, and the record of its own failure
-    (engine/run/restarts.py) at the step it was running."""
+    """This process's part of one attempt: its trainer once built, and the record of its failure (its own, or a
+    peer's seen through a collective: engine/run/attempts.py) at the step it was running."""
 
     def __init__(self, out_dir, rank: int, number: int) -> None:
         self.out_dir, self.rank, self.number = out_dir, rank, number
@@ -87,7 +81,7 @@ class _Attempt:
 
 def _run(args, cfg, say, attempt: _Attempt) -> int:
     """The attempt after its start is recorded: config checks, the resume, the trainer and its steps; a failure the
-    command turns into an exit status is recorded all the same (``restarts.record_failure``)."""
+    command turns into an exit status is recorded all the same (``attempts.record_failure``)."""
     try:  # every config error before anything heavy loads: the machine, the checkpoint to resume
         preflight(cfg)
         resume, _ = prepare_resume(
@@ -123,6 +117,10 @@ def _run(args, cfg, say, attempt: _Attempt) -> int:
         attempt.failed(exc)
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # what only the built run can check: the kind of checkpoint, a LoRA adapter's base
+        attempt.failed(exc)
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except WriteFailure as exc:  # a full disk, a file size limit or an I/O error (engine/infra/writes.py)
         return report_write_failure(exc, "alignopsd train")
     except Preempted as exc:

@@ -10,8 +10,9 @@ the key:
 * paths that must exist: the model and tokenizer (a local Hugging Face directory, a Hugging Face id in the
   local cache, or an embedded name, resolved as engine/models/loading.py resolves them but without building the
   embedded caches), the thinking encoder (as engine/models/encoder.py resolves it), ``env.data_dir``;
-* ``env.options``: every key must be an option of the environment (:func:`env_option_names`), and keys the
-  env section sets itself (``max_steps`` is ``env.max_turns``, ...) are refused there;
+* ``env.options``: every key must be an option of the environment (:func:`env_option_names`), keys the
+  env section sets itself (``max_steps`` is ``env.max_turns``, ...) are refused there, and the environment's own
+  check of its options runs (its registry entry's ``check_options``: Search's retriever token and CA file);
 * ``env.require_official_data`` (the paper profiles): the benchmark's official files must be where the
   environment's loader looks for them (its registry entry's ``official_data``: engine/envs/<family>/official.py),
   since the loaders otherwise fall back to generated games, catalogue or knowledge base without a word; the messages
@@ -129,17 +130,22 @@ def env_option_names(env_name: str) -> list[str]:
     return sorted(names - set(SET_BY_ENV_SECTION))
 
 
-def check_env_options(cfg: RunConfig) -> None:
-    if not cfg.env.options:
-        return
-    allowed = env_option_names(cfg.env.name)
-    for k in cfg.env.options:
+def check_env_options(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
+    """The keys of ``env.options`` (:func:`env_option_names`), then the environment's own check of their values."""
+    allowed = env_option_names(cfg.env.name) if cfg.env.options else []
+    for k in cfg.env.options or {}:
         if k in SET_BY_ENV_SECTION:
             raise ConfigError(f"env.options.{k}: set by {SET_BY_ENV_SECTION[k]}, not through env.options")
         if k not in allowed:
             raise ConfigError(
                 f"env.options.{k}: unknown option of environment {cfg.env.name!r}; allowed: {', '.join(allowed)}"
             )
+    check = get_entry(cfg.env.name).check_options
+    if check is not None:
+        try:
+            resolve(check)(dict(cfg.env.options or {}), os.environ if env is None else env)
+        except ValueError as exc:
+            raise ConfigError(f"env {cfg.env.name!r}: {exc}") from None
 
 
 def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
@@ -156,7 +162,7 @@ def preflight(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
         check_encoder(cfg.encoder.name, hint)
     if cfg.env.data_dir and not Path(cfg.env.data_dir).expanduser().exists():
         raise ConfigError(f"env.data_dir: no such directory {cfg.env.data_dir!r}{hint}")
-    check_env_options(cfg)
+    check_env_options(cfg, env)
     if cfg.env.require_official_data:
         check_official_data(cfg, env)
     check_loggers(cfg.trainer, cfg.out_dir, env)

@@ -78,6 +78,26 @@ class MlflowConfig(Section):
     """Tags set on the run when it is created."""
 
 
+class RestartsConfig(Section):
+    """How a run restarted by a machine (torchrun's ``--max-restarts``, a Slurm requeue) treats its earlier failed
+    attempts (engine/run/restarts.py): it waits before it starts, longer after each failure at the same step, and it
+    stops only once the same failure has repeated over a stretch of time long enough for an outage to pass. A launch
+    by a person, or after a person changed the config or the code, is never stopped and never waits."""
+
+    KEY: ClassVar[str] = "trainer.restarts"
+    backoff_s: NonNegative = 10.0
+    """Seconds a restarted attempt waits before it starts when the attempt before it failed, doubled for each further
+    attempt in a row that failed at the same step (0: no wait)."""
+    backoff_max_s: Annotated[Real, Field(ge=0, le=600)] = 300.0
+    """Ceiling of that wait, in seconds; at most 600 (a rank that waits longer than its peers' 10 minutes at the
+    process group's rendezvous would make them give up)."""
+    window_s: NonNegative = 1800.0
+    """A failure (the same cause at the same step, a rank's own, not a peer's) stops the restarts only when it has
+    recurred in every attempt in a row, two at least, over at least this many seconds from its first occurrence to
+    its last: a deterministic bug, a config the run cannot use or a corrupt input, not an outage of a file system, a
+    node or a server that a few minutes cure (0: two attempts in a row suffice)."""
+
+
 def _loggers(value: list[str]) -> list[str]:
     if len(set(value)) != len(value):
         raise ValueError(f"lists a logger twice: {value}")
@@ -206,6 +226,8 @@ class TrainerConfig(Section):
     """Upper bound of the importance ratio (the truncation cap, or the mask's upper bound); > 1."""
     rollout_is_lower: Annotated[Real, Field(ge=0, lt=1)] | None = None
     """Lower bound of the mask's accepted ratio range; None: 1 / rollout_is_threshold. In [0, 1)."""
+    restarts: RestartsConfig = Field(default_factory=RestartsConfig)
+    """How restarts without a person wait and when they stop (torchrun's --max-restarts, Slurm requeues)."""
     preempt_grace_s: Annotated[Real, Field(gt=0, le=3600)] = 20.0
     """Seconds a run has, after SIGTERM or SIGUSR1, to finish its step and write a checkpoint before it exits at once
     (engine/run/preemption.py); keep it below the scheduler's grace and torchrun's --shutdown_timeout (30 s)."""

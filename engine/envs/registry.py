@@ -27,6 +27,9 @@ the parent; worker processes then still need the factory importable by its path)
 * ``skills``: the package whose ``skills/`` folder holds the environment's skill bank (engine/envs/skills.py).
 * ``task_info``: ``fn(task) -> dict`` merged into every row's info: what the row metadata and the skill bank read
   of the task's own ``payload`` (ALFWorld: its ``gamefile``); None: nothing.
+* ``check_options``: ``fn(options, environ)`` raising ValueError (one line) when ``env.options`` (or the environment
+  variables the environment reads with them) cannot work: the pre-flight check, before anything loads (Search: the
+  retriever's token and CA file); None: nothing to check beyond the option names.
 
 Everything environment-specific the engine needs is one of these fields: an environment is its folder plus its
 entry.
@@ -57,6 +60,7 @@ class EnvEntry:
     action_rule: str | None = None  # "module:attr" -> fn(source_action, target_action) -> bool (alignopsd.actions)
     skills: str | None = None  # package whose skills/ folder holds the packaged skill bank (None: none)
     task_info: str | None = None  # "module:attr" -> fn(task) -> dict: what each row carries of its task's payload
+    check_options: str | None = None  # "module:attr" -> fn(options, environ): raises ValueError before anything loads
 
 
 _PKG = "alignopsd.engine.envs"
@@ -116,6 +120,7 @@ _BUILTIN: dict[str, EnvEntry] = {
         eval_columns=f"{_PKG}.search.env:table_columns",
         official_data=f"{_PKG}.search.official:check_official_data",
         skills=f"{_PKG}.search",
+        check_options=f"{_PKG}.search.env:check_options",
     ),
 }
 

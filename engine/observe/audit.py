@@ -22,6 +22,8 @@ Records (one JSON object per line, ``kind`` first):
   in engine/observe/audit_records.py, which builds them. A turn record carries ``truth`` where the environment
   reported one for the state the turn was played in (its info's ``truth`` dict, e.g. which functional decision
   the turn is and whether it decided the outcome): the ground truth a benchmark scores the mechanisms against.
+  A value of it that JSON cannot hold (NaN, infinity, a set, an object) is written as null, the rest of the record
+  and of the step as they are, and counted in ``audit/truth_nulled_count``.
 
 Budget: at most ``trainer.audit_max_bytes`` (1 GiB) over the run, split evenly over the writing ranks
 (no collective). A step whose file would cross the cap is not written; from then on nothing is, a
@@ -149,13 +151,16 @@ class Auditor:
                 step,
             )
 
-    def metrics(self, records: int = 0, snapshot_turns: int = 0, seconds: float = 0.0) -> dict[str, float]:
+    def metrics(
+        self, records: int = 0, snapshot_turns: int = 0, seconds: float = 0.0, truth_nulled: int = 0
+    ) -> dict[str, float]:
         return {
             "audit/capped": extreme_max(self.capped, 1),  # each rank writes its own files: any rank capped
             "audit/byte_count": summed(self.bytes),
             "audit/error_count": summed(self.errors),
             "audit/record_count": summed(records),
             "audit/snapshot_turn_count": summed(snapshot_turns),
+            "audit/truth_nulled_count": summed(truth_nulled),  # values of environments' truth written as null
             "audit/seconds": slowest(seconds),
         }
 
@@ -223,7 +228,8 @@ class Auditor:
             info = {"rows": int(counts.sum()), "turns": cb.size, "snapshot": snap, "regions_found": regions is not None}
             head = self._head(step, skipped=False, **info, m2_threshold=None if tau is None else json_float(tau))
             n = self.write(step, [head, *recs, *snaps])
-            return self.metrics(n, len(snaps) if n else 0, time.perf_counter() - t0)
+            nulled = sum(r.get("truth_nulled", 0) for r in recs) if n else 0
+            return self.metrics(n, len(snaps) if n else 0, time.perf_counter() - t0, nulled)
         except WriteFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - the audit never stops a run

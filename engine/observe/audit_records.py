@@ -32,16 +32,21 @@ Records (one JSON object per line of the step's file, ``kind`` first; ``audit.py
   (``teacher_cross``), ℓ̃ (``teacher_rectified``), δ̃ (``evidence``) and the final advantage, as the
   estimator computed them.
 
-Floats are written with 7 significant digits (float32 precision); non-finite values as null.
+Floats are written with 7 significant digits (float32 precision); non-finite values as null. An environment's
+``truth`` is written as JSON can hold it (:func:`json_value`): a NaN or infinite number, or a value JSON has no form
+for (a set, bytes, an object), becomes null and the record keeps the rest, with ``truth_nulled``: how many values were
+replaced (absent when none; ``audit/truth_nulled_count`` sums them per step).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from alignopsd.engine.observe.strict import reraise_if_strict
 from torch import Tensor
@@ -53,6 +58,7 @@ __all__ = [
     "identity_hash",
     "json_float",
     "json_floats",
+    "json_value",
     "select_snapshot",
     "snapshot_records",
     "turn_records",
@@ -79,6 +85,31 @@ def json_float(x: float) -> float | None:
 def json_floats(xs: Iterable[float]) -> list[float | None]:
     """:func:`json_float` of each."""
     return [json_float(x) for x in xs]
+
+
+def json_value(value: Any) -> tuple[Any, int]:
+    """(``value`` as JSON holds it, how many values in it became null): strings, booleans, integers and finite
+    numbers as they are (numpy's scalars as Python's), lists, tuples and dicts member by member (keys as strings);
+    a non-finite number or anything else (a set, bytes, an object) is null."""
+    if value is None or isinstance(value, (str, bool)):
+        return value, 0
+    if isinstance(value, np.bool_):
+        return bool(value), 0
+    if isinstance(value, numbers.Integral):
+        return int(value), 0
+    if isinstance(value, numbers.Real):
+        x = float(value)
+        return (x, 0) if math.isfinite(x) else (None, 1)
+    if isinstance(value, (list, tuple)):
+        pairs = [json_value(v) for v in value]
+        return [v for v, _ in pairs], sum(n for _, n in pairs)
+    if isinstance(value, dict):
+        out, nulled = {}, 0
+        for k, v in value.items():
+            out[k if isinstance(k, str) else str(k)], n = json_value(v)
+            nulled += n
+        return out, nulled
+    return None, 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -151,7 +182,9 @@ def _identity_records(step: int, rank: int, cb, counts: Tensor, reg_lists: dict[
             "regions": {name: {c: v[i] for c, v in cols.items()} for name, cols in reg_lists.items()},
         }
         if truth[i] is not None:
-            rec["truth"] = truth[i]
+            rec["truth"], nulled = json_value(truth[i])
+            if nulled:
+                rec["truth_nulled"] = nulled
         recs.append(rec)
     return recs
 

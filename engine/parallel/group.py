@@ -8,6 +8,12 @@ connects to a dead socket (measured: gloo's ``connectFullMesh`` refused, then a 
 torchrun each attempt meets under its own prefix of the store (``alignopsd/attempt_<TORCHELASTIC_RESTART_COUNT>``);
 outside torchrun, or with rank 0 hosting a new store every attempt, ``env://`` as usual. The restart count is read
 here only (:func:`restart_count`; the run's attempt records in engine/run/restarts.py read it from here).
+
+A node whose agent dies and is started again (a node that rebooted, or that the scheduler replaced) needs the
+latter: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in every agent's environment. With the shared store (torch 2.13),
+the surviving agent, rank 0 of the rendezvous, publishes the workers' address once, so the new agent waits for it
+until its rendezvous times out (measured: tests/engine/test_two_nodes.py); and the new agent's workers count no
+restart while the survivors' count one, so their prefixes would differ too.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ What the engine asks of it:
 - the reference model: the same module with its adapters disabled (:meth:`disabled`); ``lora_B`` starts at zero,
   so the frozen base is exactly the initial policy and no second copy of the weights is loaded;
 - checkpoints: :meth:`adapter_state` / :meth:`adapter_config` in peft's own layout (the keys and the
-  ``adapter_config.json`` that ``PeftModel.from_pretrained`` reads), :meth:`load_adapter_state` to resume;
+  ``adapter_config.json`` that ``PeftModel.from_pretrained`` reads), :meth:`load_adapter_state` to resume, and
+  :meth:`base_digest`, the SHA-256 of the frozen base's weights that a checkpoint names its base by (an adapter
+  only means something over the weights it was trained on);
 - exports and the generation engine's weights: :meth:`merged_state_dict`, the Hugging Face layout with every
   targeted weight ``W + scale * B A`` (computed in fp32, rounded once to the base's dtype, as peft's merge does),
   without touching the module (merging in place and unmerging would not give the bf16 base back bit for bit);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -45,6 +48,7 @@ class LoraAdapter:
         """The Hugging Face module with the LoRA layers injected (the one the policy trains)."""
         self.targets: list[str] = list(peft_model.base_model.targeted_module_names)
         self.target_set = set(self.targets)
+        self._base_digest: str | None = None
         if not self.targets:
             raise ValueError("model.lora.target_modules: no layer of the model matches")
 
@@ -106,6 +110,19 @@ class LoraAdapter:
             )
         set_peft_model_state_dict(self.peft_model, state)
 
+    def base_digest(self) -> str:
+        """``sha256:<hex>`` of the frozen base: every weight but the adapters', by its Hugging Face name in sorted
+        order, with its dtype, shape and bytes (computed once: reading the weights costs about a second per GB)."""
+        if self._base_digest is None:
+            digest = hashlib.sha256()
+            state = self.model.state_dict()
+            for key in sorted(k for k in state if LORA_KEY not in k):
+                value = state[key].detach()
+                digest.update(f"{key.replace(BASE_KEY, '.')}\0{value.dtype}\0{tuple(value.shape)}\0".encode())
+                digest.update(value.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().data)
+            self._base_digest = f"sha256:{digest.hexdigest()}"
+        return self._base_digest
+
     # -- full weights ------------------------------------------------------------------------------------------------
 
     def merged_state_dict(self) -> dict[str, Tensor]:
@@ -146,6 +163,7 @@ class LoraAdapter:
             name, _, leaf = key.rpartition(".")
             mapped[f"{name}{BASE_KEY}{leaf}" if key in layers else key] = value
         missing, unexpected = self.model.load_state_dict(mapped, strict=False)
+        self._base_digest = None  # another base
         for name in self.targets:
             self.model.get_submodule(name).lora_B[ADAPTER_NAME].weight.zero_()
         missing = [k.replace(BASE_KEY, ".") for k in missing if LORA_KEY not in k]

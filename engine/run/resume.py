@@ -4,7 +4,8 @@ Every checkpoint stores the resolved config of its run (``trainer_state.json`` â
 section included). Resuming compares it key by key with the config of the new run:
 
 * changes that do not alter the trajectory of training are allowed and listed: the run's name and output directory,
-  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), validation
+  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), how restarts
+  wait and stop (``trainer.restarts``), validation
   before/after training, environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and
   the data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one keys
   its shards by tensor-parallel rank only, so either reshards to any data-parallel size at the same tensor-parallel
@@ -21,6 +22,12 @@ section included). Resuming compares it key by key with the config of the new ru
   a change of these is refused in any case, ``--allow-config-change`` included (:data:`SHARDED_LAYOUT`); the
   backend checks the model's shapes against the folder's ``layout.json`` again before it reads a shard.
 
+A LoRA checkpoint names its base (``trainer_state.json`` â†’ ``lora_base``: ``model.name`` and the SHA-256 of the base's
+weights, engine/policy/lora.py): its adapter only means something over those weights. A resume over another base
+(another model, or the same name with other weights: a new revision, another dtype) is refused naming both, unless
+``--allow-config-change``; a LoRA checkpoint written before checkpoints named their base resumes with a one-line
+warning (:func:`check_lora_base`).
+
 The run's side file ``span_lengths.json`` (the M2 span lengths of every step so far, for the report) is cut back
 to the count the checkpoint records (:func:`read_span_lengths`).
 """
@@ -36,7 +43,7 @@ from typing import Any
 from alignopsd.engine.checkpoint.checkpoint import resolve_resume
 from alignopsd.engine.checkpoint.manifest import ManifestError
 from alignopsd.engine.checkpoint.trainer_state import TrainerState, read_trainer_state
-from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE
+from alignopsd.engine.checkpoint.weights import ADAPTER_DIR, ADAPTER_FILE, WEIGHTS_FILE
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
@@ -74,7 +81,9 @@ ADDED_KEYS = {"generation.quantize": "off", "trainer.save_every_s": None}
 # checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is
 # refused like any other
 ADDED_DIVISIONS = {"trainer.ppo_max_token_len_per_gpu": (0, None), "trainer.use_remove_padding": (False,)}
-NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.")  # the loggers' settings: every key under them
+NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.", "trainer.restarts.")  # loggers, restarts: every key under
+# neutral sections added after checkpoints were first written: absent from an older checkpoint's config, not listed
+ADDED_NEUTRAL_SECTIONS = ("trainer.restarts.",)
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
 # dotted keys a sharded checkpoint cannot be loaded across (its shards have this model's shapes and this layout)
 SHARDED_LAYOUT = frozenset(
@@ -125,6 +134,8 @@ def config_changes(
                 continue
             line += " (changes the warm-up length)"
         if a is missing and any(key.startswith(sec) and new.get(on) is False for sec, on in ADDED_SECTIONS.items()):
+            continue
+        if a is missing and key.startswith(ADDED_NEUTRAL_SECTIONS):
             continue
         if a is missing and key in ADDED_KEYS and b == ADDED_KEYS[key]:
             continue
@@ -213,6 +224,32 @@ def prepare_resume(
     if path is None:
         return None, []
     return path, check_resume(path, cfg, world_size=world_size, allow_changes=allow_changes)
+
+
+def check_lora_base(path: Path, current: dict[str, str] | None, *, allow_changes: bool = False) -> list[str]:
+    """A resume's LoRA base (``current``: ``{"model", "digest"}`` of this run's base, None without LoRA) against the
+    one checkpoint ``path`` names: the lines to show (a warning for a checkpoint that names none, the override), or
+    ResumeConfigError naming both bases."""
+    if current is None or not (path / ADAPTER_DIR / ADAPTER_FILE).is_file():  # the load names a kind mismatch
+        return []
+    stored = read_trainer_state(path).lora_base
+    if stored is None:
+        return [
+            f"[resume] warning: {path} does not name the base its LoRA adapter was trained over (written before "
+            f"checkpoints did); resuming over {current['model']} ({current['digest'][:19]}) unchecked"
+        ]
+    if stored == current:
+        return []
+    both = (
+        f"it was trained over {stored['model']} ({stored['digest'][:19]}) and this run's base is {current['model']} "
+        f"({current['digest'][:19]})"
+    )
+    if not allow_changes:
+        raise ResumeConfigError(
+            f"--resume: the LoRA adapter of {path} belongs to another base: {both}; resume over the base it was "
+            "trained on, or pass --allow-config-change to apply it to this one anyway"
+        )
+    return [f"[resume] LoRA base: {both} (overridden: --allow-config-change)"]
 
 
 def read_span_lengths(path: Path, n: int) -> tuple[list[int], str | None]:

@@ -63,7 +63,7 @@ from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.preemption import Preempted, PreemptionWatch
 from alignopsd.engine.run.process import Dist, pick_device, process_settings
-from alignopsd.engine.run.resume import prepare_resume, read_span_lengths, stored_config
+from alignopsd.engine.run.resume import check_lora_base, prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
 from alignopsd.engine.step.episodes import run_validation
 from alignopsd.engine.step.recipe import run_step
@@ -161,6 +161,7 @@ class Trainer:
                 logger_runs=self.logger_runs or None,
                 paths=choices_state() or None,
                 rows=policy.rows.choice,
+                lora_base=self.lora_base(),
             ),
             hf_config=policy.hf_config,
             keep_last=self.cfg.trainer.keep_last,
@@ -171,6 +172,11 @@ class Trainer:
             shards=policy.save_checkpoint if sharded else None,
             shard_state=policy.local_state() if sharded else None,  # this rank's weights, checked for NaN/inf
         )
+
+    def lora_base(self) -> dict[str, str] | None:
+        """A LoRA policy's base as its checkpoints name it (``model.name`` and the digest of its weights)."""
+        adapter = self.parts.policy.adapter
+        return None if adapter is None else {"model": self.cfg.model.name, "digest": adapter.base_digest()}
 
     def export_due(self) -> bool:
         """A sharded or LoRA checkpoint carries a Hugging Face export (LoRA: the merged weights) every
@@ -242,6 +248,9 @@ class Trainer:
             )
             for line in changes:
                 self._say(f"[resume] config change: {line}")
+            if path is not None:  # a LoRA adapter resumes over the base it was trained on only
+                for line in check_lora_base(path, self.lora_base(), allow_changes=allow_config_change):
+                    self._say(line)
             if self.rank == 0:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(self.out_dir / "config.yaml", dump_config(cfg).encode())

@@ -8,12 +8,15 @@ the real command line (pre-flight, resume checks, Trainer, saves and loads).
 
 ``--stop-after K``: every rank exits at once (``os._exit``, no clean-up, like a kill) right after step K's
 checkpoint is written. ``--kill-at K:R:FILE``: rank R SIGKILLs itself in step K unless FILE exists (it creates it
-first: one fault per run, the restarted attempt passes). ``--fail-at K``: every rank raises the same ValueError in
-step K, in every attempt (a deterministic failure). ``--chaos FILE``: the faults of a JSON schedule, each ``{"id",
-"step", "rank", "kind", "at"}`` fired once (a marker file ``FILE.<id>`` is created first): ``kill`` SIGKILLs the
-rank on entering phase ``at`` of the step (a profiler phase name, or ``save``: rank 0 in the middle of writing the
-checkpoint, its weights written, its trainer state not), ``term_agent`` sends SIGTERM to the torchrun agent (a
-preemption of the whole job) on entering the phase, ``disk_full`` makes rank 0's checkpoint write fail with ENOSPC.
+first: one fault per run, the restarted attempt passes). ``--kill-node-at K:FILE``: in step K, the worker whose
+environment has ``ALIGNOPSD_TEST_KILL_NODE=1`` (the test sets it for one node's agent) SIGKILLs its torchrun agent
+and then itself unless FILE exists (created first): a node lost, agent and all. ``--fail-at K``: every rank raises
+the same ValueError in step K, in every attempt (a deterministic failure). ``--chaos FILE``: the faults of a JSON
+schedule, each ``{"id", "step", "rank", "kind", "at"}`` fired once (a marker file ``FILE.<id>`` is created first):
+``kill`` SIGKILLs the rank on entering phase ``at`` of the step (a profiler phase name, or ``save``: rank 0 in the
+middle of writing the checkpoint, its weights written, its trainer state not), ``term_agent`` sends SIGTERM to the
+torchrun agent (a preemption of the whole job) on entering the phase, ``disk_full`` makes rank 0's checkpoint write
+fail with ENOSPC.
 ``--dump-save F`` / ``--dump-load F``: rank 0 writes the policy's gathered weights and optimizer state
 (engine/checkpoint/statefile.py) right after the last save / right after a resume loaded the checkpoint."""
 
@@ -94,6 +97,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dump-save", default=None)
     p.add_argument("--dump-load", default=None)
     p.add_argument("--kill-at", default=None)
+    p.add_argument("--kill-node-at", default=None)
     p.add_argument("--fail-at", type=int, default=None)
     p.add_argument("--chaos", default=None)
     args, train_args = p.parse_known_args(argv)  # the rest is the train command line
@@ -139,6 +143,13 @@ def main(argv: list[str]) -> int:
             k, r, marker = args.kill_at.split(":", 2)
             if step + 1 == int(k) and parts.rank == int(r) and not os.path.exists(marker):
                 open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill_node_at and os.environ.get("ALIGNOPSD_TEST_KILL_NODE") == "1":
+            k, marker = args.kill_node_at.split(":", 1)
+            if step + 1 == int(k) and not os.path.exists(marker):
+                open(marker, "w").close()
+                sys.stdout.flush()
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's agent
                 os.kill(os.getpid(), signal.SIGKILL)
         if args.fail_at is not None and step + 1 == args.fail_at:
             raise ValueError(f"an injected deterministic failure in step {step + 1}")

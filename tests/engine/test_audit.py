@@ -343,3 +343,38 @@ def test_config_switch_is_validated():
     for bad in ("trainer.audit=maybe", "trainer.audit_max_bytes=0", "trainer.audit_max_bytes=1.5"):
         with pytest.raises(ConfigError, match="trainer.audit"):
             load_config(TINY, [bad])
+
+
+def test_odd_truth_values_are_written_as_null_and_counted(tmp_path):
+    """An environment's truth with NaN, infinity or values JSON has no form for: the step's records are all written
+    (before, the whole step's file was lost), those values as null, each record saying how many it lost, and
+    ``audit/truth_nulled_count`` counts them (summed over ranks, as declared)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import numpy as np
+    from alignopsd.engine.parallel.collectives import reduce_metrics
+
+    cb, old, diag, cross, H, B, rect, credit = _synthetic()
+    truth = [None] * cb.size
+    truth[1] = {"decisive": True, "score": float("nan"), "gap": [1.5, float("inf"), -float("inf")]}
+    truth[4] = {"ids": {3, 4}, "raw": b"x", "n": np.int64(7), "ok": np.bool_(True), "x": np.float32(0.5), 2: "two"}
+    truth[7] = {"phase": "open", "distance": 2}
+    cb = dataclasses.replace(cb, truth=truth)
+    counts = torch.ones(cb.size, dtype=torch.long)
+    est = SimpleNamespace(rectified=rect, credit=credit)
+    m1 = M1Result(H=H, eligible=B, diag=diag, cross=cross)
+    au = Auditor(tmp_path, total_steps=10)
+    metrics = au.record(2, cb, counts, old, credit.token_advantage, est, m1)
+    recs = read_audit(tmp_path / "audit", 2)
+    turns = [r for r in recs if r["kind"] == "turn"]
+    assert len(turns) == cb.size and metrics["audit/record_count"] == len(recs) and metrics["audit/error_count"] == 0
+    assert turns[1]["truth"] == {"decisive": True, "score": None, "gap": [1.5, None, None]}
+    assert turns[1]["truth_nulled"] == 3
+    assert turns[4]["truth"] == {"ids": None, "raw": None, "n": 7, "ok": True, "x": 0.5, "2": "two"}
+    assert turns[4]["truth_nulled"] == 2
+    assert turns[7]["truth"] == {"phase": "open", "distance": 2} and "truth_nulled" not in turns[7]
+    assert "truth" not in turns[0] and all("m1" in t and "m2" in t for t in turns)  # the rest as always
+    assert metrics["audit/truth_nulled_count"] == 5
+    other = Auditor(tmp_path / "rank1", total_steps=10, rank=1, world_size=2).metrics(truth_nulled=2)
+    assert reduce_metrics([metrics, other], strict=True)["audit/truth_nulled_count"] == 7

@@ -155,3 +155,66 @@ def test_lora_without_peft_is_refused_at_load(monkeypatch):
     with pytest.raises(ConfigError, match=r"model.lora.enabled: LoRA needs the peft package"):
         load_config(TINY, ["model.lora.enabled=true"])
     assert not load_config(TINY).model.lora.enabled  # off by default, and then peft is not asked for
+
+
+def _perturbed_base(tr) -> None:
+    """Another base under the same model.name (a new revision of the weights): one base weight nudged."""
+    name, param = next((n, p) for n, p in tr.parts.policy.model.named_parameters() if ".base_layer." in n)
+    with torch.no_grad():
+        param.add_(1e-3)
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_names_its_base_and_refuses_another(lora_run, tmp_path):
+    """The checkpoint names the base its adapter was trained over (model.name and the digest of its weights); a
+    resume over other weights is refused naming both, or let through by --allow-config-change (said); a checkpoint
+    written before checkpoints named their base resumes as before, with a one-line warning."""
+    import io
+    import shutil
+
+    from alignopsd.engine.checkpoint.manifest import manifest_field, write_manifest
+    from alignopsd.engine.run.resume import ResumeConfigError
+
+    out, tr, _, straight = lora_run
+    if tr.cfg.algorithm.estimator != "grpo":
+        pytest.skip("one run's checkpoints suffice (the GRPO run's)")
+    step1 = out / "checkpoints" / "step_000001"
+    base = json.loads((step1 / "trainer_state.json").read_text())["lora_base"]
+    digest = tr.parts.policy.adapter.base_digest()
+    assert base == {"model": "tiny", "digest": digest} and len(digest) == len("sha256:") + 64
+    ov = [*lh.GUESS_OVERRIDES, *LORA, "algorithm.estimator=grpo", "trainer.total_steps=2", "trainer.save_freq=1"]
+
+    other = lh.build_trainer(TINY, [*ov, f"output_dir={tmp_path / 'other'}"])
+    _perturbed_base(other)
+    moved = other.parts.policy.adapter.base_digest()
+    assert moved != digest
+    with pytest.raises(ResumeConfigError) as refused:
+        other.fit(resume=str(step1))
+    msg = str(refused.value)
+    assert f"the LoRA adapter of {step1} belongs to another base: it was trained over tiny ({digest[:19]})" in msg
+    assert f"this run's base is tiny ({moved[:19]})" in msg and "--allow-config-change" in msg
+
+    allowed = lh.build_trainer(TINY, [*ov, f"output_dir={tmp_path / 'allowed'}"])
+    _perturbed_base(allowed)
+    allowed.stream = io.StringIO()
+    allowed.fit(resume=str(step1), allow_config_change=True)
+    said = allowed.stream.getvalue()
+    assert f"[resume] LoRA base: it was trained over tiny ({digest[:19]})" in said
+    assert "(overridden: --allow-config-change)" in said and allowed.step == 2
+
+    old = tmp_path / "old" / "step_000001"  # as checkpoints were written before they named their base
+    shutil.copytree(step1, old)
+    state = json.loads((old / "trainer_state.json").read_text())
+    del state["lora_base"]
+    (old / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    write_manifest(old, fields={"format_version": manifest_field(step1, "format_version")})
+    resumed = lh.build_trainer(TINY, [*ov, f"output_dir={tmp_path / 'resumed'}"])
+    resumed.stream = io.StringIO()
+    resumed.fit(resume=str(old))
+    warned = [line for line in resumed.stream.getvalue().splitlines() if "does not name the base" in line]
+    assert warned == [
+        f"[resume] warning: {old} does not name the base its LoRA adapter was trained over (written before "
+        f"checkpoints did); resuming over tiny ({digest[:19]}) unchecked"
+    ]
+    again = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in again] == [2] and again[0]["actor/loss"] == straight[1]["actor/loss"]

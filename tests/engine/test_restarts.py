@@ -1,5 +1,6 @@
-"""A run that heals itself (engine/run/restarts.py): restarts under torchrun's elastic agent resume by themselves, and a
-failure that repeats at the same step with the same cause stops the restarts with one message.
+"""A run that heals itself (engine/run/restarts.py): restarts under torchrun's elastic agent resume by themselves, back
+off while the attempts before them failed at the same step, and a failure that recurs at the same step with the same
+cause over the restart window stops the restarts with one message (the rule's clock and sleep are the tests' own).
 
 The command line is the real one (tests/engine/sharded_run.py: ``alignopsd.engine.commands.train.main`` with the
 guess environment and the candidate-choice generator); its fault hooks live in that test runner, not in the engine.
@@ -20,9 +21,9 @@ import pytest
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
 from alignopsd.engine.commands import train as train_cmd
+from alignopsd.engine.config.trainer_section import RestartsConfig
 from alignopsd.engine.observe.metrics import read_metrics
-from alignopsd.engine.parallel.group import restart_count
-from alignopsd.engine.run import restarts
+from alignopsd.engine.run import attempts, restarts
 from test_preemption import TIMING
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,55 +34,155 @@ GUESS = [a for kv in lh.GUESS_OVERRIDES for a in ("--set", kv)]
 
 
 def _events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / restarts.ATTEMPTS_FILE).read_text().splitlines()]
+    return [json.loads(line) for line in (out / attempts.ATTEMPTS_FILE).read_text().splitlines()]
 
 
-def test_restart_count_is_read_once_for_the_group_and_the_attempt_records(tmp_path, monkeypatch):
+class FakeTime:
+    """The rule's clock and sleep: an attempt takes no real time."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 1_000_000.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+ID = restarts.Identity("config-a", "code-a")
+BOOM = ValueError("targets: 17 ids fall in no vocabulary shard of 4096")
+OUTAGE = ConnectionRefusedError("[Errno 111] Connection refused")
+LAUNCH_VARS = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "SLURM_RESTART_COUNT", "SLURM_JOB_ID")
+
+
+def _attempt(out, t, env, *, fail=None, step=0, ident=ID, settings=None, said=None):
+    """One attempt as train.main runs it on rank 0 of a launch (``env``: its variables): the rule at its start,
+    then 5 s of work and, with ``fail``, the failure at ``step``. Returns begin_attempt's answer."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k in LAUNCH_VARS:
+            mp.delenv(k, raising=False)
+        for k, v in env.items():
+            mp.setenv(k, str(v))
+        say = (said if said is not None else []).append
+        got = restarts.begin_attempt(out, settings or RestartsConfig(), ident, 0, say, clock=t.clock, sleep=t.sleep)
+        if got is not None and fail is not None:
+            t.now += 5.0
+            attempts.record_failure(out, 0, step, fail, clock=t.clock)
+        return got
+
+
+def _other_rank(out, t, env) -> tuple[int | None, list[float]]:
+    """Rank 1 of the same attempt, before rank 0 records the start: (its answer, what it slept)."""
+    slept: list[float] = []
+    with pytest.MonkeyPatch.context() as mp:
+        for k in LAUNCH_VARS:
+            mp.delenv(k, raising=False)
+        for k, v in env.items():
+            mp.setenv(k, str(v))
+        got = restarts.begin_attempt(out, RestartsConfig(), ID, 1, lambda line: None, clock=t.clock, sleep=slept.append)
+    return got, slept
+
+
+def _restart(n: int) -> dict:
+    return {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": n}
+
+
+def test_restart_count_is_read_once_for_the_group_and_the_attempt_records(monkeypatch):
+    """The restart count comes from parallel/group.py (the store prefix and the attempt records read the same)."""
+    from alignopsd.engine.parallel.group import restart_count
+
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    assert restart_count() is None and not restarts.restarted()
-    restarts.record_start(tmp_path)
+    assert restart_count() is None and restarts.restarts_so_far() == 0 and not restarts.restarted()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "not a number")
     assert restart_count() == 0 and not restarts.restarted()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert restart_count() == 2 and restarts.restarted()
-    restarts.record_start(tmp_path)
-    assert [e["restart"] for e in _events(tmp_path)] == [0, 2]
+    assert restart_count() == restarts.restarts_so_far() == 2 and restarts.restarted()
 
 
-def test_repeated_failure_needs_the_same_step_and_cause_in_two_attempts_in_a_row(tmp_path):
-    boom = ValueError("targets: 17 ids fall in no vocabulary shard of 4096")
-    assert restarts.cause_of(boom) == "ValueError: targets: # ids fall in no vocabulary shard of #"
-    assert restarts.repeated_failure(tmp_path) is None  # no file: a first attempt
-    assert restarts.record_start(tmp_path) == 1
-    restarts.record_failure(tmp_path, 0, 3, boom)
-    assert restarts.repeated_failure(tmp_path) is None  # one failed attempt is not a repetition
-    assert restarts.record_start(tmp_path) == 2
-    restarts.record_failure(tmp_path, 1, 4, boom)  # another step: progress was made
-    assert restarts.repeated_failure(tmp_path) is None
-    restarts.record_start(tmp_path)
-    restarts.record_failure(tmp_path, 0, 4, ValueError("targets: 9 ids fall in no vocabulary shard of 4096"))
-    msg = restarts.repeated_failure(tmp_path)
-    assert msg.startswith("attempts 2 and 3 both failed at step 4 with the same cause (ValueError: targets: #")
-    assert "resume with --resume auto" in msg
-    restarts.record_start(tmp_path)  # an attempt without a failure of its own clears it
-    assert restarts.repeated_failure(tmp_path) is None
-    # a rank that saw a peer die records nothing; a torn last line (a kill mid-write) is skipped
-    assert not restarts.record_failure(tmp_path, 1, 5, torch.distributed.DistBackendError("Connection closed by peer"))
-    with open(tmp_path / restarts.ATTEMPTS_FILE, "a") as f:
-        f.write('{"event": "failure", "st')
-    assert [e["event"] for e in restarts.read_attempts(tmp_path)] == ["start", "failure"] * 2 + ["start", "failure"] + [
-        "start"
+def test_a_transient_failure_backs_off_and_the_run_goes_on(tmp_path):
+    """The retrieval server (or a file system) is down for the first two attempts: each restart waits longer (10 s,
+    then 20 s, said in the log), none is refused, and the third attempt runs."""
+    t, said = FakeTime(), []
+    assert _attempt(tmp_path, t, _restart(0), fail=OUTAGE, said=said) == 1
+    assert _attempt(tmp_path, t, _restart(1), fail=OUTAGE, said=said) == 2
+    assert _attempt(tmp_path, t, _restart(2), said=said) == 3  # the outage is over: this one trains
+    assert t.slept == [10.0, 20.0]
+    assert said == [
+        f"[train] a restart after {k} failed attempt(s) in a row (before the first step): waiting {w} s before it "
+        "starts (trainer.restarts: 10 s, doubled per failed attempt, at most 300 s)"
+        for k, w in ((1, 10), (2, 20))
     ]
+    starts = [e for e in _events(tmp_path) if e["event"] == "start"]
+    assert [(e["attempt"], e["restart"], e["by_hand"]) for e in starts] == [(1, 0, True), (2, 1, False), (3, 2, False)]
+    assert {(e["config"], e["code"]) for e in starts} == {(ID.config, ID.code)}
+
+
+def test_a_deterministic_failure_stops_once_its_window_has_passed_and_is_said_once(tmp_path):
+    """The same failure at step 2 in every attempt: the restarts back off up to the ceiling, and the first restart
+    after the failure has recurred over trainer.restarts.window_s (30 min) stops, said once (rank 0; rank 1 decides
+    the same from the same file). A further restart by the agent stops too; the person's Slurm requeue of the
+    stopped run, and a restart after a change of config or code, are not refused."""
+    t, said, n = FakeTime(), [], 0
+    while True:
+        other, other_slept = _other_rank(tmp_path, t, _restart(n))
+        got = _attempt(tmp_path, t, _restart(n), fail=BOOM, step=2, said=said)
+        assert other == (None if got is None else 0) and other_slept == t.slept[len(t.slept) - len(other_slept) :]
+        if got is None:
+            break
+        assert got == n + 1
+        n += 1
+    assert n == 11 and t.slept == [10, 20, 40, 80, 160, 300, 300, 300, 300, 300]
+    fails = [e["time"] for e in _events(tmp_path) if e["event"] == "failure"]
+    assert fails[-2] - fails[0] < 1800 <= fails[-1] - fails[0]  # stopped at the first restart past the window
+    assert [line for line in said if "stops" in line] == [
+        f"[train] attempts 1 to 11 all failed at step 2 with the same cause (ValueError: targets: # ids fall in no "
+        f"vocabulary shard of #), over {fails[-1] - fails[0]:.0f} s (trainer.restarts.window_s: 1800 s); a restart "
+        f"would fail again, so this one stops: fix the cause, then resume with --resume auto (attempts: "
+        f"{tmp_path / attempts.ATTEMPTS_FILE})"
+    ]
+    assert [e["event"] for e in _events(tmp_path)].count("stop") == 1
+    assert _attempt(tmp_path, t, _restart(n + 1)) is None and len(t.slept) == 10  # the agent went on: stopped again
+    requeue = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": 1}  # a person asked Slurm to requeue the stopped run
+    assert _attempt(tmp_path, t, requeue, fail=BOOM, step=2) == 12 and len(t.slept) == 10
+    assert _attempt(tmp_path, t, {**requeue, "TORCHELASTIC_RESTART_COUNT": 1}, fail=BOOM, step=2) == 13
+    assert t.slept[10:] == [10] and _events(tmp_path)[-4]["by_hand"] is True  # a new row from the person's attempt
+    changed = restarts.Identity("config-b", ID.code)  # a person changed the config: not refused, no wait
+    assert _attempt(tmp_path, t, _restart(n + 2), ident=changed, fail=BOOM, step=2) == 14
+    assert _attempt(tmp_path, t, _restart(n + 3), ident=restarts.Identity(ID.config, "code-b")) == 15
+    assert t.slept[10:] == [10]
+
+
+def test_the_row_needs_the_same_own_failure_and_ends_where_an_attempt_got_further(tmp_path):
+    """window_s 0: two attempts in a row with the same failure at the same step stop the next (the rule as it was
+    before the window). Another step, another cause, or an attempt whose only failure is a peer's in between is no
+    repetition; an attempt that got further than the one before it starts the backoff over."""
+    t, said, short = FakeTime(), [], RestartsConfig(window_s=0)
+    assert attempts.cause_of(BOOM) == "ValueError: targets: # ids fall in no vocabulary shard of #"
+    peer = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:9")
+    other = ValueError("the tokenizer has no pad token")
+    for n, (fail, step) in enumerate([(BOOM, 3), (BOOM, 4), (peer, 4), (BOOM, 4), (other, 4), (other, 4)]):
+        assert _attempt(tmp_path, t, _restart(n), fail=fail, step=step, settings=short, said=said) == n + 1
+    assert not said or not any("stops" in line for line in said)
+    assert t.slept == [10, 10, 20, 40, 80]  # step 4 got further than step 3: the row started over at attempt 2
+    assert _attempt(tmp_path, t, _restart(6), settings=short, said=said) is None
+    assert said[-1].startswith(
+        "[train] attempts 5 and 6 both failed at step 4 with the same cause (ValueError: the tokenizer has no pad"
+    )
 
 
 def test_a_config_failure_that_repeats_stops_the_third_attempt(tmp_path, capsys, monkeypatch):
-    """The real command line: a checkpoint folder that does not verify makes --resume auto refuse (exit 2, before
-    any model loads) in two attempts; the third, a restart, stops at once with one message and exit status 3."""
+    """The real command line (trainer.restarts: no wait, no window): a checkpoint folder that does not verify makes
+    --resume auto refuse (exit 2, before any model loads) in two attempts; the third, a restart, stops at once with
+    one message, a stop record and exit status 3. A restart with another config, and a person's launch, are never
+    refused: they fail on their own."""
     bad = tmp_path / "checkpoints" / ck.step_dir_name(2)
     bad.mkdir(parents=True)
     (bad / "manifest.json").write_text("{}")
-    argv = ["--config", TINY, "--set", f"output_dir={tmp_path}", "--resume", "auto"]
+    now = ["--set", "trainer.restarts.window_s=0", "--set", "trainer.restarts.backoff_s=0"]
+    argv = ["--config", TINY, "--set", f"output_dir={tmp_path}", "--resume", "auto", *now]
     assert train_cmd.main(argv) == 2
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarts, as torchrun's agent makes them
     assert train_cmd.main(argv) == 2
@@ -90,8 +191,10 @@ def test_a_config_failure_that_repeats_stops_the_third_attempt(tmp_path, capsys,
     assert train_cmd.main(argv) == restarts.EXIT_REPEATED == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "attempts 1 and 2 both failed before its first step" in err
-    assert [e["event"] for e in _events(tmp_path)] == ["start", "failure", "start", "failure"]
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # a person's launch is never refused: it fails on its own
+    assert [e["event"] for e in _events(tmp_path)] == ["start", "failure", "start", "failure", "stop"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert train_cmd.main([*argv, "--set", "trainer.lr=2e-4"]) == 2  # the config changed: judged afresh
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     assert train_cmd.main(argv) == 2
 
 
@@ -139,8 +242,12 @@ def test_torchrun_restarts_after_a_killed_worker_and_ends_bit_identical(tmp_path
     got = _torchrun(healed, 3, "--kill-at", f"2:1:{tmp_path / 'killed'}", restarts_n=2)
     assert got.returncode == 0, got.stderr[-3000:]
     assert (tmp_path / "killed").exists()  # the fault did hit
-    assert [e["event"] for e in _events(healed)] == ["start", "start"]  # a SIGKILL leaves no record of its own
-    assert _events(healed)[1]["restart"] == 1 and "resumed from" in got.stdout + got.stderr
+    events = _events(healed)  # a SIGKILL leaves no record of its own; rank 0 may record its peer's (if it saw it)
+    assert [e["event"] for e in events if e["event"] != "failure"] == ["start", "start"]
+    assert all((e["kind"], e["rank"], e["step"]) == ("peer", 0, 2) for e in events if e["event"] == "failure")
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts[1]["restart"] == 1 and "resumed from" in got.stdout + got.stderr
+    assert "a restart after 1 failed attempt(s) in a row" in got.stderr and "waiting 10 s" in got.stderr
     assert [r["step"] for r in read_metrics(healed / "metrics.jsonl")] == [1, 2, 3]
     for step in (1, 2, 3):
         wa = ck.load_weights(straight / "checkpoints" / ck.step_dir_name(step))
@@ -152,7 +259,8 @@ def test_torchrun_restarts_after_a_killed_worker_and_ends_bit_identical(tmp_path
 def test_torchrun_stops_restarting_a_deterministic_failure(tmp_path):
     """Every attempt raises the same error in step 2: two attempts fail there, the third (a restart) stops at once
     with one message and asks the agent to stop, so the 5 allowed restarts are not all spent."""
-    got = _torchrun(tmp_path, 3, "--fail-at", "2", restarts_n=5)
+    now = ["--set", "trainer.restarts.window_s=0", "--set", "trainer.restarts.backoff_s=0"]
+    got = _torchrun(tmp_path, 3, "--fail-at", "2", *now, restarts_n=5)
     assert got.returncode != 0
     events = _events(tmp_path)
     assert [e["event"] for e in events if e["event"] == "start"] == ["start"] * 2  # the third stopped before its own

@@ -18,7 +18,9 @@ Retrieval: ``retriever_url`` (any Search-R1 ``/retrieve`` server); else ``$ALIGN
 else this process starts our server for the corpus (``corpus_path``, default: the generated KB of the
 task's ``kb_seed``). ``retriever_url="local"`` searches in-process without HTTP. A server that needs a bearer
 token gets the one in ``retriever_token_file`` (``env.options``), else ``$ALIGNOPSD_RETRIEVER_TOKEN``
-(engine/envs/search/retriever_auth.py).
+(engine/envs/search/retriever_auth.py); an ``https://`` server's certificate is verified against the system's
+authorities, or those in ``retriever_ca_file``. Both are checked before a run loads anything (:func:`check_options`,
+the pre-flight check of the registry entry).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import random
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,13 @@ from alignopsd.engine.envs.search.data import (
     load_searchr1_parquet,
     split_questions,
 )
-from alignopsd.engine.envs.search.retriever import URL_ENV_VAR, RetrieverClient, ensure_retriever, format_passages
+from alignopsd.engine.envs.search.retriever import (
+    URL_ENV_VAR,
+    RetrieverClient,
+    ensure_retriever,
+    format_passages,
+    same_origin_opener,
+)
 from alignopsd.engine.envs.search.retriever_auth import resolve_token
 
 SUCCESS_REWARD = 10.0
@@ -91,6 +99,15 @@ def _local_retriever(corpus_path: str) -> CorpusRetriever:
     return CorpusRetriever.from_path(corpus_path)
 
 
+def check_options(options: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """The pre-flight check of ``env.options`` (the registry entry's ``check_options``): the retriever's token (the
+    token file's, else ``$ALIGNOPSD_RETRIEVER_TOKEN``'s) can travel as a header, and the CA file loads; ValueError
+    (one line) otherwise."""
+    resolve_token(options.get("retriever_token_file"), environ)
+    if options.get("retriever_ca_file"):
+        same_origin_opener(options["retriever_ca_file"])
+
+
 class SearchEnv:
     """One Search-QA episode at a time (see the module docstring)."""
 
@@ -105,6 +122,7 @@ class SearchEnv:
         timeout: float = 15.0,
         retries: int = 3,
         retriever_token_file: str | os.PathLike[str] | None = None,
+        retriever_ca_file: str | os.PathLike[str] | None = None,
         **_: Any,
     ) -> None:
         if not isinstance(max_steps, int) or max_steps <= 0:
@@ -115,6 +133,7 @@ class SearchEnv:
         self.corpus_path = str(corpus_path) if corpus_path else None
         self.topk, self.max_steps, self.timeout, self.retries = topk, max_steps, timeout, retries
         self.token = resolve_token(retriever_token_file)  # the file's, else $ALIGNOPSD_RETRIEVER_TOKEN's, else None
+        self.ca_file = retriever_ca_file
         self._clients: dict[str, RetrieverClient] = {}
         self.last_url = "local" if retriever_url == "local" else None
         self.task: TaskSpec | None = None
@@ -137,7 +156,9 @@ class SearchEnv:
                 corpus = str(default_corpus_path(int(self.task.payload["kb_seed"])))
             url = ensure_retriever(corpus_path=corpus)
         if url not in self._clients:
-            self._clients[url] = RetrieverClient(url, timeout=self.timeout, retries=self.retries, token=self.token)
+            self._clients[url] = RetrieverClient(
+                url, timeout=self.timeout, retries=self.retries, token=self.token, ca_file=self.ca_file
+            )
         self.last_url = url
         return self._clients[url].retrieve([query], self.topk)[0]
 

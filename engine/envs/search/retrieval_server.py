@@ -29,7 +29,9 @@ twice the largest answer it can produce plus 256 bytes per result and a score ar
 at most the two budgets beyond its corpus and index (measured: bench/results/retriever-memory-2026-12-02.md).
 
 Access (engine/envs/search/retriever_auth.py): with a token every request must carry ``Authorization: Bearer
-<token>`` (else 401, checked in constant time before the body is read); beyond loopback a token is required.
+<token>`` (else 401, checked in constant time before the body is read); beyond loopback a token is required. Given a
+certificate and its key (PEM files, :class:`TlsFiles`) the server speaks HTTPS only (its URL is ``https://``); the
+files are loaded before the corpus is read, and files that do not load refuse the start (ValueError).
 
 FastAPI and uvicorn are the ``serve`` extra; they are imported only when a server is built.
 """
@@ -39,9 +41,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,7 @@ __all__ = [
     "AnswerTooLarge",
     "RetrievalServer",
     "ServerLimits",
+    "TlsFiles",
     "body_charge",
     "build_app",
     "parse_retrieve_request",
@@ -233,9 +238,27 @@ def _listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's certificate (chain) and private key, PEM files: the server speaks HTTPS with them."""
+
+    certfile: str
+    keyfile: str
+
+    def check(self) -> None:
+        """ValueError (one line, naming the files) when they do not load as a certificate and its key."""
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"--ssl-certfile {self.certfile} / --ssl-keyfile {self.keyfile}: not a certificate and its key ({exc})"
+            ) from None
+
+
 class RetrievalServer:
     """The server over a ``CorpusRetriever``, bound at construction (port 0: a free port); with ``token`` it
     answers only requests bearing it, and beyond loopback it refuses (ValueError, before binding) to run without.
+    With ``tls`` it serves HTTPS.
 
     ``start()`` serves in a daemon thread (tests, in-process use); ``serve_forever()`` serves in the
     calling thread until ``close()`` or a signal.
@@ -248,10 +271,14 @@ class RetrievalServer:
         port: int = 0,
         limits: ServerLimits | None = None,
         token: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         import uvicorn
 
         check_exposure(host, token)
+        if tls is not None:
+            tls.check()
+        self.scheme = "http" if tls is None else "https"
         self.retriever = retriever
         self.limits = limits or ServerLimits()
         self.sock = _listening_socket(host, port, self.limits.backlog)
@@ -264,6 +291,8 @@ class RetrievalServer:
             access_log=False,
             timeout_keep_alive=self.limits.keep_alive_s,
             backlog=self.limits.backlog,
+            ssl_certfile=None if tls is None else tls.certfile,
+            ssl_keyfile=None if tls is None else tls.keyfile,
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -271,7 +300,7 @@ class RetrievalServer:
     @property
     def url(self) -> str:
         host, port = self.sock.getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"{self.scheme}://[{host}]:{port}" if ":" in host else f"{self.scheme}://{host}:{port}"
 
     def start(self, timeout: float = 30.0) -> RetrievalServer:
         self._thread = threading.Thread(target=self.serve_forever, name="retrieval-server", daemon=True)
@@ -313,12 +342,15 @@ def serve_retriever(
     announce: Callable[[str], None] | None = None,
     limits: ServerLimits | None = None,
     token: str | None = None,
+    tls: TlsFiles | None = None,
 ) -> None:
     """Serve ``corpus_path`` over the Search-R1 protocol until interrupted (or until ``parent_pid`` exits); beyond
-    loopback only with a ``token`` (ValueError before the corpus loads)."""
+    loopback only with a ``token``; HTTPS with ``tls`` (ValueError before the corpus loads)."""
     check_exposure(host, token)
+    if tls is not None:
+        tls.check()
     retriever = CorpusRetriever.from_path(corpus_path, Path(cache_dir) if cache_dir else None)
-    server = RetrievalServer(retriever, host, port, limits, token)
+    server = RetrievalServer(retriever, host, port, limits, token, tls)
     if parent_pid is not None:
 
         def _watch() -> None:

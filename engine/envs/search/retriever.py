@@ -3,7 +3,10 @@
 Protocol and server: retrieval_server.py (FastAPI on uvicorn); corpus and BM25 index: corpus_index.py.
 
 - ``RetrieverClient``: the client, with a timeout and retries; it sends the bearer token of
-  ``$ALIGNOPSD_RETRIEVER_TOKEN`` (or the one it is given: ``env.options.retriever_token_file``), see retriever_auth.py.
+  ``$ALIGNOPSD_RETRIEVER_TOKEN`` (or the one it is given: ``env.options.retriever_token_file``), see retriever_auth.py,
+  to the server's own origin only: a redirect to another scheme, host or port is refused, never followed (urllib
+  would follow a 302 or 303 with the token). An ``https://`` server's certificate is verified against the system's
+  authorities, or those of ``ca_file`` (``env.options.retriever_ca_file``).
 - ``format_passages``: the Search-R1 rendering of retrieved documents.
 - ``start_retriever_process``: our server in a child process on a free loopback port.
 - ``ensure_retriever``: returns a URL: the configured one, else one already started for this process tree
@@ -20,12 +23,14 @@ import json
 import os
 import re
 import select
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +47,7 @@ __all__ = [
     "RetrieverError",
     "ensure_retriever",
     "format_passages",
+    "same_origin_opener",
     "start_retriever_process",
 ]
 
@@ -57,10 +63,17 @@ class RetrieverError(RuntimeError):
 
 class RetrieverClient:
     """Client of a Search-R1 ``/retrieve`` endpoint with a per-request timeout and retries. ``token``: the bearer
-    token to send (default: ``$ALIGNOPSD_RETRIEVER_TOKEN`` when set, else none)."""
+    token to send (default: ``$ALIGNOPSD_RETRIEVER_TOKEN`` when set, else none), to this origin only. ``ca_file``:
+    the certificate authorities an ``https://`` server's certificate is verified against (default: the system's)."""
 
     def __init__(
-        self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.25, token: str | None = None
+        self,
+        url: str,
+        timeout: float = 10.0,
+        retries: int = 3,
+        backoff: float = 0.25,
+        token: str | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected an http(s) URL, got {url!r}")
@@ -74,6 +87,7 @@ class RetrieverClient:
         self.retries = retries
         self.backoff = backoff
         self._headers = _auth_headers(token)
+        self._opener = same_origin_opener(ca_file)
 
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Document]]:
         """Top-``topk`` documents per query (scores dropped)."""
@@ -87,7 +101,7 @@ class RetrieverClient:
             req = urllib.request.Request(self.endpoint, data=body, headers=headers)
             wait = self.backoff * (2**attempt)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with self._opener.open(req, timeout=self.timeout) as resp:
                     payload = json.loads(resp.read().decode("utf-8"))
                 return _parse_result(payload, len(queries))
             except urllib.error.HTTPError as exc:
@@ -106,6 +120,37 @@ class RetrieverClient:
             if attempt < self.retries:
                 time.sleep(wait)
         raise RetrieverError(f"retrieval at {self.endpoint} failed after {self.retries + 1} attempt(s): {last}")
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects within the request's own origin (scheme, host, port); a redirect to another origin raises
+    RetrieverError instead of being followed (urllib copies the request's headers, the token's included)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if _origin(newurl) != _origin(req.full_url):
+            fp.close()
+            raise RetrieverError(
+                f"retrieval at {req.full_url}: the server redirected ({code}) to {newurl}, another origin; not "
+                "followed, so the token is never sent there: give the retriever's final address instead"
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def same_origin_opener(ca_file: str | os.PathLike[str] | None = None) -> urllib.request.OpenerDirector:
+    """A urllib opener that follows redirects within the request's origin only and verifies an ``https://``
+    server's certificate (against ``ca_file`` when given, else the system's authorities); ValueError naming an
+    unreadable ``ca_file``."""
+    try:
+        context = ssl.create_default_context(cafile=None if ca_file is None else os.fspath(ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"CA file {ca_file}: cannot be read as certificates ({exc})") from None
+    return urllib.request.build_opener(_SameOriginRedirects(), urllib.request.HTTPSHandler(context=context))
 
 
 def _auth_headers(token: str | None) -> dict[str, str]:
@@ -244,9 +289,9 @@ def _top_pid() -> int:
 def _healthy(url: str, timeout: float = 2.0) -> bool:
     try:
         req = urllib.request.Request(url.rstrip("/") + "/health", headers=_auth_headers(None))
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with same_origin_opener().open(req, timeout=timeout) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, RetrieverError):
         return False
 
 

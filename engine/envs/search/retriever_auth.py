@@ -10,7 +10,12 @@ Never a command-line value: ``ps`` shows every process's arguments to every user
   (``hmac.compare_digest`` of the two SHA-256 digests, so neither content nor length leaks through timing).
 - A server bound beyond loopback (any address but 127.0.0.0/8, ``::1`` and ``localhost``: ``0.0.0.0``, ``::``,
   a host name or a routable address) refuses to start without a token (:func:`check_exposure`).
-- The client (``RetrieverClient``) sends the token of the same setting.
+- The client (``RetrieverClient``) sends the token of the same setting, to the server's origin only (a redirect to
+  another scheme, host or port is refused). A token is one word of printable ASCII (it travels as an HTTP header);
+  any other is refused where it is read, before a server starts or a run loads anything.
+- Over plain HTTP the token crosses the network in clear text: beyond one host, serve HTTPS (``serve-retriever
+  --ssl-certfile/--ssl-keyfile``, the client verifying the certificate, ``env.options.retriever_ca_file`` for a
+  private authority) or keep to a trusted network.
 - The server the engine starts for itself (``ensure_retriever``) binds to loopback; it inherits
   ``$ALIGNOPSD_RETRIEVER_TOKEN`` from the run when that is set (and then requires it, and the run's clients send it),
   and runs without a token otherwise.
@@ -44,8 +49,10 @@ def _checked(token: str, where: str) -> str:
     token = token.strip()
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"{where}: the token must be at least {MIN_TOKEN_CHARS} characters (got {len(token)})")
-    if any(c.isspace() or not c.isprintable() for c in token):
-        raise ValueError(f"{where}: the token must be one word of printable characters")
+    if not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError(
+            f"{where}: the token must be one word of printable ASCII characters (it is sent as an HTTP header)"
+        )
     return token
 
 
