@@ -30,11 +30,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alignopsd.engine.envs.alfworld.expert import SEARCH_DETOURS, ExpertTurn, expert_turns
 from alignopsd.engine.envs.prompts import chat_text
 from alignopsd.engine.run.warm_start import SFT_MARKER
 from alignopsd.engine.tokens.layout import truncate_left
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 
 def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int) -> tuple[list[int], list[int]]:
@@ -77,7 +81,7 @@ def check_warm_start(path: str | Path, base: str) -> Path:
     return p
 
 
-def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[ExpertTurn], list]:
+def build_examples(cfg: RunConfig, tokenizer, *, n_games: int | None = None) -> tuple[list[ExpertTurn], list]:
     """(expert turns, encoded examples) of the config's training games (ALFWorld only).
 
     Each game is played with :data:`SEARCH_DETOURS` searched receptacles before the walkthrough; its step limit
@@ -108,7 +112,16 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
 
 
 def warm_start(
-    cfg, policy, tokenizer, out_dir: str | Path, *, steps: int, batch_size: int, lr: float, stream=None, write=True
+    cfg: RunConfig,
+    policy,
+    tokenizer,
+    out_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    stream=None,
+    write=True,
 ) -> Path:
     """The warm start of a built policy (engine/run/warm_start.py): expert examples of ``cfg``'s training games,
     ``steps`` supervised steps, the checkpoint in ``out_dir`` (written where ``write``; every rank gathers)."""
@@ -141,7 +154,7 @@ def warm_start(
     return save_warm_start(policy, tokenizer, out_dir, base=cfg.model.name, meta=meta, write=write)
 
 
-def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
+def run_sft(cfg: RunConfig, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
     """``alignopsd sft``: the config's policy (its backend, LoRA adapters, tensor parallelism; every process of a
     ``torchrun`` launch) built with the warm start's optimizer, warm-started, written to ``out_dir``."""
     from alignopsd.engine.models.loading import load_tokenizer
@@ -171,7 +184,7 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     return out
 
 
-def derived_config(cfg, **sections: dict):
+def derived_config(cfg: RunConfig, **sections: dict):
     """``cfg`` with fields of its sections changed (``model={"name": ...}``), checked again as loading checks it:
     the pipeline's configs come from the one it parsed, the file is not read again."""
     update = {name: getattr(cfg, name).model_copy(update=values) for name, values in sections.items()}
@@ -181,11 +194,11 @@ def derived_config(cfg, **sections: dict):
 EASY_MAX_WALKTHROUGH = 8  # turn limit of the quickstart; the easy games' expert wins within it
 
 
-def _easy_splits(cfg) -> tuple[tuple[str, int, int], ...]:
+def _easy_splits(cfg: RunConfig) -> tuple[tuple[str, int, int], ...]:
     return (cfg.env.split, cfg.env.num_games, 11), (cfg.env.val_split, cfg.env.val_tasks, 12)
 
 
-def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
+def easy_games_root(cfg: RunConfig, *, generate: bool = True) -> tuple[Path, int]:
     """(folder, games not generated yet) of the easy games (official layout): pick-and-place in small rooms, expert
     walkthrough of at most ``EASY_MAX_WALKTHROUGH`` steps; ``env.num_games`` training and ``env.val_tasks`` held-out
     games, generated once (unless ``generate`` is false) and cached beside the generated splits."""
@@ -218,7 +231,7 @@ def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
     return root, missing
 
 
-def _heldout(cfg, policy, tokenizer, games, label: str, times: dict, stream, *, device, dist) -> dict:
+def _heldout(cfg: RunConfig, policy, tokenizer, games, label: str, times: dict, stream, *, device, dist) -> dict:
     from alignopsd.engine.run.heldout import heldout_metrics
 
     t0 = time.perf_counter()
@@ -235,7 +248,7 @@ def _heldout(cfg, policy, tokenizer, games, label: str, times: dict, stream, *, 
     return row
 
 
-def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
+def run_pipeline(cfg: RunConfig, args, sft_out: Path, *, times=None, stream=None) -> dict:
     """The quickstart: base eval -> warm start -> eval -> RL from the warm start -> eval; report.md gets the
     three held-out rows and the stage times (added to ``times``). Returns {"heldout": {stage: row}, "times":
     {stage: seconds}}. ``args``: ``steps``, ``lr``, ``batch_size``, ``warm_start`` (see :func:`add_sft_args`).
@@ -271,7 +284,9 @@ def run_pipeline(cfg, args, sft_out: Path, *, times=None, stream=None) -> dict:
     return {"heldout": rows, "times": times}
 
 
-def _warm_stages(cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stream, *, device, dist) -> dict:
+def _warm_stages(
+    cfg: RunConfig, rl_cfg: RunConfig, args, sft_out: Path, tokenizer, games, times, stream, *, device, dist
+) -> dict:
     """The base model's evaluation, the warm start and its evaluation, on one policy (see :func:`run_pipeline`)."""
     from alignopsd.engine.run.components import build_policy
     from alignopsd.engine.run.warm_start import build_warm_start_policy
@@ -306,7 +321,7 @@ def _warm_stages(cfg, rl_cfg, args, sft_out: Path, tokenizer, games, times, stre
     return rows
 
 
-def _rl_stage(rl_cfg, games, times: dict, stream, *, dist) -> dict:
+def _rl_stage(rl_cfg: RunConfig, games, times: dict, stream, *, dist) -> dict:
     """The RL run from the warm start, its policy's evaluation and the report (see :func:`run_pipeline`)."""
     from alignopsd.engine.run.trainer import Trainer
 
@@ -324,7 +339,7 @@ def _rl_stage(rl_cfg, games, times: dict, stream, *, dist) -> dict:
     return rows
 
 
-def pipeline_estimate(cfg, args) -> str:
+def pipeline_estimate(cfg: RunConfig, args) -> str:
     """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
     (engine/commands/estimate.py)."""
     from alignopsd.engine.commands.estimate import cpu_profile_line, estimate_pipeline, format_estimate

@@ -18,10 +18,15 @@ roofline time at the limits) and the efficiency ``floor / measured`` (the fracti
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
 from alignopsd.engine.cost.cost_model import PhaseWork, StepCounts, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, phase_seconds
 from alignopsd.engine.cost.model_shapes import ModelShape
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 LABELS = {"rollout_generation": "rollout generation", "old_logprob": "old log-prob", "reference": "reference log-prob",
           "teacher_generation": "teacher generation", "teacher_forcing": "teacher forcing",
@@ -182,7 +187,7 @@ def format_prediction(summary: dict, rows: list[dict], predicted: dict[str, floa
 
 def profile_cost(
     summary: dict,
-    cfg,
+    cfg: RunConfig,
     shape: ModelShape,
     lim: DeviceLimits,
     *,
@@ -206,7 +211,7 @@ def profile_cost(
     return format_efficiency(summary, work, lim, title or cfg.name, rates)
 
 
-def device_limits_for(cfg, shape: ModelShape, device) -> tuple[DeviceLimits, list[str]]:
+def device_limits_for(cfg: RunConfig, shape: ModelShape, device) -> tuple[DeviceLimits, list[str]]:
     """The limits the efficiency table uses on ``device`` and notes: on CPU the calibration (the model's MLP GEMM
     and a read probe in its dtype, the run's threads); on CUDA the vendor peak of the GPU's name, with the same
     probes printed beside it."""
@@ -225,7 +230,7 @@ def device_limits_for(cfg, shape: ModelShape, device) -> tuple[DeviceLimits, lis
 
 
 def cost_report(
-    summaries: dict[str, dict], cfg, device, *, world_size: int = 1, rates: PhaseRates | None = None
+    summaries: dict[str, dict], cfg: RunConfig, device, *, world_size: int = 1, rates: PhaseRates | None = None
 ) -> str:
     """The efficiency section of every profiled estimator, against one calibration of ``device``'s limits;
     ``rates`` (engine/run/calibration.py) make the prediction (else the floor is)."""

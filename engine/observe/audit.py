@@ -65,7 +65,6 @@ __all__ = [
     "TARGETS",
     "Auditor",
     "audit_file",
-    "header_of",
     "identity_hash",
     "is_snapshot_step",
     "select_snapshot",
@@ -93,7 +92,8 @@ def is_snapshot_step(step: int, total_steps: int, every: int = SNAPSHOT_EVERY) -
 
 
 class Auditor:
-    """Writes one audit file per step for one data-parallel rank (see the module docstring)."""
+    """Writes one audit file per step for one data-parallel rank (see the module docstring). ``header``: the run's
+    step-level constants every ``step`` header carries (the trainer's ``audit_header``)."""
 
     def __init__(
         self,
@@ -229,15 +229,3 @@ class Auditor:
         except Exception as exc:  # noqa: BLE001 - the audit never stops a run
             self._error(f"cannot build the records of step {step}", exc)
             return self.metrics(0, 0, time.perf_counter() - t0)
-
-
-def header_of(cfg) -> dict:
-    """Step-level constants of the run for the ``step`` header."""
-    a = cfg.algorithm
-    return {
-        "estimator": str(a.estimator),
-        "gamma": float(a.rectify.gamma),
-        "top_k": int(a.rectify.top_k),
-        "alpha_max": float(a.effective_alpha_max),
-        "ablation": str(a.ablation),
-    }

@@ -54,7 +54,7 @@ from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.infra.writes import writing
-from alignopsd.engine.observe.audit import Auditor, header_of
+from alignopsd.engine.observe.audit import Auditor
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import report_files, report_numbers, write_report
 from alignopsd.engine.run.components import build_components
@@ -385,7 +385,7 @@ class Trainer:
             total_steps=cfg.trainer.total_steps,
             max_bytes=cfg.trainer.audit_max_bytes,
             tokenizer=self.parts.tokenizer,
-            header=header_of(cfg),
+            header=audit_header(cfg),
         )
 
     def _write_spans(self) -> None:
@@ -415,3 +415,15 @@ class Trainer:
         """Metrics over data-parallel ranks (:meth:`Dist.reduce_metrics`; under tensor parallelism only the first rank
         of each group contributes)."""
         return self.dist.reduce_metrics(metrics, lead=self.parts.policy.layout.is_group_lead)
+
+
+def audit_header(cfg: RunConfig) -> dict:
+    """The run's step-level constants that every audit ``step`` header carries (engine/observe/audit.py)."""
+    a = cfg.algorithm
+    return {
+        "estimator": str(a.estimator),
+        "gamma": float(a.rectify.gamma),
+        "top_k": int(a.rectify.top_k),
+        "alpha_max": float(a.effective_alpha_max),
+        "ablation": str(a.ablation),
+    }

@@ -171,11 +171,12 @@ def test_seeded_batch_larger_than_one_prefill_step(engine, tiny):
     assert again.token_ids == out.token_ids[:2]  # per-request seeds: independent of the batch around them
 
 
-def test_from_config_maps_run_config(monkeypatch):
-    """The trainer builds the engine with ``VLLMBackend.from_config(cfg, tokenizer=...)`` (it pushes the policy's
-    weights itself, from every rank of a tensor-parallel group: ``Components.sync_weights``)."""
+def test_engine_settings_of_the_run_config(monkeypatch):
+    """The trainer starts the engine with ``VLLMBackend.from_settings(vllm_settings(cfg), tokenizer=...)`` (it pushes
+    the policy's weights itself, from every rank of a tensor-parallel group: ``Components.sync_weights``)."""
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.generation import vllm_backend as vb
+    from alignopsd.engine.run.components import vllm_settings
 
     seen = {}
 
@@ -183,16 +184,18 @@ def test_from_config_maps_run_config(monkeypatch):
         seen.update(kw, model_path=model_path, tokenizer=tokenizer)
 
     monkeypatch.setattr(vb.VLLMGenerator, "__init__", fake_init)
-    cfg = load_config(None, ["generation.max_model_len=3000", "generation.gpu_memory_utilization=0.3"])
-    gen = vb.VLLMBackend.from_config(cfg, tokenizer="TOK")
+    cfg = load_config(None, ["generation.max_model_len=3000", "generation.gpu_memory_utilization=0.3",
+                             "trainer.seed=7"])  # fmt: skip
+    gen = vb.VLLMBackend.from_settings(vllm_settings(cfg), tokenizer="TOK")
     assert isinstance(gen, vb.VLLMGenerator)
     assert seen["model_path"] == resolve_model_path(cfg.model.name) and seen["tokenizer"] == "TOK"
     assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
-    assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
+    assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed == 7
     assert seen["sleep_mode"] is cfg.generation.vllm_sleep is None  # auto unless the run says otherwise
     monkeypatch.setattr(vb.torch.cuda, "is_available", lambda: False)
-    vb.VLLMBackend.from_config(load_config(None, ["model.dtype=auto"]), tokenizer="TOK")
+    vb.VLLMBackend.from_settings(vllm_settings(load_config(None, ["model.dtype=auto"])), tokenizer="TOK")
     assert seen["dtype"] == "float32"  # auto resolved by the run's rule (the suite: a CPU without native bf16)
+    assert seen["enforce_eager"] is True  # the CPU build runs eagerly, whatever the run asks
 
 
 def test_weights_for_an_engine_in_its_own_process_go_one_layer_a_file(tmp_path):

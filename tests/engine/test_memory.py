@@ -8,13 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from alignopsd.engine.commands.memory import main
+from alignopsd.engine.commands.memory import layout_from_config, main
 from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron
 from alignopsd.engine.policy.megatron.memory import (
     Layout,
     format_table,
     full_params,
-    layout_from_config,
     shard_params,
 )
 from generator_double import GeneratorDouble
