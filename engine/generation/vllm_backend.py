@@ -48,19 +48,6 @@ from alignopsd.engine.generation.base import GenerationOutput, SamplingParams, c
 from torch import Tensor
 
 
-def pad_logprobs(logprobs: list[list[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
-    """Right-pad per-row log-prob lists: ([M, L] fp32 log-probs, [M, L] bool mask)."""
-    L = length if length is not None else max((len(r) for r in logprobs), default=0)
-    out = torch.zeros((len(logprobs), L), dtype=torch.float32)
-    mask = torch.zeros((len(logprobs), L), dtype=torch.bool)
-    for i, r in enumerate(logprobs):
-        if len(r) > L:
-            raise ValueError(f"length: row {i} has {len(r)} log-probs, more than {L}")
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-        mask[i, : len(r)] = True
-    return out, mask
-
-
 @contextlib.contextmanager
 def _vllm_safe_module_scan() -> Iterator[None]:
     """Hide, while vLLM starts, module attributes that break its kernel-override scan.

@@ -29,8 +29,8 @@ warning is logged once and ``audit/capped`` is 1. The audit draws no random numb
 hash), reads the step's tensors without changing them, and catches every error: a failure is logged,
 counted in ``audit/error_count`` and the run goes on.
 
-The off-turn match weight of §4.3, Σ_t Σ_j ω_j · 1[turn(s_j) ≠ turn(t)] / #matched targets, is computed
-from the turn records by :func:`off_turn_match_weight_from_records`.
+The off-turn match weight of §4.3, Σ_t Σ_j ω_j · 1[turn(s_j) ≠ turn(t)] / #matched targets, is logged per step
+(``m1/off_turn_match_weight``); the audit tests recompute it from the turn records.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
 from alignopsd.engine.infra.writes import WriteFailure, writing
-from alignopsd.engine.observe.audit_read import AUDIT_FILE_RE
 from alignopsd.engine.observe.audit_records import (
     BOUNDARY_KINDS,
     SNAPSHOT_TURNS,
@@ -59,6 +59,7 @@ from torch import Tensor
 from alignopsd.reduction import extreme_max, slowest, summed
 
 __all__ = [
+    "AUDIT_FILE_RE",
     "BOUNDARY_KINDS",
     "SNAPSHOT_EVERY",
     "SNAPSHOT_TURNS",
@@ -75,6 +76,7 @@ __all__ = [
 log = logging.getLogger("alignopsd.audit")
 
 SNAPSHOT_EVERY = 10
+AUDIT_FILE_RE = re.compile(r"^step_(\d+)\.rank(\d+)\.jsonl$")  # the name of :func:`audit_file`: (step, rank)
 
 
 def audit_file(audit_dir: str | Path, step: int, rank: int) -> Path:
