@@ -41,15 +41,9 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
-from alignopsd.engine.checkpoint.checkpoint import (
-    derived_rng_state,
-    is_complete,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-    step_dir_name,
-)
+from alignopsd.engine.checkpoint.checkpoint import is_complete, load_checkpoint, save_checkpoint, step_dir_name
 from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
+from alignopsd.engine.checkpoint.rng_state import derived_rng_state, restore_rng_state
 from alignopsd.engine.checkpoint.trainer_state import TrainerState
 from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.schema import ConfigError, RunConfig
