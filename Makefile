@@ -38,7 +38,7 @@ run: install
 # The quickstart as on a CPU with AVX2 only (no AVX-512, no native bf16), on any x86 machine with AVX2: torch, MKL,
 # oneDNN and FBGEMM held to AVX2, model.dtype auto -> float32 (engine/parallel/cpu_profile.py).
 run-avx2: install
-	$(BIN)/python -m alignopsd.engine.parallel.cpu_profile avx2 -- $(RUN)
+	$(BIN)/python -m alignopsd.engine.commands.cpu_profile avx2 -- $(RUN)
 
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not distributed" tests

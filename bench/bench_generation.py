@@ -139,8 +139,9 @@ def measure_gap(batch: int, prompt_tokens: int, new_tokens: int, threads: int) -
     forward per row) on SmolLM2: the gap the trainer logs."""
     import torch
     from alignopsd.engine.generation.base import SamplingParams
-    from alignopsd.engine.generation.vllm_backend import VLLMGenerator, pad_logprobs
+    from alignopsd.engine.generation.vllm_backend import VLLMGenerator
     from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from alignopsd.engine.tokens.layout import right_pad
 
     from alignopsd.losses import rollout_mismatch_metrics
 
@@ -156,8 +157,9 @@ def measure_gap(batch: int, prompt_tokens: int, new_tokens: int, threads: int) -
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float()
         rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
-    ref, mask = pad_logprobs(rows)
-    return rollout_mismatch_metrics(pad_logprobs(out.logprobs, ref.shape[1])[0], ref, mask)
+    width = max(map(len, rows))
+    ref, mask = right_pad(rows, width, 0.0, dtype=torch.float32)
+    return rollout_mismatch_metrics(right_pad(out.logprobs, width, 0.0, dtype=torch.float32)[0], ref, mask)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The int8 generation forward against the fp32 one, in one process, interleaved (a ratio robust to the load).
 
 ``python -m bench.bench_int8_generation [--rows 8] [--new 32] [--rounds 2] [--out FILE]``, best run under a CPU
-profile: ``python -m alignopsd.engine.parallel.cpu_profile avx2 -- python -m bench.bench_int8_generation``.
+profile: ``python -m alignopsd.engine.commands.cpu_profile avx2 -- python -m bench.bench_int8_generation``.
 
 SmolLM2-135M (the quickstart's model) in float32; ``rows`` prompts of 400-540 tokens that share a ~200-token system
 prompt (the shape of a quickstart turn), ``new`` sampled tokens each at temperature 0.5, the same seed for both.

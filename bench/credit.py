@@ -189,11 +189,10 @@ def run_one(
     import torch
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.envs import registry
-    from alignopsd.engine.observe.audit_read import read_audit
     from alignopsd.engine.observe.metrics import read_metrics
     from alignopsd.engine.run.trainer import Trainer
 
-    from bench.credit_metrics import mechanism_tallies
+    from bench.credit_metrics import mechanism_tallies, read_audit
     from bench.drift_metrics import premise_tallies
 
     torch.set_num_threads(1)

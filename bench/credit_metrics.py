@@ -7,7 +7,8 @@ seeds, a seed that never reaches it counts as infinite), area under the success 
 steps, in [0, 1]) and a paired comparison with GRPO on the same seeds (difference of areas: mean, 95 % interval,
 wins / losses / ties and the two-sided exact sign-test p-value).
 
-Mechanisms (per run, from the audit's per-turn records of every step, engine/observe/audit.py):
+Mechanisms (per run, from the audit's per-turn records of every step, engine/observe/audit.py, read by
+:func:`read_audit`):
 
 * decisive share: Σ |token advantage| on decisive turns / Σ |token advantage| on all turns (response tokens);
   GRPO's value is the uniform baseline (every token of an episode gets the same |A|);
@@ -23,9 +24,11 @@ Mechanisms (per run, from the audit's per-turn records of every step, engine/obs
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from statistics import mean
 
 # two-sided 95 % quantiles of Student's t, df = 1..30 (df > 30: 1.96)
@@ -142,6 +145,26 @@ def learning_summary(curves: dict[int, list[float]]) -> dict[str, object]:
         "auc": mean_ci(list(aucs.values())),
         "auc_by_seed": aucs,
     }
+
+
+def read_audit(audit_dir: str | Path, step: int | None = None, kind: str | None = None) -> list[dict]:
+    """Records of a run's audit files (one step or all, all ranks; ``kind``: only records of that kind), in step
+    then rank then file order."""
+    from alignopsd.engine.observe.audit import AUDIT_FILE_RE
+
+    d = Path(audit_dir)
+    files = []
+    for p in d.glob("step_*.rank*.jsonl") if d.is_dir() else []:
+        mt = AUDIT_FILE_RE.match(p.name)
+        if mt and (step is None or int(mt.group(1)) == step):
+            files.append((int(mt.group(1)), int(mt.group(2)), p))
+    out = []
+    for _, _, p in sorted(files):
+        for line in p.read_text().splitlines():
+            rec = json.loads(line)
+            if kind is None or rec.get("kind") == kind:
+                out.append(rec)
+    return out
 
 
 def _trajectories(records: Iterable[dict]) -> dict[tuple, list[dict]]:

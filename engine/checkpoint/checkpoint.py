@@ -47,14 +47,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from alignopsd.engine.checkpoint.manifest import (
     MANIFEST,
@@ -64,6 +62,7 @@ from alignopsd.engine.checkpoint.manifest import (
     verify_manifest,
     write_manifest,
 )
+from alignopsd.engine.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from alignopsd.engine.checkpoint.statefile import load_state, save_state
 from alignopsd.engine.checkpoint.trainer_state import (
     FORMAT_VERSION,
@@ -106,47 +105,6 @@ def rng_file(rank: int) -> str:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# RNG state
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy and torch (CPU and CUDA when present) generator states."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`capture_rng_state`'s states. CUDA: one state per device that is both saved and visible now
-    (a resume may see fewer GPUs than the run that saved; devices beyond the saved ones keep their state)."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        saved = list(state["cuda"])
-        for i in range(min(len(saved), torch.cuda.device_count())):
-            torch.cuda.set_rng_state(saved[i], i)
-
-
-def derived_rng_state(seed: int, rank: int, step: int) -> None:
-    """Seed python, numpy and torch (every visible CUDA device included) from (run seed, rank, step): the
-    generator state of a rank that the checkpoint has none for (a resume on more data-parallel ranks), distinct
-    from every other rank's and from this rank's state at the start of the run."""
-    import hashlib
-
-    h = hashlib.sha256(f"{int(seed)}:rng:{int(rank)}:{int(step)}".encode()).digest()
-    s = int.from_bytes(h[:8], "little")
-    random.seed(s)
-    np.random.seed(s % (2**32))
-    torch.manual_seed(s)  # also seeds every CUDA device
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,11 +260,13 @@ def save_checkpoint(
     _check_save_args(step, keep_last, has_weights=not (model_state is None and shards is None and adapter is None))
     state = _saved_state(trainer_state, step, world_size=world_size, sharded=shards is not None)
     ckpt_dir = Path(ckpt_dir)
-    if shards is not None:
-        check_finite(shard_state or {}, step=step, ckpt_dir=ckpt_dir, gather=gather)
-    for weights in (model_state, adapter[0] if adapter is not None else None):
-        if weights is not None:
-            check_finite(weights, step=step, ckpt_dir=ckpt_dir)
+    _check_weights(
+        step,
+        ckpt_dir,
+        shard_state=(shard_state or {}) if shards is not None else None,
+        exports=(model_state, adapter[0] if adapter is not None else None),
+        gather=gather,
+    )
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
     sync = barrier or (lambda: None)
@@ -318,19 +278,7 @@ def save_checkpoint(
             tmp.mkdir()
     sync()
     try:
-        save_state(tmp / rng_file(rank), capture_rng_state())
-        mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
-        entries: dict[str, dict[str, Any]] = {}
-        if gather is not None:
-            for part in gather(mine):
-                entries.update(part)
-        else:
-            sync()
-        if shards is not None:
-            with writing(tmp / SHARDS_DIR):
-                shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and its manifest are written
-            if rank == 0:
-                entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
+        entries = _write_rank_files(tmp, rank, gather=gather, sync=sync, shards=shards)
         if rank == 0:
             _write_rank0_files(tmp, model_state, optimizer_state, state, hf_config, extra_files, adapter)
             # flushes every file, then the manifest, last
@@ -338,11 +286,61 @@ def save_checkpoint(
     except WriteFailure as exc:
         raise _abandoned(exc, tmp if rank == 0 else None, ckpt_dir, step) from None
     if rank == 0:
-        install_folder(tmp, final)
-        for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
+        _install(tmp, final, keep_last)
     sync()
     return final
+
+
+def _check_weights(
+    step: int,
+    ckpt_dir: Path,
+    *,
+    shard_state: dict[str, torch.Tensor] | None,
+    exports: tuple[dict[str, torch.Tensor] | None, ...],
+    gather: Callable[[Any], list[Any]] | None,
+) -> None:
+    """:func:`check_finite` of the weights a save writes (None: not written): this rank's part of the shards
+    (every rank checks its own, all raise when any part is bad), then the full weights or the adapter."""
+    if shard_state is not None:
+        check_finite(shard_state, step=step, ckpt_dir=ckpt_dir, gather=gather)
+    for weights in exports:
+        if weights is not None:
+            check_finite(weights, step=step, ckpt_dir=ckpt_dir)
+
+
+def _write_rank_files(
+    tmp: Path,
+    rank: int,
+    *,
+    gather: Callable[[Any], list[Any]] | None,
+    sync: Callable[[], None],
+    shards: Callable[[Path], None] | None,
+) -> dict[str, dict[str, Any]]:
+    """The files every rank writes into ``tmp``: its RNG state and (collectively) its part of the backend's shards.
+    Returns the manifest entries rank 0 takes over: every rank's RNG file (through ``gather``; without it rank 0
+    checksums them itself) and the shards' own manifest."""
+    save_state(tmp / rng_file(rank), capture_rng_state())
+    mine = {rng_file(rank): file_entry(tmp / rng_file(rank))}
+    entries: dict[str, dict[str, Any]] = {}
+    if gather is not None:
+        for part in gather(mine):
+            entries.update(part)
+    else:
+        sync()
+    if shards is not None:
+        with writing(tmp / SHARDS_DIR):
+            shards(tmp / SHARDS_DIR)  # collective; returns once every rank's files and its manifest are written
+        if rank == 0:
+            entries.update({f"{SHARDS_DIR}/{k}": v for k, v in read_manifest(tmp / SHARDS_DIR).items()})
+    return entries
+
+
+def _install(tmp: Path, final: Path, keep_last: int) -> None:
+    """Rank 0: the finished folder under its final name (``install_folder``), then only the newest ``keep_last``
+    complete checkpoints kept."""
+    install_folder(tmp, final)
+    for stale in list_checkpoints(final.parent)[:-keep_last]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _check_save_args(step: int, keep_last: int, *, has_weights: bool) -> None:

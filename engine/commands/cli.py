@@ -6,6 +6,7 @@
     alignopsd compare --config FILE --steps N [--estimators grpo,alignopsd] [--seeds 3] [--eval-every K] [--out DIR]
     alignopsd sft     --config FILE [--out DIR] [--steps N] [--easy-games] [--pipeline] [--warm-start DIR]
     alignopsd games   alfworld --n 120 --out DIR [--seed S] [--split train]
+    alignopsd games   webshop --out DIR [--seed S] [--products N] [--goals N]
     alignopsd serve-retriever --corpus FILE [--host H] [--port P]
     alignopsd memory  --config FILE [--set k=v ...] [--world-size N] [--gpu-gib G]   (Megatron, per rank)
     alignopsd plan    --config FILE --gpu a800 --world-size N [--set k=v ...]   (time per phase, roofline)

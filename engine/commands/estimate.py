@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
@@ -35,6 +36,9 @@ from alignopsd.engine.cost.cost_model import step_work
 from alignopsd.engine.cost.model_shapes import ModelShape
 from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, layout
 from alignopsd.engine.step.padding_plan import planned_counts
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 GAME_SECONDS = 0.3  # one generated easy game (10 s for 48 on the 2-core EPYC; Python work, not calibrated)
 PROMPT_MEAN = 350.0  # an ALFWorld turn's prompt (history 1), tokens (rollout/prompt_length_mean of the quickstart)
@@ -83,7 +87,7 @@ def _decode_turns(
     return turns * per_turn
 
 
-def eval_stage(cfg, shape: ModelShape, r: PhaseRates, *, base: bool, load_s: float) -> tuple[float, str]:
+def eval_stage(cfg: RunConfig, shape: ModelShape, r: PhaseRates, *, base: bool, load_s: float) -> tuple[float, str]:
     e, budget = cfg.env, cfg.generation.max_response_length
     prompt = min(PROMPT_MEAN, e.max_prompt_length)
     if base:
@@ -96,7 +100,7 @@ def eval_stage(cfg, shape: ModelShape, r: PhaseRates, *, base: bool, load_s: flo
     return t, how
 
 
-def warm_start_stage(cfg, shape: ModelShape, r: PhaseRates, *, steps: int, batch: int, load_s: float):
+def warm_start_stage(cfg: RunConfig, shape: ModelShape, r: PhaseRates, *, steps: int, batch: int, load_s: float):
     examples = min(steps * batch, 10**9)
     tokens_per_step = batch * min(EXAMPLE_TOKENS, cfg.env.max_prompt_length + RESPONSE_MEAN)
     fwd = shape.linear_flops(tokens_per_step) + shape.attention_flops(tokens_per_step, EXAMPLE_TOKENS / 2)
@@ -111,7 +115,7 @@ def warm_start_stage(cfg, shape: ModelShape, r: PhaseRates, *, steps: int, batch
     return t, how
 
 
-def rl_stage(cfg, shape: ModelShape, r: PhaseRates, *, load_s: float) -> tuple[float, str, dict[str, float]]:
+def rl_stage(cfg: RunConfig, shape: ModelShape, r: PhaseRates, *, load_s: float) -> tuple[float, str, dict[str, float]]:
     q = QUICKSTART_MEANS
     # the quickstart's warm-started turns and prompts (history 1) rather than the plan's budget-filling means
     means = {**q, "turns_mean": q["max_turns"] * TURNS_FRACTION, "prompt_mean": PROMPT_MEAN}
@@ -136,7 +140,9 @@ def _with_steps(counts, rollout_steps: float, teacher_steps: float):
     return replace(counts, rollout_steps=rollout_steps, teacher_steps=teacher_steps)
 
 
-def estimate_pipeline(cfg, shape: ModelShape, r: PhaseRates, *, steps: int, batch: int, games: int) -> list[Stage]:
+def estimate_pipeline(
+    cfg: RunConfig, shape: ModelShape, r: PhaseRates, *, steps: int, batch: int, games: int
+) -> list[Stage]:
     """The pipeline's stages (in their order) with estimated seconds; ``games``: games still to generate."""
     load_s = r.probes.get("load", 0.0)
     out = [Stage("games", games * GAME_SECONDS, f"{games} games to generate")]

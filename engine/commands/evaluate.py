@@ -28,7 +28,7 @@ from alignopsd.engine.checkpoint.weights import WEIGHTS_FILE, load_weights
 from alignopsd.engine.commands.options import add_run_args
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.preflight import preflight
-from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 from alignopsd.engine.envs.registry import get_entry, resolve
 from alignopsd.engine.infra.writes import WriteFailure, writing
 from alignopsd.engine.infra.writes import report as report_write_failure
@@ -47,7 +47,7 @@ def format_table(env: str, values: dict[str, float | None], row: str = "policy")
     return "\n".join([head, sep, f"| {row} | {cells} |"])
 
 
-def evaluate(cfg, checkpoint: str | None = None) -> dict:
+def evaluate(cfg: RunConfig, checkpoint: str | None = None) -> dict:
     """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}.
 
     Builds the policy (the config's model, with the weights of ``checkpoint`` when given), the held-out games and a

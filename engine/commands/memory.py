@@ -7,10 +7,38 @@ from __future__ import annotations
 
 import argparse
 
-from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.policy.megatron.memory import describe, format_table, layout_from_config
+from alignopsd.engine.config.schema import RunConfig, load_config
+from alignopsd.engine.policy.megatron.memory import GIB, Layout, describe, format_table, model_dims
 
-__all__ = ["main"]
+from alignopsd.estimators import get_estimator
+
+__all__ = ["layout_from_config", "main"]
+
+
+def layout_from_config(cfg: RunConfig, world_size: int, gpu_gib: float) -> tuple[Layout, str]:
+    """(the per-rank layout of run config ``cfg`` on ``world_size`` ranks of ``gpu_gib`` GiB, shape source)."""
+    if cfg.policy.backend != "megatron":
+        raise ValueError(f"policy.backend: the report describes the megatron backend, got {cfg.policy.backend!r}")
+    dims, dtype_bytes, source = model_dims(cfg.model.name, cfg.model.dtype)
+    tp = cfg.policy.tensor_parallel_size
+    if world_size < 1 or world_size % tp:
+        raise ValueError(f"--world-size: must be a positive multiple of tensor_parallel_size = {tp}, got {world_size}")
+    g = cfg.generation
+    vllm = g.backend == "vllm"
+    layout = Layout(
+        dims=dims,
+        dtype_bytes=dtype_bytes,
+        tp=tp,
+        dp=world_size // tp,
+        distributed_optimizer=cfg.policy.distributed_optimizer,
+        reference=get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm).ref,
+        hf_generation=not vllm,
+        vllm=vllm,
+        vllm_sleep=vllm and g.vllm_sleep is not False,
+        gpu_bytes=int(gpu_gib * GIB),
+        gpu_memory_utilization=float(g.gpu_memory_utilization),
+    )
+    return layout, source
 
 
 def main(argv: list[str] | None = None) -> int:

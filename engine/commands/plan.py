@@ -23,10 +23,14 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from alignopsd.engine.cost.cost_model import PhaseWork, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, gpu_limits, phase_seconds
 from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, PHASES, phase_label
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 
 def plan_times(work: dict[str, PhaseWork], lim: DeviceLimits, cf: float, bf: float) -> dict[str, float]:
@@ -83,7 +87,7 @@ def padding_line(fraction: float, times: dict[str, float], free: dict[str, float
     )
 
 
-def run_plan(cfg, gpu: str, world_size: int, cf: float, bf: float) -> str:
+def run_plan(cfg: RunConfig, gpu: str, world_size: int, cf: float, bf: float) -> str:
     """The plan's text (ValueError naming a bad GPU, world size or model)."""
     from alignopsd.engine.cost.model_shapes import resolve_shape
     from alignopsd.engine.cost.step_plan import NEMO_RL_REFERENCE, layout

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from alignopsd.engine.commands.options import add_run_args
 from alignopsd.engine.config.preflight import preflight
-from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 from alignopsd.engine.observe.cuda_syncs import CudaSyncCounter
 from alignopsd.engine.observe.profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from alignopsd.engine.run.process import Dist, pick_device
@@ -49,7 +49,7 @@ COUNT_METRICS = (
 
 
 def profile_run(
-    cfg, steps: int, *, trace_path: str | Path | None = None, warmup: int = 0, dist: Dist | None = None
+    cfg: RunConfig, steps: int, *, trace_path: str | Path | None = None, warmup: int = 0, dist: Dist | None = None
 ) -> dict:
     """Run ``steps`` training steps of ``cfg`` (no checkpoints, no metrics files) and summarise their phases.
 

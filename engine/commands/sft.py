@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.envs.alfworld.expert import SEARCH_DETOURS, ExpertTurn, expert_turns
@@ -38,6 +39,9 @@ from alignopsd.engine.observe.memory import StageLog
 from alignopsd.engine.run.warm_start import SFT_MARKER
 from alignopsd.engine.tokens.layout import truncate_left
 from alignopsd.engine.tokens.special import token_ids
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 
 def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int, *, eos_id: int) -> tuple[list[int], list[int]]:
@@ -81,7 +85,7 @@ def check_warm_start(path: str | Path, base: str) -> Path:
     return p
 
 
-def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[ExpertTurn], list]:
+def build_examples(cfg: RunConfig, tokenizer, *, n_games: int | None = None) -> tuple[list[ExpertTurn], list]:
     """(expert turns, encoded examples) of the config's training games (ALFWorld only).
 
     Each game is played with :data:`SEARCH_DETOURS` searched receptacles before the walkthrough; its step limit
@@ -113,7 +117,16 @@ def build_examples(cfg, tokenizer, *, n_games: int | None = None) -> tuple[list[
 
 
 def warm_start(
-    cfg, policy, tokenizer, out_dir: str | Path, *, steps: int, batch_size: int, lr: float, stream=None, write=True
+    cfg: RunConfig,
+    policy,
+    tokenizer,
+    out_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    stream=None,
+    write=True,
 ) -> Path:
     """The warm start of a built policy (engine/run/warm_start.py): expert examples of ``cfg``'s training games,
     ``steps`` supervised steps, the checkpoint in ``out_dir`` (written where ``write``; every rank gathers)."""
@@ -146,7 +159,7 @@ def warm_start(
     return save_warm_start(policy, tokenizer, out_dir, base=cfg.model.name, meta=meta, write=write)
 
 
-def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
+def run_sft(cfg: RunConfig, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
     """``alignopsd sft``: the config's policy (its backend, LoRA adapters, tensor parallelism; every process of a
     ``torchrun`` launch) built with the warm start's optimizer, warm-started, written to ``out_dir``."""
     from alignopsd.engine.models.loading import load_tokenizer
@@ -176,7 +189,7 @@ def run_sft(cfg, out_dir: str | Path, *, steps: int, lr: float, batch_size: int,
     return out
 
 
-def derived_config(cfg, **sections: dict):
+def derived_config(cfg: RunConfig, **sections: dict):
     """``cfg`` with fields of its sections changed (``model={"name": ...}``), checked again as loading checks it:
     the pipeline's configs come from the one it parsed, the file is not read again."""
     update = {name: getattr(cfg, name).model_copy(update=values) for name, values in sections.items()}
@@ -186,11 +199,11 @@ def derived_config(cfg, **sections: dict):
 EASY_MAX_WALKTHROUGH = 8  # turn limit of the quickstart; the easy games' expert wins within it
 
 
-def _easy_splits(cfg) -> tuple[tuple[str, int, int], ...]:
+def _easy_splits(cfg: RunConfig) -> tuple[tuple[str, int, int], ...]:
     return (cfg.env.split, cfg.env.num_games, 11), (cfg.env.val_split, cfg.env.val_tasks, 12)
 
 
-def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
+def easy_games_root(cfg: RunConfig, *, generate: bool = True) -> tuple[Path, int]:
     """(folder, games not generated yet) of the easy games (official layout): pick-and-place in small rooms, expert
     walkthrough of at most ``EASY_MAX_WALKTHROUGH`` steps; ``env.num_games`` training and ``env.val_tasks`` held-out
     games, generated once (unless ``generate`` is false) and cached beside the generated splits."""
@@ -223,7 +236,7 @@ def easy_games_root(cfg, *, generate: bool = True) -> tuple[Path, int]:
     return root, missing
 
 
-def _heldout(cfg, policy, tokenizer, games, label: str, stages: StageLog, stream, *, device, dist) -> dict:
+def _heldout(cfg: RunConfig, policy, tokenizer, games, label: str, stages: StageLog, stream, *, device, dist) -> dict:
     from alignopsd.engine.run.heldout import heldout_metrics
 
     print(f"[quickstart] held-out evaluation: {label} ({cfg.env.val_tasks} games)", file=stream, flush=True)
@@ -239,7 +252,7 @@ def _heldout(cfg, policy, tokenizer, games, label: str, stages: StageLog, stream
     return row
 
 
-def run_pipeline(cfg, args, sft_out: Path, *, stages: StageLog | None = None, stream=None) -> dict:
+def run_pipeline(cfg: RunConfig, args, sft_out: Path, *, stages: StageLog | None = None, stream=None) -> dict:
     """The quickstart: base eval -> warm start -> eval -> RL from the warm start -> eval; report.md gets the
     three held-out rows and each stage's seconds and peak resident memory (added to ``stages``). Returns {"heldout":
     {stage: row}, "times": {stage: seconds}, "peaks": {stage: bytes}}. ``args``: ``steps``, ``lr``, ``batch_size``,
@@ -279,7 +292,7 @@ def run_pipeline(cfg, args, sft_out: Path, *, stages: StageLog | None = None, st
 
 
 def _warm_stages(
-    cfg, rl_cfg, args, sft_out: Path, tokenizer, games, stages: StageLog, stream, *, device, dist
+    cfg: RunConfig, rl_cfg: RunConfig, args, sft_out: Path, tokenizer, games, stages: StageLog, stream, *, device, dist
 ) -> tuple[dict, RowsChoice | None]:
     """The base model's evaluation, the warm start and its evaluation, on one policy (see :func:`run_pipeline`);
     returns the held-out rows and the packed-or-padded rows the warm start measured (None: not measured), which the
@@ -316,7 +329,7 @@ def _warm_stages(
     return rows, policy.rows.choice
 
 
-def _rl_stage(rl_cfg, games, stages: StageLog, stream, *, dist, chosen: RowsChoice | None = None) -> dict:
+def _rl_stage(rl_cfg: RunConfig, games, stages: StageLog, stream, *, dist, chosen: RowsChoice | None = None) -> dict:
     """The RL run from the warm start, its policy's evaluation and the report (see :func:`run_pipeline`)."""
     from alignopsd.engine.run.trainer import Trainer
 
@@ -333,7 +346,7 @@ def _rl_stage(rl_cfg, games, stages: StageLog, stream, *, dist, chosen: RowsChoi
     return rows
 
 
-def pipeline_estimate(cfg, args) -> str:
+def pipeline_estimate(cfg: RunConfig, args) -> str:
     """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
     (engine/commands/estimate.py)."""
     from alignopsd.engine.commands.estimate import cpu_profile_line, estimate_pipeline, format_estimate

@@ -14,7 +14,7 @@ import sys
 from alignopsd.engine.checkpoint.checkpoint import UnsafeStateError
 from alignopsd.engine.commands.options import add_run_args
 from alignopsd.engine.config.preflight import preflight
-from alignopsd.engine.config.schema import ConfigError, load_config
+from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 from alignopsd.engine.infra.writes import WriteFailure
 from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.run.attempts import record_failure
@@ -79,7 +79,7 @@ class _Attempt:
         record_failure(self.out_dir, self.rank, 0 if self.trainer is None else self.trainer.step + 1, exc)
 
 
-def _run(args, cfg, say, attempt: _Attempt) -> int:
+def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
     """The attempt after its start is recorded: config checks, the resume, the trainer and its steps; a failure the
     command turns into an exit status is recorded all the same (``attempts.record_failure``)."""
     try:  # every config error before anything heavy loads: the machine, the checkpoint to resume

@@ -34,6 +34,7 @@ from alignopsd.engine.config.errors import README_HINT
 from alignopsd.engine.config.logger_check import check_loggers
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.envs.manager import EnvManager
+from alignopsd.engine.envs.official import OfficialDataQuery
 from alignopsd.engine.envs.registry import env_names, get_entry, resolve
 from alignopsd.engine.models import loading as models
 from alignopsd.engine.models.encoder import MINILM, minilm_path
@@ -182,4 +183,5 @@ def check_official_data(cfg: RunConfig, env: Mapping[str, str]) -> None:
             f"env.require_official_data: environment {cfg.env.name!r} has no official data; "
             f"it applies to {', '.join(having)}"
         )
-    resolve(entry.official_data)(cfg, env)
+    splits = tuple(dict.fromkeys((cfg.env.split, cfg.env.val_split)))  # the splits the run reads, each once
+    resolve(entry.official_data)(OfficialDataQuery(cfg.env.data_dir, splits, dict(cfg.env.options)), env)

@@ -18,12 +18,16 @@ roofline time at the limits) and the efficiency ``floor / measured`` (the fracti
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
 from alignopsd.engine.cost.cost_model import PhaseWork, StepCounts, step_work
 from alignopsd.engine.cost.device_limits import DeviceLimits, phase_seconds
 from alignopsd.engine.cost.model_shapes import ModelShape
 from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, phase_label
 
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 RESEMBLES = {"teacher_generation": "rollout_generation", "teacher_forcing": "old_logprob"}
 EFFICIENCY_GOAL = 0.8  # an alignment phase's efficiency over its GRPO counterpart's
 PREDICTION_BAND = 0.3  # predicted within +-30 % of measured ...
@@ -181,7 +185,7 @@ def format_prediction(summary: dict, rows: list[dict], predicted: dict[str, floa
 
 def profile_cost(
     summary: dict,
-    cfg,
+    cfg: RunConfig,
     shape: ModelShape,
     lim: DeviceLimits,
     *,
@@ -205,7 +209,7 @@ def profile_cost(
     return format_efficiency(summary, work, lim, title or cfg.name, rates)
 
 
-def device_limits_for(cfg, shape: ModelShape, device) -> tuple[DeviceLimits, list[str]]:
+def device_limits_for(cfg: RunConfig, shape: ModelShape, device) -> tuple[DeviceLimits, list[str]]:
     """The limits the efficiency table uses on ``device`` and notes: on CPU the calibration (the model's MLP GEMM
     and a read probe in its dtype, the run's threads); on CUDA the vendor peak of the GPU's name, with the same
     probes printed beside it."""
@@ -224,7 +228,7 @@ def device_limits_for(cfg, shape: ModelShape, device) -> tuple[DeviceLimits, lis
 
 
 def cost_report(
-    summaries: dict[str, dict], cfg, device, *, world_size: int = 1, rates: PhaseRates | None = None
+    summaries: dict[str, dict], cfg: RunConfig, device, *, world_size: int = 1, rates: PhaseRates | None = None
 ) -> str:
     """The efficiency section of every profiled estimator, against one calibration of ``device``'s limits;
     ``rates`` (engine/run/calibration.py) make the prediction (else the floor is)."""

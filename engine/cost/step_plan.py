@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from alignopsd.engine.cost.cost_model import StepCounts
 from alignopsd.engine.parallel.split import check_split
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 # The quickstart (configs/quickstart_cpu.yaml from its 60-step warm start), AlignOPSD step, per step: measured means
 # and the config's maxima they are read against (bench/results/overhead-2026-12-02-warm.md, last section: lengths,
@@ -48,7 +52,7 @@ class Layout:
     data_parallel: int
 
 
-def layout(cfg, world_size: int) -> Layout:
+def layout(cfg: RunConfig, world_size: int) -> Layout:
     """Data-parallel groups of ``world_size`` devices under the config's tensor parallelism (ValueError naming the
     value and what is allowed)."""
     tp = int(cfg.policy.tensor_parallel_size)
@@ -68,7 +72,7 @@ def layout(cfg, world_size: int) -> Layout:
     return Layout(world_size, tp, dp)
 
 
-def group_rows(cfg, lay: Layout, means: dict | None = None) -> tuple[float, float, float]:
+def group_rows(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple[float, float, float]:
     """(turn rows, episodes, turns per episode) of one step per data-parallel group."""
     q = QUICKSTART_MEANS if means is None else means
     episodes = cfg.env.tasks_per_step * cfg.env.group_n / lay.data_parallel
@@ -76,7 +80,7 @@ def group_rows(cfg, lay: Layout, means: dict | None = None) -> tuple[float, floa
     return episodes * turns, episodes, turns
 
 
-def plan_counts(cfg, lay: Layout, means: dict | None = None) -> tuple[StepCounts, list[str]]:
+def plan_counts(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple[StepCounts, list[str]]:
     """Per-group step counts of ``cfg`` at layout ``lay`` (real positions, no padding), and the assumptions made
     (one line each)."""
     q = QUICKSTART_MEANS if means is None else means

@@ -19,8 +19,9 @@ the parent; worker processes then still need the factory importable by its path)
 * ``task_pool``: without ``env.data_dir`` the task source takes ``pool_size`` (ALFWorld's generated games: the
   training tasks are drawn from ``env.num_games`` games, the validation tasks from ``env.val_tasks``).
 * ``eval_columns``: ``fn(metrics) -> {column: percent or None}``, the evaluation table (``alignopsd eval``).
-* ``official_data``: ``fn(cfg, environ)`` raising ConfigError when the benchmark's official files are not where
-  the task source looks (``env.require_official_data``; None: the environment has none).
+* ``official_data``: ``fn(query, environ)`` raising ConfigError when the benchmark's official files are not where
+  the task source looks (``env.require_official_data``; ``query``: the run's data place and splits,
+  engine/envs/official.py ``OfficialDataQuery``; None: the environment has none).
 * ``action_rule``: ``fn(source_action, target_action) -> bool``, the environment's pair rule in the teacher pass's
   action filter (``alignopsd.actions.ActionRule``; WebShop: the method's search/click rule of ALGORITHM.md §2.5);
   None: the embedding threshold alone.
@@ -56,7 +57,7 @@ class EnvEntry:
     truncation: str = "error"  # a prompt over max_prompt_length: "error" raises, "left" keeps its tail (§1.3)
     task_pool: bool = False  # without env.data_dir, ``tasks`` draws from a pool of pool_size generated tasks
     eval_columns: str = "alignopsd.engine.envs.base:success_columns"  # "module:attr" -> fn(metrics) -> table
-    official_data: str | None = None  # "module:attr" -> fn(cfg, environ): env.require_official_data's check
+    official_data: str | None = None  # "module:attr" -> fn(query, environ): env.require_official_data's check
     action_rule: str | None = None  # "module:attr" -> fn(source_action, target_action) -> bool (alignopsd.actions)
     skills: str | None = None  # package whose skills/ folder holds the packaged skill bank (None: none)
     task_info: str | None = None  # "module:attr" -> fn(task) -> dict: what each row carries of its task's payload

@@ -41,23 +41,11 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from alignopsd.engine.generation.base import GenerationOutput, SamplingParams, check_prompts
 from torch import Tensor
-
-
-def pad_logprobs(logprobs: list[list[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
-    """Right-pad per-row log-prob lists: ([M, L] fp32 log-probs, [M, L] bool mask)."""
-    L = length if length is not None else max((len(r) for r in logprobs), default=0)
-    out = torch.zeros((len(logprobs), L), dtype=torch.float32)
-    mask = torch.zeros((len(logprobs), L), dtype=torch.bool)
-    for i, r in enumerate(logprobs):
-        if len(r) > L:
-            raise ValueError(f"length: row {i} has {len(r)} log-probs, more than {L}")
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-        mask[i, : len(r)] = True
-    return out, mask
 
 
 @contextlib.contextmanager
@@ -345,27 +333,42 @@ class VLLMGenerator:
         return out
 
 
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What a run's engine starts with (the run builds it from its config: engine/run/components.py
+    ``vllm_settings``). ``model``: a model name or folder (resolved as the model loader resolves it); ``dtype``: the
+    run's ``model.dtype``, ``auto`` resolved by the run's dtype rule for this machine's device; ``enforce_eager``
+    applies on CUDA (the CPU build always runs eagerly); ``sleep_mode``: see :func:`resolve_sleep_mode`."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.5
+    seed: int = 0
+    enforce_eager: bool = True
+    sleep_mode: bool | None = None
+
+
 class VLLMBackend(VLLMGenerator):
-    """``VLLMGenerator`` built from a run configuration (the trainer's ``generation.backend: vllm``)."""
+    """``VLLMGenerator`` started from a run's :class:`VLLMSettings` (the trainer's ``generation.backend: vllm``)."""
 
     @classmethod
-    def from_config(cls, cfg, *, tokenizer=None) -> VLLMBackend:
-        """Engine on ``cfg.model.name`` with ``cfg.generation``'s limits, started from the weights on disk (the
-        trainer pushes the policy's own once it is built: ``Components.sync_weights``)."""
+    def from_settings(cls, settings: VLLMSettings, *, tokenizer=None) -> VLLMBackend:
+        """Engine on ``settings.model`` with its limits, started from the weights on disk (the trainer pushes the
+        policy's own once it is built: ``Components.sync_weights``)."""
         from alignopsd.engine.models.loading import resolve_model_path
-
-        g = cfg.generation
         from alignopsd.engine.parallel.hardware import choose_dtype
 
+        on_cuda = torch.cuda.is_available()
         # vLLM's own "auto" is the checkpoint's dtype (bf16 for SmolLM2), slow on a CPU without native bf16
-        dtype = choose_dtype(getattr(cfg.model, "dtype", "auto"), "cuda" if torch.cuda.is_available() else "cpu").name
+        dtype = choose_dtype(settings.dtype, "cuda" if on_cuda else "cpu").name
         return cls(
-            resolve_model_path(cfg.model.name),
+            resolve_model_path(settings.model),
             tokenizer,
-            max_model_len=g.max_model_len,
-            gpu_memory_utilization=g.gpu_memory_utilization,
-            seed=int(getattr(getattr(cfg, "trainer", None), "seed", 0) or 0),
+            max_model_len=settings.max_model_len,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            seed=settings.seed,
             dtype=dtype,
-            enforce_eager=g.enforce_eager if torch.cuda.is_available() else True,
-            sleep_mode=g.vllm_sleep,
+            enforce_eager=settings.enforce_eager if on_cuda else True,
+            sleep_mode=settings.sleep_mode,
         )

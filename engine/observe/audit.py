@@ -31,8 +31,8 @@ warning is logged once and ``audit/capped`` is 1. The audit draws no random numb
 hash), reads the step's tensors without changing them, and catches every error: a failure is logged,
 counted in ``audit/error_count`` and the run goes on.
 
-The off-turn match weight of §4.3, Σ_t Σ_j ω_j · 1[turn(s_j) ≠ turn(t)] / #matched targets, is computed
-from the turn records by :func:`off_turn_match_weight_from_records`.
+The off-turn match weight of §4.3, Σ_t Σ_j ω_j · 1[turn(s_j) ≠ turn(t)] / #matched targets, is logged per step
+(``m1/off_turn_match_weight``); the audit tests recompute it from the turn records.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
 from alignopsd.engine.infra.writes import WriteFailure, writing
-from alignopsd.engine.observe.audit_read import AUDIT_FILE_RE
 from alignopsd.engine.observe.audit_records import (
     BOUNDARY_KINDS,
     SNAPSHOT_TURNS,
@@ -61,13 +61,13 @@ from torch import Tensor
 from alignopsd.reduction import extreme_max, slowest, summed
 
 __all__ = [
+    "AUDIT_FILE_RE",
     "BOUNDARY_KINDS",
     "SNAPSHOT_EVERY",
     "SNAPSHOT_TURNS",
     "TARGETS",
     "Auditor",
     "audit_file",
-    "header_of",
     "identity_hash",
     "is_snapshot_step",
     "select_snapshot",
@@ -78,6 +78,7 @@ __all__ = [
 log = logging.getLogger("alignopsd.audit")
 
 SNAPSHOT_EVERY = 10
+AUDIT_FILE_RE = re.compile(r"^step_(\d+)\.rank(\d+)\.jsonl$")  # the name of :func:`audit_file`: (step, rank)
 
 
 def audit_file(audit_dir: str | Path, step: int, rank: int) -> Path:
@@ -95,7 +96,8 @@ def is_snapshot_step(step: int, total_steps: int, every: int = SNAPSHOT_EVERY) -
 
 
 class Auditor:
-    """Writes one audit file per step for one data-parallel rank (see the module docstring)."""
+    """Writes one audit file per step for one data-parallel rank (see the module docstring). ``header``: the run's
+    step-level constants every ``step`` header carries (the trainer's ``audit_header``)."""
 
     def __init__(
         self,
@@ -235,15 +237,3 @@ class Auditor:
         except Exception as exc:  # noqa: BLE001 - the audit never stops a run
             self._error(f"cannot build the records of step {step}", exc)
             return self.metrics(0, 0, time.perf_counter() - t0)
-
-
-def header_of(cfg) -> dict:
-    """Step-level constants of the run for the ``step`` header."""
-    a = cfg.algorithm
-    return {
-        "estimator": str(a.estimator),
-        "gamma": float(a.rectify.gamma),
-        "top_k": int(a.rectify.top_k),
-        "alpha_max": float(a.effective_alpha_max),
-        "ablation": str(a.ablation),
-    }

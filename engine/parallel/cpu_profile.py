@@ -1,8 +1,9 @@
 """CPU profiles: run a command as if the CPU had only the instruction sets of a smaller one.
 
-``python -m alignopsd.engine.parallel.cpu_profile avx2 -- COMMAND ...`` runs ``COMMAND`` with the environment of
-the profile (``make run-avx2`` is ``make run`` under ``avx2``): every library of the run that picks its kernels by
-the CPU's features is held to AVX2, and ``model.dtype: auto`` sees a CPU without native bf16.
+``python -m alignopsd.engine.commands.cpu_profile avx2 -- COMMAND ...`` (engine/commands/cpu_profile.py) runs
+``COMMAND`` with the environment of the profile (``make run-avx2`` is ``make run`` under ``avx2``): every library of
+the run that picks its kernels by the CPU's features is held to AVX2, and ``model.dtype: auto`` sees a CPU without
+native bf16.
 
 Each library dispatches on its own, so each needs its own variable, read when it first computes (hence the
 profile is applied to a new process, never to one that already imported torch):
@@ -25,7 +26,6 @@ What a profile cannot change: the core count, caches and memory bandwidth of the
 from __future__ import annotations
 
 import os
-import sys
 
 PROFILES: dict[str, dict[str, str]] = {
     "avx2": {
@@ -46,24 +46,3 @@ def profile_env(name: str, base: dict[str, str] | None = None) -> dict[str, str]
     env = dict(os.environ if base is None else base)
     env.update(PROFILES[name])
     return env
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``cpu_profile NAME -- COMMAND ...``: replace this process by ``COMMAND`` under the profile (exit code 2 with
-    a one-line message for a bad call)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[1] != "--":
-        print(f"usage: cpu_profile {{{','.join(sorted(PROFILES))}}} -- COMMAND [ARGS ...]", file=sys.stderr)
-        return 2
-    try:
-        env = profile_env(args[0])
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    print(f"[cpu profile] {args[0]}: " + " ".join(f"{k}={v!r}" for k, v in PROFILES[args[0]].items()), flush=True)
-    os.execvpe(args[2], args[2:], env)
-    return 0  # not reached: execvpe replaces the process or raises
-
-
-if __name__ == "__main__":
-    sys.exit(main())

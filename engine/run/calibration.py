@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.cost.calibrated import PhaseRates, fit_step
 from alignopsd.engine.cost.device_limits import cpu_name
 from alignopsd.engine.cost.model_shapes import ModelShape, resolve_shape
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 # (rows, prompt length) of the decoding probes: two row counts at one context and a longer context, the least
 # that identifies the fitted line's fixed cost and rate (each probe prefills twice per repetition)
@@ -149,7 +153,7 @@ def _train_rates(policy, shape: ModelShape, temperature: float, probes: dict) ->
     return 3.0 * fwd / t_train, t_opt
 
 
-def calibrate_phases(cfg, device: torch.device) -> PhaseRates:
+def calibrate_phases(cfg: RunConfig, device: torch.device) -> PhaseRates:
     """Rates of the phases of ``cfg``'s run on ``device`` (see the module doc), measured with the policy, generator
     and sampling settings the run builds, in this process's threads."""
     from alignopsd.engine.models.loading import load_tokenizer

@@ -19,6 +19,7 @@ from alignopsd.engine.envs.manager import EnvManager
 from alignopsd.engine.envs.skills import skill_lookup
 from alignopsd.engine.generation.base import GenerationBackend, samples_from
 from alignopsd.engine.generation.hf import HFGenerator
+from alignopsd.engine.generation.vllm_backend import VLLMBackend, VLLMSettings  # imports vllm only when one starts
 from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from alignopsd.engine.parallel.hardware import int8_sampling
@@ -77,14 +78,27 @@ def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: to
     if not is_group_lead(policy):
         return None
     if cfg.generation.backend == "vllm":
-        from alignopsd.engine.generation.vllm_backend import VLLMBackend  # vllm is imported only when asked for
-
-        return VLLMBackend.from_config(cfg, tokenizer=tokenizer)
+        return VLLMBackend.from_settings(vllm_settings(cfg), tokenizer=tokenizer)
     if cfg.generation.backend == "choice":
         from alignopsd.engine.generation.choice import ChoiceGenerator
 
         return ChoiceGenerator(hf_model_of(policy), tokenizer)
     return hf_generator(cfg, policy, tokenizer)
+
+
+def vllm_settings(cfg: RunConfig) -> VLLMSettings:
+    """The vLLM engine's settings of the run: ``model.name`` and ``model.dtype``, ``generation``'s limits and sleep
+    mode, ``trainer.seed``."""
+    g = cfg.generation
+    return VLLMSettings(
+        cfg.model.name,
+        dtype=cfg.model.dtype,
+        max_model_len=g.max_model_len,
+        gpu_memory_utilization=g.gpu_memory_utilization,
+        seed=cfg.trainer.seed,
+        enforce_eager=g.enforce_eager,
+        sleep_mode=g.vllm_sleep,
+    )
 
 
 def hf_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, **kwargs) -> HFGenerator:

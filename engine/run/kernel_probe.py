@@ -21,11 +21,16 @@ there is nothing to choose (the Triton kernels run there), and a kernel that can
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from alignopsd.kernels.attention_native import measure_attention
 from alignopsd.kernels.head_gemm import measure_head_gemm
 from alignopsd.kernels.lse_partials import measure_head
-from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, recorded
+from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, KernelChoice, recorded
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PROBE_ROWS, PROBE_VOCAB = 256, 32768
 GEMM_PROBE_VOCAB = 8192  # three GEMMs per call: a quarter of the partials' probe keeps it as short
@@ -33,7 +38,9 @@ GEMM_PROBE_VOCAB = 8192  # three GEMMs per call: a quarter of the partials' prob
 ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX = 4, 48, 640
 
 
-def choose_cpu_kernels(hf_config, dtype: torch.dtype, device: torch.device | str = "cpu") -> list[str]:
+def choose_cpu_kernels(
+    hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> list[str]:
     """Measure (or read back) the choice of each custom CPU kernel for a model of ``hf_config`` in ``dtype`` and
     return the lines that state it; none on an accelerator."""
     if torch.device(device).type != "cpu":
@@ -50,28 +57,28 @@ def choose_cpu_kernels(hf_config, dtype: torch.dtype, device: torch.device | str
     return lines
 
 
-def _head_probe(cfg, dtype):
+def _head_probe(hf_config: PretrainedConfig, dtype: torch.dtype) -> KernelChoice:
     g = torch.Generator().manual_seed(0)
-    hidden, vocab = cfg.hidden_size, min(cfg.vocab_size, PROBE_VOCAB)
+    hidden, vocab = hf_config.hidden_size, min(hf_config.vocab_size, PROBE_VOCAB)
     h = torch.randn(PROBE_ROWS, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(dtype)
     t = torch.randint(0, vocab, (PROBE_ROWS,), generator=g)
     return measure_head(h, w, None, t)
 
 
-def _gemm_probe(cfg, dtype):
+def _gemm_probe(hf_config: PretrainedConfig, dtype: torch.dtype) -> KernelChoice:
     g = torch.Generator().manual_seed(0)
-    hidden, vocab = cfg.hidden_size, min(cfg.vocab_size, GEMM_PROBE_VOCAB)
+    hidden, vocab = hf_config.hidden_size, min(hf_config.vocab_size, GEMM_PROBE_VOCAB)
     h = torch.randn(PROBE_ROWS, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(dtype)
     return measure_head_gemm(h, w)
 
 
-def _attention_probe(cfg, dtype):
+def _attention_probe(hf_config: PretrainedConfig, dtype: torch.dtype) -> KernelChoice:
     g = torch.Generator().manual_seed(0)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    d = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     b, s, p = ATTENTION_ROWS, ATTENTION_QUERIES, ATTENTION_PREFIX
     q = torch.randn(b, s, heads, d, generator=g).to(dtype).transpose(1, 2)  # [B, H, S, D], strided as the model's
     k, v = (torch.randn(b, kv_heads, s, d, generator=g).to(dtype).float() for _ in range(2))  # the cache keeps fp32

@@ -41,20 +41,14 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
-from alignopsd.engine.checkpoint.checkpoint import (
-    derived_rng_state,
-    is_complete,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-    step_dir_name,
-)
+from alignopsd.engine.checkpoint.checkpoint import is_complete, load_checkpoint, save_checkpoint, step_dir_name
 from alignopsd.engine.checkpoint.manifest import atomic_write_bytes
+from alignopsd.engine.checkpoint.rng_state import derived_rng_state, restore_rng_state
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice, TrainerState
 from alignopsd.engine.config.dump import dump_config
 from alignopsd.engine.config.schema import ConfigError, RunConfig
 from alignopsd.engine.infra.writes import writing
-from alignopsd.engine.observe.audit import Auditor, header_of
+from alignopsd.engine.observe.audit import Auditor
 from alignopsd.engine.observe.metrics import MetricsLogger
 from alignopsd.engine.observe.report import report_files, report_numbers, write_report
 from alignopsd.engine.parallel.split import check_split
@@ -412,7 +406,7 @@ class Trainer:
             total_steps=cfg.trainer.total_steps,
             max_bytes=cfg.trainer.audit_max_bytes,
             tokenizer=self.parts.tokenizer,
-            header=header_of(cfg),
+            header=audit_header(cfg),
         )
 
     def _write_spans(self) -> None:
@@ -442,3 +436,15 @@ class Trainer:
         """Metrics over data-parallel ranks (:meth:`Dist.reduce_metrics`; under tensor parallelism only the first rank
         of each group contributes)."""
         return self.dist.reduce_metrics(metrics, lead=self.parts.policy.layout.is_group_lead)
+
+
+def audit_header(cfg: RunConfig) -> dict:
+    """The run's step-level constants that every audit ``step`` header carries (engine/observe/audit.py)."""
+    a = cfg.algorithm
+    return {
+        "estimator": str(a.estimator),
+        "gamma": float(a.rectify.gamma),
+        "top_k": int(a.rectify.top_k),
+        "alpha_max": float(a.effective_alpha_max),
+        "ablation": str(a.ablation),
+    }

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.observe.memory import PeakScope, gib
@@ -23,6 +24,9 @@ from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.run.policy_builders import OptimizerSettings, build_policy
 from alignopsd.engine.step.packing_trial import PackingTrial
 from alignopsd.engine.step.supervised import Example, supervised_step
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 SFT_MARKER = "alignopsd_sft.json"
 WARM_START_CLIP = 1.0  # gradient-norm clip of every warm-start step
@@ -33,7 +37,9 @@ def warm_start_optimizer(lr: float, steps: int) -> OptimizerSettings:
     return OptimizerSettings(lr=lr, weight_decay=0.0, warmup_steps=max(1, steps // 10))
 
 
-def build_warm_start_policy(cfg, device: torch.device, *, steps: int, lr: float, world_size: int = 1) -> PolicyBackend:
+def build_warm_start_policy(
+    cfg: RunConfig, device: torch.device, *, steps: int, lr: float, world_size: int = 1
+) -> PolicyBackend:
     """The config's policy (its backend, dtype, LoRA adapters, tensor parallelism) with the warm start's optimizer."""
     return build_policy(cfg, device, world_size, optim=warm_start_optimizer(lr, steps))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from alignopsd.engine.generation.base import SamplingParams, prefill_counts, prefill_delta
 from alignopsd.engine.generation.teacher import ACTION_STOPS
@@ -18,6 +19,9 @@ from alignopsd.engine.step.group_sampling import group_rollout
 from alignopsd.engine.step.rollout import collect_rollouts
 
 from alignopsd.reduction import extreme_max, summed, weighted_mean
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 
 def tasks_for_step(tasks: list, step: int, n: int, seed: int, rank: int = 0, world_size: int = 1) -> list:
@@ -41,7 +45,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**31 - 1)
 
 
-def sampling_params(cfg, validation: bool) -> SamplingParams:
+def sampling_params(cfg: RunConfig, validation: bool) -> SamplingParams:
     """The student's sampling settings (training or validation), stopping at the closing action tags."""
     g = cfg.generation
     return SamplingParams(

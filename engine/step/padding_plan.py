@@ -11,11 +11,15 @@ with that share, what ``alignopsd plan`` and the run's estimate read.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.cost.cost_model import StepCounts
 from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, Layout, group_rows, plan_counts
 from alignopsd.engine.step.micro_batches import RowGeometry, plan_footprint, plan_update
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 __all__ = ["planned_counts", "rows_padding_free", "synthetic_row_masks", "update_padding"]
 
@@ -25,7 +29,9 @@ PROMPT_SPREAD, RESPONSE_SPREAD = 0.35, 0.5
 PADDING_ROWS = 2048  # at most this many synthetic rows per group (the share is a property of the length spread)
 
 
-def synthetic_row_masks(cfg, rows: int, seed: int = 0, means: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_row_masks(
+    cfg: RunConfig, rows: int, seed: int = 0, means: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of ``rows`` turn rows with ``cfg``'s lengths: [rows, max prompt] left-padded prompt masks and [rows,
     max response] right-padded response masks. Means: the config's maxima scaled by the quickstart's measured means
     (as :func:`plan_counts`); spread: normals of standard deviation :data:`PROMPT_SPREAD` and
@@ -41,7 +47,7 @@ def synthetic_row_masks(cfg, rows: int, seed: int = 0, means: dict | None = None
     return pmask, rmask
 
 
-def update_padding(cfg, lay: Layout, rows: float, packed: bool, means: dict | None = None) -> float:
+def update_padding(cfg: RunConfig, lay: Layout, rows: float, packed: bool, means: dict | None = None) -> float:
     """The share of the update's computed positions that carry no token, for ``rows`` turn rows per group in
     padded (``packed`` False) or padding-free rows: the update's own plan (engine/step/micro_batches.py
     ``plan_update``: mini-batches per rank, micro-batches by ``trainer.ppo_max_token_len_per_gpu`` or fixed rows)
@@ -56,7 +62,7 @@ def update_padding(cfg, lay: Layout, rows: float, packed: bool, means: dict | No
     return plan_footprint(plan, geo, packed=packed).padding_fraction
 
 
-def rows_padding_free(cfg, device_type: str = "cuda") -> bool:
+def rows_padding_free(cfg: RunConfig, device_type: str = "cuda") -> bool:
     """Whether the config's training and scoring forwards run padding-free on ``device_type``: a Hugging Face
     policy with ``trainer.use_remove_padding`` true, or auto on CUDA (on a CPU auto is measured at startup: padded
     rows assumed here); the Megatron backend pads its plain rows."""
@@ -64,7 +70,7 @@ def rows_padding_free(cfg, device_type: str = "cuda") -> bool:
 
 
 def planned_counts(
-    cfg, lay: Layout, means: dict | None = None, device_type: str = "cuda"
+    cfg: RunConfig, lay: Layout, means: dict | None = None, device_type: str = "cuda"
 ) -> tuple[StepCounts, list[str]]:
     """``step_plan.plan_counts`` with the share of padded positions of ``cfg``'s forwards on ``device_type``
     devices, and the assumptions made (one line each, the padding's included)."""

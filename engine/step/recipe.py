@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.parallel.collectives import all_reduce
@@ -43,6 +44,9 @@ from alignopsd.estimators import EstimatorInputs, EstimatorOutput, EstimatorPhas
 from alignopsd.losses import rollout_mismatch_metrics
 from alignopsd.reduction import same, summed, weighted_mean
 from alignopsd.samples import recording_samples
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 log = logging.getLogger("alignopsd.step")
 
@@ -240,7 +244,7 @@ def estimate(
     return out, spans, metrics
 
 
-def no_signal(cfg, spec: EstimatorSpec, batch: TurnBatch) -> bool:
+def no_signal(cfg: RunConfig, spec: EstimatorSpec, batch: TurnBatch) -> bool:
     """True when every token advantage is provably 0 before any model pass: the estimator declares its advantage
     outcome-scaled (A times non-negative weights) with no auxiliary term under this config, each task's outcomes
     are equal (A = 0) and, with the invalid-action penalty on, each task's validity flags are equal too."""

@@ -93,10 +93,3 @@ def supervised_step(
     loss = all_reduce([float(-logp_BL.float().sum()) / n_tokens], "sum", lay.dp_size, lay.dp_group)[0]
     out = policy.optimizer_step(max_grad_norm)
     return {"loss": loss, "tokens": n_tokens, **out}
-
-
-def response_nll(policy: PolicyBackend, examples: Sequence[Example], *, pad_id: int) -> float:
-    """The mean response-token cross entropy of ``examples`` under the policy (no gradient; this rank's rows)."""
-    ids_BT, mask_BT, length = example_rows(examples, pad_id)
-    logp_BL, _ = policy.response_logprobs(ids_BT, mask_BT, length)
-    return float(-logp_BL.float().sum()) / sum(len(r) for _, r in examples)

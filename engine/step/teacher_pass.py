@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.envs.parsing import parse_action, parse_thinking
@@ -33,6 +34,9 @@ from alignopsd import action_filter, eligibility, select_sources
 from alignopsd.diagnostics import action_filter_metrics
 from alignopsd.rectification import pairs_from_selection, similarity_matrix
 from alignopsd.reduction import summed, weighted_mean
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 log = logging.getLogger("alignopsd.teacher_pass")
 
@@ -65,7 +69,7 @@ class Encoded:
     student_actions: list[str] | None = None
 
 
-def teacher_sampling(cfg, seed: int | None = None) -> SamplingParams:
+def teacher_sampling(cfg: RunConfig, seed: int | None = None) -> SamplingParams:
     """The rollout's sampling settings (§2.1: the teacher samples with exactly these; budget and stop are set by
     :func:`~alignopsd.engine.generation.teacher.generate_teacher`), drawn from their own generator seeded with
     ``seed`` (see :func:`teacher_seed`)."""

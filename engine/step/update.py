@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.engine.parallel import devices
@@ -45,6 +46,9 @@ from torch import Tensor
 from alignopsd.estimators import get_estimator
 from alignopsd.losses import AuxTerm, actor_loss, rollout_is_weights
 from alignopsd.reduction import same, summed, weighted_mean
+
+if TYPE_CHECKING:
+    from alignopsd.engine.config.schema import RunConfig
 
 log = logging.getLogger("alignopsd.update")
 
@@ -73,7 +77,7 @@ def aux_to(term: AuxTerm, device: torch.device) -> AuxTerm:
     return dataclasses.replace(term, teacher_ML=term.teacher_ML.to(device), gate_gap_ML=gap)
 
 
-def _loss_fn(cfg, inp: UpdateInputs, ix: Tensor):
+def _loss_fn(cfg: RunConfig, inp: UpdateInputs, ix: Tensor):
     """The micro-batch objective ``(logp_bL, ent_bL) -> (loss, stats)`` of rows ``ix`` (actor_loss of §3.12).
 
     A non-finite log-prob on a policy token gives a NaN loss (so the step is skipped) instead of an error: inside
@@ -245,7 +249,7 @@ class PassTally:
         return out
 
 
-def rollout_correction(cfg, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:
+def rollout_correction(cfg: RunConfig, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:
     """Rollout-trainer mismatch correction (``trainer.rollout_is``): importance weights π_trainer / π_rollout of
     the sampled tokens (truncated, or masked outside the accepted range at token or sequence level). Rejected
     tokens are left out through ``actor_loss(is_keep=...)``, so every loss term and the global token-mean denominator

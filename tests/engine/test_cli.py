@@ -108,9 +108,28 @@ def test_console_script_entry_point():
 
 def test_games_argument_errors(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["games", "webshop", "--n", "3", "--out", "x"])
+        cli.main(["games", "search", "--n", "3", "--out", "x"])
     with pytest.raises(SystemExit):
         cli.main(["games", "alfworld", "--n", "0", "--out", "x"])
+    assert "--n: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["games", "webshop", "--n", "3", "--out", "x"])  # the catalogue has no --n
+    with pytest.raises(SystemExit):
+        cli.main(["games", "webshop", "--products", "10", "--out", "x"])
+    assert "n_products: need at least 40" in capsys.readouterr().err
+
+
+def test_games_webshop_writes_the_official_layout(tmp_path, capsys):
+    """``alignopsd games webshop`` writes the generated catalogue as the files the official-data check and the
+    original-data loader read."""
+    from alignopsd.engine.envs.webshop.data import get_catalogue
+    from alignopsd.engine.envs.webshop.official import webshop_official_data
+
+    assert cli.main(["games", "webshop", "--out", str(tmp_path), "--products", "40", "--goals", "6"]) == 0
+    assert "items_shuffle.json" in capsys.readouterr().out
+    files = webshop_official_data(str(tmp_path))
+    cat = get_catalogue({"kind": "original", **files})
+    assert len(cat.products) == 40 and len(cat.goals) == 6
 
 
 def test_table1_layouts():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from alignopsd.engine.commands.cpu_profile import main as cpu_profile_main
 from alignopsd.engine.parallel import cpu_profile
 from alignopsd.engine.parallel.hardware import CPUINFO, parse_cpu_flags
 
@@ -43,8 +44,8 @@ def test_profile_env_sets_every_variable_and_refuses_unknown_names():
         assert env[key].lower() == "avx2"
     with pytest.raises(ValueError, match="unknown 'avx3'; known: avx2"):
         cpu_profile.profile_env("avx3")
-    assert cpu_profile.main(["avx3", "--", "true"]) == 2
-    assert cpu_profile.main(["avx2", "true"]) == 2
+    assert cpu_profile_main(["avx3", "--", "true"]) == 2
+    assert cpu_profile_main(["avx2", "true"]) == 2
 
 
 def test_make_run_avx2_is_make_run_under_the_profile():
@@ -53,7 +54,7 @@ def test_make_run_avx2_is_make_run_under_the_profile():
     assert "sft --pipeline --easy-games --config configs/quickstart_cpu.yaml" in run
     assert re.search(r"^run: install\n\t\$\(RUN\)$", text, re.M)
     assert re.search(
-        r"^run-avx2: install\n\t\$\(BIN\)/python -m alignopsd\.engine\.parallel\.cpu_profile avx2 -- \$\(RUN\)$",
+        r"^run-avx2: install\n\t\$\(BIN\)/python -m alignopsd\.engine\.commands\.cpu_profile avx2 -- \$\(RUN\)$",
         text,
         re.M,
     )
@@ -61,7 +62,7 @@ def test_make_run_avx2_is_make_run_under_the_profile():
 
 @pytest.mark.skipif(not _x86_avx2(), reason="needs an x86 CPU with AVX2")
 def test_the_profiled_process_computes_as_an_avx2_cpu():
-    cmd = [sys.executable, "-m", "alignopsd.engine.parallel.cpu_profile", "avx2", "--", sys.executable, "-c", PROBE]
+    cmd = [sys.executable, "-m", "alignopsd.engine.commands.cpu_profile", "avx2", "--", sys.executable, "-c", PROBE]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     assert res.stdout.startswith("[cpu profile] avx2: ATEN_CPU_CAPABILITY='avx2'")
     out = json.loads(res.stdout.strip().splitlines()[-1])

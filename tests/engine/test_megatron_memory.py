@@ -165,7 +165,7 @@ def test_only_the_groups_first_rank_builds_a_generator(generation, monkeypatch):
     from alignopsd.engine.policy.megatron.convert import Dims
     from alignopsd.engine.policy.megatron.memory import full_params
 
-    monkeypatch.setattr(vb.VLLMBackend, "from_config", classmethod(lambda cls, cfg, tokenizer=None: EngineStub()))
+    monkeypatch.setattr(vb.VLLMBackend, "from_settings", classmethod(lambda cls, s, tokenizer=None: EngineStub()))
     rank = int(os.environ["RANK"])
     before = live_hf_params()
     parts = build(config(["policy.backend=megatron", "policy.tensor_parallel_size=2",

@@ -129,7 +129,7 @@ def _first_row(proc: subprocess.Popen, out: Path) -> None:
 
 
 def _metrics(out: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in TIMING}
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k not in TIMING}
             for r in read_metrics(out / "metrics.jsonl")]  # fmt: skip
 
 

@@ -356,7 +356,7 @@ def test_chaos_soak_ends_bit_identical_with_every_step_logged_once(tmp_path):
         assert _same_state(a, b), name
     rows = read_metrics(healed / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, SOAK_STEPS + 1))
-    keep = [k for k in rows[0] if not k.startswith("time/") and k not in TIMING]
+    keep = [k for k in rows[0] if not k.startswith(("time/", "memory/")) and k not in TIMING]
     straight_rows = read_metrics(straight / "metrics.jsonl")
     assert [{k: r.get(k) for k in keep} for r in rows] == [{k: r.get(k) for k in keep} for r in straight_rows]
     assert _tb_steps(healed) == list(range(1, SOAK_STEPS + 1))

@@ -8,6 +8,7 @@ from pathlib import Path
 import learn_helpers as lh
 import torch
 from alignopsd.engine.checkpoint import checkpoint as ck
+from alignopsd.engine.checkpoint.rng_state import restore_rng_state
 from alignopsd.engine.step.teacher_pass import teacher_sampling, teacher_seed
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
@@ -46,7 +47,7 @@ def test_cuda_rng_restored_only_for_visible_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_state)
     state = {"python": __import__("random").getstate(), "numpy": __import__("numpy").random.get_state(),
              "torch": torch.get_rng_state(), "cuda": [torch.zeros(16, dtype=torch.uint8)] * 2}  # fmt: skip
-    ck.restore_rng_state(state)
+    restore_rng_state(state)
     assert calls == [0]
 
 

@@ -20,10 +20,18 @@ from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
 from alignopsd.engine.policy.hf import HFPolicy
 from alignopsd.engine.run.warm_start import save_warm_start, train_supervised
 from alignopsd.engine.step.rollout import collect_rollouts
-from alignopsd.engine.step.supervised import example_rows, response_nll, supervised_step
+from alignopsd.engine.step.supervised import example_rows, supervised_step
 from generator_double import GeneratorDouble
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _response_nll(policy: HFPolicy, examples, *, pad_id: int) -> float:
+    """The mean response-token cross entropy of ``examples`` under the policy, through its own scoring (no
+    gradient)."""
+    ids_BT, mask_BT, length = example_rows(examples, pad_id)
+    logp_BL, _ = policy.response_logprobs(ids_BT, mask_BT, length)
+    return float(-logp_BL.float().sum()) / sum(len(r) for _, r in examples)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +189,7 @@ def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, 
     policy = HFPolicy(ours, lr=1e-3, weight_decay=0.0)
     with torch.no_grad():
         want = float(_reference_nll(ref, batch, pad))
-    assert response_nll(policy, batch, pad_id=pad) == pytest.approx(want, rel=1e-5)
+    assert _response_nll(policy, batch, pad_id=pad) == pytest.approx(want, rel=1e-5)
     out = supervised_step(policy, batch, pad_id=pad, max_grad_norm=1.0, fused=fused)
     loss = _reference_nll(ref, batch, pad)
     assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5) and not out["skipped"]
@@ -236,11 +244,11 @@ def test_sft_lowers_the_loss_and_writes_a_checkpoint_the_trainer_loads(expert, t
     model = load_causal_lm("tiny", dtype="float32")
     policy = HFPolicy(model, lr=3e-3, weight_decay=0.0, warmup_steps=3)
     pad = int(tok.eos_token_id)
-    before = response_nll(policy, examples, pad_id=pad)
+    before = _response_nll(policy, examples, pad_id=pad)
     losses = train_supervised(
         policy, examples, pad_id=pad, steps=30, batch_size=4, log_every=10, stream=open("/dev/null", "w")
     )
-    after = response_nll(policy, examples, pad_id=pad)
+    after = _response_nll(policy, examples, pad_id=pad)
     assert len(losses) == 30 and after < 0.7 * before
     out = save_warm_start(policy, tok, tmp_path / "sft", base="tiny", meta={"steps": 30})
     assert json.loads((out / SFT_MARKER).read_text())["base"] == "tiny"

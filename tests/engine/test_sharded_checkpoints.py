@@ -153,7 +153,7 @@ def _metrics(out: Path, step: int) -> dict:
     from alignopsd.engine.observe.metrics import read_metrics
 
     (rec,) = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == step]
-    return {k: v for k, v in rec.items() if not k.startswith("time/") and k not in TIMING}
+    return {k: v for k, v in rec.items() if not k.startswith(("time/", "memory/")) and k not in TIMING}
 
 
 def _equal_trees(a, b) -> bool:

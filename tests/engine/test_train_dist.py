@@ -39,7 +39,8 @@ def test_two_rank_training_keeps_replicas_identical():
     assert ck is not None and {"rng_rank0.safetensors", "rng_rank1.safetensors"} <= set(verify_checkpoint(ck))
     # each data-parallel rank writes the audit records of its own batch, its rank in the file name
     from alignopsd.engine.observe.audit import audit_file
-    from alignopsd.engine.observe.audit_read import read_audit
+
+    from bench.credit_metrics import read_audit
 
     rank = dist.get_rank()
     assert all(audit_file(out / "audit", s, rank).is_file() for s in (1, 2))

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from alignopsd.engine.envs.alfworld.env import SPLITS
-from alignopsd.engine.envs.official import official_data_error, official_splits
+from alignopsd.engine.envs.official import OfficialDataQuery, official_data_error
 
 DEFAULT_DATA = "~/.cache/alfworld"  # where alfworld (alfworld.info) and alfworld-download put the data
 
@@ -49,6 +49,6 @@ def alfworld_official_data(data_dir: str | None, splits: tuple[str, ...], env: M
     return root
 
 
-def check_official_data(cfg, environ: Mapping[str, str]) -> None:
-    """The registry entry's ``official_data`` check of a run config."""
-    alfworld_official_data(cfg.env.data_dir, official_splits(cfg), environ)
+def check_official_data(query: OfficialDataQuery, environ: Mapping[str, str]) -> None:
+    """The registry entry's ``official_data`` check: the run's data place and splits (``query``)."""
+    alfworld_official_data(query.data_dir, query.splits, environ)

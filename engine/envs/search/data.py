@@ -1,8 +1,9 @@
 """Search-QA data: the generated knowledge base of fictional entities, and Search-R1's parquet/corpus files.
 
 Generated knowledge base (``generate_kb``): countries, cities, people, organisations and creative works with
-invented names, dates and attributes (so a pretrained model cannot know any answer), one Wikipedia-style
-passage per entity in the Search-R1 corpus layout (``{"id", "contents": "\\"Title\\"\\nText"}``), and
+invented names, dates and attributes (so a pretrained model cannot know any answer; drawn by
+engine/envs/search/world.py), one Wikipedia-style passage per entity in the Search-R1 corpus layout
+(``{"id", "contents": "\\"Title\\"\\nText"}``), and
 questions answerable only from those passages. Question kinds and the data-source label each carries (the
 label drives the per-source accuracy table and the skill lookup of ALGORITHM.md §1.4):
 
@@ -34,49 +35,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from alignopsd.engine.envs.search.world import draw_world
 from alignopsd.engine.infra.cache import atomic_cached_dir, cache_root
 
 KB_VERSION = "kb-v2"
 SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 TRAIN_SOURCES = ("nq", "hotpotqa")
 TEST_FRACTION = 0.25
-
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "st", "th", "qu"]
-_VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou"]
-_CODAS = ["", "", "n", "r", "l", "s", "th", "nd", "rk", "x"]
-_OCCUPATIONS = [
-    "cartographer", "violinist", "architect", "botanist", "chemist", "novelist", "sculptor", "astronomer",
-    "economist", "film director", "photographer", "engineer", "historian", "glassblower", "linguist", "painter",
-]  # fmt: skip
-_INDUSTRIES = [
-    ("Optics", "optical instruments"), ("Foods", "packaged food"), ("Shipping", "freight shipping"),
-    ("Textiles", "textiles"), ("Pharma", "pharmaceuticals"), ("Motors", "electric vehicles"),
-    ("Press", "book publishing"), ("Robotics", "industrial robots"), ("Airways", "regional air travel"),
-    ("Mining", "copper mining"),
-]  # fmt: skip
-_WORK_KINDS = [
-    ("novel", "written by", "author"),
-    ("film", "directed by", "director"),
-    ("album", "recorded by", "artist"),
-]
-_GENRES = ["mystery", "science fiction", "folk", "historical drama", "comedy", "jazz", "thriller", "romance"]
-_ADJ = ["Glass", "Silent", "Amber", "Hollow", "Crimson", "Distant", "Paper", "Winter", "Copper", "Velvet", "Iron"]
-_NOUN = ["Orchard", "Lantern", "Harbor", "Garden", "Compass", "Meridian", "Tide", "Archive", "Staircase", "Mirror"]
-_REGIONS = ["the northern coast", "the central plateau", "the eastern lowlands", "the southern archipelago"]
-
-
-def _word(rng: random.Random, syllables: int) -> str:
-    w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables)) + rng.choice(_CODAS)
-    return w.capitalize()
-
-
-def _unique(rng: random.Random, used: set[str], make) -> str:  # noqa: ANN001
-    for _ in range(10000):
-        name = make()
-        if name.lower() not in used:
-            used.add(name.lower())
-            return name
-    raise RuntimeError("could not draw a unique name")  # pragma: no cover
 
 
 def generate_kb(
@@ -91,92 +56,10 @@ def generate_kb(
         if v < 4:
             raise ValueError(f"{name}: need at least 4, got {v}")
     rng = random.Random(f"{KB_VERSION}:{seed}")
-    world = _draw_world(rng, n_people, n_cities, n_orgs, n_works)
+    world = draw_world(rng, n_people, n_cities, n_orgs, n_works)
     passages = _kb_passages(world)
     questions = _kb_questions(world, rng)  # draws after the world: the same stream as one long function
     return passages, questions
-
-
-def _draw_world(rng: random.Random, n_people: int, n_cities: int, n_orgs: int, n_works: int) -> dict[str, Any]:
-    """Countries, cities, people, companies and works of the knowledge base, drawn from ``rng`` in order."""
-    used: set[str] = set()
-    countries = []
-    for _ in range(max(4, n_cities // 6)):
-        cname = _unique(rng, used, lambda: _word(rng, 2) + rng.choice(["ia", "land", "ora", "istan", ""]))
-        countries.append(
-            {
-                "name": cname,
-                "adj": cname + ("n" if cname[-1] in "aeiou" else "ish"),
-                "currency": _unique(rng, used, lambda: _word(rng, 1).lower()),
-                "region": rng.choice(_REGIONS),
-            }
-        )
-    cities = []
-    for i in range(n_cities):
-        country = countries[i % len(countries)]
-        cities.append(
-            {
-                "name": _unique(
-                    rng, used, lambda: rng.choice(["", "Port ", "New ", ""]) + _word(rng, rng.randint(2, 3))
-                ),
-                "country": country["name"],
-                "founded": rng.randint(1100, 1850),
-                "river": _unique(rng, used, lambda: _word(rng, 2) + " River"),
-                "population": rng.randint(20, 900) * 1000,
-            }
-        )
-    for c in countries:
-        c["capital"] = next(x["name"] for x in cities if x["country"] == c["name"])
-    people = []
-    for _ in range(n_people):
-        people.append(
-            {
-                "name": _unique(rng, used, lambda: f"{_word(rng, 2)} {_word(rng, rng.randint(2, 3))}"),
-                "born": rng.randint(1890, 1995),
-                "city": rng.choice(cities)["name"],
-                "occupation": rng.choice(_OCCUPATIONS),
-                "gender": rng.choice(["he", "she"]),
-            }
-        )
-    orgs = []
-    for i in range(n_orgs):
-        suffix, industry = _INDUSTRIES[i % len(_INDUSTRIES)]
-        founder = rng.choice(people)
-        orgs.append(
-            {
-                "name": _unique(rng, used, lambda s=suffix: f"{_word(rng, 2)} {s}"),
-                "industry": industry,
-                "founded": rng.randint(max(founder["born"] + 20, 1900), 2020),
-                "city": rng.choice(cities)["name"],
-                "founder": founder["name"],
-            }
-        )
-    for p in people:
-        p["employer"] = rng.choice(orgs)["name"]
-    works = []
-    for _ in range(n_works):
-        kind, verb, role = rng.choice(_WORK_KINDS)
-        creator = rng.choice(people)
-        works.append(
-            {
-                "title": _unique(
-                    rng,
-                    used,
-                    lambda: (
-                        f"The {rng.choice(_ADJ)} {rng.choice(_NOUN)}"
-                        + rng.choice(["", f" of {_word(rng, 2)}", " II", f" in {_word(rng, 2)}"])
-                    ),
-                ),
-                "kind": kind,
-                "verb": verb,
-                "role": role,
-                "creator": creator["name"],
-                "year": rng.randint(creator["born"] + 18, 2023),
-                "genre": rng.choice(_GENRES),
-            }
-        )
-
-    return {"countries": countries, "cities": cities, "people": people, "orgs": orgs, "works": works}
 
 
 def _kb_passages(world: dict[str, Any]) -> list[dict[str, str]]:

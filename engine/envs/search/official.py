@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from alignopsd.engine.envs.official import official_data_error, official_splits
+from alignopsd.engine.envs.official import OfficialDataQuery, official_data_error
 from alignopsd.engine.envs.search.retriever import URL_ENV_VAR
 
 
@@ -51,6 +51,6 @@ def search_official_data(
     return out
 
 
-def check_official_data(cfg, environ: Mapping[str, str]) -> None:
-    """The registry entry's ``official_data`` check of a run config."""
-    search_official_data(cfg.env.data_dir, official_splits(cfg), cfg.env.options, environ)
+def check_official_data(query: OfficialDataQuery, environ: Mapping[str, str]) -> None:
+    """The registry entry's ``official_data`` check: the run's data place and splits (``query``)."""
+    search_official_data(query.data_dir, query.splits, query.options, environ)

@@ -193,7 +193,8 @@ def write_original_layout(
 ) -> dict[str, str]:
     """Write products and goals in the original WebShop file layout (``items_shuffle.json``,
     ``items_ins_v2.json``, ``items_human_ins.json``), so the generated catalogue can be read back by
-    ``load_original`` or served by the upstream WebShop. Price bounds are re-drawn on reading, as upstream."""
+    ``load_original`` or served by the upstream WebShop (``alignopsd games webshop``). Price bounds are re-drawn
+    on reading, as upstream."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     items, attrs, human = [], {}, {}
@@ -339,24 +340,3 @@ def _catalogue_cached(key_json: str) -> Catalogue:
 def get_catalogue(source: dict[str, Any] | None = None) -> Catalogue:
     """The catalogue of ``source`` (see ``normalise_source``); built once per process."""
     return _catalogue_cached(json.dumps(normalise_source(source), sort_keys=True))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m alignopsd.engine.envs.webshop.data --out DIR``: write the generated catalogue and goals in
-    the original WebShop file layout."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description="export the generated WebShop catalogue in the original layout")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--products", type=int, default=DEFAULT_N_PRODUCTS)
-    ap.add_argument("--goals", type=int, default=DEFAULT_N_GOALS)
-    args = ap.parse_args(argv)
-    products, goals, _ = generate_catalogue(args.seed, args.products, args.goals)
-    for name, path in write_original_layout(products, goals, args.out).items():
-        print(f"{name}: {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from alignopsd.engine.envs.official import official_data_error
+from alignopsd.engine.envs.official import OfficialDataQuery, official_data_error
 from alignopsd.engine.envs.webshop.env import find_original_files
 
 
@@ -36,6 +36,6 @@ def webshop_official_data(data_dir: str | None) -> dict[str, str]:
     return {k: str(v) for k, v in found.items()}
 
 
-def check_official_data(cfg, environ: Mapping[str, str]) -> None:
-    """The registry entry's ``official_data`` check of a run config."""
-    webshop_official_data(cfg.env.data_dir)
+def check_official_data(query: OfficialDataQuery, environ: Mapping[str, str]) -> None:
+    """The registry entry's ``official_data`` check: the run's data place and splits (``query``)."""
+    webshop_official_data(query.data_dir)

@@ -121,10 +121,6 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         if distributed_optimizer and not torch.cuda.is_available():
             raise ValueError("distributed_optimizer: megatron-core's distributed optimizer needs CUDA parameters")
         init_parallel(tp, seed)
-        from megatron.core import parallel_state as ps  # noqa: PLC0415
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
-
         self.hf_config = hf_config
         self.adapter = None  # no LoRA: the shards train the full weights (refused at config load)
         self.hf_model = None  # a full Hugging Face copy for generation, set by the run where it keeps one
@@ -132,47 +128,20 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         pad = getattr(hf_config, "pad_token_id", None)
         self.padding_idx = int(pad) if pad is not None else None  # HF's embedding padding_idx (no lookup grad)
         self.tp = tp
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.dp_group = ps.get_data_parallel_group()
-        self.layout = ParallelLayout(
-            tp_rank=self.tp_rank,
-            tp_size=tp,
-            tp_group=self.tp_group,
-            dp_rank=dist.get_rank(self.dp_group),
-            dp_size=dist.get_world_size(self.dp_group),
-            dp_group=self.dp_group,
-        )
+        self.layout = parallel_layout(tp)
+        self.tp_rank, self.tp_group, self.dp_group = self.layout.tp_rank, self.layout.tp_group, self.layout.dp_group
         self.distributed_optimizer = distributed_optimizer
         self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec, recompute)
         self._copy_hf_weights(hf_state_dict)
-        self.ddp = DistributedDataParallel(
-            self.model.config,
-            DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
-            ),
-            self.model,
-        )
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=lr,
-                min_lr=lr,
-                weight_decay=weight_decay,
-                adam_beta1=betas[0],
-                adam_beta2=betas[1],
-                adam_eps=eps,
-                clip_grad=1.0,
-                # bf16/fp16 parameters: megatron's mixed-precision optimizer keeps fp32 main params and
-                # fp32 Adam state (the model's parameters are refreshed from them after each step). fp16
-                # gets a constant loss scale of 1: the update scales nothing, as with bf16.
-                bf16=params_dtype == torch.bfloat16,
-                fp16=params_dtype == torch.float16,
-                loss_scale=1.0 if params_dtype == torch.float16 else None,
-                params_dtype=params_dtype,
-                use_distributed_optimizer=distributed_optimizer,
-            ),
-            [self.ddp],
+        self.ddp = wrap_ddp(self.model, distributed_optimizer)
+        self.optimizer = megatron_optimizer(
+            self.ddp,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            params_dtype=params_dtype,
+            distributed_optimizer=distributed_optimizer,
         )
         self.scheduler = warmup_scheduler(self.optimizer, lr, weight_decay, warmup_steps)
         self.steps = 0
@@ -357,6 +326,67 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         self.steps += 1
         self.zero_grad()
         return {"grad_norm": norm, "skipped": not ok, "lr": lr}
+
+
+def parallel_layout(tp: int) -> ParallelLayout:
+    """This rank's tensor- and data-parallel ranks and groups, from megatron's parallel state (initialised with
+    ``tp`` first: :func:`init_parallel`)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    return ParallelLayout(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=tp,
+        tp_group=tp_group,
+        dp_rank=dist.get_rank(dp_group),
+        dp_size=dist.get_world_size(dp_group),
+        dp_group=dp_group,
+    )
+
+
+def wrap_ddp(model, distributed_optimizer: bool):
+    """megatron-core's ``DistributedDataParallel`` around ``model``: gradients reduced in fp32, after the backward
+    (no overlap); ``distributed_optimizer``: the buffers its sharded optimizer state needs."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
+
+    config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+    )
+    return DistributedDataParallel(model.config, config, model)
+
+
+def megatron_optimizer(
+    ddp,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    params_dtype: torch.dtype,
+    distributed_optimizer: bool,
+):
+    """megatron-core's Adam (decoupled weight decay, gradients clipped at norm 1 over all shards) over ``ddp``."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=1.0,
+        # bf16/fp16 parameters: megatron's mixed-precision optimizer keeps fp32 main params and
+        # fp32 Adam state (the model's parameters are refreshed from them after each step). fp16
+        # gets a constant loss scale of 1: the update scales nothing, as with bf16.
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        loss_scale=1.0 if params_dtype == torch.float16 else None,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, [ddp])
 
 
 def warmup_scheduler(optimizer, lr: float, weight_decay: float, warmup_steps: int):

@@ -19,9 +19,14 @@ gives ``x`` back bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -39,19 +44,20 @@ class Dims:
     qkv_bias: bool
 
     @staticmethod
-    def from_hf_config(cfg) -> Dims:
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2"
+    def from_hf_config(hf_config: PretrainedConfig | SimpleNamespace) -> Dims:
+        """The shapes of a Hugging Face config (or of a namespace of its ``config.json`` fields)."""
+        heads = int(hf_config.num_attention_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or getattr(hf_config, "model_type", "") == "qwen2"
         return Dims(
-            num_layers=int(cfg.num_hidden_layers),
-            hidden=int(cfg.hidden_size),
-            ffn=int(cfg.intermediate_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            hidden=int(hf_config.hidden_size),
+            ffn=int(hf_config.intermediate_size),
             heads=heads,
-            groups=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            groups=int(getattr(hf_config, "num_key_value_heads", None) or heads),
             head_dim=head_dim,
-            vocab=int(cfg.vocab_size),
-            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            vocab=int(hf_config.vocab_size),
+            tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
         )
 

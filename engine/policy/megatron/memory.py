@@ -108,7 +108,8 @@ def kv_bytes_per_token(d: Dims, dtype_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """What one rank holds, from the config (sizes in bytes; see the module docstring)."""
+    """What one rank holds (sizes in bytes; see the module docstring); a run config's: engine/commands/memory.py
+    ``layout_from_config``."""
 
     dims: Dims
     dtype_bytes: int
@@ -150,36 +151,14 @@ class Layout:
         return max(0, int(self.gpu_memory_utilization * self.gpu_bytes) - full_params(self.dims) * self.dtype_bytes)
 
 
-def layout_from_config(cfg, world_size: int, gpu_gib: float) -> tuple[Layout, str]:
-    """(the per-rank layout of run config ``cfg`` on ``world_size`` ranks of ``gpu_gib`` GiB, shape source)."""
-    from alignopsd.estimators import get_estimator
-
-    if cfg.policy.backend != "megatron":
-        raise ValueError(f"policy.backend: the report describes the megatron backend, got {cfg.policy.backend!r}")
-    fields, source = model_fields(cfg.model.name)
-    dims = Dims.from_hf_config(SimpleNamespace(**fields))
-    tp = cfg.policy.tensor_parallel_size
-    if world_size < 1 or world_size % tp:
-        raise ValueError(f"--world-size: must be a positive multiple of tensor_parallel_size = {tp}, got {world_size}")
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else str(fields.get("torch_dtype") or "bfloat16")
+def model_dims(name: str, dtype: str) -> tuple[Dims, int, str]:
+    """(shapes of model ``name``, bytes per weight of ``dtype``, where the shapes came from: :func:`model_fields`).
+    ``dtype`` ``auto`` is the dtype of the model's config.json, else bfloat16."""
+    fields, source = model_fields(name)
+    dtype = dtype if dtype != "auto" else str(fields.get("torch_dtype") or "bfloat16")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"model.dtype: no byte size known for {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
-    g = cfg.generation
-    vllm = g.backend == "vllm"
-    layout = Layout(
-        dims=dims,
-        dtype_bytes=DTYPE_BYTES[dtype],
-        tp=tp,
-        dp=world_size // tp,
-        distributed_optimizer=cfg.policy.distributed_optimizer,
-        reference=get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm).ref,
-        hf_generation=not vllm,
-        vllm=vllm,
-        vllm_sleep=vllm and g.vllm_sleep is not False,
-        gpu_bytes=int(gpu_gib * GIB),
-        gpu_memory_utilization=float(g.gpu_memory_utilization),
-    )
-    return layout, source
+    return Dims.from_hf_config(SimpleNamespace(**fields)), DTYPE_BYTES[dtype], source
 
 
 def format_table(layout: Layout) -> str:

@@ -1,0 +1,72 @@
+"""The process's peak resident memory per scope (engine/observe/memory.py), per profiler phase and step, per
+pipeline stage, and on the progress lines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from alignopsd.engine.observe import memory
+from alignopsd.engine.observe.memory import GIB, PeakScope, StageLog, gib
+from alignopsd.engine.observe.metrics import progress_line
+from alignopsd.engine.observe.profiler import StepProfiler, format_table, summarize
+from alignopsd.engine.observe.report import heldout_table
+
+from alignopsd.reduction import Reduce
+
+MB = 1 << 20
+
+
+def _touch(n_bytes: int) -> torch.Tensor:
+    return torch.ones(n_bytes // 4)  # written: resident
+
+
+@pytest.mark.skipif(not memory.reset_peak(), reason="this system keeps no resettable peak resident size")
+def test_nested_scopes_keep_each_peak():
+    """A block that allocated 256 MiB and freed it before an inner scope began still peaks 256 MiB above the start in
+    the outer scope, though the inner scope reset the process's peak; the inner one sees only its own 64 MiB."""
+    base = memory.rss_bytes()
+    with PeakScope() as outer:
+        big = _touch(256 * MB)
+        del big
+        with PeakScope() as inner:
+            small = _touch(64 * MB)
+            del small
+        assert outer.read() >= base + 250 * MB
+    assert base + 60 * MB <= inner.peak < base + 200 * MB  # its own allocation only
+    assert outer.peak >= base + 250 * MB and memory._OPEN == []
+
+
+@pytest.mark.skipif(not memory.reset_peak(), reason="this system keeps no resettable peak resident size")
+def test_the_profiler_gives_each_phase_and_the_step_its_peak():
+    prof = StepProfiler()
+    prof.start_step()
+    with prof.phase("update"):
+        x = _touch(192 * MB)
+        del x
+    with prof.phase("rollout_generation"):
+        pass
+    m = prof.end_step()
+    step, update, rollout = (m[f"memory/peak_rss_gib{k}"] for k in ("", "/update", "/rollout_generation"))
+    assert step >= update >= rollout + 180 * MB / GIB
+    assert m["memory/peak_rss_gib"].how is Reduce.MAX  # the largest rank's, over the ranks
+    s = summarize(prof.history, prof.step_seconds, peaks=prof.peak_history)
+    assert s["peak_rss_gib"]["update"] == pytest.approx(update) and s["peak_rss_gib"]["step"] == pytest.approx(step)
+    assert "peak resident memory (GiB): step" in format_table(s)
+    assert "peak mem" in progress_line(1, 3, {"memory/peak_rss_gib": 2.25}) and "2.2 GiB" in progress_line(
+        1, 3, {"memory/peak_rss_gib": 2.25}
+    )
+
+
+def test_stage_log_and_the_end_of_run_table():
+    log = StageLog()
+    with log.stage("warm start"):
+        x = _touch(32 * MB)
+        del x
+    with log.stage("RL steps"):
+        pass
+    assert list(log.seconds) == list(log.peaks) == ["warm start", "RL steps"]
+    assert log.peak() == max(log.peaks.values()) > 0
+    table = heldout_table({"base": {"episodes": 2, "success": 0.5}}, log.seconds, log.peaks)
+    assert "| stage | seconds | peak resident memory |" in table
+    assert f"| warm start | {log.seconds['warm start']:.0f} | {gib(log.peaks['warm start'])} |" in table
+    assert gib(None) == "-" and gib(3 * GIB) == "3.0 GiB"
