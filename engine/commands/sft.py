@@ -130,6 +130,7 @@ def warm_start(
 ) -> Path:
     """The warm start of a built policy (engine/run/warm_start.py): expert examples of ``cfg``'s training games,
     ``steps`` supervised steps, the checkpoint in ``out_dir`` (written where ``write``; every rank gathers)."""
+    from alignopsd.engine.run.policy_builders import micro_batch_tokens, policy_placement
     from alignopsd.engine.run.warm_start import save_warm_start, train_supervised
 
     stream = stream if stream is not None else sys.stdout
@@ -146,6 +147,7 @@ def warm_start(
         seed=cfg.trainer.seed,
         fused=cfg.trainer.fused_head_loss,
         stream=stream,
+        token_budget=micro_batch_tokens(cfg, policy.hf_config, *policy_placement(policy)),
     )
     meta = {
         "steps": steps,

@@ -147,6 +147,11 @@ class TrainerConfig(Section):
     """Micro-batches by tokens (verl's name): rows sorted by length, as many per forward/backward on one rank as fit
     in this many positions (rows x padded length; the old log-prob and reference passes sort their rows too).
     auto: ppo_micro_batch_size x (env.max_prompt_length + generation.max_response_length); 0/null: fixed rows."""
+    activation_memory_gib: Annotated[float, Field(gt=0)] | Literal["auto"] | None = "auto"
+    """The memory one micro-batch's activations may take, in GiB: micro-batches by tokens (the update's, and the
+    warm start's) are cut to the positions whose activations fit (``ModelShape.activation_bytes_per_token`` in the
+    model's dtype), at most ppo_max_token_len_per_gpu. auto: 1.5 GiB on a CPU (the quickstart then fits beside a
+    browser on a 16 GB laptop), no cap on an accelerator; null: no cap."""
     use_remove_padding: bool | Literal["auto"] = "auto"
     """Padding-free rows (verl's name) in the Hugging Face policy's forwards (the update, and the old log-prob and
     reference passes in plain mode): each forward's attended positions packed into one sequence whose position ids

@@ -21,12 +21,12 @@ from alignopsd.engine.generation.base import GenerationBackend, samples_from
 from alignopsd.engine.generation.hf import HFGenerator
 from alignopsd.engine.generation.vllm_backend import VLLMBackend, VLLMSettings  # imports vllm only when one starts
 from alignopsd.engine.models.encoder import MINILM, ThinkingEncoder
-from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer, parse_dtype, resolve_model_path
 from alignopsd.engine.parallel.hardware import int8_sampling
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
-from alignopsd.engine.run.policy_builders import build_policy, hf_model_of
+from alignopsd.engine.run.policy_builders import build_policy, hf_model_of, micro_batch_tokens
 from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.rescoring import Rescorer
 from torch import nn
@@ -197,6 +197,7 @@ def build_components(
     phases = est.phases(cfg.algorithm)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     policy = build_policy(cfg, device, world_size, rows=rows)
+    tokens = micro_batch_tokens(cfg, policy.hf_config, parse_dtype(cfg.model.dtype, device), device)
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
     rescorer = build_rescorer(cfg, policy, device, generator)
@@ -222,6 +223,7 @@ def build_components(
         ref_scorer=ref_scorer,
         encoder_factory=functools.partial(build_encoder, cfg, device) if phases.alignment else None,
         skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
+        update_tokens=tokens,
     )
     if cfg.generation.backend == "vllm":  # the policy's weights into the engine (collective under tensor parallelism)
         parts.sync_weights()

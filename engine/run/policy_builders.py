@@ -22,7 +22,9 @@ import torch
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.config.errors import ConfigError
 from alignopsd.engine.config.schema import RunConfig
+from alignopsd.engine.cost.model_shapes import shape_from_hf_config
 from alignopsd.engine.models.loading import load_causal_lm, parse_dtype, resolve_model_path
+from alignopsd.engine.observe.memory import GIB
 from alignopsd.engine.policy.base import PolicyBackend, RowLayout
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.kernels.native_choice import pinned
@@ -99,6 +101,43 @@ def start_rows(rows: RowLayout, taken: RowsChoice | None) -> None:
         log.info("kernels: %s", rows.choice.describe())
     else:
         log.info("kernels: packed rows: padded rows (until the first update has timed both, forward and backward)")
+
+
+CPU_ACTIVATION_GIB = 1.5  # trainer.activation_memory_gib auto on a CPU (see its docstring)
+
+
+def micro_batch_tokens(cfg: RunConfig, hf_config, dtype: torch.dtype, device: torch.device) -> int:
+    """Computed positions per micro-batch of the update and the warm start (0: micro-batches of fixed rows):
+    ``trainer.ppo_max_token_len_per_gpu`` resolved (``RunConfig.update_token_budget``), cut to the positions whose
+    activations fit ``trainer.activation_memory_gib`` (auto: :data:`CPU_ACTIVATION_GIB` on a CPU, no cap on an
+    accelerator) at the model's activation bytes per token in ``dtype``; the cut is stated in the run's log."""
+    tokens = cfg.update_token_budget
+    cap_gib = cfg.trainer.activation_memory_gib
+    if cap_gib == "auto":
+        cap_gib = CPU_ACTIVATION_GIB if device.type == "cpu" else None
+    if tokens == 0 or cap_gib is None:
+        return tokens
+    conf = hf_config.to_dict()
+    shape = shape_from_hf_config(conf.get("text_config", conf), cfg.model.name, "the loaded model's config")
+    per_token = shape.activation_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    cap = max(1, int(cap_gib * GIB // per_token))
+    if cap < tokens:
+        log.info(
+            "memory: micro-batches of at most %d positions, not %d (activations %.2f MiB per token in %s; "
+            "trainer.activation_memory_gib %s GiB)",
+            cap,
+            tokens,
+            per_token / (1 << 20),
+            str(dtype).removeprefix("torch."),
+            f"{cap_gib:g}",
+        )
+    return min(tokens, cap)
+
+
+def policy_placement(policy: PolicyBackend) -> tuple[torch.dtype, torch.device]:
+    """The dtype and the device the policy's module computes in (its first parameter's)."""
+    p = next(policy.model.parameters())
+    return p.dtype, p.device
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,15 @@ def train_supervised(
     log_every: int = 10,
     fused: bool = True,
     stream=None,
+    token_budget: int = 0,
 ) -> list[float]:
     """``steps`` supervised steps on shuffled mini-batches of ``examples`` (epochs as needed); returns the losses.
     A progress line every ``log_every`` steps (loss, tokens per second, elapsed time) goes to ``stream`` (None:
     stdout; on the first data-parallel and tensor-parallel rank only). ``fused``: through the fused head loss
     (``trainer.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`). Where the policy's rows
     are auto (``rows`` undecided, a CPU), the first steps time packed against padded rows and keep the faster
-    (engine/step/packing_trial.py)."""
+    (engine/step/packing_trial.py). ``token_budget`` > 0: each step's rows in micro-batches of at most that many
+    computed positions (``supervised_step``), which bounds the activations' memory."""
     if not examples:
         raise ValueError("examples: expected at least one expert turn")
     if steps < 1 or batch_size < 1:
@@ -81,7 +83,15 @@ def train_supervised(
                 order += more
             batch = [examples[i] for i in order[:batch_size]]
             del order[:batch_size]
-            out = supervised_step(policy, batch, pad_id=pad_id, max_grad_norm=WARM_START_CLIP, fused=fused, trial=trial)
+            out = supervised_step(
+                policy,
+                batch,
+                pad_id=pad_id,
+                max_grad_norm=WARM_START_CLIP,
+                fused=fused,
+                trial=trial,
+                token_budget=token_budget,
+            )
             losses.append(out["loss"])
             tokens += sum(len(p) + len(r) for p, r in batch)
             if lead and (step % log_every == 0 or step == steps):

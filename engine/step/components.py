@@ -56,6 +56,7 @@ class Components:
     audit: Auditor | None = None  # the run's audit records (set by the trainer; None: no audit records)
     encoder_factory: Callable[[], TextEncoder] | None = None
     skill_lookup: Callable[[dict], str] | None = None  # env.skills_dir's bank (None: the packaged bank)
+    update_tokens: int = 0  # positions per micro-batch of the update (0: fixed rows; run/policy_builders.py)
 
     def __post_init__(self) -> None:
         if self.encoder_factory is not None:  # one encoder per run however often it is asked for (and copies share it)

@@ -24,7 +24,7 @@ import torch
 from alignopsd.engine.parallel.collectives import all_reduce
 from alignopsd.engine.parallel.split import check_split
 from alignopsd.engine.policy.base import PolicyBackend
-from alignopsd.engine.step.micro_batches import MicroBatch
+from alignopsd.engine.step.micro_batches import MicroBatch, RowGeometry, pack_by_tokens
 from alignopsd.engine.step.packing_trial import PackingTrial
 from alignopsd.engine.tokens.layout import left_pad, right_pad
 from torch import Tensor
@@ -63,19 +63,24 @@ def supervised_step(
     max_grad_norm: float,
     fused: bool = True,
     trial: PackingTrial | None = None,
+    token_budget: int = 0,
 ) -> dict:
     """One optimizer step on ``batch`` (every rank passes the whole batch; see the module doc): through the fused
     head loss where ``fused`` and the backend has one (``trainer.fused_head_loss``, as the PPO update), else autograd
     through the log-probs (``policy.response_logprobs(grad=True)``). ``trial``: the warm start's measurement of
     packed against padded rows (engine/step/packing_trial.py: while it runs, the step's rows go through both ways at
-    half scale). Returns {"loss": the batch's mean response-token cross entropy (summed over the data-parallel
-    ranks), "tokens": response tokens of the batch, "grad_norm", "skipped", "lr"}."""
+    half scale). ``token_budget`` > 0: this rank's examples go forward and backward in micro-batches of at most that
+    many computed positions (longest first; the update's ``pack_by_tokens``), their gradients summed, so the
+    activations' memory is bounded (the gradient is the whole batch's). Returns {"loss": the batch's mean
+    response-token cross entropy (summed over the data-parallel ranks), "tokens": response tokens of the batch,
+    "grad_norm", "skipped", "lr"}."""
     n_tokens = sum(len(r) for _, r in batch)
     mine = rank_share(batch, policy)
-    ids_BT, mask_BT, length = example_rows(mine, pad_id)
     scale = policy.layout.dp_size / n_tokens
 
     def forward_backward(m: MicroBatch) -> Tensor:
+        ids_BT, mask_BT, length = example_rows([mine[i] for i in m.rows], pad_id)
+
         def loss_fn(logp_BL: Tensor, ent_BL: Tensor | None) -> Tensor:
             return -logp_BL.float().sum() * (scale * m.scale)  # masked-out positions hold 0: response tokens only
 
@@ -87,9 +92,29 @@ def supervised_step(
         loss_fn(logp_BL, None).backward()
         return logp_BL.detach()
 
-    whole = MicroBatch(list(range(len(mine))), 1.0)
-    logp_BL = trial.run(forward_backward, whole, contextlib.nullcontext)[0][1] if trial else forward_backward(whole)
+    nll = 0.0
+    micros = example_micro_batches(mine, token_budget)
+    for j, rows in enumerate(micros):
+        mb = MicroBatch(rows, 1.0)
+        sync = contextlib.nullcontext if j == len(micros) - 1 else policy.no_sync
+        if trial is not None:
+            logp_BL = trial.run(forward_backward, mb, sync)[0][1]
+        else:
+            with sync():
+                logp_BL = forward_backward(mb)
+        nll += float(-logp_BL.float().sum())
     lay = policy.layout
-    loss = all_reduce([float(-logp_BL.float().sum()) / n_tokens], "sum", lay.dp_size, lay.dp_group)[0]
+    loss = all_reduce([nll / n_tokens], "sum", lay.dp_size, lay.dp_group)[0]
     out = policy.optimizer_step(max_grad_norm)
     return {"loss": loss, "tokens": n_tokens, **out}
+
+
+def example_micro_batches(examples: Sequence[Example], token_budget: int) -> list[list[int]]:
+    """Indices of ``examples`` in micro-batches of at most ``token_budget`` computed positions (rows x the longest
+    prompt and response of the micro-batch; longest first, an example over the budget alone); one micro-batch of
+    all of them when ``token_budget`` is 0."""
+    if token_budget <= 0:
+        return [list(range(len(examples)))]
+    _, p_mask = left_pad([p for p, _ in examples], max(len(p) for p, _ in examples), 0)
+    _, r_mask = right_pad([r for _, r in examples], max(len(r) for _, r in examples), 0)
+    return pack_by_tokens(list(range(len(examples))), RowGeometry.of(p_mask, r_mask), token_budget)

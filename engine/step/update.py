@@ -185,7 +185,7 @@ def ppo_update(
         world,
         group,
         geometry=geo,
-        token_budget=cfg.update_token_budget,
+        token_budget=parts.update_tokens,  # the config's, cut to what the activations' memory allows
     )
     input_ids, attn = devices.to_device(cb.input_ids(), dev), devices.to_device(cb.attention_mask(), dev)
     n_opt, skipped, grad_norms, n_mini = 0, 0, [], len(plan)

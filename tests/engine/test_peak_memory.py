@@ -70,3 +70,42 @@ def test_stage_log_and_the_end_of_run_table():
     assert "| stage | seconds | peak resident memory |" in table
     assert f"| warm start | {log.seconds['warm start']:.0f} | {gib(log.peaks['warm start'])} |" in table
     assert gib(None) == "-" and gib(3 * GIB) == "3.0 GiB"
+
+
+def test_micro_batches_are_cut_to_the_activations_memory(caplog):
+    """``trainer.activation_memory_gib``: auto caps the update's and the warm start's positions per micro-batch on a
+    CPU (not on an accelerator), a number caps them anywhere, null and fixed-row micro-batches not at all; the cut
+    is said in the log. SmolLM2-135M keeps 1.30 MiB per token in fp32 (the count ModelShape gives)."""
+    import logging
+
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
+    from alignopsd.engine.run import policy_builders
+    from transformers import LlamaConfig
+
+    smol = KNOWN_SHAPES["smollm2-135m"]
+    assert smol.activation_bytes_per_token(4) / (1 << 20) == pytest.approx(1.30, abs=0.01)
+    hf = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     intermediate_size=1536, vocab_size=49152)  # fmt: skip
+    cfg = load_config("configs/quickstart_cpu.yaml", [])
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert cfg.update_token_budget == 8 * (1024 + 64)
+    with caplog.at_level(logging.INFO, logger=policy_builders.__name__):
+        capped = policy_builders.micro_batch_tokens(cfg, hf, torch.float32, cpu)
+    assert capped == int(1.5 * GIB // smol.activation_bytes_per_token(4)) < cfg.update_token_budget
+    assert any(
+        r.getMessage().startswith(f"memory: micro-batches of at most {capped} positions") for r in caplog.records
+    )
+    assert (
+        policy_builders.micro_batch_tokens(cfg, hf, torch.bfloat16, cpu) == 2 * capped
+        or abs(policy_builders.micro_batch_tokens(cfg, hf, torch.bfloat16, cpu) - 2 * capped) <= 1
+    )
+    assert policy_builders.micro_batch_tokens(cfg, hf, torch.float32, cuda) == cfg.update_token_budget
+    none = load_config("configs/quickstart_cpu.yaml", ["trainer.activation_memory_gib=null"])
+    assert policy_builders.micro_batch_tokens(none, hf, torch.float32, cpu) == none.update_token_budget
+    half = load_config("configs/quickstart_cpu.yaml", ["trainer.activation_memory_gib=0.5"])
+    assert policy_builders.micro_batch_tokens(half, hf, torch.float32, cuda) == int(
+        0.5 * GIB // smol.activation_bytes_per_token(4)
+    )
+    rows = load_config("configs/quickstart_cpu.yaml", ["trainer.ppo_max_token_len_per_gpu=0"])
+    assert policy_builders.micro_batch_tokens(rows, hf, torch.float32, cpu) == 0

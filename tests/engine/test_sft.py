@@ -20,7 +20,7 @@ from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
 from alignopsd.engine.policy.hf import HFPolicy
 from alignopsd.engine.run.warm_start import save_warm_start, train_supervised
 from alignopsd.engine.step.rollout import collect_rollouts
-from alignopsd.engine.step.supervised import example_rows, supervised_step
+from alignopsd.engine.step.supervised import example_micro_batches, example_rows, supervised_step
 from generator_double import GeneratorDouble
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,10 +176,11 @@ def test_example_rows_lay_out_prompts_left_and_responses_right():
         example_rows([([1], [2]), ([3], [])], pad_id=0)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, tok, fused):
+@pytest.mark.parametrize(("fused", "budget"), [(True, 0), (False, 0), (True, 1)])
+def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, tok, fused, budget):
     """The backend's loss and update equal the plain route's: cross entropy over full logits of right-padded rows,
-    one AdamW step at the same settings (the same clipping). Weights are compared at 0.1 * lr (Adam's first step
+    one AdamW step at the same settings (the same clipping), in one forward or (``token_budget``) one micro-batch per
+    example, whose gradients add up to the batch's. Weights are compared at 0.1 * lr (Adam's first step
     moves each weight by about lr * g / |g|, so a gradient that differs by rounding moves a weight by a fraction of
     lr), the loss and the gradient norm at 1e-5 and 1e-4 relative."""
     _, _, examples = expert
@@ -190,7 +191,8 @@ def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, 
     with torch.no_grad():
         want = float(_reference_nll(ref, batch, pad))
     assert _response_nll(policy, batch, pad_id=pad) == pytest.approx(want, rel=1e-5)
-    out = supervised_step(policy, batch, pad_id=pad, max_grad_norm=1.0, fused=fused)
+    assert len(example_micro_batches(batch, budget)) == (3 if budget else 1)
+    out = supervised_step(policy, batch, pad_id=pad, max_grad_norm=1.0, fused=fused, token_budget=budget)
     loss = _reference_nll(ref, batch, pad)
     assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5) and not out["skipped"]
     assert out["tokens"] == sum(len(r) for _, r in batch)

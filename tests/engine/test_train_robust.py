@@ -44,7 +44,14 @@ def _batch(m=6, lp=5, lr=4, seed=0):
 
 def _parts(policy, **over):
     cfg = load_config(TINY, [f"{k}={v}" for k, v in over.items()])
-    return SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=1, dp_group=None)
+    return SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        device=torch.device("cpu"),
+        world_size=1,
+        dp_group=None,
+        update_tokens=cfg.update_token_budget,
+    )
 
 
 def _update_grads(policy, parts, cb, old, adv):

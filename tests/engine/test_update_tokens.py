@@ -136,7 +136,14 @@ def test_config_budget_rule():
 def _update(policy, cb, old, adv, **over):
     """(ppo_update's metrics, the gradients of each optimiser step), the step itself replaced."""
     cfg = load_config(TINY, [f"{k}={v}" for k, v in over.items()])
-    parts = SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=1, dp_group=None)
+    parts = SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        device=torch.device("cpu"),
+        world_size=1,
+        dp_group=None,
+        update_tokens=cfg.update_token_budget,
+    )
     params = [p for p in policy.model.parameters() if p.requires_grad]
     policy.zero_grad()
     steps = []

@@ -99,7 +99,14 @@ def test_packing_trial_takes_one_choice_on_every_rank(monkeypatch):
 
         monkeypatch.setattr(packing_trial, "clock", clock)
         old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
-        parts = SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), world_size=2, dp_group=None)
+        parts = SimpleNamespace(
+            cfg=cfg,
+            policy=policy,
+            device=torch.device("cpu"),
+            world_size=2,
+            dp_group=None,
+            update_tokens=cfg.update_token_budget,
+        )
         steps = []
 
         def capture(max_norm, policy=policy, steps=steps):  # the all-reduced gradients of each optimiser step
