@@ -1,5 +1,5 @@
-"""Kernels of the rescoring path: fused log-prob gathering, sibling top-K with profiles,
-adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch CPU path and a plain
+"""Kernels of the rescoring path: the LM head (``head/``: fused log-prob gathering and the fused head loss),
+sibling top-K with profiles, adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch CPU path and a plain
 torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere,
 ``impl="triton"|"torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1``).
 The algorithm core calls these kernels itself for CUDA inputs (:func:`core_uses_kernels`). The routing
@@ -13,7 +13,15 @@ from alignopsd.kernels._dispatch import (
     interpret_mode,
     resolve_impl,
 )
-from alignopsd.kernels.fused_loss import FusedTokenLoss, fused_token_loss, logprob_loss_and_grad
+from alignopsd.kernels.head import (
+    FusedTokenLoss,
+    fused_token_loss,
+    logprob,
+    logprob_loss_and_grad,
+    logprob_ref,
+    logprob_rescore,
+    logprob_vocab_parallel,
+)
 from alignopsd.kernels.jsd_boundary import (
     DISTANCES,
     batch_threshold,
@@ -21,7 +29,6 @@ from alignopsd.kernels.jsd_boundary import (
     boundary_scores_blocks,
     boundary_scores_rows,
 )
-from alignopsd.kernels.logprob import logprob, logprob_ref, logprob_rescore, logprob_vocab_parallel
 from alignopsd.kernels.profiles import ProfileRows, profile_rows, profiles_blocks
 from alignopsd.kernels.sibling_topk import (
     SiblingTopK,

@@ -1,6 +1,6 @@
 """Which custom CPU path a process takes: the faster one, measured on this CPU, dtype and shape, not a CPU flag.
 
-The C++ kernels (the LM head's bf16 partials, ``lse_native.py``; the shared-prefix prefill attention,
+The C++ kernels (the LM head's bf16 partials, ``head/cpu_partials.py``; the shared-prefix prefill attention,
 ``attention_native.py``) run on any x86 CPU with AVX512-BF16, but being able to run is not being faster: on a Xeon with
 AMX, torch's own paths reach more than the head kernel (torch's fp32 matmul 270 GFLOP/s, the kernel 211, on
 ``[3800, 576] x [49152, 576]``). So each kernel is taken only where it was measured faster than the torch path it
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-HEAD = "head partials"  # kernels/lse_native.py against lse_partials.torch_partials
+HEAD = "head partials"  # kernels/head/cpu_partials.py against head/torch_tiles.torch_partials
 HEAD_GEMM = "head GEMMs"  # kernels/bf16_gemm.py: bf16 operands, fp32 results, against fp32 tiles of upcast weights
 ATTENTION = "prefix attention"  # kernels/attention_native.py against decode_cache's gathered sdpa
 KERNELS = (HEAD, HEAD_GEMM, ATTENTION)

@@ -1,8 +1,9 @@
-"""The LM head's forward partials in C++ for bf16 hidden states and weights on x86 CPUs with AVX512-BF16.
+"""The LM head's forward partials on the CPU: the C++ bf16 kernel where it applies and was measured faster, else the
+torch tiles.
 
 Legend: N = tokens, H = hidden size, V = vocabulary size (or the local shard's size).
 
-torch's CPU matmul has no bf16-input / fp32-output kernel, so the torch path (``lse_partials.torch_partials``)
+torch's CPU matmul has no bf16-input / fp32-output kernel, so the torch path (``torch_tiles.torch_partials``)
 upcasts each weight chunk and multiplies in fp32, at about a third of the CPU's bf16 GEMM rate; rounding the
 logits to bf16 instead would move the log-probs. ``alignopsd._C.head_partials_bf16`` (csrc/lm_head_bf16.cpp)
 multiplies the bf16 values with ``vdpbf16ps`` (every product exact in fp32, fp32 accumulation), never stores the
@@ -10,15 +11,18 @@ multiplies the bf16 values with ``vdpbf16ps`` (every product exact in fp32, fp32
 reassociation (tests/kernels/test_lse_native.py). On a 2-core AVX512-BF16 CPU, [3800, 576] x [49152, 576]:
 ~410 GFLOP/s against ~125 for the torch path.
 
-``lse_partials.cpu_partials``, the CPU forward of the fused log-prob (``logprob.py``), takes this path when
+:func:`cpu_partials`, the CPU forward of the fused log-prob (``logprob.py``), takes this path when
 :func:`native_applies` and the kernel was measured faster than the torch path on this CPU, dtype and shape
-(``native_choice.py``: on a Xeon with AMX it is not), and the torch path otherwise.
+(:func:`measure_head`, ``native_choice.HEAD``: on a Xeon with AMX it is not), and the torch path otherwise.
 """
 
 from __future__ import annotations
 
 import torch
-from alignopsd.kernels.bf16_gemm import bf16_cpu_head
+from alignopsd.kernels.cpp import elements_from, native_ready, why_not_ready
+from alignopsd.kernels.head.bf16_gemm import bf16_cpu_head
+from alignopsd.kernels.head.torch_tiles import torch_partials
+from alignopsd.kernels.native_choice import HEAD, KernelChoice, measure, takes_native
 from torch import Tensor
 
 try:  # the C++ extension is optional (a build without a compiler falls back to the torch path)
@@ -26,45 +30,43 @@ try:  # the C++ extension is optional (a build without a compiler falls back to 
 except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
-__all__ = ["elements_from", "native_applies", "native_partials", "native_ready", "why_not_ready"]
-
-_READY: bool | None = None
+__all__ = ["cpu_partials", "measure_head", "native_applies", "native_partials"]
 
 
-def native_ready() -> bool:
-    """Whether the bf16 kernels (head, attention) can run in this process: the extension was built with them,
-    the CPU has AVX512-BF16 (checked by the extension with cpuid) and torch's own CPU code runs at AVX512 (so
-    ``ATEN_CPU_CAPABILITY=avx2``, which makes torch behave like an AVX2-only CPU, turns it off too)."""
-    global _READY
-    if _READY is None:
-        _READY = bool(
-            _C is not None
-            and hasattr(_C, "attention_prefix_bf16")  # a build older than both kernels: torch paths
-            and _C.has_avx512_bf16()
-            and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        )
-    return _READY
+def cpu_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
+    """The forward partials on the CPU: the C++ bf16 kernel (bf16 products, fp32 accumulation) when
+    :func:`native_applies` and it was measured faster than the torch path in this process (measured now, on these
+    operands, if nothing was: :func:`measure_head`), else ``torch_tiles.torch_partials`` (fp32 products of upcast
+    tiles)."""
+    if native_applies(h_NH, w_VH, b_V) and takes_native(
+        HEAD, lambda: measure_head(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
+    ):
+        return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start, need_u=need_u)
+    return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=need_u)
 
 
-def why_not_ready() -> str:
-    """Why the bf16 kernels cannot run in this process ("" when :func:`native_ready`), for the run's log."""
-    if native_ready():
-        return ""
-    if _C is None or not hasattr(_C, "attention_prefix_bf16"):
-        return "the C++ extension was built without the bf16 kernels"
-    if not _C.has_avx512_bf16():
-        return "this CPU has no AVX512-BF16"
-    return f"torch's CPU code runs at {torch.backends.cpu.get_cpu_capability()}, below AVX512"
+def measure_head(h_NH, w_VH, b_V, t_N, inv_t=1.0, vocab_start=0, *, timer=None) -> KernelChoice:
+    """Time the C++ head kernel and ``torch_tiles.torch_partials`` on these operands and record which
+    :func:`cpu_partials` takes (``native_choice.measure``; ``timer`` replaces its clock). Operands the kernel cannot
+    take, or a process where it cannot run, record the torch path with the reason."""
+    n, hid, v = h_NH.shape[0], h_NH.shape[1], w_VH.shape[0]
+    shape = f"[{n}, {hid}] x [{v}, {hid}] {str(h_NH.dtype).removeprefix('torch.')}"
 
+    def torch_path():
+        return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
 
-def elements_from(t: Tensor) -> int:
-    """The elements of ``t``'s storage from its first element on: all a kernel handed ``t.data_ptr()`` may touch
-    (the C++ boundary checks the sizes and strides it is given against it)."""
-    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    native = None
+    if native_applies(h_NH, w_VH, b_V):
+
+        def native():
+            return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start)
+
+    why = why_not_ready() or "the operands are not bf16 CPU tensors of an even hidden size without a bias"
+    return measure(HEAD, native, torch_path, shape, flops=2.0 * n * hid * v, why=why, timer=timer)
 
 
 def native_applies(h_NH: Tensor, w_VH: Tensor, b_V: Tensor | None) -> bool:
-    """Whether ``lse_partials.cpu_partials`` takes the C++ path for these operands: bf16 CPU hidden states and
+    """Whether :func:`cpu_partials` may take the C++ path for these operands: bf16 CPU hidden states and
     weight of an even hidden size, no bias, and :func:`native_ready`."""
     return bf16_cpu_head(h_NH, w_VH, b_V) and h_NH.shape[-1] % 2 == 0 and native_ready()
 

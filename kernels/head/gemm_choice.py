@@ -4,14 +4,14 @@ Legend: N = tokens, H = hidden size, V = vocabulary size, n = tokens of one chun
 the three GEMMs of one chunk of the fused loss (:func:`chunk_gemms`: the logits tile and the hidden and weight
 gradients, ``fused_chunk``'s own calls) on bf16 operands against fp32 tiles and records the faster as
 ``native_choice.HEAD_GEMM``; :func:`takes_bf16_gemm` is what the head's torch paths (``fused_loss``,
-``lse_partials``) ask, measuring on first use when nothing was recorded.
+``torch_tiles``) ask, measuring on first use when nothing was recorded.
 """
 
 from __future__ import annotations
 
 import torch
-from alignopsd.kernels.bf16_gemm import gemm_applies, why_no_gemm
-from alignopsd.kernels.fused_chunk import accumulate_grads, fill_logits
+from alignopsd.kernels.head.bf16_gemm import gemm_applies, why_no_gemm
+from alignopsd.kernels.head.fused_chunk import accumulate_grads, fill_logits
 from alignopsd.kernels.native_choice import HEAD_GEMM, KernelChoice, measure, takes_native
 from torch import Tensor
 

@@ -13,7 +13,8 @@ import math
 
 import torch
 from alignopsd.kernels._dispatch import HAS_TRITON, dot_precision, launch_reference, upcast_dots
-from alignopsd.kernels.lse_partials import combine_splits, torch_backward, torch_partials
+from alignopsd.kernels.head.partials import combine_splits
+from alignopsd.kernels.head.torch_tiles import torch_backward, torch_partials
 from alignopsd.kernels.tuning import arch_of, default_config, launch_tuned, max_meta
 from torch import Tensor
 

@@ -33,15 +33,15 @@ Paths
   vocabulary tiles) with fp32 atomic adds into d hidden / d W / d bias (not bitwise deterministic).
   Operands go to ``tl.dot`` in their own dtype with fp32 accumulation (exact fp32 for fp32
   inputs, like torch's default matmul); in interpreter mode they are cast to fp32 first.
-- torch (CPU default, in ``lse_partials.py``): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x
+- torch (CPU default, in ``torch_tiles.py``): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x
   ``_vocab_chunk(...)`` vocabulary entries, vocabulary outermost so every weight chunk is read (and, for bf16,
   upcast) once per sweep; peak extra memory is a few chunk-sized fp32 tiles. Its forward, for bf16 hidden
-  states and weight without a bias on a CPU with AVX512-BF16, runs in C++ instead (``lse_native.py``,
+  states and weight without a bias on a CPU with AVX512-BF16, runs in C++ instead (``cpu_partials.py``,
   csrc/lm_head_bf16.cpp: bf16 products with fp32 accumulation, ~3x the fp32 tiles' rate); the backward stays here.
 - ``logprob_ref``: plain fp32 torch (materialises the logits), the test oracle.
 
 Tuning constants. Torch path: tiles of up to 512 rows and clamp(N V / 32, 2^18, 2^21) fp32
-elements (1-8 MiB), see ``lse_partials._vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v]
+elements (1-8 MiB), see ``torch_tiles._vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v]
 ran at 8-15 GFLOP/s for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
 gained nothing measurable and cost memory, smaller ones lost up to 2x.
 Triton: the configurations per GPU architecture, their autotuning and their roofline bounds are in
@@ -56,16 +56,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from alignopsd.kernels._dispatch import resolve_impl
-from alignopsd.kernels.fused_chunk import all_reduce_partials
-from alignopsd.kernels.logprob_triton import triton_backward, triton_partials
-from alignopsd.kernels.lse_partials import (
-    check_lm_head_inputs,
-    check_target_range,
-    cpu_partials,
-    finish_partials,
-    torch_backward,
-    torch_partials,
-)
+from alignopsd.kernels.head.checks import check_lm_head_inputs, check_target_range
+from alignopsd.kernels.head.cpu_partials import cpu_partials
+from alignopsd.kernels.head.logprob_triton import triton_backward, triton_partials
+from alignopsd.kernels.head.partials import all_reduce_partials, finish_partials
+from alignopsd.kernels.head.torch_tiles import torch_backward, torch_partials
 from torch import Tensor
 
 __all__ = [
