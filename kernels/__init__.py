@@ -1,14 +1,16 @@
 """Kernels of the rescoring path: the LM head (``head/``: fused log-prob gathering and the fused head loss),
 sibling top-K with profiles, adjacent JSD boundaries. Each has a Triton kernel (CUDA), a torch CPU path and a plain
-torch reference; ``impl="auto"`` picks Triton on CUDA and the CPU path elsewhere,
-``impl="triton"|"torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1``).
-The algorithm core calls these kernels itself for CUDA inputs (:func:`core_uses_kernels`). The routing
+torch reference; one rule routes every call (:func:`resolve_impl`): ``impl="auto"`` picks Triton on CUDA and the
+CPU path elsewhere (a C++ one where it applies and was measured faster), ``impl="triton"|"torch"|"cpp"`` forces one
+(Triton on CPU tensors needs ``TRITON_INTERPRET=1``). The algorithm core calls these kernels itself for CUDA inputs
+(:func:`core_uses_kernels`). The routing
 switches that tests and checks use (``force_kernels``, ``torch_paths_only``, ``launches_on_host``) are
 exported by ``alignopsd.testing``, not here.
 """
 
 from alignopsd.kernels._dispatch import (
     HAS_TRITON,
+    NativePath,
     core_uses_kernels,
     interpret_mode,
     resolve_impl,
@@ -41,6 +43,7 @@ __all__ = [
     "DISTANCES",
     "FusedTokenLoss",
     "HAS_TRITON",
+    "NativePath",
     "ProfileRows",
     "SiblingTopK",
     "batch_threshold",

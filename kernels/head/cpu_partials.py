@@ -11,18 +11,21 @@ multiplies the bf16 values with ``vdpbf16ps`` (every product exact in fp32, fp32
 reassociation (tests/kernels/test_lse_native.py). On a 2-core AVX512-BF16 CPU, [3800, 576] x [49152, 576]:
 ~410 GFLOP/s against ~125 for the torch path.
 
-:func:`cpu_partials`, the CPU forward of the fused log-prob (``logprob.py``), takes this path when
+The CPU forward of the fused log-prob (``logprob.py``, :func:`cpu_partials`) takes this path where the kernels'
+routing says so (``_dispatch.resolve_impl`` with :func:`head_native`): under ``impl="auto"``, when
 :func:`native_applies` and the kernel was measured faster than the torch path on this CPU, dtype and shape
-(:func:`measure_head`, ``native_choice.HEAD``: on a Xeon with AMX it is not), and the torch path otherwise.
+(:func:`measure_head`, ``native_choice.HEAD``: on a Xeon with AMX it is not); under ``impl="cpp"`` wherever it
+applies; the torch path otherwise.
 """
 
 from __future__ import annotations
 
 import torch
+from alignopsd.kernels._dispatch import NativePath
 from alignopsd.kernels.cpp import elements_from, native_ready, why_not_ready
 from alignopsd.kernels.head.bf16_gemm import bf16_cpu_head
 from alignopsd.kernels.head.torch_tiles import torch_partials
-from alignopsd.kernels.native_choice import HEAD, KernelChoice, measure, takes_native
+from alignopsd.kernels.native_choice import HEAD, KernelChoice, measure
 from torch import Tensor
 
 try:  # the C++ extension is optional (a build without a compiler falls back to the torch path)
@@ -30,25 +33,35 @@ try:  # the C++ extension is optional (a build without a compiler falls back to 
 except ImportError:  # pragma: no cover - depends on the build
     _C = None
 
-__all__ = ["cpu_partials", "measure_head", "native_applies", "native_partials"]
+__all__ = ["cpu_partials", "head_native", "measure_head", "native_applies", "native_partials"]
 
 
-def cpu_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
-    """The forward partials on the CPU: the C++ bf16 kernel (bf16 products, fp32 accumulation) when
-    :func:`native_applies` and it was measured faster than the torch path in this process (measured now, on these
-    operands, if nothing was: :func:`measure_head`), else ``torch_tiles.torch_partials`` (fp32 products of upcast
-    tiles)."""
-    if native_applies(h_NH, w_VH, b_V) and takes_native(
-        HEAD, lambda: measure_head(h_NH, w_VH, b_V, t_N, inv_t, vocab_start)
-    ):
+def head_native(h_NH, w_VH, b_V, t_N, inv_t, vocab_start) -> NativePath:
+    """The C++ forward as the routing sees it for these operands (``_dispatch.resolve_impl``): it applies where
+    :func:`native_applies`, and ``"auto"`` takes it where the measured choice ``native_choice.HEAD`` says it is faster
+    (measured on these operands by :func:`measure_head` when nothing was recorded)."""
+    why = why_not_ready() or "the operands are not bf16 CPU tensors of an even hidden size without a bias"
+    return NativePath(
+        native_applies(h_NH, w_VH, b_V),
+        HEAD,
+        lambda: measure_head(h_NH, w_VH, b_V, t_N, inv_t, vocab_start),
+        why,
+    )
+
+
+def cpu_partials(path, h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=True):
+    """The forward partials on the CPU path the routing resolved for them (``"cpp"``: the C++ bf16 kernel, bf16
+    products with fp32 accumulation; ``"torch"``: ``torch_tiles.torch_partials``, fp32 products of upcast tiles)."""
+    if path == "cpp":
         return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start, need_u=need_u)
     return torch_partials(h_NH, w_VH, b_V, t_N, inv_t, vocab_start, need_u=need_u)
 
 
+@torch.no_grad()
 def measure_head(h_NH, w_VH, b_V, t_N, inv_t=1.0, vocab_start=0, *, timer=None) -> KernelChoice:
-    """Time the C++ head kernel and ``torch_tiles.torch_partials`` on these operands and record which
-    :func:`cpu_partials` takes (``native_choice.measure``; ``timer`` replaces its clock). Operands the kernel cannot
-    take, or a process where it cannot run, record the torch path with the reason."""
+    """Time the C++ head kernel and ``torch_tiles.torch_partials`` on these operands and record which the CPU forward
+    takes (``native_choice.measure``; ``timer`` replaces its clock). Operands the kernel cannot take, or a process
+    where it cannot run, record the torch path with the reason."""
     n, hid, v = h_NH.shape[0], h_NH.shape[1], w_VH.shape[0]
     shape = f"[{n}, {hid}] x [{v}, {hid}] {str(h_NH.dtype).removeprefix('torch.')}"
 
