@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,12 +51,17 @@ IMPLS = ("auto", "triton", "torch", "cpp")
 _JIT_CACHE: dict[tuple[Callable, bool], Any] = {}
 
 
+# (kernel function, its positional arguments, its keyword arguments) -> None when served, else (args, kwargs)
+HostLaunch = Callable[[Callable, tuple, dict], tuple[tuple, dict] | None]
+
+
 @dataclass
 class Routing:
-    """The routing state of the process, changed only by ``alignopsd.testing``'s switches (nesting depths)."""
+    """The routing state of the process, changed only by ``alignopsd.testing``'s switches (each nests)."""
 
     forced: int = 0  # force_kernels(): the core treats CPU tensors as kernel devices (Triton interpreter)
     torch_only: int = 0  # torch_paths_only(): "auto" never picks Triton, not even for CUDA tensors
+    host_launch: list[HostLaunch] = field(default_factory=list)  # launches_on_host(): the host serves launches
 
 
 ROUTING = Routing()
@@ -135,39 +140,6 @@ def resolve_impl(impl: str, *tensors: torch.Tensor | None, native: NativePath | 
     return "cpp" if native is not None and native.chosen() else "torch"
 
 
-@contextmanager
-def force_kernels() -> Iterator[None]:
-    """Within the block, the algorithm core treats CPU tensors as kernel-eligible (process-wide).
-
-    Normally only CUDA tensors go from the core to the Triton kernels; inside ``with force_kernels():``
-    CPU tensors do too, and the kernels run in the Triton interpreter. For tests only: it requires
-    ``TRITON_INTERPRET=1`` when entered (RuntimeError otherwise), nests, and is not thread-local.
-    """
-    if not HAS_TRITON:
-        raise RuntimeError("force_kernels: triton is not importable")
-    if not interpret_mode():
-        raise RuntimeError("force_kernels: needs the Triton interpreter on CPU; set TRITON_INTERPRET=1 first")
-    ROUTING.forced += 1
-    try:
-        yield
-    finally:
-        ROUTING.forced -= 1
-
-
-@contextmanager
-def torch_paths_only() -> Iterator[None]:
-    """Within the block, ``impl="auto"`` and the core's kernel routing pick the torch paths even for CUDA tensors.
-
-    For a CUDA device that cannot launch kernels (the test suite's fake CUDA device, tests/engine/fake_cuda.py: CUDA
-    metadata over CPU memory). Nests; process-wide, not thread-local.
-    """
-    ROUTING.torch_only += 1
-    try:
-        yield
-    finally:
-        ROUTING.torch_only -= 1
-
-
 def core_uses_kernels(*tensors: torch.Tensor | None) -> bool:
     """Whether the algorithm core runs on the Triton kernels for these tensors (it then calls the kernel entries
     with ``impl="triton"``): :func:`resolve_impl` of ``"auto"`` for the core. True when triton is importable and
@@ -231,50 +203,15 @@ def _interpreter_stdlib() -> Iterator[None]:
             setattr(mod, name, val)
 
 
-_HOST_LAUNCHES: list[tuple[Callable[[Any], Any], Callable[[str], None] | None]] = []  # see launches_on_host
-_LAUNCH_REFERENCES: dict[Callable, Callable] = {}  # kernel -> torch function with its arguments and writes
-
-
-def launch_reference(kernel: Callable) -> Callable[[Callable], Callable]:
-    """Decorator: the decorated torch function is ``kernel``'s launch reference (same arguments, same writes), for
-    :func:`launches_on_host` where the Triton interpreter is too slow for the shapes."""
-
-    def register(ref: Callable) -> Callable:
-        _LAUNCH_REFERENCES[kernel] = ref
-        return ref
-
-    return register
-
-
-@contextmanager
-def launches_on_host(args_map: Callable[[Any], Any], note: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Within the block, every :func:`launch` passes each argument through ``args_map`` and runs on the host: a
-    kernel with a :func:`launch_reference` runs that, any other runs in the Triton interpreter.
-
-    For a device whose launches the host serves: the test suite's fake CUDA device (tests/engine/fake_cuda.py: CUDA
-    metadata over CPU memory) maps its fake CUDA tensors to the CPU tensors behind them, so the launch writes the
-    memory the caller sees.
-    ``note(kernel name)`` is called at each launch. Nests (the innermost applies); process-wide."""
-    entry = (args_map, note)
-    _HOST_LAUNCHES.append(entry)
-    try:
-        yield
-    finally:
-        _HOST_LAUNCHES.remove(entry)
-
-
 def launch(fn: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch kernel ``fn`` (a plain function, see :func:`jit`) on ``grid``."""
-    if _HOST_LAUNCHES:
-        amap, note = _HOST_LAUNCHES[-1]
-        if note is not None:
-            note(fn.__name__)
-        args = tuple(map(amap, args))
-        kwargs = {k: amap(v) for k, v in kwargs.items()}
-        ref = _LAUNCH_REFERENCES.get(fn)
-        if ref is not None:
-            ref(*args, **kwargs)
+    """Launch kernel ``fn`` (a plain function, see :func:`jit`) on ``grid``; where the host serves launches
+    (:attr:`Routing.host_launch`), the innermost server first: it runs the launch itself, or hands back the
+    arguments the Triton interpreter launches with."""
+    if ROUTING.host_launch:
+        served = ROUTING.host_launch[-1](fn, args, kwargs)
+        if served is None:
             return
+        args, kwargs = served
     kernel = jit(fn)
     with _interpreter_stdlib():
         kernel[grid](*args, **kwargs)
