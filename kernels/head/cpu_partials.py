@@ -35,12 +35,14 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = ["cpu_partials", "head_native", "measure_head", "native_applies", "native_partials"]
 
+_NOT_APPLIED = "the operands are not bf16 CPU tensors of an even hidden size without a bias"
+
 
 def head_native(h_NH, w_VH, b_V, t_N, inv_t, vocab_start) -> NativePath:
     """The C++ forward as the routing sees it for these operands (``_dispatch.resolve_impl``): it applies where
     :func:`native_applies`, and ``"auto"`` takes it where the measured choice ``native_choice.HEAD`` says it is faster
     (measured on these operands by :func:`measure_head` when nothing was recorded)."""
-    why = why_not_ready() or "the operands are not bf16 CPU tensors of an even hidden size without a bias"
+    why = why_not_ready() or _NOT_APPLIED
     return NativePath(
         native_applies(h_NH, w_VH, b_V),
         HEAD,
@@ -74,7 +76,7 @@ def measure_head(h_NH, w_VH, b_V, t_N, inv_t=1.0, vocab_start=0, *, timer=None) 
         def native():
             return native_partials(h_NH, w_VH, t_N, inv_t, vocab_start)
 
-    why = why_not_ready() or "the operands are not bf16 CPU tensors of an even hidden size without a bias"
+    why = why_not_ready() or _NOT_APPLIED
     return measure(HEAD, native, torch_path, shape, flops=2.0 * n * hid * v, why=why, timer=timer)
 
 

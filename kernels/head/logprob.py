@@ -48,7 +48,7 @@ elements (1-8 MiB), see ``torch_tiles._vocab_chunk``. On a 2-core x86 CPU, fp32 
 ran at 8-15 GFLOP/s for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
 gained nothing measurable and cost memory, smaller ones lost up to 2x.
 Triton: the configurations per GPU architecture, their autotuning and their roofline bounds are in
-``../tuning.py``; ``python -m bench.kernel_compile`` checks that none spills registers on sm_80 / sm_90.
+``kernels/tuning.py``; ``python -m bench.kernel_compile`` checks that none spills registers on sm_80 / sm_90.
 
 Vocab-parallel (tensor parallel over the vocabulary, Megatron's
 ``vocab_parallel_cross_entropy`` convention): see :func:`logprob_vocab_parallel`.

@@ -4,7 +4,7 @@ forward kernel (partial online-logsumexp statistics per row tile and vocabulary 
 
 Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the local shard's size), S = vocabulary
 splits of the forward grid. Launch configurations per GPU architecture, autotuning and roofline bounds:
-``tuning.py``.
+``kernels/tuning.py``.
 """
 
 from __future__ import annotations
