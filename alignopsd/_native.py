@@ -1,8 +1,9 @@
-"""Access to the compiled C++ paths (``alignopsd._C``) and the ``impl`` switch.
+"""Access to the compiled C++ paths (``alignopsd._C``) and the ``impl`` switch of segmentation and projection.
 
-``impl="auto"`` uses the C++ extension when it was built and the Python path otherwise; the first
-time the extension is found missing, one warning says so (``warnings`` + ``logging``).
-``impl="cpp"`` without the extension raises ``ValueError``; ``impl="python"`` always works.
+``impl="auto"`` uses the C++ extension when it was built and the Python path otherwise (the kernels' one routing
+rule, ``alignopsd.kernels.resolve_impl``); the first time the extension is found missing, one warning says so
+(``warnings`` + ``logging``). ``impl="cpp"`` without the extension raises ``ValueError``; ``impl="python"`` always
+works.
 Both paths give bit-identical results (tests/alignopsd/test_native.py).
 """
 
@@ -11,6 +12,9 @@ from __future__ import annotations
 import logging
 import warnings
 from types import ModuleType
+
+from alignopsd.kernels import NativePath
+from alignopsd.kernels import resolve_impl as route
 
 __all__ = ["IMPLS", "native", "resolve_impl"]
 
@@ -31,11 +35,15 @@ except ImportError as exc:  # pragma: no cover - depends on the build
 def native() -> ModuleType:
     """The C++ extension module (``ValueError`` if it is missing)."""
     if _ext is None:
-        raise ValueError(
-            f"impl: 'cpp' requested but the C++ extension alignopsd._C is not built ({_import_error}); "
-            "rebuild with `pip install -e . --no-deps --no-build-isolation` or use impl='python'"
-        )
+        raise ValueError(f"impl: 'cpp' requested but {_missing()}")
     return _ext
+
+
+def _missing() -> str:
+    return (
+        f"the C++ extension alignopsd._C is not built ({_import_error}); "
+        "rebuild with `pip install -e . --no-deps --no-build-isolation` or use impl='python'"
+    )
 
 
 def _warn_once() -> None:
@@ -52,15 +60,12 @@ def _warn_once() -> None:
 
 
 def resolve_impl(impl: str, name: str = "impl") -> str:
-    """Map ``"auto" | "python" | "cpp"`` to ``"python"`` or ``"cpp"``."""
+    """Map ``"auto" | "python" | "cpp"`` to ``"python"`` or ``"cpp"``: the kernels' routing rule
+    (``alignopsd.kernels.resolve_impl``) with the extension as the custom CPU path, taken wherever it was built
+    (bit-identical to the Python path, so nothing is measured); ``"python"`` is that rule's ``"torch"``."""
     if impl not in IMPLS:
         raise ValueError(f"{name}: unknown value {impl!r}; allowed: 'auto', 'python', 'cpp'")
-    if impl == "cpp":
-        native()
-        return "cpp"
-    if impl == "python":
-        return "python"
-    if _ext is None:
+    got = route("torch" if impl == "python" else impl, native=NativePath(_ext is not None, why=_missing()))
+    if impl == "auto" and got == "torch":
         _warn_once()
-        return "python"
-    return "cpp"
+    return "python" if got == "torch" else got

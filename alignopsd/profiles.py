@@ -32,10 +32,9 @@ from alignopsd._checks import (
     check_real,
     check_square,
 )
-from alignopsd._kernels import use_kernels
 from alignopsd.advantage import TurnIndex, build_turn_index
 from alignopsd.credit_config import CreditConfig, WholeBatch
-from alignopsd.kernels import batch_threshold, boundary_scores_rows, profile_rows, profiles_blocks
+from alignopsd.kernels import batch_threshold, boundary_scores_rows, core_uses_kernels, profile_rows, profiles_blocks
 from alignopsd.kernels import boundary_scores as kernel_boundary_scores
 from alignopsd.kernels.blocks import blocks_from_order, packed_rows
 from alignopsd.metrics import Metrics
@@ -56,7 +55,7 @@ NEAR_ZERO_DISTANCE = 1e-6  # a valid distance at or below this counts in m2/near
 
 def _impl(*tensors: Tensor) -> str:
     """The kernels' Triton path for CUDA tensors (or under ``force_kernels``), else their torch path."""
-    return "triton" if use_kernels(*tensors) else "torch"
+    return "triton" if core_uses_kernels(*tensors) else "torch"
 
 
 def correspondence_profiles(

@@ -25,7 +25,7 @@ from alignopsd._checks import (
     check_turn_matrix,
     check_turn_vector,
 )
-from alignopsd._kernels import use_kernels
+from alignopsd.kernels import core_uses_kernels
 from alignopsd.kernels.sibling_topk import sibling_topk_from_similarity
 
 __all__ = ["eligibility", "pairs_from_selection", "select_sources", "similarity_matrix"]
@@ -114,7 +114,7 @@ def select_sources(
         gamma=gamma,
         top_k=top_k,
         profiles=False,
-        impl="triton" if use_kernels(H_ST, B_ST) else "torch",
+        impl="triton" if core_uses_kernels(H_ST, B_ST) else "torch",
     )
     return res.selected_lists()
 

@@ -7,13 +7,14 @@
   Segmentation and box projection are sequential by nature: the references call the Python implementations of
   ``alignopsd.credit`` (which the C++ path matches bit for bit). Mechanism 1's oracles are the test suite's own
   (tests/m1_oracle.py).
-* The kernels' routing switches (their state is the kernels' dispatch, ``alignopsd.kernels._dispatch``; all are
-  process-wide context managers that nest and are not thread-local):
+* The kernels' routing switches (their state is the kernels' dispatch, ``alignopsd.kernels._dispatch.ROUTING``, which
+  its routing rule and its launches read; all are process-wide context managers that nest and are not thread-local):
   :func:`force_kernels` (the algorithm core treats CPU tensors as it treats CUDA ones and runs the Triton kernels in
   the interpreter; needs ``TRITON_INTERPRET=1``), :func:`torch_paths_only` (``impl="auto"`` and the core's routing
   pick the torch paths even for CUDA tensors: a CUDA device that cannot launch kernels) and
   :func:`launches_on_host` (every kernel launch runs on the host, on its arguments mapped by a function: a fake CUDA
-  device over CPU memory, as the test suite's tests/engine/fake_cuda.py).
+  device over CPU memory, as the test suite's tests/engine/fake_cuda.py), with the LM head's kernels served by their
+  torch paths (:data:`LAUNCH_REFERENCES`) where the interpreter would be too slow.
 * The custom CPU kernels' measured choice (``alignopsd.kernels.native_choice``): :func:`record_kernel_choice` sets the
   choice a test wants (a :class:`KernelChoice` of injected times), :func:`forget_kernel_choices` drops them all so the
   next use measures again.
@@ -24,13 +25,18 @@ Legend: M = canonical turns, L = response length.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from alignopsd.credit_config import CreditConfig
-from alignopsd.kernels._dispatch import force_kernels, launches_on_host, torch_paths_only
+from alignopsd.kernels import HAS_TRITON, interpret_mode
+from alignopsd.kernels._dispatch import ROUTING
+from alignopsd.kernels.head.torch_tiles import torch_backward, torch_partials
 from alignopsd.kernels.native_choice import KernelChoice
 from alignopsd.kernels.native_choice import forget as forget_kernel_choices
 from alignopsd.kernels.native_choice import record as record_kernel_choice
@@ -41,6 +47,7 @@ __all__ = [
     "KernelChoice",
     "forget_kernel_choices",
     "record_kernel_choice",
+    "LAUNCH_REFERENCES",
     "force_kernels",
     "launches_on_host",
     "torch_paths_only",
@@ -52,6 +59,101 @@ __all__ = [
     "allocate_credit_ref",
     "CreditRef",
 ]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the kernels' routing switches
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def force_kernels() -> Iterator[None]:
+    """Within the block, the algorithm core treats CPU tensors as kernel-eligible (process-wide).
+
+    Normally only CUDA tensors go from the core to the Triton kernels; inside ``with force_kernels():``
+    CPU tensors do too, and the kernels run in the Triton interpreter. It requires ``TRITON_INTERPRET=1`` when
+    entered (RuntimeError otherwise), nests, and is not thread-local.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("force_kernels: triton is not importable")
+    if not interpret_mode():
+        raise RuntimeError("force_kernels: needs the Triton interpreter on CPU; set TRITON_INTERPRET=1 first")
+    ROUTING.forced += 1
+    try:
+        yield
+    finally:
+        ROUTING.forced -= 1
+
+
+@contextmanager
+def torch_paths_only() -> Iterator[None]:
+    """Within the block, ``impl="auto"`` and the core's kernel routing pick the torch paths even for CUDA tensors.
+
+    For a CUDA device that cannot launch kernels (the test suite's fake CUDA device, tests/engine/fake_cuda.py: CUDA
+    metadata over CPU memory). Nests; process-wide, not thread-local.
+    """
+    ROUTING.torch_only += 1
+    try:
+        yield
+    finally:
+        ROUTING.torch_only -= 1
+
+
+def _lp_fwd_reference(h, w, b, t, m, s, u, tz, N, V, H, shn, swv, inv_t, vocab_start, v_per_split, *, HAS_BIAS, **_):
+    """The log-prob forward kernel's writes: partials (m, s, u, tz) of every row over each vocabulary split
+    ``[k * v_per_split, ...)``, into row k, by the torch tiles."""
+    for k, v0 in enumerate(range(0, V, v_per_split)):
+        v1 = min(V, v0 + v_per_split)
+        parts = torch_partials(h, w[v0:v1], b[v0:v1] if HAS_BIAS else None, t, inv_t, vocab_start + v0)
+        for out, part in zip((m, s, u, tz), parts):
+            out[k].copy_(part)
+
+
+def _lp_bwd_reference(*args, HAS_BIAS, HAS_GENT, NEED_H, NEED_W, NEED_B, **_) -> None:
+    """The log-prob backward kernel's writes: the gradients added into ``dh``/``dw``/``db`` (the kernel adds them
+    atomically into zeroed buffers), by the torch tiles."""
+    h, w, b, t, lse, ent, glp, gent, dh, dw, db, _n, _v, _h, _shn, _swv, inv_t, vocab_start = args
+    bias, g_ent = (b if HAS_BIAS else None), (gent if HAS_GENT else None)
+    grads = torch_backward(h, w, bias, t, inv_t, vocab_start, lse, ent, glp, g_ent, NEED_H, NEED_W, NEED_B)
+    for buf, g in zip((dh, dw, db), grads):
+        if g is not None:
+            buf.add_(g)
+
+
+# kernel name -> a torch function with the kernel's arguments and writes, run by launches_on_host instead of the
+# Triton interpreter (too slow for the LM head's shapes)
+LAUNCH_REFERENCES: dict[str, Callable[..., None]] = {
+    "_lp_fwd_kernel": _lp_fwd_reference,
+    "_lp_bwd_kernel": _lp_bwd_reference,
+}
+
+
+@contextmanager
+def launches_on_host(args_map: Callable[[Any], Any], note: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Within the block, every kernel launch passes each argument through ``args_map`` and runs on the host: a
+    kernel with a :data:`LAUNCH_REFERENCES` entry runs that, any other runs in the Triton interpreter.
+
+    For a device whose launches the host serves: the test suite's fake CUDA device (tests/engine/fake_cuda.py: CUDA
+    metadata over CPU memory) maps its fake CUDA tensors to the CPU tensors behind them, so the launch writes the
+    memory the caller sees. ``note(kernel name)`` is called at each launch. Nests (the innermost applies);
+    process-wide."""
+
+    def serve(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if note is not None:
+            note(fn.__name__)
+        args = tuple(map(args_map, args))
+        kwargs = {k: args_map(v) for k, v in kwargs.items()}
+        ref = LAUNCH_REFERENCES.get(fn.__name__)
+        if ref is None:
+            return args, kwargs
+        ref(*args, **kwargs)
+        return None
+
+    ROUTING.host_launch.append(serve)
+    try:
+        yield
+    finally:
+        ROUTING.host_launch.remove(serve)
 
 
 def _mean_std(values: list[float], weights: list[float]) -> tuple[float, float]:

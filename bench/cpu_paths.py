@@ -5,8 +5,8 @@
 The LM head's GEMM ``[rows, 576] x [49152, 576]`` (SmolLM2-135M's head, the issue's shape) several ways: torch's bf16
 matmul (bf16 output: what AMX accelerates; the logits rounded to bf16, which the run cannot use), torch's fp32 matmul
 of upcast operands, the bf16 GEMM with fp32 results (``bf16_gemm.mm_bf16``, where torch's CPU library has it), the
-engine's torch partials (``lse_partials.torch_partials``: online logsumexp over fp32 tiles, then over bf16-GEMM
-tiles), the C++ head kernel (``lse_native.native_partials``, where it runs), and the update's fused loss forward and
+engine's torch partials (``torch_tiles.torch_partials``: online logsumexp over fp32 tiles, then over bf16-GEMM
+tiles), the C++ head kernel (``cpu_partials.native_partials``, where it runs), and the update's fused loss forward and
 backward (``fused_loss.logprob_loss_and_grad``, three GEMMs: fp32 tiles, then bf16 GEMMs; its rate counts the three);
 then the choice a run makes at startup
 (``engine/run/kernel_probe.py``, this process's measurement) and the device limit the cost tables read
@@ -27,10 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     from alignopsd.engine.cost.device_limits import calibrate, cpu_name
     from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
     from alignopsd.kernels import native_choice
-    from alignopsd.kernels.bf16_gemm import gemm_ready, mm_bf16, why_no_gemm
-    from alignopsd.kernels.fused_loss import logprob_loss_and_grad
-    from alignopsd.kernels.lse_native import native_applies, native_partials, why_not_ready
-    from alignopsd.kernels.lse_partials import torch_partials
+    from alignopsd.kernels.cpp import why_not_ready
+    from alignopsd.kernels.head.bf16_gemm import gemm_ready, mm_bf16, why_no_gemm
+    from alignopsd.kernels.head.cpu_partials import native_applies, native_partials
+    from alignopsd.kernels.head.fused_loss import logprob_loss_and_grad
+    from alignopsd.kernels.head.torch_tiles import torch_partials
     from alignopsd.kernels.native_choice import HEAD_GEMM, KernelChoice, best_seconds, record
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

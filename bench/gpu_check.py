@@ -135,7 +135,7 @@ def check_logprob(device: str, dry: bool, peak: tuple[float, float]) -> None:
 
     import torch
 
-    lp_mod = importlib.import_module("alignopsd.kernels.logprob")
+    lp_mod = importlib.import_module("alignopsd.kernels.head.logprob")
     shapes = [("qwen7b", 4096, 3584, 152064), ("smollm2", 8192, 576, 49152)] if not dry else [("tiny", 37, 72, 1031)]
     for name, N, H, V in shapes:
         for dtype in (torch.bfloat16, torch.float32):

@@ -115,7 +115,7 @@ def _old(num_warps: int, num_stages: int, **meta: int) -> KernelConfig:
 SPECS = [
     KernelSpec(
         "_lp_fwd_kernel",
-        "alignopsd.kernels.logprob_triton",
+        "alignopsd.kernels.head.logprob_triton",
         _lp_fwd_types,
         lambda dt: {"HAS_BIAS": False, "UPCAST": False, "DOT_PREC": _prec(dt)},
         alternatives=[
@@ -126,7 +126,7 @@ SPECS = [
     ),
     KernelSpec(
         "_lp_bwd_kernel",
-        "alignopsd.kernels.logprob_triton",
+        "alignopsd.kernels.head.logprob_triton",
         _lp_bwd_types,
         lambda dt: {
             "HAS_BIAS": False,

@@ -1,25 +1,28 @@
-"""Implementation dispatch shared by the kernels.
+"""The kernels' one routing rule, and the launch of their Triton kernels.
 
-``impl="auto"`` picks the Triton kernel when the tensors live on a CUDA device and the torch
-CPU path otherwise; ``impl="triton"`` / ``impl="torch"`` force one. Triton kernels on CPU
-tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``), which is how the
-tests exercise them without a GPU.
+Routing: :func:`resolve_impl` decides, for one call, which implementation runs: ``"triton"`` (the Triton kernel),
+``"torch"`` (the torch path) or ``"cpp"`` (a custom CPU path: a C++ kernel of ``alignopsd._C``, or the BLAS entry of
+the LM head's bf16 GEMM), from the ``impl`` asked for (``"auto" | "triton" | "torch" | "cpp"``), the device of the
+operands, and, for a call that has a custom CPU path (:class:`NativePath`), whether that path applies to these
+operands (dtype, device, shape, this process) and the measured choice between it and the torch path
+(``native_choice.py``). ``"auto"`` picks Triton on CUDA, else the custom CPU path where it applies and was measured
+faster, else the torch path; a forced value is checked (ValueError naming ``impl``). Every kernel entry asks it;
+so does the algorithm core (:func:`core_uses_kernels`, ``core=True``), the method's C++ paths
+(``alignopsd._native``) and the decoding cache's prefill attention. Triton kernels on CPU tensors run only under
+the Triton interpreter (``TRITON_INTERPRET=1``), which is how the tests exercise them without a GPU.
 
-Kernels are written as plain Python functions and turned into Triton kernels lazily by
-:func:`jit`, at first launch, not at import. ``triton.jit`` decides between the compiler and
-the interpreter when it decorates a function, so decorating at launch time makes the choice
-follow ``TRITON_INTERPRET`` as it is when the kernel is used, whichever module imported
-triton first. The same holds for triton's own library functions (``tl.zeros``, ``tl.sum``,
-``tl.max`` are ``@jit`` functions of ``triton.language.standard``, fixed when triton is
-imported): :func:`launch` swaps interpreted twins in for the duration of an interpreted
-launch and restores the originals afterwards, so nothing outside the call changes.
+The routing state (:data:`ROUTING`) lives here; the switches that change it for tests and checks
+(``force_kernels``, ``torch_paths_only``, ``launches_on_host``) are public in ``alignopsd.testing``, not in the
+kernels' own exports. ``force_kernels`` extends the core's routing to CPU tensors under the Triton interpreter, so
+tests can prove the routing, and its answers, without a GPU.
 
-The algorithm core (``alignopsd.select_sources``, ``correspondence_profiles``, ``boundary_scores``,
-``allocate_credit``) routes CUDA tensors through these kernels by itself (:func:`core_uses_kernels`).
-The routing state lives here; the switches that change it for tests and checks (:func:`force_kernels`,
-:func:`torch_paths_only`, :func:`launches_on_host`) are public in ``alignopsd.testing``, not in the kernels'
-own exports. :func:`force_kernels` extends the routing to CPU tensors under the Triton interpreter, so tests
-can prove the routing, and its answers, without a GPU.
+Launch: kernels are written as plain Python functions and turned into Triton kernels lazily by :func:`jit`, at
+first launch, not at import. ``triton.jit`` decides between the compiler and the interpreter when it decorates a
+function, so decorating at launch time makes the choice follow ``TRITON_INTERPRET`` as it is when the kernel is
+used, whichever module imported triton first. The same holds for triton's own library functions (``tl.zeros``,
+``tl.sum``, ``tl.max`` are ``@jit`` functions of ``triton.language.standard``, fixed when triton is imported):
+:func:`launch` swaps interpreted twins in for the duration of an interpreted launch and restores the originals
+afterwards, so nothing outside the call changes.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from alignopsd.kernels.native_choice import KernelChoice, recorded
 
 try:  # triton is optional: the torch paths work without it
     import triton
@@ -41,11 +46,25 @@ except Exception:  # noqa: BLE001  (ImportError, or a broken install without a d
     tl = None
     HAS_TRITON = False
 
-IMPLS = ("auto", "triton", "torch")
+IMPLS = ("auto", "triton", "torch", "cpp")
 
 _JIT_CACHE: dict[tuple[Callable, bool], Any] = {}
-_FORCED = 0  # nesting depth of force_kernels()
-_TORCH_ONLY = 0  # nesting depth of torch_paths_only()
+
+
+# (kernel function, its positional arguments, its keyword arguments) -> None when served, else (args, kwargs)
+HostLaunch = Callable[[Callable, tuple, dict], tuple[tuple, dict] | None]
+
+
+@dataclass
+class Routing:
+    """The routing state of the process, changed only by ``alignopsd.testing``'s switches (each nests)."""
+
+    forced: int = 0  # force_kernels(): the core treats CPU tensors as kernel devices (Triton interpreter)
+    torch_only: int = 0  # torch_paths_only(): "auto" never picks Triton, not even for CUDA tensors
+    host_launch: list[HostLaunch] = field(default_factory=list)  # launches_on_host(): the host serves launches
+
+
+ROUTING = Routing()
 
 
 def interpret_mode() -> bool:
@@ -53,18 +72,51 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
-    """Return ``"triton"`` or ``"torch"`` for ``impl`` and the devices of ``tensors``.
+@dataclass(frozen=True)
+class NativePath:
+    """The custom CPU path a call could take instead of its torch path (a C++ kernel, or the head's bf16 GEMM).
 
-    Raises ValueError for an unknown ``impl`` or a forced ``"triton"`` that cannot run.
+    applies: it can run on these operands in this process. choice: the name of its measured choice
+    (``native_choice.HEAD``, ``HEAD_GEMM``, ``ATTENTION``): ``"auto"`` takes the path only where that choice says
+    it is faster, measured by ``measure`` (on the call's operands) when nothing was recorded yet; None: taken
+    wherever it applies (the method's C++ segmentation and projection, bit-identical to their Python paths).
+    why: why it cannot run here, the error of a forced ``impl="cpp"``.
+    """
+
+    applies: bool
+    choice: str | None = None
+    measure: Callable[[], KernelChoice] | None = None
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and self.measure is None:
+            raise ValueError(f"measure: the measured choice {self.choice!r} needs a way to measure it")
+
+    def chosen(self) -> bool:
+        """Whether ``"auto"`` takes it: it applies and, for a measured choice, the recorded (else now measured)
+        choice says it is faster."""
+        if not self.applies:
+            return False
+        if self.choice is None:
+            return True
+        c = recorded(self.choice)
+        return (c if c is not None else self.measure()).native
+
+
+def resolve_impl(impl: str, *tensors: torch.Tensor | None, native: NativePath | None = None, core: bool = False) -> str:
+    """``"triton"``, ``"torch"`` or ``"cpp"``: what runs for a call asking for ``impl`` on ``tensors``.
+
+    tensors: the operands whose device picks Triton (any on CUDA); a path without a Triton kernel passes none.
+    native: the call's custom CPU path, if it has one (:class:`NativePath`). core: the algorithm core asks
+    (:func:`core_uses_kernels`): under ``alignopsd.testing.force_kernels`` CPU tensors go to Triton too.
+    ``"auto"``: Triton where a tensor is on CUDA and triton is importable (never inside
+    ``alignopsd.testing.torch_paths_only``), else the custom CPU path where :meth:`NativePath.chosen`, else torch.
+    Raises ValueError for an unknown ``impl``, a forced ``"triton"`` that cannot run, or a forced ``"cpp"`` without
+    a custom CPU path that applies.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl: unknown value {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
     on_cuda = any(t.is_cuda for t in tensors if t is not None)
-    if impl == "auto" and _TORCH_ONLY > 0:
-        return "torch"
-    if impl == "auto":
-        return "triton" if (on_cuda and HAS_TRITON) else "torch"
     if impl == "triton":
         if not HAS_TRITON:
             raise ValueError("impl: 'triton' requested but triton is not importable; use impl='torch'")
@@ -73,53 +125,26 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
                 "impl: 'triton' on CPU tensors needs the Triton interpreter; set TRITON_INTERPRET=1 "
                 "in the environment (before launching) or use impl='torch'"
             )
-    return impl
-
-
-@contextmanager
-def force_kernels() -> Iterator[None]:
-    """Within the block, the algorithm core treats CPU tensors as kernel-eligible (process-wide).
-
-    Normally only CUDA tensors go from the core to the Triton kernels; inside ``with force_kernels():``
-    CPU tensors do too, and the kernels run in the Triton interpreter. For tests only: it requires
-    ``TRITON_INTERPRET=1`` when entered (RuntimeError otherwise), nests, and is not thread-local.
-    """
-    global _FORCED
-    if not HAS_TRITON:
-        raise RuntimeError("force_kernels: triton is not importable")
-    if not interpret_mode():
-        raise RuntimeError("force_kernels: needs the Triton interpreter on CPU; set TRITON_INTERPRET=1 first")
-    _FORCED += 1
-    try:
-        yield
-    finally:
-        _FORCED -= 1
-
-
-@contextmanager
-def torch_paths_only() -> Iterator[None]:
-    """Within the block, ``impl="auto"`` and the core's kernel routing pick the torch paths even for CUDA tensors.
-
-    For a CUDA device that cannot launch kernels (the test suite's fake CUDA device, tests/engine/fake_cuda.py: CUDA
-    metadata over CPU memory). Nests; process-wide, not thread-local.
-    """
-    global _TORCH_ONLY
-    _TORCH_ONLY += 1
-    try:
-        yield
-    finally:
-        _TORCH_ONLY -= 1
+        return "triton"
+    if impl == "cpp":
+        if native is None:
+            raise ValueError("impl: 'cpp' requested but this call has no C++ path; use impl='auto' or 'torch'")
+        if not native.applies:
+            raise ValueError(f"impl: 'cpp' requested but it cannot run here: {native.why or 'it does not apply'}")
+        return "cpp"
+    if impl == "torch":
+        return "torch"
+    kernel_device = on_cuda or (core and ROUTING.forced > 0)
+    if HAS_TRITON and ROUTING.torch_only == 0 and kernel_device:
+        return "triton"
+    return "cpp" if native is not None and native.chosen() else "torch"
 
 
 def core_uses_kernels(*tensors: torch.Tensor | None) -> bool:
-    """Whether the algorithm core should run on the Triton kernels for these tensors.
-
-    True when triton is importable and some tensor is on CUDA, or inside :func:`force_kernels`.
-    The core then calls the kernel entries with ``impl="triton"``.
-    """
-    if not HAS_TRITON or _TORCH_ONLY > 0:
-        return False
-    return _FORCED > 0 or any(t is not None and t.is_cuda for t in tensors)
+    """Whether the algorithm core runs on the Triton kernels for these tensors (it then calls the kernel entries
+    with ``impl="triton"``): :func:`resolve_impl` of ``"auto"`` for the core. True when triton is importable and
+    some tensor is on CUDA, or inside ``alignopsd.testing.force_kernels``."""
+    return resolve_impl("auto", *tensors, core=True) == "triton"
 
 
 def jit(fn: Callable) -> Any:
@@ -178,50 +203,15 @@ def _interpreter_stdlib() -> Iterator[None]:
             setattr(mod, name, val)
 
 
-_HOST_LAUNCHES: list[tuple[Callable[[Any], Any], Callable[[str], None] | None]] = []  # see launches_on_host
-_LAUNCH_REFERENCES: dict[Callable, Callable] = {}  # kernel -> torch function with its arguments and writes
-
-
-def launch_reference(kernel: Callable) -> Callable[[Callable], Callable]:
-    """Decorator: the decorated torch function is ``kernel``'s launch reference (same arguments, same writes), for
-    :func:`launches_on_host` where the Triton interpreter is too slow for the shapes."""
-
-    def register(ref: Callable) -> Callable:
-        _LAUNCH_REFERENCES[kernel] = ref
-        return ref
-
-    return register
-
-
-@contextmanager
-def launches_on_host(args_map: Callable[[Any], Any], note: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Within the block, every :func:`launch` passes each argument through ``args_map`` and runs on the host: a
-    kernel with a :func:`launch_reference` runs that, any other runs in the Triton interpreter.
-
-    For a device whose launches the host serves: the test suite's fake CUDA device (tests/engine/fake_cuda.py: CUDA
-    metadata over CPU memory) maps its fake CUDA tensors to the CPU tensors behind them, so the launch writes the
-    memory the caller sees.
-    ``note(kernel name)`` is called at each launch. Nests (the innermost applies); process-wide."""
-    entry = (args_map, note)
-    _HOST_LAUNCHES.append(entry)
-    try:
-        yield
-    finally:
-        _HOST_LAUNCHES.remove(entry)
-
-
 def launch(fn: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch kernel ``fn`` (a plain function, see :func:`jit`) on ``grid``."""
-    if _HOST_LAUNCHES:
-        amap, note = _HOST_LAUNCHES[-1]
-        if note is not None:
-            note(fn.__name__)
-        args = tuple(map(amap, args))
-        kwargs = {k: amap(v) for k, v in kwargs.items()}
-        ref = _LAUNCH_REFERENCES.get(fn)
-        if ref is not None:
-            ref(*args, **kwargs)
+    """Launch kernel ``fn`` (a plain function, see :func:`jit`) on ``grid``; where the host serves launches
+    (:attr:`Routing.host_launch`), the innermost server first: it runs the launch itself, or hands back the
+    arguments the Triton interpreter launches with."""
+    if ROUTING.host_launch:
+        served = ROUTING.host_launch[-1](fn, args, kwargs)
+        if served is None:
             return
+        args, kwargs = served
     kernel = jit(fn)
     with _interpreter_stdlib():
         kernel[grid](*args, **kwargs)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from alignopsd.kernels.lse_native import elements_from, native_ready, why_not_ready
+from alignopsd.kernels.cpp import elements_from, native_ready, why_not_ready
 from alignopsd.kernels.native_choice import ATTENTION, KernelChoice, measure
 from torch import Tensor
 
@@ -38,7 +38,7 @@ def _fp32_rows(t: Tensor) -> bool:
 def prefix_attention_applies(query_BHSD: Tensor, k: Tensor, v: Tensor, pk: Tensor | None, pv: Tensor | None) -> bool:
     """Whether :func:`prefix_attention` can run: bf16 CPU queries whose head size is a multiple of 32 (at most
     256), fp32 keys and values with contiguous head vectors and the same strides, and the C++ kernel built for a CPU
-    with AVX512-BF16 (``lse_native.native_ready``)."""
+    with AVX512-BF16 (``cpp.native_ready``)."""
     q = query_BHSD
     d = q.shape[-1]
     ok = q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.stride(-1) == 1 and d % 32 == 0 and d <= 256

@@ -1,6 +1,6 @@
 """Which custom CPU path a process takes: the faster one, measured on this CPU, dtype and shape, not a CPU flag.
 
-The C++ kernels (the LM head's bf16 partials, ``lse_native.py``; the shared-prefix prefill attention,
+The C++ kernels (the LM head's bf16 partials, ``head/cpu_partials.py``; the shared-prefix prefill attention,
 ``attention_native.py``) run on any x86 CPU with AVX512-BF16, but being able to run is not being faster: on a Xeon with
 AMX, torch's own paths reach more than the head kernel (torch's fp32 matmul 270 GFLOP/s, the kernel 211, on
 ``[3800, 576] x [49152, 576]``). So each kernel is taken only where it was measured faster than the torch path it
@@ -9,11 +9,11 @@ replaces, here, in the operands' dtype and at the run's shape, once per process:
 - :func:`measure` times both paths on the same operands (``timer``: the best of at least two calls each after a
   warm-up, more for a probe of a few milliseconds) and records a :class:`KernelChoice`; a caller does this once
   before its first real call, at its own shapes (a training run states the result in its first lines);
-- :func:`takes_native` is what the kernels' dispatch asks: True only when the kernel can run and a recorded
-  choice says it is faster. A kernel asked before anything was measured is measured then, on its first real
-  operands (the dispatch's ``first_use``), so no path is ever taken on a flag alone.
+- the kernels' routing (``_dispatch.resolve_impl`` with a ``NativePath``) takes a kernel only when it can run and
+  the recorded choice says it is faster. A kernel asked before anything was measured is measured then, on its first
+  real operands (the path's ``measure``), so no path is ever taken on a flag alone.
 
-The same rule picks the LM head's GEMMs on bf16 operands with fp32 results (``HEAD_GEMM``, ``bf16_gemm.py``: the
+The same rule picks the LM head's GEMMs on bf16 operands with fp32 results (``HEAD_GEMM``, ``head/bf16_gemm.py``: the
 forward's logits tiles and the backward's two GEMMs) against fp32 tiles of upcast weights.
 
 These are this package's own per-shape choices, kept for the process as Triton's autotune cache keeps its configs.
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-HEAD = "head partials"  # kernels/lse_native.py against lse_partials.torch_partials
-HEAD_GEMM = "head GEMMs"  # kernels/bf16_gemm.py: bf16 operands, fp32 results, against fp32 tiles of upcast weights
+HEAD = "head partials"  # kernels/head/cpu_partials.py against head/torch_tiles.torch_partials
+HEAD_GEMM = "head GEMMs"  # kernels/head/bf16_gemm.py: bf16 operands, fp32 results, against fp32 tiles of upcast weights
 ATTENTION = "prefix attention"  # kernels/attention_native.py against decode_cache's gathered sdpa
 KERNELS = (HEAD, HEAD_GEMM, ATTENTION)
 # what each choice's two sides are called in the run's log: (the custom path, the path it replaces)
@@ -157,12 +157,3 @@ def measure(
         return record(KernelChoice(kernel, False, None, None, shape, flops, why or "the C++ kernel cannot run here"))
     native_s, torch_s = timer(native), timer(torch_path)
     return record(KernelChoice(kernel, native_s < torch_s, native_s, torch_s, shape, flops))
-
-
-def takes_native(kernel: str, first_use: Callable[[], KernelChoice]) -> bool:
-    """Whether the dispatch of ``kernel`` (whose C++ path can run on these operands) takes it: the recorded choice,
-    or, when none was recorded yet, the choice ``first_use`` measures now on the operands at hand."""
-    c = _CHOICES.get(kernel)
-    if c is None:
-        c = first_use()
-    return c.native

@@ -11,7 +11,7 @@ calibration measured by running the engine's own code paths at the phase's shape
   least-squares line through probes at several row counts and contexts, :func:`fit_step`): ``step_s`` is what a
   step costs whatever its rows, ``decode_flops`` the rate of the work that grows with rows and context;
 - ``score_flops``: the scoring forward (old log-prob, reference): the run's rescorer on one micro-batch of rows;
-- ``forcing_flops``: the teacher forcing behind kept prompt keys/values (engine/step/cached_scoring.py);
+- ``forcing_flops``: the teacher forcing behind kept prompt keys/values (engine/generation/prompt_cache.py);
 - ``train_flops`` and ``optimizer_s``: the update's forward + backward (FLOPs: 3x the forward's, 4x with
   recomputation) through the policy's fused-head loss, and one optimizer step (the supervised warm start's steps
   run the same two: engine/step/supervised.py).

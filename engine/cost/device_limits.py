@@ -153,7 +153,8 @@ def _native_gemm(hidden, intermediate, m, g, flops, probes, min_time, max_reps) 
     """The C++ head kernel's rate on ``[m, hidden] x [intermediate, hidden]`` (bf16 products, fp32 accumulation,
     its online logsumexp counted as nothing) where it can run: on a CPU with AVX512-BF16 and no AMX it is the
     fastest bf16 GEMM the engine has, faster than torch's, so the limit must include it."""
-    from alignopsd.kernels.lse_native import native_partials, native_ready
+    from alignopsd.kernels.cpp import native_ready
+    from alignopsd.kernels.head.cpu_partials import native_partials
 
     if not native_ready():
         return
@@ -166,10 +167,10 @@ def _native_gemm(hidden, intermediate, m, g, flops, probes, min_time, max_reps) 
 
 
 def _fp32_result_gemm(hidden, intermediate, m, g, flops, probes, min_time, max_reps) -> None:
-    """The rate of the LM head's bf16 GEMM with fp32 results (kernels/bf16_gemm.py) on ``[m, hidden] x [hidden,
+    """The rate of the LM head's bf16 GEMM with fp32 results (kernels/head/bf16_gemm.py) on ``[m, hidden] x [hidden,
     intermediate]`` where it runs: the engine's head takes it where it is faster than fp32 tiles, so the limit
     includes it."""
-    from alignopsd.kernels.bf16_gemm import gemm_ready, mm_bf16
+    from alignopsd.kernels.head.bf16_gemm import gemm_ready, mm_bf16
 
     if not gemm_ready():
         return

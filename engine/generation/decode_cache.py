@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import torch
 from alignopsd.engine.policy.varlen_attention import attention_swapped, plain_causal_attention
+from alignopsd.kernels import NativePath, resolve_impl
 from alignopsd.kernels.attention_native import (
     measure_attention,
     prefix_attention,
     prefix_attention_applies,
     torch_prefix_attention,
 )
-from alignopsd.kernels.native_choice import ATTENTION, takes_native
+from alignopsd.kernels.native_choice import ATTENTION
 from torch import Tensor
 
 ATTN_NAME = "alignopsd_shared_prefix"
@@ -230,9 +231,10 @@ class SharedPrefixKV:
             pk, pv = (self.pk[layer], self.pv[layer]) if self.prefix_valid is not None else (None, None)
             rows = self.row_prefix if pk is not None else None
             args = (query_BHSD, k, v, pk, pv, rows, self.bias, scaling)
-            if prefix_attention_applies(query_BHSD, k, v, pk, pv) and takes_native(
-                ATTENTION, lambda: measure_attention(*args)
-            ):
+            native = NativePath(
+                prefix_attention_applies(query_BHSD, k, v, pk, pv), ATTENTION, lambda: measure_attention(*args)
+            )
+            if resolve_impl("auto", native=native) == "cpp":  # measured faster here (kernels/native_choice.py)
                 out = prefix_attention(*args)
             else:
                 out = torch_prefix_attention(*args)

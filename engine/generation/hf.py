@@ -41,8 +41,7 @@ from alignopsd.engine.generation.decode_cache import (
     shared_prefix_supported,
 )
 from alignopsd.engine.generation.prefix import plan_prefixes
-from alignopsd.engine.generation.prompt_cache import PromptChunk, PromptKV, distinct_prompts
-from alignopsd.engine.policy.lm_head import transformer_body
+from alignopsd.engine.generation.prompt_cache import PromptChunk, PromptKV, distinct_prompts, keeping_prefill
 from alignopsd.engine.tokens.special import token_ids
 from torch import Tensor
 
@@ -205,7 +204,7 @@ class HFGenerator:
         if not prompts:
             return out
         keep = keep_prompt_cache and self.keeps_prompt_cache
-        kept = PromptKV([tuple(p) for p in prompts], [], [], []) if keep else None
+        kept = PromptKV.for_prompts(prompts) if keep else None
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -223,7 +222,7 @@ class HFGenerator:
                     out.finish_reasons += part.finish_reasons
         finally:
             self.model.train(was_training)
-        out.prompt_cache = kept if kept is not None and kept.complete else None
+        out.prompt_cache = kept.kept() if kept is not None else None
         return out
 
     def _attention(self):
@@ -263,27 +262,15 @@ class HFGenerator:
         cache ``kv``.
 
         Identical prompts are pushed once (:func:`distinct_prompts`) and their rows copied after the prefill; the
-        distinct prompts are pushed by :meth:`_prefill_rows`. keep_room: snapshot the distinct prompts' keys, values
+        distinct prompts are pushed by :meth:`_prefill_rows`. keep_room: keep the distinct prompts' keys, values
         and last hidden states before the copy if they fit in that many bytes (the cache must be a
-        ``SharedPrefixKV``); None: keep nothing."""
-        keep = keep_room is not None
+        ``SharedPrefixKV``; engine/generation/prompt_cache.py); None: keep nothing."""
         lengths = [len(p) for p in prompts]
         self.prefill_token_forwards_unshared += len(prompts) * max(lengths)
         uniq, inverse = distinct_prompts(prompts) if self.share_prefixes else (prompts, list(range(len(prompts))))
-        last: list[Tensor] = []
-        if keep:  # the final hidden state of the last forward's last position: the first logits' input
-            hook = transformer_body(self.model).register_forward_hook(
-                lambda _m, _a, res: last.append(res.last_hidden_state[:, -1])
-            )
-        try:
+        with keeping_prefill(self.model, kv, keep_room, inverse) as keeper:
             logits_UV, next_pos_U = self._prefill_rows(uniq, kv)
-        finally:
-            if keep:
-                hook.remove()
-        kept = None
-        if keep and kv.snapshot_bytes() <= keep_room:  # before the rows of repeated prompts are copied
-            keys, values, valid = kv.prompts_snapshot()
-            kept = PromptChunk(keys, values, valid, last[-1].clone(), prompt_of_row=inverse)
+        kept = keeper.chunk
         if len(uniq) == len(prompts):
             return logits_UV, next_pos_U, kept
         idx = torch.tensor(inverse, dtype=torch.long, device=self.device)
@@ -325,15 +312,10 @@ class HFGenerator:
         dev = self.device
         B = len(prompts)
         kv = self._new_kv(sp.max_new_tokens)
-        room = self.prompt_cache_max_bytes - kept.nbytes if kept is not None and kept.complete else None
+        room = kept.room(self.prompt_cache_max_bytes) if kept is not None else None
         logits_bV, next_pos_b, chunk = self._prefill(prompts, kv, keep_room=room)
-        if kept is not None and chunk is None:  # over the limit: nothing of this call is kept
-            kept.complete = False
-            kept.chunks.clear()
-        elif chunk is not None:
-            kept.chunk_of_row += [len(kept.chunks)] * B
-            kept.prompt_of_row += chunk.prompt_of_row
-            kept.chunks.append(chunk)
+        if kept is not None:  # over the limit (no chunk): nothing of this call is kept
+            kept.add(chunk, B)
 
         stops = tuple(s for s in sp.stop if s)
         window = max((len(s) for s in stops), default=0) + 2  # tokens enough to contain any stop string

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from alignopsd.engine.policy.varlen_attention import varlen_attention_on, varlen_supported
 from alignopsd.engine.tokens.layout import position_ids
-from alignopsd.kernels.fused_loss import fused_token_loss
-from alignopsd.kernels.logprob import logprob as kernel_logprob
+from alignopsd.kernels.head import fused_token_loss
+from alignopsd.kernels.head import logprob as kernel_logprob
 from torch import Tensor, nn
 
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
@@ -41,7 +41,7 @@ def token_logprobs(
 
     hidden_ND: [N, D] final hidden states (after the final norm); weight_VD: [V, D] output embedding;
     targets_N: [N] token ids. Returns ([N] fp32 log-probs, [N] fp32 entropies or None).
-    impl: the kernel's implementation (``alignopsd.kernels``: "auto" is Triton on CUDA, the tiled torch path on
+    impl: the kernel's implementation (``alignopsd.kernels.head``: "auto" is Triton on CUDA, the tiled torch path on
     CPU; an unknown value is refused by the kernel).
     """
     if not temperature > 0:

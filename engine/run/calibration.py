@@ -5,7 +5,7 @@ Face generator on it with the rollout's sampling settings (its stop strings, no 
 row decodes the steps asked), and times, on random token ids of the model's vocabulary:
 
 - a prefill of distinct prompts, keeping their keys/values (the teacher generation's call);
-- the teacher forcing of response rows behind those kept prompts (engine/step/cached_scoring.py);
+- the teacher forcing of response rows behind those kept prompts (engine/generation/prompt_cache.py);
 - decoding steps at several row counts and contexts (``generate`` of n tokens minus ``generate`` of one, the
   prompt being one prompt shared by the rows, pushed once as the rollout's siblings share theirs);
 - the old log-prob pass: the run's rescorer (engine/step/rescoring.py, ``trainer.rescoring_mode``) scoring one
@@ -76,8 +76,8 @@ def _decode_rates(gen, sampling, shape: ModelShape, probes: dict) -> tuple[float
 
 def _prefill_and_forcing(gen, policy, sampling, shape: ModelShape, probes: dict) -> tuple[float, float]:
     """(prefill FLOP/s, teacher-forcing FLOP/s) of one distinct prompt pushed and kept, then rows forced behind it."""
+    from alignopsd.engine.generation.prompt_cache import score_cached_prompts
     from alignopsd.engine.policy.row_scoring import new_stats
-    from alignopsd.engine.step.cached_scoring import score_cached_prompts
 
     prompt = random_ids(1, PREFILL_PROMPT, shape.vocab, seed=1)[0].tolist()
     kept = {}

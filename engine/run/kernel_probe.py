@@ -7,7 +7,7 @@ the model's dtype and with the run's threads, and returns one line per kernel fo
   rows against the model's head ``[V, H]`` (at most ``PROBE_VOCAB`` rows of it: the rate does not depend on the
   vocabulary's length past a few tiles, and a 7B model's head need not be copied);
 - the LM head's GEMMs on bf16 operands with fp32 results against fp32 tiles (the logits tile and the backward's two
-  GEMMs of one chunk of the fused loss, ``kernels/bf16_gemm.py``): ``PROBE_ROWS`` rows against ``GEMM_PROBE_VOCAB``
+  GEMMs of one chunk of the fused loss, ``kernels/head/bf16_gemm.py``): ``PROBE_ROWS`` rows against ``GEMM_PROBE_VOCAB``
   rows of the head, measured before the head's partials, whose torch path takes the chosen GEMM;
 - the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
   ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from alignopsd.kernels.attention_native import measure_attention
-from alignopsd.kernels.head_gemm import measure_head_gemm
-from alignopsd.kernels.lse_partials import measure_head
+from alignopsd.kernels.head.cpu_partials import measure_head
+from alignopsd.kernels.head.gemm_choice import measure_head_gemm
 from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, LABELS, KernelChoice, recorded
 
 if TYPE_CHECKING:

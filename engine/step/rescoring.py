@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from alignopsd.engine.generation.base import samples_from
-from alignopsd.engine.generation.prompt_cache import PromptKV
+from alignopsd.engine.generation.prompt_cache import PromptKV, score_cached_prompts
 from alignopsd.engine.parallel import devices
 from alignopsd.engine.parallel.devices import module_device
 from alignopsd.engine.policy.base import RowLayout
@@ -33,7 +33,6 @@ from alignopsd.engine.policy.row_scoring import (
     score_shared_prefix,
 )
 from alignopsd.engine.step.batch import TurnBatch
-from alignopsd.engine.step.cached_scoring import score_cached_prompts
 from torch import Tensor, nn
 
 from alignopsd.losses import rollout_mismatch_metrics
@@ -154,7 +153,7 @@ class Rescorer:
 
     def reads_prompt_cache(self, generator) -> bool:
         """Whether the teacher forcing can read the privileged prompts' keys and values that ``generator`` keeps
-        (engine/step/cached_scoring.py): the generator keeps them (the CPU decoding cache) and samples from this
+        (engine/generation/prompt_cache.py): the generator keeps them (the CPU decoding cache) and samples from this
         scorer's own model (same module, same weights, no :attr:`scope`), which scores in the ``shared_prefix`` mode
         by itself."""
         keeps = generator is not None and generator.keeps_prompt_cache

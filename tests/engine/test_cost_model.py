@@ -115,7 +115,8 @@ def test_bf16_cpu_limit_is_the_fastest_gemm_the_engine_has(monkeypatch, kernel_r
     """bf16 on a CPU: the limit is the best of torch's GEMMs (AMX where present), the C++ bf16 kernel and the head's
     bf16 GEMM with fp32 results where they run (times injected: torch's GEMMs 1 s each, the engine's own 1 ms)."""
     from alignopsd.engine.cost import device_limits as dl
-    from alignopsd.kernels import bf16_gemm, lse_native
+    from alignopsd.kernels import cpp
+    from alignopsd.kernels.head import bf16_gemm, cpu_partials
 
     seen = []
 
@@ -125,8 +126,8 @@ def test_bf16_cpu_limit_is_the_fastest_gemm_the_engine_has(monkeypatch, kernel_r
         return 1e-3 if (kernel_runs or gemm_runs) and len(seen) == 5 else 1.0  # 4 torch GEMMs, the engine's, the read
 
     monkeypatch.setattr(dl, "_best", injected)
-    monkeypatch.setattr(lse_native, "native_ready", lambda: kernel_runs)
-    monkeypatch.setattr(lse_native, "native_partials", lambda h, w, t, inv_t, v0, need_u=True: None)
+    monkeypatch.setattr(cpp, "native_ready", lambda: kernel_runs)
+    monkeypatch.setattr(cpu_partials, "native_partials", lambda h, w, t, inv_t, v0, need_u=True: None)
     monkeypatch.setattr(bf16_gemm, "gemm_ready", lambda: gemm_runs)
     monkeypatch.setattr(bf16_gemm, "mm_bf16", lambda a, b, out: None)
     lim = calibrate(32, 64, torch.bfloat16, rows=(1, 8), bandwidth_bytes=1 << 20)

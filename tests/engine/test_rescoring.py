@@ -236,7 +236,7 @@ def _kept_teacher_prompts(model, b: TurnBatch, max_batch_size=None):
 
 @pytest.mark.parametrize("max_tokens,max_batch_size", [(100000, None), (40, 3)])
 def test_teacher_forcing_behind_the_kept_prompt_cache_equals_scoring_the_prompts(max_tokens, max_batch_size):
-    """Teacher forcing that reads the teacher generation's kept keys/values (engine/step/cached_scoring.py) gives
+    """Teacher forcing that reads the teacher generation's kept keys/values (engine/generation/prompt_cache.py) gives
     the log-probs of scoring the privileged prompts again (fp32, up to reassociation) and pushes only responses;
     identical prompts (rows 0 and 1) were pushed and kept once; chunked generation keeps one cache per chunk."""
     model = tiny_model(2)

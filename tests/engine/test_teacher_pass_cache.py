@@ -1,4 +1,5 @@
-"""The teacher pass of a real step reads the teacher generation's kept prompt cache (engine/step/cached_scoring.py)."""
+"""The teacher pass of a real step reads the teacher generation's kept prompt cache
+(engine/generation/prompt_cache.py)."""
 
 from __future__ import annotations
 

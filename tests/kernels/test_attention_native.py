@@ -14,7 +14,7 @@ import torch
 from alignopsd.engine.generation import decode_cache as dc
 from alignopsd.engine.generation.decode_cache import SharedPrefixKV
 from alignopsd.kernels import attention_native as an
-from alignopsd.kernels.lse_native import elements_from, native_ready
+from alignopsd.kernels.cpp import elements_from, native_ready
 from alignopsd.kernels.native_choice import ATTENTION
 
 from alignopsd.testing import KernelChoice, record_kernel_choice

@@ -1,4 +1,4 @@
-"""The LM head's GEMMs on bf16 operands with fp32 results (kernels/bf16_gemm.py), taken by measured speed.
+"""The LM head's GEMMs on bf16 operands with fp32 results (kernels/head/bf16_gemm.py), taken by measured speed.
 
 Legend: N = tokens, H = hidden size, V = vocabulary size. The exactness tests compare against float64 products of the
 same bf16 values: every bf16 product is exact in fp32, so what is left is the fp32 sum's rounding (bounded by
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.kernels import bf16_gemm, logprob_loss_and_grad, logprob_ref, native_choice
-from alignopsd.kernels.bf16_gemm import mm_bf16
-from alignopsd.kernels.head_gemm import measure_head_gemm, takes_bf16_gemm
-from alignopsd.kernels.lse_partials import torch_backward, torch_partials
+from alignopsd.kernels import logprob_loss_and_grad, logprob_ref, native_choice
+from alignopsd.kernels.head import bf16_gemm
+from alignopsd.kernels.head.bf16_gemm import mm_bf16
+from alignopsd.kernels.head.gemm_choice import measure_head_gemm, takes_bf16_gemm
+from alignopsd.kernels.head.torch_tiles import torch_backward, torch_partials
 from alignopsd.kernels.native_choice import HEAD_GEMM, recorded
 
 from alignopsd.testing import KernelChoice, record_kernel_choice
@@ -100,7 +101,7 @@ def test_fused_loss_on_bf16_gemms_matches_fp32_tiles(head_inputs, monkeypatch):
     _choose(False)
     tiles = logprob_loss_and_grad(h, w, t, _ppo(old, adv), temperature=0.7, with_entropy=True, tile_bytes=4 * V * 10)
     _choose(True)
-    import alignopsd.kernels.fused_chunk as fc
+    import alignopsd.kernels.head.fused_chunk as fc
 
     monkeypatch.setattr(fc, "mm_bf16", spy)
     gemm = logprob_loss_and_grad(h, w, t, _ppo(old, adv), temperature=0.7, with_entropy=True, tile_bytes=4 * V * 10)

@@ -122,7 +122,7 @@ def test_bf16_inputs_follow_fp32_math():
 
 def test_bf16_weight_blocks(monkeypatch):
     """Several upcast blocks over the vocabulary give the same result as one."""
-    import alignopsd.kernels.fused_loss as fl
+    import alignopsd.kernels.head.fused_loss as fl
 
     h, w, b, t, old, adv = _inputs(torch.bfloat16, bias=True)
     tl = _ppo_loss(old, adv)

@@ -155,7 +155,7 @@ def test_autotuner_reset_buffers_alias_no_other_argument(monkeypatch, need_weigh
     from alignopsd.kernels import logprob
     from alignopsd.kernels.tuning import RESET_TO_ZERO
 
-    lp_mod = importlib.import_module("alignopsd.kernels.logprob_triton")  # the launchers of logprob
+    lp_mod = importlib.import_module("alignopsd.kernels.head.logprob_triton")  # the launchers of logprob
     seen = []
     original = lp_mod.launch_tuned
 

@@ -88,7 +88,7 @@ def test_logp_only_gradient_and_leading_dims(impl):
 
 def test_torch_path_many_tiles(monkeypatch):
     """Force tiny tiles so the row and vocabulary loops and the online merge run many times."""
-    mod = importlib.import_module("alignopsd.kernels.lse_partials")
+    mod = importlib.import_module("alignopsd.kernels.head.torch_tiles")
     monkeypatch.setattr(mod, "_TORCH_ROWS", 8)
     monkeypatch.setattr(mod, "_TORCH_TILE", 8 * 100)
     h, w, b, t = _inputs(torch.float32, bias=True, seed=5)

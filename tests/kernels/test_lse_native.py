@@ -1,4 +1,4 @@
-"""The C++ bf16 LM-head partials (csrc/lm_head_bf16.cpp via kernels/lse_native.py): equal to the torch path up to
+"""The C++ bf16 LM-head partials (csrc/lm_head_bf16.cpp via kernels/head/cpu_partials.py): equal to the torch path up to
 reassociation, routed to by the fused log-prob's CPU forward exactly when it applies, checked inputs.
 
 Legend: N = tokens, H = hidden size, V = vocabulary size. Shapes cover the kernel's tails: N not a multiple of its
@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignopsd.kernels import logprob, logprob_ref, lse_native, lse_partials
-from alignopsd.kernels.lse_partials import finish_partials, torch_partials
+from alignopsd.kernels import cpp, logprob, logprob_ref
+from alignopsd.kernels.head import cpu_partials
+from alignopsd.kernels.head.partials import finish_partials
+from alignopsd.kernels.head.torch_tiles import torch_partials
 from alignopsd.kernels.native_choice import HEAD
 
 from alignopsd.testing import KernelChoice, record_kernel_choice
 
 needs_native = pytest.mark.skipif(
-    not lse_native.native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
+    not cpp.native_ready(), reason="the C++ extension or an AVX512-BF16 CPU is missing: torch path only"
 )
 needs_extension = pytest.mark.skipif(
-    lse_native._C is None or not hasattr(lse_native._C, "head_partials_bf16"), reason="the C++ extension is not built"
+    cpu_partials._C is None or not hasattr(cpu_partials._C, "head_partials_bf16"),
+    reason="the C++ extension is not built",
 )
 
 
@@ -42,7 +45,7 @@ def _close(a, b, rtol=2e-5, atol=2e-5):
 @pytest.mark.parametrize("need_u", [True, False])
 def test_native_equals_torch_path(n, v, h, inv_t, need_u):
     hid, w, t = _operands(n, v, h)
-    got = lse_native.native_partials(hid, w, t, inv_t, 0, need_u=need_u)
+    got = cpu_partials.native_partials(hid, w, t, inv_t, 0, need_u=need_u)
     want = torch_partials(hid, w, None, t, inv_t, 0, need_u=need_u)
     _close(got, want)
     if not need_u:
@@ -60,7 +63,7 @@ def test_native_vocab_shard_targets_outside_are_zero():
     torch path's; a shard of fewer entries than one 64-entry block."""
     hid, w, _ = _operands(11, 40, 96)
     t = torch.tensor([0, 99, 100, 120, 139, 140, 5000, 101, 100, 138, 3])
-    got = lse_native.native_partials(hid, w, t, 1.0, 100, need_u=True)
+    got = cpu_partials.native_partials(hid, w, t, 1.0, 100, need_u=True)
     _close(got, torch_partials(hid, w, None, t, 1.0, 100, need_u=True))
     outside = (t < 100) | (t >= 140)
     assert torch.equal(got[3][outside], torch.zeros(int(outside.sum())))
@@ -71,22 +74,22 @@ def test_native_vocab_shard_targets_outside_are_zero():
 def test_native_threads_deterministic(monkeypatch):
     """Same thread count, same bits; another thread count splits the vocabulary elsewhere (reassociation only)."""
     hid, w, t = _operands(50, 3000, 128, seed=3)
-    one = lse_native.native_partials(hid, w, t, 1.0, 0)
-    assert all(torch.equal(a, b) for a, b in zip(one, lse_native.native_partials(hid, w, t, 1.0, 0)))
+    one = cpu_partials.native_partials(hid, w, t, 1.0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(one, cpu_partials.native_partials(hid, w, t, 1.0, 0)))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    _close(lse_native.native_partials(hid, w, t, 1.0, 0), one)
+    _close(cpu_partials.native_partials(hid, w, t, 1.0, 0), one)
 
 
 @needs_native
 def test_logprob_cpu_forward_routes_to_native_exactly_when_it_applies(monkeypatch):
     calls = []
-    real = lse_partials.native_partials
+    real = cpu_partials.native_partials
 
     def spy(*a, **k):
         calls.append(a[0].dtype)
         return real(*a, **k)
 
-    monkeypatch.setattr(lse_partials, "native_partials", spy)
+    monkeypatch.setattr(cpu_partials, "native_partials", spy)
     record_kernel_choice(KernelChoice(HEAD, True, 0.1, 0.2, "injected: measured faster"))
     hid, w, t = _operands(9, 300, 32)
     lp = logprob(hid, w, t, temperature=0.5)
@@ -106,20 +109,20 @@ def test_logprob_cpu_forward_routes_to_native_exactly_when_it_applies(monkeypatc
 
 def test_torch_capability_below_avx512_turns_native_off(monkeypatch):
     """``ATEN_CPU_CAPABILITY=avx2`` (torch behaving like an AVX2-only CPU) keeps the head on the torch path."""
-    monkeypatch.setattr(lse_native, "_READY", None)
+    monkeypatch.setattr(cpp, "_READY", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert not lse_native.native_ready()
+    assert not cpp.native_ready()
     hid, w, _ = _operands(3, 70, 8)
-    assert not lse_native.native_applies(hid, w, None)
+    assert not cpu_partials.native_applies(hid, w, None)
 
 
 def test_native_partials_rejects_what_it_cannot_run(monkeypatch):
     hid, w, t = _operands(3, 70, 8)
     with pytest.raises(ValueError, match="bf16 CPU hidden"):
-        lse_native.native_partials(hid.float(), w.float(), t, 1.0, 0)
-    monkeypatch.setattr(lse_native, "_READY", False)
+        cpu_partials.native_partials(hid.float(), w.float(), t, 1.0, 0)
+    monkeypatch.setattr(cpp, "_READY", False)
     with pytest.raises(ValueError, match="kernel ready: False"):
-        lse_native.native_partials(hid, w, t, 1.0, 0)
+        cpu_partials.native_partials(hid, w, t, 1.0, 0)
 
 
 @needs_extension
@@ -132,7 +135,7 @@ def test_extension_checks_its_arguments():
     held = [16, 80, 2, 2]  # elements of hidden, weight, targets, each output
 
     def call(n=2, v=10, h=8, inv_t=1.0, threads=1, elements=held):
-        return lse_native._C.head_partials_bf16(*ptrs, n, v, h, inv_t, True, threads, elements)
+        return cpu_partials._C.head_partials_bf16(*ptrs, n, v, h, inv_t, True, threads, elements)
 
     with pytest.raises(ValueError, match="hidden_size: must be even"):
         call(h=7)
@@ -148,7 +151,7 @@ def test_extension_checks_its_arguments():
         call(n=3, elements=[24, 80, 2, 3])
     with pytest.raises(ValueError, match="elements: expected 4 counts"):
         call(elements=held[:3])
-    if not lse_native.native_ready():
+    if not cpp.native_ready():
         with pytest.raises(ValueError, match="no AVX512-BF16"):
             call()  # valid arguments: then the CPU is asked
 
@@ -157,11 +160,11 @@ def test_native_partials_checks_shapes_before_anything_runs():
     """Mismatched shapes are named by the wrapper before any native call (on any CPU)."""
     hid, w, t = _operands(3, 70, 8)
     with pytest.raises(ValueError, match="w_VH: hidden size 6 does not match h_NH's 8"):
-        lse_native.native_partials(hid, w[:, :6], t, 1.0, 0)
+        cpu_partials.native_partials(hid, w[:, :6], t, 1.0, 0)
     with pytest.raises(ValueError, match="t_N: expected 3 targets"):
-        lse_native.native_partials(hid, w, t[:2], 1.0, 0)
+        cpu_partials.native_partials(hid, w, t[:2], 1.0, 0)
     with pytest.raises(ValueError, match=r"h_NH, w_VH: expected hidden \[N, H\]"):
-        lse_native.native_partials(hid[None], w, t, 1.0, 0)
+        cpu_partials.native_partials(hid[None], w, t, 1.0, 0)
 
 
 def test_impl_torch_forces_the_torch_tiles(monkeypatch):
@@ -173,8 +176,8 @@ def test_impl_torch_forces_the_torch_tiles(monkeypatch):
         calls.append(h.dtype)
         return torch_partials(h, w, None, t, inv_t, vocab_start, need_u=need_u)
 
-    monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: b is None and h.dtype == torch.bfloat16)
-    monkeypatch.setattr(lse_partials, "native_partials", stand_in)
+    monkeypatch.setattr(cpu_partials, "native_applies", lambda h, w, b: b is None and h.dtype == torch.bfloat16)
+    monkeypatch.setattr(cpu_partials, "native_partials", stand_in)
     record_kernel_choice(KernelChoice(HEAD, True, 0.1, 0.2, "injected: measured faster"))
     hid, w, t = _operands(5, 90, 16)
     want = logprob_ref(hid, w, t)

@@ -15,8 +15,9 @@ from alignopsd.engine.generation import decode_cache as dc
 from alignopsd.engine.run import policy_builders as components
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.kernels import attention_native as an
-from alignopsd.kernels import bf16_gemm, head_gemm, lse_partials, native_choice
-from alignopsd.kernels.logprob import logprob, logprob_ref
+from alignopsd.kernels import native_choice
+from alignopsd.kernels.head import bf16_gemm, cpu_partials, gemm_choice, torch_tiles
+from alignopsd.kernels.head.logprob import logprob, logprob_ref
 from alignopsd.kernels.native_choice import ATTENTION, HEAD, HEAD_GEMM, recorded
 from test_attention_native import prefixed_cache
 
@@ -48,10 +49,10 @@ def head(monkeypatch):
 
     def stand_in(h, w, t, inv_t, vocab_start, need_u=True):
         calls.append(h.dtype)
-        return lse_partials.torch_partials(h, w, None, t, inv_t, vocab_start, need_u=need_u)
+        return torch_tiles.torch_partials(h, w, None, t, inv_t, vocab_start, need_u=need_u)
 
-    monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: b is None and h.dtype == torch.bfloat16)
-    monkeypatch.setattr(lse_partials, "native_partials", stand_in)
+    monkeypatch.setattr(cpu_partials, "native_applies", lambda h, w, b: b is None and h.dtype == torch.bfloat16)
+    monkeypatch.setattr(cpu_partials, "native_partials", stand_in)
     g = torch.Generator().manual_seed(0)
     hid = torch.randn(6, 32, generator=g).bfloat16()
     w = (torch.randn(90, 32, generator=g) * 0.2).bfloat16()
@@ -64,7 +65,7 @@ def test_head_kernel_taken_only_where_measured_faster(head, native_s, torch_s, t
     """An AMX Xeon (the kernel 211 GFLOP/s, the torch path 270): torch; an AVX512-BF16 CPU without AMX (410 against
     125): the kernel; a tie: torch. The log-probs are the same either way."""
     hid, w, t, calls = head
-    c = lse_partials.measure_head(hid, w, None, t, timer=_timer({"native": native_s, "torch_path": torch_s}))
+    c = cpu_partials.measure_head(hid, w, None, t, timer=_timer({"native": native_s, "torch_path": torch_s}))
     assert recorded(HEAD) is c and c.native is takes
     calls.clear()
     lp = logprob(hid, w, t, temperature=0.7)
@@ -146,12 +147,12 @@ def test_probe_states_each_kernel(monkeypatch):
     ]
     assert recorded(HEAD) is None and recorded(ATTENTION) is None and recorded(HEAD_GEMM) is None
     assert choose_cpu_kernels(_Config, torch.bfloat16, torch.device("meta")) == []  # not a CPU: nothing to choose
-    for mod in (lse_partials, an):
+    for mod in (cpu_partials, an):
         monkeypatch.setattr(mod, "why_not_ready", lambda: "this CPU has no AVX512-BF16")
-    monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: False)
+    monkeypatch.setattr(cpu_partials, "native_applies", lambda h, w, b: False)
     monkeypatch.setattr(an, "prefix_attention_applies", lambda *a: False)
-    monkeypatch.setattr(head_gemm, "gemm_applies", lambda h, w, b=None: False)
-    monkeypatch.setattr(head_gemm, "why_no_gemm", lambda: "no bf16 GEMM here")
+    monkeypatch.setattr(gemm_choice, "gemm_applies", lambda h, w, b=None: False)
+    monkeypatch.setattr(gemm_choice, "why_no_gemm", lambda: "no bf16 GEMM here")
     assert choose_cpu_kernels(_Config, torch.bfloat16) == [
         "head GEMMs: fp32 tiles (no bf16 GEMM here)",
         "head partials: torch path (this CPU has no AVX512-BF16)",
@@ -160,8 +161,8 @@ def test_probe_states_each_kernel(monkeypatch):
     native_choice.forget()
     monkeypatch.undo()
     monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
-    monkeypatch.setattr(lse_partials, "native_applies", lambda h, w, b: True)
-    monkeypatch.setattr(lse_partials, "native_partials", lambda h, w, t, inv_t, v0: None)
+    monkeypatch.setattr(cpu_partials, "native_applies", lambda h, w, b: True)
+    monkeypatch.setattr(cpu_partials, "native_partials", lambda h, w, t, inv_t, v0: None)
     monkeypatch.setattr(an, "prefix_attention_applies", lambda *a: True)
     monkeypatch.setattr(an, "prefix_attention", lambda *a: None)
     monkeypatch.setattr(native_choice, "best_seconds", _timer({"native": 0.004, "torch_path": 0.008}))

@@ -133,7 +133,7 @@ class ShardScoring:
         return RowLayout(False, can_pack=False)
 
     def _logprob(self, hidden_ND: Tensor, targets_N: Tensor, temperature: float, with_entropy: bool):
-        from alignopsd.kernels.logprob import logprob, logprob_vocab_parallel  # noqa: PLC0415
+        from alignopsd.kernels.head import logprob, logprob_vocab_parallel  # noqa: PLC0415
 
         weight = output_weight(self.model)
         if self.tp == 1:

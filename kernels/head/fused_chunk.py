@@ -1,4 +1,4 @@
-"""The per-chunk arithmetic of :func:`alignopsd.kernels.fused_loss.logprob_loss_and_grad`.
+"""The per-chunk arithmetic of :func:`alignopsd.kernels.head.fused_loss.logprob_loss_and_grad`.
 
 Legend: V = vocabulary size (or the local shard's size), H = hidden size, n = tokens of one chunk. A chunk's
 logits live transposed, as z [V, n] fp32; the helpers below fill it, reduce it to per-token statistics (combined
@@ -9,11 +9,11 @@ gradient into the hidden, weight and bias gradients. The algorithm is described 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from alignopsd.kernels.bf16_gemm import mm_bf16
+from alignopsd.kernels.head.bf16_gemm import mm_bf16
+from alignopsd.kernels.head.partials import all_reduce_partials
 from torch import Tensor
 
-__all__ = ["accumulate_grads", "all_reduce_partials", "combine_partials", "exp_sums", "fill_logits", "logits_grad"]
+__all__ = ["accumulate_grads", "combine_partials", "exp_sums", "fill_logits", "logits_grad"]
 
 
 def fill_logits(
@@ -141,13 +141,3 @@ def logits_grad(z, m, lse, c, ent_c, g_lp, g_ent, inv_t: float, blk: int) -> Ten
     else:
         z.mul_(-inv_t * g_lp * c)
     return z
-
-
-def all_reduce_partials(m, s, u, tz, hit, group):
-    """Combine per-rank partials across ``group`` (vocab parallel). Returns global (m, s, u, tz, hits)."""
-    m_g = m.clone()
-    dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
-    a = torch.exp(m - m_g)
-    packed = torch.stack([s * a, a * (u + s * (m - m_g)), tz, hit.float()])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return m_g, packed[0], packed[1], packed[2], packed[3]

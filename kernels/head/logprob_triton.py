@@ -4,7 +4,7 @@ forward kernel (partial online-logsumexp statistics per row tile and vocabulary 
 
 Legend: N = tokens (flattened), H = hidden size, V = vocabulary size (or the local shard's size), S = vocabulary
 splits of the forward grid. Launch configurations per GPU architecture, autotuning and roofline bounds:
-``tuning.py``.
+``kernels/tuning.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-from alignopsd.kernels._dispatch import HAS_TRITON, dot_precision, launch_reference, upcast_dots
-from alignopsd.kernels.lse_partials import combine_splits, torch_backward, torch_partials
+from alignopsd.kernels._dispatch import HAS_TRITON, dot_precision, upcast_dots
+from alignopsd.kernels.head.partials import combine_splits
+from alignopsd.kernels.head.torch_tiles import torch_partials
 from alignopsd.kernels.tuning import arch_of, default_config, launch_tuned, max_meta
 from torch import Tensor
 
@@ -212,68 +213,6 @@ def _lp_bwd_kernel(
                 dw,
                 mask=col_mask[:, None] & k_mask[None, :],
             )
-
-
-# launch references (alignopsd.testing.launches_on_host): each kernel's arguments and writes, by the torch path
-@launch_reference(_lp_fwd_kernel)
-def _lp_fwd_reference(
-    h, w, b, t, m, s, u, tz, N, V, H, stride_hn, stride_wv, inv_t, vocab_start, v_per_split, *, HAS_BIAS: bool, **_meta
-) -> None:
-    """Partials (m, s, u, tz) of every row over each vocabulary split ``[k * v_per_split, ...)``, into row k."""
-    for k, v0 in enumerate(range(0, V, v_per_split)):
-        v1 = min(V, v0 + v_per_split)
-        parts = torch_partials(h, w[v0:v1], b[v0:v1] if HAS_BIAS else None, t, inv_t, vocab_start + v0)
-        for out, part in zip((m, s, u, tz), parts):
-            out[k].copy_(part)
-
-
-@launch_reference(_lp_bwd_kernel)
-def _lp_bwd_reference(
-    h,
-    w,
-    b,
-    t,
-    lse,
-    ent,
-    glp,
-    gent,
-    dh,
-    dw,
-    db,
-    N,
-    V,
-    H,
-    stride_hn,
-    stride_wv,
-    inv_t,
-    vocab_start,
-    *,
-    HAS_BIAS: bool,
-    HAS_GENT: bool,
-    NEED_H: bool,
-    NEED_W: bool,
-    NEED_B: bool,
-    **_meta,
-) -> None:
-    """The gradients added into ``dh``/``dw``/``db`` (the kernel adds them atomically into zeroed buffers)."""
-    grads = torch_backward(
-        h,
-        w,
-        b if HAS_BIAS else None,
-        t,
-        inv_t,
-        vocab_start,
-        lse,
-        ent,
-        glp,
-        gent if HAS_GENT else None,
-        NEED_H,
-        NEED_W,
-        NEED_B,
-    )
-    for buf, g in zip((dh, dw, db), grads):
-        if g is not None:
-            buf.add_(g)
 
 
 def _num_splits(n_row_tiles: int, V: int, device: torch.device) -> int:

@@ -7,17 +7,17 @@ torch's CPU matmul has no bf16-input / fp32-output entry (``torch.mm(..., out_dt
 weight block to fp32 and multiply in fp32 ("fp32 tiles"): a copy of the block per use and the fp32 GEMM rate, a
 quarter of a bf16 GEMM's on a CPU with AMX. The BLAS that torch's x86 CPU builds carry has that entry,
 ``cblas_gemm_bf16bf16f32`` (bf16 A and B, fp32 C; its AVX2, AVX512-BF16 and AMX code paths multiply the bf16 values
-exactly and sum in fp32, the exactness of the C++ head kernel, ``lse_native.py``). :func:`mm_bf16` calls it on
+exactly and sum in fp32, the exactness of the C++ head kernel, ``cpu_partials.py``). :func:`mm_bf16` calls it on
 torch tensors; the head uses it for
 
-- the forward's logits tiles, ``z = W @ h.T`` (``fused_chunk.fill_logits``, ``lse_partials.torch_partials``): the
+- the forward's logits tiles, ``z = W @ h.T`` (``fused_chunk.fill_logits``, ``torch_tiles.torch_partials``): the
   same bf16 products as the fp32 tiles, summed in another order, so the log-probs move by fp32 rounding only;
 - the backward's two GEMMs, ``dH = gz.T @ W`` and ``dW += gz @ h`` (``fused_chunk.accumulate_grads``,
-  ``lse_partials.torch_backward``), with the logits gradient ``gz`` rounded to bf16 (the operand type of the
+  ``torch_tiles.torch_backward``), with the logits gradient ``gz`` rounded to bf16 (the operand type of the
   GEMM, as a bf16 autograd backward of the logits has it) and the weight gradient accumulated in fp32.
 
 The path is taken only where it was measured faster than the fp32 tiles, on this CPU, at the run's shapes
-(``head_gemm.measure_head_gemm``, ``native_choice.HEAD_GEMM``; a training run measures it before its first step),
+(``gemm_choice.measure_head_gemm``, ``native_choice.HEAD_GEMM``; a training run measures it before its first step),
 never because of a CPU flag; ``ALIGNOPSD_CPU_PATHS=torch`` keeps the fp32 tiles.
 :func:`gemm_ready` says whether it can run at all (torch built with that BLAS, a first call checked against an exact
 reference).

@@ -33,19 +33,22 @@ Paths
   vocabulary tiles) with fp32 atomic adds into d hidden / d W / d bias (not bitwise deterministic).
   Operands go to ``tl.dot`` in their own dtype with fp32 accumulation (exact fp32 for fp32
   inputs, like torch's default matmul); in interpreter mode they are cast to fp32 first.
-- torch (CPU default, in ``lse_partials.py``): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x
+- torch (CPU default, in ``torch_tiles.py``): the same algorithm in tiles of up to ``_TORCH_ROWS`` rows x
   ``_vocab_chunk(...)`` vocabulary entries, vocabulary outermost so every weight chunk is read (and, for bf16,
   upcast) once per sweep; peak extra memory is a few chunk-sized fp32 tiles. Its forward, for bf16 hidden
-  states and weight without a bias on a CPU with AVX512-BF16, runs in C++ instead (``lse_native.py``,
-  csrc/lm_head_bf16.cpp: bf16 products with fp32 accumulation, ~3x the fp32 tiles' rate); the backward stays here.
+  states and weight without a bias on a CPU with AVX512-BF16, runs in C++ instead where that was measured faster
+  (``cpu_partials.py``, csrc/lm_head_bf16.cpp: bf16 products with fp32 accumulation, ~3x the fp32 tiles' rate);
+  the backward stays on the torch tiles.
+- Which path a call takes is the kernels' one routing rule (``_dispatch.resolve_impl``, with the C++ forward as the
+  call's ``NativePath``).
 - ``logprob_ref``: plain fp32 torch (materialises the logits), the test oracle.
 
 Tuning constants. Torch path: tiles of up to 512 rows and clamp(N V / 32, 2^18, 2^21) fp32
-elements (1-8 MiB), see ``lse_partials._vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v]
+elements (1-8 MiB), see ``torch_tiles._vocab_chunk``. On a 2-core x86 CPU, fp32 matmuls of [rows, H] x [H, v]
 ran at 8-15 GFLOP/s for 256 x 1024 tiles and 20-30 GFLOP/s from 512 x 4096 up (H=576 and 3584); larger tiles
 gained nothing measurable and cost memory, smaller ones lost up to 2x.
 Triton: the configurations per GPU architecture, their autotuning and their roofline bounds are in
-``tuning.py``; ``python -m bench.kernel_compile`` checks that none spills registers on sm_80 / sm_90.
+``kernels/tuning.py``; ``python -m bench.kernel_compile`` checks that none spills registers on sm_80 / sm_90.
 
 Vocab-parallel (tensor parallel over the vocabulary, Megatron's
 ``vocab_parallel_cross_entropy`` convention): see :func:`logprob_vocab_parallel`.
@@ -56,16 +59,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from alignopsd.kernels._dispatch import resolve_impl
-from alignopsd.kernels.fused_chunk import all_reduce_partials
-from alignopsd.kernels.logprob_triton import triton_backward, triton_partials
-from alignopsd.kernels.lse_partials import (
-    check_lm_head_inputs,
-    check_target_range,
-    cpu_partials,
-    finish_partials,
-    torch_backward,
-    torch_partials,
-)
+from alignopsd.kernels.head.checks import check_lm_head_inputs, check_target_range
+from alignopsd.kernels.head.cpu_partials import cpu_partials, head_native
+from alignopsd.kernels.head.logprob_triton import triton_backward, triton_partials
+from alignopsd.kernels.head.partials import all_reduce_partials, finish_partials
+from alignopsd.kernels.head.torch_tiles import torch_backward
 from torch import Tensor
 
 __all__ = [
@@ -114,10 +112,8 @@ class _LogprobFn(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, inv_t, vocab_start, impl, group, reduce_grad_hidden, with_entropy):
         if impl == "triton":
             m, s, u, tz = triton_partials(hidden, weight, bias, targets, inv_t, vocab_start)
-        elif impl == "torch":  # forced: the torch tiles, even where the C++ bf16 forward applies
-            m, s, u, tz = torch_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
-        else:  # "cpu": the torch path's forward, in C++ where it applies
-            m, s, u, tz = cpu_partials(hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
+        else:  # "torch" (the torch tiles) or "cpp" (the C++ bf16 forward); the backward is the torch path's
+            m, s, u, tz = cpu_partials(impl, hidden, weight, bias, targets, inv_t, vocab_start, need_u=with_entropy)
         if group is not None:
             local = targets.long() - vocab_start
             hit = (local >= 0) & (local < weight.shape[0])
@@ -180,11 +176,11 @@ class _LogprobFn(torch.autograd.Function):
 
 def _run(hidden, weight, targets, bias, temperature, with_entropy, impl, vocab_start, group, reduce_grad_hidden):
     inv_t = check_lm_head_inputs(hidden, weight, targets, bias, temperature)
-    resolved = resolve_impl(impl, hidden, weight)
-    impl = "cpu" if impl == "auto" and resolved == "torch" else resolved  # "torch" given: the torch tiles only
     lead = hidden.shape[:-1]
     h_NH = hidden.reshape(-1, hidden.shape[-1])
     t_N = targets.reshape(-1)
+    native = head_native(h_NH, weight, bias, t_N, inv_t, vocab_start)
+    impl = resolve_impl(impl, hidden, weight, native=native)  # "torch" given: the torch tiles only
     logp, ent, _ = _LogprobFn.apply(
         h_NH, weight, bias, t_N, inv_t, vocab_start, impl, group, reduce_grad_hidden, with_entropy
     )
@@ -213,7 +209,8 @@ def logprob(
     Returns logp[...] fp32, and entropy[...] fp32 when ``with_entropy``. Differentiable w.r.t.
     hidden, weight and bias; the [N, V] logits are never materialised, forward or backward.
     ``impl``: "auto" (Triton on CUDA; elsewhere the torch path, whose forward runs in C++ for bf16 operands on a
-    CPU with AVX512-BF16) | "triton" | "torch" (the torch tiles only, never the C++ forward).
+    CPU with AVX512-BF16 where that was measured faster) | "triton" | "torch" (the torch tiles only, never the C++
+    forward) | "cpp" (the C++ forward, wherever it can run; the backward is the torch path's).
     """
     check_lm_head_inputs(hidden, weight, targets, bias, temperature)
     check_target_range(targets, 0, weight.shape[0])

@@ -2,8 +2,8 @@
 
 Legend: N = tokens (flattened), H = hidden size, V = vocabulary size, n = tokens of one chunk.
 
-Why a second entry beside :func:`alignopsd.kernels.logprob`
------------------------------------------------------------
+Why a second entry beside :func:`alignopsd.kernels.head.logprob`
+----------------------------------------------------------------
 ``logprob`` is an autograd function: its forward cannot know the gradient that will arrive
 for each token, so its backward must recompute every logits tile. That is four
 [N, H] x [H, V]-sized matmuls per training forward+backward where plain autograd runs three
@@ -52,9 +52,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from alignopsd.kernels.fused_chunk import accumulate_grads, combine_partials, exp_sums, fill_logits, logits_grad
-from alignopsd.kernels.head_gemm import takes_bf16_gemm
-from alignopsd.kernels.lse_partials import check_lm_head_inputs, check_target_range
+from alignopsd.kernels.head.checks import check_lm_head_inputs, check_target_range
+from alignopsd.kernels.head.fused_chunk import accumulate_grads, combine_partials, exp_sums, fill_logits, logits_grad
+from alignopsd.kernels.head.gemm_choice import takes_bf16_gemm
 from torch import Tensor
 
 __all__ = ["FusedTokenLoss", "fused_token_loss", "logprob_loss_and_grad"]

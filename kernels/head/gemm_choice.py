@@ -4,15 +4,16 @@ Legend: N = tokens, H = hidden size, V = vocabulary size, n = tokens of one chun
 the three GEMMs of one chunk of the fused loss (:func:`chunk_gemms`: the logits tile and the hidden and weight
 gradients, ``fused_chunk``'s own calls) on bf16 operands against fp32 tiles and records the faster as
 ``native_choice.HEAD_GEMM``; :func:`takes_bf16_gemm` is what the head's torch paths (``fused_loss``,
-``lse_partials``) ask, measuring on first use when nothing was recorded.
+``torch_tiles``) ask, measuring on first use when nothing was recorded.
 """
 
 from __future__ import annotations
 
 import torch
-from alignopsd.kernels.bf16_gemm import gemm_applies, why_no_gemm
-from alignopsd.kernels.fused_chunk import accumulate_grads, fill_logits
-from alignopsd.kernels.native_choice import HEAD_GEMM, KernelChoice, measure, takes_native
+from alignopsd.kernels._dispatch import NativePath, resolve_impl
+from alignopsd.kernels.head.bf16_gemm import gemm_applies, why_no_gemm
+from alignopsd.kernels.head.fused_chunk import accumulate_grads, fill_logits
+from alignopsd.kernels.native_choice import HEAD_GEMM, KernelChoice, measure
 from torch import Tensor
 
 __all__ = ["chunk_gemms", "measure_head_gemm", "takes_bf16_gemm"]
@@ -52,8 +53,11 @@ def measure_head_gemm(h_nH: Tensor, w_VH: Tensor, *, timer=None) -> KernelChoice
 
 
 def takes_bf16_gemm(h: Tensor, w: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether the head's GEMMs on these operands take ``bf16_gemm.mm_bf16``: it applies and the recorded choice says it
-    is faster (measured now on these operands, at most 256 of their rows, if nothing was recorded)."""
-    if not gemm_applies(h, w, bias):
-        return False
-    return takes_native(HEAD_GEMM, lambda: measure_head_gemm(h.reshape(-1, h.shape[-1])[:256], w))
+    """Whether the head's GEMMs on these operands take ``bf16_gemm.mm_bf16``: the kernels' routing
+    (``_dispatch.resolve_impl``) picks it where it applies and the recorded choice says it is faster (measured now on
+    these operands, at most 256 of their rows, if nothing was recorded). Independent of the entry's ``impl``: the
+    torch tiles take it too."""
+    gemm = NativePath(
+        gemm_applies(h, w, bias), HEAD_GEMM, lambda: measure_head_gemm(h.reshape(-1, h.shape[-1])[:256], w)
+    )
+    return resolve_impl("auto", native=gemm) == "cpp"
