@@ -58,6 +58,7 @@ __all__ = [
     "EstimatorPhases",
     "EstimatorSpec",
     "get_estimator",
+    "outcome_advantage",
     "rectify_inputs",
     "register_estimator",
     "rlsd_lambda",
@@ -258,8 +259,9 @@ def get_estimator(name: str | EstimatorName) -> EstimatorSpec:
 # --------------------------------------------------------------------------------------------------- shared pieces
 
 
-def _outcome_advantage(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """(A [M] per-turn GRPO advantage (§3.1), r [M] invalid residual (§3.10) or zeros, metrics)."""
+def outcome_advantage(inp: EstimatorInputs, cfg: EstimatorConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """(A [M] per-turn GRPO advantage (§3.1), r [M] invalid residual (§3.10) or zeros, metrics): the outcome part of
+    every outcome-based estimator, whose token advantage is mask · (A · w + r) with its own weights w (GRPO: w ≡ 1)."""
     A = grpo_advantage(inp.outcome, inp.task, inp.rollout, scope=cfg.grpo_scope, norm_by_std=cfg.norm_by_std)
     A = A.to(inp.old_logp.device)
     if cfg.use_invalid_penalty and inp.invalid is not None:
@@ -303,7 +305,7 @@ def rlsd_lambda(step: int, *, lambda_init: float, decay_steps: int) -> float:
 @register_estimator(EstimatorName.GRPO, outcome_scaled=True)
 def _grpo(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """GRPO: Â = mask · (A + r), the outcome advantage plus the invalid residual; no teacher pass."""
-    A, r, metrics = _outcome_advantage(inp, cfg)
+    A, r, metrics = outcome_advantage(inp, cfg)
     return EstimatorOutput(_finish((A + r)[:, None].expand_as(inp.old_logp), inp), metrics=metrics)
 
 
@@ -311,7 +313,7 @@ def _grpo(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
 def _sdar(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """SDAR: GRPO plus the §2.10 auxiliary (diagonal teacher, gate from the current policy)."""
     inp.require("diag")
-    A, r, metrics = _outcome_advantage(inp, cfg)
+    A, r, metrics = outcome_advantage(inp, cfg)
     sdar = cfg.section("sdar")
     aux = [AuxTerm("sdar", inp.diag, coef=sdar.coef, beta=sdar.beta)]  # type: ignore[arg-type]
     gap = _teacher_gap(inp)[inp.mask.bool()]
@@ -341,7 +343,7 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     Â = mask · (A · ((1 − λ_mix) + λ_mix · m / mean_step(m)) + r). Multipliers are positive, so the sign
     of A is preserved, and each turn's token-sum of A-credit equals A · N_u.
     """
-    A, r, metrics = _outcome_advantage(inp, cfg)
+    A, r, metrics = outcome_advantage(inp, cfg)
     delta = _teacher_gap(inp)
     mf = inp.mask_f
     opsd = cfg.section("opsd")
@@ -359,7 +361,7 @@ def _grpo_opsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
 @register_estimator(EstimatorName.RLSD, needs_teacher_diag=True, outcome_scaled=True, settings=RlsdConfig)
 def _rlsd(inp: EstimatorInputs, cfg: EstimatorConfig) -> EstimatorOutput:
     """RLSD: Â = mask · (A·((1−λ) + λ·clip(exp(sign(A)·Δ), lo, hi)) + r), Δ = ℓ^diag − ℓ^old, λ decayed to 0."""
-    A, r, metrics = _outcome_advantage(inp, cfg)
+    A, r, metrics = outcome_advantage(inp, cfg)
     delta = _teacher_gap(inp)
     rlsd = cfg.section("rlsd")
     lam = rlsd_lambda(inp.step, lambda_init=rlsd.lambda_init, decay_steps=rlsd.decay_steps)

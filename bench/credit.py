@@ -51,6 +51,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
+from alignopsd.engine.config.cases import ESTIMATOR_CASES
 from alignopsd.engine.observe.progress import time_left
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,16 +92,8 @@ ENV_BASE: dict[str, list[str]] = {
     ],
 }
 
-CASES: dict[str, list[str]] = {
-    "grpo": ["algorithm.estimator=grpo"],
-    "opsd": ["algorithm.estimator=opsd"],
-    "grpo_opsd": ["algorithm.estimator=grpo_opsd"],
-    "sdar": ["algorithm.estimator=sdar"],
-    "rlsd": ["algorithm.estimator=rlsd"],
-    "alignopsd_m1": ["algorithm.estimator=alignopsd_m1"],
-    **{f"alignopsd_{ab}": ["algorithm.estimator=alignopsd", f"algorithm.ablation={ab}"] for ab in "ABCD"},
-    "alignopsd": ["algorithm.estimator=alignopsd", "algorithm.ablation=E"],
-}
+CASES: dict[str, list[str]] = {k: list(v) for k, v in ESTIMATOR_CASES.items()}  # the engine's estimator cases
+
 # Sizing. The earlier benchmark's 110 runs of 12 steps took 1,358 CPU s on 2 otherwise idle cores (11.4 min;
 # bench/results/credit-2026-12-02.md): ~1.0 CPU s per run-step, ~0.5 s per run to build it. Here one command
 # also builds the reader: the second recipe's 1,400 AdamW steps took 298 s with the heavy-job slot held alone

@@ -31,53 +31,16 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from statistics import mean
 
-# two-sided 95 % quantiles of Student's t, df = 1..30 (df > 30: 1.96)
-_T95 = (
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-)
+from alignopsd.engine.observe import intervals
+
 TARGET = 0.8
 
 
 def mean_ci(xs: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95 % t-interval); half-width nan with fewer than 2 values."""
-    vals = [float(x) for x in xs if x is not None and not math.isnan(float(x))]
-    if not vals:
-        return float("nan"), float("nan")
-    m = mean(vals)
-    if len(vals) < 2:
-        return m, float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1))
-    t = _T95[len(vals) - 2] if len(vals) - 1 <= len(_T95) else 1.96
-    return m, t * sd / math.sqrt(len(vals))
+    """(mean, half-width of the 95 % t-interval); half-width nan with fewer than 2 values (the engine's
+    ``observe.intervals.mean_ci``)."""
+    m, h, _ = intervals.mean_ci(xs)
+    return m, h
 
 
 def steps_to(curve: Sequence[float], target: float = TARGET) -> float:

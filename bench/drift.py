@@ -25,7 +25,8 @@ decisions) from its committed results (:data:`NO_DRIFT`), so both families are r
 
 Run setup (fixed before the first comparison; ``credit.ENV_BASE["credit_drift"]`` after ``credit.BASE``): 2 tasks
 per seed (one of each kind), both in every step, G = 4, at most 16 turns, 2 turns of history in the prompt, γH = 0.7
-(the paper's default; the sensitivity spans 0.6-0.8), everything else as in ``credit_rules``.
+(the code default 0.70; the paper's Table 6 uses 0.80; the sensitivity spans 0.6-0.8), everything else as in
+``credit_rules``.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def _cpu_s(c0, c1) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.drift_report import write_results
-    from bench.provenance import commit_line
+    from bench.provenance import commit_line, machine
 
     a = parse_args(argv)
     if a.render:  # the same runs read again (a report fixed after the run): the file says when
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.drift: {exc}", file=sys.stderr)
             return 2
         commit, load0, w0, c0 = commit_line(), os.getloadavg(), time.perf_counter(), os.times()
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         seeds = list(range(a.seeds))
         recipes = [reader_recipe(s, a.reader_steps) for s in range(a.readers)]
         with credit.worker_pool(a.jobs) as pool:
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "argv": ["python -m bench.drift", *(argv if argv is not None else sys.argv[1:])],
         "commit": commit,
+        "date": date,
+        "cpu": "{}; flags: {}".format(*machine()),
         "wall_s": time.perf_counter() - w0,
         "load_before": load0,
         "load_after": os.getloadavg(),

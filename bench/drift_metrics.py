@@ -9,8 +9,8 @@ played in (bench/credit_drift.py: ``decision``, ``goal``, ``decisive``). From th
 * **Mechanism 1's matches against the ground truth**: Σ ω over the selected (source, target) pairs whose source
   turn plays the same functional decision as the target (``truth.decision``), over Σ ω of all selected pairs
   (match precision), on every target and on decisive targets; the off-turn match weight of ALGORITHM.md §4.3
-  recomputed from the same records (Σ_t Σ_j ω_j·1[turn(s_j) ≠ turn(t)] / #matched targets) beside the share of
-  matched targets (coverage);
+  recomputed from the same records (Σ_t Σ_j ω_j·1[turn(s_j) ≠ turn(t)] / #matched targets), on every target and on
+  decisive targets, beside the share of matched targets (coverage);
 * **groups without signal**: the share of (step, task) groups whose siblings all had the same outcome (all won
   or all lost: the outcome advantage is zero there, whatever the credit's allocation);
 * **where the credit went**: the share of |advantage| on decisive turns, in won and in lost episodes apart;
@@ -19,11 +19,17 @@ played in (bench/credit_drift.py: ``decision``, ``goal``, ``decisive``). From th
 
 :func:`premise_tallies` sums one run's records (they pool over runs by adding), :func:`premise_metrics` turns the
 sums into the numbers of the premise.
+
+The statistics the report's comparisons are read with sit at the end: Holm's adjustment over the family of
+comparisons (:func:`holm`), the resolution of the area under the success curve (:func:`auc_resolution`) and the
+rule that calls a difference separated only when its interval clears 0 by more than that resolution
+(:func:`separated`). The sign test is ``bench.credit_metrics.sign_test_p`` (two-sided, exact, ties dropped).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -95,6 +101,7 @@ def premise_tallies(records: Iterable[dict]) -> dict[str, list | float]:
             if dec:
                 t["omega_dec"] += w
                 t["omega_same_dec"] += w * same
+                t["omega_off_dec"] += w * off
     out.update(t)
     return out
 
@@ -129,6 +136,8 @@ def premise_metrics(t: dict) -> dict[str, float]:
         "displacement_mean": _ratio(sum(disp), len(disp)),
         "displacement_pairs": float(len(disp)),
         "off_turn_weight": _ratio(g("omega_off", 0.0), g("matched", 0.0)),
+        # nan for records tallied before ``omega_off_dec`` existed (bench/results/drift-2026-12-06.json)
+        "off_turn_weight_decisive": _ratio(g("omega_off_dec", math.nan), g("matched_decisive", 0.0)),
         "coverage": _ratio(g("matched", 0.0), g("targets", 0.0)),
         "match_precision": _ratio(g("omega_same", 0.0), g("omega", 0.0)),
         "match_precision_decisive": _ratio(g("omega_same_dec", 0.0), g("omega_dec", 0.0)),
@@ -139,3 +148,35 @@ def premise_metrics(t: dict) -> dict[str, float]:
         "true_span_mean": _ratio(sum(true_sp), len(true_sp)),
         "learned_span_mean": _ratio(sum(learned), len(learned)),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# statistics of the comparisons (bench/drift_report.py)
+
+
+def holm(pvalues: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values (``{comparison: p}``, the same keys back): the i-th
+    smallest of m is multiplied by m - i + 1, made monotone in that order and capped at 1. Controls the family-wise
+    error rate over every comparison of the family, whatever their dependence."""
+    order = sorted(pvalues, key=lambda k: pvalues[k])
+    m, run, out = len(order), 0.0, {}
+    for i, k in enumerate(order):
+        run = max(run, min(1.0, (m - i) * float(pvalues[k])))
+        out[k] = run
+    return out
+
+
+def auc_resolution(episodes_per_step: int, steps: int) -> float:
+    """The smallest change of one run's area under the success curve: one episode of one step, 1 / (episodes per
+    step × steps) (the batch success of a step is a fraction of its episodes; the area is its mean over steps)."""
+    if episodes_per_step < 1 or steps < 1:
+        raise ValueError(f"episodes_per_step, steps: must be >= 1, got {episodes_per_step}, {steps}")
+    return 1.0 / (episodes_per_step * steps)
+
+
+def separated(lo: float, hi: float, resolution: float) -> bool | None:
+    """Whether an interval [lo, hi] of a difference excludes 0 by more than the metric's ``resolution`` (a bound
+    within one resolution unit of 0 is one episode's worth: not a separation); None when the interval is nan."""
+    if math.isnan(lo) or math.isnan(hi):
+        return None
+    return lo > resolution or hi < -resolution

@@ -4,6 +4,8 @@
     alignopsd eval    --config FILE [--checkpoint DIR] [--json FILE]
     alignopsd profile --config FILE [--steps N] [--estimators grpo,alignopsd] [--json FILE]
     alignopsd compare --config FILE --steps N [--estimators grpo,alignopsd] [--seeds 3] [--eval-every K] [--out DIR]
+    alignopsd ablate  --config FILE [--checkpoint DIR] [--estimators grpo,alignopsd_A,...,alignopsd] [--batches N]
+                      [--out FILE]   (every estimator's update from one point on the same batches)
     alignopsd sft     --config FILE [--out DIR] [--steps N] [--easy-games] [--pipeline] [--warm-start DIR]
     alignopsd games   alfworld --n 120 --out DIR [--seed S] [--split train]
     alignopsd games   webshop --out DIR [--seed S] [--products N] [--goals N]
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("train", "eval", "profile", "compare", "sft", "games", "serve-retriever", "memory", "plan")
+COMMANDS = ("train", "eval", "profile", "compare", "ablate", "sft", "games", "serve-retriever", "memory", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         from alignopsd.engine.commands.profile import main as run
     elif cmd == "compare":
         from alignopsd.engine.commands.compare import main as run
+    elif cmd == "ablate":
+        from alignopsd.engine.commands.ablate import main as run
     elif cmd == "sft":
         from alignopsd.engine.commands.sft import main as run
     elif cmd == "games":

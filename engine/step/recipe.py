@@ -77,17 +77,8 @@ def _step(parts: Components, step: int) -> StepOutput:
     metrics: dict[str, float] = {}
 
     # 1. rollout -------------------------------------------------------------------------------------------------
-    tasks = tasks_for_step(
-        parts.train_tasks, step, cfg.env.tasks_per_step, cfg.trainer.seed, parts.rank, parts.world_size
-    )
-    seed = step_seed(cfg.trainer.seed, step, parts.rank)
-    teacher_prompts = phases.alignment or phases.teacher_diag
-    # once per tensor-parallel group, the group's other ranks receive the batch (engine/step/group_sampling.py)
-    batch, roll_metrics = group_rollout(
-        parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=False, teacher_prompts=teacher_prompts)
-    )
+    batch, roll_metrics = rollout_batch(parts, step, teacher_prompts=phases.alignment or phases.teacher_diag)
     metrics.update(roll_metrics)
-    parts.release_generation()  # scoring and training follow: the engine sleeps until the teacher pass or the sync
     if cfg.trainer.skip_no_signal and _skip_everywhere(parts, no_signal(cfg, parts.estimator, batch)):
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
         metrics.update({"update/skipped": same(1.0), "update/zero_advantage": same(1.0), "actor/loss": same(0.0)})
@@ -96,27 +87,13 @@ def _step(parts: Components, step: int) -> StepOutput:
         metrics.update(prof.end_step())
         return StepOutput(metrics=metrics)
 
-    # 2. canonical turns ---------------------------------------------------------------------------------------------
-    canon = canonicalize(batch.task.tolist(), batch.rollout.tolist(), batch.turn.tolist())
-    cb = batch.select(canon.first_row)  # canonical batch, M rows in identity order
-    metrics["batch/rows"] = summed(batch.size)
-    metrics["batch/turns"] = summed(cb.size)
-
-    # 3-4. old and reference log-probs ---------------------------------------------------------------------------
-    old_logp, ref_logp, lp_metrics = logprob_phase(parts, cb)
-    metrics.update(lp_metrics)
-
-    # 5. teacher pass (only what the estimator declares) -----------------------------------------------------------
-    m1 = None
-    if phases.alignment:
-        # teacher generation and encoding once per tensor-parallel group
-        m1, m1_metrics = mechanism1(group_sampling(parts), cb)
-        metrics.update(m1_metrics)
-    elif phases.teacher_diag:
-        m1 = teacher_diagonal(parts, cb)
+    # 2-5. canonical turns, old and reference log-probs, teacher pass --------------------------------------------
+    scored, score_metrics = score_batch(parts, batch, phases)
+    metrics.update(score_metrics)
+    cb, old_logp, ref_logp, m1 = scored.cb, scored.old_logp, scored.ref_logp, scored.m1
 
     # 6. advantages ----------------------------------------------------------------------------------------------
-    est_out, span_lengths, est_metrics = estimate(parts, cb, old_logp, m1, step, phases, canon.counts)
+    est_out, span_lengths, est_metrics = estimate(parts, cb, old_logp, m1, step, phases, scored.counts)
     metrics.update(est_metrics)
     regions = None
     if est_out.rectified is not None or parts.audit is not None:  # shared by the region metrics and the audit
@@ -128,7 +105,7 @@ def _step(parts: Components, step: int) -> StepOutput:
 
     # audit records (§4.3 "Audit"): reads the step's tensors, draws no random numbers, never raises
     if parts.audit is not None:
-        metrics.update(parts.audit.record(step + 1, cb, canon.counts, old_logp, adv_ML, est_out, m1, regions))
+        metrics.update(parts.audit.record(step + 1, cb, scored.counts, old_logp, adv_ML, est_out, m1, regions))
 
     # 7. update --------------------------------------------------------------------------------------------------
     with prof.phase("update"):
@@ -141,6 +118,57 @@ def _step(parts: Components, step: int) -> StepOutput:
             parts.sync_weights()
     metrics.update(prof.end_step())
     return StepOutput(metrics=metrics, span_lengths=span_lengths)
+
+
+def rollout_batch(parts: Components, step: int, *, teacher_prompts: bool) -> tuple[TurnBatch, dict[str, float]]:
+    """The turn batch of training step ``step`` (0-based) and its rollout metrics: the step's tasks and sampling seed
+    (engine/step/episodes.py: fixed by the run's seed, the step and the rank), played once per tensor-parallel group
+    (the group's other ranks receive it); ``teacher_prompts``: also build the privileged prompts of the teacher pass.
+    The generation engine sleeps afterwards, until the teacher pass or the weight sync."""
+    cfg = parts.cfg
+    tasks = tasks_for_step(
+        parts.train_tasks, step, cfg.env.tasks_per_step, cfg.trainer.seed, parts.rank, parts.world_size
+    )
+    seed = step_seed(cfg.trainer.seed, step, parts.rank)
+    # once per tensor-parallel group, the group's other ranks receive the batch (engine/step/group_sampling.py)
+    batch, metrics = group_rollout(
+        parts, lambda: rollout_phase(parts, tasks, seed=seed, validation=False, teacher_prompts=teacher_prompts)
+    )
+    parts.release_generation()  # scoring and training follow: the engine sleeps until the teacher pass or the sync
+    return batch, metrics
+
+
+@dataclass
+class ScoredBatch:
+    """A batch's canonical turns and what the model passes computed of them: what an estimator reads of a step.
+
+    cb: the canonical batch, M rows in identity order (§1.2); counts: [M] rows per canonical turn; old_logp,
+    ref_logp: [M, L] student and reference log-probs (ref None without the KL term); m1: the teacher pass's result
+    (None where no phase asked for one)."""
+
+    cb: TurnBatch
+    counts: Tensor
+    old_logp: Tensor
+    ref_logp: Tensor | None
+    m1: M1Result | None
+
+
+def score_batch(parts: Components, batch: TurnBatch, phases: EstimatorPhases) -> tuple[ScoredBatch, dict[str, float]]:
+    """Canonical turns, old and reference log-probs and the teacher pass that ``phases`` declare (Mechanism 1 with
+    alignment, else the teacher diagonal where asked), with their metrics."""
+    canon = canonicalize(batch.task.tolist(), batch.rollout.tolist(), batch.turn.tolist())
+    cb = batch.select(canon.first_row)  # canonical batch, M rows in identity order
+    metrics: dict[str, float] = {"batch/rows": summed(batch.size), "batch/turns": summed(cb.size)}
+    old_logp, ref_logp, lp_metrics = logprob_phase(parts, cb)
+    metrics.update(lp_metrics)
+    m1 = None
+    if phases.alignment:
+        # teacher generation and encoding once per tensor-parallel group
+        m1, m1_metrics = mechanism1(group_sampling(parts), cb)
+        metrics.update(m1_metrics)
+    elif phases.teacher_diag:
+        m1 = teacher_diagonal(parts, cb)
+    return ScoredBatch(cb, canon.counts, old_logp, ref_logp, m1), metrics
 
 
 def logprob_phase(parts: Components, cb: TurnBatch) -> tuple[Tensor, Tensor | None, dict[str, float]]:
@@ -194,28 +222,8 @@ def estimate(
     before the estimator runs, and the span indices made global after it (engine/step/whole_batch.py), so the
     spans, budgets and token advantages are exactly those of the whole batch on one rank. Under tensor
     parallelism the group's first rank runs the estimator and the others receive its output."""
-    m1 = m1 or M1Result()
-    dev = parts.device  # the estimator runs where the model is: on CUDA the core reaches the Triton kernels
-
-    def on(x: Tensor | None) -> Tensor | None:
-        return x.to(dev) if x is not None else None
-
-    inputs = EstimatorInputs(
-        old_logp=on(old_logp),
-        mask=on(cb.response_mask.bool()),
-        outcome=on(cb.outcome.float()),
-        task=on(cb.task),
-        rollout=on(cb.rollout),
-        turn=on(cb.turn),
-        invalid=on(~cb.action_valid.bool()),
-        diag=on(m1.diag),
-        cross=on(m1.cross),
-        pairs=on(m1.pairs),
-        H=on(m1.H),
-        eligible=on(m1.eligible),
-        copies=on(counts),
-        step=step,
-    )
+    inputs = estimator_inputs(parts, cb, old_logp, m1, step, counts)
+    dev = parts.device
     credit_cfg, dp = parts.cfg.algorithm.credit, (parts.rank, parts.world_size, parts.dp_group)
 
     def decide() -> EstimatorOutput:
@@ -242,6 +250,35 @@ def estimate(
         if ids.numel():
             spans = [int(x) for x in torch.bincount(ids).tolist() if x > 0]
     return out, spans, metrics
+
+
+def estimator_inputs(
+    parts: Components, cb: TurnBatch, old_logp: Tensor, m1: M1Result | None, step: int, counts: Tensor
+) -> EstimatorInputs:
+    """The estimator's inputs of a canonical batch, on the policy's device: on CUDA the core reaches the Triton
+    kernels. ``m1``: the teacher pass's result (None: no teacher pass); ``counts``: [M] rows per canonical turn."""
+    m1 = m1 or M1Result()
+    dev = parts.device
+
+    def on(x: Tensor | None) -> Tensor | None:
+        return x.to(dev) if x is not None else None
+
+    return EstimatorInputs(
+        old_logp=on(old_logp),
+        mask=on(cb.response_mask.bool()),
+        outcome=on(cb.outcome.float()),
+        task=on(cb.task),
+        rollout=on(cb.rollout),
+        turn=on(cb.turn),
+        invalid=on(~cb.action_valid.bool()),
+        diag=on(m1.diag),
+        cross=on(m1.cross),
+        pairs=on(m1.pairs),
+        H=on(m1.H),
+        eligible=on(m1.eligible),
+        copies=on(counts),
+        step=step,
+    )
 
 
 def no_signal(cfg: RunConfig, spec: EstimatorSpec, batch: TurnBatch) -> bool:

@@ -18,7 +18,9 @@ Ground truth. :func:`decisive_turns` gives a task's decisive turns (fixed by the
 the true decision spans cut the trajectory before every decisive turn (:func:`true_boundaries`: the decisive
 turns other than turn 0), so each span runs from one decisive turn to the next. The environment reports both in
 its info: ``decisive`` (the turn just played was decisive), ``span_start`` (it opened a true decision span) and
-``decisive_turns`` (the whole episode's list). Everything is deterministic given the task.
+``decisive_turns`` (the whole episode's list); and, for the state the next turn is played in, ``truth``
+(``decisive``, ``span_start``), which the engine's rows carry per turn (engine/envs/base.py). Everything is
+deterministic given the task.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ class CreditEnv:
         if played is not None:
             info["decisive"] = played in turns
             info["span_start"] = played in true_boundaries(self.task)
+        if not self.done:  # the ground truth of the state the next turn is played in (the rows carry it per turn)
+            info["truth"] = {"decisive": self.t in turns, "span_start": self.t in true_boundaries(self.task)}
         return info
 
     def reset(self, task: TaskSpec, seed: int) -> tuple[str, dict[str, Any]]:
