@@ -351,8 +351,10 @@ def _rl_stage(rl_cfg: RunConfig, games, stages: StageLog, stream, *, dist, chose
 def pipeline_estimate(cfg: RunConfig, args) -> str:
     """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
     (engine/commands/estimate.py)."""
+    import torch
     from alignopsd.engine.commands.estimate import cpu_profile_line, estimate_pipeline, format_estimate
     from alignopsd.engine.cost.model_shapes import resolve_shape
+    from alignopsd.engine.parallel.load import busy_line
     from alignopsd.engine.run.calibration import calibrate_phases
     from alignopsd.engine.run.process import pick_device
 
@@ -364,7 +366,11 @@ def pipeline_estimate(cfg: RunConfig, args) -> str:
     )
     if args.warm_start:  # given: not trained here
         stages = [s for s in stages if s.name != "warm start"]
-    return "\n".join([cpu_profile_line(cfg.model.dtype, device.type), format_estimate(stages, rates)])
+    lines = [cpu_profile_line(cfg.model.dtype, device.type), format_estimate(stages, rates)]
+    busy = busy_line(torch.get_num_threads()) if device.type == "cpu" else None  # the run's threads (process_settings)
+    if busy:  # the calibration ran under the same load; a load that comes or goes after it is not in the estimate
+        lines.append(f"{busy}; the estimate's calibration ran under this load")
+    return "\n".join(lines)
 
 
 def add_sft_args(p: argparse.ArgumentParser) -> None:

@@ -103,6 +103,8 @@ def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
         )
     if attempt.rank == 0:
         print(cfg.dtype_line(), flush=True)
+        if busy := machine_busy(cfg):
+            print(busy, flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         trainer = Trainer(cfg)
@@ -134,3 +136,16 @@ def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def machine_busy(cfg: RunConfig) -> str | None:
+    """The line that names a busy machine (engine/parallel/load.py) for a CPU run: its ranks on this machine
+    (``LOCAL_WORLD_SIZE``) times their threads (``trainer.torch_threads``, else torch's)."""
+    import torch
+    from alignopsd.engine.parallel.hardware import device_type
+    from alignopsd.engine.parallel.load import busy_line
+
+    if device_type(cfg.trainer.device) != "cpu":
+        return None
+    threads = cfg.trainer.torch_threads or torch.get_num_threads()
+    return busy_line(threads * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
