@@ -168,6 +168,29 @@ def format_estimate(stages: list[Stage], r: PhaseRates) -> str:
     return "\n".join(lines)
 
 
+def peak_memory_line(
+    cfg: RunConfig, shape: ModelShape, dtype: torch.dtype, tokens: int, process_bytes: int, *, reference: bool
+) -> str:
+    """The expected peak resident memory of the run's training stages, said beside the time: the process as it stands
+    (``process_bytes``: libraries, tokenizer, what the calibration left), the policy's weights, gradients and AdamW
+    moments (fp32 masters too for a low-precision model; a LoRA policy's base weights only), the reference model
+    (``reference``: the estimator reads one and the policy is not LoRA) and one micro-batch's activations
+    (``tokens`` positions at ``ModelShape.activation_bytes_per_token``). The update's peak; the other phases stay
+    below it (measured: bench/results/memory-2026-12-07.md)."""
+    b = torch.empty((), dtype=dtype).element_size()
+    lora = cfg.model.lora.enabled
+    policy = shape.params * (b if lora else b + b + 8 + (4 if b < 4 else 0))
+    ref = shape.params * b if reference and not lora else 0
+    act = tokens * shape.activation_bytes_per_token(b)
+    gib = float(1 << 30)
+    total = process_bytes + policy + ref + act
+    return (
+        f"[estimate] peak resident memory: ~{total / gib:.1f} GiB (the process {process_bytes / gib:.1f}, the policy's "
+        f"weights, gradients and optimizer {policy / gib:.1f}, the reference {ref / gib:.1f}, a micro-batch's "
+        f"activations {act / gib:.1f}: {tokens} positions)"
+    )
+
+
 def _mmss(s: float) -> str:
     m = int(math.floor(s / 60))
     return f"{m}m{int(round(s - 60 * m)):02d}s" if m else f"{s:.0f}s"

@@ -130,7 +130,7 @@ def warm_start(
 ) -> Path:
     """The warm start of a built policy (engine/run/warm_start.py): expert examples of ``cfg``'s training games,
     ``steps`` supervised steps, the checkpoint in ``out_dir`` (written where ``write``; every rank gathers)."""
-    from alignopsd.engine.run.policy_builders import micro_batch_tokens, policy_placement
+    from alignopsd.engine.run.policy_builders import micro_batch_tokens, policy_placement, shape_of
     from alignopsd.engine.run.warm_start import save_warm_start, train_supervised
 
     stream = stream if stream is not None else sys.stdout
@@ -147,7 +147,7 @@ def warm_start(
         seed=cfg.trainer.seed,
         fused=cfg.trainer.fused_head_loss,
         stream=stream,
-        token_budget=micro_batch_tokens(cfg, policy.hf_config, *policy_placement(policy)),
+        token_budget=micro_batch_tokens(cfg, shape_of(policy.hf_config, cfg.model.name), *policy_placement(policy)),
     )
     meta = {
         "steps": steps,
@@ -352,21 +352,34 @@ def pipeline_estimate(cfg: RunConfig, args) -> str:
     """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
     (engine/commands/estimate.py)."""
     import torch
-    from alignopsd.engine.commands.estimate import cpu_profile_line, estimate_pipeline, format_estimate
+    from alignopsd.engine.commands.estimate import (
+        cpu_profile_line,
+        estimate_pipeline,
+        format_estimate,
+        peak_memory_line,
+    )
     from alignopsd.engine.cost.model_shapes import resolve_shape
+    from alignopsd.engine.models.loading import parse_dtype
+    from alignopsd.engine.observe.memory import rss_bytes
     from alignopsd.engine.parallel.load import busy_line
     from alignopsd.engine.run.calibration import calibrate_phases
+    from alignopsd.engine.run.policy_builders import micro_batch_tokens
     from alignopsd.engine.run.process import pick_device
+
+    from alignopsd.estimators import get_estimator
 
     device = pick_device(cfg)
     games = easy_games_root(cfg, generate=False)[1] if args.easy_games else 0
     rates = calibrate_phases(cfg, device)  # the warm start's step runs the update's calibrated paths
-    stages = estimate_pipeline(
-        cfg, resolve_shape(cfg.model.name), rates, steps=args.steps, batch=args.batch_size, games=games
-    )
+    shape = resolve_shape(cfg.model.name)
+    stages = estimate_pipeline(cfg, shape, rates, steps=args.steps, batch=args.batch_size, games=games)
     if args.warm_start:  # given: not trained here
         stages = [s for s in stages if s.name != "warm start"]
+    dtype = parse_dtype(cfg.model.dtype, device)
+    tokens = micro_batch_tokens(cfg, shape, dtype, device)
+    ref = get_estimator(cfg.algorithm.estimator).phases(cfg.algorithm).ref
     lines = [cpu_profile_line(cfg.model.dtype, device.type), format_estimate(stages, rates)]
+    lines.append(peak_memory_line(cfg, shape, dtype, tokens, rss_bytes() or 0, reference=ref))
     busy = busy_line(torch.get_num_threads()) if device.type == "cpu" else None  # the run's threads (process_settings)
     if busy:  # the calibration ran under the same load; a load that comes or goes after it is not in the estimate
         lines.append(f"{busy}; the estimate's calibration ran under this load")

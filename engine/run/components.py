@@ -26,7 +26,7 @@ from alignopsd.engine.parallel.hardware import int8_sampling
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
-from alignopsd.engine.run.policy_builders import build_policy, hf_model_of, micro_batch_tokens
+from alignopsd.engine.run.policy_builders import build_policy, hf_model_of, micro_batch_tokens, shape_of
 from alignopsd.engine.step.components import Components
 from alignopsd.engine.step.rescoring import Rescorer
 from torch import nn
@@ -197,7 +197,8 @@ def build_components(
     phases = est.phases(cfg.algorithm)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     policy = build_policy(cfg, device, world_size, rows=rows)
-    tokens = micro_batch_tokens(cfg, policy.hf_config, parse_dtype(cfg.model.dtype, device), device)
+    shape = shape_of(policy.hf_config, cfg.model.name)
+    tokens = micro_batch_tokens(cfg, shape, parse_dtype(cfg.model.dtype, device), device)
     generator = build_generator(cfg, policy, tokenizer, device)
     env, train_tasks, val_tasks = build_env(cfg)
     rescorer = build_rescorer(cfg, policy, device, generator)

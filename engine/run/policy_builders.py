@@ -22,7 +22,7 @@ import torch
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.config.errors import ConfigError
 from alignopsd.engine.config.schema import RunConfig
-from alignopsd.engine.cost.model_shapes import shape_from_hf_config
+from alignopsd.engine.cost.model_shapes import ModelShape, shape_from_hf_config
 from alignopsd.engine.models.loading import load_causal_lm, parse_dtype, resolve_model_path
 from alignopsd.engine.observe.memory import GIB
 from alignopsd.engine.policy.base import PolicyBackend, RowLayout
@@ -106,7 +106,13 @@ def start_rows(rows: RowLayout, taken: RowsChoice | None) -> None:
 CPU_ACTIVATION_GIB = 1.5  # trainer.activation_memory_gib auto on a CPU (see its docstring)
 
 
-def micro_batch_tokens(cfg: RunConfig, hf_config, dtype: torch.dtype, device: torch.device) -> int:
+def shape_of(hf_config, name: str) -> ModelShape:
+    """The cost model's shape of a loaded model (its Hugging Face config)."""
+    conf = hf_config.to_dict()
+    return shape_from_hf_config(conf.get("text_config", conf), name, "the loaded model's config")
+
+
+def micro_batch_tokens(cfg: RunConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> int:
     """Computed positions per micro-batch of the update and the warm start (0: micro-batches of fixed rows):
     ``trainer.ppo_max_token_len_per_gpu`` resolved (``RunConfig.update_token_budget``), cut to the positions whose
     activations fit ``trainer.activation_memory_gib`` (auto: :data:`CPU_ACTIVATION_GIB` on a CPU, no cap on an
@@ -117,8 +123,6 @@ def micro_batch_tokens(cfg: RunConfig, hf_config, dtype: torch.dtype, device: to
         cap_gib = CPU_ACTIVATION_GIB if device.type == "cpu" else None
     if tokens == 0 or cap_gib is None:
         return tokens
-    conf = hf_config.to_dict()
-    shape = shape_from_hf_config(conf.get("text_config", conf), cfg.model.name, "the loaded model's config")
     per_token = shape.activation_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     cap = max(1, int(cap_gib * GIB // per_token))
     if cap < tokens:

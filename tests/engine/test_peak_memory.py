@@ -81,12 +81,9 @@ def test_micro_batches_are_cut_to_the_activations_memory(caplog):
     from alignopsd.engine.config.schema import load_config
     from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
     from alignopsd.engine.run import policy_builders
-    from transformers import LlamaConfig
 
-    smol = KNOWN_SHAPES["smollm2-135m"]
+    smol = hf = KNOWN_SHAPES["smollm2-135m"]
     assert smol.activation_bytes_per_token(4) / (1 << 20) == pytest.approx(1.30, abs=0.01)
-    hf = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                     intermediate_size=1536, vocab_size=49152)  # fmt: skip
     cfg = load_config("configs/quickstart_cpu.yaml", [])
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert cfg.update_token_budget == 8 * (1024 + 64)
@@ -109,3 +106,21 @@ def test_micro_batches_are_cut_to_the_activations_memory(caplog):
     )
     rows = load_config("configs/quickstart_cpu.yaml", ["trainer.ppo_max_token_len_per_gpu=0"])
     assert policy_builders.micro_batch_tokens(rows, hf, torch.float32, cpu) == 0
+
+
+def test_the_estimate_says_the_expected_peak():
+    """The estimate's peak: the process, the policy's weights + gradients + AdamW moments (+ fp32 masters in bf16),
+    the reference and one micro-batch's activations; a LoRA policy keeps only its base weights and no reference."""
+    from alignopsd.engine.commands.estimate import peak_memory_line
+    from alignopsd.engine.config.schema import load_config
+    from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
+
+    cfg = load_config("configs/quickstart_cpu.yaml", [])
+    smol = KNOWN_SHAPES["smollm2-135m"]
+    line = peak_memory_line(cfg, smol, torch.float32, 1000, int(GIB), reference=True)
+    want = GIB + smol.params * 16 + smol.params * 4 + 1000 * smol.activation_bytes_per_token(4)
+    assert line.startswith(f"[estimate] peak resident memory: ~{want / GIB:.1f} GiB (the process 1.0,")
+    bf16 = peak_memory_line(cfg, smol, torch.bfloat16, 1000, 0, reference=False)
+    assert f"optimizer {smol.params * 16 / GIB:.1f}, the reference 0.0" in bf16  # 2 + 2 + 8 + 4 bytes a weight
+    lora = load_config("configs/quickstart_cpu.yaml", ["model.lora.enabled=true"])
+    assert "the reference 0.0" in peak_memory_line(lora, smol, torch.float32, 1000, 0, reference=True)
