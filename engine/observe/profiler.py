@@ -38,8 +38,9 @@ synchronisations at the phase edges are not counted.
 
 Memory: each step and each phase records the process's peak resident memory while it ran (engine/observe/memory.py:
 the process's high-water mark, reset at each edge, so nested scopes stay exact): ``memory/peak_rss_gib`` for the step
-(shown on the progress line) and ``memory/peak_rss_gib/<phase>`` for each phase that ran, both the maximum over ranks;
-the profile summary keeps each phase's largest peak.
+(shown on the progress line) and ``memory/phase_peak_rss_gib/<phase>`` for each phase that ran, both the maximum over
+ranks (not ``memory/peak_rss_gib/<phase>``: MLflow stores a metric as a file, which cannot also be a folder); the
+profile summary keeps each phase's largest peak.
 
 ``overhead_vs_grpo = alignment_seconds / (step_seconds - alignment_seconds)``, where the
 alignment phases are those a GRPO step does not run. The ``alignopsd profile`` command that prints these
@@ -220,7 +221,11 @@ class StepProfiler:
             self.peak_history.append(dict(self._peaks))
             out["memory/peak_rss_gib"] = extreme_max(self._peaks["step"] / GIB, 1)
             out.update(
-                {f"memory/peak_rss_gib/{k}": extreme_max(v / GIB, 1) for k, v in self._peaks.items() if k != "step"}
+                {
+                    f"memory/phase_peak_rss_gib/{k}": extreme_max(v / GIB, 1)
+                    for k, v in self._peaks.items()
+                    if k != "step"
+                }
             )
         now = _sync_totals()
         if self._sync0 is not None and now is not None:

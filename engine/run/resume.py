@@ -80,7 +80,11 @@ ADDED_KEYS = {"generation.quantize": "off", "trainer.save_every_s": None}
 # same exact token-mean; sums may round differently), with the values that divide it as before: absent from an older
 # checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is
 # refused like any other
-ADDED_DIVISIONS = {"trainer.ppo_max_token_len_per_gpu": (0, None), "trainer.use_remove_padding": (False,)}
+ADDED_DIVISIONS = {
+    "trainer.ppo_max_token_len_per_gpu": (0, None),
+    "trainer.use_remove_padding": (False,),
+    "trainer.activation_memory_gib": (None,),
+}
 NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.", "trainer.restarts.")  # loggers, restarts: every key under
 # neutral sections added after checkpoints were first written: absent from an older checkpoint's config, not listed
 ADDED_NEUTRAL_SECTIONS = ("trainer.restarts.",)

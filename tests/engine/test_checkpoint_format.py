@@ -43,12 +43,18 @@ def test_a_first_format_checkpoint_resumes_its_config():
     nothing at its default, trainer.save_every_s, is no change)."""
     cfg = load_config(TINY, [])
     assert check_resume(V1, cfg) == [
+        "trainer.activation_memory_gib: (absent) -> 'auto' (the same objective divided another way; sums may round "
+        "differently)",
         "trainer.ppo_max_token_len_per_gpu: (absent) -> 'auto' (the same objective divided another way; sums may "
         "round differently)",
         "trainer.use_remove_padding: (absent) -> 'auto' (the same objective divided another way; sums may round "
         "differently)",
     ]
-    as_then = ["trainer.ppo_max_token_len_per_gpu=0", "trainer.use_remove_padding=false"]
+    as_then = [
+        "trainer.ppo_max_token_len_per_gpu=0",
+        "trainer.use_remove_padding=false",
+        "trainer.activation_memory_gib=null",
+    ]
     assert check_resume(V1, load_config(TINY, as_then)) == []
 
 
