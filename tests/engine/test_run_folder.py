@@ -30,13 +30,15 @@ def _holder(out: Path, *, fork_child: bool = False) -> subprocess.Popen:
         lock = OutputLock({str(out)!r}).acquire()
         child = os.fork() if {fork_child!r} else None
         if child == 0:
+            print("child", flush=True)  # its copy of the lock's descriptor is closed by now (at fork)
             time.sleep(60)
             os._exit(0)
         print(child or 0, flush=True)
         time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    proc.child = int(proc.stdout.readline())  # the lock is held once this line is printed
+    lines = [proc.stdout.readline().strip() for _ in range(2 if fork_child else 1)]  # the lock is held by then
+    proc.child = int(next(x for x in lines if x != "child"))  # a forked child has run past its at-fork handler
     return proc
 
 
