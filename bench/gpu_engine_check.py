@@ -189,7 +189,7 @@ def run_scale(device: str, dry: bool, emit: Callable[[str], None]) -> dict:
             f"({s['alignment_seconds']:.3f} s of {s['step_seconds']:.3f} s per step)"
         )
         try:  # the cost model's work, efficiency and predicted time beside each measured phase
-            from alignopsd.engine.cost.efficiency import cost_report
+            from alignopsd.engine.lab.efficiency import cost_report
 
             emit("\n" + cost_report({"alignopsd": s}, res["cfg"], device) + "\n")
         except Exception as exc:  # noqa: BLE001  (the check reports every failure and goes on)

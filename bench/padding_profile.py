@@ -2,7 +2,7 @@
 
     python -m bench.padding_profile [--config configs/alfworld_7b.yaml] [--rows 2048] [--seed 0]
 
-The rows' lengths are the cost plan's synthetic batch (engine/step/padding_plan.py ``synthetic_row_masks``: the
+The rows' lengths are the cost plan's synthetic batch (engine/lab/padding_plan.py ``synthetic_row_masks``: the
 config's maxima scaled by the quickstart's measured means, prompt mean 400 of 1,024, response mean 41 of 64, spread
 as a normal of standard deviation 35 % (prompts) and 50 % (responses) of the mean, clipped to [64, max] and [8,
 max]); the recipe was fixed before any result. The plan
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 
 from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.lab.padding_plan import synthetic_row_masks
 from alignopsd.engine.step.micro_batches import RowGeometry, plan_footprint, plan_update
-from alignopsd.engine.step.padding_plan import synthetic_row_masks
 
 
 def measure(cfg, rows: int, seed: int) -> dict[str, dict[str, float]]:

@@ -8,7 +8,7 @@ evaluation, all on the same held-out games; the three held-out rows are printed 
 ``--easy-games`` plays generated pick-and-place games in small rooms whose expert walkthrough fits the turn limit.
 The pipeline's first lines give the CPU profile (torch's kernel capability, the native-bf16 verdict, the dtype) and
 an estimate of each stage's time from a few seconds of calibration on the run's own code paths
-(engine/commands/estimate.py); ``--estimate`` prints them and exits.
+(engine/lab/estimate.py); ``--estimate`` prints them and exits.
 
 The data (one example per expert turn): the prompt is what the rollout would give the policy at that turn (the
 episode is played through the engine's :class:`EnvManager` with the expert's actions, and its user text goes
@@ -350,19 +350,19 @@ def _rl_stage(rl_cfg: RunConfig, games, stages: StageLog, stream, *, dist, chose
 
 def pipeline_estimate(cfg: RunConfig, args) -> str:
     """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
-    (engine/commands/estimate.py)."""
+    (engine/lab/estimate.py)."""
     import torch
-    from alignopsd.engine.commands.estimate import (
+    from alignopsd.engine.lab.calibration import calibrate_phases
+    from alignopsd.engine.lab.estimate import (
         cpu_profile_line,
         estimate_pipeline,
         format_estimate,
         peak_memory_line,
     )
-    from alignopsd.engine.cost.model_shapes import resolve_shape
     from alignopsd.engine.models.loading import parse_dtype
+    from alignopsd.engine.models.shapes import resolve_shape
     from alignopsd.engine.observe.memory import rss_bytes
     from alignopsd.engine.parallel.load import busy_line
-    from alignopsd.engine.run.calibration import calibrate_phases
     from alignopsd.engine.run.policy_builders import micro_batch_tokens
     from alignopsd.engine.run.process import pick_device
 

@@ -22,8 +22,8 @@ import torch
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.config.errors import ConfigError
 from alignopsd.engine.config.schema import RunConfig
-from alignopsd.engine.cost.model_shapes import ModelShape, shape_from_hf_config
 from alignopsd.engine.models.loading import load_causal_lm, parse_dtype, resolve_model_path
+from alignopsd.engine.models.shapes import ModelShape, shape_from_hf_config
 from alignopsd.engine.observe.memory import GIB
 from alignopsd.engine.policy.base import PolicyBackend, RowLayout
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels

@@ -81,7 +81,7 @@ def test_micro_batches_are_cut_to_the_activations_memory(caplog):
     import logging
 
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
+    from alignopsd.engine.models.shapes import KNOWN_SHAPES
     from alignopsd.engine.run import policy_builders
 
     smol = hf = KNOWN_SHAPES["smollm2-135m"]
@@ -113,9 +113,9 @@ def test_micro_batches_are_cut_to_the_activations_memory(caplog):
 def test_the_estimate_says_the_expected_peak():
     """The estimate's peak: the process, the policy's weights + gradients + AdamW moments (+ fp32 masters in bf16),
     the reference and one micro-batch's activations; a LoRA policy keeps only its base weights and no reference."""
-    from alignopsd.engine.commands.estimate import peak_memory_line
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
+    from alignopsd.engine.lab.estimate import peak_memory_line
+    from alignopsd.engine.models.shapes import KNOWN_SHAPES
 
     cfg = load_config("configs/quickstart_cpu.yaml", [])
     smol = KNOWN_SHAPES["smollm2-135m"]

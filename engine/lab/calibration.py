@@ -1,4 +1,4 @@
-"""A short calibration of the phases on the run's own code paths (engine/cost/calibrated.py's rates).
+"""A short calibration of the phases on the run's own code paths (engine/lab/calibrated.py's rates).
 
 :func:`calibrate_phases` builds the config's policy (its model, dtype and optimizer, as a run builds it), a Hugging
 Face generator on it with the rollout's sampling settings (its stop strings, no end-of-sequence token, so every
@@ -15,7 +15,7 @@ row decodes the steps asked), and times, on random token ids of the model's voca
 
 Each probe but the old log-prob's (timed once) runs twice and the faster run counts (the first pays for
 allocation). The rows are short (a few hundred positions) so the whole takes seconds: the FLOP counts of
-engine/cost/cost_model.py carry the rates to the phases' real shapes. Threads and dtype are the process's: call it
+engine/lab/cost_model.py carry the rates to the phases' real shapes. Threads and dtype are the process's: call it
 in the run's process, before the run.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from alignopsd.engine.cost.calibrated import PhaseRates, fit_step
-from alignopsd.engine.cost.device_limits import cpu_name
-from alignopsd.engine.cost.model_shapes import ModelShape, resolve_shape
+from alignopsd.engine.lab.calibrated import PhaseRates, fit_step
+from alignopsd.engine.lab.device_limits import cpu_name
+from alignopsd.engine.models.shapes import ModelShape, resolve_shape
 
 if TYPE_CHECKING:
     from alignopsd.engine.config.schema import RunConfig

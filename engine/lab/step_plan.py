@@ -8,7 +8,7 @@ after prefix sharing, the distinct teacher prompts and the cross rows per turn. 
 per-generation-group :class:`StepCounts` of ``cfg`` at ``world_size`` devices and the assumptions it made, in
 words, so the plan can print them.
 
-Padding: the counts here are real positions; engine/step/padding_plan.py ``planned_counts`` adds the share of
+Padding: the counts here are real positions; engine/lab/padding_plan.py ``planned_counts`` adds the share of
 padded positions the config's forwards compute (the update's own planner over a synthetic batch) and is what the
 plan and the estimate read.
 
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from alignopsd.engine.cost.cost_model import StepCounts
+from alignopsd.engine.lab.cost_model import StepCounts
 from alignopsd.engine.parallel.split import check_split
 
 if TYPE_CHECKING:

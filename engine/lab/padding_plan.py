@@ -1,6 +1,6 @@
 """The share of padded positions a config's scoring and training forwards compute, for the cost plan.
 
-The counts of engine/cost/step_plan.py are real positions. The forwards compute every position of their
+The counts of engine/lab/step_plan.py are real positions. The forwards compute every position of their
 micro-batches, padded ones included, unless the rows are padding-free (a Hugging Face policy with
 ``trainer.use_remove_padding`` true, or auto on CUDA; the Megatron backend pads its plain rows). :func:`update_padding`
 plans a synthetic batch of the config's row lengths (:func:`synthetic_row_masks`) with the update's own planner
@@ -14,8 +14,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from alignopsd.engine.cost.cost_model import StepCounts
-from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, Layout, group_rows, plan_counts
+from alignopsd.engine.lab.cost_model import StepCounts
+from alignopsd.engine.lab.step_plan import QUICKSTART_MEANS, Layout, group_rows, plan_counts
 from alignopsd.engine.step.micro_batches import RowGeometry, plan_footprint, plan_update
 
 if TYPE_CHECKING:
