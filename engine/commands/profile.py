@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = [e.strip() for e in args.estimators.split(",")] if args.estimators else [None]
     try:  # every phase is measured: steps without learnable signal are not skipped here
-        extra = ["trainer.skip_no_signal=false"]
+        extra = ["trainer.ppo.skip_no_signal=false"]
         cfgs = [
             load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
             for n in names

@@ -145,7 +145,7 @@ def warm_start(
         steps=steps,
         batch_size=batch_size,
         seed=cfg.trainer.seed,
-        fused=cfg.trainer.fused_head_loss,
+        fused=cfg.trainer.ppo.fused_head_loss,
         stream=stream,
         token_budget=micro_batch_tokens(cfg, shape_of(policy.hf_config, cfg.model.name), *policy_placement(policy)),
     )
@@ -272,7 +272,11 @@ def run_pipeline(cfg: RunConfig, args, sft_out: Path, *, stages: StageLog | None
     stream = stream if stream is not None else sys.stdout
     stages = StageLog() if stages is None else stages
     sft_out = Path(args.warm_start) if args.warm_start else sft_out
-    rl_cfg = derived_config(cfg, model={"name": str(sft_out)}, trainer={"val_after_train": False})
+    rl_cfg = derived_config(
+        cfg,
+        model={"name": str(sft_out)},
+        trainer={"validation": cfg.trainer.validation.model_copy(update={"after_train": False})},
+    )
     device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     dist = Dist(device.type)
     process_settings(cfg, dist.rank)
@@ -288,7 +292,7 @@ def run_pipeline(cfg: RunConfig, args, sft_out: Path, *, stages: StageLog | None
         dist.close()
     table = heldout_table(rows, stages.seconds, stages.peaks)
     print(table, file=stream, flush=True)
-    if rl_cfg.trainer.report:
+    if rl_cfg.trainer.logging.report:
         write_report(rl_cfg.out_dir, title=f"{rl_cfg.name}: {rl_cfg.algorithm_name()}", extra=table)
     return {"heldout": rows, "times": stages.seconds, "peaks": stages.peaks}
 
@@ -416,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         if args.warm_start:
             check_warm_start(args.warm_start, cfg.model.name)
-        if args.pipeline:  # its RL stage logs to trainer.loggers: a tracker that cannot start fails here
+        if args.pipeline:  # its RL stage logs to trainer.logging.loggers: a tracker that cannot start fails here
             from alignopsd.engine.config.logger_check import check_loggers
 
             check_loggers(cfg.trainer, cfg.out_dir, os.environ)

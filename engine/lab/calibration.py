@@ -9,7 +9,7 @@ row decodes the steps asked), and times, on random token ids of the model's voca
 - decoding steps at several row counts and contexts (``generate`` of n tokens minus ``generate`` of one, the
   prompt being one prompt shared by the rows, pushed once as the rollout's siblings share theirs);
 - the old log-prob pass: the run's rescorer (engine/step/rescoring.py, ``trainer.rescoring_mode``) scoring one
-  micro-batch of ``trainer.ppo_micro_batch_size`` rows, the rows the pass's forwards hold together (a single row
+  micro-batch of ``trainer.ppo.micro_batch_size`` rows, the rows the pass's forwards hold together (a single row
   runs slower: on the quickstart a 1-row probe read 176 GFLOP/s where the pass reached 239);
 - the policy's training micro-step (``response_loss``, backward) and one optimizer step.
 
@@ -171,7 +171,7 @@ def calibrate_phases(cfg: RunConfig, device: torch.device) -> PhaseRates:
     sampling = replace(sampling_params(cfg, validation=False), seed=0)
     prefill, forcing = _prefill_and_forcing(gen, policy, sampling, shape, probes)
     step_s, decode = _decode_rates(gen, sampling, shape, probes)
-    score = _score_rate(build_rescorer(cfg, policy, device, gen), shape, cfg.trainer.ppo_micro_batch_size, probes)
+    score = _score_rate(build_rescorer(cfg, policy, device, gen), shape, cfg.trainer.ppo.micro_batch_size, probes)
     train, opt = _train_rates(policy, shape, cfg.generation.temperature, probes)
     dtype = str(next(policy.hf_model.parameters()).dtype).removeprefix("torch.")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()

@@ -201,7 +201,7 @@ def profile_cost(
         group_n=cfg.env.group_n,
         tasks_per_step=cfg.env.tasks_per_step,
         world_size=world_size,
-        mini_batch=cfg.trainer.ppo_mini_batch_size,
+        mini_batch=cfg.trainer.ppo.mini_batch_size,
         reference=summary["phases"].get("reference", 0.0) > 0,
         recompute=bool(cfg.policy.gradient_checkpointing),
     )

@@ -111,7 +111,7 @@ def plan_counts(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple
         forcing_positions=prompt_pos + resp_pos,
         forcing_context=ctx,
         reference=reference,
-        optimizer_steps=math.ceil(rows * lay.data_parallel / cfg.trainer.ppo_mini_batch_size),
+        optimizer_steps=math.ceil(rows * lay.data_parallel / cfg.trainer.ppo.mini_batch_size),
         recompute=bool(cfg.policy.gradient_checkpointing),
     )
     f = q
@@ -135,7 +135,7 @@ def plan_counts(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple
             f"again (generation.backend {g.backend}: the prompts' keys/values are not kept), then the responses"
         ),
         f"reference pass: {'yes' if reference else 'no'} (algorithm.kl_coef {cfg.algorithm.kl_coef}); "
-        f"{c.optimizer_steps} optimizer steps (rows / trainer.ppo_mini_batch_size); gradient checkpointing "
+        f"{c.optimizer_steps} optimizer steps (rows / trainer.ppo.mini_batch_size); gradient checkpointing "
         f"{'on (forward recomputed)' if c.recompute else 'off'}",
         "generation runs on one device per tensor-parallel group (it samples once and shares the batch); scoring "
         "and the update are split over the group",

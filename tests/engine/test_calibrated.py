@@ -105,7 +105,7 @@ def test_calibration_runs_the_engines_paths_and_gives_usable_rates(monkeypatch):
         return real(self, batch, **kw)
 
     monkeypatch.setattr(Rescorer, "student_logprobs", spy)
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["trainer.ppo_micro_batch_size=3"])
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["trainer.ppo.micro_batch_size=3"])
     r = calibrate_phases(cfg, torch.device("cpu"))
     assert scored and set(scored) == {(3, cfg.trainer.rescoring_mode, True)}
     for k in ("prefill_flops", "score_flops", "forcing_flops", "train_flops"):

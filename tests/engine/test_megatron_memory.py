@@ -30,7 +30,7 @@ pytestmark = [
 
 STEP = 1  # a step index whose batch has learnable signal
 # one mini-batch: every loss term of the step is computed before the (single) optimizer step
-KL = ["algorithm.estimator=grpo", "algorithm.kl_coef=0.05", "trainer.ppo_mini_batch_size=64"]
+KL = ["algorithm.estimator=grpo", "algorithm.kl_coef=0.05", "trainer.ppo.mini_batch_size=64"]
 
 
 def config(overrides: list[str]):

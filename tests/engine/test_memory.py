@@ -144,7 +144,7 @@ def test_step_puts_the_engine_to_sleep_after_each_generation_phase(tmp_path):
     from alignopsd.engine.step.recipe import run_step
 
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", "trainer.skip_no_signal=false", f"output_dir={tmp_path}",
+    ov = [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", "trainer.ppo.skip_no_signal=false", f"output_dir={tmp_path}",
           "algorithm.estimator=alignopsd"]  # fmt: skip
     tr = lh.build_trainer(str(lh.TINY_CONFIG), ov)
     gen = PhaseLog(tr.parts.generator)

@@ -110,9 +110,9 @@ def test_padded_rows_cost_what_their_positions_cost(capsys):
             "8",
             *hf,
             "--set",
-            "trainer.use_remove_padding=false",
+            "trainer.ppo.use_remove_padding=false",
         ]
     )
-    assert "rows padded (policy.backend hf, trainer.use_remove_padding False)" in capsys.readouterr().out
+    assert "rows padded (policy.backend hf, trainer.ppo.use_remove_padding False)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"padding_fraction: 1.0 is outside \[0, 1\)"):
         step_work(shape, replace(counts, padding_fraction=1.0), dtype_bytes=2, kv_bytes=2)
