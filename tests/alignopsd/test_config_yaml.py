@@ -73,10 +73,7 @@ def test_still_a_safe_loader():
         (".".join(["k"] * (MAX_DEPTH + 1)) + "=1", f"a key of {MAX_DEPTH + 1} parts"),
         ("x=&a [*a]", r"x: cannot parse value '&a \[\*a\]' \(line 1, column 5: alias \*a is inside"),
         ("x=" + _laughs(9).replace("\n", ", ").join("{}"), "more than the limit"),
-        (
-            "trainer.optimizer.lr=[1,",
-            r"trainer.optimizer.lr: cannot parse value '\[1,' \(line 1, column 4: while parsing a flow node",
-        ),
+        ("trainer.lr=[1,", r"trainer.lr: cannot parse value '\[1,' \(line 1, column 4: while parsing a flow node"),
     ],
 )
 def test_override_values_are_bounded_with_one_line_messages(item, match):
