@@ -301,6 +301,8 @@ def sectioned(trainer: Any) -> Any:
             continue
         section, key = new.split(".")
         target = out.setdefault(section, {})
+        if isinstance(target, Section):  # a section built in code, beside an old key: the fields it was given
+            target = out[section] = {name: getattr(target, name) for name in target.model_fields_set}
         if not isinstance(target, dict):
             raise ValueError(f"trainer.{section}: expected a mapping, got {target!r}")
         if key in target and target[key] != trainer[old]:

@@ -11,7 +11,13 @@ import pytest
 import yaml
 from alignopsd.engine.config.dump import config_to_dict, dump_config
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
-from alignopsd.engine.config.trainer_section import LEGACY_KEYS, TrainerConfig, current_key, sectioned
+from alignopsd.engine.config.trainer_section import (
+    LEGACY_KEYS,
+    OptimizerConfig,
+    TrainerConfig,
+    current_key,
+    sectioned,
+)
 from alignopsd.engine.infra.mappings import flatten_config
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -73,3 +79,5 @@ def test_a_key_given_both_ways_must_agree(tmp_path):
         RunConfig.from_mapping({"trainer": {"save_freq": 2, "checkpoint": {"save_freq": 3}}})
     with pytest.raises(ConfigError, match=r"trainer\.optimizer\.lr: must be > 0"):
         TrainerConfig(lr=0)  # an old keyword, checked at its place now
+    built = TrainerConfig(lr=0.5, optimizer=OptimizerConfig(weight_decay=0.0))  # a section built in code, merged
+    assert (built.optimizer.lr, built.optimizer.weight_decay) == (0.5, 0.0)

@@ -129,7 +129,7 @@ def test_config_budget_rule():
     assert load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=0"]).update_token_budget == 0
     assert load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=null"]).update_token_budget == 0
     assert load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=4096"]).update_token_budget == 4096
-    with pytest.raises(Exception, match="ppo_max_token_len_per_gpu"):
+    with pytest.raises(Exception, match="trainer.ppo.max_token_len_per_gpu"):
         load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=-1"])
 
 
