@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
+from alignopsd.engine.config.trainer_section import current_key
 
 # config keys compare sets for every run (a --set of one of them is refused: it would break the comparison)
 OWNED_KEYS = (
@@ -74,7 +75,7 @@ def eval_schedule(steps: int, eval_every: int) -> list[int]:
 def _check_options(overrides: tuple[str, ...], estimators: Sequence[str], seeds: int, steps: int, eval_every: int):
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        if key in OWNED_KEYS:
+        if current_key(key) in OWNED_KEYS:  # by its name now or an earlier version's (trainer.test_freq)
             raise ConfigError(
                 f"--set {key}: compare sets it for every run (use --estimators, --seeds, --steps, --eval-every, --out)"
             )

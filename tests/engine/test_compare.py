@@ -163,6 +163,7 @@ def test_compare_resumes_finished_runs_and_refuses_a_changed_config(compared, tm
     ("args", "message"),
     [
         (["--steps", "2", "--set", "trainer.seed=3"], "--set trainer.seed: compare sets it for every run"),
+        (["--steps", "2", "--set", "trainer.test_freq=3"], "--set trainer.test_freq: compare sets it"),  # old name
         (["--steps", "0"], "--steps: expected an int >= 1, got 0"),
         (["--steps", "2", "--eval-every", "-1"], "--eval-every: expected an int >= 0"),
         (["--steps", "2", "--seeds", "0"], "--seeds: the number of seeds must be an int >= 1, got 0"),
