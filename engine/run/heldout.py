@@ -17,8 +17,6 @@ from alignopsd.engine.step.episodes import run_validation
 
 from alignopsd.estimators import get_estimator
 
-HeldoutGames = Games  # the held-out games' environment, as earlier versions named it
-
 
 def heldout_games(cfg) -> Games:
     """The environment and tasks of ``cfg`` (``env.val_split``, ``env.val_tasks`` held out), as a run builds them."""

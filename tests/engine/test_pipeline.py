@@ -144,3 +144,44 @@ def test_step_limit_holds_inside_the_block_only():
                 pass
     finally:
         env.close()
+
+
+@pytest.mark.slow
+def test_the_pipeline_from_a_given_warm_start_evaluates_and_trains_its_policy(tmp_path, capsys):
+    """``sft --pipeline --warm-start DIR``: the base model evaluated, the given folder's policy built once (a generator
+    over it), evaluated and trained; the RL run's checkpoint names the folder as its model."""
+    import json
+
+    from alignopsd.engine.commands.cli import main
+    from alignopsd.engine.envs.alfworld.gen import generate_games
+    from alignopsd.engine.models.loading import load_causal_lm, load_tokenizer
+    from alignopsd.engine.policy.hf import HFPolicy
+
+    games = tmp_path / "games"
+    for split, seed in (("train", 5), ("valid_seen", 6)):
+        generate_games(2, games, seed=seed, split=split, task_types=("pick_and_place_simple",), max_steps=8, small=True)
+    policy = HFPolicy(load_causal_lm("tiny", dtype="float32"), ddp=False)
+    folder = save_warm_start(policy, load_tokenizer("tiny"), tmp_path / "given", base="tiny", meta={"steps": 0})
+    sets = [
+        "env.name=alfworld",
+        f"env.data_dir={games}",
+        "env.split=train",
+        "env.num_games=2",
+        "env.val_split=valid_seen",
+        "env.val_tasks=1",
+        "env.max_turns=8",
+        "env.group_n=2",
+        "env.tasks_per_step=1",
+        "generation.max_response_length=8",
+        "env.teacher_max_response_length=8",
+        "trainer.total_steps=1",
+        "trainer.report=false",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    argv = ["sft", "--config", TINY, "--pipeline", "--warm-start", str(folder)]
+    assert main([*argv, *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    for row in ("| base (tiny) |", "| after warm start |", "| after 1 RL steps |"):
+        assert row in out, out[-2000:]
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/trainer_state.json")).read_text())
+    assert state["run_config"]["model"]["name"] == str(folder)
