@@ -1,4 +1,5 @@
-"""The composition root: build a run's parts (policy, generator, environments, encoder, scorers) from its config.
+"""The composition root: build a run's parts (policy, generator, environments, encoder, scorers) from its config;
+the parts a session shares (:class:`BuiltParts`: tokenizer, policy, generator, games) first, the rest around them.
 
 Every backend sits behind its protocol (``PolicyBackend``, ``GenerationBackend``); the step only ever sees a
 :class:`~alignopsd.engine.step.components.Components` (its type is the step's). Nothing here runs a phase of the

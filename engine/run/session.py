@@ -1,10 +1,11 @@
 """The session: what a run builds once, handed to everything that works on the run.
 
 A :class:`Session` is frozen: the config, this process's device and processes (``Dist``: rank, world size, the
-process group), the tokenizer and its token ids, the parts every consumer shares (:class:`BuiltParts`: the policy,
-its generator, the environment with its tasks) and the CPU paths measured while the policy was built (rank 0's,
-taken by every rank). ``Trainer.from_session`` trains on one, the held-out evaluation plays its games with its
-generator (engine/run/heldout.py), the warm start trains its policy on its environment's expert data
+process group), the tokenizer and its token ids and the parts every consumer shares (:class:`BuiltParts`: the
+policy, its generator, the environment with its tasks). The CPU paths measured while the policy was built are the
+process's (kernels/native_choice.py, which checkpoints store); opening a session makes every rank take rank 0's.
+``Trainer.from_session`` trains on one, the held-out evaluation plays its games with its generator
+(engine/run/heldout.py), the warm start trains its policy on its environment's expert data
 (engine/run/warm_start.py), and the quickstart pipeline (engine/run/pipeline.py) opens one session and carries it
 from the base model's evaluation through the warm start into the RL run (:meth:`Session.for_run`).
 
@@ -40,7 +41,6 @@ class Session:
     dist: Dist
     built: BuiltParts
     ids: TokenIds  # the tokenizer's end-of-turn and pad ids
-    paths: dict  # the CPU paths measured in this process (kernels/native_choice.py), rank 0's on every rank
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -107,5 +107,4 @@ def open_session(
         dist=dist,
         built=built,
         ids=token_ids(built.tokenizer),
-        paths=choices_state(),
     )
