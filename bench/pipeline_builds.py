@@ -1,4 +1,5 @@
-"""Count what the quickstart pipeline builds: config file reads and parses, causal-LM loads, Trainer constructions.
+"""Count what the quickstart pipeline builds: config file reads and parses, causal-LM loads, Trainer constructions,
+environment managers and generators.
 
 ``python -m bench.pipeline_builds [-- sft-arguments...]`` runs ``alignopsd sft`` in this process (by default the
 ``make run`` pipeline at a few seconds' size: the quickstart config on the tiny model, 2 warm-start steps, 1 RL step,
@@ -27,6 +28,12 @@ COUNTED = (
     ("alignopsd.engine.config.loader", "read_yaml", "config file reads"),
     ("alignopsd.engine.config.schema", "load_config", "config parses (load_config)"),
     ("alignopsd.engine.models.loading", "load_causal_lm", "causal LM loads"),
+    ("alignopsd.engine.run.components", "build_generator", "generator builds"),
+)
+# (module, class, counter name): constructions counted (``__init__``)
+CONSTRUCTED = (
+    ("alignopsd.engine.run.trainer", "Trainer", "Trainer constructions"),
+    ("alignopsd.engine.envs.manager", "EnvManager", "environment builds"),
 )
 
 
@@ -42,14 +49,17 @@ def _wrap(fn, name: str, counts: Counter):
 @contextlib.contextmanager
 def counting(counts: Counter):
     """Within the block, each :data:`COUNTED` function (in its module and in every loaded module that imported it
-    by name) and ``Trainer.__init__`` count their calls into ``counts``; restored after."""
+    by name) and each :data:`CONSTRUCTED` class's ``__init__`` count their calls into ``counts``; restored after."""
     import importlib
 
     import alignopsd.engine.commands.cli  # noqa: F401 - loads the command modules that import the counted names
     import alignopsd.engine.commands.sft  # noqa: F401
-    from alignopsd.engine.run.trainer import Trainer
 
-    undo = [(Trainer, "__init__", Trainer.__init__)]
+    undo = []
+    for mod_name, cls_name, name in CONSTRUCTED:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        undo.append((cls, "__init__", cls.__init__))
+        cls.__init__ = _wrap(cls.__init__, name, counts)
     for mod_name, attr, name in COUNTED:
         orig = getattr(importlib.import_module(mod_name), attr)
         wrapped = _wrap(orig, name, counts)
@@ -57,7 +67,6 @@ def counting(counts: Counter):
             if getattr(mod, "__name__", "").startswith("alignopsd") and getattr(mod, attr, None) is orig:
                 undo.append((mod, attr, orig))
                 setattr(mod, attr, wrapped)
-    Trainer.__init__ = _wrap(Trainer.__init__, "Trainer constructions", counts)
     try:
         yield counts
     finally:

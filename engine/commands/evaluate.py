@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -50,29 +49,22 @@ def format_table(env: str, values: dict[str, float | None], row: str = "policy")
 def evaluate(cfg: RunConfig, checkpoint: str | None = None) -> dict:
     """Run the held-out pass; returns {"env", "checkpoint", "episodes", "table", "metrics"}.
 
-    Builds the policy (the config's model, with the weights of ``checkpoint`` when given), the held-out games and a
-    generator over the policy, nothing else (engine/run/heldout.py); it takes no lock on the run's output folder, so
-    it may run beside the run's training."""
-    from alignopsd.engine.models.loading import load_tokenizer
-    from alignopsd.engine.run.heldout import heldout_games, heldout_metrics
-    from alignopsd.engine.run.policy_builders import build_policy
-    from alignopsd.engine.run.process import Dist, pick_device, process_settings
+    Opens a session (the policy: the config's model, with the weights of ``checkpoint`` when given; a generator
+    over it; the held-out games) and plays the held-out games (engine/run/heldout.py); it takes no lock on the run's
+    output folder, so it may run beside the run's training."""
+    from alignopsd.engine.run.heldout import heldout_metrics
+    from alignopsd.engine.run.session import open_session
 
-    device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
-    dist = Dist(device.type)
-    process_settings(cfg, dist.rank)
-    policy = build_policy(cfg, device, dist.world_size)
-    if checkpoint:
-        try:
-            policy.load_hf_state_dict(load_weights(checkpoint))
-        except ValueError as exc:
-            raise ValueError(f"--checkpoint: {exc}") from None
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-    games = heldout_games(cfg)
+    session = open_session(cfg)
     try:
-        metrics = heldout_metrics(cfg, policy, tokenizer, games, device=device, dist=dist)
+        if checkpoint:
+            try:
+                session.policy.load_hf_state_dict(load_weights(checkpoint))
+            except ValueError as exc:
+                raise ValueError(f"--checkpoint: {exc}") from None
+        metrics = heldout_metrics(session)
     finally:
-        games.close()
+        session.close()
     return {
         "env": cfg.env.name,
         "checkpoint": checkpoint,

@@ -23,6 +23,7 @@ from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
 from alignopsd.engine.observe.cuda_syncs import CudaSyncCounter
 from alignopsd.engine.observe.profiler import SUMMARY_KEYS, format_side_by_side, format_table, summarize, write_json
 from alignopsd.engine.run.process import Dist, pick_device
+from alignopsd.engine.run.session import open_session
 from alignopsd.engine.run.trainer import Trainer
 from alignopsd.engine.step.recipe import run_step
 
@@ -62,7 +63,12 @@ def profile_run(
     """
     if steps < 1:
         raise ValueError(f"steps: must be >= 1, got {steps}")
-    trainer = Trainer(cfg, dist=dist, lock_output=False)  # writes only its own trace files
+    session = open_session(cfg, dist=dist)
+    try:
+        trainer = Trainer.from_session(session, lock_output=False)  # writes only its own trace files
+    except BaseException:
+        session.close()
+        raise
     parts = trainer.parts
     if trace_path is not None and trainer.rank > 0:
         trace_path = Path(trace_path).with_suffix(f".rank{trainer.rank}{Path(trace_path).suffix}")
@@ -90,7 +96,7 @@ def profile_run(
             counts.append({k: m[k] for k in COUNT_METRICS if k in m})
     finally:
         syncs_ctx.close()
-        parts.close()
+        session.close()
     p = parts.profiler
     hist, secs, syncs = p.history, p.step_seconds, p.sync_history
     if trace_path is not None and steps >= 2:  # the traced step carries the profiler's own overhead

@@ -84,7 +84,7 @@ def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
     command turns into an exit status is recorded all the same (``attempts.record_failure``)."""
     try:  # every config error before anything heavy loads: the machine, the checkpoint to resume
         preflight(cfg)
-        resume, _ = prepare_resume(
+        prepared = prepare_resume(
             cfg,
             args.resume,
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -95,6 +95,7 @@ def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
         attempt.failed(exc)
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    resume = prepared[0]
     if resume is None and args.resume == "auto" and attempt.number > 1:
         where = cfg.out_dir / "checkpoints"
         say(
@@ -114,7 +115,7 @@ def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
         return 2
     attempt.trainer = trainer
     try:
-        trainer.fit(resume=None if resume is None else str(resume), allow_config_change=args.allow_config_change)
+        trainer.fit(allow_config_change=args.allow_config_change, prepared=prepared)  # the resume checked above
     except UnsafeStateError as exc:
         attempt.failed(exc)
         print(f"error: {exc}", file=sys.stderr)

@@ -23,6 +23,16 @@ class TaskSpec:
     # (ALFWorld: its game file, ``payload["gamefile"]``; what rows carry of it is the entry's ``task_info``)
 
 
+@dataclass(frozen=True)
+class ExpertTurn:
+    """One supervised example of the warm start: a turn of an expert episode (an environment's ``expert_data``)."""
+
+    task_key: str
+    turn: int
+    user_text: str  # the manager's rendered prompt (before the chat template)
+    response: str  # what the expert answers at that turn (ALFWorld: <think>...</think><action>...</action>)
+
+
 @dataclass
 class StepResult:
     observation: str  # raw environment text after the action

@@ -40,10 +40,12 @@ episode): useful for tiny tests and for the toy environment.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +159,18 @@ class EnvManager:
     def task_source(self, split: str = "train", n: int | None = None, seed: int = 0, **kw: Any) -> list[TaskSpec]:
         """Seeded tasks of ``split`` for this environment (registry task source)."""
         return load_tasks(self.env_name, split, n, seed, **{**self._task_kwargs(), **kw})
+
+    @contextlib.contextmanager
+    def step_limit(self, max_steps: int) -> Iterator[None]:
+        """Episodes reset inside the block end after ``max_steps`` steps (a warm start's expert episodes may take
+        more turns than the rollout's); the manager's own limit again after it."""
+        if not isinstance(max_steps, int) or max_steps <= 0:
+            raise ValueError(f"max_steps: expected a positive int, got {max_steps!r}")
+        before, self.max_steps = self.max_steps, max_steps
+        try:
+            yield
+        finally:
+            self.max_steps = before
 
     def _task_kwargs(self) -> dict[str, Any]:
         keys = ("data_dir", "cache_dir")

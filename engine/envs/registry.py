@@ -32,6 +32,11 @@ the parent; worker processes then still need the factory importable by its path)
   variables the environment reads with them) cannot work: the pre-flight check, before anything loads (Search: the
   retriever's token and CA file); None: nothing to check beyond the option names.
 
+* ``expert_data``: ``fn(manager, tasks, *, seed, max_turns) -> list[ExpertTurn]``, the warm start's supervised turns:
+  expert episodes of ``tasks`` played through the run's ``EnvManager`` (its rendered prompts are the rollout's),
+  ``max_turns`` the run's turn limit (ALFWorld: its walkthroughs with searched receptacles); None: the environment
+  brings no expert data and ``alignopsd sft`` refuses it.
+
 Everything environment-specific the engine needs is one of these fields: an environment is its folder plus its
 entry.
 """
@@ -62,6 +67,7 @@ class EnvEntry:
     skills: str | None = None  # package whose skills/ folder holds the packaged skill bank (None: none)
     task_info: str | None = None  # "module:attr" -> fn(task) -> dict: what each row carries of its task's payload
     check_options: str | None = None  # "module:attr" -> fn(options, environ): raises ValueError before anything loads
+    expert_data: str | None = None  # "module:attr" -> fn(manager, tasks, *, seed, max_turns) -> list[ExpertTurn]
 
 
 _PKG = "alignopsd.engine.envs"
@@ -78,6 +84,7 @@ _BUILTIN: dict[str, EnvEntry] = {
         official_data=f"{_PKG}.alfworld.official:check_official_data",
         skills=f"{_PKG}.alfworld",
         task_info=f"{_PKG}.alfworld.env:task_info",
+        expert_data=f"{_PKG}.alfworld.expert:expert_data",
     ),
     "codeword": EnvEntry(
         "codeword",
@@ -178,3 +185,15 @@ def make_prompt(env_name: str, history_length: int | None = None):
     entry = get_entry(env_name)
     hl = entry.history_length if history_length is None else history_length
     return resolve(entry.prompt)(history_length=hl)
+
+
+def expert_data_of(env_name: str) -> Callable[..., list]:
+    """The ``expert_data`` hook of a registered environment; ValueError naming it when it has none."""
+    entry = get_entry(env_name)
+    if entry.expert_data is None:
+        with_data = [n for n in env_names() if get_entry(n).expert_data is not None]
+        raise ValueError(
+            f"env.name: the warm start needs expert data, and environment {env_name!r} brings none "
+            f"(its registry entry's expert_data; environments with it: {', '.join(with_data)})"
+        )
+    return resolve(entry.expert_data)

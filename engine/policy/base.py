@@ -34,6 +34,16 @@ def check_loss_fn(loss_fn) -> None:
         raise ValueError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
 
 
+def check_optimizer_settings(lr: float, weight_decay: float, warmup_steps: int) -> None:
+    """ValueError naming the first optimizer setting a policy backend cannot start with."""
+    if not lr > 0:
+        raise ValueError(f"lr: must be > 0, got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay: must be >= 0, got {weight_decay}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Where a backend's process sits: its tensor- and data-parallel rank, size and process group.
@@ -177,6 +187,12 @@ class PolicyBackend(Protocol):
         ...
 
     def zero_grad(self) -> None: ...
+
+    def reset_optimizer(self, *, lr: float, weight_decay: float, warmup_steps: int) -> None:
+        """Start the optimizer afresh over the current weights: its state, fp32 main weights (seeded from the current
+        ones), the linear warm-up over ``warmup_steps`` and the step counters, as a policy built from these weights
+        starts (the quickstart pipeline's RL run after the warm start, in memory)."""
+        ...
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip the data-parallel gradient reduction (every micro-batch of an update but the last)."""

@@ -29,7 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel import devices
-from alignopsd.engine.policy.base import ParallelLayout, RowLayout, check_loss_fn, prompt_width
+from alignopsd.engine.policy.base import (
+    ParallelLayout,
+    RowLayout,
+    check_loss_fn,
+    check_optimizer_settings,
+    prompt_width,
+)
 from alignopsd.engine.policy.lm_head import LossFn, score_rows
 from alignopsd.engine.policy.lora import LoraAdapter
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
@@ -129,14 +135,9 @@ class HFPolicy:
         adapter: LoraAdapter | None = None,
         packed: bool | None = False,
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"lr: must be > 0, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {weight_decay}")
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+        check_optimizer_settings(lr, weight_decay, warmup_steps)
         if adapter is not None and adapter.model is not model:
             raise ValueError("adapter: must be the LoRA adapter injected into this model (adapter.model is model)")
         self.adapter = adapter
@@ -158,7 +159,7 @@ class HFPolicy:
             else ParallelLayout()
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
-        adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        self.betas, self.eps = betas, eps
         self.master = needs_master_weights(self.params)
         self.module: nn.Module = self.scorer
         if self.distributed and self.master:  # fp32 gradient buffers, all-reduced at the optimizer step
@@ -168,8 +169,18 @@ class HFPolicy:
             dev = next(model.parameters()).device
             kw: dict[str, Any] = {"device_ids": [dev.index]} if dev.type == "cuda" else {}
             self.module = nn.parallel.DistributedDataParallel(self.scorer, **kw)
+        self.optimizer: torch.optim.AdamW | None = None
+        self.reset_optimizer(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+
+    def reset_optimizer(self, *, lr: float, weight_decay: float, warmup_steps: int) -> None:
+        """AdamW (over fp32 masters where the policy keeps them, seeded from the current weights), its warm-up
+        schedule and the step counters, started afresh: what a policy built from these weights starts with."""
+        check_optimizer_settings(lr, weight_decay, warmup_steps)
+        if self.optimizer is not None and self.master:
+            self.optimizer.remove_hooks()  # the old masters stop collecting gradients
+        adamw = dict(lr=lr, weight_decay=weight_decay, betas=self.betas, eps=self.eps)
         if self.master:
-            self.optimizer: torch.optim.AdamW = MasterAdamW(self.params, **adamw)
+            self.optimizer = MasterAdamW(self.params, **adamw)
         else:
             self.optimizer = torch.optim.AdamW(self.params, **adamw)
         self.warmup_steps = warmup_steps

@@ -56,6 +56,12 @@ class MasterAdamW(torch.optim.AdamW):
         super().__init__(self.masters, **adamw_kwargs)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(m)) for p, m in self._pairs()]
 
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the model's parameters (an optimizer started afresh replaces this one)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
         return list(zip(self.model_params, self.masters))
 

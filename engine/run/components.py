@@ -1,4 +1,5 @@
-"""The composition root: build a run's parts (policy, generator, environments, encoder, scorers) from its config.
+"""The composition root: build a run's parts (policy, generator, environments, encoder, scorers) from its config;
+the parts a session shares (:class:`BuiltParts`: tokenizer, policy, generator, games) first, the rest around them.
 
 Every backend sits behind its protocol (``PolicyBackend``, ``GenerationBackend``); the step only ever sees a
 :class:`~alignopsd.engine.step.components.Components` (its type is the step's). Nothing here runs a phase of the
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,9 +29,16 @@ from alignopsd.engine.parallel.hardware import int8_sampling
 from alignopsd.engine.parallel.tp_broadcast import is_group_lead
 from alignopsd.engine.policy.base import PolicyBackend
 from alignopsd.engine.policy.row_scoring import backend_row_logprobs, backend_scorer
-from alignopsd.engine.run.policy_builders import build_policy, hf_model_of, micro_batch_tokens, shape_of
-from alignopsd.engine.step.components import Components
+from alignopsd.engine.run.policy_builders import (
+    OptimizerSettings,
+    build_policy,
+    hf_model_of,
+    micro_batch_tokens,
+    shape_of,
+)
+from alignopsd.engine.step.components import Components, close_all
 from alignopsd.engine.step.rescoring import Rescorer
+from alignopsd.engine.tokens.tokenizer import Tokenizer
 from torch import nn
 
 from alignopsd.estimators import get_estimator
@@ -137,6 +146,57 @@ def generation_int8(quantize: str, model: nn.Module) -> bool:
     return int8_sampling(quantize, p.device.type, p.dtype)
 
 
+@dataclass(frozen=True)
+class Games:
+    """The config's environment with its training and held-out tasks and its skill bank, built once per session and
+    played by the run's steps, its validation passes and every evaluation that shares them (:meth:`close` ends the
+    environment's workers)."""
+
+    env: EnvManager
+    train_tasks: list
+    val_tasks: list
+    skills: Callable[[dict], str] | None = None  # env.skills_dir's bank (None: the packaged bank)
+
+    def close(self) -> None:
+        close_all([self.env])
+
+
+def build_games(cfg: RunConfig) -> Games:
+    """The :class:`Games` of ``cfg`` (:func:`build_env`, ``env.skills_dir``'s bank)."""
+    env, train_tasks, val_tasks = build_env(cfg)
+    skills = skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None
+    return Games(env=env, train_tasks=train_tasks, val_tasks=val_tasks, skills=skills)
+
+
+@dataclass(frozen=True)
+class BuiltParts:
+    """What a session builds once and every part of a run built over it shares: the tokenizer, the policy, its
+    generator (None on tensor-parallel ranks other than their group's first, or where none was asked for) and the
+    games."""
+
+    tokenizer: Tokenizer
+    policy: PolicyBackend
+    generator: GenerationBackend | None
+    games: Games
+
+
+def build_parts(
+    cfg: RunConfig,
+    device: torch.device,
+    world_size: int = 1,
+    *,
+    rows: RowsChoice | None = None,
+    optim: OptimizerSettings | None = None,
+    generate: bool = True,
+) -> BuiltParts:
+    """The :class:`BuiltParts` of ``cfg``: tokenizer, policy (``optim``, ``rows``: :func:`build_policy`'s), its
+    generator (``generate``: built at all) and the games, in this order."""
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    policy = build_policy(cfg, device, world_size, rows=rows, optim=optim)
+    generator = build_generator(cfg, policy, tokenizer, device) if generate else None
+    return BuiltParts(tokenizer=tokenizer, policy=policy, generator=generator, games=build_games(cfg))
+
+
 def build_env(cfg: RunConfig) -> tuple[EnvManager, list, list]:
     """(environment manager, training tasks, validation tasks) of the config's environment."""
     env = EnvManager(
@@ -208,17 +268,22 @@ def build_rescorer(
 
 
 def build_components(
-    cfg: RunConfig, *, device: torch.device, rank: int = 0, world_size: int = 1, rows: RowsChoice | None = None
+    cfg: RunConfig,
+    *,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    rows: RowsChoice | None = None,
+    built: BuiltParts | None = None,
 ) -> Components:
-    """Every part of a run, from its config (heavy: loads the models). ``rows``: see :func:`build_policy`."""
+    """Every part of a run, from its config (heavy: loads the models), around ``built`` (a session's tokenizer,
+    policy, generator and games; None: :func:`build_parts` of ``cfg``). ``rows``: see :func:`build_policy`."""
     est = get_estimator(cfg.algorithm.estimator)
     phases = est.phases(cfg.algorithm)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-    policy = build_policy(cfg, device, world_size, rows=rows)
+    built = built if built is not None else build_parts(cfg, device, world_size, rows=rows)
+    tokenizer, policy, generator, games = built.tokenizer, built.policy, built.generator, built.games
     shape = shape_of(policy.hf_config, cfg.model.name)
     tokens = micro_batch_tokens(cfg, shape, parse_dtype(cfg.model.dtype, device), device)
-    generator = build_generator(cfg, policy, tokenizer, device)
-    env, train_tasks, val_tasks = build_env(cfg)
     rescorer = build_rescorer(cfg, policy, device, generator)
     ref_scorer = build_reference(cfg, policy, device) if phases.ref else None
 
@@ -234,14 +299,14 @@ def build_components(
         tokenizer=tokenizer,
         policy=policy,
         generator=generator,
-        env=env,
-        train_tasks=train_tasks,
-        val_tasks=val_tasks,
+        env=games.env,
+        train_tasks=games.train_tasks,
+        val_tasks=games.val_tasks,
         estimator=est,
         rescorer=rescorer,
         ref_scorer=ref_scorer,
         encoder_factory=functools.partial(build_encoder, cfg, device) if phases.alignment else None,
-        skill_lookup=skill_lookup(cfg.env.name, cfg.env.skills_dir) if cfg.env.skills_dir else None,
+        skill_lookup=games.skills,
         update_tokens=tokens,
     )
     if cfg.generation.backend == "vllm":  # the policy's weights into the engine (collective under tensor parallelism)

@@ -56,9 +56,10 @@ from alignopsd.engine.run.components import build_components
 from alignopsd.engine.run.history import set_aside
 from alignopsd.engine.run.loggers import open_sinks
 from alignopsd.engine.run.preemption import Preempted, PreemptionWatch
-from alignopsd.engine.run.process import Dist, pick_device, process_settings
+from alignopsd.engine.run.process import Dist, pick_device
 from alignopsd.engine.run.resume import check_lora_base, prepare_resume, read_span_lengths, stored_config
 from alignopsd.engine.run.runlock import agree_on_failure, claim_output_dir
+from alignopsd.engine.run.session import Session, open_session
 from alignopsd.engine.step.episodes import run_validation
 from alignopsd.engine.step.recipe import run_step
 from alignopsd.kernels.native_choice import choices_state, restore_choices
@@ -77,14 +78,23 @@ class Trainer:
         stream=None,
         lock_output: bool = True,
         rows: RowsChoice | None = None,
+        session: Session | None = None,
     ) -> None:
         """``lock_output``: take the output folder's exclusive lock (engine/run/runlock.py) before anything is built;
         a run whose folder another live run holds is refused with OutputLockedError (exit code 2). Commands that
         only read a run's folder (``eval``, ``profile``) pass False. ``rows``: packed or padded rows chosen already
-        in this process (the warm start's, in the quickstart pipeline), taken instead of measured."""
+        in this process, taken instead of measured. ``session``: the run's parts built already (engine/run/session.py;
+        its config must be ``cfg``): the trainer builds the rest around them and leaves the session open for its
+        owner; without one it opens its own once the folder is locked, and closes it when the run ends."""
+        if session is not None and session.cfg is not cfg:
+            raise ValueError("session: opened for another config than the trainer's (use Trainer.from_session)")
         self.cfg = cfg
-        self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
-        self.dist = dist or Dist(self.device.type)
+        self.session = session
+        self.owns_session = session is None
+        self.device = (
+            session.device if session is not None else pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+        )
+        self.dist = session.dist if session is not None else (dist or Dist(self.device.type))
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.out_dir = cfg.out_dir
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -113,18 +123,26 @@ class Trainer:
             self.release_output()
             raise
 
+    @classmethod
+    def from_session(cls, session: Session, *, stream=None, lock_output: bool = True) -> Trainer:
+        """The trainer of ``session``'s run, built around its parts (see :meth:`__init__`)."""
+        return cls(session.cfg, stream=stream, lock_output=lock_output, session=session)
+
     def release_output(self) -> None:
         """Release the output folder's lock (idempotent; the end of :meth:`fit` does it)."""
         if self.lock is not None:
             self.lock.release()
 
     def _build(self, cfg: RunConfig, rows: RowsChoice | None) -> None:
-        process_settings(cfg, self.rank)
-        self.parts = build_components(cfg, device=self.device, rank=self.rank, world_size=self.world_size, rows=rows)
-        if self.dist.enabled:  # every rank computes with rank 0's measured CPU paths (kernels/native_choice.py)
-            chosen = self.dist.gather_objects(choices_state())[0]
-            if self.rank:
-                restore_choices(chosen, "rank 0's measurement")
+        if self.session is None:
+            self.session = open_session(cfg, dist=self.dist, device=self.device, rows=rows)
+        try:
+            self.parts = build_components(
+                cfg, device=self.device, rank=self.rank, world_size=self.world_size, built=self.session.built
+            )
+        except BaseException:
+            self.close_parts()
+            raise
         self.step = 0
         self.span_lengths: list[int] = []
         self.logger_runs: dict[str, str] = {}  # logger name -> its W&B / MLflow run, stored with every checkpoint
@@ -166,6 +184,12 @@ class Trainer:
             shards=policy.save_checkpoint if sharded else None,
             shard_state=policy.local_state() if sharded else None,  # this rank's weights, checked for NaN/inf
         )
+
+    def close_parts(self) -> None:
+        """End the environment's workers and the generation engine where this trainer opened its session (a session
+        handed to it stays open for its owner)."""
+        if self.owns_session and self.session is not None:
+            self.session.close()
 
     def lora_base(self) -> dict[str, str] | None:
         """A LoRA policy's base as its checkpoints name it (``model.name`` and the digest of its weights)."""
@@ -231,13 +255,21 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------------------------------------
 
-    def fit(self, resume: str | None = None, *, allow_config_change: bool = False) -> dict:
+    def fit(
+        self,
+        resume: str | None = None,
+        *,
+        allow_config_change: bool = False,
+        prepared: tuple[Path | None, list[str]] | None = None,
+    ) -> dict:
         """Train to ``trainer.total_steps`` (from the checkpoint ``resume`` names, if any); returns the last step's
-        metrics. Raises :class:`Preempted` after writing the checkpoint of the step a SIGTERM or SIGUSR1 ended
+        metrics. ``prepared``: what ``prepare_resume`` returned for this attempt already (``alignopsd train`` checks
+        the resume before anything loads; it is not resolved twice), else ``resume`` is resolved here. Raises
+        :class:`Preempted` after writing the checkpoint of the step a SIGTERM or SIGUSR1 ended
         (engine/run/preemption.py). The output folder's lock is released when it returns or raises."""
         cfg = self.cfg
         try:
-            path, changes = prepare_resume(
+            path, changes = prepared or prepare_resume(
                 cfg, resume, world_size=self.world_size, allow_changes=allow_config_change, say=self._say
             )
             for line in changes:
@@ -260,7 +292,7 @@ class Trainer:
                     last = self._train(logger, watch)
                 except Preempted:
                     logger.close("killed")
-                    self.parts.close()  # environment workers and the generation engine end with the run
+                    self.close_parts()  # environment workers and the generation engine end with the run
                     raise
                 except BaseException:
                     logger.close("failed")
@@ -268,7 +300,7 @@ class Trainer:
             finally:
                 watch.close()
             self._finish(logger)
-            self.parts.close()
+            self.close_parts()
             return last
         finally:
             self.release_output()

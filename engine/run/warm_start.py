@@ -1,4 +1,11 @@
-"""The warm start's run around its steps: the policy it trains, the loop of supervised steps, the folder it writes.
+"""The warm start's run around its steps: its data, the policy it trains, the loop of supervised steps, the folder it
+writes (``alignopsd sft``, and the quickstart pipeline's warm start stage: engine/run/pipeline.py).
+
+The data (one example per expert turn) is the environment's own (its registry entry's ``expert_data``: ALFWorld's
+walkthroughs, engine/envs/alfworld/expert.py), played through the session's environment manager: the prompt is what
+the rollout would give the policy at that turn (the same chat template, tokenisation and left truncation as in
+``rollout``), the response the expert's, closed with the end-of-turn token. The loss is the next-token cross entropy
+on the response tokens only, averaged over them.
 
 The policy is the run's own (``build_policy``: the Hugging Face backend, its LoRA adapters, or Megatron shards under
 tensor parallelism) with the warm start's optimizer settings: AdamW at ``--lr`` without weight decay, a linear
@@ -18,18 +25,127 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from alignopsd.engine.envs.base import ExpertTurn
+from alignopsd.engine.envs.prompts import chat_text
+from alignopsd.engine.envs.registry import expert_data_of
+from alignopsd.engine.models.loading import resolve_model_path
 from alignopsd.engine.observe.memory import PeakScope, gib
 from alignopsd.engine.observe.progress import time_left
 from alignopsd.engine.policy.base import PolicyBackend
-from alignopsd.engine.run.policy_builders import OptimizerSettings, build_policy
+from alignopsd.engine.run.components import Games
+from alignopsd.engine.run.policy_builders import (
+    OptimizerSettings,
+    build_policy,
+    micro_batch_tokens,
+    policy_placement,
+    shape_of,
+)
+from alignopsd.engine.run.session import Session, open_session
 from alignopsd.engine.step.packing_trial import PackingTrial
 from alignopsd.engine.step.supervised import Example, supervised_step
+from alignopsd.engine.tokens.layout import truncate_left
+from alignopsd.engine.tokens.special import token_ids
 
 if TYPE_CHECKING:
     from alignopsd.engine.config.schema import RunConfig
 
 SFT_MARKER = "alignopsd_sft.json"
 WARM_START_CLIP = 1.0  # gradient-norm clip of every warm-start step
+
+
+def encode_turn(tokenizer, turn: ExpertTurn, max_prompt_length: int, *, eos_id: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of one example; the prompt exactly as the rollout tokenises it, the response
+    closed with ``eos_id`` (the end-of-turn id of engine/tokens/special.py)."""
+    ids = tokenizer(chat_text(tokenizer, turn.user_text), add_special_tokens=False)["input_ids"]
+    ids, _ = truncate_left(ids, max_prompt_length)
+    resp = tokenizer(turn.response, add_special_tokens=False)["input_ids"] + [int(eos_id)]
+    return ids, resp
+
+
+def build_examples(cfg: RunConfig, tokenizer, games: Games) -> tuple[list[ExpertTurn], list[Example]]:
+    """(expert turns, encoded examples) of ``cfg``'s training games, played through ``games``' environment by its
+    registry entry's ``expert_data`` (ValueError naming an environment that brings none)."""
+    expert_data = expert_data_of(cfg.env.name)
+    turns = expert_data(games.env, games.train_tasks, seed=cfg.trainer.seed, max_turns=cfg.env.max_turns)
+    eos = token_ids(tokenizer).end_of_turn("close an expert response")
+    return turns, [encode_turn(tokenizer, t, cfg.env.max_prompt_length, eos_id=eos) for t in turns]
+
+
+def warm_start(session: Session, out_dir: str | Path, *, steps: int, batch_size: int, lr: float, stream=None) -> Path:
+    """The warm start of the session's policy: expert examples of its training games, ``steps`` supervised steps,
+    the checkpoint in ``out_dir`` (written by rank 0 once every rank has gathered the weights; every rank returns
+    once it is complete)."""
+    cfg, policy, tokenizer = session.cfg, session.policy, session.tokenizer
+    stream = stream if stream is not None else sys.stdout
+    t0 = time.perf_counter()
+    turns, examples = build_examples(cfg, tokenizer, session.games)
+    n_tok = sum(len(p) + len(r) for p, r in examples)
+    print(f"[sft] {len(turns)} expert turns, {n_tok} tokens ({time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
+    losses = train_supervised(
+        policy,
+        examples,
+        pad_id=session.ids.pad,
+        steps=steps,
+        batch_size=batch_size,
+        seed=cfg.trainer.seed,
+        fused=cfg.trainer.ppo.fused_head_loss,
+        stream=stream,
+        token_budget=micro_batch_tokens(cfg, shape_of(policy.hf_config, cfg.model.name), *policy_placement(policy)),
+    )
+    meta = {
+        "steps": steps,
+        "lr": lr,
+        "batch_size": batch_size,
+        "examples": len(examples),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "seconds": time.perf_counter() - t0,
+    }
+    out = save_warm_start(policy, tokenizer, out_dir, base=cfg.model.name, meta=meta, write=session.dist.rank == 0)
+    session.dist.barrier()  # the folder is complete before any rank goes on
+    return out
+
+
+def run_sft(cfg: RunConfig, out_dir: str | Path, *, steps: int, lr: float, batch_size: int, stream=None) -> Path:
+    """``alignopsd sft``: a session of the config's policy (its backend, LoRA adapters, tensor parallelism; every
+    process of a ``torchrun`` launch) with the warm start's optimizer and no generator, warm-started, written to
+    ``out_dir``."""
+    session = open_session(cfg, optim=warm_start_optimizer(lr, steps), generate=False)
+    try:
+        return warm_start(session, out_dir, steps=steps, batch_size=batch_size, lr=lr, stream=stream)
+    finally:
+        session.close()
+        session.dist.close()
+
+
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_warm_start(path: str | Path, base: str) -> Path:
+    """A warm-start checkpoint usable for model ``base``; ValueError naming the problem otherwise.
+
+    Cheap (reads two JSON files): call it before anything heavy loads.
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir() or not (p / "config.json").is_file() or not any(p.glob("*.safetensors")):
+        raise ValueError(
+            f"warm start: {str(p)!r} is not a checkpoint folder (config.json + *.safetensors); "
+            "write one with `alignopsd sft --config FILE --out DIR`"
+        )
+    marker = p / SFT_MARKER
+    if marker.is_file():
+        made_from = json.loads(marker.read_text()).get("base")
+        if made_from != base:
+            raise ValueError(f"warm start: {str(p)!r} was fine-tuned from {made_from!r}, not from model {base!r}")
+    mine = json.loads((p / "config.json").read_text())
+    theirs = json.loads((Path(resolve_model_path(base)) / "config.json").read_text())
+    diff = [k for k in _SHAPE_KEYS if mine.get(k) != theirs.get(k)]
+    if diff:
+        raise ValueError(
+            f"warm start: {str(p)!r} belongs to another model than {base!r} "
+            f"({', '.join(f'{k} {mine.get(k)} vs {theirs.get(k)}' for k in diff)})"
+        )
+    return p
 
 
 def warm_start_optimizer(lr: float, steps: int) -> OptimizerSettings:

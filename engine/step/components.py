@@ -110,11 +110,17 @@ class Components:
             self.generator.sleep()
 
     def close(self) -> None:
-        for obj in (self.env, self.generator):
-            if obj is None:
-                continue
-            try:
-                obj.close()
-            except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
-                reraise_if_strict(exc)
-                log.warning("close %s: %s", type(obj).__name__, exc)
+        close_all([self.env, self.generator])
+
+
+def close_all(objs) -> None:
+    """Close each of ``objs`` (an environment manager, a generator; None skipped); a failure to close is logged, not
+    raised (shutdown must not mask the run's result), except in strict mode."""
+    for obj in objs:
+        if obj is None:
+            continue
+        try:
+            obj.close()
+        except Exception as exc:  # noqa: BLE001 - shutdown must not mask the run's result
+            reraise_if_strict(exc)
+            log.warning("close %s: %s", type(obj).__name__, exc)

@@ -57,13 +57,17 @@ def _overrides(games: Path, out: Path) -> list[str]:
 
 def _hf_reference(cfg, tokenizer) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same warm start on one process with the Hugging Face backend: (losses, weights)."""
-    from alignopsd.engine.commands.sft import build_examples
     from alignopsd.engine.models.loading import load_causal_lm
     from alignopsd.engine.policy.hf import HFPolicy
-    from alignopsd.engine.run.warm_start import train_supervised, warm_start_optimizer
+    from alignopsd.engine.run.components import build_games
+    from alignopsd.engine.run.warm_start import build_examples, train_supervised, warm_start_optimizer
     from alignopsd.engine.tokens.special import token_ids
 
-    _, examples = build_examples(cfg, tokenizer)
+    games = build_games(cfg)
+    try:
+        _, examples = build_examples(cfg, tokenizer, games)
+    finally:
+        games.close()
     opt = warm_start_optimizer(LR, STEPS)
     policy = HFPolicy(
         load_causal_lm("tiny", dtype="float32"),

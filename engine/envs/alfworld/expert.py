@@ -4,28 +4,21 @@ Each example's prompt is the environment manager's rendered user text at that tu
 gives the policy); the response is ``<think>T</think><action>A</action>`` where A is the walkthrough's action,
 optionally after searching a few other receptacles first, and T a short reasoning written from the game's own
 facts (task, target object and receptacle, where the agent is, what it holds, the next sub-goal). The warm start
-(engine/commands/sft.py) trains on these examples.
+(engine/run/warm_start.py) trains on these examples; the registry's ``expert_data`` hook of ALFWorld is
+:func:`expert_data`.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
 
 from alignopsd.engine.envs.alfworld.gen import game_facts
+from alignopsd.engine.envs.base import ExpertTurn
 
 SEARCH_DETOURS = 2  # receptacles the expert searches before the object's place (see expert_turns)
 
-
-@dataclass
-class ExpertTurn:
-    """One supervised example: a turn of an expert episode."""
-
-    task_key: str
-    turn: int
-    user_text: str  # the manager's rendered prompt (before the chat template)
-    response: str  # <think>...</think><action>...</action>
+__all__ = ["SEARCH_DETOURS", "ExpertTurn", "expert_data", "expert_thinking", "expert_turns"]
 
 
 def expert_thinking(facts: dict, action: str, holding: bool, at: str | None = None) -> str:
@@ -134,3 +127,18 @@ def expert_turns(
     if lost:
         raise ValueError(f"tasks: the expert walkthrough does not win {lost[:3]} in the engine")
     return out
+
+
+def expert_data(manager, tasks: list, *, seed: int, max_turns: int) -> list[ExpertTurn]:
+    """ALFWorld's expert data (its registry entry's ``expert_data``): every distinct game of ``tasks`` (the task pool
+    may repeat games; one walkthrough each) played through ``manager`` with :data:`SEARCH_DETOURS` searched
+    receptacles before the walkthrough. The episode's step limit is ``max_turns`` raised by the turns the detours may
+    take while these episodes play, so every game gets them (the prompts are the rollout's otherwise)."""
+    limit = max_turns + 2 * SEARCH_DETOURS
+    seen, unique = set(), []
+    for t in tasks:
+        if t.key not in seen:
+            seen.add(t.key)
+            unique.append(t)
+    with manager.step_limit(limit):
+        return expert_turns(manager, unique, seed=seed, detours=SEARCH_DETOURS, max_turns=limit)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from alignopsd.engine.parallel.group import start_process_group
 from alignopsd.engine.parallel.hardware import device_type
-from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, prompt_width
+from alignopsd.engine.policy.base import ParallelLayout, check_loss_fn, check_optimizer_settings, prompt_width
 from alignopsd.engine.policy.lm_head import fused_head_loss, scatter_response
 from alignopsd.engine.policy.megatron import cpu_shim
 from alignopsd.engine.policy.megatron.checkpointing import ShardCheckpoints
@@ -114,10 +114,7 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         warmup_steps: int = 0,
         recompute: str = "none",
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"lr: must be > 0, got {lr}")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+        check_optimizer_settings(lr, weight_decay, warmup_steps)
         if distributed_optimizer and not torch.cuda.is_available():
             raise ValueError("distributed_optimizer: megatron-core's distributed optimizer needs CUDA parameters")
         init_parallel(tp, seed)
@@ -134,14 +131,22 @@ class MegatronPolicy(ShardScoring, ShardCheckpoints):
         self.model, self.spec = build_gpt_model(hf_config, tp, params_dtype, layer_spec, recompute)
         self._copy_hf_weights(hf_state_dict)
         self.ddp = wrap_ddp(self.model, distributed_optimizer)
+        self.betas, self.eps, self.params_dtype = betas, eps, params_dtype
+        self.reset_optimizer(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+
+    def reset_optimizer(self, *, lr: float, weight_decay: float, warmup_steps: int) -> None:
+        """megatron-core's optimizer (its fp32 main params copied from the current weights) and the warm-up schedule,
+        started afresh with the step counters: what a policy built from these weights starts with."""
+        check_optimizer_settings(lr, weight_decay, warmup_steps)
+        self.ddp.zero_grad_buffer()
         self.optimizer = megatron_optimizer(
             self.ddp,
             lr=lr,
             weight_decay=weight_decay,
-            betas=betas,
-            eps=eps,
-            params_dtype=params_dtype,
-            distributed_optimizer=distributed_optimizer,
+            betas=self.betas,
+            eps=self.eps,
+            params_dtype=self.params_dtype,
+            distributed_optimizer=self.distributed_optimizer,
         )
         self.scheduler = warmup_scheduler(self.optimizer, lr, weight_decay, warmup_steps)
         self.steps = 0
