@@ -62,8 +62,8 @@ class Session:
         """This session as the RL run of ``cfg`` starts on it, in memory: the same processes, tokenizer, policy
         weights, generator and games, the policy's optimizer started afresh with the run's settings
         (``trainer.optimizer.lr``, weight decay, warm-up: ``OptimizerSettings.of_run``), as a policy built from these
-        weights for ``cfg`` starts. ``cfg`` must build the same parts (the pipeline's RL config differs from the warm start's
-        in ``model.name``, the folder these weights were written to, and in trainer settings)."""
+        weights for ``cfg`` starts. ``cfg`` must build the same parts (the pipeline's RL config differs from the warm
+        start's in ``model.name``, the folder these weights were written to, and in trainer settings)."""
         optim = OptimizerSettings.of_run(cfg)
         self.policy.reset_optimizer(lr=optim.lr, weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps)
         return replace(self, cfg=cfg)
