@@ -113,43 +113,68 @@ def compile_seconds(op: str) -> float:
     return sum(s for name, s in _COMPILE_S.items() if name.startswith(_PREFIX[op]))
 
 
+# The compiled functions see operands of one rank and layout whatever the caller's batch (rows of [N, width];
+# rotary: [N, heads, D] against [N, 1, D]), so padded rows and a packed [1, N] sequence share one compiled graph.
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y, rstd = _kernel("rms_norm_forward")(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
+        rows = x.reshape(-1, x.shape[-1])
+        y, rstd = _kernel("rms_norm_forward")(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        gx, gw = _kernel("rms_norm_backward")(grad.contiguous(), x, weight, rstd)
-        return gx, gw.to(weight.dtype), None
+        rows, weight, rstd = ctx.saved_tensors
+        gx, gw = _kernel("rms_norm_backward")(grad.reshape(rows.shape), rows, weight, rstd)
+        return gx.view(grad.shape), gw.to(weight.dtype), None
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate, up)
-        return _kernel("swiglu_forward")(gate, up)
+        gate2, up2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        ctx.save_for_backward(gate2, up2)
+        return _kernel("swiglu_forward")(gate2, up2).view(gate.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         gate, up = ctx.saved_tensors
-        return _kernel("swiglu_backward")(grad, gate, up)
+        d_gate, d_up = _kernel("swiglu_backward")(grad.reshape(gate.shape), gate, up)
+        return d_gate.view(grad.shape), d_up.view(grad.shape)
+
+
+def _tokens_first(x: Tensor, heads_dim: int) -> Tensor:
+    """``x`` as ``[tokens, heads, D]`` (``heads_dim``: where its heads are; the tokens are the other leading dims)."""
+    x = x.movedim(heads_dim, -2)
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _heads_back(y: Tensor, like: Tensor, heads_dim: int) -> Tensor:
+    """The inverse of :func:`_tokens_first`: ``y`` ``[tokens, heads, D]`` laid out as ``like``."""
+    shape = list(like.movedim(heads_dim, -2).shape)
+    return y.view(shape).movedim(-2, heads_dim)
 
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        ctx.save_for_backward(cos, sin)
-        return _kernel("rotary_forward")(q, k, cos, sin)
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, heads_dim: int) -> tuple[Tensor, Tensor]:
+        per_token = [*q.shape[:-1], q.shape[-1]]
+        per_token[heads_dim] = 1  # one cos/sin row per token, shared by the heads
+        cos2, sin2 = (_tokens_first(t.expand(per_token), heads_dim).contiguous() for t in (cos, sin))
+        ctx.save_for_backward(cos2, sin2)
+        ctx.heads_dim = heads_dim
+        qe, ke = _kernel("rotary_forward")(_tokens_first(q, heads_dim), _tokens_first(k, heads_dim), cos2, sin2)
+        return _heads_back(qe, q, heads_dim), _heads_back(ke, k, heads_dim)
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor):
         cos, sin = ctx.saved_tensors
-        dq, dk = _kernel("rotary_backward")(gq, gk, cos, sin)
-        return dq, dk, None, None
+        h = ctx.heads_dim
+        dq, dk = _kernel("rotary_backward")(_tokens_first(gq, h), _tokens_first(gk, h), cos, sin)
+        return _heads_back(dq, gq, h), _heads_back(dk, gk, h), None, None, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -173,7 +198,8 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 
         raise ValueError("rotary: cos and sin must not require a gradient (the fused backward gives them none)")
     if q.shape[-1] % 2 or q.shape[-1] != cos.shape[-1]:
         raise ValueError(f"rotary: head dim of q {tuple(q.shape)} must be even and equal cos's {tuple(cos.shape)}")
-    return _Rotary.apply(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+    heads_dim = unsqueeze_dim % q.dim()
+    return _Rotary.apply(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), heads_dim)
 
 
 _PREFIX = dict(zip(FUSED_OPS, ("rms_norm_", "swiglu_", "rotary_")))
