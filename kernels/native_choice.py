@@ -22,8 +22,12 @@ A caller that runs several processes can hand one process's choices to the other
 ``ALIGNOPSD_CPU_PATHS=torch`` measures nothing and takes the torch paths everywhere (:func:`pinned`: the test
 suite's setting, and a user's for bit-identical reruns).
 
-A choice is recorded per name (``HEAD``, ``HEAD_GEMM``, ``ATTENTION``); the choice a test or a check wants is
-recorded with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
+The same rule picks the fused element-wise work of the Llama layers (``RMS_NORM``, ``SWIGLU``, ``ROTARY``:
+``fused_ops.py``, compiled with ``torch.compile``) against the stock Hugging Face modules, forward and backward, in
+any dtype.
+
+A choice is recorded per name (``HEAD``, ``HEAD_GEMM``, ``ATTENTION``, ``FUSED_OPS``); the choice a test or a check
+wants is recorded with :func:`record` (``alignopsd.testing`` re-exports it with :func:`forget`).
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ from dataclasses import dataclass
 HEAD = "head partials"  # kernels/head/cpu_partials.py against head/torch_tiles.torch_partials
 HEAD_GEMM = "head GEMMs"  # kernels/head/bf16_gemm.py: bf16 operands, fp32 results, against fp32 tiles of upcast weights
 ATTENTION = "prefix attention"  # kernels/attention_native.py against decode_cache's gathered sdpa
-KERNELS = (HEAD, HEAD_GEMM, ATTENTION)
+# a Llama layer's work between its GEMMs, forward and backward, compiled (kernels/fused_ops.py), against the stock code
+RMS_NORM, SWIGLU, ROTARY = "fused RMSNorm", "fused SwiGLU", "fused rotary"
+FUSED_OPS = (RMS_NORM, SWIGLU, ROTARY)
+KERNELS = (HEAD, HEAD_GEMM, ATTENTION, *FUSED_OPS)
 # what each choice's two sides are called in the run's log: (the custom path, the path it replaces)
-LABELS = {HEAD_GEMM: ("bf16 GEMM", "fp32 tiles")}
+LABELS = {HEAD_GEMM: ("bf16 GEMM", "fp32 tiles"), **{op: ("compiled", "stock module") for op in FUSED_OPS}}
 
 
 @dataclass(frozen=True)

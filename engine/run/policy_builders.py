@@ -26,6 +26,7 @@ from alignopsd.engine.models.loading import load_causal_lm, parse_dtype, resolve
 from alignopsd.engine.models.shapes import ModelShape, shape_from_hf_config
 from alignopsd.engine.observe.memory import GIB
 from alignopsd.engine.policy.base import PolicyBackend, RowLayout
+from alignopsd.engine.policy.fused_layers import choose_fused_ops
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
 from alignopsd.kernels.native_choice import pinned
 from torch import nn
@@ -81,8 +82,9 @@ def packed_rows(cfg: RunConfig, device: torch.device) -> bool | None:
 
 def choose_cpu_paths(model: nn.Module, device: torch.device) -> None:
     """The custom CPU kernels this process takes, measured on ``model`` once before any step and stated in the log
-    (engine/run/kernel_probe.py)."""
-    for line in choose_cpu_kernels(model.config, model.dtype, device):
+    (engine/run/kernel_probe.py), then the fused RMSNorm, SwiGLU and rotary of its layers, measured the same way
+    (engine/policy/fused_layers.py)."""
+    for line in [*choose_cpu_kernels(model.config, model.dtype, device), *choose_fused_ops(model, device)]:
         log.info("kernels: %s", line)
 
 

@@ -192,8 +192,11 @@ def test_policy_build_states_the_choice_in_the_run_log(caplog, monkeypatch):
         "kernels: head partials: torch path (the model runs in float32; the custom path is for bf16)",
         "kernels: prefix attention: torch path (the model runs in float32; the custom path is for bf16)",
     ]
+    # the fused element-wise ops of the layers, measured in any dtype (engine/policy/fused_layers.py)
+    assert [line.split(": ")[1] for line in said[3:6]] == ["fused RMSNorm", "fused SwiGLU", "fused rotary"]
+    assert all("forward and backward" in line for line in said[3:6])
     # trainer.ppo.use_remove_padding auto on a CPU: padded rows until the first update has timed both (packing_trial)
-    assert said[3] == "kernels: packed rows: padded rows (until the first update has timed both, forward and backward)"
+    assert said[6] == "kernels: packed rows: padded rows (until the first update has timed both, forward and backward)"
     monkeypatch.setenv(native_choice.PIN_ENV, "torch")  # pinned: padded rows, chosen at the build, timed never
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=components.__name__):
