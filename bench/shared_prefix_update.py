@@ -1,0 +1,212 @@
+"""Shared prompt prefixes in the update: what share of its positions they are, and what pushing them once saves.
+
+    python -m bench.shared_prefix_update fraction --config configs/quickstart_cpu.yaml
+    python -m bench.shared_prefix_update fraction --config configs/alfworld_7b.yaml --world-size 8
+    python -m bench.shared_prefix_update time [--rounds 5] [--threads 2]
+
+``fraction``: real ALFWorld rollouts (generated games, the engine's own environment manager, prompt builder, chat
+template and rollout, engine/step/rollout.py ``collect_rollouts``) of one data-parallel rank's tasks, with a scripted
+generator in place of the model: it answers ``<think>...</think><action>A</action>`` with A one of the turn's
+admissible actions, its length drawn around the profile's response mean (the cost plan's: 41 of 64 tokens scaled to
+``generation.max_response_length``, engine/cost/step_plan.py), and either ``agreeing`` (A picked by the prompt, so
+identical prompts get one action, as a low-temperature policy's siblings often do; with probability 0.3 a sibling's
+own pick instead) or ``diverse`` (every sibling its own pick: the histories diverge after the first turn). The
+canonical turns go through the update's own plan (``plan_update`` with the config's mini- and micro-batch sizes and
+token budget) and each micro-batch's footprint (``Footprint``: padded, packed, and packed with prefixes shared by the
+update's rule); the whole-batch bound (every row of the rank in one forward) is printed beside it. The tokenizer is
+SmolLM2's (the only one on this machine): Qwen2.5's chat header differs by a few tokens per prompt.
+
+``time``: forward and backward of the update's micro-step (the fused head loss, ``HFPolicy.response_loss``) on
+SmolLM2-135M in fp32 on a quickstart-shaped micro-batch: 20 rows of one task, 4 siblings x 5 turns, built by the
+same rollout (agreeing), interleaved A/B/C in one process: ``shared`` (prefix tree), ``packed`` and ``padded``
+(``RowLayout.share_prefixes`` off), after one warm-up each; per round the three in rotated order; medians and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import statistics
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.envs.manager import EnvManager
+from alignopsd.engine.generation.base import GenerationOutput, SamplingParams
+from alignopsd.engine.models.loading import load_tokenizer
+from alignopsd.engine.step.micro_batches import Footprint, RowGeometry, plan_update
+from alignopsd.engine.step.rollout import collect_rollouts
+
+from alignopsd.canonical import canonicalize
+from bench.provenance import commit_line, machine
+
+GAMES = os.path.expanduser("~/.cache/alignopsd/alfworld/gen1/train-seed1-n32")
+ADMISSIBLE = re.compile(r"admissible actions of the current situation are: \[(.*)\]\.", re.S)
+
+
+class ScriptedGenerator:
+    """The rollout's generator, answering with one of each prompt's admissible actions (module docstring)."""
+
+    model = None
+    max_model_len = 1 << 62
+    keeps_prompt_cache = False
+
+    def __init__(self, tokenizer, mean: float, cap: int, mode: str, seed: int) -> None:
+        self.tok, self.mean, self.cap, self.mode = tokenizer, mean, cap, mode
+        self.eos_token_ids = {int(tokenizer.eos_token_id)}
+        self.rng = random.Random(seed)
+
+    def _answer(self, prompt: str) -> str:
+        found = ADMISSIBLE.search(prompt)
+        actions = re.findall(r"'([^']*)'", found.group(1)) if found else []
+        actions = actions or ["look"]
+        own = self.rng.random() < 0.3 or self.mode == "diverse"
+        pick = self.rng.choice(actions) if own else random.Random(zlib.crc32(prompt.encode())).choice(actions)
+        words = max(1, int(self.rng.gauss(self.mean, 0.5 * self.mean)) - 12)
+        think = " ".join(self.rng.choice(("I", "see", "the", "task", "next", "go", "to", "find")) for _ in range(words))
+        return f"<think>{think}</think><action>{pick}</action>"
+
+    def generate(self, prompts, sampling, *, keep_prompt_cache=False) -> GenerationOutput:
+        ids, texts = [], []
+        for p in prompts:
+            t = self.tok(self._answer(self.tok.decode(p)), add_special_tokens=False)["input_ids"][: self.cap]
+            ids.append(t)
+            texts.append(self.tok.decode(t))
+        return GenerationOutput(ids, texts, [[-0.5] * len(t) for t in ids], ["stop"] * len(ids))
+
+    def prefill_counts(self) -> dict[str, int]:
+        return {}
+
+    def sleep(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def load_weights(self, state_dict) -> None:
+        return None
+
+
+def rollout_batch(cfg, tasks: int, mode: str, seed: int, tok=None):
+    """The canonical turns of ``tasks`` tasks x ``env.group_n`` scripted episodes of ``cfg``'s profile."""
+    tok = tok or load_tokenizer("smollm2-135m")
+    mean = cfg.generation.max_response_length * 41 / 64
+    gen = ScriptedGenerator(tok, mean, cfg.generation.max_response_length, mode, seed)
+    e = cfg.env
+    with EnvManager("alfworld", num_workers=2, history_length=e.history_length, max_steps=e.max_turns,
+                    data_dir=GAMES) as mgr:  # fmt: skip
+        pool = mgr.task_source("train", None, seed)
+        batch = collect_rollouts(mgr, gen, tok, pool[:tasks], group_n=e.group_n, max_prompt_length=e.max_prompt_length,
+                                 max_response_length=cfg.generation.max_response_length, max_turns=e.max_turns,
+                                 sampling=SamplingParams(max_new_tokens=cfg.generation.max_response_length),
+                                 seed=seed, teacher_prompts=False)  # fmt: skip
+    canon = canonicalize(batch.task.tolist(), batch.rollout.tolist(), batch.turn.tolist())
+    return batch.select(canon.first_row)
+
+
+def fraction(cfg, world: int, mode: str, seed: int) -> dict[str, float]:
+    """Positions of the update's forwards for one rank's canonical turns: padded, packed, packed and shared."""
+    tp = int(cfg.policy.tensor_parallel_size) if world > 1 else 1
+    dp = max(1, world // tp)
+    cb = rollout_batch(cfg, max(1, cfg.env.tasks_per_step // dp), mode, seed)
+    geo = RowGeometry.of(cb.prompt_mask, cb.response_mask, cb.prompt_ids)
+    plan = plan_update(cb.response_mask.float(), cfg.trainer.ppo_mini_batch_size // dp,
+                       cfg.trainer.ppo_micro_batch_size, 1, geometry=geo, token_budget=cfg.update_token_budget)  # fmt: skip
+    fps = {k: Footprint() for k in ("padded", "packed", "shared")}
+    for mbs in plan:
+        for mb in mbs:
+            fps["padded"].add(geo, mb.rows)
+            fps["packed"].add(geo, mb.rows, packed=True)
+            fps["shared"].add(geo, mb.rows, packed=True, share=True)
+    whole = Footprint()
+    whole.add(geo, list(range(cb.size)), packed=True, share=True)
+    return {
+        "rows": float(cb.size),
+        "micro_batches": float(sum(len(m) for m in plan)),
+        "prompt_mean": float(cb.prompt_mask.sum()) / cb.size,
+        "response_mean": float(cb.response_mask.sum()) / cb.size,
+        **{f"{k}_positions": float(fp.computed) for k, fp in fps.items()},
+        "row_tokens": float(fps["packed"].row_tokens),
+        "shared_fraction": 1.0 - fps["shared"].computed / fps["packed"].row_tokens,
+        "whole_batch_shared_fraction": 1.0 - whole.computed / whole.row_tokens,
+    }
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def time_update(rounds: int, seed: int) -> dict[str, list[float]]:
+    """Seconds of one micro-step (forward + backward, fused head loss) per variant and round (module docstring)."""
+    from alignopsd.engine.models.loading import load_causal_lm
+    from alignopsd.engine.policy.hf import HFPolicy
+
+    cfg = load_config("configs/quickstart_cpu.yaml", [])
+    cb = rollout_batch(cfg, 1, "agreeing", seed)
+    rows = [i for i in range(cb.size) if int(cb.turn[i]) < 5][:20]
+    ids, attn = cb.input_ids()[rows], cb.attention_mask()[rows]
+    length = cb.response_length
+    pol = HFPolicy(load_causal_lm("smollm2-135m", dtype="float32"), lr=1e-6, packed=True)
+    rmask = attn[:, -length:].float()
+    geo = RowGeometry.of(cb.prompt_mask[rows], cb.response_mask[rows], cb.prompt_ids[rows])
+    sizes = {}
+    for name, packed, share in (("padded", False, False), ("packed", True, False), ("shared", True, True)):
+        fp = Footprint()
+        fp.add(geo, list(range(len(rows))), packed, share)
+        sizes[name] = fp.computed
+    print(f"micro-batch: {len(rows)} rows, {sizes['packed']} row tokens; positions pushed {sizes}", flush=True)
+
+    def step(packed: bool, share: bool) -> None:
+        pol.rows.packed, pol.rows.share_prefixes = packed, share
+        _, _, carrier = pol.response_loss(ids, attn, length, lambda lp, en: -(lp * rmask).sum() / rmask.sum())
+        carrier.backward()
+        pol.zero_grad()
+
+    variants = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
+    for v in variants.values():  # warm-up
+        step(*v)
+    out: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % 3 :] + names[: r % 3]:
+            out[name].append(timed(lambda v=variants[name]: step(*v)))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in out.items()), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    f = sub.add_parser("fraction")
+    f.add_argument("--config", required=True)
+    f.add_argument("--world-size", type=int, default=1)
+    f.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("time")
+    t.add_argument("--rounds", type=int, default=5)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    model, flags = machine()
+    print(f"commit {commit_line()}; {model}; {flags}; load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.what == "fraction":
+        cfg = load_config(args.config, [])
+        for mode in ("agreeing", "diverse"):
+            res = fraction(cfg, args.world_size, mode, args.seed)
+            print(f"{cfg.name} {mode}: " + ", ".join(f"{k} {v:,.3f}" for k, v in res.items()), flush=True)
+        return
+    torch.set_num_threads(args.threads)
+    out = time_update(args.rounds, args.seed)
+    med = {k: statistics.median(v) for k, v in out.items()}
+    print(f"load at the end {os.getloadavg()[0]:.2f}; medians " + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()))
+    print(f"ratios: shared / packed {med['shared'] / med['packed']:.3f}, shared / padded "
+          f"{med['shared'] / med['padded']:.3f}, packed / padded {med['packed'] / med['padded']:.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
