@@ -114,8 +114,9 @@ def fraction(cfg, world: int, mode: str, seed: int) -> dict[str, float]:
     dp = max(1, world // tp)
     cb = rollout_batch(cfg, max(1, cfg.env.tasks_per_step // dp), mode, seed)
     geo = RowGeometry.of(cb.prompt_mask, cb.response_mask, cb.prompt_ids)
-    plan = plan_update(cb.response_mask.float(), cfg.trainer.ppo_mini_batch_size // dp,
-                       cfg.trainer.ppo_micro_batch_size, 1, geometry=geo, token_budget=cfg.update_token_budget)  # fmt: skip
+    t = cfg.trainer
+    plan = plan_update(cb.response_mask.float(), t.ppo_mini_batch_size // dp, t.ppo_micro_batch_size, 1,
+                       geometry=geo, token_budget=cfg.update_token_budget)  # fmt: skip
     fps = {k: Footprint() for k in ("padded", "packed", "shared")}
     for mbs in plan:
         for mb in mbs:
