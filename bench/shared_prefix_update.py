@@ -16,10 +16,17 @@ token budget) and each micro-batch's footprint (``Footprint``: padded, packed, a
 update's rule); the whole-batch bound (every row of the rank in one forward) is printed beside it. The tokenizer is
 SmolLM2's (the only one on this machine): Qwen2.5's chat header differs by a few tokens per prompt.
 
-``time``: forward and backward of the update's micro-step (the fused head loss, ``HFPolicy.response_loss``) on
-SmolLM2-135M in fp32 on a quickstart-shaped micro-batch: 20 rows of one task, 4 siblings x 5 turns, built by the
-same rollout (agreeing), interleaved A/B/C in one process: ``shared`` (prefix tree), ``packed`` and ``padded``
-(``RowLayout.share_prefixes`` off), after one warm-up each; per round the three in rotated order; medians and ratios.
+``--budget``: the micro-batches' positions (the run cuts the config's to what the activations' memory allows: on a CPU
+1.5 GiB, 1,184 positions of SmolLM2-135M in fp32, 2,369 in bf16; engine/run/policy_builders.py).
+
+``time``: the update's forwards and backwards (the fused head loss, ``HFPolicy.response_loss``) on SmolLM2-135M in
+fp32 over every ``--every``-th micro-batch of one quickstart rollout (agreeing; the update's own plan at ``--budget``
+positions),
+interleaved in one process: ``shared`` (prefix tree where the rule takes it), ``packed`` and ``padded``
+(``RowLayout.share_prefixes`` off), after a warm-up of two micro-batches each; per round the three in rotated order;
+medians and ratios. ``--layers``: a shallower model where the machine is too busy for the whole one (each decoder
+layer costs alike; the LM head, the same in the three variants, then weighs more, so the ratios understate the
+whole model's).
 """
 
 from __future__ import annotations
@@ -108,7 +115,7 @@ def rollout_batch(cfg, tasks: int, mode: str, seed: int, tok=None):
     return batch.select(canon.first_row)
 
 
-def fraction(cfg, world: int, mode: str, seed: int) -> dict[str, float]:
+def fraction(cfg, world: int, mode: str, seed: int, budget: int = 0) -> dict[str, float]:
     """Positions of the update's forwards for one rank's canonical turns: padded, packed, packed and shared."""
     tp = int(cfg.policy.tensor_parallel_size) if world > 1 else 1
     dp = max(1, world // tp)
@@ -116,7 +123,7 @@ def fraction(cfg, world: int, mode: str, seed: int) -> dict[str, float]:
     geo = RowGeometry.of(cb.prompt_mask, cb.response_mask, cb.prompt_ids)
     t = cfg.trainer
     plan = plan_update(cb.response_mask.float(), t.ppo_mini_batch_size // dp, t.ppo_micro_batch_size, 1,
-                       geometry=geo, token_budget=cfg.update_token_budget)  # fmt: skip
+                       geometry=geo, token_budget=budget or cfg.update_token_budget)  # fmt: skip
     fps = {k: Footprint() for k in ("padded", "packed", "shared")}
     for mbs in plan:
         for mb in mbs:
@@ -143,41 +150,53 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
-def time_update(rounds: int, seed: int) -> dict[str, list[float]]:
-    """Seconds of one micro-step (forward + backward, fused head loss) per variant and round (module docstring)."""
+def time_update(rounds: int, seed: int, budget: int, every: int, layers: int) -> dict[str, list[float]]:
+    """Seconds of the update's forwards and backwards (fused head loss) over one quickstart rollout's micro-batches,
+    per variant and round (module docstring)."""
     from alignopsd.engine.models.loading import load_causal_lm
     from alignopsd.engine.policy.hf import HFPolicy
 
     cfg = load_config("configs/quickstart_cpu.yaml", [])
     cb = rollout_batch(cfg, 1, "agreeing", seed)
-    rows = [i for i in range(cb.size) if int(cb.turn[i]) < 5][:20]
-    ids, attn = cb.input_ids()[rows], cb.attention_mask()[rows]
-    length = cb.response_length
-    pol = HFPolicy(load_causal_lm("smollm2-135m", dtype="float32"), lr=1e-6, packed=True)
-    rmask = attn[:, -length:].float()
-    geo = RowGeometry.of(cb.prompt_mask[rows], cb.response_mask[rows], cb.prompt_ids[rows])
+    geo = RowGeometry.of(cb.prompt_mask, cb.response_mask, cb.prompt_ids)
+    plan = plan_update(cb.response_mask.float(), cfg.trainer.ppo_mini_batch_size, cfg.trainer.ppo_micro_batch_size, 1,
+                       geometry=geo, token_budget=budget)  # fmt: skip
+    micros = [mb.rows for mbs in plan for mb in mbs][::every]  # every ``every``-th: the machine is shared
+    ids, attn, length = cb.input_ids(), cb.attention_mask(), cb.response_length
+    model = load_causal_lm("smollm2-135m", dtype="float32")
+    if layers:  # the first ``layers`` decoder layers only (every layer costs alike; the head is the same in all three)
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    pol = HFPolicy(model, lr=1e-6, packed=True)
+    variants = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
     sizes = {}
-    for name, packed, share in (("padded", False, False), ("packed", True, False), ("shared", True, True)):
+    for name, (packed, share) in variants.items():
         fp = Footprint()
-        fp.add(geo, list(range(len(rows))), packed, share)
+        for rows in micros:
+            fp.add(geo, rows, packed, share)
         sizes[name] = fp.computed
-    print(f"micro-batch: {len(rows)} rows, {sizes['packed']} row tokens; positions pushed {sizes}", flush=True)
+    print(f"{cb.size} rows, every {every}th of the micro-batches of at most {budget} positions: {len(micros)} of "
+          f"{sum(len(m) for m in plan)}, {fp.row_tokens} row "
+          f"tokens; positions pushed {sizes}", flush=True)  # fmt: skip
 
-    def step(packed: bool, share: bool) -> None:
+    def update(packed: bool, share: bool, first: int | None = None) -> None:
         pol.rows.packed, pol.rows.share_prefixes = packed, share
-        _, _, carrier = pol.response_loss(ids, attn, length, lambda lp, en: -(lp * rmask).sum() / rmask.sum())
-        carrier.backward()
+        for rows in micros[:first]:
+            rmask = attn[rows, -length:].float()
+            loss = lambda lp, en, m=rmask: -(lp * m).sum() / m.sum()  # noqa: E731
+            _, _, carrier = pol.response_loss(ids[rows], attn[rows], length, loss)
+            carrier.backward()
         pol.zero_grad()
 
-    variants = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
-    for v in variants.values():  # warm-up
-        step(*v)
+    for v in variants.values():  # warm-up: two micro-batches each
+        update(*v, first=2)
     out: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
         for name in names[r % 3 :] + names[: r % 3]:
-            out[name].append(timed(lambda v=variants[name]: step(*v)))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in out.items()), flush=True)
+            out[name].append(timed(lambda v=variants[name]: update(*v)))
+        said = ", ".join(f"{k} {v[-1]:.2f} s" for k, v in out.items())
+        print(f"round {r + 1} (load {os.getloadavg()[0]:.2f}): {said}", flush=True)
     return out
 
 
@@ -188,8 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--config", required=True)
     f.add_argument("--world-size", type=int, default=1)
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--budget", type=int, default=0, help="positions per micro-batch (0: the config's)")
     t = sub.add_parser("time")
-    t.add_argument("--rounds", type=int, default=5)
+    t.add_argument("--rounds", type=int, default=3)
+    t.add_argument("--every", type=int, default=4, help="time every n-th micro-batch of the update's plan")
+    t.add_argument("--layers", type=int, default=0, help="keep the first n decoder layers (0: all 30)")
+    t.add_argument("--budget", type=int, default=1184, help="positions per micro-batch (the fp32 run's on a CPU)")
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -198,11 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.what == "fraction":
         cfg = load_config(args.config, [])
         for mode in ("agreeing", "diverse"):
-            res = fraction(cfg, args.world_size, mode, args.seed)
+            res = fraction(cfg, args.world_size, mode, args.seed, args.budget)
             print(f"{cfg.name} {mode}: " + ", ".join(f"{k} {v:,.3f}" for k, v in res.items()), flush=True)
         return
     torch.set_num_threads(args.threads)
-    out = time_update(args.rounds, args.seed)
+    out = time_update(args.rounds, args.seed, args.budget, args.every, args.layers)
     med = {k: statistics.median(v) for k, v in out.items()}
     print(f"load at the end {os.getloadavg()[0]:.2f}; medians " + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()))
     print(f"ratios: shared / packed {med['shared'] / med['packed']:.3f}, shared / padded "

@@ -19,10 +19,10 @@ prefix of a run of neighbours is the smallest of its adjacent ones; a dynamic pr
 runs that save the most positions (a run of k rows over a prefix of P tokens saves (k - 1) x P), a run's prefix being
 at least :data:`MIN_SHARED` tokens. A prefix is prompt tokens only, so every row keeps its responses as its own.
 
-Where it is taken (:func:`takes`): the layout pushes fewer positions than the rows' own layout (padded or packed) by
-at least :data:`MIN_SAVED` of them. The planning reads the prompts on the host: it is taken on the CPU only, where the
-tree's attention runs (``prefix_tree_supported``); the update's count of what it pushed (engine/step/micro_batches.py
-``Footprint``) asks the same two functions.
+Where it is taken (:func:`takes`, a rule on positions): the layout pushes fewer positions than the rows' own layout
+(padded or packed) by at least :data:`MIN_SAVED` of them. The planning reads the prompts on the host: it is taken on
+the CPU only, where the tree's attention runs (``prefix_tree_supported``); the update's count of what it pushed
+(engine/step/micro_batches.py ``Footprint``) asks the same two functions.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ import torch
 from torch import Tensor
 
 MIN_SHARED = 16  # tokens: a shorter common prefix is pushed with each row (its segment calls cost more than it saves)
-MIN_SAVED = 0.05  # share of the other layout's positions the tree must save (bench/results/shared-prefix-update-*)
+# share of the other layout's positions the tree must save: a margin for its per-suffix attention calls, not a timed
+# break-even (on a 2-core machine under load 9 the update's time could not resolve it: shared and packed rows took
+# 1.00-1.05x each other's time at 28 % fewer positions; bench/results/shared-prefix-update-2026-12-07.md)
+MIN_SAVED = 0.05
 
 
 @dataclass(frozen=True)
