@@ -87,10 +87,29 @@ def padding_line(fraction: float, times: dict[str, float], free: dict[str, float
     )
 
 
+def shared_prefix_line(cfg: RunConfig, runs: float, measured: float, times: dict, free: dict, shared: dict) -> str:
+    """What pushing shared prompt prefixes once does to the update: ``runs`` the share the config's update pushes
+    once (engine/lab/step_plan.py ``update_shared_fraction``), ``measured`` the share measured for the profile;
+    ``free`` / ``shared``: the plan's times in padding-free rows / with the measured share pushed once (a packed
+    prefix tree, which pads nothing either)."""
+    if measured <= 0.0:
+        return "shared prompt prefixes: not measured for this profile (the update pushes every row's whole prompt)"
+    head = f"shared prompt prefixes: {measured:.1%} of the update's row positions (measured for {cfg.name})"
+    if runs > 0.0:
+        return f"{head}, pushed once by its update"
+    saved = sum(times.values()) - sum(shared.values())
+    return (
+        f"{head}; not pushed once here (the update shares them with a Hugging Face policy on the CPU only, this is "
+        f"policy.backend {cfg.policy.backend} on GPUs); pushed once: PPO update {times['update']:,.1f} -> "
+        f"{shared['update']:,.1f} s (padding-free rows alone: {free['update']:,.1f} s), the step "
+        f"{sum(shared.values()):,.1f} s ({saved:,.1f} s less)"
+    )
+
+
 def run_plan(cfg: RunConfig, gpu: str, world_size: int, cf: float, bf: float) -> str:
     """The plan's text (ValueError naming a bad GPU, world size or model)."""
     from alignopsd.engine.lab.padding_plan import planned_counts
-    from alignopsd.engine.lab.step_plan import NEMO_RL_REFERENCE, layout
+    from alignopsd.engine.lab.step_plan import NEMO_RL_REFERENCE, layout, update_shared_fraction
     from alignopsd.engine.models.shapes import resolve_shape
 
     lim = gpu_limits(gpu)
@@ -103,6 +122,8 @@ def run_plan(cfg: RunConfig, gpu: str, world_size: int, cf: float, bf: float) ->
     tokens = counts.train_rows * (counts.prompt_mean + counts.response_mean) * lay.data_parallel
     s = summary(work, times, world=world_size, tokens=tokens, total_steps=cfg.trainer.total_steps)
     free = plan_times(step_work(shape, replace(counts, padding_fraction=0.0), **kw), lim, cf, bf)
+    runs, measured = update_shared_fraction(cfg)
+    shared = plan_times(step_work(shape, replace(counts, update_shared=measured), **kw), lim, cf, bf)
     out = [
         f"plan: {cfg.name} on {world_size} x {lim.name} (tensor parallel {lay.tensor_parallel}, "
         f"data parallel {lay.data_parallel}); bf16 weights and keys/values",
@@ -120,6 +141,7 @@ def run_plan(cfg: RunConfig, gpu: str, world_size: int, cf: float, bf: float) ->
         f"{cfg.trainer.total_steps} steps: {s['step'] * cfg.trainer.total_steps / 3600:,.1f} h, "
         f"{s['gpu_hours']:,.0f} GPU-hours",
         padding_line(counts.padding_fraction, times, free),
+        shared_prefix_line(cfg, runs, measured, times, free, shared),
         "",
         "assumptions:",
         *[f"- {n}" for n in notes],

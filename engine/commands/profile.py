@@ -45,6 +45,8 @@ COUNT_METRICS = (
     "m1/teacher_response_length_mean",
     "m1/teacher_forcing_cached_prompts",
     "actor/padding_fraction",  # computed positions that carry no token: the update's forwards
+    "update/token_forwards",  # positions the update's forwards pushed (shared prompt prefixes once)
+    "update/row_tokens",  # and the positions of their rows' tokens
     "actor/padding_fraction_old_logprob",  # and the old log-prob pass's
 )
 

@@ -91,6 +91,7 @@ class StepCounts:
     teacher_steps: float = 0.0  # decoding steps of the teacher generation (0: its mean response, one call)
     scoring_positions: float = 0.0  # positions the old log-prob pass pushes (0: every row's prompt and response)
     padding_fraction: float = 0.0  # share of the plain rows' computed positions that are padding (scoring, update)
+    update_shared: float = 0.0  # share of the update's row positions pushed once as shared prompt prefixes (0: none)
 
 
 def _forward(shape: ModelShape, label: str, positions: float, context: float, logits: float, tp: float) -> Part:
@@ -133,11 +134,15 @@ def step_work(
     out["old_logprob"].parts = [_forward(shape, "forward", scored, ctx, c.train_rows * r, tp)]
     if c.reference:
         out["reference"] = PhaseWork("reference", [_forward(shape, "forward", seq, ctx, c.train_rows * r, tp)])
-    fwd = _forward(shape, "forward", seq, ctx, c.train_rows * r, tp)
+    if not 0.0 <= c.update_shared < 1.0:
+        raise ValueError(f"update_shared: {c.update_shared} is outside [0, 1)")
+    # shared prompt prefixes pushed once: a packed prefix tree, no padding (engine/policy/shared_prefix.py)
+    upd = c.train_rows * (p + r) * (1.0 - c.update_shared) if c.update_shared > 0 else seq
+    fwd = _forward(shape, "forward", upd, ctx, c.train_rows * r, tp)
     times = 4.0 if c.recompute else 3.0
     opt = OPTIMIZER_BYTES_PER_WEIGHT * shape.params / tp * c.optimizer_steps
     out["update"].parts = [
-        Part("forward+backward", flops=times * fwd.flops, tokens=seq, parallel=tp),
+        Part("forward+backward", flops=times * fwd.flops, tokens=upd, parallel=tp),
         Part("optimizer", bytes=opt, parallel=1.0, steps=c.optimizer_steps),
     ]
     if c.teacher_rows > 0:

@@ -45,6 +45,23 @@ QUICKSTART_MEANS = {
 }  # fmt: skip
 
 
+# Share of the update's row positions that are shared prompt prefixes (identical sibling prompts, the common header,
+# instructions and task of a task's turns), pushed once per micro-batch where the update shares them: real ALFWorld
+# rollouts of the profile (its templates, scripted actions) through the update's own plan, the lower of the two
+# action scripts (bench/results/shared-prefix-update-2026-12-07.md).
+SHARED_PREFIX_MEASURED = {"quickstart_cpu": 0.233, "alfworld_7b": 0.088}
+
+
+def update_shared_fraction(cfg: RunConfig, device_type: str = "cuda") -> tuple[float, float]:
+    """(the share of the update's row positions that ``cfg``'s update pushes once as shared prompt prefixes on
+    ``device_type`` devices, the share measured for its profile, 0 where not measured). The update shares them with a
+    Hugging Face policy whose rows are not configured padded, on the CPU only (engine/policy/shared_prefix.py: the
+    prefix tree's attention runs there); the first is then the second, else 0."""
+    measured = SHARED_PREFIX_MEASURED.get(cfg.name, 0.0)
+    shares = cfg.policy.backend == "hf" and cfg.trainer.ppo.use_remove_padding is not False and device_type == "cpu"
+    return (measured if shares else 0.0), measured
+
+
 @dataclass(frozen=True)
 class Layout:
     world_size: int
@@ -113,6 +130,7 @@ def plan_counts(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple
         reference=reference,
         optimizer_steps=math.ceil(rows * lay.data_parallel / cfg.trainer.ppo.mini_batch_size),
         recompute=bool(cfg.policy.gradient_checkpointing),
+        update_shared=update_shared_fraction(cfg)[0],  # the plan is of GPUs: shared where the update shares there
     )
     f = q
     notes = [

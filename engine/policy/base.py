@@ -77,14 +77,18 @@ class RowLayout:
     it is auto on a CPU and not chosen yet: padded rows until :meth:`choose` sets the choice the run's first update
     measured (engine/step/packing_trial.py), a checkpoint stored or rank 0 made (:attr:`choice`, a
     :class:`RowsChoice`, is what a checkpoint stores). ``can_pack``: False for a backend that builds no packed rows
-    (Megatron's plain rows): packed rows are refused.
+    (Megatron's plain rows): packed rows are refused. ``share_prefixes``: rows that share a prompt prefix may push it
+    once (engine/policy/shared_prefix.py, taken per forward where it pays: :meth:`shares`).
     """
 
-    def __init__(self, packed: bool | None, *, can_pack: bool = True) -> None:
+    def __init__(self, packed: bool | None, *, can_pack: bool = True, share_prefixes: bool = False) -> None:
         if packed and not can_pack:
             raise ValueError("packed: this backend builds no packed rows (can_pack is False)")
+        if share_prefixes and not can_pack:
+            raise ValueError("share_prefixes: this backend builds no packed rows (can_pack is False)")
         self.packed = packed
         self.can_pack = can_pack
+        self.share_prefixes = share_prefixes
         self.choice: RowsChoice | None = None
         self.forcing: bool | None = None  # set by :meth:`forced` while it lasts
 
@@ -96,6 +100,12 @@ class RowLayout:
     def packs(self) -> bool:
         """Whether the next forward runs in packed rows."""
         return self.forcing if self.forcing is not None else self.packed is True
+
+    def shares(self) -> bool:
+        """Whether the next forward may push its rows' shared prompt prefixes once (``score_rows(share=...)``): where
+        :attr:`share_prefixes`, and not while a layout is forced (the packing trial times packed against padded rows
+        as they are)."""
+        return self.share_prefixes and self.forcing is None
 
     def choose(self, choice: RowsChoice) -> RowsChoice:
         """Take ``choice`` for every later forward (only where undecided: a configured True or False stays)."""

@@ -39,7 +39,8 @@ from alignopsd.engine.policy.base import (
 from alignopsd.engine.policy.lm_head import LossFn, score_rows
 from alignopsd.engine.policy.lora import LoraAdapter
 from alignopsd.engine.policy.mixed_precision import MasterAdamW, needs_master_weights
-from alignopsd.engine.policy.varlen_attention import recompute_as_run
+from alignopsd.engine.policy.varlen_attention import prefix_tree_supported, recompute_as_run
+from alignopsd.kernels.native_choice import pinned
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,11 @@ class ResponseScorer(nn.Module):
             loss_fn=loss_fn,
             loss_fill=loss_fill,
             packed=self.rows.packs(),
+            share=self.rows.shares(),
         )
         if loss_fn is not None:
-            return out[0], out[1], out[3]
-        return out[0], out[1]
+            return out.logp, out.entropy, out.carrier
+        return out.logp, out.entropy
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -117,7 +119,8 @@ class HFPolicy:
 
     packed: forwards in padding-free rows (engine/policy/lm_head.py ``score_rows``): True, False, or None for where
     measured faster here (:attr:`rows`, a :class:`~alignopsd.engine.policy.base.RowLayout`, holds it and the
-    measured choice).
+    measured choice). Unless False, rows sharing a prompt prefix push it once where it pays (``RowLayout.shares``,
+    engine/policy/shared_prefix.py), on a model whose attention the prefix tree replaces (the CPU).
     """
 
     def __init__(
@@ -150,7 +153,11 @@ class HFPolicy:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn}
             )
-        self.rows = RowLayout(packed)
+        # shared prompt prefixes pushed once where the model runs the prefix tree's attention and rows are not padded
+        # by configuration (nor pinned to the torch paths: ALIGNOPSD_CPU_PATHS=torch)
+        self.rows = RowLayout(
+            packed, share_prefixes=packed is not False and prefix_tree_supported(model) and not pinned()
+        )
         self.scorer = ResponseScorer(model, self.rows, impl=impl)
         self.distributed = bool(ddp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         self.layout = (

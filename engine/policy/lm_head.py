@@ -15,9 +15,16 @@ rescoring engine all import it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from alignopsd.engine.policy.varlen_attention import varlen_attention_on, varlen_supported
+from alignopsd.engine.policy.shared_prefix import plan_rows, takes, tree_inputs
+from alignopsd.engine.policy.varlen_attention import (
+    prefix_tree_on,
+    prefix_tree_supported,
+    varlen_attention_on,
+    varlen_supported,
+)
 from alignopsd.engine.tokens.layout import position_ids
 from alignopsd.kernels.head import fused_token_loss
 from alignopsd.kernels.head import logprob as kernel_logprob
@@ -205,6 +212,51 @@ def packed_forward(body: nn.Module, ids_1N: Tensor, pos_1N: Tensor):
     return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
 
 
+def tree_forward(body: nn.Module, ids_1N: Tensor, pos_1N: Tensor):
+    """The transformer body's forward of one packed prefix-tree sequence (engine/policy/shared_prefix.py
+    ``tree_inputs``) under the prefix tree's attention (engine/policy/varlen_attention.py)."""
+    with prefix_tree_on(body):
+        return body(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, use_cache=False)
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """What :func:`score_rows` returns: ``logp`` [B, L] fp32 log-probs (0 at masked-out positions), ``entropy``
+    [B, L] fp32 or None, ``pushed`` token positions the forward pushed through the model, ``shared`` positions it
+    did not push because rows shared their prompt prefix (0 unless the prefix-tree layout was taken), ``carrier``
+    the fused head loss's zero-valued gradient carrier (None without ``loss_fn``)."""
+
+    logp: Tensor
+    entropy: Tensor | None
+    pushed: int
+    shared: int = 0
+    carrier: Tensor | None = None
+
+
+def _hidden_rows(body, ids: Tensor, mask: Tensor, lp: int, lr_used: int, packed: bool, share: bool):
+    """(``[B, U, D]`` hidden states predicting the response columns, positions pushed, positions shared) of the
+    trimmed rows ``ids``/``mask`` (prompt width ``lp``): padded, packed, or as a prefix tree (engine/policy/
+    shared_prefix.py) where ``share`` and the tree saves enough over the other two (``takes``)."""
+    b = int(ids.shape[0])
+    plan = None
+    if share and prefix_tree_supported(body):
+        plan = plan_rows(ids, mask, lp)
+        plan = plan if plan.saved and takes(plan, plan.row_tokens if packed else int(ids.numel())) else None
+    if plan is not None or packed:
+        if plan is not None:
+            ids_1N, pos_1N, slot_BT = tree_inputs(ids, mask, plan)
+            hidden = tree_forward(body, ids_1N, pos_1N)
+        else:
+            ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
+            hidden = packed_forward(body, ids_1N, pos_1N)
+        h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+        h_BUD = h_ND[0][slot_BT[:, lp - 1 : lp - 1 + lr_used]]  # each response column's predicting position
+        return h_BUD, int(ids_1N.shape[1]), plan.saved if plan is not None else 0
+    hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
+    hidden_BTD = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+    return hidden_BTD[:, lp - 1 : lp - 1 + lr_used], b * int(ids.shape[1]), 0
+
+
 def score_rows(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -218,9 +270,10 @@ def score_rows(
     loss_fn: LossFn | None = None,
     loss_fill: Tensor | None = None,
     packed: bool = False,
-) -> tuple[Tensor, Tensor | None, int] | tuple[Tensor, Tensor | None, int, Tensor]:
-    """One forward of ``[prompt | response]`` rows of a Hugging Face causal LM; returns ([B, L] fp32 log-probs,
-    [B, L] entropy or None, number of token positions pushed through the model).
+    share: bool = False,
+) -> ScoredRows:
+    """One forward of ``[prompt | response]`` rows of a Hugging Face causal LM (:class:`ScoredRows`: log-probs,
+    entropies, the positions pushed and shared, the fused loss's carrier).
 
     prompt_ids/prompt_mask: [B, Lp] left-padded; response_ids/response_mask: [B, L] right-padded. Columns
     that are padding in every row are trimmed before the forward; the output keeps the full width L.
@@ -234,10 +287,15 @@ def score_rows(
     A policy's forwards pass its ``RowLayout.packs()`` (engine/policy/base.py: configured, or measured by the update
     on its own micro-batches, engine/step/packing_trial.py).
 
+    ``share``: under the same conditions, rows whose prompts share a prefix push it once, in a packed prefix tree
+    (engine/policy/shared_prefix.py), where the model runs its attention (the CPU) and it saves at least
+    ``shared_prefix.MIN_SAVED`` of the positions the padded or packed forward would push; a policy passes its
+    ``RowLayout.shares()``. The results are the unshared forward's (fp32, 1e-5), gradients included.
+
     Fused loss: with ``loss_fn(logp_BL, ent_BL or None) -> scalar`` the head goes through
-    :func:`fused_head_loss` (gradients formed with the log-probs: three head matmuls instead of four) and a
-    fourth output is returned: a zero-valued scalar carrying ``loss_fn``'s gradient (add it to the loss value,
-    or call ``backward`` on it); the returned log-probs/entropies are detached.
+    :func:`fused_head_loss` (gradients formed with the log-probs: three head matmuls instead of four) and
+    ``carrier`` is a zero-valued scalar carrying ``loss_fn``'s gradient (add it to the loss value, or call
+    ``backward`` on it); the returned log-probs/entropies are then detached.
     """
     _check_rows(prompt_ids, prompt_mask, response_ids, response_mask)
     b, lr = response_ids.shape
@@ -246,9 +304,8 @@ def score_rows(
     if cols.numel() == 0 or b == 0:
         logp_BL = torch.zeros(b, lr, dtype=torch.float32, device=response_ids.device)
         ent_BL = torch.zeros_like(logp_BL) if with_entropy else None
-        if loss_fn is not None:
-            return logp_BL, ent_BL, 0, torch.zeros((), device=response_ids.device)
-        return logp_BL, ent_BL, 0
+        carrier = torch.zeros((), device=response_ids.device) if loss_fn is not None else None
+        return ScoredRows(logp_BL, ent_BL, 0, carrier=carrier)
     lr_used = int(cols.max()) + 1
     start = int(prompt_mask.bool().any(0).nonzero().min())
     p_ids, p_mask = prompt_ids[:, start:], prompt_mask[:, start:].long()
@@ -256,17 +313,8 @@ def score_rows(
     ids = torch.cat([p_ids, response_ids[:, : lr_used - 1]], dim=1)
     mask = torch.cat([p_mask, response_mask[:, : lr_used - 1].long()], dim=1)
     body = transformer_body(model)
-    if b > 1 and packed and packable(rmask):  # the choice first: packable reads the mask on the host
-        ids_1N, pos_1N, slot_BT = packed_inputs(ids, mask)
-        hidden = packed_forward(body, ids_1N, pos_1N)
-        h_ND = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        h_BUD = h_ND[0][slot_BT[:, lp - 1 : lp - 1 + lr_used]]  # each response column's predicting position
-        pushed = int(ids_1N.shape[1])
-    else:
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
-        hidden_BTD = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        h_BUD = hidden_BTD[:, lp - 1 : lp - 1 + lr_used]
-        pushed = int(ids.numel())
+    free = b > 1 and (packed or share) and packable(rmask)  # the choice first: packable reads the mask on the host
+    h_BUD, pushed, shared = _hidden_rows(body, ids, mask, lp, lr_used, free and packed, free and share)
     weight, bias = output_head(model)
     if loss_fn is not None:
 
@@ -276,7 +324,7 @@ def score_rows(
             )
 
         logp_BL, ent_BL, carrier = scatter_response(h_BUD, response_ids, rmask, head)
-        return logp_BL, ent_BL, pushed, carrier
+        return ScoredRows(logp_BL, ent_BL, pushed, shared, carrier)
 
     def head(h_ND, t_N):
         return token_logprobs(
@@ -284,4 +332,4 @@ def score_rows(
         )
 
     logp_BL, ent_BL = scatter_response(h_BUD, response_ids, rmask, head)
-    return logp_BL, ent_BL, pushed
+    return ScoredRows(logp_BL, ent_BL, pushed, shared)

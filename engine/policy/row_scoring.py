@@ -160,7 +160,7 @@ def score_plain(
                 break
             j += 1
         src = row_prompt_R[i:j]
-        lp, en, pushed = score_rows(
+        scored = score_rows(
             model,
             prompt_ids_SP[src],
             prompt_mask_SP[src],
@@ -171,10 +171,11 @@ def score_plain(
             impl=impl,
             packed=packed,
         )
+        pushed = scored.pushed
         dst = idx[i:j] if idx is not None else slice(i, j)
-        out[dst] = lp
+        out[dst] = scored.logp
         if with_entropy:
-            ent[dst] = en
+            ent[dst] = scored.entropy
         p_cols, h = lp_cols - min(left[i:j]), max(right[i:j])
         real_prompt = sum(attended[int(k)] for k in src.tolist())
         padded = pushed == (j - i) * (p_cols + h - 1)  # else packed: only the attended positions were pushed

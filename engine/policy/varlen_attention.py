@@ -12,6 +12,12 @@ touch no padding at all. Registered with transformers as ``ATTN_NAME`` with no m
 :func:`varlen_attention_on` switches a model to it for one forward, where :func:`varlen_supported` says the
 model's attention is a plain causal attention over RoPE'd queries and keys (Llama, Qwen2, Qwen3 without sliding
 windows) on the CPU. The log-probs equal the padded forward's (fp32, 1e-5; tests/engine/test_packed_rows.py).
+
+:func:`prefix_tree_attention` is the attention of the packed layout that pushes each shared prompt prefix once
+(engine/policy/shared_prefix.py): a segment that starts at position 0 is a root and attends causally to itself, one
+that starts at p > 0 is a suffix and attends to the first p positions of the last root and causally to itself.
+Registered as ``TREE_NAME``, switched on for one forward by :func:`prefix_tree_on` where :func:`prefix_tree_supported`
+(the same models as the row-by-row attention).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ATTN_NAME = "alignopsd_varlen"
+TREE_NAME = "alignopsd_prefix_tree"
 MODEL_TYPES = ("llama", "qwen2", "qwen3")  # attention called with RoPE'd q/k and no extra score terms
 
 
@@ -39,6 +46,7 @@ def plain_causal_attention(model) -> bool:
 
 
 varlen_supported = plain_causal_attention
+prefix_tree_supported = plain_causal_attention
 
 
 def segment_starts(position_ids: Tensor) -> list[int]:
@@ -121,6 +129,67 @@ def recompute_as_run(config) -> tuple[contextlib.AbstractContextManager, context
             config._attn_implementation = before
 
     return contextlib.nullcontext(), recompute()
+
+
+def tree_segments(position_ids: Tensor) -> list[tuple[int, int]]:
+    """(length, first position) of every segment of a packed ``[1, N]`` sequence laid out as a prefix tree: a segment
+    begins where the position ids do not continue by one (first position 0: a root; p > 0: a suffix of the last root
+    that reads its first p positions)."""
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] == 0:
+        raise ValueError(f"position_ids: expected one packed sequence [1, N], got {tuple(position_ids.shape)}")
+    pos = position_ids[0]
+    brk = (pos[1:] != pos[:-1] + 1).nonzero().squeeze(1).add(1).tolist()
+    starts = [0, *brk]
+    firsts = pos[starts].tolist()
+    if firsts[0] != 0:
+        raise ValueError("position_ids: a prefix-tree sequence must start a root at position 0")
+    ends = [*brk, int(pos.shape[0])]
+    return [(e - s, f) for s, e, f in zip(starts, ends, firsts)]
+
+
+def prefix_tree_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention interface over one packed prefix-tree sequence (module docstring): ``query``
+    ``[1, H, N, D]``, ``key``/``value`` ``[1, K, N, D]``, the segments read from ``position_ids``; returns
+    ``([1, N, H, D], None)``. A suffix of ``S`` positions over a prefix of ``p`` attends to ``p + S`` keys under a
+    ``[S, p + S]`` mask (query ``i`` sees keys ``<= p + i``)."""
+    pos = kwargs.get("position_ids")
+    if pos is None or query.shape[0] != 1:
+        raise ValueError(f"{TREE_NAME}: needs one packed sequence and its position_ids (got {tuple(query.shape)})")
+    segs = tree_segments(pos)
+    p = dropout if module.training else 0.0
+    gqa = key.shape[1] != query.shape[1]
+    sizes = [n for n, _ in segs]
+    outs, root = [], None
+    for (n, first), q, k, v in zip(segs, *(t.split(sizes, dim=2) for t in (query, key, value))):
+        if first == 0:
+            root = (k, v)
+            outs.append(
+                F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa)
+            )
+            continue
+        if root is None or root[0].shape[2] < first:
+            raise ValueError(f"{TREE_NAME}: a suffix at position {first} has no root of at least {first} positions")
+        kk, vv = (torch.cat([r[:, :, :first], t], dim=2) for r, t in zip(root, (k, v)))
+        sees = torch.arange(first + n, device=q.device) <= torch.arange(n, device=q.device)[:, None] + first
+        outs.append(
+            F.scaled_dot_product_attention(q, kk, vv, attn_mask=sees, dropout_p=p, scale=scaling, enable_gqa=gqa)
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def prefix_tree_on(model):
+    """Run ``model``'s attention as :func:`prefix_tree_attention` inside the block (its own restored after it)."""
+    return attention_swapped(model, TREE_NAME, prefix_tree_attention, _no_mask)
 
 
 def varlen_attention_on(model):

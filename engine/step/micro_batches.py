@@ -6,7 +6,9 @@ Legend: M = canonical turns of this rank, Lp = padded prompt length (left-padded
 A micro-batch's forward pushes ``b x (prompt width + response width - 1)`` positions: the policy trims the columns
 that are padding in every row of the micro-batch (``score_rows``), so the widths are the micro-batch's longest
 prompt and longest response, and the response's last column predicts nothing. Positions a row does not fill are
-padding: :class:`Footprint` counts them, and ``actor/padding_fraction`` is padding / computed positions.
+padding: :class:`Footprint` counts them, and ``actor/padding_fraction`` is padding / computed positions. Where the
+policy shares prompt prefixes (``RowLayout.shares``), a forward whose rows share one pushes it once
+(engine/policy/shared_prefix.py): :class:`Footprint` asks the same planner and rule, from the rows' prompts.
 
 Two ways to cut a mini-batch (``trainer.ppo.max_token_len_per_gpu``, resolved by ``RunConfig.update_token_budget``):
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from alignopsd.engine.parallel.collectives import all_reduce
+from alignopsd.engine.policy.shared_prefix import plan_shared, takes
 from torch import Tensor
 
 from alignopsd.losses import microbatch_scales
@@ -46,19 +49,25 @@ class MicroBatch:
 @dataclass(frozen=True)
 class RowGeometry:
     """Per row (host lists, one transfer each): attended prompt width (from its first attended column), response
-    extent (1 + last response column) and the cumulative response-token counts [M, L] (CPU tensor)."""
+    extent (1 + last response column) and the cumulative response-token counts [M, L] (CPU tensor); ``prompts``:
+    each row's attended prompt tokens, where a footprint must see shared prefixes (None otherwise)."""
 
     prompt: list[int]
     response: list[int]
     resp_cum: Tensor
+    prompts: list[list[int]] | None = None
 
     @classmethod
-    def of(cls, prompt_mask: Tensor, response_mask: Tensor) -> RowGeometry:
+    def of(cls, prompt_mask: Tensor, response_mask: Tensor, prompt_ids: Tensor | None = None) -> RowGeometry:
+        """``prompt_ids``: [M, Lp], for the footprint of forwards that share prompt prefixes."""
         pm, rm = prompt_mask.bool().cpu(), response_mask.bool().cpu()
         lp, lr = int(pm.shape[1]), int(rm.shape[1])
         first = torch.where(pm, torch.arange(lp), lp).amin(1) if lp else torch.zeros(pm.shape[0], dtype=torch.long)
         ext = (rm * torch.arange(1, lr + 1)).amax(1) if lr else torch.zeros(rm.shape[0], dtype=torch.long)
-        return cls((lp - first).tolist(), ext.tolist(), rm.long().cumsum(1))
+        prompts = None
+        if prompt_ids is not None:
+            prompts = [row[k].tolist() for row, k in zip(prompt_ids.cpu(), pm)]
+        return cls((lp - first).tolist(), ext.tolist(), rm.long().cumsum(1), prompts)
 
     def length(self, r: int) -> int:
         return self.prompt[r] + self.response[r]
@@ -70,22 +79,35 @@ class RowGeometry:
 
 @dataclass
 class Footprint:
-    """Positions a pass pushes through the model (``computed``) and those of them that carry a token (``real``)."""
+    """Positions a pass pushes through the model (``computed``), those of them that carry a token (``real``), and
+    the positions of the rows' tokens (``row_tokens``: what padding-free rows push; more than ``computed`` where rows
+    shared a prompt prefix, which was pushed once)."""
 
     computed: int = 0
     real: int = 0
+    row_tokens: int = 0
 
-    def add(self, geo: RowGeometry, rows: list[int], packed: bool = False) -> None:
+    def add(self, geo: RowGeometry, rows: list[int], packed: bool = False, share: bool = False) -> None:
         """The positions of one forward of ``rows`` (trimmed like ``score_rows``: no column of padding only, no
-        last response column; ``packed``: padding-free rows of several rows push only their real positions)."""
+        last response column; ``packed``: padding-free rows of several rows push only their real positions;
+        ``share``: rows sharing a prompt prefix push it once where ``shared_prefix.takes`` says, which needs
+        ``geo.prompts``)."""
         r_ext = max((geo.response[r] for r in rows), default=0)
         if not rows or r_ext == 0:  # nothing to score: the policy pushes nothing
             return
         p_w = max(geo.prompt[r] for r in rows)
-        resp = int(geo.resp_cum[rows, r_ext - 2].sum()) if r_ext >= 2 else 0
-        real = sum(geo.prompt[r] for r in rows) + resp
-        self.computed += real if packed and len(rows) > 1 else len(rows) * (p_w + r_ext - 1)
-        self.real += real
+        lengths = [geo.prompt[r] + (int(geo.resp_cum[r, r_ext - 2]) if r_ext >= 2 else 0) for r in rows]
+        real = sum(lengths)
+        computed = real if packed and len(rows) > 1 else len(rows) * (p_w + r_ext - 1)
+        if share and len(rows) > 1:
+            if geo.prompts is None:
+                raise ValueError("geo: a footprint of shared prefixes needs the rows' prompts (RowGeometry.of(...))")
+            plan = plan_shared([geo.prompts[r] for r in rows], lengths)
+            if plan.saved and takes(plan, computed):
+                computed = plan.positions
+        self.computed += computed
+        self.real += min(real, computed)
+        self.row_tokens += real
 
     @property
     def padding_fraction(self) -> float:
@@ -171,11 +193,13 @@ def plan_update(
     return plan
 
 
-def plan_footprint(plan: list[list[MicroBatch]], geo: RowGeometry, packed: bool = False) -> Footprint:
+def plan_footprint(
+    plan: list[list[MicroBatch]], geo: RowGeometry, packed: bool = False, share: bool = False
+) -> Footprint:
     """The positions the update's forwards push for ``plan`` (dummies included: they are computed too; ``packed``:
-    in padding-free rows)."""
+    in padding-free rows; ``share``: shared prompt prefixes once, where taken)."""
     fp = Footprint()
     for mbs in plan:
         for mb in mbs:
-            fp.add(geo, mb.rows, packed)
+            fp.add(geo, mb.rows, packed, share)
     return fp

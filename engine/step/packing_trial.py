@@ -52,20 +52,22 @@ class PackingTrial:
 
     def run(
         self, step: Callable[[MicroBatch], tuple], mb: MicroBatch, sync: Callable[[], contextlib.AbstractContextManager]
-    ) -> list[tuple[MicroBatch, tuple, bool]]:
+    ) -> list[tuple[MicroBatch, tuple, bool, bool]]:
         """Forward and backward of ``mb`` by ``step``: once in the policy's rows, or, during the trial, packed and
         padded at half scale each (``sync()``: the gradient synchronisation context of the micro-batch's last
-        backward). Returns a (micro-batch as run, ``step``'s output, whether its rows were packed) triple per pass."""
+        backward; prompt prefixes are not shared while a layout is forced). Returns a (micro-batch as run, ``step``'s
+        output, whether its rows were packed, whether they could share prompt prefixes) tuple per pass."""
+        rows = self.policy.rows
         if not self.active:
             with sync():
-                return [(mb, step(mb), self.policy.rows.packs())]
+                return [(mb, step(mb), rows.packs(), rows.shares())]
         half = dataclasses.replace(mb, scale=mb.scale / 2)
         order = (True, False) if self.runs % 2 == 0 else (False, True)
         out = []
         for i, packed in enumerate(order):
-            with self.policy.no_sync() if i == 0 else sync(), self.policy.rows.forced(packed):
+            with self.policy.no_sync() if i == 0 else sync(), rows.forced(packed):
                 t = clock()
-                out.append((half, step(half), packed))
+                out.append((half, step(half), packed, rows.shares()))
                 self.seconds[packed] += clock() - t
         self.runs += 1
         self.rows += len(mb.rows)

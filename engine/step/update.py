@@ -16,7 +16,10 @@ in lock-step; each micro-batch's token-mean is scaled by :func:`alignopsd.losses
 update's forwards compute that carry no token; ``update/micro_batches``: forwards/backwards per rank. Where
 ``trainer.ppo.use_remove_padding`` is auto on a CPU, the run's first update times packed against padded rows on its own
 micro-batches, forward and backward, and keeps the faster (engine/step/packing_trial.py); the counts include the
-trial's second passes, and a micro-batch it ran twice counts once in ``update/nonfinite_loss``.
+trial's second passes, and a micro-batch it ran twice counts once in ``update/nonfinite_loss``. Where the policy
+shares prompt prefixes (``RowLayout.shares``: on the CPU, rows not configured padded), a micro-batch whose rows share
+one pushes it once, forward and backward, where that saves enough (engine/policy/shared_prefix.py);
+``update/token_forwards`` counts the positions pushed, ``update/row_tokens`` those of the rows' tokens.
 The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
 
 Rollout correction (``trainer.ppo.rollout_is``, off by default as in the authors' runs): truncated or masked
@@ -177,7 +180,7 @@ def ppo_update(
             cfg.algorithm.estimator,
         )
         fused = False
-    geo = RowGeometry.of(cb.prompt_mask, cb.response_mask)
+    geo = RowGeometry.of(cb.prompt_mask, cb.response_mask, cb.prompt_ids if policy.rows.share_prefixes else None)
     plan = plan_update(
         inp.policy_mask(),
         cfg.trainer.ppo.mini_batch_size // world,
@@ -221,19 +224,22 @@ def ppo_update(
 
 class PassTally:
     """What the update's forwards and backwards ran, the packing trial's second passes included: the positions they
-    computed (``actor/padding_fraction``), their number (``update/micro_batches``), the micro-batches whose loss was
-    not finite (``update/nonfinite_loss``: once per micro-batch, however many passes) and the loss statistics."""
+    computed (``update/token_forwards``; ``actor/padding_fraction``: the share of them that carry no token) beside
+    the positions of their rows' tokens (``update/row_tokens``: more than the token forwards where rows pushed a
+    shared prompt prefix once), their number (``update/micro_batches``), the micro-batches whose loss was not finite
+    (``update/nonfinite_loss``: once per micro-batch, however many passes) and the loss statistics."""
 
     def __init__(self, geo: RowGeometry, n_mini: int) -> None:
         self.geo, self.n_mini = geo, n_mini
         self.fp, self.passes, self.nonfinite = Footprint(), 0, 0
         self.totals: dict[str, float] = {}
 
-    def add(self, ran: list[tuple[MicroBatch, tuple, bool]]) -> None:
-        """One micro-batch's passes (``PackingTrial.run``: micro-batch as run, (stats, loss or None), packed)."""
-        self.nonfinite += any(loss is None for _, (_, loss), _ in ran)
-        for m, (stats, loss), packed in ran:
-            self.fp.add(self.geo, m.rows, packed)
+    def add(self, ran: list[tuple[MicroBatch, tuple, bool, bool]]) -> None:
+        """One micro-batch's passes (``PackingTrial.run``: micro-batch as run, (stats, loss or None), packed,
+        sharing prefixes)."""
+        self.nonfinite += any(loss is None for _, (_, loss), *_ in ran)
+        for m, (stats, loss), packed, share in ran:
+            self.fp.add(self.geo, m.rows, packed, share)
             self.passes += 1
             if loss is not None and not m.dummy:
                 for k, v in stats.items():
@@ -244,6 +250,8 @@ class PassTally:
         if self.nonfinite:
             out["update/nonfinite_loss"] = summed(self.nonfinite)
         out["actor/padding_fraction"] = weighted_mean(self.fp.padding_fraction, self.fp.computed)
+        out["update/token_forwards"] = summed(self.fp.computed)  # positions pushed forward (and backward)
+        out["update/row_tokens"] = summed(self.fp.row_tokens)  # the rows' token positions, shared prefixes per row
         # each rank's share is scaled to the global token-mean (microbatch_scales): the mean over the ranks is the whole
         out.update({k: weighted_mean(v, 1) for k, v in self.totals.items()})
         return out

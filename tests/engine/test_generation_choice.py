@@ -55,7 +55,7 @@ def test_config_selects_the_backend_and_it_samples_the_policy():
         from alignopsd.engine.policy.lm_head import score_rows
 
         ids = torch.tensor([a.token_ids[0]])
-        lp, _, _ = score_rows(gen.model, torch.tensor([prompt]), torch.ones(1, len(prompt)), ids, torch.ones_like(ids))
+        lp = score_rows(gen.model, torch.tensor([prompt]), torch.ones(1, len(prompt)), ids, torch.ones_like(ids)).logp
         assert lp[0].tolist() == pytest.approx(a.logprobs[0], abs=1e-5)
     finally:
         parts.close()

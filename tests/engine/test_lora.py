@@ -39,7 +39,7 @@ def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response: int = 5) -
     from alignopsd.engine.policy.lm_head import score_rows
 
     p = ids.shape[1] - response
-    return score_rows(model.eval(), ids[:, :p], mask[:, :p], ids[:, p:], mask[:, p:])[0]
+    return score_rows(model.eval(), ids[:, :p], mask[:, :p], ids[:, p:], mask[:, p:]).logp
 
 
 def _train(out: Path, overrides: list[str], steps: int = 2, resume: str | None = None):

@@ -71,8 +71,8 @@ def test_packed_update_equals_padded_and_pushes_no_padding():
     torch.testing.assert_close(packed[0], want_lp, rtol=0, atol=1e-5)  # and both equal unpadded rows one by one
     model = tiny_model(4)
     p_ids, p_mask, r_ids, r_mask = ids[:, :6], mask[:, :6], ids[:, 6:], mask[:, 6:]
-    *_, pushed_padded = lm_head.score_rows(model, p_ids, p_mask, r_ids, r_mask)
-    *_, pushed_packed = lm_head.score_rows(model, p_ids, p_mask, r_ids, r_mask, packed=True)
+    pushed_padded = lm_head.score_rows(model, p_ids, p_mask, r_ids, r_mask).pushed
+    pushed_packed = lm_head.score_rows(model, p_ids, p_mask, r_ids, r_mask, packed=True).pushed
     assert pushed_padded == 4 * (6 + 5 - 1)
     assert pushed_packed == int(p_mask.sum()) + int(r_mask[:, :-1].sum()) < pushed_padded
 
@@ -117,9 +117,9 @@ def test_packed_rows_on_the_cpu_attend_row_by_row_with_grouped_heads(monkeypatch
     ids, mask = rows(2)
     ids = ids % 64
     args = (model, ids[:, :6], mask[:, :6], ids[:, 6:], mask[:, 6:])
-    padded = lm_head.score_rows(*args, packed=False)[0]
+    padded = lm_head.score_rows(*args, packed=False).logp
     assert not calls  # the padded forward keeps the model's own attention
-    packed = lm_head.score_rows(*args, packed=True)[0]
+    packed = lm_head.score_rows(*args, packed=True).logp
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
     assert len(calls) == 2 and all(c[:3] == (4, 2, None) for c in calls)  # one call per layer, no mask
     lengths = [b - a for a, b in zip(calls[0][3][:-1], calls[0][3][1:])]
@@ -145,8 +145,8 @@ def test_a_response_with_a_hole_is_scored_padded():
     p, r = (ids[:, :6], mask[:, :6]), (ids[:, 6:], mask[:, 6:])
     assert not lm_head.packable(r[1]) and lm_head.packable(rows(2)[1][:, 6:])
     model = tiny_model(4)
-    lp0, _, n0 = lm_head.score_rows(model, *p, *r)
-    lp1, _, n1 = lm_head.score_rows(model, *p, *r, packed=True)
+    s0, s1 = lm_head.score_rows(model, *p, *r), lm_head.score_rows(model, *p, *r, packed=True)
+    lp0, n0, lp1, n1 = s0.logp, s0.pushed, s1.logp, s1.pushed
     assert n1 == n0 and torch.equal(lp0, lp1)
 
 

@@ -116,3 +116,38 @@ def test_padded_rows_cost_what_their_positions_cost(capsys):
     assert "rows padded (policy.backend hf, trainer.ppo.use_remove_padding False)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"padding_fraction: 1.0 is outside \[0, 1\)"):
         step_work(shape, replace(counts, padding_fraction=1.0), dtype_bytes=2, kv_bytes=2)
+
+
+def test_shared_prompt_prefixes_recost_the_update(capsys):
+    """The plan's update pushes the profile's measured share of shared prompt prefixes once only where the update
+    shares them (a Hugging Face policy on the CPU; never on the plan's GPUs), and says what pushing them once would
+    cost: the update's positions are its rows' real ones less that share (a packed prefix tree pads nothing)."""
+    from dataclasses import replace
+
+    from alignopsd.engine.lab.cost_model import step_work
+    from alignopsd.engine.lab.step_plan import SHARED_PREFIX_MEASURED, update_shared_fraction
+    from alignopsd.engine.models.shapes import resolve_shape
+    from alignopsd.engine.step.padding_plan import planned_counts
+
+    cli.main(["plan", "--config", CFG, "--gpu", "a800", "--world-size", "8"])
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("shared prompt prefixes: "))
+    measured = SHARED_PREFIX_MEASURED["alfworld_7b"]
+    assert f"{measured:.1%} of the update's row positions" in line and "not pushed once here" in line
+    cfg = load_config(CFG)
+    counts, _ = planned_counts(cfg, layout(cfg, 8))
+    assert counts.update_shared == 0.0 and update_shared_fraction(cfg) == (0.0, measured)
+    shape = resolve_shape(cfg.model.name)
+    plain = step_work(shape, counts, dtype_bytes=2, kv_bytes=2, train_parallel=2)["update"].parts[0]
+    shared = step_work(shape, replace(counts, update_shared=measured), dtype_bytes=2, kv_bytes=2, train_parallel=2)
+    real = counts.train_rows * (counts.prompt_mean + counts.response_mean)
+    assert shared["update"].parts[0].tokens == pytest.approx(real * (1 - measured))
+    assert shared["update"].parts[0].tokens < plain.tokens and shared["update"].flops < plain.flops
+    hf_set = ["policy.backend=hf", "policy.tensor_parallel_size=1"]
+    hf = load_config(CFG, hf_set)
+    assert update_shared_fraction(hf, "cpu") == (measured, measured) and update_shared_fraction(hf)[0] == 0.0
+    padded = load_config(CFG, [*hf_set, "trainer.ppo.use_remove_padding=false"])
+    assert update_shared_fraction(padded, "cpu")[0] == 0.0
+    assert update_shared_fraction(load_config(CFG, ["name=other"]), "cpu") == (0.0, 0.0)
+    with pytest.raises(ValueError, match=r"update_shared: 1.0 is outside \[0, 1\)"):
+        step_work(shape, replace(counts, update_shared=1.0), dtype_bytes=2, kv_bytes=2)

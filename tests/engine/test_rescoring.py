@@ -105,9 +105,11 @@ def full_logits_reference(model, prompt_ids, prompt_mask, response_ids, response
 def test_score_rows_matches_full_logits_reference():
     model = tiny_model()
     b = make_batch()
-    lp, ent, pushed = score_rows(
+    out = score_rows(
         model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, temperature=0.7, with_entropy=True
     )
+    lp, ent, pushed = out.logp, out.entropy, out.pushed
+    assert out.shared == 0 and out.carrier is None
     ref = full_logits_reference(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, 0.7)
     assert (lp - ref).abs().max() < 1e-5
     assert bool((lp[~b.response_mask.bool()] == 0).all())

@@ -208,7 +208,8 @@ def test_supervised_step_is_the_response_cross_entropy_and_its_gradient(expert, 
 def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
     """Auto rows on a CPU (the policy's rows undecided): the warm start's first two steps run both ways at half scale
     (seconds injected through the trial's clock: packed rows faster here), set the faster on the policy and take it
-    for the rest; the losses are the padded-only run's."""
+    for the rest (its expert prompts share prefixes: packed steps push them once, as a prefix tree); the losses are the
+    padded-only run's."""
     from alignopsd.engine.policy import lm_head
     from alignopsd.engine.step import packing_trial
     from alignopsd.kernels import native_choice
@@ -218,6 +219,8 @@ def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
     pad = int(tok.eos_token_id)
     calls, real = [], lm_head.packed_forward
     monkeypatch.setattr(lm_head, "packed_forward", lambda *a: calls.append(1) or real(*a))
+    tree, real_tree = [], lm_head.tree_forward
+    monkeypatch.setattr(lm_head, "tree_forward", lambda *a: tree.append(1) or real_tree(*a))
     losses = {}
     for packed in (None, False):
         policy = HFPolicy(load_causal_lm("tiny", dtype="float32"), lr=1e-3, weight_decay=0.0, packed=packed)
@@ -236,8 +239,8 @@ def test_warm_start_times_packed_against_padded_rows(expert, tok, monkeypatch):
             chose = policy.rows.choice
             assert chose.packed and (chose.packed_s, chose.padded_s) == (1.0, 2.0)
             assert chose.measured_on == "the first 2 micro-batches of the warm start (8 rows), forward and backward"
-            assert len(calls) == 4  # two in the trial, then every step packed
-    assert calls == [1] * 4  # the padded-only run packs nothing
+            assert len(calls) == 2 and len(tree) == 2  # two in the trial, then every step packed, as a prefix tree
+    assert len(calls) == len(tree) == 2  # the padded-only run packs nothing
     assert losses[None] == pytest.approx(losses[False], rel=1e-5)
 
 

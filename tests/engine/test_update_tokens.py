@@ -97,8 +97,8 @@ def test_footprint_counts_what_the_policy_pushes():
         fp = Footprint()
         fp.add(geo, mc)
         with torch.no_grad():
-            _, _, pushed = score_rows(model, cb.prompt_ids[mc], cb.prompt_mask[mc], cb.response_ids[mc],
-                                      cb.response_mask[mc])  # fmt: skip
+            pushed = score_rows(model, cb.prompt_ids[mc], cb.prompt_mask[mc], cb.response_ids[mc],
+                                cb.response_mask[mc]).pushed  # fmt: skip
         assert fp.computed == pushed
         p_w, r_w = max(geo.prompt[r] for r in mc), max(geo.response[r] for r in mc)
         attended = cb.attention_mask()[mc][:, 32 - p_w : 32 + r_w - 1]
