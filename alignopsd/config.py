@@ -72,7 +72,9 @@ class AlgorithmConfig:
     (Mechanism 2, ``CreditConfig``), ``alignment`` (the M1-only loss, ``alignopsd_m1``), ``sdar`` (the SDAR auxiliary:
     always on for ``sdar``, optional for ``alignopsd``), ``rlsd`` and ``opsd`` (baselines); a user estimator its own.
     A section is given as a keyword (``AlgorithmConfig(rectify=RectifyConfig(gamma=0.8))``) or as ``algorithm.<key>``
-    in a mapping, and read as ``config.section(key)`` or ``config.<key>``. The built-in estimators' sections are in
+    in a mapping, and read as ``config.section(key)``; the built-in ones also as typed attributes (``config.rectify``,
+    ``config.credit``, ``config.alignment``, ``config.sdar``, ``config.rlsd``, ``config.opsd``; assigning one replaces
+    the section). The built-in estimators' sections are in
     every config, at their defaults when not given; another estimator's section is in the configs that give it or run
     that estimator (so a config stored by a run that does not use it loads where that estimator is not registered).
 
@@ -138,21 +140,68 @@ class AlgorithmConfig:
             raise ValueError(f"section: no config section {name!r}; this config has {', '.join(self.registered)}")
         return self.registered[name]
 
-    def __getattr__(self, name: str) -> Any:  # only for names that are no attribute: the sections
-        sections = self.__dict__.get("registered")
-        if sections is not None and name in sections:
-            return sections[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
+    def _set_section(self, name: str, value: Any) -> None:
         """A section assigned as an attribute is one of the config's sections (checked like a given one)."""
-        if name not in ESTIMATOR_SECTIONS or name in self.__dataclass_fields__:
-            object.__setattr__(self, name, value)
-            return
         if not isinstance(value, ESTIMATOR_SECTIONS[name]):
             raise ValueError(f"{name}: expected {ESTIMATOR_SECTIONS[name].__name__}, got {type(value).__name__}")
         sections = {**self.registered, name: value}
-        object.__setattr__(self, "registered", {k: sections[k] for k in ESTIMATOR_SECTIONS if k in sections})
+        self.registered = {k: sections[k] for k in ESTIMATOR_SECTIONS if k in sections}
+
+    # The built-in estimators' sections (in every config), typed; a plug-in's is ``section(key)``.
+
+    @property
+    def rectify(self) -> RectifyConfig:
+        """Mechanism 1 (``algorithm.rectify``): read by ``alignopsd`` and ``alignopsd_m1``."""
+        return self.section("rectify")
+
+    @rectify.setter
+    def rectify(self, value: RectifyConfig) -> None:
+        self._set_section("rectify", value)
+
+    @property
+    def credit(self) -> CreditConfig:
+        """Mechanism 2 (``algorithm.credit``): read by ``alignopsd``; its derived fields follow their owners."""
+        return self.section("credit")
+
+    @credit.setter
+    def credit(self, value: CreditConfig) -> None:
+        self._set_section("credit", value)
+
+    @property
+    def alignment(self) -> AlignmentLossConfig:
+        """The M1-only alignment loss (``algorithm.alignment``): read by ``alignopsd_m1``."""
+        return self.section("alignment")
+
+    @alignment.setter
+    def alignment(self, value: AlignmentLossConfig) -> None:
+        self._set_section("alignment", value)
+
+    @property
+    def sdar(self) -> SdarConfig:
+        """The SDAR auxiliary (``algorithm.sdar``): read by ``sdar`` and ``alignopsd``."""
+        return self.section("sdar")
+
+    @sdar.setter
+    def sdar(self, value: SdarConfig) -> None:
+        self._set_section("sdar", value)
+
+    @property
+    def rlsd(self) -> RlsdConfig:
+        """The RLSD baseline (``algorithm.rlsd``)."""
+        return self.section("rlsd")
+
+    @rlsd.setter
+    def rlsd(self, value: RlsdConfig) -> None:
+        self._set_section("rlsd", value)
+
+    @property
+    def opsd(self) -> OpsdConfig:
+        """The self-distillation baselines (``algorithm.opsd``): read by ``opsd`` and ``grpo_opsd``."""
+        return self.section("opsd")
+
+    @opsd.setter
+    def opsd(self, value: OpsdConfig) -> None:
+        self._set_section("opsd", value)
 
     _DERIVED: typing.ClassVar[dict[str, str]] = {
         **{f"credit.{k}": v for k, v in _CREDIT_SYNC.items()},

@@ -81,7 +81,7 @@ def run_arm(overrides: list[str], out: Path) -> dict:
     from alignopsd.engine.observe.metrics import read_metrics
     from alignopsd.engine.run.trainer import Trainer
 
-    cfg = load_config(CONFIG, [*overrides, f"output_dir={out}", "trainer.val_after_train=false"])
+    cfg = load_config(CONFIG, [*overrides, f"output_dir={out}", "trainer.validation.after_train=false"])
     trainer = Trainer(cfg)
     policy = trainer.parts.policy
     trainable = sum(p.numel() for p in policy.params)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     common = [*games, f"model.name={ws}"]
     ws_row = held_out(load_config(CONFIG, [*common, f"output_dir={work / 'ws-eval'}"]), None)
     lora = ["model.lora.enabled=true", f"model.lora.rank={args.rank}", f"model.lora.alpha={2.0 * args.rank}",
-            f"trainer.lr={args.lora_lr}"]  # fmt: skip
+            f"trainer.optimizer.lr={args.lora_lr}"]  # fmt: skip
     arms = {"full": run_arm(common, work / "full"), "lora": run_arm([*common, *lora], work / "lora")}
     header["load_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     out = Path(args.out)

@@ -44,7 +44,7 @@ def run(config: str, overrides: list[str], *, profile: bool, fp32_reference: boo
 
     from alignopsd.canonical import canonicalize
 
-    cfg = load_config(config, ["trainer.skip_no_signal=false", *overrides])
+    cfg = load_config(config, ["trainer.ppo.skip_no_signal=false", *overrides])
     parts = Trainer(cfg, lock_output=False).parts
     rescorer, generator = parts.rescorer, parts.generator
     seen: dict = {}

@@ -5,7 +5,7 @@
 Both sides run the trainer's policy (``HFPolicy``) on the same rows ``[prompt | response]`` and the same
 PPO-clip token-mean loss with an entropy bonus, and leave the same gradients in the parameters:
 
-- ours: ``HFPolicy.response_loss`` (``trainer.fused_head_loss: true``, the default): the head's gradients
+- ours: ``HFPolicy.response_loss`` (``trainer.ppo.fused_head_loss: true``, the default): the head's gradients
   are formed with the log-probs, three [N, H] x [H, V] matmuls;
 - base: ``HFPolicy.response_logprobs(grad=True)`` then ``loss.backward()``: autograd through
   ``alignopsd.kernels.logprob``, whose backward recomputes the logits (four matmuls).

@@ -180,7 +180,7 @@ def arch(command: str, d: Path, timeout: float) -> dict:
         path = _checkpoint(d, shapes_mlp=256)
         cmd = ["eval", "--config", TINY, "--checkpoint", str(path)]
     else:
-        _checkpoint(d, shapes_mlp=256, overrides=["trainer.lr=0.01"])
+        _checkpoint(d, shapes_mlp=256, overrides=["trainer.optimizer.lr=0.01"])
         cmd = ["train", "--config", TINY, "--set", f"output_dir={d}", "--resume", "auto", "--allow-config-change"]
     return _run([sys.executable, "-m", "alignopsd.engine", *cmd], timeout)
 

@@ -24,7 +24,7 @@ HIDDEN, VOCAB, INTERMEDIATE = 576, 49152, 1536  # SmolLM2-135M
 
 
 def main(argv: list[str] | None = None) -> None:
-    from alignopsd.engine.cost.device_limits import calibrate, cpu_name
+    from alignopsd.engine.lab.device_limits import calibrate, cpu_name
     from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
     from alignopsd.kernels import native_choice
     from alignopsd.kernels.cpp import why_not_ready

@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 QUICK = [
     "trainer.total_steps=3",
-    "trainer.save_freq=1",
-    "trainer.keep_last=3",
-    "trainer.val_after_train=false",
-    "trainer.report=false",
+    "trainer.checkpoint.save_freq=1",
+    "trainer.checkpoint.keep_last=3",
+    "trainer.validation.after_train=false",
+    "trainer.logging.report=false",
     "trainer.restarts.backoff_s=0",
 ]
 SAVED_1 = "[train] checkpoint of step 1:"

@@ -71,9 +71,9 @@ def _setup_imports(dry_run: bool) -> None:
 
 
 def peak_table() -> dict[str, tuple[float, float]]:
-    """Dense bf16 TFLOP/s and HBM GB/s by GPU name: the engine's table (engine/cost/device_limits.py, sources
+    """Dense bf16 TFLOP/s and HBM GB/s by GPU name: the engine's table (engine/lab/device_limits.py, sources
     cited there), read after the imports are set up."""
-    from alignopsd.engine.cost.device_limits import GPU_PEAKS
+    from alignopsd.engine.lab.device_limits import GPU_PEAKS
 
     return {k: (tf, gbs) for k, (tf, gbs, _src) in GPU_PEAKS.items()}
 

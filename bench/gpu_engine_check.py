@@ -3,7 +3,7 @@
 For every estimator of the registry and every AlignOPSD ablation (A-E): ``configs/tiny.yaml`` with the
 self-contained tiny models (``model.name=tiny-bpe``: random Llama with a built-in BPE tokenizer;
 ``encoder.name=tiny-encoder``: random 2-layer BERT through the thinking encoder), the HF policy backend and
-the HF generator, ``trainer.skip_no_signal=false`` (every phase runs), ``steps`` training steps. Checked:
+the HF generator, ``trainer.ppo.skip_no_signal=false`` (every phase runs), ``steps`` training steps. Checked:
 no exception; every phase the estimator declares ran (time > 0 in every step); a finite loss; at least one
 optimizer step; the policy weights changed. Each case's per-phase table (engine/observe/profiler.py) follows its
 verdict. Then :func:`run_scale`: one AlignOPSD step at a quickstart-like batch (8 tasks x 8 rollouts, longer
@@ -36,9 +36,9 @@ BASE = [
     "encoder.name=tiny-encoder",
     "policy.backend=hf",
     "generation.backend=hf",
-    "trainer.skip_no_signal=false",
-    "trainer.report=false",
-    "trainer.loggers=[jsonl]",
+    "trainer.ppo.skip_no_signal=false",
+    "trainer.logging.report=false",
+    "trainer.logging.loggers=[jsonl]",
 ]
 # CPU dry run: the same code on a smaller batch (1 task x 2 rollouts, 2 turns, short responses)
 DRY = [
@@ -56,13 +56,13 @@ SCALE = [
     "env.num_games=16",
     "generation.max_response_length=64",
     "env.teacher_max_response_length=64",
-    "trainer.ppo_mini_batch_size=256",
-    "trainer.ppo_micro_batch_size=64",
-    "trainer.lr=1e-3",
+    "trainer.ppo.mini_batch_size=256",
+    "trainer.ppo.micro_batch_size=64",
+    "trainer.optimizer.lr=1e-3",
     "model.dtype=auto",
 ]
 DRY_SCALE = ["env.group_n=4", "env.tasks_per_step=2", "env.max_turns=2", "generation.max_response_length=16",
-             "env.teacher_max_response_length=16", "trainer.ppo_micro_batch_size=16"]  # fmt: skip
+             "env.teacher_max_response_length=16", "trainer.ppo.micro_batch_size=16"]  # fmt: skip
 
 
 def engine_cases() -> list[tuple[str, list[str]]]:
@@ -189,7 +189,7 @@ def run_scale(device: str, dry: bool, emit: Callable[[str], None]) -> dict:
             f"({s['alignment_seconds']:.3f} s of {s['step_seconds']:.3f} s per step)"
         )
         try:  # the cost model's work, efficiency and predicted time beside each measured phase
-            from alignopsd.engine.cost.efficiency import cost_report
+            from alignopsd.engine.lab.efficiency import cost_report
 
             emit("\n" + cost_report({"alignopsd": s}, res["cfg"], device) + "\n")
         except Exception as exc:  # noqa: BLE001  (the check reports every failure and goes on)

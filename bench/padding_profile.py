@@ -2,14 +2,14 @@
 
     python -m bench.padding_profile [--config configs/alfworld_7b.yaml] [--rows 2048] [--seed 0]
 
-The rows' lengths are the cost plan's synthetic batch (engine/step/padding_plan.py ``synthetic_row_masks``: the
+The rows' lengths are the cost plan's synthetic batch (engine/lab/padding_plan.py ``synthetic_row_masks``: the
 config's maxima scaled by the quickstart's measured means, prompt mean 400 of 1,024, response mean 41 of 64, spread
 as a normal of standard deviation 35 % (prompts) and 50 % (responses) of the mean, clipped to [64, max] and [8,
 max]); the recipe was fixed before any result. The plan
 is the update's own (engine/step/micro_batches.py ``plan_update`` on one rank, the config's mini- and micro-batch
-sizes and ``ppo_max_token_len_per_gpu``), and the positions are its ``Footprint``: the padded forwards of fixed rows
-(``ppo_max_token_len_per_gpu: 0``, the plan before micro-batches by tokens), of micro-batches by tokens (rows
-sorted by length), and of the same micro-batches packed (``use_remove_padding``).
+sizes and ``trainer.ppo.max_token_len_per_gpu``), and the positions are its ``Footprint``: the padded forwards of fixed
+rows (``trainer.ppo.max_token_len_per_gpu: 0``, the plan before micro-batches by tokens), of micro-batches by tokens
+(rows sorted by length), and of the same micro-batches packed (``use_remove_padding``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 
 from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.lab.padding_plan import synthetic_row_masks
 from alignopsd.engine.step.micro_batches import RowGeometry, plan_footprint, plan_update
-from alignopsd.engine.step.padding_plan import synthetic_row_masks
 
 
 def measure(cfg, rows: int, seed: int) -> dict[str, dict[str, float]]:
     pmask, rmask = synthetic_row_masks(cfg, rows, seed)
     geo = RowGeometry.of(pmask, rmask)
-    mini, micro = cfg.trainer.ppo_mini_batch_size, cfg.trainer.ppo_micro_batch_size
+    mini, micro = cfg.trainer.ppo.mini_batch_size, cfg.trainer.ppo.micro_batch_size
     out = {}
     for name, budget, packed in (
         ("fixed rows, padded", 0, False),
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     res = measure(cfg, args.rows, args.seed)
     print(
         f"{cfg.name}: {args.rows} rows, prompts <= {cfg.env.max_prompt_length}, responses <= "
-        f"{cfg.generation.max_response_length}; mini-batch {cfg.trainer.ppo_mini_batch_size}, micro-batch "
-        f"{cfg.trainer.ppo_micro_batch_size} rows or {cfg.update_token_budget:,} positions"
+        f"{cfg.generation.max_response_length}; mini-batch {cfg.trainer.ppo.mini_batch_size}, micro-batch "
+        f"{cfg.trainer.ppo.micro_batch_size} rows or {cfg.update_token_budget:,} positions"
     )
     print("| plan | micro-batches | computed positions | real positions | padding fraction |")
     print("|---|---:|---:|---:|---:|")

@@ -19,7 +19,7 @@ from collections import Counter
 DEFAULT_ARGS = [
     "sft", "--pipeline", "--easy-games", "--config", "configs/quickstart_cpu.yaml", "--steps", "2",
     "--set", "model.name=tiny", "--set", "trainer.total_steps=1", "--set", "env.num_games=4",
-    "--set", "env.val_tasks=2", "--set", "trainer.report=false",
+    "--set", "env.val_tasks=2", "--set", "trainer.logging.report=false",
 ]  # fmt: skip
 
 # (module, attribute, counter name): what is counted

@@ -22,7 +22,7 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from alignopsd.engine.checkpoint.checkpoint import save_checkpoint, verify_checkpoint
     from alignopsd.engine.checkpoint.trainer_state import TrainerState
-    from alignopsd.engine.cost.device_limits import cpu_name
+    from alignopsd.engine.lab.device_limits import cpu_name
     from alignopsd.engine.models.loading import load_causal_lm
     from alignopsd.engine.policy.hf import HFPolicy
 

@@ -6,8 +6,8 @@ Each round runs ``alignopsd profile --cost`` (``--steps 2 --warmup 1 --no-trace`
 per variant, in the order A B (A B ...), on the same config and warm start, so both variants see the same machine
 load over the session:
 
-- ``before``: fixed-row micro-batches, padded rows (``trainer.ppo_max_token_len_per_gpu=0``,
-  ``trainer.use_remove_padding=false``): the update as it was before issue 44;
+- ``before``: fixed-row micro-batches, padded rows (``trainer.ppo.max_token_len_per_gpu=0``,
+  ``trainer.ppo.use_remove_padding=false``): the update as it was before issue 44;
 - ``after``: the config's settings (micro-batches by tokens; padded or packed rows as the run measures on this
   CPU: a padding fraction of 0 in the update says it took packed rows).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from bench.provenance import commit_line
 
 VARIANTS = {
-    "before": ["trainer.ppo_max_token_len_per_gpu=0", "trainer.use_remove_padding=false"],
+    "before": ["trainer.ppo.max_token_len_per_gpu=0", "trainer.ppo.use_remove_padding=false"],
     "after": [],
 }
 

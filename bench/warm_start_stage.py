@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             build_s = time.perf_counter() - t0
             sft.warm_start(cfg, policy, tokenizer, out, steps=args.steps, batch_size=4, lr=1e-4, stream=sys.stderr)
             warm_s = time.perf_counter() - t0
-            rl_cfg = sft.derived_config(cfg, model={"name": str(out)}, trainer={"val_after_train": False})
+            rl_cfg = sft.derived_config(
+                cfg,
+                model={"name": str(out)},
+                trainer={"validation": cfg.trainer.validation.model_copy(update={"after_train": False})},
+            )
             t0 = time.perf_counter()
             m = heldout_metrics(rl_cfg, policy, tokenizer, games, device=device)
             eval_s = time.perf_counter() - t0

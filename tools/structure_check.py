@@ -39,10 +39,11 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra", "parallel"),  # write failures, caches; processes, devices, collectives
     ("checkpoint", "observe"),  # files a run writes and trusts; metrics, profiler, progress, audit, report, strict
     ("models", "envs", "tokens"),  # embedded models; environments; token layout (positions, padding)
-    ("config", "cost"),  # the run's schema (it names the environments), pre-flight and architecture checks; step costs
+    ("config",),  # the run's schema (it names the environments), pre-flight and architecture checks
     ("policy", "generation"),  # backends behind their protocols, row scoring
     ("step",),  # one step; owns the type of what it is handed (Components)
     ("run",),  # the composition root: trainer loop, components builder, resume, preemption, lock
+    ("lab",),  # what a step and a run cost, measured and estimated (profile --cost, plan, memory, the estimate)
     ("commands",),  # the CLI
 )
 LAYER_OF = {sub: i for i, row in enumerate(ENGINE_LAYERS) for sub in row}

@@ -20,8 +20,8 @@ optimizer file: the backend's ``torch.distributed.checkpoint`` folder (model sha
 state, written by every rank; see the backend's ``save_checkpoint``), listed in the same manifest as every
 other file; ``trainer_state.json`` says ``"sharded": true``. Its ``model.safetensors`` (+ ``config.json``) is a
 Hugging Face export of the gathered weights, written only on the steps the caller asks for (the trainer: every
-``trainer.export_hf_freq`` steps and at the end of the run), for evaluation and serving; it is never read back
-to resume.
+``trainer.checkpoint.export_hf_freq`` steps and at the end of the run), for evaluation and serving; it is never read
+back to resume.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_000012`` first (the weights by the engine's one weight
 writer, weights.py), flushed to disk, listed in the manifest, and only then renamed to its final name with

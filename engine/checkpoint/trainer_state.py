@@ -43,8 +43,8 @@ PACKED_ROWS_KEY = "packed rows"  # the packing choice's key among ``paths`` in c
 
 @dataclass(frozen=True)
 class RowsChoice:
-    """Packed (padding-free) or padded rows for a policy's forwards on a CPU, where ``trainer.use_remove_padding`` is
-    auto: measured by the run's first update on its own micro-batches (engine/step/packing_trial.py), or taken again
+    """Packed (padding-free) or padded rows for a policy's forwards on a CPU, where ``trainer.ppo.use_remove_padding``
+    is auto: measured by the run's first update on its own micro-batches (engine/step/packing_trial.py), or taken again
     (a checkpoint's, rank 0's, the warm start's in the same process: ``why`` says which)."""
 
     packed: bool

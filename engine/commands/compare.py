@@ -20,16 +20,16 @@ What is held equal across estimators, so that the estimator is the only differen
   so compare builds it once from ``--val-seed`` (default: the config's ``trainer.seed``) and gives that same list
   to every run (``parts.val_tasks``); each run records the keys it played in ``val_tasks.json``;
 * evaluation schedule: before the first step (step 0), every ``--eval-every`` steps and after the last step
-  (``trainer.val_before_train``, ``trainer.test_freq``, ``trainer.val_after_train``, ``trainer.val_start_step=0``).
-  Validation samples with seeds of the run's seed and step, so for one seed every estimator's step-0 evaluation
-  is the same pass on the same weights.
+  (``trainer.validation.before_train``, ``trainer.validation.freq``, ``trainer.validation.after_train``,
+  ``trainer.validation.start_step=0``). Validation samples with seeds of the run's seed and step, so for one seed every
+  estimator's step-0 evaluation is the same pass on the same weights.
 
 Runs are sequential in this process (each builds its own Trainer, which re-seeds every generator), so one place
 decides the held-out games, and under ``torchrun`` every rank runs the same sequence (rank 0 writes). Resumable: a
 run whose ``metrics.jsonl`` holds its last step and last evaluation is read, not redone, once its stored config and
 held-out games are checked to be the ones asked for; an unfinished run resumes from its newest verified
-checkpoint (``--set trainer.save_freq=K`` makes long runs resumable mid-way), or starts again. So each run can
-also have a fresh process of its own (``--estimators grpo --seeds 1 --first-seed 2``, same ``--out``), and a last
+checkpoint (``--set trainer.checkpoint.save_freq=K`` makes long runs resumable mid-way), or starts again. So each run
+can also have a fresh process of its own (``--estimators grpo --seeds 1 --first-seed 2``, same ``--out``), and a last
 call with every estimator and seed reads them all and writes the table.
 """
 

@@ -11,10 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
+from alignopsd.engine.config.trainer_section import current_key
 
 # config keys compare sets for every run (a --set of one of them is refused: it would break the comparison)
-OWNED_KEYS = ("algorithm.estimator", "trainer.seed", "trainer.total_steps", "trainer.test_freq", "output_dir",
-              "trainer.val_start_step", "trainer.val_before_train", "trainer.val_after_train")  # fmt: skip
+OWNED_KEYS = (
+    "algorithm.estimator",
+    "trainer.seed",
+    "trainer.total_steps",
+    "trainer.validation.freq",
+    "output_dir",
+    "trainer.validation.start_step",
+    "trainer.validation.before_train",
+    "trainer.validation.after_train",
+)
 SUCCESS = "episode/success_rate"
 VAL_TASKS_FILE = "val_tasks.json"
 
@@ -66,7 +75,7 @@ def eval_schedule(steps: int, eval_every: int) -> list[int]:
 def _check_options(overrides: tuple[str, ...], estimators: Sequence[str], seeds: int, steps: int, eval_every: int):
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        if key in OWNED_KEYS:
+        if current_key(key) in OWNED_KEYS:  # by its name now or an earlier version's (trainer.test_freq)
             raise ConfigError(
                 f"--set {key}: compare sets it for every run (use --estimators, --seeds, --steps, --eval-every, --out)"
             )
@@ -114,10 +123,10 @@ def plan_comparison(
                 f"algorithm.estimator={est}",
                 f"trainer.seed={seed}",
                 f"trainer.total_steps={steps}",
-                f"trainer.test_freq={eval_every if eval_every > 0 else -1}",
-                "trainer.val_start_step=0",
-                "trainer.val_before_train=true",
-                "trainer.val_after_train=true",
+                f"trainer.validation.freq={eval_every if eval_every > 0 else -1}",
+                "trainer.validation.start_step=0",
+                "trainer.validation.before_train=true",
+                "trainer.validation.after_train=true",
                 f"output_dir={run_dir}",
             )
             spec = RunSpec(est, seed, run_dir, str(config), overrides + own)

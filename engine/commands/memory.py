@@ -1,6 +1,6 @@
 """``alignopsd memory --config FILE [--world-size N] [--gpu-gib G]``: per-rank memory of a Megatron run's config.
 
-The arithmetic and its legend: engine/policy/megatron/memory.py.
+The arithmetic and its legend: engine/lab/megatron_memory.py.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from alignopsd.engine.config.schema import RunConfig, load_config
-from alignopsd.engine.policy.megatron.memory import GIB, Layout, describe, format_table, model_dims
+from alignopsd.engine.lab.megatron_memory import GIB, Layout, describe, format_table, model_dims
 
 from alignopsd.estimators import get_estimator
 

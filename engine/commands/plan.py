@@ -4,11 +4,11 @@
                    [--compute-fraction 0.5] [--bandwidth-fraction 0.8]
 
 The model's shapes come from its folder's ``config.json``, or from the published-shape table when the folder is
-absent (said in the output; engine/cost/model_shapes.py). The step's counts are the config's batch with the
-quickstart's measured means where the config has only maxima (engine/cost/step_plan.py; each assumption is
+absent (said in the output; engine/models/shapes.py). The step's counts are the config's batch with the
+quickstart's measured means where the config has only maxima (engine/lab/step_plan.py; each assumption is
 printed). Per phase: FLOPs, bytes read, decoded tokens and a time: compute-bound work at ``--compute-fraction`` of
 the GPU's dense bf16 peak, decoding at ``max(FLOPs at that fraction, bytes / (--bandwidth-fraction x HBM
-bandwidth))`` (engine/cost/cost_model.py, device_limits.py: the model the profiler's efficiency table uses).
+bandwidth))`` (engine/lab/cost_model.py, device_limits.py: the model the profiler's efficiency table uses).
 Then the GRPO step (the same step without the alignment phases), the alignment overhead, tokens/s/GPU (training
 tokens / step time / GPUs, NeMo-RL's definition) and the GPU-hours of ``trainer.total_steps``; and NeMo-RL's
 published GRPO measurement beside the same model evaluated at its setting.
@@ -25,8 +25,8 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from alignopsd.engine.cost.cost_model import PhaseWork, step_work
-from alignopsd.engine.cost.device_limits import DeviceLimits, gpu_limits, phase_seconds
+from alignopsd.engine.lab.cost_model import PhaseWork, step_work
+from alignopsd.engine.lab.device_limits import DeviceLimits, gpu_limits, phase_seconds
 from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, PHASES, phase_label
 
 if TYPE_CHECKING:
@@ -89,9 +89,9 @@ def padding_line(fraction: float, times: dict[str, float], free: dict[str, float
 
 def run_plan(cfg: RunConfig, gpu: str, world_size: int, cf: float, bf: float) -> str:
     """The plan's text (ValueError naming a bad GPU, world size or model)."""
-    from alignopsd.engine.cost.model_shapes import resolve_shape
-    from alignopsd.engine.cost.step_plan import NEMO_RL_REFERENCE, layout
-    from alignopsd.engine.step.padding_plan import planned_counts
+    from alignopsd.engine.lab.padding_plan import planned_counts
+    from alignopsd.engine.lab.step_plan import NEMO_RL_REFERENCE, layout
+    from alignopsd.engine.models.shapes import resolve_shape
 
     lim = gpu_limits(gpu)
     lay = layout(cfg, world_size)

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = [e.strip() for e in args.estimators.split(",")] if args.estimators else [None]
     try:  # every phase is measured: steps without learnable signal are not skipped here
-        extra = ["trainer.skip_no_signal=false"]
+        extra = ["trainer.ppo.skip_no_signal=false"]
         cfgs = [
             load_config(args.config, [*extra, *args.overrides, *([f"algorithm.estimator={n}"] if n else [])])
             for n in names
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     tables = [format_side_by_side(summaries)] if len(summaries) > 1 else []
     if tables:
         print(tables[0])
-    if args.cost:  # engine/cost/efficiency.py: calibrated after the steps, under the same load
-        from alignopsd.engine.cost.efficiency import cost_report
-        from alignopsd.engine.run.calibration import calibrate_phases
+    if args.cost:  # engine/lab/efficiency.py: calibrated after the steps, under the same load
+        from alignopsd.engine.lab.calibration import calibrate_phases
+        from alignopsd.engine.lab.efficiency import cost_report
 
         try:  # the steps' tables are printed already: a model the cost model cannot size is one line, not a crash
             rates = calibrate_phases(cfgs[0], device)  # the phases' own code paths: the prediction
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(f"cost model: {exc}")
         print("\n" + tables[-1], flush=True)
         if args.cost_out:
-            from alignopsd.engine.cost.efficiency import provenance
+            from alignopsd.engine.lab.efficiency import provenance
 
             each = [format_table(s, f"{cfgs[0].name}: {e}") for e, s in summaries.items()]
             Path(args.cost_out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ evaluation, all on the same held-out games; the three held-out rows are printed 
 ``--easy-games`` plays generated pick-and-place games in small rooms whose expert walkthrough fits the turn limit.
 The pipeline's first lines give the CPU profile (torch's kernel capability, the native-bf16 verdict, the dtype) and
 an estimate of each stage's time from a few seconds of calibration on the run's own code paths
-(engine/commands/estimate.py); ``--estimate`` prints them and exits.
+(engine/lab/estimate.py); ``--estimate`` prints them and exits.
 
 The data (one example per expert turn): the prompt is what the rollout would give the policy at that turn (the
 episode is played through the engine's :class:`EnvManager` with the expert's actions, and its user text goes
@@ -145,7 +145,7 @@ def warm_start(
         steps=steps,
         batch_size=batch_size,
         seed=cfg.trainer.seed,
-        fused=cfg.trainer.fused_head_loss,
+        fused=cfg.trainer.ppo.fused_head_loss,
         stream=stream,
         token_budget=micro_batch_tokens(cfg, shape_of(policy.hf_config, cfg.model.name), *policy_placement(policy)),
     )
@@ -272,7 +272,11 @@ def run_pipeline(cfg: RunConfig, args, sft_out: Path, *, stages: StageLog | None
     stream = stream if stream is not None else sys.stdout
     stages = StageLog() if stages is None else stages
     sft_out = Path(args.warm_start) if args.warm_start else sft_out
-    rl_cfg = derived_config(cfg, model={"name": str(sft_out)}, trainer={"val_after_train": False})
+    rl_cfg = derived_config(
+        cfg,
+        model={"name": str(sft_out)},
+        trainer={"validation": cfg.trainer.validation.model_copy(update={"after_train": False})},
+    )
     device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     dist = Dist(device.type)
     process_settings(cfg, dist.rank)
@@ -288,7 +292,7 @@ def run_pipeline(cfg: RunConfig, args, sft_out: Path, *, stages: StageLog | None
         dist.close()
     table = heldout_table(rows, stages.seconds, stages.peaks)
     print(table, file=stream, flush=True)
-    if rl_cfg.trainer.report:
+    if rl_cfg.trainer.logging.report:
         write_report(rl_cfg.out_dir, title=f"{rl_cfg.name}: {rl_cfg.algorithm_name()}", extra=table)
     return {"heldout": rows, "times": stages.seconds, "peaks": stages.peaks}
 
@@ -350,19 +354,19 @@ def _rl_stage(rl_cfg: RunConfig, games, stages: StageLog, stream, *, dist, chose
 
 def pipeline_estimate(cfg: RunConfig, args) -> str:
     """The CPU profile line and the pipeline's estimated stage times from a short calibration in this process
-    (engine/commands/estimate.py)."""
+    (engine/lab/estimate.py)."""
     import torch
-    from alignopsd.engine.commands.estimate import (
+    from alignopsd.engine.lab.calibration import calibrate_phases
+    from alignopsd.engine.lab.estimate import (
         cpu_profile_line,
         estimate_pipeline,
         format_estimate,
         peak_memory_line,
     )
-    from alignopsd.engine.cost.model_shapes import resolve_shape
     from alignopsd.engine.models.loading import parse_dtype
+    from alignopsd.engine.models.shapes import resolve_shape
     from alignopsd.engine.observe.memory import rss_bytes
     from alignopsd.engine.parallel.load import busy_line
-    from alignopsd.engine.run.calibration import calibrate_phases
     from alignopsd.engine.run.policy_builders import micro_batch_tokens
     from alignopsd.engine.run.process import pick_device
 
@@ -416,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         if args.warm_start:
             check_warm_start(args.warm_start, cfg.model.name)
-        if args.pipeline:  # its RL stage logs to trainer.loggers: a tracker that cannot start fails here
+        if args.pipeline:  # its RL stage logs to trainer.logging.loggers: a tracker that cannot start fails here
             from alignopsd.engine.config.logger_check import check_loggers
 
             check_loggers(cfg.trainer, cfg.out_dir, os.environ)

@@ -1,9 +1,9 @@
 """The error of every config check, and the one-line message a pydantic validation error becomes.
 
-A config error is one line that starts with the dotted key it is about (``trainer.lr: must be > 0, got -1.0``):
-the CLI prints it and exits with code 2. The schema's models raise pydantic's ``ValidationError``; :func:`describe`
-turns its first error into that line, and :func:`rule` is how a validator that checks several fields names the one
-it blames.
+A config error is one line that starts with the dotted key it is about (``trainer.optimizer.lr: must be > 0, got
+-1.0``): the CLI prints it and exits with code 2. The schema's models raise pydantic's ``ValidationError``;
+:func:`describe` turns its first error into that line, and :func:`rule` is how a validator that checks several fields
+names the one it blames.
 """
 
 from __future__ import annotations

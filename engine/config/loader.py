@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 from alignopsd.engine.config.errors import ConfigError
+from alignopsd.engine.config.trainer_section import current_key, sectioned
 
 from alignopsd.config import override_mapping
 from alignopsd.config_yaml import MAX_FILE_BYTES, YamlLimitError, check_size, load_yaml
@@ -79,21 +80,32 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply dotted ``key=value`` overrides to a raw config mapping (returns a new mapping): the algorithm core's
-    parser (``alignopsd.config.override_mapping``), its errors as ConfigError."""
+    parser (``alignopsd.config.override_mapping``), its errors as ConfigError. An earlier version's trainer key
+    (``trainer.optimizer.lr=...``) sets its place now (engine/config/trainer_section.py ``current_key``)."""
+    moved = []
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        moved.append(f"{current_key(key.strip())}{sep}{value}" if sep else item)
     try:
-        return override_mapping(data, list(overrides or []), what="--set")
+        return override_mapping(data, moved, what="--set")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 def read_run_mapping(path: str | os.PathLike | None, overrides: list[str] | None = None) -> dict:
     """The raw mapping of a run: the file at ``path`` (none: every default), its ``name`` defaulting to the file's
-    stem and a relative ``env.skills_dir`` resolved against the file's folder, then the overrides."""
+    stem, its trainer keys of earlier versions moved to their sections and a relative ``env.skills_dir`` resolved
+    against the file's folder, then the overrides."""
     data: dict = {}
     if path is not None:
         p = Path(path)
         data = read_yaml(p)
         data.setdefault("name", p.stem)
+        if "trainer" in data:  # before the overrides, which may set the same keys by either name
+            try:
+                data["trainer"] = sectioned(data["trainer"])
+            except ValueError as exc:
+                raise ConfigError(f"{p}: {exc}") from None
         section = data.get("env")
         skills = section.get("skills_dir") if isinstance(section, dict) else None
         if isinstance(skills, str) and not os.path.isabs(skills):

@@ -1,4 +1,4 @@
-"""Pre-flight check of the experiment trackers a run logs to (``trainer.loggers``: wandb, mlflow).
+"""Pre-flight check of the experiment trackers a run logs to (``trainer.logging.loggers``: wandb, mlflow).
 
 A tracker that cannot start fails here, before anything heavy loads (exit code 2, one line naming the key), not at
 the first step: the package is missing, the mode or tracking URI is not one the library takes, the folder it would
@@ -65,24 +65,26 @@ def check_wandb(section: WandbConfig, env: Mapping[str, str], out_dir: Path) -> 
     mode = wandb_mode(section, env)
     if mode not in WANDB_MODES:
         raise ConfigError(
-            f"WANDB_MODE: unknown value {mode!r} (trainer.wandb.mode unset); allowed: online, offline, disabled"
+            f"WANDB_MODE: unknown value {mode!r} (trainer.logging.wandb.mode unset); allowed: online, offline, disabled"
         )
     folder = wandb_dir(section, env, out_dir)
     if mode != "disabled" and not _writable(folder):
-        raise ConfigError(f"trainer.wandb.dir: {str(folder)!r} cannot be written (the section's dir, else WANDB_DIR)")
+        raise ConfigError(
+            f"trainer.logging.wandb.dir: {str(folder)!r} cannot be written (the section's dir, else WANDB_DIR)"
+        )
     if mode == "online":
         server = env.get("WANDB_BASE_URL") or WANDB_SERVER
         why = _reach(server)
         if why:
             raise ConfigError(
-                f"trainer.wandb.mode: online, but the W&B server {server} is out of reach: {why}; log offline "
-                "(trainer.wandb.mode=offline or WANDB_MODE=offline) and `wandb sync` later"
+                f"trainer.logging.wandb.mode: online, but the W&B server {server} is out of reach: {why}; log offline "
+                "(trainer.logging.wandb.mode=offline or WANDB_MODE=offline) and `wandb sync` later"
             )
 
 
 def check_mlflow(section: MlflowConfig, env: Mapping[str, str]) -> None:
     uri = mlflow_uri(section, env)
-    key = "trainer.mlflow.tracking_uri" if section.tracking_uri else "MLFLOW_TRACKING_URI"
+    key = "trainer.logging.mlflow.tracking_uri" if section.tracking_uri else "MLFLOW_TRACKING_URI"
     if uri is not None:
         scheme = urlparse(uri).scheme
         if scheme in ("http", "https"):
@@ -101,15 +103,15 @@ def check_mlflow(section: MlflowConfig, env: Mapping[str, str]) -> None:
 
 
 def check_loggers(trainer: TrainerConfig, out_dir: Path, env: Mapping[str, str]) -> None:
-    """Every tracker of ``trainer.loggers`` can start on this machine; ConfigError naming the key otherwise."""
-    for name in trainer.loggers:
+    """Every tracker of ``trainer.logging.loggers`` can start on this machine; ConfigError naming the key otherwise."""
+    for name in trainer.logging.loggers:
         module = PACKAGES.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(
-                f"trainer.loggers: {name!r} needs the {module} package, which is not installed "
+                f"trainer.logging.loggers: {name!r} needs the {module} package, which is not installed "
                 f"(pip install 'alignopsd[{name}]')"
             )
-    if "wandb" in trainer.loggers:
-        check_wandb(trainer.wandb, env, out_dir)
-    if "mlflow" in trainer.loggers:
-        check_mlflow(trainer.mlflow, env)
+    if "wandb" in trainer.logging.loggers:
+        check_wandb(trainer.logging.wandb, env, out_dir)
+    if "mlflow" in trainer.logging.loggers:
+        check_mlflow(trainer.logging.mlflow, env)

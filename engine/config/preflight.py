@@ -18,7 +18,7 @@ the key:
   since the loaders otherwise fall back to generated games, catalogue or knowledge base without a word; the messages
   name the missing file or folder, the config key or environment variable that points to it, and the README
   section that explains where it comes from;
-* the experiment trackers of ``trainer.loggers`` (wandb, mlflow) can start: engine/config/logger_check.py.
+* the experiment trackers of ``trainer.logging.loggers`` (wandb, mlflow) can start: engine/config/logger_check.py.
 
 It imports torch and the environment's module; it loads no model.
 """

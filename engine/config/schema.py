@@ -117,20 +117,20 @@ class RunConfig(Section):
 
     @property
     def update_token_budget(self) -> int:
-        """Computed positions per micro-batch of the update (``trainer.ppo_max_token_len_per_gpu`` resolved; 0: the
+        """Computed positions per micro-batch of the update (``trainer.ppo.max_token_len_per_gpu`` resolved; 0: the
         fixed-row micro-batches)."""
-        t = self.trainer.ppo_max_token_len_per_gpu
+        t = self.trainer.ppo.max_token_len_per_gpu
         if t == "auto":
             width = self.env.max_prompt_length + self.generation.max_response_length
-            return self.trainer.ppo_micro_batch_size * width
+            return self.trainer.ppo.micro_batch_size * width
         return int(t or 0)
 
     def remove_padding_on(self, device_type: str) -> bool | None:
-        """``trainer.use_remove_padding`` resolved for a Hugging Face policy on ``device_type``: ``auto`` is
+        """``trainer.ppo.use_remove_padding`` resolved for a Hugging Face policy on ``device_type``: ``auto`` is
         padding-free rows on CUDA (flash-attention's varlen) and, on a CPU, None (where measured faster than padded
         rows by the run's first update, forward and backward: engine/step/packing_trial.py). The Megatron backend
         pads its plain rows whatever this says (``ShardScoring.rows``)."""
-        setting = self.trainer.use_remove_padding
+        setting = self.trainer.ppo.use_remove_padding
         if setting == "auto":
             return True if device_type == "cuda" else None
         return bool(setting)
@@ -167,29 +167,29 @@ class RunConfig(Section):
             check_device_dtype(self.model.dtype, self.trainer.device)
         except ValueError as exc:
             raise rule("model.dtype", f"{self.model.dtype!r} on {exc}") from None
-        if self.trainer.logprob_reuse:
+        if self.trainer.ppo.logprob_reuse:
             self._reuse_samples_from_the_policy()
         return self
 
     def _reuse_samples_from_the_policy(self) -> None:
-        """``trainer.logprob_reuse`` takes the sampler's log-probs as PPO's old log-probs: only a generator that
+        """``trainer.ppo.logprob_reuse`` takes the sampler's log-probs as PPO's old log-probs: only a generator that
         samples from the trained module itself gives them (``samples_from``, checked again where the parts are
         built); each setting that rules that out at load is named."""
         if self.generation.backend != "hf":
-            raise rule("trainer.logprob_reuse", "only valid with generation.backend='hf' (the trainer's own model)")
+            raise rule("trainer.ppo.logprob_reuse", "only valid with generation.backend='hf' (the trainer's own model)")
         if self.policy.backend == "megatron":
             raise rule(
-                "trainer.logprob_reuse",
+                "trainer.ppo.logprob_reuse",
                 "true needs a generator that samples from the trained module itself; with policy.backend='megatron' "
-                "the hf generator samples from a Hugging Face copy: set trainer.logprob_reuse=false",
+                "the hf generator samples from a Hugging Face copy: set trainer.ppo.logprob_reuse=false",
             )
         if self.samples_int8():
             where = "" if self.generation.quantize == "int8" else " (auto: the policy computes in float32 on the CPU)"
             raise rule(
-                "trainer.logprob_reuse",
+                "trainer.ppo.logprob_reuse",
                 f"true would make the int8 sampler's log-probs PPO's old log-probs: generation.quantize="
                 f"'{self.generation.quantize}' samples from an int8 copy{where}, not the trained model; set "
-                "trainer.logprob_reuse=false (the trainer then computes them and measures the gap) or "
+                "trainer.ppo.logprob_reuse=false (the trainer then computes them and measures the gap) or "
                 "generation.quantize='off'",
             )
 

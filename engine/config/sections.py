@@ -213,7 +213,7 @@ class GenerationConfig(Section):
     """Weights of the hf backend's forward (rollouts, teacher samples, evaluation): off (the trained module itself)
     | int8 (an int8 copy on the CPU, quantized again after every update: engine/generation/int8.py; the trainer
     recomputes every sampled token's log-prob in its own precision, mismatch/* measures the gap and
-    trainer.rollout_is corrects it) | auto (int8 where the policy computes in float32 on the CPU, i.e. a CPU without
+    trainer.ppo.rollout_is corrects it) | auto (int8 where the policy computes in float32 on the CPU, i.e. a CPU without
     native bf16; else off)."""
 
     @model_validator(mode="after")

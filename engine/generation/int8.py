@@ -13,7 +13,7 @@ embeddings, norms, rotary positions, attention and the sampling stay fp32. On th
 The method stays the one of a separate rollout engine (the vLLM backend; FP8 rollouts on GPUs): the trainer never
 reads the int8 model. Old log-probs, teacher forcing and the update run on the fp32 policy, which recomputes the log-
 probs of every sampled token; the gap between the two is measured every step (``mismatch/*``, the same metrics as for
-any rollout engine) and corrected by ``trainer.rollout_is`` when it is on. After each update the weights the trainer
+any rollout engine) and corrected by ``trainer.ppo.rollout_is`` when it is on. After each update the weights the trainer
 pushes (:meth:`Int8Generator.load_weights`) land in an fp32 copy, from which the int8 copy is quantized again, so the
 sampler never runs on stale weights.
 

@@ -6,8 +6,8 @@ from typing import Any
 
 
 def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config mapping as ``{dotted key: value}`` (``{"trainer": {"lr": 1e-6}}`` -> ``{"trainer.lr": 1e-6}``);
-    an empty mapping is a value of its own, so a section emptied by a change still shows as a key."""
+    """A nested config mapping as ``{dotted key: value}`` (``{"trainer": {"seed": 1}}`` -> ``{"trainer.seed":
+    1}``); an empty mapping is a value of its own, so a section emptied by a change still shows as a key."""
     if isinstance(data, dict) and data:
         out: dict[str, Any] = {}
         for k, v in data.items():

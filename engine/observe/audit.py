@@ -25,7 +25,7 @@ Records (one JSON object per line, ``kind`` first):
   A value of it that JSON cannot hold (NaN, infinity, a set, an object) is written as null, the rest of the record
   and of the step as they are, and counted in ``audit/truth_nulled_count``.
 
-Budget: at most ``trainer.audit_max_bytes`` (1 GiB) over the run, split evenly over the writing ranks
+Budget: at most ``trainer.logging.audit_max_bytes`` (1 GiB) over the run, split evenly over the writing ranks
 (no collective). A step whose file would cross the cap is not written; from then on nothing is, a
 warning is logged once and ``audit/capped`` is 1. The audit draws no random numbers (selection is by
 hash), reads the step's tensors without changing them, and catches every error: a failure is logged,

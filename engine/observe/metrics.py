@@ -73,8 +73,9 @@ def progress_line(step: int, total: int, metrics: dict[str, float | None], left:
 
 
 class MetricsLogger:
-    """metrics.jsonl + the sinks of ``trainer.loggers`` (TensorBoard, W&B, MLflow: engine/observe/sinks.py) + the
-    progress line. Create on every rank; only ``rank == 0`` writes (the other ranks' ``sinks`` are closed unused)."""
+    """metrics.jsonl + the sinks of ``trainer.logging.loggers`` (TensorBoard, W&B, MLflow: engine/observe/sinks.py) +
+    the progress line. Create on every rank; only ``rank == 0`` writes (the other ranks' ``sinks`` are closed
+    unused)."""
 
     def __init__(
         self,

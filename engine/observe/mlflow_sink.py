@@ -1,6 +1,7 @@
-"""MLflow sink (``trainer.loggers: [..., mlflow]``; the optional extra ``alignopsd[mlflow]``, mlflow-skinny suffices).
+"""MLflow sink (``trainer.logging.loggers: [..., mlflow]``; the optional extra ``alignopsd[mlflow]``, mlflow-skinny
+suffices).
 
-* A fresh run creates an MLflow run in the experiment of ``trainer.mlflow`` (or MLFLOW_EXPERIMENT_NAME /
+* A fresh run creates an MLflow run in the experiment of ``trainer.logging.mlflow`` (or MLFLOW_EXPERIMENT_NAME /
   MLFLOW_EXPERIMENT_ID, else MLflow's Default experiment; created when missing) at the tracking URI that section or
   MLFLOW_TRACKING_URI names (engine/run/loggers.py), tagged with the section's tags. The resolved run config is
   logged once: as the run's parameters (dotted keys) and as the artifact ``config.json``.

@@ -26,7 +26,7 @@ weight_sync            pushing updated weights to the generation engine         
 =====================  =========================================================  ===========
 
 The names (:data:`PHASES`), their labels (:func:`phase_label`) and the alignment set (:data:`ALIGNMENT_PHASES`) are
-written here only: the report, the efficiency table (engine/cost/efficiency.py) and the plan
+written here only: the report, the efficiency table (engine/lab/efficiency.py) and the plan
 (engine/commands/plan.py) read them from here.
 
 Host synchronisations (the host waiting for the device: ``.item()``, ``.tolist()``, copies to the host,

@@ -1,4 +1,4 @@
-"""Where the metrics of a run go besides ``metrics.jsonl``: the sinks of ``trainer.loggers``.
+"""Where the metrics of a run go besides ``metrics.jsonl``: the sinks of ``trainer.logging.loggers``.
 
 :class:`~alignopsd.engine.observe.metrics.MetricsLogger` writes every record to ``metrics.jsonl`` (the run's own
 record, which the report, ``compare`` and resume read) and fans the same flat record out to each sink, so every
@@ -11,8 +11,8 @@ logger receives the same names and step numbers:
   its plots) go to :meth:`Sink.finish`.
 
 Sinks: :class:`TensorBoardSink` (``<output>/tb``), ``WandbSink`` (engine/observe/wandb_sink.py) and ``MlflowSink``
-(engine/observe/mlflow_sink.py); engine/run/loggers.py opens those ``trainer.loggers`` names, on the rank that writes
-metrics only. A sink that fails while the run goes on
+(engine/observe/mlflow_sink.py); engine/run/loggers.py opens those ``trainer.logging.loggers`` names, on the rank that
+writes metrics only. A sink that fails while the run goes on
 (a full disk, a server gone) is reported once and dropped; the run continues with the others (in strict mode, under
 the tests, the error is raised instead: engine/observe/strict.py). A W&B or MLflow run's id goes into every
 checkpoint (``TrainerState.logger_runs``), so a resumed run continues the same tracker run.
@@ -36,7 +36,8 @@ def series_name(kind: str, key: str) -> str:
 
 
 class Sink:
-    """One logger of ``trainer.loggers`` besides metrics.jsonl. ``run_id``: the tracker's run (None: no such run)."""
+    """One logger of ``trainer.logging.loggers`` besides metrics.jsonl. ``run_id``: the tracker's run (None: no such
+    run)."""
 
     name: ClassVar[str] = ""
     run_id: str | None = None

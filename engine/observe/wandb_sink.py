@@ -1,6 +1,7 @@
-"""Weights & Biases sink (``trainer.loggers: [..., wandb]``; the optional extra ``alignopsd[wandb]``).
+"""Weights & Biases sink (``trainer.logging.loggers: [..., wandb]``; the optional extra ``alignopsd[wandb]``).
 
-* A fresh run creates a W&B run (project, entity, name, tags, mode and folder from ``trainer.wandb``, unset fields from
+* A fresh run creates a W&B run (project, entity, name, tags, mode and folder from ``trainer.logging.wandb``, unset
+fields from
   ``WANDB_*`` as wandb reads them: engine/run/loggers.py) with the resolved run config as its config, logged
   once.
 * Each metrics row is one ``run.log(..., step=<the row's step>)``: W&B's ``_step`` is the step of metrics.jsonl, a

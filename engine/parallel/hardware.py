@@ -190,7 +190,7 @@ def int8_sampling(quantize: str, device: str, dtype: torch.dtype) -> bool:
     """Whether ``generation.quantize`` has the Hugging Face generator sample from an int8 copy of a policy that computes
     in ``dtype`` on ``device`` (a device type): ``int8``, or ``auto`` where that is float32 on the CPU (a CPU without
     native bf16, see the module doc). The one answer, asked where the generator is built and where the config is
-    checked (``trainer.logprob_reuse`` needs a generator that samples from the policy itself)."""
+    checked (``trainer.ppo.logprob_reuse`` needs a generator that samples from the policy itself)."""
     if quantize == "auto":
         return device == "cpu" and dtype is torch.float32
     return quantize == "int8"

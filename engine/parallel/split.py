@@ -2,7 +2,7 @@
 
 A step deals ``env.tasks_per_step`` whole tasks to the data-parallel groups (engine/step/episodes.py), the warm start
 deals each batch's examples to its ranks (engine/step/supervised.py), and the plan sizes a step per group
-(engine/cost/step_plan.py): each share must be the same whole number. :func:`check_split` is that rule, with the
+(engine/lab/step_plan.py): each share must be the same whole number. :func:`check_split` is that rule, with the
 one message every place gives.
 """
 

@@ -63,8 +63,8 @@ class RowLayout:
     that says it. The policy owns it; the scorers of its architecture (the rescorer's plain rows, the reference) hold
     the same object, so a choice set here is every forward's.
 
-    ``packed``: True or False as configured (``trainer.use_remove_padding`` resolved on the device), or None where it
-    is auto on a CPU and not chosen yet: padded rows until :meth:`choose` sets the choice the run's first update
+    ``packed``: True or False as configured (``trainer.ppo.use_remove_padding`` resolved on the device), or None where
+    it is auto on a CPU and not chosen yet: padded rows until :meth:`choose` sets the choice the run's first update
     measured (engine/step/packing_trial.py), a checkpoint stored or rank 0 made (:attr:`choice`, a
     :class:`RowsChoice`, is what a checkpoint stores). ``can_pack``: False for a backend that builds no packed rows
     (Megatron's plain rows): packed rows are refused.
@@ -117,7 +117,7 @@ class PolicyBackend(Protocol):
 
     rows: RowLayout
     """Whether its training and scoring forwards run in padding-free rows: configured, or measured faster on this CPU,
-    forward and backward (``trainer.use_remove_padding``; engine/step/packing_trial.py)."""
+    forward and backward (``trainer.ppo.use_remove_padding``; engine/step/packing_trial.py)."""
 
     scores_itself: bool
     """True for a policy trained apart from any Hugging Face module (Megatron shards): it scores rows itself

@@ -32,7 +32,7 @@ Counts reported in ``stats``: ``prompt_tokens`` / ``response_tokens`` pushed thr
 positions included: that is what costs FLOPs), their sum ``token_forwards``, ``real_tokens`` (those of them that
 carry a token: ``1 - real_tokens / token_forwards`` is the pass's padding fraction), and ``forwards``.
 
-``by_length`` (both modes; ``trainer.ppo_max_token_len_per_gpu`` on): rows are taken longest first instead of in
+``by_length`` (both modes; ``trainer.ppo.max_token_len_per_gpu`` on): rows are taken longest first instead of in
 batch order (plain: by prompt + response; shared_prefix: the responses of each prompt group by length, the groups
 as before, since ordering prompts by length alone was measured to pad more where a short prompt carries a long
 response), so each forward holds rows of like length and pads less; the results are the same, in batch order.

@@ -167,17 +167,17 @@ def build_encoder(cfg: RunConfig, device: torch.device) -> ThinkingEncoder:
 
 
 def reuses_rollout_logprobs(cfg: RunConfig, generator: GenerationBackend | None, model: nn.Module) -> bool:
-    """Whether the old log-prob pass takes the rollout's log-probs (``trainer.logprob_reuse``): only where the
+    """Whether the old log-prob pass takes the rollout's log-probs (``trainer.ppo.logprob_reuse``): only where the
     generator samples from the scoring ``model`` itself (:func:`samples_from`), else its log-probs are another
     model's (an int8 copy, a Hugging Face copy of a Megatron policy, an engine of its own). The config refuses at load
     what it can know (engine/config/schema.py); what it cannot is refused here, as a ConfigError."""
-    if not cfg.trainer.logprob_reuse:
+    if not cfg.trainer.ppo.logprob_reuse:
         return False
     if not samples_from(generator, model):
         sampler = type(generator).__name__ if generator is not None else "no generator on this rank"
         raise ConfigError(
-            f"trainer.logprob_reuse: true needs a generator that samples from the trained model itself, and this "
-            f"run's ({sampler}) does not: set trainer.logprob_reuse=false (the trainer then computes old log-probs)"
+            f"trainer.ppo.logprob_reuse: true needs a generator that samples from the trained model itself, and this "
+            f"run's ({sampler}) does not: set trainer.ppo.logprob_reuse=false (the trainer then computes old log-probs)"
         )
     return True
 

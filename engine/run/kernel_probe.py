@@ -11,8 +11,8 @@ the model's dtype and with the run's threads, and returns one line per kernel fo
   rows of the head, measured before the head's partials, whose torch path takes the chosen GEMM;
 - the shared-prefix prefill attention (the teacher forcing behind kept prompts): ``ATTENTION_ROWS`` rows of
   ``ATTENTION_QUERIES`` queries over ``ATTENTION_PREFIX`` prefix and as many own positions, the model's heads;
-Packed against padded rows (``trainer.use_remove_padding: auto`` on a CPU) is not probed here: the run's first update
-times them on its own micro-batches, forward and backward (engine/step/packing_trial.py), and the policy's
+Packed against padded rows (``trainer.ppo.use_remove_padding: auto`` on a CPU) is not probed here: the run's first
+update times them on its own micro-batches, forward and backward (engine/step/packing_trial.py), and the policy's
 ``RowLayout`` holds the choice.
 
 A kernel already chosen in this process (an earlier policy build, a first use) keeps its choice. On an accelerator

@@ -1,4 +1,5 @@
-"""The loggers of ``trainer.loggers`` opened for a run: the sinks of engine/observe/sinks.py built from the config.
+"""The loggers of ``trainer.logging.loggers`` opened for a run: the sinks of engine/observe/sinks.py built from the
+config.
 
 What a section leaves unset is resolved here as each library resolves it (engine/config/logger_check.py, the same
 rules the pre-flight check applied): W&B's mode (WANDB_MODE, else online) and folder (WANDB_DIR, else the run's output
@@ -35,7 +36,7 @@ def make_sink(
     if name == "tensorboard":
         return TensorBoardSink(out_dir / "tb")
     if name == "wandb":
-        w = trainer.wandb
+        w = trainer.logging.wandb
         return WandbSink(
             folder=wandb_dir(w, env, out_dir),
             config=config,
@@ -48,7 +49,7 @@ def make_sink(
             resume_step=resume_step,
         )
     if name == "mlflow":
-        m = trainer.mlflow
+        m = trainer.logging.mlflow
         return MlflowSink(
             config=config,
             tracking_uri=mlflow_uri(m, env),
@@ -59,7 +60,7 @@ def make_sink(
             resume_id=resume_id,
             resume_step=resume_step,
         )
-    raise ValueError(f"trainer.loggers: no sink named {name!r}")
+    raise ValueError(f"trainer.logging.loggers: no sink named {name!r}")
 
 
 def open_sinks(
@@ -72,12 +73,12 @@ def open_sinks(
     resume_step: int = 0,
     stream=None,
 ) -> list[Sink]:
-    """The sinks of ``trainer.loggers``. ``config``: the resolved run config, logged once, when a tracker run is
+    """The sinks of ``trainer.logging.loggers``. ``config``: the resolved run config, logged once, when a tracker run is
     created; ``resume``: logger name -> run id of the checkpoint the run resumes from at ``resume_step`` (those runs
     are continued). A tracker that cannot start is reported and left out (strict mode raises)."""
     resume = resume or {}
     sinks: list[Sink] = []
-    for name in trainer.loggers:
+    for name in trainer.logging.loggers:
         if name == "jsonl":
             continue
 

@@ -22,8 +22,8 @@ import torch
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.config.errors import ConfigError
 from alignopsd.engine.config.schema import RunConfig
-from alignopsd.engine.cost.model_shapes import ModelShape, shape_from_hf_config
 from alignopsd.engine.models.loading import load_causal_lm, parse_dtype, resolve_model_path
+from alignopsd.engine.models.shapes import ModelShape, shape_from_hf_config
 from alignopsd.engine.observe.memory import GIB
 from alignopsd.engine.policy.base import PolicyBackend, RowLayout
 from alignopsd.engine.run.kernel_probe import choose_cpu_kernels
@@ -44,10 +44,10 @@ class OptimizerSettings:
 
     @classmethod
     def of_run(cls, cfg: RunConfig) -> OptimizerSettings:
-        """The RL run's: ``trainer.lr``, ``trainer.weight_decay``, warm-up over ``trainer.warmup_ratio`` of
-        ``trainer.total_steps``."""
-        warmup = int(round(cfg.trainer.warmup_ratio * cfg.trainer.total_steps))
-        return cls(lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, warmup_steps=warmup)
+        """The RL run's: ``trainer.optimizer.lr``, ``trainer.optimizer.weight_decay``, warm-up over
+        ``trainer.optimizer.warmup_ratio`` of ``trainer.total_steps``."""
+        warmup = int(round(cfg.trainer.optimizer.warmup_ratio * cfg.trainer.total_steps))
+        return cls(lr=cfg.trainer.optimizer.lr, weight_decay=cfg.trainer.optimizer.weight_decay, warmup_steps=warmup)
 
 
 def hf_model_of(policy: PolicyBackend) -> nn.Module:
@@ -75,7 +75,7 @@ def megatron_layer_spec(cfg: RunConfig) -> str:
 
 
 def packed_rows(cfg: RunConfig, device: torch.device) -> bool | None:
-    """``trainer.use_remove_padding`` resolved on ``device`` (``RunConfig.remove_padding_on``)."""
+    """``trainer.ppo.use_remove_padding`` resolved on ``device`` (``RunConfig.remove_padding_on``)."""
     return cfg.remove_padding_on(device.type)
 
 
@@ -103,7 +103,7 @@ def start_rows(rows: RowLayout, taken: RowsChoice | None) -> None:
         log.info("kernels: packed rows: padded rows (until the first update has timed both, forward and backward)")
 
 
-CPU_ACTIVATION_GIB = 1.5  # trainer.activation_memory_gib auto on a CPU (see its docstring)
+CPU_ACTIVATION_GIB = 1.5  # trainer.ppo.activation_memory_gib auto on a CPU (see its docstring)
 
 
 def shape_of(hf_config, name: str) -> ModelShape:
@@ -114,11 +114,11 @@ def shape_of(hf_config, name: str) -> ModelShape:
 
 def micro_batch_tokens(cfg: RunConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> int:
     """Computed positions per micro-batch of the update and the warm start (0: micro-batches of fixed rows):
-    ``trainer.ppo_max_token_len_per_gpu`` resolved (``RunConfig.update_token_budget``), cut to the positions whose
-    activations fit ``trainer.activation_memory_gib`` (auto: :data:`CPU_ACTIVATION_GIB` on a CPU, no cap on an
+    ``trainer.ppo.max_token_len_per_gpu`` resolved (``RunConfig.update_token_budget``), cut to the positions whose
+    activations fit ``trainer.ppo.activation_memory_gib`` (auto: :data:`CPU_ACTIVATION_GIB` on a CPU, no cap on an
     accelerator) at the model's activation bytes per token in ``dtype``; the cut is stated in the run's log."""
     tokens = cfg.update_token_budget
-    cap_gib = cfg.trainer.activation_memory_gib
+    cap_gib = cfg.trainer.ppo.activation_memory_gib
     if cap_gib == "auto":
         cap_gib = CPU_ACTIVATION_GIB if device.type == "cpu" else None
     if tokens == 0 or cap_gib is None:
@@ -128,7 +128,7 @@ def micro_batch_tokens(cfg: RunConfig, shape: ModelShape, dtype: torch.dtype, de
     if cap < tokens:
         log.info(
             "memory: micro-batches of at most %d positions, not %d (activations %.2f MiB per token in %s; "
-            "trainer.activation_memory_gib %s GiB)",
+            "trainer.ppo.activation_memory_gib %s GiB)",
             cap,
             tokens,
             per_token / (1 << 20),
@@ -227,7 +227,7 @@ def build_hf_policy(req: PolicyRequest) -> PolicyBackend:
         packed=packed_rows(cfg, req.device),
         lr=optim.lr,
         weight_decay=optim.weight_decay,
-        betas=cfg.trainer.betas,
+        betas=cfg.trainer.optimizer.betas,
         warmup_steps=optim.warmup_steps,
         gradient_checkpointing=cfg.policy.gradient_checkpointing,
         adapter=adapter,
@@ -260,7 +260,7 @@ def build_megatron_policy(req: PolicyRequest) -> PolicyBackend:
         tp=tp,
         lr=optim.lr,
         weight_decay=optim.weight_decay,
-        betas=cfg.trainer.betas,
+        betas=cfg.trainer.optimizer.betas,
         params_dtype=model.dtype,
         seed=cfg.trainer.seed,
         warmup_steps=optim.warmup_steps,

@@ -4,7 +4,7 @@ Every checkpoint stores the resolved config of its run (``trainer_state.json`` â
 section included). Resuming compares it key by key with the config of the new run:
 
 * changes that do not alter the trajectory of training are allowed and listed: the run's name and output directory,
-  save cadence and retention, logging and report switches (``trainer.loggers`` and its sections), how restarts
+  save cadence and retention, logging and report switches (``trainer.logging.loggers`` and its sections), how restarts
   wait and stop (``trainer.restarts``), validation
   before/after training, environment workers and timeouts, ``total_steps`` upward (when no warm-up depends on it), and
   the data-parallel size (the trainer's checkpoint holds full weights and rank 0's optimizer state, a sharded one keys
@@ -47,7 +47,7 @@ from alignopsd.engine.checkpoint.weights import ADAPTER_DIR, ADAPTER_FILE, WEIGH
 from alignopsd.engine.config.arch_check import check_architecture
 from alignopsd.engine.config.dump import config_to_dict
 from alignopsd.engine.config.schema import ConfigError, RunConfig
-from alignopsd.engine.config.trainer_section import MlflowConfig, WandbConfig
+from alignopsd.engine.config.trainer_section import MlflowConfig, WandbConfig, sectioned
 from alignopsd.engine.infra.mappings import flatten_config
 
 # dotted keys whose change leaves the training trajectory as it is
@@ -55,17 +55,17 @@ TRAJECTORY_NEUTRAL = frozenset(
     {
         "name",
         "output_dir",
-        "trainer.save_freq",
-        "trainer.save_every_s",
-        "trainer.keep_last",
-        "trainer.export_hf_freq",
-        "trainer.tensorboard",  # the switch checkpoints of earlier versions store
-        "trainer.loggers",
-        "trainer.report",
-        "trainer.audit",
-        "trainer.audit_max_bytes",
-        "trainer.val_before_train",
-        "trainer.val_after_train",
+        "trainer.checkpoint.save_freq",
+        "trainer.checkpoint.save_every_s",
+        "trainer.checkpoint.keep_last",
+        "trainer.checkpoint.export_hf_freq",
+        "trainer.logging.tensorboard",  # the switch checkpoints of earlier versions store
+        "trainer.logging.loggers",
+        "trainer.logging.report",
+        "trainer.logging.audit",
+        "trainer.logging.audit_max_bytes",
+        "trainer.validation.before_train",
+        "trainer.validation.after_train",
         "trainer.preempt_grace_s",
         "env.workers",
         "env.step_timeout_s",
@@ -75,17 +75,21 @@ TRAJECTORY_NEUTRAL = frozenset(
 # checkpoint's config they were off, so their keys are no change while the switch stays off
 ADDED_SECTIONS = {"model.lora.": "model.lora.enabled"}
 # keys added after checkpoints were first written, with the value that runs as before they existed
-ADDED_KEYS = {"generation.quantize": "off", "trainer.save_every_s": None}
+ADDED_KEYS = {"generation.quantize": "off", "trainer.checkpoint.save_every_s": None}
 # keys added after checkpoints were first written that only divide the same work another way (the objective is the
 # same exact token-mean; sums may round differently), with the values that divide it as before: absent from an older
 # checkpoint's config, those are no change and any other is shown, not refused; a change between two stored values is
 # refused like any other
 ADDED_DIVISIONS = {
-    "trainer.ppo_max_token_len_per_gpu": (0, None),
-    "trainer.use_remove_padding": (False,),
-    "trainer.activation_memory_gib": (None,),
+    "trainer.ppo.max_token_len_per_gpu": (0, None),
+    "trainer.ppo.use_remove_padding": (False,),
+    "trainer.ppo.activation_memory_gib": (None,),
 }
-NEUTRAL_SECTIONS = ("trainer.wandb.", "trainer.mlflow.", "trainer.restarts.")  # loggers, restarts: every key under
+NEUTRAL_SECTIONS = (
+    "trainer.logging.wandb.",
+    "trainer.logging.mlflow.",
+    "trainer.restarts.",
+)  # loggers, restarts: every key under
 # neutral sections added after checkpoints were first written: absent from an older checkpoint's config, not listed
 ADDED_NEUTRAL_SECTIONS = ("trainer.restarts.",)
 WORLD_SIZE_KEY = "world_size (data-parallel ranks)"
@@ -105,16 +109,22 @@ def stored_config(cfg: RunConfig) -> dict[str, Any]:
 
 
 def with_loggers(saved: dict[str, Any]) -> dict[str, Any]:
-    """A config stored before ``trainer.loggers`` existed, as this version stores it: its ``trainer.tensorboard``
-    switch as the loggers list, the trackers' sections at their defaults (so a resume compares like with like)."""
+    """A config stored by an earlier version, as this version stores it (so a resume compares like with like): its
+    flat trainer keys in their sections (engine/config/trainer_section.py ``sectioned``) and, stored before
+    ``trainer.logging.loggers`` existed, its ``trainer.tensorboard`` switch as the loggers list, the trackers'
+    sections at their defaults."""
     trainer = saved.get("trainer")
-    if not isinstance(trainer, dict) or "loggers" in trainer:
+    if not isinstance(trainer, dict):
         return saved
-    trainer = dict(trainer)
-    on = trainer.pop("tensorboard", True)
-    trainer["loggers"] = ["jsonl", "tensorboard"] if on else ["jsonl"]
-    trainer.setdefault("wandb", json.loads(json.dumps(config_to_dict(WandbConfig()))))
-    trainer.setdefault("mlflow", json.loads(json.dumps(config_to_dict(MlflowConfig()))))
+    trainer = sectioned(trainer)
+    logging = trainer.get("logging", {})
+    if isinstance(logging, dict) and "loggers" not in logging:
+        logging = dict(logging)
+        on = logging.pop("tensorboard", True)
+        logging["loggers"] = ["jsonl", "tensorboard"] if on else ["jsonl"]
+        logging.setdefault("wandb", json.loads(json.dumps(config_to_dict(WandbConfig()))))
+        logging.setdefault("mlflow", json.loads(json.dumps(config_to_dict(MlflowConfig()))))
+        trainer = {**trainer, "logging": logging}
     return {**saved, "trainer": trainer}
 
 
@@ -132,7 +142,7 @@ def config_changes(
             continue
         line = f"{key}: {'(absent)' if a is missing else repr(a)} -> {'(absent)' if b is missing else repr(b)}"
         if key == "trainer.total_steps" and isinstance(a, int) and isinstance(b, int):
-            warm = float(new.get("trainer.warmup_ratio", 0.0) or 0.0)
+            warm = float(new.get("trainer.optimizer.warmup_ratio", 0.0) or 0.0)
             if b >= step and (warm == 0.0 or round(warm * a) == round(warm * b)):
                 neutral.append(line)
                 continue

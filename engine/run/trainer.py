@@ -6,7 +6,7 @@ advantages are local); gradients are averaged across ranks and the loss is the e
 token-mean of ALGORITHM.md §3.12.
 
 A run writes under ``runs/<config name>/`` (or ``output_dir``): ``config.yaml``, ``checkpoints/``,
-``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots, and (``trainer.audit``)
+``metrics.jsonl``, ``tb/``, ``span_lengths.json``, ``report.md`` and its plots, and (``trainer.logging.audit``)
 ``audit/step_<step>.rank<r>.jsonl``: the per-turn audit records of every step and the token snapshots of
 ALGORITHM.md §4.3, one file per step and data-parallel rank (engine/observe/audit.py).
 
@@ -158,7 +158,7 @@ class Trainer:
                 lora_base=self.lora_base(),
             ),
             hf_config=policy.hf_config,
-            keep_last=self.cfg.trainer.keep_last,
+            keep_last=self.cfg.trainer.checkpoint.keep_last,
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.dist.barrier,
@@ -174,8 +174,8 @@ class Trainer:
 
     def export_due(self) -> bool:
         """A sharded or LoRA checkpoint carries a Hugging Face export (LoRA: the merged weights) every
-        ``trainer.export_hf_freq`` steps and at the end of the run."""
-        freq = self.cfg.trainer.export_hf_freq
+        ``trainer.checkpoint.export_hf_freq`` steps and at the end of the run."""
+        freq = self.cfg.trainer.checkpoint.export_hf_freq
         return self.step == self.cfg.trainer.total_steps or (freq > 0 and self.step % freq == 0)
 
     def load(self, path: Path) -> None:
@@ -274,8 +274,8 @@ class Trainer:
             self.release_output()
 
     def _metrics_logger(self, *, resumed: bool) -> MetricsLogger:
-        """metrics.jsonl and the other loggers of ``trainer.loggers`` (engine/observe/sinks.py), opened on rank 0: a
-        resumed run continues the W&B / MLflow runs its checkpoint names."""
+        """metrics.jsonl and the other loggers of ``trainer.logging.loggers`` (engine/observe/sinks.py), opened on rank
+        0: a resumed run continues the W&B / MLflow runs its checkpoint names."""
         cfg = self.cfg
         sinks = []
         if self.rank == 0:
@@ -298,7 +298,7 @@ class Trainer:
         the loggers close."""
         try:
             self._write_spans()
-            if self.rank == 0 and self.cfg.trainer.report:
+            if self.rank == 0 and self.cfg.trainer.logging.report:
                 title = f"{self.cfg.name}: {self.cfg.algorithm_name()}"
                 notes = "\n\n".join(logger.notes())
                 with writing(self.out_dir / "report.md"):  # and its plots beside it
@@ -314,7 +314,7 @@ class Trainer:
         """The steps, validation passes and saves; a preemption request ends it after the current step."""
         cfg = self.cfg
         last: dict = {}
-        if cfg.trainer.val_before_train and self.step == 0:
+        if cfg.trainer.validation.before_train and self.step == 0:
             self._validate(logger)
         last_save = time.monotonic()
         while self.step < cfg.trainer.total_steps:
@@ -326,9 +326,9 @@ class Trainer:
             self.span_lengths.extend(int(x) for x in result.span_lengths)
             last = logger.log(self.step, metrics)
             if (
-                cfg.trainer.test_freq > 0
-                and self.step % cfg.trainer.test_freq == 0
-                and self.step >= cfg.trainer.val_start_step
+                cfg.trainer.validation.freq > 0
+                and self.step % cfg.trainer.validation.freq == 0
+                and self.step >= cfg.trainer.validation.start_step
             ):
                 self._validate(logger)
             if self._save_due(last_save):
@@ -338,19 +338,20 @@ class Trainer:
                 last_save = time.monotonic()
                 self._say(f"[train] checkpoint of step {self.step}: {time.perf_counter() - t_save:.2f} s")
             self._stop_if_preempted(watch)
-        if cfg.trainer.val_after_train and not (
-            cfg.trainer.test_freq > 0
-            and cfg.trainer.total_steps % cfg.trainer.test_freq == 0
-            and cfg.trainer.total_steps >= cfg.trainer.val_start_step
+        if cfg.trainer.validation.after_train and not (
+            cfg.trainer.validation.freq > 0
+            and cfg.trainer.total_steps % cfg.trainer.validation.freq == 0
+            and cfg.trainer.total_steps >= cfg.trainer.validation.start_step
         ):
             self._validate(logger)
         return last
 
     def _save_due(self, last_save: float) -> bool:
-        """A checkpoint at this step's end: every ``trainer.save_freq`` steps, at the last step, and when
-        ``trainer.save_every_s`` seconds have passed since the last save on the slowest rank (all ranks agree)."""
-        t = self.cfg.trainer
-        if (t.save_freq > 0 and self.step % t.save_freq == 0) or self.step == t.total_steps:
+        """A checkpoint at this step's end: every ``trainer.checkpoint.save_freq`` steps, at the last step, and when
+        ``trainer.checkpoint.save_every_s`` seconds have passed since the last save on the slowest rank (all ranks
+        agree)."""
+        t = self.cfg.trainer.checkpoint
+        if (t.save_freq > 0 and self.step % t.save_freq == 0) or self.step == self.cfg.trainer.total_steps:
             return True
         if t.save_every_s is None:
             return False
@@ -397,14 +398,14 @@ class Trainer:
         """The audit writer of this process (engine/observe/audit.py); None when the audit is off or another rank of
         this process's tensor-parallel group writes the same batch."""
         cfg = self.cfg
-        if not cfg.trainer.audit or not self.parts.policy.layout.is_group_lead:
+        if not cfg.trainer.logging.audit or not self.parts.policy.layout.is_group_lead:
             return None
         return Auditor(
             self.out_dir,
             rank=self.parts.rank,
             world_size=self.parts.world_size,
             total_steps=cfg.trainer.total_steps,
-            max_bytes=cfg.trainer.audit_max_bytes,
+            max_bytes=cfg.trainer.logging.audit_max_bytes,
             tokenizer=self.parts.tokenizer,
             header=audit_header(cfg),
         )

@@ -60,8 +60,8 @@ def train_supervised(
     """``steps`` supervised steps on shuffled mini-batches of ``examples`` (epochs as needed); returns the losses.
     A progress line every ``log_every`` steps (loss, tokens per second, elapsed time) goes to ``stream`` (None:
     stdout; on the first data-parallel and tensor-parallel rank only). ``fused``: through the fused head loss
-    (``trainer.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`). Where the policy's rows
-    are auto (``rows`` undecided, a CPU), the first steps time packed against padded rows and keep the faster
+    (``trainer.ppo.fused_head_loss``; :func:`~alignopsd.engine.step.supervised.supervised_step`). Where the policy's
+    rows are auto (``rows`` undecided, a CPU), the first steps time packed against padded rows and keep the faster
     (engine/step/packing_trial.py). ``token_budget`` > 0: each step's rows in micro-batches of at most that many
     computed positions (``supervised_step``), which bounds the activations' memory."""
     if not examples:

@@ -8,7 +8,7 @@ that are padding in every row of the micro-batch (``score_rows``), so the widths
 prompt and longest response, and the response's last column predicts nothing. Positions a row does not fill are
 padding: :class:`Footprint` counts them, and ``actor/padding_fraction`` is padding / computed positions.
 
-Two ways to cut a mini-batch (``trainer.ppo_max_token_len_per_gpu``, resolved by ``RunConfig.update_token_budget``):
+Two ways to cut a mini-batch (``trainer.ppo.max_token_len_per_gpu``, resolved by ``RunConfig.update_token_budget``):
 
 - by rows (budget 0): ``micro_size`` rows each, in batch order (the former plan);
 - by tokens: the mini-batch's rows sorted by length (prompt + response, longest first), each micro-batch filled

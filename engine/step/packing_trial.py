@@ -1,4 +1,4 @@
-"""Packed or padded rows for the policy's forwards on a CPU (``trainer.use_remove_padding: auto``), measured by the
+"""Packed or padded rows for the policy's forwards on a CPU (``trainer.ppo.use_remove_padding: auto``), measured by the
 update on its own micro-batches, forward and backward.
 
 A packed forward attends row by row (engine/policy/varlen_attention.py): it computes no padding but makes a call per

@@ -16,7 +16,7 @@ Only the phases the estimator declares are run (GRPO runs no teacher pass); ever
 profiler (engine/observe/profiler.py) and returns its metrics.
 
 Robustness: a non-finite loss or gradient skips that optimiser step with a warning (weights unchanged);
-with ``trainer.skip_no_signal`` a step whose advantages are provably all zero skips the update (logged as
+with ``trainer.ppo.skip_no_signal`` a step whose advantages are provably all zero skips the update (logged as
 ``update/skipped``); failing environments and malformed outputs are counted by the rollout and never abort it.
 """
 
@@ -79,7 +79,7 @@ def _step(parts: Components, step: int) -> StepOutput:
     # 1. rollout -------------------------------------------------------------------------------------------------
     batch, roll_metrics = rollout_batch(parts, step, teacher_prompts=phases.alignment or phases.teacher_diag)
     metrics.update(roll_metrics)
-    if cfg.trainer.skip_no_signal and _skip_everywhere(parts, no_signal(cfg, parts.estimator, batch)):
+    if cfg.trainer.ppo.skip_no_signal and _skip_everywhere(parts, no_signal(cfg, parts.estimator, batch)):
         log.info("step %d: no learnable signal (constant outcomes per task); update skipped", step)
         metrics.update({"update/skipped": same(1.0), "update/zero_advantage": same(1.0), "actor/loss": same(0.0)})
         if parts.audit is not None:

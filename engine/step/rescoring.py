@@ -77,11 +77,11 @@ class Rescorer:
     :func:`backend_scorer` was given (the same ``mode`` as here).
     scope: a context every forward of ``model`` runs in (a LoRA policy's reference: its adapters disabled,
     ``LoraAdapter.disabled``).
-    by_length: forwards take the rows longest first (engine/policy/row_scoring.py; ``trainer.ppo_max_token_len_per_gpu``
+    by_length: forwards take the rows longest first (engine/policy/row_scoring.py; ``trainer.ppo.max_token_len_per_gpu``
     on), the same results with less padding; the counts in ``stats`` include ``real_tokens``.
     rows: plain mode's rows packed (padding-free, engine/policy/lm_head.py ``score_rows``) or padded, as the policy's
-    ``RowLayout`` says at each forward (``trainer.use_remove_padding``; the policy's own object, so a choice the update
-    measures is taken here too); None: padded.
+    ``RowLayout`` says at each forward (``trainer.ppo.use_remove_padding``; the policy's own object, so a choice the
+    update measures is taken here too); None: padded.
     """
 
     def __init__(

@@ -5,7 +5,7 @@ Legend: B = examples of this rank, Lp = padded prompt length, L = padded respons
 
 The rows are the layout every backend scores (engine/policy/base.py): ``[prompt (left-padded) | response
 (right-padded)]``; the loss goes through the backend's fused log-prob head (``policy.response_loss``: no
-``[B, T, V]`` logits; autograd through its log-probs where ``trainer.fused_head_loss`` is off), its optimizer,
+``[B, T, V]`` logits; autograd through its log-probs where ``trainer.ppo.fused_head_loss`` is off), its optimizer,
 warm-up and clipping (``policy.optimizer_step``), so whatever the backend is (Hugging Face, LoRA adapters, Megatron
 tensor parallelism) the warm start trains it as RL does.
 
@@ -66,8 +66,8 @@ def supervised_step(
     token_budget: int = 0,
 ) -> dict:
     """One optimizer step on ``batch`` (every rank passes the whole batch; see the module doc): through the fused
-    head loss where ``fused`` and the backend has one (``trainer.fused_head_loss``, as the PPO update), else autograd
-    through the log-probs (``policy.response_logprobs(grad=True)``). ``trial``: the warm start's measurement of
+    head loss where ``fused`` and the backend has one (``trainer.ppo.fused_head_loss``, as the PPO update), else
+    autograd through the log-probs (``policy.response_logprobs(grad=True)``). ``trial``: the warm start's measurement of
     packed against padded rows (engine/step/packing_trial.py: while it runs, the step's rows go through both ways at
     half scale). ``token_budget`` > 0: this rank's examples go forward and backward in micro-batches of at most that
     many computed positions (longest first; the update's ``pack_by_tokens``), their gradients summed, so the

@@ -10,16 +10,16 @@ each estimator declares whether its loss is (``EstimatorSpec.loss_separable``).
 
 Exact global token-mean: each rank splits its M rows into the same number of mini-batches (the maximum over
 ranks) and each mini-batch into the same number of micro-batches (engine/step/micro_batches.py: by tokens from
-rows sorted by length, ``trainer.ppo_max_token_len_per_gpu``, or by rows), so data-parallel gradient averaging stays
+rows sorted by length, ``trainer.ppo.max_token_len_per_gpu``, or by rows), so data-parallel gradient averaging stays
 in lock-step; each micro-batch's token-mean is scaled by :func:`alignopsd.losses.microbatch_scales` (its tokens /
 (all ranks' tokens of the mini-batch / world size)). ``actor/padding_fraction``: the share of the positions the
 update's forwards compute that carry no token; ``update/micro_batches``: forwards/backwards per rank. Where
-``trainer.use_remove_padding`` is auto on a CPU, the run's first update times packed against padded rows on its own
+``trainer.ppo.use_remove_padding`` is auto on a CPU, the run's first update times packed against padded rows on its own
 micro-batches, forward and backward, and keeps the faster (engine/step/packing_trial.py); the counts include the
 trial's second passes, and a micro-batch it ran twice counts once in ``update/nonfinite_loss``.
 The update runs on the canonical batch (one row per turn), so every row carries weight 1 (§1.2).
 
-Rollout correction (``trainer.rollout_is``, off by default as in the authors' runs): truncated or masked
+Rollout correction (``trainer.ppo.rollout_is``, off by default as in the authors' runs): truncated or masked
 importance sampling of π_trainer / π_rollout at token or sequence level (:func:`rollout_correction`).
 
 Non-finite guard: a non-finite log-prob (autograd path or inside the fused head) or loss turns that mini-batch's
@@ -63,7 +63,7 @@ class UpdateInputs:
     adv: Tensor
     mask: Tensor
     aux: list
-    is_weight: Tensor | None = None  # [M, L] rollout importance weights (trainer.rollout_is), None: off
+    is_weight: Tensor | None = None  # [M, L] rollout importance weights (trainer.ppo.rollout_is), None: off
     is_keep: Tensor | None = None  # [M, L] bool, the tokens the rollout correction accepts, None: off
 
     def policy_mask(self) -> Tensor:
@@ -169,7 +169,7 @@ def ppo_update(
 
     out: dict[str, float] = rollout_correction(cfg, cb, inp)
 
-    fused = bool(cfg.trainer.fused_head_loss and policy.supports_fused_loss)
+    fused = bool(cfg.trainer.ppo.fused_head_loss and policy.supports_fused_loss)
     if fused and not get_estimator(cfg.algorithm.estimator).loss_separable:  # declared by the estimator
         log.warning(
             "the policy loss of estimator %r couples tokens (not a sum of per-token terms): the update uses "
@@ -180,8 +180,8 @@ def ppo_update(
     geo = RowGeometry.of(cb.prompt_mask, cb.response_mask)
     plan = plan_update(
         inp.policy_mask(),
-        cfg.trainer.ppo_mini_batch_size // world,
-        cfg.trainer.ppo_micro_batch_size,
+        cfg.trainer.ppo.mini_batch_size // world,
+        cfg.trainer.ppo.micro_batch_size,
         world,
         group,
         geometry=geo,
@@ -202,11 +202,11 @@ def ppo_update(
         for j, mb in enumerate(mbs):
             last = j == len(mbs) - 1
             tally.add(trial.run(step, mb, contextlib.nullcontext if last else policy.no_sync))
-        res = policy.optimizer_step(cfg.trainer.grad_clip)
+        res = policy.optimizer_step(cfg.trainer.optimizer.grad_clip)
         n_opt += 1
         skipped += int(bool(res.get("skipped")))
         grad_norms.append(float(res.get("grad_norm", 0.0)))
-        out["actor/lr"] = same(res.get("lr", cfg.trainer.lr))
+        out["actor/lr"] = same(res.get("lr", cfg.trainer.optimizer.lr))
     trial.settle()  # an update of fewer micro-batches than the trial wants chooses on those it ran
     out.update(tally.metrics())
     finite = [g for g in grad_norms if math.isfinite(g)]
@@ -250,16 +250,16 @@ class PassTally:
 
 
 def rollout_correction(cfg: RunConfig, cb: TurnBatch, inp: UpdateInputs) -> dict[str, float]:
-    """Rollout-trainer mismatch correction (``trainer.rollout_is``): importance weights π_trainer / π_rollout of
+    """Rollout-trainer mismatch correction (``trainer.ppo.rollout_is``): importance weights π_trainer / π_rollout of
     the sampled tokens (truncated, or masked outside the accepted range at token or sequence level). Rejected
     tokens are left out through ``actor_loss(is_keep=...)``, so every loss term and the global token-mean denominator
     (:meth:`UpdateInputs.policy_mask`) skip them. Updates ``inp`` in place; returns the correction's metrics (none
     when off)."""
-    mode = cfg.trainer.rollout_is
+    mode = cfg.trainer.ppo.rollout_is
     if mode == "off":
         return {}
     if cb.rollout_logp is None:
-        log.warning("trainer.rollout_is: the batch carries no rollout log-probs; no correction this step")
+        log.warning("trainer.ppo.rollout_is: the batch carries no rollout log-probs; no correction this step")
         return {"rollout_is/unavailable": summed(1)}
     level, kind = mode.split("_")
     w_ML, keep_ML, stats = rollout_is_weights(
@@ -268,8 +268,8 @@ def rollout_correction(cfg: RunConfig, cb: TurnBatch, inp: UpdateInputs) -> dict
         inp.mask.bool(),
         level=level,
         mode=kind,
-        threshold=float(cfg.trainer.rollout_is_threshold),
-        lower=cfg.trainer.rollout_is_lower,
+        threshold=float(cfg.trainer.ppo.rollout_is_threshold),
+        lower=cfg.trainer.ppo.rollout_is_lower,
     )
     inp.is_keep = keep_ML.to(inp.mask.device)
     inp.is_weight = w_ML

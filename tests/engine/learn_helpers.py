@@ -110,9 +110,9 @@ GUESS_OVERRIDES = [
     "env.tasks_per_step=4",
     "env.num_games=8",
     "algorithm.kl_coef=0.0",
-    "trainer.lr=1e-4",
-    "trainer.ppo_mini_batch_size=16",
-    "trainer.ppo_micro_batch_size=8",
+    "trainer.optimizer.lr=1e-4",
+    "trainer.ppo.mini_batch_size=16",
+    "trainer.ppo.micro_batch_size=8",
 ]
 
 # every estimator of the registry and every AlignOPSD ablation: (case name, overrides)

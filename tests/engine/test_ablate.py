@@ -162,8 +162,8 @@ def test_check_cases_refuses_what_would_not_pair(tmp_path):
         check_cases([grpo, grpo, full])
     with pytest.raises(ValueError, match="needs GRPO"):
         check_cases([full])
-    (lr,) = _cases(tmp_path, ["trainer.lr=0.5"], (("fast", GRPO),))
-    with pytest.raises(ValueError, match="fast's config differs from alignopsd's in trainer.lr"):
+    (lr,) = _cases(tmp_path, ["trainer.optimizer.lr=0.5"], (("fast", GRPO),))
+    with pytest.raises(ValueError, match="fast's config differs from alignopsd's in trainer.optimizer.lr"):
         check_cases([lr, full])
     assert cli.main(["ablate", "--config", TINY, "--estimators", "grpo,bogus"]) == 2
 

@@ -87,7 +87,7 @@ def test_commands_refuse_another_architecture_before_building_the_model(tmp_path
         module, args = "commands.evaluate", ["--config", TINY, "--checkpoint", str(path)]
         head = f"--checkpoint {path} does not fit the configured model 'tiny'"
     else:  # a checkpoint of another run config (another learning rate) and another MLP width, resumed with the override
-        path = _checkpoint(tmp_path, _tiny_shapes(256), ["trainer.lr=0.01"])
+        path = _checkpoint(tmp_path, _tiny_shapes(256), ["trainer.optimizer.lr=0.01"])
         module = "commands.train"
         args = ["--config", TINY, "--set", f"output_dir={tmp_path}", "--resume", "auto", "--allow-config-change"]
         head = f"--resume: checkpoint {path} does not fit the configured model 'tiny'"

@@ -53,7 +53,7 @@ def off_turn_match_weight_from_records(records: Iterable[dict]) -> float:
 
 
 STEPS = 3
-BASE = [*GUESS, "algorithm.estimator=alignopsd", f"trainer.total_steps={STEPS}", "trainer.skip_no_signal=false"]
+BASE = [*GUESS, "algorithm.estimator=alignopsd", f"trainer.total_steps={STEPS}", "trainer.ppo.skip_no_signal=false"]
 
 
 def _fit(out, extra=()):
@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
     """The same seeded 3-step AlignOPSD run three times: audit on, audit on again, audit off."""
     return {
         name: _fit(tmp_path_factory.mktemp(name), extra)
-        for name, extra in (("on", ()), ("again", ()), ("off", ("trainer.audit=false",)))
+        for name, extra in (("on", ()), ("again", ()), ("off", ("trainer.logging.audit=false",)))
     }
 
 
@@ -226,7 +226,7 @@ def test_tiny_cap_stops_writing(tmp_path, runs, caplog):
     first = audit_file(runs["on"]["out"] / "audit", 1, 0)
     cap = first.stat().st_size + 100
     with caplog.at_level(logging.WARNING, logger="alignopsd.audit"):
-        got = _fit(tmp_path, ["trainer.total_steps=2", f"trainer.audit_max_bytes={cap}"])["metrics"]
+        got = _fit(tmp_path, ["trainer.total_steps=2", f"trainer.logging.audit_max_bytes={cap}"])["metrics"]
     assert _files(tmp_path) == [first.name] and audit_file(tmp_path / "audit", 1, 0).read_bytes() == first.read_bytes()
     assert [r["audit/capped"] for r in got] == [0.0, 1.0] and got[1]["audit/record_count"] == 0
     assert sum("size cap" in r.getMessage() for r in caplog.records) == 1
@@ -364,10 +364,17 @@ def test_off_turn_match_weight_hand_case():
 
 def test_config_switch_is_validated():
     cfg = load_config(TINY, [])
-    assert cfg.trainer.audit is True and cfg.trainer.audit_max_bytes == 1 << 30
-    assert load_config(TINY, ["trainer.audit=false", "trainer.audit_max_bytes=4096"]).trainer.audit is False
-    for bad in ("trainer.audit=maybe", "trainer.audit_max_bytes=0", "trainer.audit_max_bytes=1.5"):
-        with pytest.raises(ConfigError, match="trainer.audit"):
+    assert cfg.trainer.logging.audit is True and cfg.trainer.logging.audit_max_bytes == 1 << 30
+    assert (
+        load_config(TINY, ["trainer.logging.audit=false", "trainer.logging.audit_max_bytes=4096"]).trainer.logging.audit
+        is False
+    )
+    for bad in (
+        "trainer.logging.audit=maybe",
+        "trainer.logging.audit_max_bytes=0",
+        "trainer.logging.audit_max_bytes=1.5",
+    ):
+        with pytest.raises(ConfigError, match="trainer.logging.audit"):
             load_config(TINY, [bad])
 
 

@@ -1,5 +1,5 @@
-"""Phase times from calibrated rates (engine/cost/calibrated.py), the calibration on the run's own code paths
-(engine/run/calibration.py) and the quickstart pipeline's estimate (engine/commands/estimate.py)."""
+"""Phase times from calibrated rates (engine/lab/calibrated.py), the calibration on the run's own code paths
+(engine/lab/calibration.py) and the quickstart pipeline's estimate (engine/lab/estimate.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignopsd.engine.commands.estimate import (
+from alignopsd.engine.config.schema import load_config
+from alignopsd.engine.lab.calibrated import PhaseRates, fit_step, part_time, predict_phases
+from alignopsd.engine.lab.cost_model import Part, PhaseWork
+from alignopsd.engine.lab.estimate import (
     ENV_SECONDS_PER_TURN,
     EXPERT_SECONDS_PER_GAME,
     SAVE_SECONDS,
@@ -15,10 +18,7 @@ from alignopsd.engine.commands.estimate import (
     estimate_pipeline,
     format_estimate,
 )
-from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.cost.calibrated import PhaseRates, fit_step, part_time, predict_phases
-from alignopsd.engine.cost.cost_model import Part, PhaseWork
-from alignopsd.engine.cost.model_shapes import resolve_shape
+from alignopsd.engine.models.shapes import resolve_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,7 @@ def test_the_estimate_follows_the_config_and_the_pipeline_parameters():
 
 
 def test_calibration_runs_the_engines_paths_and_gives_usable_rates(monkeypatch):
-    from alignopsd.engine.run.calibration import DECODE_PROBES, calibrate_phases
+    from alignopsd.engine.lab.calibration import DECODE_PROBES, calibrate_phases
     from alignopsd.engine.step.rescoring import Rescorer
 
     scored = []  # (rows, mode) of each old log-prob probe: the run's rescorer on one micro-batch
@@ -105,7 +105,7 @@ def test_calibration_runs_the_engines_paths_and_gives_usable_rates(monkeypatch):
         return real(self, batch, **kw)
 
     monkeypatch.setattr(Rescorer, "student_logprobs", spy)
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["trainer.ppo_micro_batch_size=3"])
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["trainer.ppo.micro_batch_size=3"])
     r = calibrate_phases(cfg, torch.device("cpu"))
     assert scored and set(scored) == {(3, cfg.trainer.rescoring_mode, True)}
     for k in ("prefill_flops", "score_flops", "forcing_flops", "train_flops"):
@@ -122,7 +122,7 @@ def test_calibration_runs_the_engines_paths_and_gives_usable_rates(monkeypatch):
 def test_calibration_times_the_int8_sampler_the_run_builds():
     """With generation.quantize int8 the run samples from an int8 copy that keeps no prompt cache: the calibration
     times that generator, and the teacher forcing (which then scores again) at the scoring rate."""
-    from alignopsd.engine.run.calibration import calibrate_phases
+    from alignopsd.engine.lab.calibration import calibrate_phases
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["generation.quantize=int8"])
     r = calibrate_phases(cfg, torch.device("cpu"))

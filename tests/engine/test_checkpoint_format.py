@@ -40,20 +40,20 @@ def test_a_first_format_checkpoint_loads():
 def test_a_first_format_checkpoint_resumes_its_config():
     """Only the keys added since that divide the same work another way (micro-batches by tokens, packed rows)
     differ: shown, not refused; set to what the checkpoint ran with, nothing differs (a key added since that changes
-    nothing at its default, trainer.save_every_s, is no change)."""
+    nothing at its default, trainer.checkpoint.save_every_s, is no change)."""
     cfg = load_config(TINY, [])
     assert check_resume(V1, cfg) == [
-        "trainer.activation_memory_gib: (absent) -> 'auto' (the same objective divided another way; sums may round "
+        "trainer.ppo.activation_memory_gib: (absent) -> 'auto' (the same objective divided another way; sums may round "
         "differently)",
-        "trainer.ppo_max_token_len_per_gpu: (absent) -> 'auto' (the same objective divided another way; sums may "
+        "trainer.ppo.max_token_len_per_gpu: (absent) -> 'auto' (the same objective divided another way; sums may "
         "round differently)",
-        "trainer.use_remove_padding: (absent) -> 'auto' (the same objective divided another way; sums may round "
+        "trainer.ppo.use_remove_padding: (absent) -> 'auto' (the same objective divided another way; sums may round "
         "differently)",
     ]
     as_then = [
-        "trainer.ppo_max_token_len_per_gpu=0",
-        "trainer.use_remove_padding=false",
-        "trainer.activation_memory_gib=null",
+        "trainer.ppo.max_token_len_per_gpu=0",
+        "trainer.ppo.use_remove_padding=false",
+        "trainer.ppo.activation_memory_gib=null",
     ]
     assert check_resume(V1, load_config(TINY, as_then)) == []
 

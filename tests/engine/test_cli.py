@@ -39,7 +39,7 @@ def test_subcommands_reject_bad_config_keys(cmd, capsys):
         ("", [], "the file is empty"),
         ("trainer:\n\tlr: 1\n", [], "run.yaml:2:1: YAML syntax error"),
         ("x: !!python/object/new:os.system [echo]\n", [], "YAML tag refused"),
-        ("name: run\n", ["trainer.lr=.nan"], "trainer.lr: expected a finite number"),
+        ("name: run\n", ["trainer.optimizer.lr=.nan"], "trainer.optimizer.lr: expected a finite number"),
     ],
 )
 def test_config_errors_exit_2_with_one_message(tmp_path, capsys, cmd, text, sets, match):

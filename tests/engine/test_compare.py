@@ -28,9 +28,9 @@ FAST = [
     "generation.backend=choice",  # what build_trainer sets, so the stored config of a run is this comparison's
     "env.tasks_per_step=2",
     "env.group_n=2",
-    "trainer.ppo_mini_batch_size=8",
-    "trainer.ppo_micro_batch_size=8",
-    "trainer.audit=false",
+    "trainer.ppo.mini_batch_size=8",
+    "trainer.ppo.micro_batch_size=8",
+    "trainer.logging.audit=false",
 ]
 ESTIMATORS = ("grpo", "alignopsd")
 SEEDS = (0, 1)
@@ -154,8 +154,8 @@ def test_compare_resumes_finished_runs_and_refuses_a_changed_config(compared, tm
 
     factory = Factory()
     with pytest.raises(ConfigError, match=r"grpo-seed0: this finished run was trained with another config:\n  "
-                                          r"trainer.lr: 0.0001 -> 0.0002"):  # fmt: skip
-        _compare(out, factory, [*FAST, "trainer.lr=2e-4"])
+                                          r"trainer.optimizer.lr: 0.0001 -> 0.0002"):  # fmt: skip
+        _compare(out, factory, [*FAST, "trainer.optimizer.lr=2e-4"])
     assert factory.built == []
 
 
@@ -163,6 +163,7 @@ def test_compare_resumes_finished_runs_and_refuses_a_changed_config(compared, tm
     ("args", "message"),
     [
         (["--steps", "2", "--set", "trainer.seed=3"], "--set trainer.seed: compare sets it for every run"),
+        (["--steps", "2", "--set", "trainer.test_freq=3"], "--set trainer.test_freq: compare sets it"),  # old name
         (["--steps", "0"], "--steps: expected an int >= 1, got 0"),
         (["--steps", "2", "--eval-every", "-1"], "--eval-every: expected an int >= 0"),
         (["--steps", "2", "--seeds", "0"], "--seeds: the number of seeds must be an int >= 1, got 0"),
@@ -189,8 +190,8 @@ def test_compare_command_pins_the_held_out_games(tmp_path, capsys):
     runs of seeds 0 and 1 are evaluated on the games of --val-seed 0."""
     torch.set_num_threads(1)
     out = tmp_path / "cmp"
-    sets = ["env.val_tasks=2", "env.tasks_per_step=1", "env.group_n=2", "trainer.ppo_mini_batch_size=8",
-            "trainer.ppo_micro_batch_size=8", "trainer.audit=false"]  # fmt: skip
+    sets = ["env.val_tasks=2", "env.tasks_per_step=1", "env.group_n=2", "trainer.ppo.mini_batch_size=8",
+            "trainer.ppo.micro_batch_size=8", "trainer.logging.audit=false"]  # fmt: skip
     argv = ["compare", "--config", TINY, "--estimators", "grpo", "--seeds", "2", "--steps", "1", "--eval-every",
             "0", "--out", str(out)] + [x for s in sets for x in ("--set", s)]  # fmt: skip
     assert cli.main(argv) == 0

@@ -33,7 +33,7 @@ def test_paper_profiles_match_section5(name):
     cfg = load_config(CONFIGS / f"{name}.yaml")
     a, env, tr = cfg.algorithm, cfg.env, cfg.trainer
     assert cfg.model.name.startswith("Qwen/Qwen2.5-") and cfg.encoder.name == "Qwen/Qwen3-Embedding-0.6B"
-    assert env.group_n == 8 and tr.total_steps == 150 and tr.lr == 1e-6 and cfg.generation.backend == "vllm"
+    assert env.group_n == 8 and tr.total_steps == 150 and tr.optimizer.lr == 1e-6 and cfg.generation.backend == "vllm"
     assert a.estimator == "alignopsd" and a.ablation == "E"
     paper_tp = {"alfworld_3b": 2, "alfworld_7b": 2, "webshop_3b": 2, "webshop_7b": 4, "search_3b": 1, "search_7b": 1}
     assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == paper_tp[name]
@@ -46,7 +46,7 @@ def test_paper_profiles_match_section5(name):
         "search_7b": (0.70, 3, 0.8, "probability_mixture", "turn", 0.001, 0.01, 128, 256, 16, 4, 4, 4096),
     }[name]
     got = (a.rectify.gamma, a.rectify.top_k, a.rectify.alpha_max, a.rectify.mode, a.grpo_scope, a.kl_coef,
-           a.invalid_penalty, env.tasks_per_step, tr.ppo_mini_batch_size, tr.ppo_micro_batch_size, env.max_turns,
+           a.invalid_penalty, env.tasks_per_step, tr.ppo.mini_batch_size, tr.ppo.micro_batch_size, env.max_turns,
            env.history_length, env.max_prompt_length)  # fmt: skip
     assert got == table
     assert a.sdar.enabled == (name == "alfworld_3b")
@@ -56,18 +56,17 @@ def test_paper_profiles_match_section5(name):
     # no pre-training validation, Search-3B every 5 steps from step 70, Search-7B at 150
     search = name.startswith("search")
     assert cfg.generation.val_do_sample == (not search) and cfg.generation.val_temperature == 0.4
-    assert tr.val_before_train == (not search)
-    assert (tr.test_freq, tr.val_start_step) == {"search_3b": (5, 70), "search_7b": (150, 0)}.get(
-        name, (tr.test_freq, 0)
-    )
+    assert tr.validation.before_train == (not search)
+    val = tr.validation
+    assert (val.freq, val.start_step) == {"search_3b": (5, 70), "search_7b": (150, 0)}.get(name, (val.freq, 0))
     from alignopsd.engine.step.episodes import sampling_params as _sampling
 
     assert _sampling(cfg, validation=True).do_sample == (not search) and _sampling(cfg, validation=False).do_sample
 
 
 def test_overrides_and_round_trip(tmp_path):
-    cfg = load_config(CONFIGS / "tiny.yaml", ["algorithm.estimator=grpo", "trainer.lr=0.5", "env.group_n=3"])
-    assert cfg.algorithm.estimator == "grpo" and cfg.trainer.lr == 0.5 and cfg.env.group_n == 3
+    cfg = load_config(CONFIGS / "tiny.yaml", ["algorithm.estimator=grpo", "trainer.optimizer.lr=0.5", "env.group_n=3"])
+    assert cfg.algorithm.estimator == "grpo" and cfg.trainer.optimizer.lr == 0.5 and cfg.env.group_n == 3
     again = load_config(_write(tmp_path, yaml.safe_load(dump_config(cfg))))
     assert config_to_dict(again) == config_to_dict(cfg)
     cfg2 = load_config(CONFIGS / "tiny.yaml", ["algorithm.preset=search_3b"])
@@ -89,15 +88,15 @@ def test_overrides_and_round_trip(tmp_path):
         (["algorithm.ablation=F"], "ablation", "'E'"),
         (["algorithm.rectify.gama=0.5"], "algorithm.rectify.gama", "top_k"),
         (["algorithm.preset=alfworld_1b"], "algorithm.preset", "'alfworld_7b'"),
-        (["trainer.lr=abc"], "trainer.lr", "number"),
+        (["trainer.optimizer.lr=abc"], "trainer.optimizer.lr", "number"),
         (["trainer.total_steps=1.5"], "trainer.total_steps", "integer"),
-        (["trainer.ppo_epochs=2"], "trainer.ppo_epochs", "1"),
+        (["trainer.ppo.epochs=2"], "trainer.ppo.epochs", "1"),
         (["policy.tensor_parallel_size=2"], "policy.tensor_parallel_size", "megatron"),
         (["generation.teacher_do_sample=false"], "generation.teacher_do_sample", "do_sample"),
         (["env.group_n=1"], "env.group_n", ">= 2"),
-        (["trainer.ppo_micro_batch_size=128"], "trainer.ppo_micro_batch_size", "mini"),
+        (["trainer.ppo.micro_batch_size=128"], "trainer.ppo.micro_batch_size", "mini"),
         (["trainer"], "trainer", "key=value"),
-        (["trainer.lr.x=1"], "trainer.lr", "not a section"),
+        (["trainer.optimizer.lr.x=1"], "trainer.optimizer.lr", "not a section"),
     ],
 )
 def test_bad_keys_and_values_are_named(override, key, allowed):
@@ -173,16 +172,16 @@ def test_dumped_config_reloads_with_overrides(tmp_path):
 @pytest.mark.parametrize(
     "override",
     [
-        "trainer.lr=.nan",
-        "trainer.lr=.inf",
+        "trainer.optimizer.lr=.nan",
+        "trainer.optimizer.lr=.inf",
         "generation.temperature=.inf",
         "generation.val_temperature=.nan",
-        "trainer.grad_clip=.nan",
-        "trainer.weight_decay=.nan",
-        "trainer.warmup_ratio=.nan",
+        "trainer.optimizer.grad_clip=.nan",
+        "trainer.optimizer.weight_decay=.nan",
+        "trainer.optimizer.warmup_ratio=.nan",
         "env.step_timeout_s=.inf",
         "generation.top_p=.nan",
-        "trainer.betas=[0.9, .nan]",
+        "trainer.optimizer.betas=[0.9, .nan]",
         "env.options={scale: -.inf}",
     ],
 )

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from alignopsd.engine.cost.cost_model import Part, StepCounts, step_work
-from alignopsd.engine.cost.device_limits import DeviceLimits, calibrate, gpu_limits, part_seconds, phase_seconds
-from alignopsd.engine.cost.efficiency import counts_from_summary, format_efficiency
-from alignopsd.engine.cost.model_shapes import ModelShape, resolve_shape, shape_from_hf_config
+from alignopsd.engine.lab.cost_model import Part, StepCounts, step_work
+from alignopsd.engine.lab.device_limits import DeviceLimits, calibrate, gpu_limits, part_seconds, phase_seconds
+from alignopsd.engine.lab.efficiency import counts_from_summary, format_efficiency
+from alignopsd.engine.models.shapes import ModelShape, resolve_shape, shape_from_hf_config
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_gpu_table_and_calibration():
 def test_bf16_cpu_limit_is_the_fastest_gemm_the_engine_has(monkeypatch, kernel_runs, gemm_runs):
     """bf16 on a CPU: the limit is the best of torch's GEMMs (AMX where present), the C++ bf16 kernel and the head's
     bf16 GEMM with fp32 results where they run (times injected: torch's GEMMs 1 s each, the engine's own 1 ms)."""
-    from alignopsd.engine.cost import device_limits as dl
+    from alignopsd.engine.lab import device_limits as dl
     from alignopsd.kernels import cpp
     from alignopsd.kernels.head import bf16_gemm, cpu_partials
 

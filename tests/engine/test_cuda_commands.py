@@ -34,14 +34,14 @@ from alignopsd.estimators import ESTIMATORS, get_estimator
 pytestmark = pytest.mark.slow
 
 TINY = str(lh.TINY_CONFIG)
-SMALL = ["env.group_n=2", "env.tasks_per_step=2", "env.max_turns=1", "trainer.ppo_mini_batch_size=8",
-         "trainer.ppo_micro_batch_size=4", "trainer.skip_no_signal=false", "trainer.device=cuda"]  # fmt: skip
+SMALL = ["env.group_n=2", "env.tasks_per_step=2", "env.max_turns=1", "trainer.ppo.mini_batch_size=8",
+         "trainer.ppo.micro_batch_size=4", "trainer.ppo.skip_no_signal=false", "trainer.device=cuda"]  # fmt: skip
 CASES = [
     *lh.ESTIMATOR_CASES,  # every registered estimator, ablations A-E, reference KL + SDAR
     ("alignopsd_plain_rescoring", ["algorithm.estimator=alignopsd", "trainer.rescoring_mode=plain"]),
-    ("alignopsd_autograd_head", ["algorithm.estimator=alignopsd", "trainer.fused_head_loss=false"]),
-    ("grpo_rollout_is", ["algorithm.estimator=grpo", "trainer.rollout_is=token_truncate"]),
-    ("alignopsd_m1_rollout_is_seq", ["algorithm.estimator=alignopsd_m1", "trainer.rollout_is=sequence_mask"]),
+    ("alignopsd_autograd_head", ["algorithm.estimator=alignopsd", "trainer.ppo.fused_head_loss=false"]),
+    ("grpo_rollout_is", ["algorithm.estimator=grpo", "trainer.ppo.rollout_is=token_truncate"]),
+    ("alignopsd_m1_rollout_is_seq", ["algorithm.estimator=alignopsd_m1", "trainer.ppo.rollout_is=sequence_mask"]),
 ]
 
 
@@ -80,7 +80,7 @@ def test_two_training_steps_on_cuda(case, trainer, fake, tmp_path):
         cfg=cfg,
         estimator=get_estimator(cfg.algorithm.estimator),
         rescorer=Rescorer(hf_model_of(base.policy), mode=cfg.trainer.rescoring_mode,
-                          temperature=cfg.generation.temperature, reuse_rollout_logp=cfg.trainer.logprob_reuse),
+                          temperature=cfg.generation.temperature, reuse_rollout_logp=cfg.trainer.ppo.logprob_reuse),
         profiler=StepProfiler(),
     )  # fmt: skip
     for step in range(2):
@@ -91,7 +91,7 @@ def test_two_training_steps_on_cuda(case, trainer, fake, tmp_path):
         assert m["update/fused_head_loss"] == (0.0 if "autograd_head" in case else 1.0)
         if parts.estimator.alignment:  # the paired diagnostics (§4.3) are there, on the device
             assert m["paired/response/token_count"] > 0
-        if cfg.trainer.rollout_is != "off":
+        if cfg.trainer.ppo.rollout_is != "off":
             assert any(k.startswith("rollout_is/") for k in m) and "rollout_is/unavailable" not in m
         if cfg.algorithm.kl_coef > 0:
             assert "actor/kl_loss" in m
@@ -129,7 +129,7 @@ def test_profile_on_cuda_reports_host_syncs(fake, tmp_path, capsys):
 def test_compare_on_cuda(fake, tmp_path):
     out = tmp_path / "cmp"
     argv = ["compare", "--config", TINY, *SETS, "--estimators", "alignopsd", "--seeds", "1", "--steps", "1",
-            "--eval-every", "0", "--out", str(out), "--set", "trainer.audit=false"]  # fmt: skip
+            "--eval-every", "0", "--out", str(out), "--set", "trainer.logging.audit=false"]  # fmt: skip
     assert _cmd(fake, argv) > 0
     assert json.loads((out / "compare.json").read_text())["seeds"] == [0]
 
@@ -151,7 +151,7 @@ def test_sft_on_cuda(fake, tmp_path):
 
 # the loss through the fused log-prob kernel (forward and backward): the fused head loss has no Triton kernel
 HF_GEN = ["generation.backend=hf", "generation.max_response_length=6", "env.teacher_max_response_length=6",
-          "trainer.fused_head_loss=false"]  # fmt: skip
+          "trainer.ppo.fused_head_loss=false"]  # fmt: skip
 
 
 def test_training_with_the_hugging_face_generator_and_the_kernels_on_cuda(trainer, fake, tmp_path):

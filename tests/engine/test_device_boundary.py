@@ -71,7 +71,7 @@ def _watch(tr, monkeypatch) -> BoundaryWatch:
 
 def _trainer(tmp_path, overrides):
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, *overrides, "trainer.total_steps=1", "trainer.skip_no_signal=false",
+    ov = [*lh.GUESS_OVERRIDES, *overrides, "trainer.total_steps=1", "trainer.ppo.skip_no_signal=false",
           "algorithm.kl_coef=0.01", f"output_dir={tmp_path}"]  # fmt: skip
     return lh.build_trainer(str(lh.TINY_CONFIG), ov)
 

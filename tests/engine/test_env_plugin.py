@@ -105,8 +105,8 @@ OVERRIDES = [
     "algorithm.kl_coef=0.0",
     "generation.backend=choice",
     "trainer.total_steps=1",
-    "trainer.ppo_mini_batch_size=16",
-    "trainer.ppo_micro_batch_size=8",
+    "trainer.ppo.mini_batch_size=16",
+    "trainer.ppo.micro_batch_size=8",
 ]
 
 

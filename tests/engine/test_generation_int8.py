@@ -89,7 +89,7 @@ def test_a_step_with_int8_rollouts_measures_and_corrects_the_gap(tmp_path):
 
     torch.set_num_threads(1)
     ov = ["trainer.total_steps=1", f"output_dir={tmp_path}", "generation.quantize=int8", "env.tasks_per_step=1"]
-    cfg = load_config(TINY, [*ov, "trainer.rollout_is=token_truncate", "generation.max_response_length=8"])
+    cfg = load_config(TINY, [*ov, "trainer.ppo.rollout_is=token_truncate", "generation.max_response_length=8"])
     tr = Trainer(cfg)
     assert isinstance(tr.parts.generator, Int8Generator)
     before = tr.parts.generator.quantizations
@@ -100,19 +100,19 @@ def test_a_step_with_int8_rollouts_measures_and_corrects_the_gap(tmp_path):
 
 
 def test_logprob_reuse_only_where_the_generator_samples_from_the_policy(tok, tmp_path):
-    """``trainer.logprob_reuse`` would make the sampler's log-probs PPO's old log-probs: refused at load where the
+    """``trainer.ppo.logprob_reuse`` would make the sampler's log-probs PPO's old log-probs: refused at load where the
     generator is known to sample from another model (int8, ``auto`` on a float32 CPU policy, Megatron's Hugging Face
     copy), and, where the parts are built, whenever the generator does not sample from the scoring model itself."""
     from alignopsd.engine.run.components import build_generator, build_rescorer
     from alignopsd.engine.run.policy_builders import build_policy
 
-    reuse = ["trainer.logprob_reuse=true", "trainer.device=cpu", f"output_dir={tmp_path}"]
+    reuse = ["trainer.ppo.logprob_reuse=true", "trainer.device=cpu", f"output_dir={tmp_path}"]
     for extra, other in (
         (["generation.quantize=int8"], "generation.quantize='int8'"),
         (["generation.quantize=auto", "model.dtype=float32"], "generation.quantize='auto'"),
         (["policy.backend=megatron"], "policy.backend='megatron'"),
     ):
-        with pytest.raises(ConfigError, match=rf"^trainer\.logprob_reuse: [^\n]*{re.escape(other)}[^\n]*$"):
+        with pytest.raises(ConfigError, match=rf"^trainer\.ppo\.logprob_reuse: [^\n]*{re.escape(other)}[^\n]*$"):
             load_config(TINY, [*reuse, *extra])
     assert not load_config(TINY, [*reuse, "generation.quantize=auto", "model.dtype=bfloat16"]).samples_int8()
     cpu = torch.device("cpu")
@@ -121,7 +121,7 @@ def test_logprob_reuse_only_where_the_generator_samples_from_the_policy(tok, tmp
     own = build_generator(cfg, policy, tok, cpu)
     assert samples_from(own, policy.model) and build_rescorer(cfg, policy, cpu, own).reuse_rollout_logp
     copy = Int8Generator(policy.model, tok)
-    with pytest.raises(ConfigError, match=r"^trainer\.logprob_reuse: .*\(Int8Generator\) does not"):
+    with pytest.raises(ConfigError, match=r"^trainer\.ppo\.logprob_reuse: .*\(Int8Generator\) does not"):
         build_rescorer(cfg, policy, cpu, copy)
     assert not build_rescorer(load_config(TINY, reuse[1:]), policy, cpu, copy).reuse_rollout_logp
 
@@ -129,10 +129,10 @@ def test_logprob_reuse_only_where_the_generator_samples_from_the_policy(tok, tmp
 def test_logprob_reuse_with_int8_sampling_exits_2_naming_both_settings(tmp_path, capsys):
     from alignopsd.engine.commands.cli import main
 
-    sets = ["trainer.logprob_reuse=true", "generation.quantize=int8", f"output_dir={tmp_path}"]
+    sets = ["trainer.ppo.logprob_reuse=true", "generation.quantize=int8", f"output_dir={tmp_path}"]
     assert main(["train", "--config", TINY, *[x for s in sets for x in ("--set", s)]]) == 2
     err = capsys.readouterr().err
-    line = [ln for ln in err.splitlines() if "trainer.logprob_reuse" in ln]
+    line = [ln for ln in err.splitlines() if "trainer.ppo.logprob_reuse" in ln]
     assert len(line) == 1 and "generation.quantize" in line[0], err
     assert not any(tmp_path.iterdir())  # refused before the run wrote anything
 
@@ -145,7 +145,7 @@ def test_a_lora_policy_samples_from_an_int8_copy_of_its_merged_weights(tmp_path)
     from alignopsd.engine.run.trainer import Trainer
 
     torch.set_num_threads(1)
-    lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=1e-3"]
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "trainer.optimizer.lr=1e-3"]
     ov = ["trainer.total_steps=2", f"output_dir={tmp_path}", "generation.quantize=int8", "env.tasks_per_step=1"]
     tr = Trainer(load_config(TINY, [*lora, *ov, "generation.max_response_length=8"]))
     gen, policy = tr.parts.generator, tr.parts.policy

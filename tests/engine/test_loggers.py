@@ -1,6 +1,6 @@
-"""trainer.loggers: the config, the pre-flight check of the trackers, the fan-out of metrics.jsonl to W&B (offline) and
-MLflow (a local file store) read back through each library, a logger failing during a run, and a resumed run
-continuing the same tracker runs (slow: a tiny training run)."""
+"""trainer.logging.loggers: the config, the pre-flight check of the trackers, the fan-out of metrics.jsonl to W&B
+(offline) and MLflow (a local file store) read back through each library, a logger failing during a run, and a resumed
+run continuing the same tracker runs (slow: a tiny training run)."""
 
 from __future__ import annotations
 
@@ -54,69 +54,89 @@ def _closed_port() -> int:
 
 
 def test_loggers_default_to_jsonl_and_tensorboard_and_jsonl_is_required():
-    assert load_config(None).trainer.loggers == ["jsonl", "tensorboard"]
-    assert load_config(TINY).trainer.loggers == ["jsonl"]
-    assert load_config(None, ["trainer.tensorboard=false"]).trainer.loggers == ["jsonl"]  # the earlier switch
-    with pytest.raises(ConfigError, match=r"^trainer.tensorboard: True contradicts trainer.loggers \['jsonl'\]"):
+    assert load_config(None).trainer.logging.loggers == ["jsonl", "tensorboard"]
+    assert load_config(TINY).trainer.logging.loggers == ["jsonl"]
+    assert load_config(None, ["trainer.tensorboard=false"]).trainer.logging.loggers == ["jsonl"]  # the earlier switch
+    with pytest.raises(
+        ConfigError, match=r"^trainer.logging.tensorboard: True contradicts trainer.logging.loggers \['jsonl'\]"
+    ):
         load_config(TINY, ["trainer.tensorboard=true"])  # tiny.yaml sets loggers: [jsonl]
-    with pytest.raises(ConfigError, match=r"^trainer.loggers: must hold 'jsonl'"):
-        load_config(None, ["trainer.loggers=[wandb]"])
-    with pytest.raises(ConfigError, match=r"^trainer.loggers: lists a logger twice"):
-        load_config(None, ["trainer.loggers=[jsonl,mlflow,mlflow]"])
-    with pytest.raises(ConfigError, match=r"^trainer.loggers\[1\]: unknown value 'comet'"):
-        load_config(None, ["trainer.loggers=[jsonl,comet]"])
-    with pytest.raises(ConfigError, match=r"^trainer.wandb.mode: unknown value 'cloud'"):
-        load_config(None, ["trainer.wandb.mode=cloud"])
+    with pytest.raises(ConfigError, match=r"^trainer.logging.loggers: must hold 'jsonl'"):
+        load_config(None, ["trainer.logging.loggers=[wandb]"])
+    with pytest.raises(ConfigError, match=r"^trainer.logging.loggers: lists a logger twice"):
+        load_config(None, ["trainer.logging.loggers=[jsonl,mlflow,mlflow]"])
+    with pytest.raises(ConfigError, match=r"^trainer.logging.loggers\[1\]: unknown value 'comet'"):
+        load_config(None, ["trainer.logging.loggers=[jsonl,comet]"])
+    with pytest.raises(ConfigError, match=r"^trainer.logging.wandb.mode: unknown value 'cloud'"):
+        load_config(None, ["trainer.logging.wandb.mode=cloud"])
 
 
 def test_a_missing_package_is_named_at_preflight(monkeypatch, tmp_path):
     real = logger_check.importlib.util.find_spec
     monkeypatch.setattr(logger_check.importlib.util, "find_spec", lambda m: None if m == "mlflow" else real(m))
-    cfg = load_config(TINY, ["trainer.loggers=[jsonl,mlflow]"])
-    with pytest.raises(ConfigError, match=r"^trainer.loggers: 'mlflow' needs the mlflow package.*alignopsd\[mlflow\]"):
+    cfg = load_config(TINY, ["trainer.logging.loggers=[jsonl,mlflow]"])
+    with pytest.raises(
+        ConfigError, match=r"^trainer.logging.loggers: 'mlflow' needs the mlflow package.*alignopsd\[mlflow\]"
+    ):
         check_loggers(cfg.trainer, tmp_path, {})
 
 
 def test_online_wandb_without_network_ends_train_with_exit_2_and_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
-    argv = ["--config", TINY, "--set", "trainer.loggers=[jsonl,wandb]", "--set", "trainer.wandb.mode=online",
-            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    argv = [
+        "--config",
+        TINY,
+        "--set",
+        "trainer.logging.loggers=[jsonl,wandb]",
+        "--set",
+        "trainer.logging.wandb.mode=online",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     assert train_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("config error: trainer.wandb.mode: online, but the W&B server"), err
+    assert len(err) == 1 and err[0].startswith(
+        "config error: trainer.logging.wandb.mode: online, but the W&B server"
+    ), err
     assert not (tmp_path / "run").exists()  # nothing started
 
 
 def test_mlflow_uris_that_cannot_work_are_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     cases = [
-        ("bogus://x", r"trainer.mlflow.tracking_uri: 'bogus://x': .*unsupported URI"),
+        ("bogus://x", r"trainer.logging.mlflow.tracking_uri: 'bogus://x': .*unsupported URI"),
         (f"http://127.0.0.1:{_closed_port()}", r"the tracking server is out of reach"),
         ((tmp_path / "m").as_uri(), r"MLFLOW_ALLOW_FILE_STORE=true"),  # MLflow 3's own refusal of a file store
     ]
     for uri, message in cases:
-        cfg = load_config(TINY, ["trainer.loggers=[jsonl,mlflow]", f"trainer.mlflow.tracking_uri={uri}"])
+        cfg = load_config(
+            TINY, ["trainer.logging.loggers=[jsonl,mlflow]", f"trainer.logging.mlflow.tracking_uri={uri}"]
+        )
         with pytest.raises(ConfigError, match=message) as err:
             check_loggers(cfg.trainer, tmp_path, {})
         assert "\n" not in str(err.value)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     check_loggers(cfg.trainer, tmp_path, {})  # the same store, opted in
     with pytest.raises(ConfigError, match=r"^MLFLOW_TRACKING_URI: 'bogus://y'"):  # unset in the config: the variable
-        check_loggers(load_config(TINY, ["trainer.loggers=[jsonl,mlflow]"]).trainer, tmp_path,
+        check_loggers(load_config(TINY, ["trainer.logging.loggers=[jsonl,mlflow]"]).trainer, tmp_path,
                       {"MLFLOW_TRACKING_URI": "bogus://y"})  # fmt: skip
 
 
 def test_logger_settings_do_not_block_a_resume():
     old = stored_config(load_config(TINY))
-    new = stored_config(load_config(TINY, ["trainer.loggers=[jsonl,wandb]", "trainer.wandb.project=p",
-                                           "trainer.mlflow.tags={team: rl}"]))  # fmt: skip
+    new = stored_config(load_config(TINY, ["trainer.logging.loggers=[jsonl,wandb]", "trainer.logging.wandb.project=p",
+                                           "trainer.logging.mlflow.tags={team: rl}"]))  # fmt: skip
     blocking, neutral = config_changes(old, new, step=2)
     assert blocking == [] and {line.split(":")[0] for line in neutral} == {
-        "trainer.loggers", "trainer.wandb.project", "trainer.mlflow.tags", "trainer.mlflow.tags.team"
-    }  # fmt: skip
-    for key in ("loggers", "wandb", "mlflow"):  # a checkpoint of the earlier switch
-        del old["trainer"][key]
-    old["trainer"]["tensorboard"] = False
+        "trainer.logging.loggers",
+        "trainer.logging.wandb.project",
+        "trainer.logging.mlflow.tags",
+        "trainer.logging.mlflow.tags.team",
+    }
+    logging = old["trainer"].pop("logging")  # a checkpoint of the earlier switch, in the flat layout of its time
+    for key in ("loggers", "wandb", "mlflow"):
+        del logging[key]
+    old["trainer"].update(logging, tensorboard=False)
     assert config_changes(with_loggers(old), stored_config(load_config(TINY)), step=2) == ([], [])
 
 
@@ -163,8 +183,15 @@ def _mlflow_rows(client, run_id: str) -> dict[int, dict[str, float]]:
 def test_every_row_reaches_wandb_and_mlflow_with_the_names_and_steps_of_metrics_jsonl(trackers):
     from mlflow import MlflowClient
 
-    cfg = load_config(TINY, ["trainer.loggers=[jsonl,wandb,mlflow]", "trainer.wandb.tags=[t1]",
-                             "trainer.mlflow.experiment=exp", "trainer.mlflow.tags={team: rl}"])  # fmt: skip
+    cfg = load_config(
+        TINY,
+        [
+            "trainer.logging.loggers=[jsonl,wandb,mlflow]",
+            "trainer.logging.wandb.tags=[t1]",
+            "trainer.logging.mlflow.experiment=exp",
+            "trainer.logging.mlflow.tags={team: rl}",
+        ],
+    )
     config = stored_config(cfg)
     wb, ml = open_sinks(cfg.trainer, trackers / "run", run_name="tiny", config=config)
     logger = MetricsLogger(trackers / "run", total_steps=2, sinks=[wb, ml], stream=io.StringIO())
@@ -177,7 +204,7 @@ def test_every_row_reaches_wandb_and_mlflow_with_the_names_and_steps_of_metrics_
 
     (attempt,) = wr.attempts(trackers / "wb", wb.run_id)
     assert wr.history_rows(attempt) == want
-    assert wr.config_of(attempt)["trainer"]["lr"] == config["trainer"]["lr"]
+    assert wr.config_of(attempt)["trainer"]["optimizer"]["lr"] == config["trainer"]["optimizer"]["lr"]
     assert wr.summary_of(attempt)["report/last/actor/loss"] == 0.25
     assert wr.artifacts_of(attempt) == [(f"report-{wb.run_id}", "report", ["report.md"])]
 
@@ -187,7 +214,7 @@ def test_every_row_reaches_wandb_and_mlflow_with_the_names_and_steps_of_metrics_
     assert client.get_experiment(run.info.experiment_id).name == "exp"
     got = _mlflow_rows(client, ml.run_id)
     assert got == {1: want[1], 2: {**want[2], "report/last/actor/loss": 0.25}}
-    assert run.data.params["trainer.lr"] == str(config["trainer"]["lr"])
+    assert run.data.params["trainer.optimizer.lr"] == str(config["trainer"]["optimizer"]["lr"])
     assert {a.path for a in client.list_artifacts(ml.run_id)} == {"config.json", "report"}
     assert [a.path for a in client.list_artifacts(ml.run_id, "report")] == ["report/report.md"]
 
@@ -239,9 +266,18 @@ def test_a_resumed_run_continues_the_same_tracker_runs(trackers):
     from mlflow import MlflowClient
 
     out = trackers / "run"
-    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.save_freq=1", "trainer.keep_last=3",
-          "trainer.test_freq=2", "env.val_tasks=2", "trainer.report=true", "trainer.loggers=[jsonl,wandb,mlflow]",
-          "trainer.total_steps=2", f"output_dir={out}"]  # fmt: skip
+    ov = [
+        *lh.GUESS_OVERRIDES,
+        "algorithm.estimator=grpo",
+        "trainer.checkpoint.save_freq=1",
+        "trainer.checkpoint.keep_last=3",
+        "trainer.validation.freq=2",
+        "env.val_tasks=2",
+        "trainer.logging.report=true",
+        "trainer.logging.loggers=[jsonl,wandb,mlflow]",
+        "trainer.total_steps=2",
+        f"output_dir={out}",
+    ]
     torch.set_num_threads(1)
     lh.build_trainer(TINY, ov).fit()
     runs = read_trainer_state(out / "checkpoints" / "step_000002").logger_runs

@@ -45,8 +45,8 @@ def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response: int = 5) -
 def _train(out: Path, overrides: list[str], steps: int = 2, resume: str | None = None):
     """(trainer, the policy's state before training, metric records) of tiny.yaml with LoRA, a checkpoint a step."""
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, *LORA, *overrides, f"trainer.total_steps={steps}", "trainer.save_freq=1"]
-    tr = lh.build_trainer(TINY, [*ov, "trainer.keep_last=3", f"output_dir={out}"])
+    ov = [*lh.GUESS_OVERRIDES, *LORA, *overrides, f"trainer.total_steps={steps}", "trainer.checkpoint.save_freq=1"]
+    tr = lh.build_trainer(TINY, [*ov, "trainer.checkpoint.keep_last=3", f"output_dir={out}"])
     before = {k: v.detach().clone() for k, v in tr.parts.policy.model.state_dict().items()}
     tr.fit(resume=resume)
     return tr, before, read_metrics(out / "metrics.jsonl")
@@ -71,7 +71,7 @@ def test_lora_trains_only_the_adapters(lora_run):
     assert {id(p) for p in held} == adapters and all(p.dtype == torch.float32 for p in held)
     assert all(r["time/reference"] > 0 and "actor/kl_loss" in r for r in recs)  # the KL reference pass ran
     # through the fused head loss and, for AlignOPSD's teacher forcing, the shared-prefix scoring
-    assert tr.cfg.trainer.fused_head_loss and tr.cfg.trainer.rescoring_mode == "shared_prefix"
+    assert tr.cfg.trainer.ppo.fused_head_loss and tr.cfg.trainer.rescoring_mode == "shared_prefix"
     if tr.cfg.algorithm.estimator == "alignopsd":
         assert all(r["time/teacher_forcing"] > 0 and r["m1/teacher_forcing_row_count"] > 0 for r in recs)
     ref = tr.parts.ref_scorer
@@ -182,7 +182,13 @@ def test_a_lora_checkpoint_names_its_base_and_refuses_another(lora_run, tmp_path
     base = json.loads((step1 / "trainer_state.json").read_text())["lora_base"]
     digest = tr.parts.policy.adapter.base_digest()
     assert base == {"model": "tiny", "digest": digest} and len(digest) == len("sha256:") + 64
-    ov = [*lh.GUESS_OVERRIDES, *LORA, "algorithm.estimator=grpo", "trainer.total_steps=2", "trainer.save_freq=1"]
+    ov = [
+        *lh.GUESS_OVERRIDES,
+        *LORA,
+        "algorithm.estimator=grpo",
+        "trainer.total_steps=2",
+        "trainer.checkpoint.save_freq=1",
+    ]
 
     other = lh.build_trainer(TINY, [*ov, f"output_dir={tmp_path / 'other'}"])
     _perturbed_base(other)

@@ -30,7 +30,7 @@ pytestmark = [
 
 STEP = 1  # a step index whose batch has learnable signal
 # one mini-batch: every loss term of the step is computed before the (single) optimizer step
-KL = ["algorithm.estimator=grpo", "algorithm.kl_coef=0.05", "trainer.ppo_mini_batch_size=64"]
+KL = ["algorithm.estimator=grpo", "algorithm.kl_coef=0.05", "trainer.ppo.mini_batch_size=64"]
 
 
 def config(overrides: list[str]):
@@ -71,8 +71,8 @@ def test_rank_holds_shards_and_a_hf_copy_only_for_hf_generation(generation):
     generates), the policy and the reference are
     shards of S parameters each (``engine.memory.shard_params``: the report's arithmetic on the live objects),
     the reference's storage is its own, frozen and equal to the policy's initial shard."""
+    from alignopsd.engine.lab.megatron_memory import full_params, shard_params
     from alignopsd.engine.policy.megatron.convert import Dims
-    from alignopsd.engine.policy.megatron.memory import full_params, shard_params
     from alignopsd.engine.run.components import build_reference
     from alignopsd.engine.run.policy_builders import build_policy, hf_model_of
 
@@ -162,8 +162,8 @@ def test_only_the_groups_first_rank_builds_a_generator(generation, monkeypatch):
     and holds no Hugging Face parameters."""
     from alignopsd.engine.generation import vllm_backend as vb
     from alignopsd.engine.generation.hf import HFGenerator
+    from alignopsd.engine.lab.megatron_memory import full_params
     from alignopsd.engine.policy.megatron.convert import Dims
-    from alignopsd.engine.policy.megatron.memory import full_params
 
     monkeypatch.setattr(vb.VLLMBackend, "from_settings", classmethod(lambda cls, s, tokenizer=None: EngineStub()))
     rank = int(os.environ["RANK"])

@@ -200,11 +200,13 @@ def test_tp2_step_equals_hf_backend(estimator):
 
 
 def test_warmup_schedule_follows_hf_backend_and_resumes():
-    """trainer.warmup_ratio reaches the backend: the learning rate of each optimizer step is the Hugging Face
+    """trainer.optimizer.warmup_ratio reaches the backend: the learning rate of each optimizer step is the Hugging Face
     backend's (lr / 3, 2 lr / 3, lr, lr for three warm-up steps), and the schedule resumes from a checkpoint."""
     import torch.distributed as dist
 
-    parts = _megatron_parts(["trainer.warmup_ratio=0.3", "trainer.total_steps=10", "trainer.lr=1e-3"], tp=2)
+    parts = _megatron_parts(
+        ["trainer.optimizer.warmup_ratio=0.3", "trainer.total_steps=10", "trainer.optimizer.lr=1e-3"], tp=2
+    )
     pol = parts.policy
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

@@ -1,4 +1,4 @@
-"""The per-rank memory report (engine/policy/megatron/memory.py): its arithmetic on a small shape worked out by
+"""The per-rank memory report (engine/lab/megatron_memory.py): its arithmetic on a small shape worked out by
 hand, the shard
 size against the weight converter, and the command on the test config."""
 
@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 from alignopsd.engine.commands.memory import layout_from_config, main
-from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron
-from alignopsd.engine.policy.megatron.memory import (
+from alignopsd.engine.lab.megatron_memory import (
     Layout,
     format_table,
     full_params,
     shard_params,
 )
+from alignopsd.engine.policy.megatron.convert import Dims, hf_to_megatron
 from generator_double import GeneratorDouble
 
 # 2 layers, hidden 8, MLP 16, 4 query heads and 2 key/value heads of dim 2, vocabulary 32, untied, q/k/v biases
@@ -85,8 +85,8 @@ def test_rows_before_and_after_by_hand():
 
 def test_sync_part_is_the_largest_conversion_part():
     """Q counts the largest unit that the weight sync converts at once, as the converter cuts them."""
+    from alignopsd.engine.lab.megatron_memory import sync_part_params
     from alignopsd.engine.policy.megatron.convert import conversion_parts, megatron_part_to_hf
-    from alignopsd.engine.policy.megatron.memory import sync_part_params
 
     for d in (SMALL, Dims(**{**SMALL.__dict__, "tied": True, "vocab": 160})):
         shard = hf_to_megatron(_hf_state(d), d, 1, 0)
@@ -144,7 +144,7 @@ def test_step_puts_the_engine_to_sleep_after_each_generation_phase(tmp_path):
     from alignopsd.engine.step.recipe import run_step
 
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", "trainer.skip_no_signal=false", f"output_dir={tmp_path}",
+    ov = [*lh.GUESS_OVERRIDES, "trainer.total_steps=1", "trainer.ppo.skip_no_signal=false", f"output_dir={tmp_path}",
           "algorithm.estimator=alignopsd"]  # fmt: skip
     tr = lh.build_trainer(str(lh.TINY_CONFIG), ov)
     gen = PhaseLog(tr.parts.generator)

@@ -1,7 +1,8 @@
-"""Padding-free rows (``trainer.use_remove_padding``, engine/policy/lm_head.py): the attended positions of a forward's
-rows packed into one sequence whose position ids restart per row give the padded forward's per-token log-probs,
-entropies, loss and gradients (fp32, 1e-5), on the CPU and on the fake CUDA device (the packed path taken there, its
-position ids and slots built on the device); the counts and ``actor/padding_fraction`` follow what was pushed."""
+"""Padding-free rows (``trainer.ppo.use_remove_padding``, engine/policy/lm_head.py): the attended positions of a
+forward's rows packed into one sequence whose position ids restart per row give the padded forward's per-token
+log-probs, entropies, loss and gradients (fp32, 1e-5), on the CPU and on the fake CUDA device (the packed path taken
+there, its position ids and slots built on the device); the counts and ``actor/padding_fraction`` follow what was
+pushed."""
 
 from __future__ import annotations
 

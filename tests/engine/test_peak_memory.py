@@ -75,13 +75,13 @@ def test_stage_log_and_the_end_of_run_table():
 
 
 def test_micro_batches_are_cut_to_the_activations_memory(caplog):
-    """``trainer.activation_memory_gib``: auto caps the update's and the warm start's positions per micro-batch on a
+    """``trainer.ppo.activation_memory_gib``: auto caps the update's and the warm start's positions per micro-batch on a
     CPU (not on an accelerator), a number caps them anywhere, null and fixed-row micro-batches not at all; the cut
     is said in the log. SmolLM2-135M keeps 1.30 MiB per token in fp32 (the count ModelShape gives)."""
     import logging
 
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
+    from alignopsd.engine.models.shapes import KNOWN_SHAPES
     from alignopsd.engine.run import policy_builders
 
     smol = hf = KNOWN_SHAPES["smollm2-135m"]
@@ -100,22 +100,22 @@ def test_micro_batches_are_cut_to_the_activations_memory(caplog):
         or abs(policy_builders.micro_batch_tokens(cfg, hf, torch.bfloat16, cpu) - 2 * capped) <= 1
     )
     assert policy_builders.micro_batch_tokens(cfg, hf, torch.float32, cuda) == cfg.update_token_budget
-    none = load_config("configs/quickstart_cpu.yaml", ["trainer.activation_memory_gib=null"])
+    none = load_config("configs/quickstart_cpu.yaml", ["trainer.ppo.activation_memory_gib=null"])
     assert policy_builders.micro_batch_tokens(none, hf, torch.float32, cpu) == none.update_token_budget
-    half = load_config("configs/quickstart_cpu.yaml", ["trainer.activation_memory_gib=0.5"])
+    half = load_config("configs/quickstart_cpu.yaml", ["trainer.ppo.activation_memory_gib=0.5"])
     assert policy_builders.micro_batch_tokens(half, hf, torch.float32, cuda) == int(
         0.5 * GIB // smol.activation_bytes_per_token(4)
     )
-    rows = load_config("configs/quickstart_cpu.yaml", ["trainer.ppo_max_token_len_per_gpu=0"])
+    rows = load_config("configs/quickstart_cpu.yaml", ["trainer.ppo.max_token_len_per_gpu=0"])
     assert policy_builders.micro_batch_tokens(rows, hf, torch.float32, cpu) == 0
 
 
 def test_the_estimate_says_the_expected_peak():
     """The estimate's peak: the process, the policy's weights + gradients + AdamW moments (+ fp32 masters in bf16),
     the reference and one micro-batch's activations; a LoRA policy keeps only its base weights and no reference."""
-    from alignopsd.engine.commands.estimate import peak_memory_line
     from alignopsd.engine.config.schema import load_config
-    from alignopsd.engine.cost.model_shapes import KNOWN_SHAPES
+    from alignopsd.engine.lab.estimate import peak_memory_line
+    from alignopsd.engine.models.shapes import KNOWN_SHAPES
 
     cfg = load_config("configs/quickstart_cpu.yaml", [])
     smol = KNOWN_SHAPES["smollm2-135m"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from alignopsd.engine.commands import cli
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, layout, plan_counts
+from alignopsd.engine.lab.step_plan import QUICKSTART_MEANS, layout, plan_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = str(ROOT / "configs" / "alfworld_7b.yaml")
@@ -74,9 +74,9 @@ def test_padded_rows_cost_what_their_positions_cost(capsys):
     policy on CUDA with ``use_remove_padding`` auto computes none, and ``false`` pads again."""
     from dataclasses import replace
 
-    from alignopsd.engine.cost.cost_model import step_work
-    from alignopsd.engine.cost.model_shapes import resolve_shape
-    from alignopsd.engine.step.padding_plan import planned_counts
+    from alignopsd.engine.lab.cost_model import step_work
+    from alignopsd.engine.lab.padding_plan import planned_counts
+    from alignopsd.engine.models.shapes import resolve_shape
 
     cli.main(["plan", "--config", CFG, "--gpu", "a800", "--world-size", "8"])
     out = capsys.readouterr().out
@@ -110,9 +110,9 @@ def test_padded_rows_cost_what_their_positions_cost(capsys):
             "8",
             *hf,
             "--set",
-            "trainer.use_remove_padding=false",
+            "trainer.ppo.use_remove_padding=false",
         ]
     )
-    assert "rows padded (policy.backend hf, trainer.use_remove_padding False)" in capsys.readouterr().out
+    assert "rows padded (policy.backend hf, trainer.ppo.use_remove_padding False)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"padding_fraction: 1.0 is outside \[0, 1\)"):
         step_work(shape, replace(counts, padding_fraction=1.0), dtype_bytes=2, kv_bytes=2)

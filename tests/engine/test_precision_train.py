@@ -16,11 +16,23 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 def _overrides(out: Path) -> list[str]:
     return [
-        "env.name=guess", "env.max_turns=2", "env.history_length=1", "env.group_n=4", "env.tasks_per_step=4",
-        "env.num_games=8", "algorithm.kl_coef=0.0", "algorithm.estimator=grpo", "trainer.lr=1e-5",
-        "trainer.ppo_mini_batch_size=16", "trainer.ppo_micro_batch_size=8", "model.dtype=bfloat16",
-        "trainer.total_steps=3", "trainer.save_freq=1", "trainer.keep_last=3", f"output_dir={out}",
-    ]  # fmt: skip
+        "env.name=guess",
+        "env.max_turns=2",
+        "env.history_length=1",
+        "env.group_n=4",
+        "env.tasks_per_step=4",
+        "env.num_games=8",
+        "algorithm.kl_coef=0.0",
+        "algorithm.estimator=grpo",
+        "trainer.optimizer.lr=1e-5",
+        "trainer.ppo.mini_batch_size=16",
+        "trainer.ppo.micro_batch_size=8",
+        "model.dtype=bfloat16",
+        "trainer.total_steps=3",
+        "trainer.checkpoint.save_freq=1",
+        "trainer.checkpoint.keep_last=3",
+        f"output_dir={out}",
+    ]
 
 
 @pytest.mark.slow

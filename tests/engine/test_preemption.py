@@ -106,7 +106,7 @@ def _env() -> dict:
 
 def _args(out: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", TINY, *GUESS, "--set", "algorithm.estimator=grpo", "--set", f"trainer.total_steps={steps}",
-            "--set", f"output_dir={out}", "--set", "trainer.keep_last=5", *extra]  # fmt: skip
+            "--set", f"output_dir={out}", "--set", "trainer.checkpoint.keep_last=5", *extra]  # fmt: skip
 
 
 def _launch(out: Path, steps: int, *extra: str, nproc: int = 0, prelude: str = "") -> subprocess.Popen:
@@ -153,7 +153,7 @@ def test_sigterm_saves_exits_143_and_resume_is_exact(tmp_path, capsys):
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.total_steps=3", "trainer.keep_last=5"]
+    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.total_steps=3", "trainer.checkpoint.keep_last=5"]
     lh.build_trainer(TINY, [*ov, f"output_dir={straight}"]).fit()
     proc = _launch(stopped, 3)
     _first_row(proc, stopped)
@@ -191,7 +191,7 @@ def test_grace_or_second_signal_exits_at_once_keeping_the_last_checkpoint(tmp_pa
     """A step that outlasts the grace (or a second SIGTERM) ends the process at once with 124; the checkpoint of
     step 1 stays complete and --resume auto would take it."""
     grace = "1" if how == "grace" else "60"
-    proc = _launch(tmp_path, 3, "--set", "trainer.save_freq=1", "--set", f"trainer.preempt_grace_s={grace}",
+    proc = _launch(tmp_path, 3, "--set", "trainer.checkpoint.save_freq=1", "--set", f"trainer.preempt_grace_s={grace}",
                    prelude=SLOW_STEP)  # fmt: skip
     assert _until(lambda: (tmp_path / "in_step_2").exists() or proc.poll() is not None, 300)
     t0 = time.monotonic()

@@ -193,7 +193,7 @@ def test_a_config_failure_that_repeats_stops_the_third_attempt(tmp_path, capsys,
     assert err.count("\n") == 1 and "attempts 1 and 2 both failed before its first step" in err
     assert [e["event"] for e in _events(tmp_path)] == ["start", "failure", "start", "failure", "stop"]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    assert train_cmd.main([*argv, "--set", "trainer.lr=2e-4"]) == 2  # the config changed: judged afresh
+    assert train_cmd.main([*argv, "--set", "trainer.optimizer.lr=2e-4"]) == 2  # the config changed: judged afresh
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     assert train_cmd.main(argv) == 2
 
@@ -219,9 +219,9 @@ def _torchrun(out: Path, steps: int, *extra: str, restarts_n: int) -> subprocess
         "--set",
         f"trainer.total_steps={steps}",
         "--set",
-        "trainer.save_freq=1",
+        "trainer.checkpoint.save_freq=1",
         "--set",
-        "trainer.keep_last=5",
+        "trainer.checkpoint.keep_last=5",
         "--set",
         f"output_dir={out}",
         "--resume",
@@ -273,13 +273,13 @@ def test_torchrun_stops_restarting_a_deterministic_failure(tmp_path):
 
 @pytest.mark.slow
 def test_save_every_s_checkpoints_by_wall_time_and_says_the_cost(tmp_path):
-    """``trainer.save_every_s``: a step that ends past the interval checkpoints (here every step) besides
+    """``trainer.checkpoint.save_every_s``: a step that ends past the interval checkpoints (here every step) besides
     ``save_freq``, and the log says what each save cost; without it only the last step is saved."""
     import io
 
     stream = io.StringIO()
-    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.total_steps=2", "trainer.keep_last=5",
-          "trainer.save_every_s=0.001", f"output_dir={tmp_path}"]  # fmt: skip
+    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.total_steps=2", "trainer.checkpoint.keep_last=5",
+          "trainer.checkpoint.save_every_s=0.001", f"output_dir={tmp_path}"]  # fmt: skip
     tr = lh.build_trainer(TINY, ov)
     tr.stream = stream
     tr.fit()
@@ -299,7 +299,7 @@ CHAOS = [
     {"id": "disk-full", "step": 26, "rank": 0, "kind": "disk_full", "at": "save"},
 ]
 SOAK_STEPS = 30
-SOAK = ["--set", "algorithm.estimator=alignopsd", "--set", "trainer.loggers=[jsonl,tensorboard]"]
+SOAK = ["--set", "algorithm.estimator=alignopsd", "--set", "trainer.logging.loggers=[jsonl,tensorboard]"]
 
 
 def _tb_steps(out: Path) -> list[int]:
@@ -327,14 +327,14 @@ def test_chaos_soak_ends_bit_identical_with_every_step_logged_once(tmp_path):
     schedule.write_text(json.dumps(CHAOS))
     straight, healed = tmp_path / "straight", tmp_path / "healed"
     t0 = time.monotonic()
-    done = _torchrun(straight, SOAK_STEPS, *SOAK, "--set", "trainer.save_freq=2", restarts_n=0)
+    done = _torchrun(straight, SOAK_STEPS, *SOAK, "--set", "trainer.checkpoint.save_freq=2", restarts_n=0)
     straight_s = time.monotonic() - t0
     assert done.returncode == 0, done.stderr[-3000:]
     t0, launches = time.monotonic(), 0
     while launches < 3:  # the scheduler: a launch that ended (the preemption) is launched again, unchanged
         launches += 1
         got = _torchrun(
-            healed, SOAK_STEPS, *SOAK, "--set", "trainer.save_freq=2", "--chaos", str(schedule), restarts_n=5
+            healed, SOAK_STEPS, *SOAK, "--set", "trainer.checkpoint.save_freq=2", "--chaos", str(schedule), restarts_n=5
         )
         if got.returncode == 0:
             break

@@ -47,21 +47,31 @@ def test_changes_that_alter_training_are_refused_with_the_list(tmp_path):
     path = _checkpoint(tmp_path, load_config(TINY))
     changed = load_config(
         TINY,
-        ["trainer.lr=0.01", "algorithm.estimator=grpo", "trainer.seed=7", "env.group_n=8", "env.name=alfworld",
-         "model.name=smollm2-135m", "algorithm.rectify.gamma=0.5"],
-    )  # fmt: skip
+        [
+            "trainer.optimizer.lr=0.01",
+            "algorithm.estimator=grpo",
+            "trainer.seed=7",
+            "env.group_n=8",
+            "env.name=alfworld",
+            "model.name=smollm2-135m",
+            "algorithm.rectify.gamma=0.5",
+        ],
+    )
     with pytest.raises(ResumeConfigError) as err:
         check_resume(path, changed)
     msg = str(err.value)
-    for line in ("trainer.lr: 0.0001 -> 0.01", "algorithm.estimator: 'alignopsd' -> 'grpo'", "trainer.seed: 0 -> 7",
-                 "env.group_n: 4 -> 8", "env.name: 'codeword' -> 'alfworld'", "model.name: 'tiny' -> 'smollm2-135m'",
-                 "algorithm.rectify.gamma: 0.3 -> 0.5", "--allow-config-change"):  # fmt: skip
+    for line in ("trainer.optimizer.lr: 0.0001 -> 0.01", "algorithm.estimator: 'alignopsd' -> 'grpo'",
+                 "trainer.seed: 0 -> 7", "env.group_n: 4 -> 8", "env.name: 'codeword' -> 'alfworld'",
+                 "model.name: 'tiny' -> 'smollm2-135m'", "algorithm.rectify.gamma: 0.3 -> 0.5",
+                 "--allow-config-change"):  # fmt: skip
         assert line in msg, line
     with pytest.raises(ArchitectureMismatchError, match="'model.embed_tokens.weight' .* is missing"):
         check_resume(path, changed, allow_changes=True)  # let through, but the weights must fit the model
     fits = _checkpoint(tmp_path / "fits", load_config(TINY), model_state=_tiny_state())
-    lines = check_resume(fits, load_config(TINY, ["trainer.lr=0.01", "algorithm.estimator=grpo"]), allow_changes=True)
-    assert any(line.startswith("trainer.lr: 0.0001 -> 0.01 (overridden") for line in lines)
+    lines = check_resume(
+        fits, load_config(TINY, ["trainer.optimizer.lr=0.01", "algorithm.estimator=grpo"]), allow_changes=True
+    )
+    assert any(line.startswith("trainer.optimizer.lr: 0.0001 -> 0.01 (overridden") for line in lines)
 
 
 def test_changes_that_keep_the_trajectory_are_listed(tmp_path):
@@ -70,18 +80,28 @@ def test_changes_that_keep_the_trajectory_are_listed(tmp_path):
     assert same == []
     lines = check_resume(
         path,
-        load_config(TINY, ["output_dir=elsewhere", "trainer.save_freq=5", "trainer.total_steps=10", "env.workers=2",
-                           "env.step_timeout_s=5", "trainer.keep_last=4", "trainer.report=true"]),
+        load_config(
+            TINY,
+            [
+                "output_dir=elsewhere",
+                "trainer.checkpoint.save_freq=5",
+                "trainer.total_steps=10",
+                "env.workers=2",
+                "env.step_timeout_s=5",
+                "trainer.checkpoint.keep_last=4",
+                "trainer.logging.report=true",
+            ],
+        ),
         world_size=2,
-    )  # fmt: skip
+    )
     assert "trainer.total_steps: 3 -> 10" in lines and "env.workers: 0 -> 2" in lines
     assert "world_size (data-parallel ranks): 1 -> 2" in lines and len(lines) == 8
 
 
 def test_total_steps_rules(tmp_path):
-    path = _checkpoint(tmp_path, load_config(TINY, ["trainer.warmup_ratio=0.5"]), step=2)
+    path = _checkpoint(tmp_path, load_config(TINY, ["trainer.optimizer.warmup_ratio=0.5"]), step=2)
     with pytest.raises(ResumeConfigError, match="trainer.total_steps: 3 -> 10 .*warm-up"):
-        check_resume(path, load_config(TINY, ["trainer.warmup_ratio=0.5", "trainer.total_steps=10"]))
+        check_resume(path, load_config(TINY, ["trainer.optimizer.warmup_ratio=0.5", "trainer.total_steps=10"]))
     with pytest.raises(ResumeConfigError, match="trainer.total_steps: 1 is below the checkpoint's step 2"):
         check_resume(path, load_config(TINY, ["trainer.total_steps=1"]), allow_changes=True)
 
@@ -117,7 +137,7 @@ _MAIN = (
 @pytest.mark.parametrize(
     ("setup", "extra", "match"),
     [
-        ("ok", ["--set", "trainer.lr=0.01"], "trainer.lr: 0.0001 -> 0.01"),
+        ("ok", ["--set", "trainer.optimizer.lr=0.01"], "trainer.optimizer.lr: 0.0001 -> 0.01"),
         ("ok", ["--set", "trainer.total_steps=1"], "trainer.total_steps: 1 is below the checkpoint's step 2"),
         ("bad", [], "refusing to start over"),
     ],
@@ -144,8 +164,13 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_never_saves_nan(tmp_pa
     from alignopsd.engine.observe.metrics import read_metrics
 
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=alignopsd", "trainer.save_freq=1", "trainer.keep_last=3",
-          f"output_dir={tmp_path}"]  # fmt: skip
+    ov = [
+        *lh.GUESS_OVERRIDES,
+        "algorithm.estimator=alignopsd",
+        "trainer.checkpoint.save_freq=1",
+        "trainer.checkpoint.keep_last=3",
+        f"output_dir={tmp_path}",
+    ]
     lh.build_trainer(TINY, [*ov, "trainer.total_steps=3"]).fit()
     weights = tmp_path / "checkpoints" / "step_000003" / "model.safetensors"
     raw = bytearray(weights.read_bytes())
@@ -180,7 +205,12 @@ def test_a_resume_takes_the_rows_the_run_measured(tmp_path, monkeypatch):
 
     monkeypatch.delenv("ALIGNOPSD_CPU_PATHS")  # measured, as on a user's machine (the suite pins the torch paths)
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "trainer.save_freq=1", f"output_dir={tmp_path}", "trainer.use_remove_padding=auto"]
+    ov = [
+        *lh.GUESS_OVERRIDES,
+        "trainer.checkpoint.save_freq=1",
+        f"output_dir={tmp_path}",
+        "trainer.ppo.use_remove_padding=auto",
+    ]
     tr = lh.build_trainer(TINY, [*ov, "trainer.total_steps=1"])
     assert tr.parts.policy.rows.undecided and tr.parts.rescorer.rows is tr.parts.policy.rows
     timed = []

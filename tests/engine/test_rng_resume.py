@@ -15,7 +15,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 
 def test_new_rank_on_resume_gets_its_own_rng_state(tmp_path):
-    tr = lh.build_trainer(TINY, [f"output_dir={tmp_path}", "env.name=guess", "trainer.audit=false"])
+    tr = lh.build_trainer(TINY, [f"output_dir={tmp_path}", "env.name=guess", "trainer.logging.audit=false"])
     tr.step = 1
     path = tr.save()  # written by a world of one: only rng_rank0
     assert ck.load_checkpoint(path, rank=1, restore_rng=False).rng_state is None

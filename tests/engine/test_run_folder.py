@@ -152,9 +152,16 @@ def test_resume_rewrites_the_run_history(tmp_path):
     resumed from its step-2 checkpoint: every step's rows, audit files and events appear once, the abandoned ones
     are kept aside, and the lock file is gone after the run."""
     torch.set_num_threads(1)
-    ov = [*lh.GUESS_OVERRIDES, "algorithm.estimator=grpo", "trainer.save_freq=2", "trainer.keep_last=3",
-          "trainer.test_freq=1", "env.val_tasks=2", "trainer.loggers=[jsonl,tensorboard]",
-          f"output_dir={tmp_path}"]  # fmt: skip
+    ov = [
+        *lh.GUESS_OVERRIDES,
+        "algorithm.estimator=grpo",
+        "trainer.checkpoint.save_freq=2",
+        "trainer.checkpoint.keep_last=3",
+        "trainer.validation.freq=1",
+        "env.val_tasks=2",
+        "trainer.logging.loggers=[jsonl,tensorboard]",
+        f"output_dir={tmp_path}",
+    ]
     lh.build_trainer(TINY, [*ov, "trainer.total_steps=4"]).fit()
     (tmp_path / "audit" / "step_000003.rank1.jsonl").write_text("{}\n")  # as a DP=2 run leaves it
     before = read_metrics(tmp_path / "metrics.jsonl", None)

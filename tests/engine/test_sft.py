@@ -349,9 +349,11 @@ def test_derived_config_is_the_loaded_config_with_the_overrides():
     """The pipeline derives its RL config from the one it parsed; it equals reading the file with the overrides."""
     path = str(ROOT / "configs" / "quickstart_cpu.yaml")
     cfg = load_config(path, ["trainer.total_steps=2"])
-    got = derived_config(cfg, model={"name": "/tmp/x/sft"}, trainer={"val_after_train": False}, env={"data_dir": "/d"})
+    validation = cfg.trainer.validation.model_copy(update={"after_train": False})
+    got = derived_config(cfg, model={"name": "/tmp/x/sft"}, trainer={"validation": validation}, env={"data_dir": "/d"})
     want = load_config(
-        path, ["trainer.total_steps=2", "model.name=/tmp/x/sft", "trainer.val_after_train=false", "env.data_dir=/d"]
+        path,
+        ["trainer.total_steps=2", "model.name=/tmp/x/sft", "trainer.validation.after_train=false", "env.data_dir=/d"],
     )
     from alignopsd.engine.config.dump import dump_config
 

@@ -104,9 +104,9 @@ def test_sharded_checkpoint_refuses_another_layout_even_when_overridden(tmp_path
         check_resume(path, now, allow_changes=True)
     assert key in str(err.value)
     # other changes stay overridable, and the data-parallel size may change
-    lr = load_config(TINY, [f"output_dir={tmp_path}", "policy.backend=megatron", "trainer.lr=0.01"])
+    lr = load_config(TINY, [f"output_dir={tmp_path}", "policy.backend=megatron", "trainer.optimizer.lr=0.01"])
     lines = check_resume(path, lr, world_size=2, allow_changes=True)
-    assert any("trainer.lr" in line for line in lines) and any("world_size" in line for line in lines)
+    assert any("trainer.optimizer.lr" in line for line in lines) and any("world_size" in line for line in lines)
 
 
 def test_backend_checks_the_folder_layout_before_reading_shards(tmp_path):
@@ -172,7 +172,7 @@ def test_tp2_resume_after_a_kill_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 
     run = ["--set", "policy.tensor_parallel_size=2", "--set", "trainer.total_steps=2"]
-    run += ["--set", "trainer.save_freq=1"]
+    run += ["--set", "trainer.checkpoint.save_freq=1"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = _torchrun(2, straight, *run)
     assert r.returncode == 0, r.stderr[-3000:]

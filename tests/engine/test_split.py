@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 from alignopsd.engine.config.schema import load_config
-from alignopsd.engine.cost.step_plan import layout
 from alignopsd.engine.infra.errors import ConfigError
+from alignopsd.engine.lab.step_plan import layout
 from alignopsd.engine.parallel.split import check_split
 from alignopsd.engine.policy.base import ParallelLayout
 from alignopsd.engine.run.trainer import Trainer

@@ -34,7 +34,7 @@ def test_rank1_with_perturbed_H_trains_on_rank0_pairs_and_spans(monkeypatch):
     out = Path(tempfile.gettempdir()) / f"alignopsd-tp-decide-{os.environ.get('MASTER_PORT', '0')}"
     sets = ["policy.backend=megatron", "policy.tensor_parallel_size=2", "env.max_turns=2", "env.group_n=4",
             "generation.max_response_length=8", "env.teacher_max_response_length=8", "algorithm.kl_coef=0.0",
-            "algorithm.estimator=alignopsd", "trainer.audit=false", "algorithm.rectify.gamma=-0.99",
+            "algorithm.estimator=alignopsd", "trainer.logging.audit=false", "algorithm.rectify.gamma=-0.99",
             "algorithm.rectify.top_k=1", f"output_dir={out}"]  # fmt: skip
     tr = Trainer(load_config(TINY, sets))
     # the tiny model writes no valid thinking: every turn is made eligible so that pairs exist to select from

@@ -73,8 +73,8 @@ def test_learning_alignopsd(alignopsd_run):
 
 
 def _resume_overrides(out, steps):
-    return [*GUESS, "algorithm.estimator=grpo", f"trainer.total_steps={steps}", "trainer.save_freq=2",
-            "trainer.keep_last=3", f"output_dir={out}"]  # fmt: skip
+    return [*GUESS, "algorithm.estimator=grpo", f"trainer.total_steps={steps}", "trainer.checkpoint.save_freq=2",
+            "trainer.checkpoint.keep_last=3", f"output_dir={out}"]  # fmt: skip
 
 
 def _cli(out, steps, resume=None):
@@ -165,7 +165,7 @@ def test_validation_schedule_and_greedy_decoding(tmp_path, monkeypatch):
         return sp
 
     monkeypatch.setattr(episodes, "sampling_params", spy)
-    extra = ["trainer.test_freq=1", "trainer.val_start_step=2", "generation.val_do_sample=false"]
+    extra = ["trainer.validation.freq=1", "trainer.validation.start_step=2", "generation.val_do_sample=false"]
     _run(tmp_path, "grpo", 3, extra)
     val = read_metrics(tmp_path / "metrics.jsonl", kind="val")
     assert [r["step"] for r in val] == [2, 3]

@@ -24,7 +24,7 @@ def test_two_rank_training_keeps_replicas_identical():
     torch.set_num_threads(1)
     out = Path(tempfile.gettempdir()) / f"alignopsd-dist-{os.environ.get('MASTER_PORT', '0')}"
     ov = [*GUESS, "algorithm.estimator=grpo", "trainer.total_steps=2",
-          f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
+          f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo.micro_batch_size=4"]  # fmt: skip
     tr = lh.build_trainer(TINY, ov)
     assert tr.world_size == 2 and tr.parts.policy.distributed
     last = tr.fit()
@@ -149,8 +149,8 @@ def test_two_rank_alignopsd_step_reduces_every_percentile_from_samples():
 
     torch.set_num_threads(1)
     out = Path(tempfile.gettempdir()) / f"alignopsd-dist-samples-{os.environ.get('MASTER_PORT', '0')}"
-    ov = [*GUESS, "algorithm.estimator=alignopsd", "trainer.total_steps=1", "trainer.audit=false",
-          f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo_micro_batch_size=4"]  # fmt: skip
+    ov = [*GUESS, "algorithm.estimator=alignopsd", "trainer.total_steps=1", "trainer.logging.audit=false",
+          f"output_dir={out}", "env.tasks_per_step=4", "trainer.ppo.micro_batch_size=4"]  # fmt: skip
     tr = lh.build_trainer(TINY, ov)
     res = run_step(tr.parts, 0)
     reduce_metrics([res.metrics], strict=True)  # every metric of the step declares its reduction (else raises)

@@ -97,7 +97,7 @@ def _core_advantage(cb, cfg):
 
 
 def test_no_signal_is_decided_once_before_any_model_pass_and_exactly():
-    """``trainer.skip_no_signal`` is decided by the step (engine/step/recipe.py) from the rollout alone; it skips
+    """``trainer.ppo.skip_no_signal`` is decided by the step (engine/step/recipe.py) from the rollout alone; it skips
     exactly the batches whose advantages the core makes zero, the all-invalid group's residual included (once the
     reason for a second, tolerance-based check inside the update)."""
     from alignopsd.engine.step.recipe import no_signal
@@ -124,9 +124,9 @@ def test_no_signal_is_decided_once_before_any_model_pass_and_exactly():
 
 def test_update_trains_on_what_it_is_given(tiny_policy):
     """The update makes no skip decision of its own: zero advantages still step the optimizer (the entropy term
-    moves the weights), whatever ``trainer.skip_no_signal`` says."""
+    moves the weights), whatever ``trainer.ppo.skip_no_signal`` says."""
     cb = _batch()
-    parts = _parts(tiny_policy, **{"trainer.skip_no_signal": "true", "algorithm.entropy_coef": "0.5"})
+    parts = _parts(tiny_policy, **{"trainer.ppo.skip_no_signal": "true", "algorithm.entropy_coef": "0.5"})
     out, grads = _update_grads(tiny_policy, parts, cb, _old_logp(tiny_policy, cb), torch.zeros(6, 4))
     assert out["update/optimizer_steps"] == 1.0 and out["update/skipped"] == 0.0
     assert max(float(g.abs().max()) for g in grads) > 0.0
@@ -150,7 +150,7 @@ def test_nonfinite_loss_skips_update_weights_unchanged(tiny_policy, monkeypatch,
     monkeypatch.setattr(tiny_policy, "response_logprobs", poisoned)
     monkeypatch.setattr(tiny_policy, "response_loss", poisoned_fused)
     adv = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
-    out = ppo_update(_parts(tiny_policy, **{"trainer.fused_head_loss": str(fused).lower()}), cb, old, None, adv, [])
+    out = ppo_update(_parts(tiny_policy, **{"trainer.ppo.fused_head_loss": str(fused).lower()}), cb, old, None, adv, [])
     assert out["update/skipped"] == 1.0 and out["update/nonfinite_loss"] >= 1
     after = tiny_policy.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -175,8 +175,8 @@ def test_update_moves_weights_and_global_token_mean(tiny_policy, fused):
     loss, _ = ppo_loss(lp, old, adv, cb.response_mask)
     loss.backward()
     ref = [p.grad.clone() for p in params]
-    over = {"trainer.ppo_micro_batch_size": 4, "algorithm.entropy_coef": 0.0}
-    parts = _parts(tiny_policy, **over, **{"trainer.fused_head_loss": str(fused).lower()})
+    over = {"trainer.ppo.micro_batch_size": 4, "algorithm.entropy_coef": 0.0}
+    parts = _parts(tiny_policy, **over, **{"trainer.ppo.fused_head_loss": str(fused).lower()})
     out, grads = _update_grads(tiny_policy, parts, cb, old, adv)
     assert out["update/optimizer_steps"] == 1 and out["update/fused_head_loss"] == float(fused)
     for a, b in zip(ref, grads):
@@ -189,7 +189,7 @@ def test_failing_envs_and_malformed_outputs_are_counted(tmp_path, faulty_env):
     from alignopsd.engine.step.recipe import run_step
 
     ov = ["env.name=codeword_faulty", "algorithm.estimator=grpo", "algorithm.kl_coef=0.0", "env.max_turns=2",
-          "generation.max_response_length=8", "trainer.skip_no_signal=true", f"output_dir={tmp_path}"]  # fmt: skip
+          "generation.max_response_length=8", "trainer.ppo.skip_no_signal=true", f"output_dir={tmp_path}"]  # fmt: skip
     cfg = load_config(TINY, ov)
     tr = Trainer(cfg)
     tr.parts = replace(
@@ -338,7 +338,7 @@ def test_backend_scorer_equals_the_rescorer(tiny_policy):
 
 @pytest.mark.parametrize("mode", ["token_mask", "token_truncate"])
 def test_rollout_correction_in_the_update(tiny_policy, mode):
-    """trainer.rollout_is: the update's gradient is the PPO token-mean with the importance weights, rejected tokens
+    """trainer.ppo.rollout_is: the update's gradient is the PPO token-mean with the importance weights, rejected tokens
     out of the numerator and the denominator (hand-built reference through autograd on the whole batch)."""
     from alignopsd.losses import ppo_loss
 
@@ -362,7 +362,7 @@ def test_rollout_correction_in_the_update(tiny_policy, mode):
     loss, _ = ppo_loss(lp, old, adv * keep, cb.response_mask * keep, is_weight=weight)
     loss.backward()
     ref = [p.grad.clone() for p in params]
-    over = {"trainer.rollout_is": mode, "algorithm.entropy_coef": 0.0, "trainer.ppo_micro_batch_size": 4}
+    over = {"trainer.ppo.rollout_is": mode, "algorithm.entropy_coef": 0.0, "trainer.ppo.micro_batch_size": 4}
     out, grads = _update_grads(tiny_policy, _parts(tiny_policy, **over), cb, old, adv)
     assert (out["rollout_is/rejected_frac"] > 0) == (mode == "token_mask")
     assert (out["rollout_is/truncated_frac"] > 0) == (mode == "token_truncate")

@@ -1,4 +1,4 @@
-"""Micro-batches by tokens (trainer.ppo_max_token_len_per_gpu): the plan, its padding accounting against the
+"""Micro-batches by tokens (trainer.ppo.max_token_len_per_gpu): the plan, its padding accounting against the
 positions the policy really pushes, and the same update (loss, gradients of every optimiser step) as the
 fixed-row micro-batches."""
 
@@ -123,14 +123,14 @@ def test_plan_by_tokens_keeps_mini_batches_and_scales():
 
 def test_config_budget_rule():
     cfg = load_config(TINY, [])
-    assert cfg.update_token_budget == cfg.trainer.ppo_micro_batch_size * (
+    assert cfg.update_token_budget == cfg.trainer.ppo.micro_batch_size * (
         cfg.env.max_prompt_length + cfg.generation.max_response_length
     )
-    assert load_config(TINY, ["trainer.ppo_max_token_len_per_gpu=0"]).update_token_budget == 0
-    assert load_config(TINY, ["trainer.ppo_max_token_len_per_gpu=null"]).update_token_budget == 0
-    assert load_config(TINY, ["trainer.ppo_max_token_len_per_gpu=4096"]).update_token_budget == 4096
-    with pytest.raises(Exception, match="ppo_max_token_len_per_gpu"):
-        load_config(TINY, ["trainer.ppo_max_token_len_per_gpu=-1"])
+    assert load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=0"]).update_token_budget == 0
+    assert load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=null"]).update_token_budget == 0
+    assert load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=4096"]).update_token_budget == 4096
+    with pytest.raises(Exception, match="trainer.ppo.max_token_len_per_gpu"):
+        load_config(TINY, ["trainer.ppo.max_token_len_per_gpu=-1"])
 
 
 def _update(policy, cb, old, adv, **over):
@@ -175,10 +175,10 @@ def test_update_by_tokens_equals_fixed_rows(fused):
     old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
     old = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2)) * cb.response_mask
     adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1))
-    common = {"trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 2, "algorithm.entropy_coef": 0.01,
-              "trainer.fused_head_loss": str(fused).lower()}  # fmt: skip
-    a, ga = _update(policy, cb, old, adv, **common, **{"trainer.ppo_max_token_len_per_gpu": 0})
-    b, gb = _update(policy, cb, old, adv, **common, **{"trainer.ppo_max_token_len_per_gpu": 90})
+    common = {"trainer.ppo.mini_batch_size": 4, "trainer.ppo.micro_batch_size": 2, "algorithm.entropy_coef": 0.01,
+              "trainer.ppo.fused_head_loss": str(fused).lower()}  # fmt: skip
+    a, ga = _update(policy, cb, old, adv, **common, **{"trainer.ppo.max_token_len_per_gpu": 0})
+    b, gb = _update(policy, cb, old, adv, **common, **{"trainer.ppo.max_token_len_per_gpu": 90})
     assert len(ga) == len(gb) == 2
     for sa, sb in zip(ga, gb):
         for x, y in zip(sa, sb):
@@ -257,7 +257,7 @@ def test_first_update_times_packed_against_padded_rows(monkeypatch, caplog, pack
     old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
     old = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2)) * cb.response_mask
     adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1))
-    over = {"trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 2, "trainer.ppo_max_token_len_per_gpu": 0}
+    over = {"trainer.ppo.mini_batch_size": 4, "trainer.ppo.micro_batch_size": 2, "trainer.ppo.max_token_len_per_gpu": 0}
     with caplog.at_level(logging.INFO, logger=packing_trial.__name__):
         a, ga = _update(policy, cb, old, adv, **over)
     chose = policy.rows.choice
@@ -308,7 +308,7 @@ def test_a_bad_micro_batch_of_the_trial_counts_once(monkeypatch):
     cb = _batch(PROMPTS, RESPONSES)
     old = policy.response_logprobs(cb.input_ids(), cb.attention_mask(), cb.response_length)[0].detach()
     adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1))
-    over = {"trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 2, "trainer.ppo_max_token_len_per_gpu": 0}
+    over = {"trainer.ppo.mini_batch_size": 4, "trainer.ppo.micro_batch_size": 2, "trainer.ppo.max_token_len_per_gpu": 0}
     out, _ = _update(policy, cb, old, adv, **over)
     assert seen[0] == seen[1]  # the trial ran the bad micro-batch both ways
     assert float(out["update/nonfinite_loss"]) == 1.0

@@ -84,7 +84,7 @@ def test_packing_trial_takes_one_choice_on_every_rank(monkeypatch):
     rank = dist.get_rank()
     monkeypatch.delenv(native_choice.PIN_ENV, raising=False)
     seconds = {0: (0.9, 1.0), 1: (3.0, 1.0)}[rank]  # (packed, padded) per timed call: summed, padded wins
-    cfg = load_config(TINY, ["trainer.ppo_mini_batch_size=8", "trainer.ppo_micro_batch_size=2"])
+    cfg = load_config(TINY, ["trainer.ppo.mini_batch_size=8", "trainer.ppo.micro_batch_size=2"])
     cb = _batch(PROMPTS, RESPONSES, seed=rank)
     adv = torch.randn(8, 20, generator=torch.Generator().manual_seed(1 + rank))
     weights = {}

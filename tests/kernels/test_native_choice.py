@@ -192,7 +192,7 @@ def test_policy_build_states_the_choice_in_the_run_log(caplog, monkeypatch):
         "kernels: head partials: torch path (the model runs in float32; the custom path is for bf16)",
         "kernels: prefix attention: torch path (the model runs in float32; the custom path is for bf16)",
     ]
-    # trainer.use_remove_padding auto on a CPU: padded rows until the first update has timed both (packing_trial)
+    # trainer.ppo.use_remove_padding auto on a CPU: padded rows until the first update has timed both (packing_trial)
     assert said[3] == "kernels: packed rows: padded rows (until the first update has timed both, forward and backward)"
     monkeypatch.setenv(native_choice.PIN_ENV, "torch")  # pinned: padded rows, chosen at the build, timed never
     caplog.clear()

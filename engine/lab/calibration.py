@@ -1,4 +1,4 @@
-"""A short calibration of the phases on the run's own code paths (engine/cost/calibrated.py's rates).
+"""A short calibration of the phases on the run's own code paths (engine/lab/calibrated.py's rates).
 
 :func:`calibrate_phases` builds the config's policy (its model, dtype and optimizer, as a run builds it), a Hugging
 Face generator on it with the rollout's sampling settings (its stop strings, no end-of-sequence token, so every
@@ -9,13 +9,13 @@ row decodes the steps asked), and times, on random token ids of the model's voca
 - decoding steps at several row counts and contexts (``generate`` of n tokens minus ``generate`` of one, the
   prompt being one prompt shared by the rows, pushed once as the rollout's siblings share theirs);
 - the old log-prob pass: the run's rescorer (engine/step/rescoring.py, ``trainer.rescoring_mode``) scoring one
-  micro-batch of ``trainer.ppo_micro_batch_size`` rows, the rows the pass's forwards hold together (a single row
+  micro-batch of ``trainer.ppo.micro_batch_size`` rows, the rows the pass's forwards hold together (a single row
   runs slower: on the quickstart a 1-row probe read 176 GFLOP/s where the pass reached 239);
 - the policy's training micro-step (``response_loss``, backward) and one optimizer step.
 
 Each probe but the old log-prob's (timed once) runs twice and the faster run counts (the first pays for
 allocation). The rows are short (a few hundred positions) so the whole takes seconds: the FLOP counts of
-engine/cost/cost_model.py carry the rates to the phases' real shapes. Threads and dtype are the process's: call it
+engine/lab/cost_model.py carry the rates to the phases' real shapes. Threads and dtype are the process's: call it
 in the run's process, before the run.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from alignopsd.engine.cost.calibrated import PhaseRates, fit_step
-from alignopsd.engine.cost.device_limits import cpu_name
-from alignopsd.engine.cost.model_shapes import ModelShape, resolve_shape
+from alignopsd.engine.lab.calibrated import PhaseRates, fit_step
+from alignopsd.engine.lab.device_limits import cpu_name
+from alignopsd.engine.models.shapes import ModelShape, resolve_shape
 
 if TYPE_CHECKING:
     from alignopsd.engine.config.schema import RunConfig
@@ -171,7 +171,7 @@ def calibrate_phases(cfg: RunConfig, device: torch.device) -> PhaseRates:
     sampling = replace(sampling_params(cfg, validation=False), seed=0)
     prefill, forcing = _prefill_and_forcing(gen, policy, sampling, shape, probes)
     step_s, decode = _decode_rates(gen, sampling, shape, probes)
-    score = _score_rate(build_rescorer(cfg, policy, device, gen), shape, cfg.trainer.ppo_micro_batch_size, probes)
+    score = _score_rate(build_rescorer(cfg, policy, device, gen), shape, cfg.trainer.ppo.micro_batch_size, probes)
     train, opt = _train_rates(policy, shape, cfg.generation.temperature, probes)
     dtype = str(next(policy.hf_model.parameters()).dtype).removeprefix("torch.")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()

@@ -8,7 +8,7 @@ after prefix sharing, the distinct teacher prompts and the cross rows per turn. 
 per-generation-group :class:`StepCounts` of ``cfg`` at ``world_size`` devices and the assumptions it made, in
 words, so the plan can print them.
 
-Padding: the counts here are real positions; engine/step/padding_plan.py ``planned_counts`` adds the share of
+Padding: the counts here are real positions; engine/lab/padding_plan.py ``planned_counts`` adds the share of
 padded positions the config's forwards compute (the update's own planner over a synthetic batch) and is what the
 plan and the estimate read.
 
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from alignopsd.engine.cost.cost_model import StepCounts
+from alignopsd.engine.lab.cost_model import StepCounts
 from alignopsd.engine.parallel.split import check_split
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def plan_counts(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple
         forcing_positions=prompt_pos + resp_pos,
         forcing_context=ctx,
         reference=reference,
-        optimizer_steps=math.ceil(rows * lay.data_parallel / cfg.trainer.ppo_mini_batch_size),
+        optimizer_steps=math.ceil(rows * lay.data_parallel / cfg.trainer.ppo.mini_batch_size),
         recompute=bool(cfg.policy.gradient_checkpointing),
     )
     f = q
@@ -135,7 +135,7 @@ def plan_counts(cfg: RunConfig, lay: Layout, means: dict | None = None) -> tuple
             f"again (generation.backend {g.backend}: the prompts' keys/values are not kept), then the responses"
         ),
         f"reference pass: {'yes' if reference else 'no'} (algorithm.kl_coef {cfg.algorithm.kl_coef}); "
-        f"{c.optimizer_steps} optimizer steps (rows / trainer.ppo_mini_batch_size); gradient checkpointing "
+        f"{c.optimizer_steps} optimizer steps (rows / trainer.ppo.mini_batch_size); gradient checkpointing "
         f"{'on (forward recomputed)' if c.recompute else 'off'}",
         "generation runs on one device per tensor-parallel group (it samples once and shares the batch); scoring "
         "and the update are split over the group",

@@ -1,11 +1,11 @@
 """The share of padded positions a config's scoring and training forwards compute, for the cost plan.
 
-The counts of engine/cost/step_plan.py are real positions. The forwards compute every position of their
+The counts of engine/lab/step_plan.py are real positions. The forwards compute every position of their
 micro-batches, padded ones included, unless the rows are padding-free (a Hugging Face policy with
-``trainer.use_remove_padding`` true, or auto on CUDA; the Megatron backend pads its plain rows). :func:`update_padding`
-plans a synthetic batch of the config's row lengths (:func:`synthetic_row_masks`) with the update's own planner
-(``micro_batches.plan_update``) and reads the share from its footprint; :func:`planned_counts` is the plan's counts
-with that share, what ``alignopsd plan`` and the run's estimate read.
+``trainer.ppo.use_remove_padding`` true, or auto on CUDA; the Megatron backend pads its plain rows).
+:func:`update_padding` plans a synthetic batch of the config's row lengths (:func:`synthetic_row_masks`) with the
+update's own planner (``micro_batches.plan_update``) and reads the share from its footprint; :func:`planned_counts` is
+the plan's counts with that share, what ``alignopsd plan`` and the run's estimate read.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from alignopsd.engine.cost.cost_model import StepCounts
-from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, Layout, group_rows, plan_counts
+from alignopsd.engine.lab.cost_model import StepCounts
+from alignopsd.engine.lab.step_plan import QUICKSTART_MEANS, Layout, group_rows, plan_counts
 from alignopsd.engine.step.micro_batches import RowGeometry, plan_footprint, plan_update
 
 if TYPE_CHECKING:
@@ -50,21 +50,21 @@ def synthetic_row_masks(
 def update_padding(cfg: RunConfig, lay: Layout, rows: float, packed: bool, means: dict | None = None) -> float:
     """The share of the update's computed positions that carry no token, for ``rows`` turn rows per group in
     padded (``packed`` False) or padding-free rows: the update's own plan (engine/step/micro_batches.py
-    ``plan_update``: mini-batches per rank, micro-batches by ``trainer.ppo_max_token_len_per_gpu`` or fixed rows)
+    ``plan_update``: mini-batches per rank, micro-batches by ``trainer.ppo.max_token_len_per_gpu`` or fixed rows)
     over :func:`synthetic_row_masks` (at most :data:`PADDING_ROWS` rows, the mini-batch scaled alike)."""
     n = max(1, min(PADDING_ROWS, round(rows)))
-    mini = max(1, round(cfg.trainer.ppo_mini_batch_size / lay.data_parallel * n / max(rows, 1.0)))
+    mini = max(1, round(cfg.trainer.ppo.mini_batch_size / lay.data_parallel * n / max(rows, 1.0)))
     pmask, rmask = synthetic_row_masks(cfg, n, means=means)
     geo = RowGeometry.of(pmask, rmask)
     plan = plan_update(
-        rmask, mini, cfg.trainer.ppo_micro_batch_size, 1, geometry=geo, token_budget=cfg.update_token_budget
+        rmask, mini, cfg.trainer.ppo.micro_batch_size, 1, geometry=geo, token_budget=cfg.update_token_budget
     )
     return plan_footprint(plan, geo, packed=packed).padding_fraction
 
 
 def rows_padding_free(cfg: RunConfig, device_type: str = "cuda") -> bool:
     """Whether the config's training and scoring forwards run padding-free on ``device_type``: a Hugging Face
-    policy with ``trainer.use_remove_padding`` true, or auto on CUDA (on a CPU auto is measured at startup: padded
+    policy with ``trainer.ppo.use_remove_padding`` true, or auto on CUDA (on a CPU auto is measured at startup: padded
     rows assumed here); the Megatron backend pads its plain rows."""
     return cfg.policy.backend == "hf" and cfg.remove_padding_on(device_type) is True
 
@@ -81,8 +81,8 @@ def planned_counts(
     padding = update_padding(cfg, lay, rows, padding_free, q)
     notes.append(
         f"rows {'padding-free' if padding_free else 'padded'} (policy.backend {cfg.policy.backend}, "
-        f"trainer.use_remove_padding {cfg.trainer.use_remove_padding}): {padding:.1%} of the scoring and update "
-        f"forwards' positions are padding (the update's plan over {min(PADDING_ROWS, max(1, round(rows)))} synthetic "
-        f"rows, prompts {PROMPT_SPREAD:.0%} and responses {RESPONSE_SPREAD:.0%} spread about the means)",
+        f"trainer.ppo.use_remove_padding {cfg.trainer.ppo.use_remove_padding}): {padding:.1%} of the scoring and "
+        f"update forwards' positions are padding (the update's plan over {min(PADDING_ROWS, max(1, round(rows)))} "
+        f"synthetic rows, prompts {PROMPT_SPREAD:.0%} and responses {RESPONSE_SPREAD:.0%} spread about the means)",
     )
     return replace(counts, padding_fraction=padding), notes

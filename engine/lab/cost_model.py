@@ -1,6 +1,6 @@
 """The work each phase of a training step must do, and the time a device needs for it at its limits.
 
-One model, used by the profiler's efficiency table (engine/cost/efficiency.py, fed the step's measured counts)
+One model, used by the profiler's efficiency table (engine/lab/efficiency.py, fed the step's measured counts)
 and by ``alignopsd plan`` (engine/commands/plan.py, fed a config's batch). A phase's work is a list of
 :class:`Part` s, each compute-bound or decoding:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from alignopsd.engine.cost.model_shapes import ModelShape
+from alignopsd.engine.models.shapes import ModelShape
 
 OPTIMIZER_BYTES_PER_WEIGHT = 32.0  # AdamW step: read fp32 weight, grad, m, v; write weight, m, v (+ a bf16 copy)
 

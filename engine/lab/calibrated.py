@@ -1,10 +1,10 @@
 """Phase times predicted from the rates the run's own code reaches on this device (not from a bare GEMM).
 
-The roofline (engine/cost/device_limits.py) is the *limit* a phase's work could reach; on a small CPU model the
+The roofline (engine/lab/device_limits.py) is the *limit* a phase's work could reach; on a small CPU model the
 phases run far from it for reasons outside the FLOP count (a decoding step pays for sampling over the vocabulary,
 per-step bookkeeping and 30 layers of small kernels whatever its row count; the update's backward and fp32 master
 weights; the teacher forcing's fp32 attention over kept prompts). :class:`PhaseRates` holds what a short
-calibration measured by running the engine's own code paths at the phase's shapes (engine/run/calibration.py):
+calibration measured by running the engine's own code paths at the phase's shapes (engine/lab/calibration.py):
 
 - ``prefill_flops``: FLOP/s of the generator's prefill (prompt positions, one logit per row);
 - decoding: one step of ``rows`` rows at context ``C`` takes ``step_s + FLOPs(rows, C) / decode_flops`` (a
@@ -16,7 +16,7 @@ calibration measured by running the engine's own code paths at the phase's shape
   recomputation) through the policy's fused-head loss, and one optimizer step (the supervised warm start's steps
   run the same two: engine/step/supervised.py).
 
-:func:`predict_phases` turns a step's :class:`~alignopsd.engine.cost.cost_model.PhaseWork` (the FLOPs of the same
+:func:`predict_phases` turns a step's :class:`~alignopsd.engine.lab.cost_model.PhaseWork` (the FLOPs of the same
 cost model) into seconds at these rates: the prediction the profiler checks against the measured phases.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from alignopsd.engine.cost.cost_model import Part, PhaseWork
+from alignopsd.engine.lab.cost_model import Part, PhaseWork
 
 # decoding steps of a batch over its mean response: the batch decodes until its longest row ends (measured: the
 # quickstart's rollout, 4 rows per call, 42-tok mean and 57 max per step; the teacher's 28 rows, 33-tok mean)
@@ -91,5 +91,5 @@ def part_time(p: Part, phase: str, r: PhaseRates) -> float:
 
 
 def predict_phases(work: dict[str, PhaseWork], r: PhaseRates) -> dict[str, float]:
-    """Predicted seconds per phase of ``work`` (engine/cost/cost_model.step_work) at the rates ``r``."""
+    """Predicted seconds per phase of ``work`` (engine/lab/cost_model.step_work) at the rates ``r``."""
     return {k: sum(part_time(p, k, r) for p in w.parts) for k, w in work.items()}

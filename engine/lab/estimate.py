@@ -1,5 +1,5 @@
 """What the quickstart pipeline will cost, said in its first lines: the CPU profile, the dtype, and the time of
-each stage estimated from a short calibration (engine/run/calibration.py) and the config.
+each stage estimated from a short calibration (engine/lab/calibration.py) and the config.
 
 Every stage's time is work x calibrated rate; the work comes from the config and the pipeline's parameters:
 
@@ -9,13 +9,13 @@ Every stage's time is work x calibrated rate; the work comes from the config and
   model never finishes an episode; a warm-started one :data:`TURNS_FRACTION` of them), each turn a prefill of the
   rows' prompts and the decoding steps of its longest response (the base model, which never writes the closing
   action tag, fills ``generation.max_response_length``; a warm-started one stops after ``STEPS_PER_RESPONSE``
-  (engine/cost/calibrated.py) x the mean response);
+  (engine/lab/calibrated.py) x the mean response);
 - **warm start**: ``--steps`` optimizer steps of ``--batch-size`` expert examples of :data:`EXAMPLE_TOKENS`
   (prompt) + response tokens each, at the update's calibrated rate (the warm start's step runs the policy's same
   fused-head loss and optimizer step), plus playing the expert walkthroughs of ``env.num_games`` games;
-- **RL steps**: ``trainer.total_steps`` steps whose phases' work is the plan's (engine/cost/step_plan.py: the
+- **RL steps**: ``trainer.total_steps`` steps whose phases' work is the plan's (engine/lab/step_plan.py: the
   config's batch with the quickstart's measured means where the config has only maxima), at the calibrated rates
-  (engine/cost/calibrated.py), plus the environment, encoder and bookkeeping (:data:`STEP_OTHER_SECONDS`);
+  (engine/lab/calibrated.py), plus the environment, encoder and bookkeeping (:data:`STEP_OTHER_SECONDS`);
 - the base evaluation and the RL steps, the two stages that build a model, pay the calibration's measured load time;
   every stage pays :data:`SETUP_SECONDS` (environment workers, first batch).
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
-from alignopsd.engine.cost.cost_model import step_work
-from alignopsd.engine.cost.model_shapes import ModelShape
-from alignopsd.engine.cost.step_plan import QUICKSTART_MEANS, layout
-from alignopsd.engine.step.padding_plan import planned_counts
+from alignopsd.engine.lab.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
+from alignopsd.engine.lab.cost_model import step_work
+from alignopsd.engine.lab.padding_plan import planned_counts
+from alignopsd.engine.lab.step_plan import QUICKSTART_MEANS, layout
+from alignopsd.engine.models.shapes import ModelShape
 
 if TYPE_CHECKING:
     from alignopsd.engine.config.schema import RunConfig
@@ -62,7 +62,7 @@ class Stage:
 
 def cpu_profile_line(asked_dtype: str, device: str = "cpu") -> str:
     """The CPU profile: torch's kernel capability, the native-bf16 verdict and the dtype ``asked_dtype`` resolves to."""
-    from alignopsd.engine.cost.device_limits import cpu_name
+    from alignopsd.engine.lab.device_limits import cpu_name
     from alignopsd.engine.parallel.hardware import BF16_CPU_FLAGS, choose_dtype, cpu_flags
 
     cap = torch.backends.cpu.get_cpu_capability()

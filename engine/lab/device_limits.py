@@ -10,7 +10,7 @@
   (decoding multiplies a few rows by every weight; prefill and training many), and a read-bandwidth probe (a sum) over
   a buffer larger than the last-level cache. The results name the device and the numbers used.
 
-:func:`part_seconds` is the roofline time of one :class:`~alignopsd.engine.cost.cost_model.Part`:
+:func:`part_seconds` is the roofline time of one :class:`~alignopsd.engine.lab.cost_model.Part`:
 compute parts at the GEMM rate of large M, decoding at ``max(FLOPs / rate(M = rows), bytes / bandwidth)``,
 the optimizer at the bandwidth; ``compute_fraction`` and ``bandwidth_fraction`` scale the limits (1 for the
 measured probes, a stated fraction of a vendor peak for a plan).
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from alignopsd.engine.cost.cost_model import Part, PhaseWork
+from alignopsd.engine.lab.cost_model import Part, PhaseWork
 
 # name -> (dense bf16 TFLOP/s, HBM GB/s, source). A800 = A100 SXM 80GB compute and memory (its NVLink is capped
 # at 400 GB/s, which this model does not use).

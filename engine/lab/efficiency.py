@@ -1,6 +1,6 @@
 """The efficiency table of ``alignopsd profile --cost``: per phase, the measured seconds beside the work the phase
-must do (engine/cost/cost_model.py) and the time that work needs at the device's limits
-(engine/cost/device_limits.py).
+must do (engine/lab/cost_model.py) and the time that work needs at the device's limits
+(engine/lab/device_limits.py).
 
 From a profile summary (its ``counts``: rows, lengths, prefill positions, teacher tokens, teacher-forced positions,
 all measured in the step) :func:`counts_from_summary` builds the step's :class:`StepCounts`; per phase the table
@@ -12,7 +12,7 @@ roofline time at the limits) and the efficiency ``floor / measured`` (the fracti
 - each alignment phase's efficiency against the GRPO phase it resembles (teacher generation / rollout
   generation, teacher forcing / old log-prob), goal >= 80 %;
 - the prediction check: each phase's work at the rates the run's own code paths reached in a short calibration
-  (engine/cost/calibrated.py; the floor when no such rates are given) against the measured seconds, for every phase
+  (engine/lab/calibrated.py; the floor when no such rates are given) against the measured seconds, for every phase
   over 5 % of the step, goal within +-30 %.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from alignopsd.engine.cost.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
-from alignopsd.engine.cost.cost_model import PhaseWork, StepCounts, step_work
-from alignopsd.engine.cost.device_limits import DeviceLimits, phase_seconds
-from alignopsd.engine.cost.model_shapes import ModelShape
+from alignopsd.engine.lab.calibrated import STEPS_PER_RESPONSE, PhaseRates, predict_phases
+from alignopsd.engine.lab.cost_model import PhaseWork, StepCounts, step_work
+from alignopsd.engine.lab.device_limits import DeviceLimits, phase_seconds
+from alignopsd.engine.models.shapes import ModelShape
 from alignopsd.engine.observe.profiler import ALIGNMENT_PHASES, phase_label
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ def profile_cost(
         group_n=cfg.env.group_n,
         tasks_per_step=cfg.env.tasks_per_step,
         world_size=world_size,
-        mini_batch=cfg.trainer.ppo_mini_batch_size,
+        mini_batch=cfg.trainer.ppo.mini_batch_size,
         reference=summary["phases"].get("reference", 0.0) > 0,
         recompute=bool(cfg.policy.gradient_checkpointing),
     )
@@ -213,7 +213,7 @@ def device_limits_for(cfg: RunConfig, shape: ModelShape, device) -> tuple[Device
     """The limits the efficiency table uses on ``device`` and notes: on CPU the calibration (the model's MLP GEMM
     and a read probe in its dtype, the run's threads); on CUDA the vendor peak of the GPU's name, with the same
     probes printed beside it."""
-    from alignopsd.engine.cost.device_limits import calibrate, gpu_limits
+    from alignopsd.engine.lab.device_limits import calibrate, gpu_limits
     from alignopsd.engine.parallel.hardware import choose_dtype
 
     dtype = choose_dtype(cfg.model.dtype, device).dtype
@@ -231,8 +231,8 @@ def cost_report(
     summaries: dict[str, dict], cfg: RunConfig, device, *, world_size: int = 1, rates: PhaseRates | None = None
 ) -> str:
     """The efficiency section of every profiled estimator, against one calibration of ``device``'s limits;
-    ``rates`` (engine/run/calibration.py) make the prediction (else the floor is)."""
-    from alignopsd.engine.cost.model_shapes import resolve_shape
+    ``rates`` (engine/lab/calibration.py) make the prediction (else the floor is)."""
+    from alignopsd.engine.models.shapes import resolve_shape
     from alignopsd.engine.parallel.hardware import choose_dtype
 
     shape = resolve_shape(cfg.model.name)
@@ -270,7 +270,7 @@ def provenance(argv: list[str] | None, load_start: tuple[float, float, float]) -
     import sys
 
     import torch
-    from alignopsd.engine.cost.device_limits import cpu_name
+    from alignopsd.engine.lab.device_limits import cpu_name
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
