@@ -6,8 +6,8 @@ Each variant runs the same workload in a fresh process (an allocator is chosen b
 interleaved rounds (default, glibc, mimalloc, default, ...), so a busy machine slows every variant alike:
 
 - the model of ``configs/quickstart_cpu.yaml`` (SmolLM2-135M) in the dtype ``model.dtype: auto`` takes on this CPU;
-- per step: sampling 4 rows of a 400-token prompt for 32 new tokens with the key/value cache (the rollout's and
-  the evaluations' kind of work), then one update micro-batch of 4 rows x (400 + 64) tokens through the trainer's
+- per step: sampling 4 rows of a 256-token prompt for 16 new tokens with the key/value cache (the rollout's and
+  the evaluations' kind of work), then one update micro-batch of 4 rows x (256 + 64) tokens through the trainer's
   fused-head PPO loss, its backward and an AdamW step (the update's and the warm start's kind of work).
 
 It reports, per variant, the median over rounds of: wall time of the steps after the first (the first warms up),

@@ -23,6 +23,9 @@ import sysconfig
 from pathlib import Path
 
 ALLOCATORS = ("default", "glibc", "mimalloc")
+# The measured choice (bench/results/allocator-2026-12-07.md): mimalloc's peak resident memory and page faults were
+# the smallest on the quickstart's sampling and update steps; glibc's tunables cut the kernel time but grew the peak.
+DEFAULT = "mimalloc"
 CHOICE_VAR = "ALIGNOPSD_ALLOCATOR"
 GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 _MAPS = Path("/proc/self/maps")
