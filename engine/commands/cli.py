@@ -25,6 +25,10 @@ COMMANDS = ("train", "eval", "profile", "compare", "ablate", "sft", "games", "se
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a command line (not a call from Python): the process takes the run's allocator first
+        from alignopsd.engine.infra.allocator import restart_under
+
+        restart_under(sys.argv[1:], "alignopsd.engine")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())

@@ -15,6 +15,7 @@ from alignopsd.engine.checkpoint.checkpoint import UnsafeStateError
 from alignopsd.engine.commands.options import add_run_args
 from alignopsd.engine.config.preflight import preflight
 from alignopsd.engine.config.schema import ConfigError, RunConfig, load_config
+from alignopsd.engine.infra.allocator import allocator_line
 from alignopsd.engine.infra.writes import WriteFailure
 from alignopsd.engine.infra.writes import report as report_write_failure
 from alignopsd.engine.run.attempts import record_failure
@@ -104,6 +105,7 @@ def _run(args, cfg: RunConfig, say, attempt: _Attempt) -> int:
         )
     if attempt.rank == 0:
         print(cfg.dtype_line(), flush=True)
+        print(f"[memory] {allocator_line()}", flush=True)
         if busy := machine_busy(cfg):
             print(busy, flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

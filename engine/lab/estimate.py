@@ -62,6 +62,7 @@ class Stage:
 
 def cpu_profile_line(asked_dtype: str, device: str = "cpu") -> str:
     """The CPU profile: torch's kernel capability, the native-bf16 verdict and the dtype ``asked_dtype`` resolves to."""
+    from alignopsd.engine.infra.allocator import allocator_line
     from alignopsd.engine.lab.device_limits import cpu_name
     from alignopsd.engine.parallel.hardware import BF16_CPU_FLAGS, choose_dtype, cpu_flags
 
@@ -71,7 +72,7 @@ def cpu_profile_line(asked_dtype: str, device: str = "cpu") -> str:
     choice = choose_dtype(asked_dtype, device)
     return (
         f"[profile] CPU {cpu_name()}, {torch.get_num_threads()} threads, kernels {cap}, {verdict}; "
-        f"model.dtype {choice.asked} -> {choice.name}"
+        f"model.dtype {choice.asked} -> {choice.name}; {allocator_line()}"
     )
 
 
