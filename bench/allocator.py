@@ -33,11 +33,10 @@ def workload(steps: int) -> dict:
     import resource
 
     import torch
-
-    from alignopsd.engine.models.loading import load_causal_lm
+    from alignopsd.engine.models.loading import load_causal_lm, parse_dtype
     from alignopsd.engine.observe.memory import GIB, peak_rss_bytes
-    from alignopsd.engine.models.loading import parse_dtype
     from alignopsd.engine.policy.hf import HFPolicy
+
     from alignopsd.losses import ppo_loss
 
     torch.manual_seed(0)
@@ -68,8 +67,15 @@ def workload(steps: int) -> dict:
             start = usage()
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, min_new_tokens=16,
-                           do_sample=True, temperature=0.5, pad_token_id=0)
+            model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=True,
+                temperature=0.5,
+                pad_token_id=0,
+            )
         pol.zero_grad()
         _, _, carrier = pol.response_loss(ids, mask, lr, loss_fn, loss_fill=None, with_entropy=False)
         carrier.backward()
@@ -92,7 +98,10 @@ def run_variant(name: str, steps: int) -> dict:
     env = allocator_env(name, dict(os.environ))
     out = subprocess.run(
         [sys.executable, "-m", "bench.allocator", "--child", "--steps", str(steps)],
-        env=env, capture_output=True, text=True, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if out.returncode != 0:
         raise RuntimeError(f"variant {name} failed: {out.stderr[-2000:]}")
@@ -116,15 +125,20 @@ def main(argv: list[str] | None = None) -> None:
             res = run_variant(n, a.steps)
             res["load"] = os.getloadavg()[0]
             runs[n].append(res)
-            print(f"round {r} {n}: wall {res['wall_s']:.1f} s user {res['user_s']:.1f} sys {res['sys_s']:.1f} "
-                  f"minflt {res['minflt']:,} peak {res['peak_gib']:.2f} GiB load {res['load']:.1f}", flush=True)
+            print(
+                f"round {r} {n}: wall {res['wall_s']:.1f} s user {res['user_s']:.1f} sys {res['sys_s']:.1f} "
+                f"minflt {res['minflt']:,} peak {res['peak_gib']:.2f} GiB load {res['load']:.1f}",
+                flush=True,
+            )
     print("\n| allocator | wall s | user s | sys s | minor faults | peak GiB | wall vs default |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     base = statistics.median(x["wall_s"] for x in runs[names[0]])
     for n in names:
         med = {k: statistics.median(x[k] for x in runs[n]) for k in ("wall_s", "user_s", "sys_s", "minflt", "peak_gib")}
-        print(f"| {n} | {med['wall_s']:.1f} | {med['user_s']:.1f} | {med['sys_s']:.1f} | {med['minflt']:,.0f} | "
-              f"{med['peak_gib']:.2f} | {med['wall_s'] / base:.3f} |")
+        print(
+            f"| {n} | {med['wall_s']:.1f} | {med['user_s']:.1f} | {med['sys_s']:.1f} | {med['minflt']:,.0f} | "
+            f"{med['peak_gib']:.2f} | {med['wall_s'] / base:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The allocator a process starts with: the environment that gives it, what the process reports, and the CLI's restart."""
+"""The allocator a process starts with: the environment that gives it, what the process reports, the CLI's restart."""
 
 from __future__ import annotations
 
@@ -6,18 +6,22 @@ import subprocess
 import sys
 
 import pytest
-
 from alignopsd.engine.infra import allocator as alloc
 
 PROBE = "from alignopsd.engine.infra.allocator import active_allocator; print(active_allocator())"
 
 
 def _active_in(env: dict[str, str]) -> str:
-    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_env_sets_one_choice_and_clears_the_others():
-    base = {"LD_PRELOAD": "/x/libmimalloc.so:/y/libother.so", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.rtld.x=1"}
+    base = {
+        "LD_PRELOAD": "/x/libmimalloc.so:/y/libother.so",
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.rtld.x=1",
+    }
     env = alloc.allocator_env("default", base)
     assert env["LD_PRELOAD"] == "/y/libother.so"  # another library's preload is kept
     assert env["GLIBC_TUNABLES"] == "glibc.rtld.x=1"  # malloc tunables of an earlier choice go
