@@ -125,9 +125,9 @@ def test_shared_prompt_prefixes_recost_the_update(capsys):
     from dataclasses import replace
 
     from alignopsd.engine.lab.cost_model import step_work
+    from alignopsd.engine.lab.padding_plan import planned_counts
     from alignopsd.engine.lab.step_plan import SHARED_PREFIX_MEASURED, update_shared_fraction
     from alignopsd.engine.models.shapes import resolve_shape
-    from alignopsd.engine.step.padding_plan import planned_counts
 
     cli.main(["plan", "--config", CFG, "--gpu", "a800", "--world-size", "8"])
     out = capsys.readouterr().out
