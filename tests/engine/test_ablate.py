@@ -129,6 +129,36 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert set(data["summary"]["cases"]["alignopsd_C"]) >= {"mass_moved_vs_full", "param_step", "probe_dlogp_abs"}
 
 
+def _guess_bank(root):
+    (root / "guess").mkdir(parents=True)
+    (root / "guess" / "general.md").write_text("GENERAL: play the game.")
+    (root / "guess" / "even.md").write_text("EVEN-RULE: the code word.")
+    mapping = {"skill_files": {"general_skills": "general.md", "even": "even.md"}, "task_to_skill": {"even": "even"}}
+    (root / "guess" / "skill_mapping.json").write_text(json.dumps(mapping))
+    return root
+
+
+def test_withheld_skill_control_from_the_cli(tmp_path, capsys):
+    lh.register_guess_env()
+    bank = _guess_bank(tmp_path / "bank")
+    out = tmp_path / "ablate.json"
+    sets = [a for o in [*GUESS, f"output_dir={tmp_path}", f"env.skills_dir={bank}"] for a in ("--set", o)]
+    rc = cli.main(["ablate", "--config", TINY, *sets, "--estimators", "alignopsd_A", "--batches", "1",
+                   "--withhold-skill", "2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    assert "control: the skill withheld from the teacher prompts of the last 2 siblings" in capsys.readouterr().out
+    assert json.loads(out.read_text())["withheld_siblings"] == 2
+    rc = cli.main(["ablate", "--config", TINY, *sets, "--batches", "1", "--withhold-skill", "4"])  # G = 4
+    assert rc == 2 and "leaves none whose teacher knows the skill" in capsys.readouterr().err
+
+
+def test_withheld_skill_needs_a_skill_bank(tmp_path):
+    with pytest.raises(ValueError, match="env 'guess' has no skill bank"):
+        paired_updates(_cases(tmp_path), batches=1, withheld_siblings=1)
+    with pytest.raises(ValueError, match="withheld_siblings: expected an integer >= 0"):
+        paired_updates(_cases(tmp_path), batches=1, withheld_siblings=-1)
+
+
 @pytest.mark.slow
 def test_decisive_states_are_the_probes_where_the_environment_reports_them(tmp_path):
     torch.set_num_threads(1)
