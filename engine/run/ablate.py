@@ -57,12 +57,25 @@ from alignopsd.engine.step.update import ppo_update
 from alignopsd.canonical import canonicalize
 from alignopsd.estimators import EstimatorPhases, get_estimator, outcome_advantage
 
-__all__ = ["CASE_KEYS", "INTERVAL", "AblationCase", "check_cases", "paired_updates", "probe_states"]
+__all__ = [
+    "CASE_KEYS",
+    "ESTIMATE_ONLY",
+    "INTERVAL",
+    "AblationCase",
+    "case_settings",
+    "check_cases",
+    "paired_updates",
+    "probe_states",
+]
 
 log = logging.getLogger("alignopsd.ablate")
 
 CASE_KEYS = ("algorithm.estimator", "algorithm.ablation")
-"""The only settings in which the cases may differ."""
+"""The settings that name a case's estimator."""
+
+ESTIMATE_ONLY = ("algorithm.credit.",)
+"""Settings read only where the estimator turns the scored batch into advantages (Mechanism 2's: T_c, η, spans,
+bounds): cases may differ in them too (one batch and one scoring serve all), e.g. the full method at two T_c."""
 
 INTERVAL = "95 % t-interval over batches (Student's t, n - 1 degrees of freedom)"
 
@@ -81,7 +94,7 @@ def _is_full(cfg: RunConfig) -> bool:
 
 def check_cases(cases: Sequence[AblationCase]) -> tuple[AblationCase, AblationCase]:
     """(the GRPO case, the full method's case): the first of each; ValueError naming the culprit when a name repeats,
-    either reference is missing, or two configs differ outside :data:`CASE_KEYS`."""
+    either reference is missing, or two configs differ outside :data:`CASE_KEYS` and :data:`ESTIMATE_ONLY`."""
     names = [c.name for c in cases]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -96,13 +109,28 @@ def check_cases(cases: Sequence[AblationCase]) -> tuple[AblationCase, AblationCa
     ref = flatten_config(stored_config(full.cfg))
     for c in cases:
         mine = flatten_config(stored_config(c.cfg))
-        diff = sorted(k for k in set(ref) | set(mine) if ref.get(k) != mine.get(k) and k not in CASE_KEYS)
+        diff = sorted(k for k in _differences(ref, mine) if k not in CASE_KEYS and not k.startswith(ESTIMATE_ONLY))
         if diff:
             raise ValueError(
                 f"estimators: {c.name}'s config differs from {full.name}'s in {', '.join(diff[:5])}; the cases may "
-                f"differ only in {', '.join(CASE_KEYS)}"
+                f"differ only in {', '.join(CASE_KEYS)} and the settings under {', '.join(ESTIMATE_ONLY)}"
             )
     return base, full
+
+
+def _differences(ref: dict, mine: dict) -> list[str]:
+    return sorted(k for k in set(ref) | set(mine) if ref.get(k) != mine.get(k))
+
+
+def case_settings(cases: Sequence[AblationCase], full: AblationCase) -> dict[str, dict]:
+    """Per case, its :data:`CASE_KEYS` and the :data:`ESTIMATE_ONLY` settings where it differs from the full method."""
+    ref = flatten_config(stored_config(full.cfg))
+    out = {}
+    for c in cases:
+        mine = flatten_config(stored_config(c.cfg))
+        own = [k for k in _differences(ref, mine) if k.startswith(ESTIMATE_ONLY)]
+        out[c.name] = {k: mine[k] for k in (*CASE_KEYS, *own)}
+    return out
 
 
 @dataclass
@@ -313,7 +341,7 @@ def paired_updates(
         "start_step": start,
         "batches": batches,
         "withheld_siblings": withheld_siblings,
-        "cases": {c.name: {k: flatten_config(stored_config(c.cfg))[k] for k in CASE_KEYS} for c in cases},
+        "cases": case_settings(cases, full),
         "full": full.name,
         "grpo": base.name,
         "interval": INTERVAL,

@@ -19,7 +19,14 @@ from alignopsd.engine.commands.ablate import case_list
 from alignopsd.engine.config.cases import ESTIMATOR_CASES, case_names, case_overrides
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.observe.intervals import mean_ci, t_quantile_95
-from alignopsd.engine.run.ablate import AblationCase, check_cases, paired_updates, probe_states
+from alignopsd.engine.run.ablate import (
+    CASE_KEYS,
+    AblationCase,
+    case_settings,
+    check_cases,
+    paired_updates,
+    probe_states,
+)
 from alignopsd.engine.run.ablate_measures import (
     mass_moved,
     outcome_groups,
@@ -195,6 +202,15 @@ def test_check_cases_refuses_what_would_not_pair(tmp_path):
     (lr,) = _cases(tmp_path, ["trainer.lr=0.5"], (("fast", GRPO),))
     with pytest.raises(ValueError, match="fast's config differs from alignopsd's in trainer.lr"):
         check_cases([lr, full])
+    # Mechanism 2's settings are read only by the estimator: a case may differ in them (γH is M1's: refused)
+    (tc,) = _cases(tmp_path, ["algorithm.credit.credit_temperature=0.1"], (("cold", FULL),))
+    assert check_cases([grpo, full, tc]) == (grpo, full)
+    assert case_settings([grpo, full, tc], full)["cold"] == {**dict(zip(CASE_KEYS, ("alignopsd", "E"))),
+                                                             "algorithm.credit.credit_temperature": 0.1}  # fmt: skip
+    assert case_settings([grpo, full, tc], full)["grpo"] == {"algorithm.estimator": "grpo", "algorithm.ablation": "E"}
+    (g,) = _cases(tmp_path, ["algorithm.rectify.gamma=0.9"], (("strict", FULL),))
+    with pytest.raises(ValueError, match="strict's config differs from alignopsd's in algorithm.rectify.gamma"):
+        check_cases([grpo, full, g])
     assert cli.main(["ablate", "--config", TINY, "--estimators", "grpo,bogus"]) == 2
 
 
