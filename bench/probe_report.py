@@ -260,12 +260,22 @@ def header_lines(meta: dict) -> list[str]:
 
 
 def write_results(path: Path, units: list[dict], meta: dict) -> Path:
-    """Append the results below the pre-registration in ``path`` (everything from the results' heading on is
-    rewritten, the pre-registration above it kept as committed)."""
+    """Write the results below the pre-registration in ``path``: the pre-registration above the results' heading and
+    a closing ``# Reading`` section are kept as they are, the results between them rewritten."""
     arms, cases = list(meta["arms"]), list(meta["cases"])
     fam = family(units, meta)
     verdict, n = decision(units, fam)
-    lines = [RESULTS_HEADING, "", *header_lines(meta), "", *regime_lines(units, meta), ""]
+    per_reader = defaultdict(int)
+    for u in units:
+        per_reader[u["reader"]] += 1
+    done = f"{len(units)} of {meta['readers'] * meta['seeds']} units finished ({min(per_reader.values())}-"
+    done += f"{max(per_reader.values())} seeds per reader)" + (
+        ""
+        if meta.get("complete", True)
+        else f", the rest not started: the stopping rule (`--stop-min {meta['stop_min']}`)"
+    )
+    short = min(per_reader.values()) < meta["seeds"] or len(per_reader) < meta["readers"]
+    lines = [RESULTS_HEADING, "", *header_lines(meta), f"- {done}", "", *regime_lines(units, meta), ""]
     lines += ["## The decision (pre-registered above)", ""]
     lines.append(
         f"E - A on the decisive states' Δlogp toward better, arm `withheld`, paper's settings: "
@@ -273,14 +283,19 @@ def write_results(path: Path, units: list[dict], meta: dict) -> Path:
         f"{_f(n['gain'])}; confirmation needs lo > 0 and mean >= {_f(CONFIRM_SHARE * n['gain'])}, refutation "
         f"the interval within ±{abs(REFUTE_SHARE * n['gain']):.4f}. **Rectification claim: {verdict}.**"
     )
+    if short:
+        lines += ["", f"**Provisional**: {done}; below the issue's minimum of {meta['readers']} readers x "
+                  f"{meta['seeds']} seeds, so this verdict is not the pre-registered test's final answer."]  # fmt: skip
     lines += ["", "## Each case and each mechanism, per arm", ""]
     for arm in arms:
         lines += [*case_lines(units, arm, cases, fam), ""]
     lines += sensitivity_lines(units, meta, fam)
     text = path.read_text() if path.exists() else ""
     head = text.split(RESULTS_HEADING, 1)[0].rstrip()
-    path.write_text((head + "\n\n" if head else "") + "\n".join(lines) + "\n")
+    reading = READING_HEADING + text.split(READING_HEADING, 1)[1] if READING_HEADING in text else ""
+    path.write_text((head + "\n\n" if head else "") + "\n".join(lines) + "\n" + ("\n" + reading if reading else ""))
     return path
 
 
 RESULTS_HEADING = "# Results"
+READING_HEADING = "# Reading"  # written by hand after the results; kept when they are rendered again
