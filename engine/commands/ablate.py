@@ -1,7 +1,7 @@
 """``alignopsd ablate``: paired counterfactual updates, every estimator's update from one point on one batch.
 
     alignopsd ablate --config FILE [--checkpoint DIR] [--estimators grpo,alignopsd_A,...,alignopsd] [--batches N]
-        [--holdout-tasks K] [--out FILE] [--set k=v ...]
+        [--holdout-tasks K] [--withhold-skill K] [--out FILE] [--set k=v ...]
 
 For each of ``--batches`` rollout batches (batch b: the tasks and sampling seed of training step start + b), every
 estimator case (engine/config/cases.py: ``grpo``, ``alignopsd_A`` … ``alignopsd_D``, ``alignopsd`` for ablation E,
@@ -9,7 +9,9 @@ estimator case (engine/config/cases.py: ``grpo``, ``alignopsd_A`` … ``alignops
 and the table gives, per case, against the full method (E) and against GRPO: the advantage mass moved, the per-turn
 weight divergence, the parameter step and the log-probability change on probe states, each as a mean and a 95 %
 t-interval over batches (engine/run/ablate_measures.py says what each is). GRPO and the full method are added to
-``--estimators`` when missing. ``--out`` writes the per-batch records and the summary as JSON.
+``--estimators`` when missing. ``--out`` writes the per-batch records and the summary as JSON. ``--withhold-skill K``
+is a control, not the paper's method: the teacher prompts of the last K siblings of every task carry the general
+skill only, so their teacher's own grade is uninformed where Mechanism 1 should repair it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def format_table(res: dict) -> str:
         f"{res['batches']} batch(es) from {res['checkpoint'] or res['model']} (env {res['env']}, steps "
         f"{res['start_step']}..{res['start_step'] + res['batches'] - 1}); E = {res['full']}, GRPO = {res['grpo']}",
         f"intervals: {res['interval']}",
+        *(
+            [f"control: the skill withheld from the teacher prompts of the last {res['withheld_siblings']} siblings"]
+            if res.get("withheld_siblings")
+            else []
+        ),
         f"groups (tasks) per batch with outcome signal: {_cell(gw)}; without: {_cell(go)}",
         f"probe states: {', '.join(kinds)} ({probes} over all batches)",
         "",
@@ -108,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tasks of each batch held out as probe states where the environment reports no decisive states "
         "(default: a quarter of the batch's tasks)",
     )
+    p.add_argument(
+        "--withhold-skill",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a control, not the paper's method: the last K siblings of every task get a teacher prompt with the "
+        "general skill only (default 0: none)",
+    )
     p.add_argument("--out", default=None, help="also write the per-batch records and the summary here (JSON)")
     return p
 
@@ -131,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint=args.checkpoint,
             batches=args.batches,
             holdout_tasks=args.holdout_tasks,
+            withheld_siblings=args.withhold_skill,
             say=lambda line: print(f"[ablate] {line}", flush=True),
         )
     except (ManifestError, UnsafeStateError) as exc:

@@ -24,6 +24,9 @@ Skill text = general skill + matched skills, joined by a blank line (``skill_all
 Teacher prompt text = ``"[Privileged Skill Information]\\n" + skill_text + "\\n\\n" + decoded student
 prompt`` (decoded with special tokens kept), re-tokenised without special tokens, left-truncated to
 ``max_prompt_length`` (the skill text goes first), left-padded.
+
+A control (``skill_withheld``, ``alignopsd ablate --withhold-skill K``; not the paper's method): the last K siblings
+of every task get the general skill only, so the teacher's own grade of their turns is uninformed.
 """
 
 from __future__ import annotations
@@ -163,6 +166,25 @@ def skill_lookup(
         return bank.skill_text(row.get("gamefile"), row.get("data_source"), row.get("prompt_text") or "", skill_all)
 
     return lookup
+
+
+def skill_withheld(lookup: Callable[[dict[str, Any]], str], general: str, group_n: int, withheld: int):
+    """A control, not the paper's method: ``lookup`` for the first ``group_n - withheld`` siblings of every task and,
+    for the last ``withheld`` (sibling index ``rollout`` >= ``group_n - withheld``), the ``general`` skill only, what
+    a bank gives a task it has no skill for (the teacher is not told the task's rule on those siblings)."""
+    for name, v in (("group_n", group_n), ("withheld", withheld)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name}: expected an int, got {v!r}")
+    if not 1 <= withheld <= group_n:
+        raise ValueError(f"withheld: expected 1 to group_n ({group_n}) siblings, got {withheld}")
+
+    def lookup_withheld(row: dict[str, Any]) -> str:
+        k = row.get("rollout")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < group_n:
+            raise ValueError(f"skill lookup: the row's sibling index 'rollout' must be in [0, {group_n}), got {k!r}")
+        return general if k >= group_n - withheld else lookup(row)
+
+    return lookup_withheld
 
 
 def teacher_prompt_text(skill_text: str, decoded_student_prompt: str) -> str:

@@ -14,6 +14,10 @@ turn by the rows: the ``credit`` and ``credit_drift`` families), the decisive st
 held-out slice of the batch (its last ``holdout_tasks`` tasks, default a quarter; in a batch of one task, as the
 quickstart's, its last sibling episode), left out of the update and of the teacher pass.
 
+A control (``withheld_siblings`` K > 0; not the paper's method): the teacher prompts of the last K siblings of every
+task carry the general skill only (engine/envs/skills.py ``skill_withheld``), so the teacher's local grade of those
+turns is uninformed and only a sibling's aligned turn (Mechanism 1) can inform it.
+
 The cases differ in their estimator and ablation only (refused otherwise): the batch, its scoring and the update's
 settings are the same for all. On a CPU the rows of every update are padded (no packed-rows timing trial, which
 would run the first case's update both ways). One process: data and tensor parallelism are refused.
@@ -30,6 +34,7 @@ import torch
 from alignopsd.engine.checkpoint.trainer_state import RowsChoice
 from alignopsd.engine.config.cases import BASELINE, FULL_METHOD
 from alignopsd.engine.config.schema import RunConfig
+from alignopsd.engine.envs.skills import load_skill_bank, skill_lookup, skill_withheld
 from alignopsd.engine.infra.mappings import flatten_config
 from alignopsd.engine.run.ablate_measures import (
     mass_moved,
@@ -52,12 +57,25 @@ from alignopsd.engine.step.update import ppo_update
 from alignopsd.canonical import canonicalize
 from alignopsd.estimators import EstimatorPhases, get_estimator, outcome_advantage
 
-__all__ = ["CASE_KEYS", "INTERVAL", "AblationCase", "check_cases", "paired_updates", "probe_states"]
+__all__ = [
+    "CASE_KEYS",
+    "ESTIMATE_ONLY",
+    "INTERVAL",
+    "AblationCase",
+    "case_settings",
+    "check_cases",
+    "paired_updates",
+    "probe_states",
+]
 
 log = logging.getLogger("alignopsd.ablate")
 
 CASE_KEYS = ("algorithm.estimator", "algorithm.ablation")
-"""The only settings in which the cases may differ."""
+"""The settings that name a case's estimator."""
+
+ESTIMATE_ONLY = ("algorithm.credit.",)
+"""Settings read only where the estimator turns the scored batch into advantages (Mechanism 2's: T_c, η, spans,
+bounds): cases may differ in them too (one batch and one scoring serve all), e.g. the full method at two T_c."""
 
 INTERVAL = "95 % t-interval over batches (Student's t, n - 1 degrees of freedom)"
 
@@ -76,7 +94,7 @@ def _is_full(cfg: RunConfig) -> bool:
 
 def check_cases(cases: Sequence[AblationCase]) -> tuple[AblationCase, AblationCase]:
     """(the GRPO case, the full method's case): the first of each; ValueError naming the culprit when a name repeats,
-    either reference is missing, or two configs differ outside :data:`CASE_KEYS`."""
+    either reference is missing, or two configs differ outside :data:`CASE_KEYS` and :data:`ESTIMATE_ONLY`."""
     names = [c.name for c in cases]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -91,13 +109,28 @@ def check_cases(cases: Sequence[AblationCase]) -> tuple[AblationCase, AblationCa
     ref = flatten_config(stored_config(full.cfg))
     for c in cases:
         mine = flatten_config(stored_config(c.cfg))
-        diff = sorted(k for k in set(ref) | set(mine) if ref.get(k) != mine.get(k) and k not in CASE_KEYS)
+        diff = sorted(k for k in _differences(ref, mine) if k not in CASE_KEYS and not k.startswith(ESTIMATE_ONLY))
         if diff:
             raise ValueError(
                 f"estimators: {c.name}'s config differs from {full.name}'s in {', '.join(diff[:5])}; the cases may "
-                f"differ only in {', '.join(CASE_KEYS)}"
+                f"differ only in {', '.join(CASE_KEYS)} and the settings under {', '.join(ESTIMATE_ONLY)}"
             )
     return base, full
+
+
+def _differences(ref: dict, mine: dict) -> list[str]:
+    return sorted(k for k in set(ref) | set(mine) if ref.get(k) != mine.get(k))
+
+
+def case_settings(cases: Sequence[AblationCase], full: AblationCase) -> dict[str, dict]:
+    """Per case, its :data:`CASE_KEYS` and the :data:`ESTIMATE_ONLY` settings where it differs from the full method."""
+    ref = flatten_config(stored_config(full.cfg))
+    out = {}
+    for c in cases:
+        mine = flatten_config(stored_config(c.cfg))
+        own = [k for k in _differences(ref, mine) if k.startswith(ESTIMATE_ONLY)]
+        out[c.name] = {k: mine[k] for k in (*CASE_KEYS, *own)}
+    return out
 
 
 @dataclass
@@ -246,18 +279,36 @@ def _batch(
     }
 
 
+def _withheld_lookup(cfg: RunConfig, lookup: Callable[[dict], str] | None, withheld: int) -> Callable[[dict], str]:
+    """The run's skill lookup with the skill withheld from the last ``withheld`` siblings of every task."""
+    bank = lookup if lookup is not None else skill_lookup(cfg.env.name)
+    if bank is None:
+        raise ValueError(f"withheld_siblings: env {cfg.env.name!r} has no skill bank, so there is no skill to withhold")
+    if withheld >= cfg.env.group_n:
+        raise ValueError(
+            f"withheld_siblings: {withheld} of env.group_n = {cfg.env.group_n} siblings leaves none whose teacher "
+            "knows the skill"
+        )
+    general = load_skill_bank(cfg.env.name, cfg.env.skills_dir).general
+    return skill_withheld(bank, general, cfg.env.group_n, withheld)
+
+
 def paired_updates(
     cases: Sequence[AblationCase],
     *,
     checkpoint: str | Path | None = None,
     batches: int = 1,
     holdout_tasks: int | None = None,
+    withheld_siblings: int = 0,
     say: Callable[[str], None] = log.info,
 ) -> dict:
     """Every case's update on ``batches`` batches from one starting point (see the module docstring); returns the
-    per-batch records and their summary (means and 95 % t-intervals over batches)."""
+    per-batch records and their summary (means and 95 % t-intervals over batches). ``withheld_siblings``: the
+    control of the module docstring (0: none)."""
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise ValueError(f"batches: expected an integer >= 1, got {batches!r}")
+    if isinstance(withheld_siblings, bool) or not isinstance(withheld_siblings, int) or withheld_siblings < 0:
+        raise ValueError(f"withheld_siblings: expected an integer >= 0, got {withheld_siblings!r}")
     if holdout_tasks is not None and (isinstance(holdout_tasks, bool) or int(holdout_tasks) < 1):
         raise ValueError(f"holdout_tasks: expected an integer >= 1, got {holdout_tasks!r}")
     base, full = check_cases(cases)
@@ -269,6 +320,8 @@ def paired_updates(
         if checkpoint is not None:
             trainer.load(Path(checkpoint))  # verified first; its weights, optimizer state and generators' states
         _pin_rows(parts)
+        if withheld_siblings:
+            parts = replace(parts, skill_lookup=_withheld_lookup(full.cfg, parts.skill_lookup, withheld_siblings))
         start = trainer.step
         records = []
         for b in range(batches):
@@ -287,7 +340,8 @@ def paired_updates(
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "start_step": start,
         "batches": batches,
-        "cases": {c.name: {k: flatten_config(stored_config(c.cfg))[k] for k in CASE_KEYS} for c in cases},
+        "withheld_siblings": withheld_siblings,
+        "cases": case_settings(cases, full),
         "full": full.name,
         "grpo": base.name,
         "interval": INTERVAL,

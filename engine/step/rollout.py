@@ -341,7 +341,14 @@ def _attach_teacher_prompts(batch: TurnBatch, rows: list[_Row], tokenizer, st: _
     """Privileged teacher prompts of every row (§1.4); returns how many were left-truncated."""
     lookup = skill_lookup if skill_lookup is not None else env_skill_lookup(st.env_name)
     metas = [
-        {**r.meta, "gamefile": r.gamefile, "data_source": r.data_source, "category": r.category, "task_key": r.task_key}
+        {
+            **r.meta,
+            "gamefile": r.gamefile,
+            "data_source": r.data_source,
+            "category": r.category,
+            "task_key": r.task_key,
+            "rollout": r.rollout,
+        }
         for r in rows
     ]
     skills = [lookup(m) if lookup is not None else "" for m in metas]
@@ -414,7 +421,8 @@ def collect_rollouts(
     max_turns: turn limit (default: the manager's episode limit). truncation: "error" | "left" (default per
     environment, §1.3). teacher_prompts: also build the privileged teacher prompt of every row (§1.4), with
     ``skill_lookup(row_meta) -> skill text`` (default: the environments' skill bank for this environment; an
-    environment without a skill bank gets the empty skill). failed_episodes: "keep" (outcome 0) | "drop".
+    environment without a skill bank gets the empty skill; the row's metadata also carries its sibling index
+    ``rollout``). failed_episodes: "keep" (outcome 0) | "drop".
     task_offset: added to the task ids (distinct ids across data-parallel ranks). student_skills: put the skill
     block in front of the student's prompt too (the Skill-Prompt / Skill-GRPO baselines; ``skill_lookup`` or the
     environment's skill bank).

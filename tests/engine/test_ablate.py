@@ -19,7 +19,14 @@ from alignopsd.engine.commands.ablate import case_list
 from alignopsd.engine.config.cases import ESTIMATOR_CASES, case_names, case_overrides
 from alignopsd.engine.config.schema import load_config
 from alignopsd.engine.observe.intervals import mean_ci, t_quantile_95
-from alignopsd.engine.run.ablate import AblationCase, check_cases, paired_updates, probe_states
+from alignopsd.engine.run.ablate import (
+    CASE_KEYS,
+    AblationCase,
+    case_settings,
+    check_cases,
+    paired_updates,
+    probe_states,
+)
 from alignopsd.engine.run.ablate_measures import (
     mass_moved,
     outcome_groups,
@@ -129,6 +136,36 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert set(data["summary"]["cases"]["alignopsd_C"]) >= {"mass_moved_vs_full", "param_step", "probe_dlogp_abs"}
 
 
+def _guess_bank(root):
+    (root / "guess").mkdir(parents=True)
+    (root / "guess" / "general.md").write_text("GENERAL: play the game.")
+    (root / "guess" / "even.md").write_text("EVEN-RULE: the code word.")
+    mapping = {"skill_files": {"general_skills": "general.md", "even": "even.md"}, "task_to_skill": {"even": "even"}}
+    (root / "guess" / "skill_mapping.json").write_text(json.dumps(mapping))
+    return root
+
+
+def test_withheld_skill_control_from_the_cli(tmp_path, capsys):
+    lh.register_guess_env()
+    bank = _guess_bank(tmp_path / "bank")
+    out = tmp_path / "ablate.json"
+    sets = [a for o in [*GUESS, f"output_dir={tmp_path}", f"env.skills_dir={bank}"] for a in ("--set", o)]
+    rc = cli.main(["ablate", "--config", TINY, *sets, "--estimators", "alignopsd_A", "--batches", "1",
+                   "--withhold-skill", "2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    assert "control: the skill withheld from the teacher prompts of the last 2 siblings" in capsys.readouterr().out
+    assert json.loads(out.read_text())["withheld_siblings"] == 2
+    rc = cli.main(["ablate", "--config", TINY, *sets, "--batches", "1", "--withhold-skill", "4"])  # G = 4
+    assert rc == 2 and "leaves none whose teacher knows the skill" in capsys.readouterr().err
+
+
+def test_withheld_skill_needs_a_skill_bank(tmp_path):
+    with pytest.raises(ValueError, match="env 'guess' has no skill bank"):
+        paired_updates(_cases(tmp_path), batches=1, withheld_siblings=1)
+    with pytest.raises(ValueError, match="withheld_siblings: expected an integer >= 0"):
+        paired_updates(_cases(tmp_path), batches=1, withheld_siblings=-1)
+
+
 @pytest.mark.slow
 def test_decisive_states_are_the_probes_where_the_environment_reports_them(tmp_path):
     torch.set_num_threads(1)
@@ -165,6 +202,15 @@ def test_check_cases_refuses_what_would_not_pair(tmp_path):
     (lr,) = _cases(tmp_path, ["trainer.optimizer.lr=0.5"], (("fast", GRPO),))
     with pytest.raises(ValueError, match="fast's config differs from alignopsd's in trainer.optimizer.lr"):
         check_cases([lr, full])
+    # Mechanism 2's settings are read only by the estimator: a case may differ in them (γH is M1's: refused)
+    (tc,) = _cases(tmp_path, ["algorithm.credit.credit_temperature=0.1"], (("cold", FULL),))
+    assert check_cases([grpo, full, tc]) == (grpo, full)
+    assert case_settings([grpo, full, tc], full)["cold"] == {**dict(zip(CASE_KEYS, ("alignopsd", "E"))),
+                                                             "algorithm.credit.credit_temperature": 0.1}  # fmt: skip
+    assert case_settings([grpo, full, tc], full)["grpo"] == {"algorithm.estimator": "grpo", "algorithm.ablation": "E"}
+    (g,) = _cases(tmp_path, ["algorithm.rectify.gamma=0.9"], (("strict", FULL),))
+    with pytest.raises(ValueError, match="strict's config differs from alignopsd's in algorithm.rectify.gamma"):
+        check_cases([grpo, full, g])
     assert cli.main(["ablate", "--config", TINY, "--estimators", "grpo,bogus"]) == 2
 
 

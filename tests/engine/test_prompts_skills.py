@@ -179,3 +179,44 @@ def test_skills_dir_reaches_the_teacher_prompts_of_a_training_rollout(tmp_path):
         assert not any("ZEBRA" in s for s in students)
     finally:
         tr.dist.close()
+
+
+def test_skill_withheld_gives_the_last_siblings_the_general_skill_only():
+    from alignopsd.engine.envs.skills import skill_withheld
+
+    look = skill_withheld(lambda row: f"rule of {row['category']}", "general only", group_n=4, withheld=2)
+    got = [look({"category": "shop", "rollout": k}) for k in range(4)]
+    assert got == ["rule of shop", "rule of shop", "general only", "general only"]
+    every = skill_withheld(lambda row: "rule", "general only", group_n=2, withheld=2)
+    assert [every({"rollout": k}) for k in range(2)] == ["general only"] * 2
+    with pytest.raises(ValueError, match="'rollout' must be in"):
+        look({"category": "shop"})  # a row without its sibling index
+    with pytest.raises(ValueError, match="'rollout' must be in"):
+        look({"rollout": 4})
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=r"withheld: expected 1 to group_n \(4\)"):
+            skill_withheld(lambda row: "", "", group_n=4, withheld=bad)
+    with pytest.raises(ValueError, match="withheld: expected an int"):
+        skill_withheld(lambda row: "", "", group_n=4, withheld=True)
+
+
+def test_the_withheld_skill_reaches_the_teacher_prompts_of_a_training_rollout(tmp_path):
+    """The control of ``alignopsd ablate --withhold-skill``: the rollout phase puts the general skill only in front of
+    the last siblings' teacher prompts."""
+    from dataclasses import replace
+
+    from alignopsd.engine.envs.skills import skill_withheld
+    from alignopsd.engine.step.episodes import rollout_phase
+    from learn_helpers import GUESS_OVERRIDES, TINY_CONFIG, build_trainer
+
+    tr = build_trainer(str(TINY_CONFIG), [*GUESS_OVERRIDES, f"output_dir={tmp_path}/r"])
+    try:
+        g = tr.parts.cfg.env.group_n
+        parts = replace(tr.parts, skill_lookup=skill_withheld(lambda row: "ZEBRA-RULE", "GENERAL", g, 1))
+        batch, _ = rollout_phase(parts, tr.parts.train_tasks[:2], seed=0, validation=False, teacher_prompts=True)
+        texts = tr.parts.tokenizer.batch_decode(batch.teacher_prompt_ids, skip_special_tokens=True)
+        for k, t in zip(batch.rollout.tolist(), texts):
+            assert (HEADER + ("GENERAL" if k == g - 1 else "ZEBRA-RULE")) in t
+        assert {k for k in batch.rollout.tolist()} == set(range(g))
+    finally:
+        tr.dist.close()

@@ -112,6 +112,7 @@ def test_identity_outcome_masks_and_teacher_prompts(tok):
     tp = tok.decode(b.teacher_prompt_ids[0][b.teacher_prompt_mask[0].bool()].tolist(), skip_special_tokens=False)
     assert tp == SKILL_HEADER + "skill for codeword\n\n" + p0
     assert len(skills_seen) == b.size
+    assert [m["rollout"] for m in skills_seen] == b.rollout.tolist()  # the row's sibling index reaches the lookup
     m = b.extras["rollout_metrics"]
     assert m["turns"] == 24 and m["episodes"] == 6
     assert m["success_rate"] == pytest.approx(5 / 6) and m["success/codeword"] == pytest.approx(5 / 6)
