@@ -75,8 +75,8 @@ def _rotary_function(stock):
 def install(model: nn.Module) -> dict | None:
     """Route ``model``'s architecture through the per-call choice (once per process and architecture); returns its
     stock code (``module``, ``norm``/``mlp`` classes, ``norm_forward``, ``mlp_forward``, ``rotary``), or None for an
-    architecture without fused ops (anything but Llama, Qwen2, Qwen3)."""
-    model_type = model.config.model_type
+    architecture without fused ops (anything but Llama, Qwen2, Qwen3) or a model without a Hugging Face config."""
+    model_type = model.config.model_type if model.config is not None else None
     if model_type not in ARCHITECTURES:
         return None
     if model_type not in _STOCK:
